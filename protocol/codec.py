@@ -1,0 +1,182 @@
+"""Message <-> msgpack frame. Pure: no sockets, no clock, no threads.
+
+A frame is one msgpack map: ``v`` (version), ``t`` (type tag), then the message's fields
+in declared order. Encoding is canonical: the same message at the same version always
+gives the same bytes (the conformance vectors in ``spec/vectors`` pin them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from kvcr_protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
+from kvcr_protocol.messages import (
+    BASE_ENCODED,
+    MESSAGE_BY_TAG,
+    DeliverItem,
+    DepositItem,
+    FetchItem,
+    Message,
+)
+from kvcr_protocol.versions import BASE_VERSION, CURRENT_VERSION, SUPPORTED_VERSIONS
+from kvcr_protocol.wire import Field
+
+_VERSION_KEY = "v"
+_TAG_KEY = "t"
+
+
+def encode(message: Message, version: int = CURRENT_VERSION) -> bytes:
+    """Encode ``message`` at ``version``.
+
+    Raises ``LocalProtocolError`` when the message cannot be expressed at that version
+    (a must-understand field set at a version that lacks it) or is otherwise invalid.
+    """
+    cls = type(message)
+    if cls.TAG not in MESSAGE_BY_TAG:
+        raise LocalProtocolError(ErrorCode.UNKNOWN_TYPE, f"{cls.__name__} is not a protocol message", "t")
+    if version not in SUPPORTED_VERSIONS:
+        raise LocalProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"cannot encode at version {version}", "v")
+    if cls in BASE_ENCODED:
+        version = BASE_VERSION
+    out: dict[str, Any] = {_VERSION_KEY: version, _TAG_KEY: cls.TAG}
+    for f in cls.FIELDS:
+        value = getattr(message, f.name)
+        if f.since > version:
+            if value != f.default:
+                raise LocalProtocolError(
+                    ErrorCode.UNSUPPORTED_VERSION,
+                    f"{cls.TAG}.{f.name} needs version {f.since}, encoding at {version}",
+                    f.name,
+                )
+            continue
+        if f.must_understand and value == f.default:
+            # A must-understand field travels only when set, so that a receiver that
+            # lacks it still accepts every message that does not use it.
+            continue
+        try:
+            out[f.key] = f.type.dump(value)
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise LocalProtocolError(ErrorCode.WRONG_TYPE, f"cannot encode: {exc}", f.name) from exc
+    frame: bytes = msgpack.packb(out, use_bin_type=True)
+    return frame
+
+
+def _unpack(frame: bytes, limits: Limits) -> Any:
+    if len(frame) > limits.max_frame:
+        raise RemoteProtocolError(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes, limit {limits.max_frame}")
+    try:
+        return msgpack.unpackb(
+            frame,
+            raw=False,
+            use_list=True,
+            strict_map_key=False,
+            max_str_len=limits.max_frame,
+            max_bin_len=limits.max_frame,
+            max_array_len=limits.max_spans + 16,
+            max_map_len=4096,
+            max_ext_len=0,
+        )
+    except (ValueError, msgpack.UnpackException, msgpack.ExtraData, TypeError, RecursionError) as exc:
+        raise RemoteProtocolError(ErrorCode.MALFORMED, f"not a single msgpack object: {type(exc).__name__}") from exc
+
+
+def peek_id(frame: bytes) -> int:
+    """Best-effort request id of a frame that failed to decode (0 when unreadable).
+
+    Lets a receiver address an error reply to the request it refuses.
+    """
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception:
+        return 0
+    if isinstance(obj, dict):
+        rid = obj.get("id")
+        if type(rid) is int and 0 <= rid < (1 << 64):
+            return rid
+    return 0
+
+
+def decode(frame: bytes, max_version: int = CURRENT_VERSION, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Decode and validate one frame from a peer that may speak up to ``max_version``.
+
+    Every failure is a ``RemoteProtocolError`` with an error code and the field's path.
+    """
+    if type(frame) is not bytes:
+        frame = bytes(frame)
+    obj = _unpack(frame, limits)
+    if type(obj) is not dict:
+        raise RemoteProtocolError(ErrorCode.NOT_A_MAP, "the frame is not a map")
+    version = obj.get(_VERSION_KEY)
+    if type(version) is not int:
+        raise RemoteProtocolError(
+            ErrorCode.MISSING_FIELD if version is None else ErrorCode.WRONG_TYPE,
+            "the version must be an unsigned integer", _VERSION_KEY,
+        )
+    tag = obj.get(_TAG_KEY)
+    if type(tag) is not str:
+        raise RemoteProtocolError(
+            ErrorCode.MISSING_FIELD if tag is None else ErrorCode.WRONG_TYPE,
+            "the type tag must be a str", _TAG_KEY,
+        )
+    cls = MESSAGE_BY_TAG.get(tag)
+    if cls is None:
+        raise RemoteProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown type {tag[:64]!r}", _TAG_KEY)
+    if version < BASE_VERSION or version > max_version or version not in SUPPORTED_VERSIONS:
+        if cls not in BASE_ENCODED:
+            raise RemoteProtocolError(
+                ErrorCode.UNSUPPORTED_VERSION, f"version {version} (this side speaks up to {max_version})", _VERSION_KEY
+            )
+        version = BASE_VERSION
+    return _load_fields(cls, obj, version, limits)
+
+
+def _load_fields(cls: type[Message], obj: dict[Any, Any], version: int, limits: Limits) -> Message:
+    known: set[str] = {_VERSION_KEY, _TAG_KEY}
+    args: dict[str, Any] = {}
+    for f in cls.FIELDS:
+        if f.since > version:
+            continue
+        known.add(f.key)
+        if f.key in obj:
+            args[f.name] = f.type.load(obj[f.key], f.name, limits)
+        elif f.required:
+            raise RemoteProtocolError(ErrorCode.MISSING_FIELD, f"{cls.TAG} needs {f.name}", f.name)
+        else:
+            args[f.name] = f.default
+    for key in obj:
+        if key in known:
+            continue
+        if type(key) is not str:
+            raise RemoteProtocolError(ErrorCode.WRONG_TYPE, "map keys must be str", "")
+        if key.startswith("!"):
+            # Must-understand rule: a field whose key begins with "!" that this side
+            # does not know at this version makes the whole message unacceptable.
+            raise RemoteProtocolError(
+                ErrorCode.MUST_UNDERSTAND, f"{cls.TAG} at version {version} does not know {key!r}", key[:64]
+            )
+        # Unknown optional fields are ignored (tolerance of newer senders).
+    _check_totals(cls, args, limits)
+    return cls(**args)
+
+
+def _check_totals(cls: type[Message], args: dict[str, Any], limits: Limits) -> None:
+    """Limits that span items: total spans in one message."""
+    items = args.get("items")
+    if not items:
+        return
+    total = 0
+    for item in items:
+        if isinstance(item, (DepositItem, DeliverItem)):
+            total += len(item.spans)
+        elif isinstance(item, FetchItem):
+            total += len(item.layout)
+    if total > limits.max_spans:
+        raise RemoteProtocolError(ErrorCode.TOO_MANY, f"{total} spans in one message, limit {limits.max_spans}", "items")
+
+
+def field_table(cls: type[Message]) -> tuple[Field, ...]:
+    """The wire fields of a message class (for documentation and tests)."""
+    return cls.FIELDS

@@ -1,0 +1,63 @@
+"""Descriptor checks: spans must lie inside announced regions and match slot sizes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvcr_protocol.errors import ErrorCode
+from kvcr_protocol.messages import Region
+
+
+class DescriptorError(ValueError):
+    """A span is unacceptable; ``code`` and ``path`` name what and where."""
+
+    def __init__(self, code: ErrorCode, reason: str, path: str) -> None:
+        self.code = code
+        self.reason = reason
+        self.path = path
+        super().__init__(f"{code.name} at {path}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class Extent:
+    """An absolute address range resolved from (region, offset, length)."""
+
+    address: int
+    length: int
+    device: int
+
+
+def resolve_span(
+    regions: Mapping[int, Region], region: int, offset: int, length: int, path: str
+) -> tuple[Region, Extent]:
+    """Resolve a span against announced regions; it must lie wholly inside its region."""
+    reg = regions.get(region)
+    if reg is None:
+        raise DescriptorError(ErrorCode.BAD_DESCRIPTOR, f"region {region} was not announced", f"{path}.region")
+    if length == 0:
+        raise DescriptorError(ErrorCode.BAD_DESCRIPTOR, "a span has length 0", f"{path}.length")
+    # offset + length <= region length, written so that no sum can overflow the check.
+    if offset > reg.length or length > reg.length - offset:
+        raise DescriptorError(
+            ErrorCode.BAD_DESCRIPTOR,
+            f"[{offset}, {offset + length}) lies outside region {region} of {reg.length} bytes",
+            f"{path}.offset",
+        )
+    return reg, Extent(reg.address + offset, length, reg.device)
+
+
+def check_span_sizes(lengths: Sequence[int], slot_sizes: Sequence[int], path: str) -> None:
+    """Each span length must equal the slot size of the stored span it maps to."""
+    for i, (length, size) in enumerate(zip(lengths, slot_sizes, strict=True)):
+        if length != size:
+            raise DescriptorError(
+                ErrorCode.SIZE_MISMATCH, f"span of {length} bytes, the slot holds {size}", f"{path}[{i}].length"
+            )
+
+
+def regions_overlap(a: Region, b: Region) -> bool:
+    """Two regions of the same kind and device share at least one byte."""
+    if a.kind != b.kind or a.device != b.device:
+        return False
+    return a.address < b.address + b.length and b.address < a.address + a.length

@@ -1,0 +1,237 @@
+"""Wire types: how one field is checked when decoded and dumped when encoded.
+
+Each wire type turns a decoded msgpack value into its Python form (``load``), raising
+``RemoteProtocolError`` with the field's path, and turns the Python form back into a
+msgpack-ready value (``dump``). Records (small structs inside a message) travel as
+msgpack arrays in declared field order; trailing fields added by later versions carry
+defaults, so an older sender's shorter array still decodes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+from kvcr_protocol.errors import ErrorCode, ProtocolError, RemoteProtocolError
+from kvcr_protocol.limits import Limits
+
+T = TypeVar("T")
+
+_MISSING: Any = object()
+U64_MAX = (1 << 64) - 1
+
+
+class WireType(Generic[T]):
+    """Base of all wire types."""
+
+    def load(self, value: Any, path: str, limits: Limits) -> T:
+        raise NotImplementedError
+
+    def dump(self, value: T) -> Any:
+        return value
+
+
+def _fail(code: ErrorCode, reason: str, path: str) -> RemoteProtocolError:
+    return RemoteProtocolError(code, reason, path)
+
+
+class UInt(WireType[int]):
+    """An unsigned integer no larger than ``maximum``."""
+
+    def __init__(self, maximum: int = U64_MAX) -> None:
+        self.maximum = maximum
+
+    def load(self, value: Any, path: str, limits: Limits) -> int:
+        if type(value) is not int:
+            raise _fail(ErrorCode.WRONG_TYPE, f"expected an unsigned integer, got {_tname(value)}", path)
+        if value < 0 or value > self.maximum:
+            raise _fail(ErrorCode.OUT_OF_RANGE, f"{value} is outside 0..{self.maximum}", path)
+        return value
+
+
+class Bool(WireType[bool]):
+    """A msgpack boolean (not an integer)."""
+
+    def load(self, value: Any, path: str, limits: Limits) -> bool:
+        if type(value) is not bool:
+            raise _fail(ErrorCode.WRONG_TYPE, f"expected a boolean, got {_tname(value)}", path)
+        return value
+
+
+class Bytes(WireType[bytes]):
+    """A msgpack bin of at most ``limit`` bytes (a field of ``Limits``), at least ``minimum``."""
+
+    def __init__(self, limit: str, minimum: int = 0) -> None:
+        self.limit = limit
+        self.minimum = minimum
+
+    def load(self, value: Any, path: str, limits: Limits) -> bytes:
+        if type(value) is not bytes:
+            raise _fail(ErrorCode.WRONG_TYPE, f"expected bin, got {_tname(value)}", path)
+        maximum: int = getattr(limits, self.limit)
+        if len(value) > maximum:
+            raise _fail(ErrorCode.TOO_LARGE, f"{len(value)} bytes, limit {maximum}", path)
+        if len(value) < self.minimum:
+            raise _fail(ErrorCode.OUT_OF_RANGE, f"{len(value)} bytes, at least {self.minimum} needed", path)
+        return value
+
+
+class Str(WireType[str]):
+    """A msgpack str of at most ``limit`` UTF-8 bytes, optionally one of ``choices``."""
+
+    def __init__(self, limit: str, choices: Sequence[str] | None = None) -> None:
+        self.limit = limit
+        self.choices = frozenset(choices) if choices is not None else None
+
+    def load(self, value: Any, path: str, limits: Limits) -> str:
+        if type(value) is not str:
+            raise _fail(ErrorCode.WRONG_TYPE, f"expected str, got {_tname(value)}", path)
+        maximum: int = getattr(limits, self.limit)
+        if len(value) > maximum or len(value.encode("utf-8", "surrogatepass")) > maximum:
+            raise _fail(ErrorCode.TOO_LARGE, f"longer than {maximum} bytes", path)
+        if self.choices is not None and value not in self.choices:
+            raise _fail(ErrorCode.OUT_OF_RANGE, f"{value!r} is not one of {sorted(self.choices)}", path)
+        return value
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+class EnumStr(WireType[E]):
+    """A str enum travelling as its value."""
+
+    def __init__(self, enum_type: type[E]) -> None:
+        self.enum_type = enum_type
+        self.by_value = {m.value: m for m in enum_type}
+
+    def load(self, value: Any, path: str, limits: Limits) -> E:
+        if type(value) is not str:
+            raise _fail(ErrorCode.WRONG_TYPE, f"expected str, got {_tname(value)}", path)
+        member = self.by_value.get(value)
+        if member is None:
+            raise _fail(ErrorCode.OUT_OF_RANGE, f"{value[:64]!r} is not one of {sorted(self.by_value)}", path)
+        return member
+
+    def dump(self, value: E) -> Any:
+        return value.value
+
+
+class Opt(WireType["T | None"]):
+    """``nil`` or the inner type."""
+
+    def __init__(self, inner: WireType[T]) -> None:
+        self.inner = inner
+
+    def load(self, value: Any, path: str, limits: Limits) -> T | None:
+        return None if value is None else self.inner.load(value, path, limits)
+
+    def dump(self, value: T | None) -> Any:
+        return None if value is None else self.inner.dump(value)
+
+
+class Seq(WireType[tuple[T, ...]]):
+    """A msgpack array of at most ``limit`` items (a field of ``Limits``), loaded as a tuple."""
+
+    def __init__(self, item: WireType[T], limit: str, minimum: int = 0) -> None:
+        self.item = item
+        self.limit = limit
+        self.minimum = minimum
+
+    def load(self, value: Any, path: str, limits: Limits) -> tuple[T, ...]:
+        if type(value) is not list:
+            raise _fail(ErrorCode.WRONG_TYPE, f"expected array, got {_tname(value)}", path)
+        maximum: int = getattr(limits, self.limit)
+        if len(value) > maximum:
+            raise _fail(ErrorCode.TOO_MANY, f"{len(value)} items, limit {maximum}", path)
+        if len(value) < self.minimum:
+            raise _fail(ErrorCode.OUT_OF_RANGE, f"{len(value)} items, at least {self.minimum} needed", path)
+        load = self.item.load
+        return tuple(load(v, f"{path}[{i}]", limits) for i, v in enumerate(value))
+
+    def dump(self, value: tuple[T, ...]) -> Any:
+        dump = self.item.dump
+        return [dump(v) for v in value]
+
+
+class AnyMap(WireType[dict[str, Any]]):
+    """A map with str keys and arbitrary msgpack values (statistics)."""
+
+    def load(self, value: Any, path: str, limits: Limits) -> dict[str, Any]:
+        if type(value) is not dict:
+            raise _fail(ErrorCode.WRONG_TYPE, f"expected map, got {_tname(value)}", path)
+        for k in value:
+            if type(k) is not str:
+                raise _fail(ErrorCode.WRONG_TYPE, "map keys must be str", path)
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One field of a message or record: its attribute, wire type, default and version."""
+
+    name: str
+    type: WireType[Any]
+    default: Any = _MISSING
+    since: int = 1
+    must_understand: bool = False
+
+    @property
+    def required(self) -> bool:
+        return self.default is _MISSING
+
+    @property
+    def key(self) -> str:
+        """The map key on the wire: must-understand fields are prefixed with ``!``."""
+        return "!" + self.name if self.must_understand else self.name
+
+
+class Record:
+    """Base of small structs that travel as arrays; subclasses declare ``FIELDS``."""
+
+    FIELDS: ClassVar[tuple[Field, ...]] = ()
+
+
+R = TypeVar("R", bound=Record)
+
+
+class RecordType(WireType[R]):
+    """A record as a msgpack array in ``FIELDS`` order; trailing defaults may be omitted."""
+
+    def __init__(self, cls: type[R]) -> None:
+        self.cls = cls
+        self.fields = cls.FIELDS
+        self.n_required = sum(1 for f in self.fields if f.required)
+        self.factory: Callable[..., R] = cls
+
+    def load(self, value: Any, path: str, limits: Limits) -> R:
+        if type(value) is not list:
+            raise _fail(ErrorCode.WRONG_TYPE, f"expected array ({self.cls.__name__}), got {_tname(value)}", path)
+        if len(value) < self.n_required:
+            missing = self.fields[len(value)].name
+            raise _fail(ErrorCode.MISSING_FIELD, f"{self.cls.__name__} needs {self.n_required} items", f"{path}.{missing}")
+        args = []
+        for i, f in enumerate(self.fields):
+            if i < len(value):
+                args.append(f.type.load(value[i], f"{path}.{f.name}", limits))
+            else:
+                args.append(f.default)
+        # Items beyond the known fields come from a newer version: ignored.
+        return self.factory(*args)
+
+    def dump(self, value: R) -> Any:
+        return [f.type.dump(getattr(value, f.name)) for f in self.fields]
+
+
+def _tname(value: Any) -> str:
+    return {
+        int: "integer", bool: "boolean", str: "str", bytes: "bin", list: "array",
+        dict: "map", float: "float", type(None): "nil",
+    }.get(type(value), type(value).__name__)
+
+
+def check(condition: bool, code: ErrorCode, reason: str, path: str, *, local: bool = False) -> None:
+    """Raise a protocol error unless ``condition`` holds."""
+    if not condition:
+        raise ProtocolError(code, reason, path) if local else RemoteProtocolError(code, reason, path)
