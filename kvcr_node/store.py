@@ -1,0 +1,490 @@
+"""The node's object store: pools, slots, object states, claims and eviction.
+
+Pure and single-threaded: no I/O, no clock, no locks. The caller (the node's progress
+loop) moves the bytes; the store only decides which slots hold which object and which
+objects may go. Every method runs in time proportional to the object it touches and,
+when it evicts, O(k log n) for k victims (DESIGN 5).
+
+Lifecycle (DESIGN 2)::
+
+    begin_deposit -> WRITING --commit--> READY <--claim/unclaim--> READY (claimed)
+                        |                  |
+                     abandon         remove / eviction (unclaimed only)
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from collections.abc import Sequence
+
+from kvcr_node.eviction import EvictionIndex, EvictionPolicy, Layout, LayoutInfo
+from kvcr_node.poolspec import PoolSpec
+from kvcr_node.slots import SlotAllocator
+
+__all__ = [
+    "DepositOutcome",
+    "ObjectEntry",
+    "ObjectState",
+    "PoolSpec",
+    "Store",
+    "StoreError",
+]
+
+
+class StoreError(ValueError):
+    """The caller misused the store (claim on WRITING, double commit, ...)."""
+
+
+class ObjectState(enum.Enum):
+    """DESIGN 2: an object is WRITING while its bytes arrive, then READY."""
+
+    WRITING = "writing"
+    READY = "ready"
+
+
+class DepositOutcome(enum.Enum):
+    """What ``begin_deposit`` did with one key."""
+
+    NEW = "new"
+    """A WRITING entry now holds slots; fill them, then ``commit`` or ``abandon``."""
+    DUPLICATE = "duplicate"
+    """The key is WRITING or READY with the same layout: no second transfer."""
+    LAYOUT_MISMATCH = "layout_mismatch"
+    """The key is stored with another layout."""
+    CAPACITY = "capacity"
+    """Not enough free and evictable slots; nothing was evicted."""
+    DROPPED = "dropped"
+    """An optional deposit the policy's admission hook declined."""
+    UNKNOWN_POOL = "unknown_pool"
+    """The layout names a pool this store does not have."""
+
+
+_WRITING = ObjectState.WRITING
+_READY = ObjectState.READY
+
+
+class ObjectEntry:
+    """One stored object: its key, layout, slots, state, claims and last access.
+
+    Small on purpose (the goal: under 1 KiB of index memory per object, everything
+    counted): the layout lives in a
+    :class:`LayoutInfo` shared by every object with an equal layout, and the slots are
+    packed as 32-bit integers. Treat every field as read-only: the store writes them.
+    """
+
+    __slots__ = ("_slots", "claims", "index_seq", "info", "key", "last_access", "state")
+
+    key: bytes
+    info: LayoutInfo
+    _slots: bytes
+    state: ObjectState
+    claims: int
+    last_access: int
+    index_seq: int
+
+    def __init__(self, key: bytes, info: LayoutInfo, slots: bytes) -> None:
+        self.key = key
+        self.info = info
+        self._slots = slots
+        self.state = _WRITING
+        self.claims = 0
+        self.last_access = 0
+        self.index_seq = 0
+
+    @property
+    def layout(self) -> Layout:
+        """The spans, each ``(span name, pool name)``, in order."""
+        return self.info.layout
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """One slot per span, in that span's pool, in layout order."""
+        return tuple(memoryview(self._slots).cast("I"))
+
+    def pool_slots(self) -> dict[str, list[int]]:
+        """The slots grouped by pool, each list in layout order."""
+        need = self.info.need
+        if len(need) == 1:
+            return {need[0][0]: memoryview(self._slots).cast("I").tolist()}
+        out: dict[str, list[int]] = {}
+        for pool, slot in zip(self.info.signature, memoryview(self._slots).cast("I"), strict=True):
+            out.setdefault(pool, []).append(slot)
+        return out
+
+    def __repr__(self) -> str:
+        return f"ObjectEntry(key={self.key!r}, state={self.state.name}, claims={self.claims}, slots={self.slots!r})"
+
+
+class Store:
+    """Pools of slots, the objects in them, and the eviction index over them."""
+
+    def __init__(
+        self,
+        pools: Sequence[PoolSpec],
+        policy: EvictionPolicy,
+        low_watermark: float = 0.1,
+    ) -> None:
+        if not pools:
+            raise ValueError("a store needs at least one pool")
+        if not 0.0 <= low_watermark <= 1.0:
+            raise ValueError(f"low_watermark must be within [0, 1], got {low_watermark!r}")
+        self._pools: dict[str, PoolSpec] = {}
+        for spec in pools:
+            if spec.name in self._pools:
+                raise ValueError(f"pool {spec.name!r} is defined twice")
+            self._pools[spec.name] = spec
+        self._alloc = {name: SlotAllocator(spec.slot_count) for name, spec in self._pools.items()}
+        self._policy = policy
+        self._index: EvictionIndex[ObjectEntry] = EvictionIndex(policy)
+        self._objects: dict[bytes, ObjectEntry] = {}
+        # Equal layouts share one LayoutInfo (and so one layout tuple); an info leaves
+        # this table with its last object.
+        self._layouts: dict[Layout, LayoutInfo] = {}
+        self._tick = 0
+        self._writing = 0
+        self._ready = 0
+        self._claims = 0
+        self._pool_objects = dict.fromkeys(self._pools, 0)
+        self._evictions = dict.fromkeys(self._pools, 0)
+        self._evicted_objects = 0
+        self._low_watermark = low_watermark
+        self._threshold = {name: low_watermark * spec.slot_count for name, spec in self._pools.items()}
+        self._armed = dict.fromkeys(self._pools, True)
+        self._events: list[str] = []
+
+    # -- reading ----------------------------------------------------------------------
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    @property
+    def index(self) -> EvictionIndex[ObjectEntry]:
+        """The eviction index (read it; never change it from outside)."""
+        return self._index
+
+    @property
+    def pools(self) -> dict[str, PoolSpec]:
+        return dict(self._pools)
+
+    @property
+    def tick(self) -> int:
+        """The logical clock: advances on every access (commit, accessed unclaim)."""
+        return self._tick
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._objects
+
+    def lookup(self, key: bytes) -> ObjectEntry | None:
+        """The entry stored under ``key``, WRITING or READY, or None. Not an access."""
+        return self._objects.get(key)
+
+    # -- deposit ----------------------------------------------------------------------
+
+    def begin_deposit(
+        self, key: bytes, layout: Layout, optional: bool = False
+    ) -> tuple[DepositOutcome, ObjectEntry | None]:
+        """Place a new object, evicting if it must; see :class:`DepositOutcome`.
+
+        Returns the entry for NEW and for an existing key (DUPLICATE,
+        LAYOUT_MISMATCH), else None. Nothing changes unless the outcome is NEW.
+        """
+        if not isinstance(key, bytes):
+            raise StoreError(f"key must be bytes, got {type(key).__name__}")
+        existing = self._objects.get(key)
+        if existing is not None:
+            # DESIGN 2: "A later deposit of the same key with another layout fails."
+            if existing.info.layout is layout or existing.info.layout == layout:
+                return DepositOutcome.DUPLICATE, existing
+            return DepositOutcome.LAYOUT_MISMATCH, existing
+        if type(layout) is not tuple:
+            raise StoreError(f"layout must be a tuple of (span, pool) pairs, got {layout!r}")
+        try:
+            info = self._layouts.get(layout)
+        except TypeError:  # an unhashable span, e.g. a list
+            raise StoreError(f"a span must be a (name, pool) pair of str, in {layout!r}") from None
+        if info is None:
+            _check_layout(layout)
+            if any(pool not in self._pools for _, pool in layout):
+                return DepositOutcome.UNKNOWN_POOL, None
+            info = LayoutInfo(layout)
+        if optional and not self._policy.admit(key, info.layout):
+            return DepositOutcome.DROPPED, None
+
+        # DESIGN 5: "count the slots it needs per pool. If free slots suffice, take
+        # them. Otherwise find the pools in deficit."
+        deficit: dict[str, int] = {}
+        for pool, count in info.need:
+            if count > self._pools[pool].slot_count:
+                return DepositOutcome.CAPACITY, None
+            free = self._alloc[pool].free_count
+            if count > free:
+                deficit[pool] = count - free
+        if deficit:
+            victims = self._index.select_victims(deficit)
+            if victims is None:
+                # "Eviction removes whole objects and is all or nothing."
+                return DepositOutcome.CAPACITY, None
+            for victim in victims:
+                self._evict(victim)
+
+        taken = {pool: iter(self._alloc[pool].alloc(count)) for pool, count in info.need}
+        packed = array("I", [next(taken[pool]) for pool in info.signature]).tobytes()
+        if info.users == 0:
+            self._layouts[info.layout] = info
+        info.users += 1
+        entry = ObjectEntry(key, info, packed)
+        self._objects[key] = entry
+        self._writing += 1
+        for pool, _ in info.need:
+            self._pool_objects[pool] += 1
+        self._check_pressure(info)
+        return DepositOutcome.NEW, entry
+
+    def commit(self, entry: ObjectEntry, claim: bool = False) -> None:
+        """The fill succeeded: WRITING -> READY, an access.
+
+        The object becomes evictable, unless ``claim`` hands the caller its first claim
+        at once (a ``no_evict`` deposit), which skips a useless trip through the index.
+        """
+        self._own(entry)
+        if entry.state is not _WRITING:
+            raise StoreError(f"commit of {entry.key!r}: it is {entry.state.name}, not WRITING")
+        entry.state = _READY
+        self._writing -= 1
+        self._ready += 1
+        self._tick += 1
+        entry.last_access = self._tick
+        if claim:
+            entry.claims = 1
+            self._claims += 1
+        else:
+            self._index.add(entry)
+            self._check_pressure(entry.info)
+
+    def abandon(self, entry: ObjectEntry) -> None:
+        """The fill failed: drop the WRITING entry and free its slots.
+
+        The caller guarantees that no transfer can still touch those slots.
+        """
+        self._own(entry)
+        if entry.state is not _WRITING:
+            raise StoreError(f"abandon of {entry.key!r}: it is {entry.state.name}, not WRITING")
+        self._drop(entry)
+        self._check_pressure(entry.info)
+
+    # -- claims -----------------------------------------------------------------------
+
+    def claim(self, entry: ObjectEntry) -> None:
+        """Hold a READY object against eviction (counted)."""
+        self._own(entry)
+        if entry.state is not _READY:
+            raise StoreError(f"claim of {entry.key!r}: it is {entry.state.name}, not READY")
+        if entry.claims == 0:
+            # DESIGN 5: "Claims, releases, removals and evictions update both."
+            self._index.remove(entry)
+            self._check_pressure(entry.info)
+        entry.claims += 1
+        self._claims += 1
+
+    def unclaim(self, entry: ObjectEntry, accessed: bool = True) -> None:
+        """Drop one claim; the last one makes the object evictable again.
+
+        ``accessed`` records an access (a successful deliver or peer write) now, which
+        is what LRU scores; FIFO puts the object at the back either way.
+        """
+        self._own(entry)
+        if entry.claims <= 0:
+            raise StoreError(f"unclaim of {entry.key!r}: it holds no claim")
+        entry.claims -= 1
+        self._claims -= 1
+        if accessed:
+            self._tick += 1
+            entry.last_access = self._tick
+        if entry.claims == 0:
+            self._index.add(entry)
+            self._check_pressure(entry.info)
+
+    # -- removal ----------------------------------------------------------------------
+
+    def remove(self, key: bytes) -> bool:
+        """Delete an unclaimed READY object; False when the key is not stored."""
+        entry = self._objects.get(key)
+        if entry is None:
+            return False
+        if entry.state is not _READY:
+            raise StoreError(f"remove of {key!r}: it is {entry.state.name}; abandon it instead")
+        if entry.claims:
+            raise StoreError(f"remove of {key!r}: it holds {entry.claims} claim(s)")
+        self._index.remove(entry)
+        self._drop(entry)
+        self._check_pressure(entry.info)
+        return True
+
+    def _evict(self, entry: ObjectEntry) -> None:
+        self._index.remove(entry)
+        self._drop(entry)
+        self._evicted_objects += 1
+        for pool, _ in entry.info.need:
+            self._evictions[pool] += 1
+
+    def _drop(self, entry: ObjectEntry) -> None:
+        """Forget ``entry`` and free its slots (it is already out of the index)."""
+        del self._objects[entry.key]
+        info = entry.info
+        for pool, slots in entry.pool_slots().items():
+            self._alloc[pool].free(slots)
+        info.users -= 1
+        if info.users == 0:
+            del self._layouts[info.layout]
+        if entry.state is _WRITING:
+            self._writing -= 1
+        else:
+            self._ready -= 1
+        for pool, _ in info.need:
+            self._pool_objects[pool] -= 1
+
+    def _own(self, entry: ObjectEntry) -> None:
+        if self._objects.get(entry.key) is not entry:
+            raise StoreError(f"{entry.key!r}: this entry is not (or no longer) in the store")
+
+    # -- capacity pressure ------------------------------------------------------------
+
+    def _check_pressure(self, info: LayoutInfo) -> None:
+        # DESIGN 3: "when a pool's reclaimable slots (free plus evictable) fall under
+        # its low watermark, connected clients get one event for that pool
+        # (edge-triggered)". Re-armed once reclaimable is back at or above it.
+        for pool, _ in info.need:
+            reclaimable = self._alloc[pool].free_count + self._index.evictable_slots(pool)
+            if reclaimable < self._threshold[pool]:
+                if self._armed[pool]:
+                    self._armed[pool] = False
+                    self._events.append(pool)
+            elif not self._armed[pool]:
+                self._armed[pool] = True
+
+    def take_capacity_events(self) -> list[str]:
+        """The pools that went under their low watermark since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    # -- statistics -------------------------------------------------------------------
+
+    def pool_stats(self) -> dict[str, dict[str, int]]:
+        """Per pool: total, free, allocated and evictable slots, objects, slot size."""
+        out: dict[str, dict[str, int]] = {}
+        for name, spec in self._pools.items():
+            alloc = self._alloc[name]
+            out[name] = {
+                "total": alloc.total,
+                "free": alloc.free_count,
+                "allocated": alloc.allocated_count,
+                "evictable": self._index.evictable_slots(name),
+                "objects": self._pool_objects[name],
+                "slot_size": spec.slot_size,
+            }
+        return out
+
+    def stats(self) -> dict[str, int | dict[str, int]]:
+        """Object counts, claims held, and evictions (objects) per pool."""
+        return {
+            "objects": len(self._objects),
+            "ready": self._ready,
+            "writing": self._writing,
+            "evictable": len(self._index),
+            "claims": self._claims,
+            "evicted_objects": self._evicted_objects,
+            "evictions": dict(self._evictions),
+        }
+
+    def check_invariants(self) -> list[str]:
+        """Every breach of the store's invariants, human-readable; empty when healthy.
+
+        O(objects + slots): for tests and debugging, not for the hot path.
+        """
+        breaches: list[str] = []
+        for name, alloc in self._alloc.items():
+            if alloc.free_count + alloc.allocated_count != alloc.total:
+                breaches.append(f"pool {name!r}: free + allocated != total")
+            breaches.extend(f"pool {name!r}: {b}" for b in alloc.check())
+        owner: dict[tuple[str, int], bytes] = {}
+        held = dict.fromkeys(self._pools, 0)
+        objects = dict.fromkeys(self._pools, 0)
+        expected: set[int] = set()
+        writing = ready = claims = 0
+        users: dict[int, int] = {}
+        for key, entry in self._objects.items():
+            if entry.key != key:
+                breaches.append(f"{key!r} filed under another key {entry.key!r}")
+            if entry.claims < 0:
+                breaches.append(f"{key!r} holds {entry.claims} claims")
+            if entry.state is _WRITING:
+                writing += 1
+                if entry.claims:
+                    breaches.append(f"{key!r} is WRITING yet holds {entry.claims} claims")
+            else:
+                ready += 1
+                if entry.claims == 0:
+                    expected.add(id(entry))
+            claims += entry.claims
+            info = entry.info
+            users[id(info)] = users.get(id(info), 0) + 1
+            if self._layouts.get(info.layout) is not info:
+                breaches.append(f"{key!r}: its layout is not the shared one")
+            slots = entry.slots
+            if len(slots) != len(info.layout):
+                breaches.append(f"{key!r}: {len(slots)} slots for {len(info.layout)} spans")
+            for pool, slot in zip(info.signature, slots, strict=False):
+                other = owner.get((pool, slot))
+                if other is not None:
+                    breaches.append(f"slot {slot} of pool {pool!r} owned by {other!r} and {key!r}")
+                owner[(pool, slot)] = key
+                if not self._alloc[pool].is_allocated(slot):
+                    breaches.append(f"{key!r} holds slot {slot} of {pool!r}, which is free")
+                held[pool] += 1
+            for pool, _ in info.need:
+                objects[pool] += 1
+        for name, alloc in self._alloc.items():
+            if held[name] != alloc.allocated_count:
+                breaches.append(f"pool {name!r}: {alloc.allocated_count} slots allocated, objects hold {held[name]}")
+            if objects[name] != self._pool_objects[name]:
+                breaches.append(f"pool {name!r}: object count {self._pool_objects[name]} is stale")
+        if (writing, ready, claims) != (self._writing, self._ready, self._claims):
+            breaches.append(
+                f"counters writing/ready/claims {self._writing}/{self._ready}/{self._claims}, "
+                f"recounted {writing}/{ready}/{claims}"
+            )
+        for layout, info in self._layouts.items():
+            if info.layout is not layout and info.layout != layout:
+                breaches.append(f"layout table filed {info!r} under another layout")
+            if info.users != users.get(id(info), 0):
+                breaches.append(f"{info!r}: {info.users} users counted, {users.get(id(info), 0)} found")
+        # DESIGN 5: "an object is in both or in neither", and it is in both exactly
+        # when it is evictable (READY with no claim).
+        breaches.extend(self._index.check())
+        in_global, in_groups = self._index.members()
+        for what, members in (("global queue", in_global), ("layout index", in_groups)):
+            ids = {id(e) for e in members}
+            if ids != expected:
+                extra = [e.key for e in members if id(e) not in expected]
+                missing = [e.key for e in self._objects.values() if id(e) in expected - ids]
+                breaches.append(f"{what}: extra {extra!r}, missing {missing!r}")
+            for e in members:
+                if self._objects.get(e.key) is not e:
+                    breaches.append(f"{what} holds {e.key!r}, which is not in the store")
+        for entry in self._objects.values():
+            if (entry.index_seq != 0) != (id(entry) in expected):
+                breaches.append(f"{entry.key!r}: index membership flag disagrees with its state")
+        return breaches
+
+
+def _check_layout(layout: Layout) -> None:
+    if not layout:
+        raise StoreError("a layout needs at least one span")
+    for span in layout:
+        if type(span) is not tuple or len(span) != 2 or not isinstance(span[0], str) or not isinstance(span[1], str):
+            raise StoreError(f"a span must be a (name, pool) pair of str, got {span!r}")
