@@ -1,0 +1,23 @@
+"""kvcr_client: embed in an inference engine to deposit and deliver KV cache through a kvcr node.
+
+``Client`` blocks; ``AsyncClient`` is for asyncio. Both register buffers (numpy, CuPy,
+torch) with their own NIXL agent, so the node moves bytes straight into and out of them.
+"""
+
+from kvcr_client.client import AsyncClient, Client, RegionHandle, Span
+from kvcr_client.errors import (
+    ArgumentError,
+    ClientClosed,
+    KvcrError,
+    NodeError,
+    NodeLostError,
+    OperationTimeout,
+)
+from kvcr_client.results import KeyOutcome, KeyPresence, OpHandle, Results
+from kvcr_protocol import ErrorCode, KeyStatus, Presence
+
+__all__ = [
+    "ArgumentError", "AsyncClient", "Client", "ClientClosed", "ErrorCode", "KeyOutcome", "KeyPresence",
+    "KeyStatus", "KvcrError", "NodeError", "NodeLostError", "OpHandle", "OperationTimeout", "Presence",
+    "RegionHandle", "Results", "Span",
+]

@@ -1,0 +1,134 @@
+"""A thin wrapper over one NIXL agent, used by the client and the node alike.
+
+The agent runs without NIXL's own progress thread: that thread spins a whole core while
+idle (the Python bindings hard-code its delay to 0). Whoever owns an ``Agent`` progresses
+it from its own loop (``progress``, ``state``), at a short interval only while a transfer
+that touches its memory is in flight. An ``Agent`` is not thread-safe: one thread owns it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+from kvcr_protocol import MemoryKind
+
+Desc = tuple[int, int, int]
+"""(address, length, device) of one transfer descriptor."""
+
+_NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+_MEM = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
+
+
+class TransferError(RuntimeError):
+    """NIXL refused or failed a transfer."""
+
+
+def load_nixl() -> ModuleType:
+    """Import whichever NIXL build is installed (CUDA 12, CUDA 13, or the meta package)."""
+    errors = []
+    for name in _NIXL_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        if hasattr(module, "nixl_agent"):
+            return module
+    raise ImportError("no NIXL Python package found (install nixl-cu12 or nixl-cu13): " + "; ".join(errors))
+
+
+def _quiet_nixl_logging() -> None:
+    # NIXL logs every agent and backend creation at INFO; keep that out of engine logs.
+    if "NIXL_LOG_LEVEL" not in os.environ:
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        for name in _NIXL_MODULES:
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class Agent:
+    """One NIXL agent with UCX, no progress thread."""
+
+    def __init__(self, name: str) -> None:
+        nixl = load_nixl()
+        _quiet_nixl_logging()
+        config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self._nixl: Any = nixl.nixl_agent(name, config)
+        if "UCX" not in self._nixl.backends:
+            raise RuntimeError("the NIXL UCX backend is not available")
+        self.name = name
+
+    # -- memory and metadata
+
+    def register(self, kind: MemoryKind, address: int, length: int, device: int) -> Any:
+        """Register one region; returns the handle ``deregister`` takes."""
+        return self._nixl.register_memory([(address, length, device, "")], _MEM[kind])
+
+    def deregister(self, handle: Any) -> None:
+        self._nixl.deregister_memory(handle)
+
+    def metadata(self) -> bytes:
+        """This agent's metadata (connection info and registered memory), for peers."""
+        md: bytes = self._nixl.get_agent_metadata()
+        return md
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load (or refresh) a remote agent's metadata; returns its name."""
+        name = self._nixl.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_remote(self, name: str) -> None:
+        self._nixl.remove_remote_agent(name)
+
+    # -- transfers
+
+    def prep_local(self, kind: MemoryKind, descs: Sequence[Desc]) -> Any:
+        """Prepare a local descriptor list once; transfers then select entries by index."""
+        return self._nixl.prep_xfer_dlist("NIXL_INIT_AGENT", list(descs), _MEM[kind])
+
+    def prep_remote(self, agent: str, kind: MemoryKind, descs: Sequence[Desc]) -> Any:
+        """Prepare a remote descriptor list; NIXL checks it lies in the remote's registered memory."""
+        try:
+            return self._nixl.prep_xfer_dlist(agent, list(descs), _MEM[kind])
+        except Exception as exc:
+            raise TransferError(f"remote descriptors refused by NIXL: {exc}") from exc
+
+    def release_dlist(self, handle: Any) -> None:
+        self._nixl.release_dlist_handle(handle)
+
+    def start(
+        self, op: str, local: Any, local_idx: Sequence[int], remote: Any, remote_idx: Sequence[int]
+    ) -> tuple[Any, str]:
+        """Create and post a transfer; returns (handle, state) with state DONE, PROC or ERR."""
+        try:
+            handle = self._nixl.make_prepped_xfer(op, local, list(local_idx), remote, list(remote_idx))
+        except Exception as exc:
+            raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
+        try:
+            state: str = self._nixl.transfer(handle)
+        except Exception as exc:
+            self.release(handle)
+            raise TransferError(f"NIXL could not post the {op}: {exc}") from exc
+        return handle, state
+
+    def state(self, handle: Any) -> str:
+        """DONE, PROC or ERR; polling it also progresses the agent."""
+        try:
+            state: str = self._nixl.check_xfer_state(handle)
+        except Exception:
+            return "ERR"
+        return state
+
+    def release(self, handle: Any) -> None:
+        try:
+            self._nixl.release_xfer_handle(handle)
+        except Exception:  # releasing a failed request may itself fail; nothing more to free
+            logging.getLogger(__name__).debug("release of a NIXL request failed", exc_info=True)
+
+    def progress(self) -> None:
+        """Progress the agent (the target side of a transfer needs it too)."""
+        self._nixl.get_new_notifs()

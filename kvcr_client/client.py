@@ -1,0 +1,446 @@
+"""``Client`` (blocking) and ``AsyncClient`` (asyncio) over one ``ClientCore``.
+
+Every operation checks its arguments before anything is sent (``ArgumentError`` names the
+field) and returns an ``OpHandle`` that resolves to per-key results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcr_client.buffers import BufferError, describe
+from kvcr_client.core import ClientCore
+from kvcr_client.errors import ArgumentError, KvcrError, NodeLostError
+from kvcr_client.results import KeyOutcome, KeyPresence, OpHandle, Results
+from kvcr_protocol import (
+    CURRENT_VERSION,
+    DEFAULT_LIMITS,
+    Abort,
+    Ack,
+    Completion,
+    DeliverItem,
+    Deposit,
+    DepositItem,
+    DiscardHint,
+    DstSpan,
+    ErrorCode,
+    Fetch,
+    FetchItem,
+    LayoutSpan,
+    Message,
+    PoolInfo,
+    Query,
+    QueryReply,
+    Region,
+    RegisterRegions,
+    Release,
+    SrcSpan,
+    StatsReply,
+    StatsRequest,
+    SubmitHint,
+    UnregisterRegions,
+    Welcome,
+)
+from kvcr_protocol import Deliver as DeliverMsg
+
+DEFAULT_DEADLINE_MS = 30_000
+
+
+@dataclass(eq=False)
+class RegionHandle:
+    """A registered buffer: its region id on the wire and the memory behind it."""
+
+    region: int
+    kind: Any
+    address: int
+    length: int
+    device: int
+    buffer: Any = field(repr=False)
+    registration: Any = field(repr=False, default=None)
+    in_use: int = 0
+
+    def wire(self) -> Region:
+        return Region(self.region, self.kind, self.device, self.address, self.length)
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Where one named span's bytes are (or go) in a registered buffer.
+
+    ``pool`` is needed by ``deposit`` only: it names the node pool that stores the span.
+    """
+
+    name: str
+    region: RegionHandle
+    offset: int
+    length: int
+    pool: str = ""
+
+
+def _key(key: Any, path: str) -> bytes:
+    if not isinstance(key, bytes):
+        raise ArgumentError(path, f"keys are bytes, got {type(key).__name__}")
+    if not 1 <= len(key) <= DEFAULT_LIMITS.max_key:
+        raise ArgumentError(path, f"a key has 1..{DEFAULT_LIMITS.max_key} bytes, got {len(key)}")
+    return key
+
+
+def _batch(items: Mapping[bytes, Any] | Iterable[bytes], what: str) -> list[Any]:
+    seq = list(items.items()) if isinstance(items, Mapping) else list(items)
+    if not seq:
+        raise ArgumentError(what, "the batch is empty")
+    if len(seq) > DEFAULT_LIMITS.max_keys:
+        raise ArgumentError(what, f"{len(seq)} keys, at most {DEFAULT_LIMITS.max_keys} per call")
+    return seq
+
+
+class _Base:
+    """What both clients share: argument checks, request building, result conversion."""
+
+    core: ClientCore
+    _regions: dict[int, RegionHandle]
+
+    def _init(self, endpoint: str, name: str | None, max_version: int) -> None:
+        self.core = ClientCore(endpoint, name, max_version)
+        self._regions = {}
+        self._next_region = 1
+        self._completed: collections.deque[OpHandle[Any]] = collections.deque()
+
+    def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
+        handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort)
+        fut.add_done_callback(lambda _: self._completed.append(handle))
+        return handle
+
+    def poll_completed(self) -> list[OpHandle[Any]]:
+        """Every operation that completed since the last call, for engines that poll once per step."""
+        out = []
+        while self._completed:
+            out.append(self._completed.popleft())
+        return out
+
+    @property
+    def pools(self) -> dict[str, PoolInfo]:
+        welcome = self.core.welcome
+        return {p.name: p for p in welcome.pools} if welcome else {}
+
+    @property
+    def node(self) -> Welcome | None:
+        """The node's welcome: its name, incarnation, version and pools."""
+        return self.core.welcome
+
+    # -- regions
+
+    def _describe(self, buffer: Any) -> RegionHandle:
+        try:
+            info = describe(buffer)
+        except BufferError as exc:
+            raise ArgumentError("buffer", str(exc).removeprefix("buffer: ")) from exc
+        handle = RegionHandle(self._next_region, info.kind, info.address, info.length, info.device, buffer)
+        self._next_region += 1
+        return handle
+
+    def _register_on_io(self, handle: RegionHandle, announce: bool) -> Any:
+        handle.registration = self.core.agent.register(handle.kind, handle.address, handle.length, handle.device)
+        self._regions[handle.region] = handle
+        return handle
+
+    def _announce(self, handle: RegionHandle) -> tuple[int, Future[Any]]:
+        return self.core.request(
+            lambda i: RegisterRegions(i, self.core.agent.metadata(), (handle.wire(),)), _ack, 10.0
+        )
+
+    def _check_span(self, span: Any, path: str, deposit: bool) -> RegionHandle:
+        if not isinstance(span, Span):
+            raise ArgumentError(path, f"expected a kvcr_client.Span, got {type(span).__name__}")
+        if not isinstance(span.name, str) or len(span.name.encode()) > DEFAULT_LIMITS.max_name:
+            raise ArgumentError(f"{path}.name", f"a span name is a str of at most {DEFAULT_LIMITS.max_name} bytes")
+        region = span.region
+        if not isinstance(region, RegionHandle) or self._regions.get(region.region) is not region:
+            raise ArgumentError(f"{path}.region", "not a region registered with this client")
+        if isinstance(span.offset, bool) or not isinstance(span.offset, int) or span.offset < 0:
+            raise ArgumentError(f"{path}.offset", f"expected a non-negative int, got {span.offset!r}")
+        if isinstance(span.length, bool) or not isinstance(span.length, int) or span.length <= 0:
+            raise ArgumentError(f"{path}.length", f"expected a positive int, got {span.length!r}")
+        if span.offset + span.length > region.length:
+            raise ArgumentError(
+                f"{path}.offset",
+                f"[{span.offset}, {span.offset + span.length}) lies outside the region of {region.length} bytes",
+            )
+        if deposit:
+            pool = self.pools.get(span.pool)
+            if pool is None:
+                raise ArgumentError(f"{path}.pool", f"the node has no pool {span.pool!r} (pools: {sorted(self.pools)})")
+            if span.length != pool.slot_size:
+                raise ArgumentError(f"{path}.length", f"pool {span.pool!r} holds spans of {pool.slot_size} bytes, got {span.length}")
+        return region
+
+    def _spans(self, key: bytes, spans: Any, path: str, deposit: bool) -> tuple[list[Any], list[RegionHandle]]:
+        if isinstance(spans, Span) or not isinstance(spans, Sequence) or not spans:
+            raise ArgumentError(path, "expected a non-empty sequence of Span")
+        out: list[Any] = []
+        used: list[RegionHandle] = []
+        for j, span in enumerate(spans):
+            region = self._check_span(span, f"{path}[{j}]", deposit)
+            used.append(region)
+            if deposit:
+                out.append(SrcSpan(span.name, span.pool, region.region, span.offset, span.length))
+            else:
+                out.append(DstSpan(span.name, region.region, span.offset, span.length))
+        return out, used
+
+    # -- operations
+
+    def _op(self, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool, regions: list[RegionHandle]) -> OpHandle[Any]:
+        for region in regions:
+            region.in_use += 1
+
+        def convert(msg: Message) -> Results[Any]:
+            assert isinstance(msg, Completion)
+            if len(msg.results) != len(keys):
+                raise ValueError(f"{len(msg.results)} results for {len(keys)} keys")
+            return Results([
+                (k, KeyOutcome(r.status, ErrorCode(r.code) if r.code in ErrorCode._value2member_map_ else r.code, r.reason, r.handle))
+                for k, r in zip(keys, msg.results, strict=True)
+            ])
+
+        op_id, fut = self.core.request(build, convert, deadline_ms / 1000, touches)
+
+        def unuse(_: Future[Any]) -> None:
+            for region in regions:
+                region.in_use -= 1
+
+        fut.add_done_callback(unuse)
+        return self._handle(op_id, kind, fut, self._abort)
+
+    def _abort(self, op_id: int) -> None:
+        self.core.request(lambda i: Abort(i, op_id), lambda m: None, 5.0)
+
+    def deposit(
+        self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
+        deadline_ms: int = DEFAULT_DEADLINE_MS,
+    ) -> OpHandle[Results[KeyOutcome]]:
+        """Store objects; each key maps to its layout's spans in order (with pools)."""
+        items, keys, regions = [], [], []
+        for key, spans in _batch(objects, "objects"):
+            path = f"objects[{key!r}]"
+            _key(key, path)
+            wire, used = self._spans(key, spans, f"{path}.spans", deposit=True)
+            items.append(DepositItem(key, tuple(wire)))
+            keys.append(key)
+            regions.extend(used)
+        frozen = tuple(items)
+        return self._op("deposit", keys, lambda i: Deposit(i, frozen, no_evict, optional, deadline_ms), deadline_ms, True, regions)
+
+    def deliver(
+        self, objects: Mapping[bytes, Sequence[Span]], request_id: str | None = None,
+        deadline_ms: int = DEFAULT_DEADLINE_MS,
+    ) -> OpHandle[Results[KeyOutcome]]:
+        """Put objects' bytes into registered memory: the whole layout or an ordered subset of its spans."""
+        items, keys, regions = [], [], []
+        for key, spans in _batch(objects, "objects"):
+            path = f"objects[{key!r}]"
+            _key(key, path)
+            wire, used = self._spans(key, spans, f"{path}.spans", deposit=False)
+            items.append(DeliverItem(key, tuple(wire)))
+            keys.append(key)
+            regions.extend(used)
+        frozen = tuple(items)
+        return self._op("deliver", keys, lambda i: DeliverMsg(i, frozen, request_id, deadline_ms), deadline_ms, True, regions)
+
+    def fetch(
+        self, expected_layouts: Mapping[bytes, Sequence[tuple[str, str]]], request_id: str | None = None,
+        deadline_ms: int = DEFAULT_DEADLINE_MS,
+    ) -> OpHandle[Results[KeyOutcome]]:
+        """Make objects resident in the node (whole layouts); each OK result carries a release handle."""
+        items, keys = [], []
+        for key, layout in _batch(expected_layouts, "expected_layouts"):
+            path = f"expected_layouts[{key!r}]"
+            _key(key, path)
+            if not layout or any(not (isinstance(s, tuple) and len(s) == 2) for s in layout):
+                raise ArgumentError(path, "expected a non-empty sequence of (span name, pool) pairs")
+            items.append(FetchItem(key, tuple(LayoutSpan(n, p) for n, p in layout)))
+            keys.append(key)
+        frozen = tuple(items)
+        return self._op("fetch", keys, lambda i: Fetch(i, frozen, request_id, deadline_ms), deadline_ms, False, [])
+
+    def release(self, handles: Iterable[int]) -> OpHandle[Results[KeyOutcome]]:
+        """Drop handle claims; results are keyed by the handle as 8 big-endian bytes."""
+        hs = list(handles)
+        if not hs:
+            raise ArgumentError("handles", "the batch is empty")
+        for i, h in enumerate(hs):
+            if isinstance(h, bool) or not isinstance(h, int) or h <= 0:
+                raise ArgumentError(f"handles[{i}]", f"expected a positive int handle, got {h!r}")
+        keys = [h.to_bytes(8, "big") for h in hs]
+        frozen = tuple(hs)
+        return self._op("release", keys, lambda i: Release(i, frozen), 10_000, False, [])
+
+    def query(self, keys: Iterable[bytes], request_id: str | None = None) -> OpHandle[Results[KeyPresence]]:
+        """Where are these keys? Advisory: a HIT may be evicted before the next call."""
+        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(_batch(keys, "keys"))]
+        frozen = tuple(ks)
+
+        def convert(msg: Message) -> Results[KeyPresence]:
+            assert isinstance(msg, QueryReply)
+            return Results([(k, KeyPresence(r.presence, r.tier)) for k, r in zip(ks, msg.results, strict=True)])
+
+        op_id, fut = self.core.request(lambda i: Query(i, frozen, request_id), convert, 10.0)
+        return self._handle(op_id, "query", fut)
+
+    def submit_hint(self, request_id: str, source_endpoint: str, keys: Iterable[bytes]) -> OpHandle[None]:
+        """Tell the node that, for ``request_id``, ``keys`` may be held by the node at ``source_endpoint``."""
+        if not request_id:
+            raise ArgumentError("request_id", "must not be empty")
+        if "://" not in source_endpoint:
+            raise ArgumentError("source_endpoint", f"expected a ZeroMQ endpoint, got {source_endpoint!r}")
+        ks = tuple(_key(k, f"keys[{i}]") for i, k in enumerate(_batch(keys, "keys")))
+        op_id, fut = self.core.request(lambda i: SubmitHint(i, request_id, source_endpoint, ks), _ack, 10.0)
+        return self._handle(op_id, "hint", fut)
+
+    def discard_hint(self, request_id: str) -> OpHandle[None]:
+        op_id, fut = self.core.request(lambda i: DiscardHint(i, request_id), _ack, 10.0)
+        return self._handle(op_id, "unhint", fut)
+
+    def abort(self, handle: OpHandle[Any]) -> None:
+        """Best effort; the operation then completes, ABORTED where it had not finished."""
+        handle.abort()
+
+    def stats(self) -> OpHandle[dict[str, Any]]:
+        def convert(msg: Message) -> dict[str, Any]:
+            assert isinstance(msg, StatsReply)
+            return msg.stats
+
+        op_id, fut = self.core.request(lambda i: StatsRequest(i), convert, 10.0)
+        return self._handle(op_id, "stats", fut)
+
+    def _unregister_check(self, region: RegionHandle) -> None:
+        if self._regions.get(region.region) is not region:
+            raise ArgumentError("region", "not a region registered with this client")
+        if region.in_use:
+            raise ArgumentError("region", f"{region.in_use} pending operation(s) still use it")
+
+    def _unregister_on_io(self, region: RegionHandle) -> None:
+        self._regions.pop(region.region, None)
+        if region.registration is not None:
+            self.core.agent.deregister(region.registration)
+            region.registration = None
+
+    def _hello(self, timeout_s: float) -> Future[Any]:
+        fut: Future[Any] = Future()
+        regions = tuple(r.wire() for r in self._regions.values())
+        self.core.call(lambda: self.core.hello(regions, fut, timeout_s))
+        return fut
+
+
+def _ack(msg: Message) -> None:
+    if not isinstance(msg, Ack):
+        raise ValueError(f"expected ack, got {msg.TAG}")
+
+
+class Client(_Base):
+    """The blocking client. ``with Client(endpoint) as c: ...``"""
+
+    def __init__(self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0) -> None:
+        self._init(endpoint, name, max_version)
+        try:
+            self._hello(timeout).result(timeout + 5)
+        except BaseException:
+            self.core.close()
+            raise
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def register(self, buffer: Any) -> RegionHandle:
+        """Register a numpy/CuPy/torch buffer with NIXL and announce it to the node."""
+        handle = self._describe(buffer)
+        self.core.call(lambda: self._register_on_io(handle, True)).result(30)
+        try:
+            self._announce(handle)[1].result(15)
+        except BaseException:
+            self.core.call(lambda: self._unregister_on_io(handle)).result(30)
+            raise
+        return handle
+
+    def unregister(self, region: RegionHandle) -> None:
+        """Stop using a buffer: the node forgets the region, then NIXL deregisters it."""
+        self._unregister_check(region)
+        self.core.request(lambda i: UnregisterRegions(i, (region.region,)), _ack, 10.0)[1].result(15)
+        self.core.call(lambda: self._unregister_on_io(region)).result(30)
+
+    def reconnect(self, timeout: float = 10.0) -> Welcome:
+        """Open a new session (after node loss or restart), announcing every registered region."""
+        result: Welcome = self._hello(timeout).result(timeout + 5)
+        return result
+
+    def close(self) -> None:
+        """Bye to the node, deregister every buffer, stop the I/O thread."""
+        core = self.core
+        if core._closed:
+            return
+        try:
+            core.close()
+        finally:
+            for region in list(self._regions.values()):
+                if region.registration is not None:
+                    core.agent.deregister(region.registration)
+                    region.registration = None
+            self._regions.clear()
+
+
+class AsyncClient(_Base):
+    """The asyncio client. ``async with await AsyncClient.connect(endpoint) as c: ...``"""
+
+    def __init__(self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION) -> None:
+        self._init(endpoint, name, max_version)
+
+    @classmethod
+    async def connect(cls, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0) -> AsyncClient:
+        client = cls(endpoint, name, max_version)
+        try:
+            await asyncio.wrap_future(client._hello(timeout))
+        except BaseException:
+            await asyncio.to_thread(client.core.close)
+            raise
+        return client
+
+    async def __aenter__(self) -> AsyncClient:
+        if self.core.welcome is None:
+            await asyncio.wrap_future(self._hello(10.0))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def register(self, buffer: Any) -> RegionHandle:
+        handle = self._describe(buffer)
+        await asyncio.wrap_future(self.core.call(lambda: self._register_on_io(handle, True)))
+        try:
+            await asyncio.wrap_future(self._announce(handle)[1])
+        except BaseException:
+            await asyncio.wrap_future(self.core.call(lambda: self._unregister_on_io(handle)))
+            raise
+        return handle
+
+    async def unregister(self, region: RegionHandle) -> None:
+        self._unregister_check(region)
+        await asyncio.wrap_future(self.core.request(lambda i: UnregisterRegions(i, (region.region,)), _ack, 10.0)[1])
+        await asyncio.wrap_future(self.core.call(lambda: self._unregister_on_io(region)))
+
+    async def reconnect(self, timeout: float = 10.0) -> Welcome:
+        result: Welcome = await asyncio.wrap_future(self._hello(timeout))
+        return result
+
+    async def close(self) -> None:
+        await asyncio.to_thread(Client.close, self)  # type: ignore[arg-type]
+
+
+__all__ = ["AsyncClient", "Client", "KvcrError", "NodeLostError", "RegionHandle", "Span"]

@@ -1,0 +1,45 @@
+"""Exceptions a client raises; protocol errors are translated here, once."""
+
+from __future__ import annotations
+
+from kvcr_protocol import ErrorCode
+
+
+class KvcrError(Exception):
+    """Base of every kvcr client error."""
+
+
+class ArgumentError(KvcrError, ValueError):
+    """A call's argument is wrong; ``field`` names it. Nothing was sent."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{field}: {reason}")
+
+
+class NodeError(KvcrError):
+    """The node refused a request whole; ``code`` and ``path`` say why and where."""
+
+    def __init__(self, code: int, reason: str, path: str = "") -> None:
+        self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else code
+        self.reason = reason
+        self.path = path
+        name = self.code.name if isinstance(self.code, ErrorCode) else str(code)
+        super().__init__(f"{name}{' at ' + path if path else ''}: {reason}")
+
+
+class NodeLostError(KvcrError, ConnectionError):
+    """The connection to the node is gone; pending operations failed. ``reconnect()`` may help."""
+
+
+class OperationTimeout(KvcrError, TimeoutError):
+    """No answer within the operation's deadline.
+
+    For a deliver, the destination may still be written until the node confirms the
+    transfer is over or is known dead: do not reuse that memory blindly.
+    """
+
+
+class ClientClosed(KvcrError):
+    """The client was closed."""

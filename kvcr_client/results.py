@@ -1,0 +1,87 @@
+"""Operation handles and per-key results."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator, Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from kvcr_protocol import ErrorCode, KeyStatus, Presence
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class KeyOutcome:
+    """One key's outcome: status, error code (OK when none), reason, release handle."""
+
+    status: KeyStatus
+    code: ErrorCode | int = ErrorCode.OK
+    reason: str = ""
+    handle: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (KeyStatus.STORED, KeyStatus.DUPLICATE, KeyStatus.OK)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPresence:
+    """A query's answer for one key."""
+
+    presence: Presence
+    tier: str = ""
+
+
+class Results(Mapping[bytes, T]):
+    """Per-key results of one operation, in request order."""
+
+    def __init__(self, items: list[tuple[bytes, T]]) -> None:
+        self._items = items
+        self._map = dict(items)
+
+    def __getitem__(self, key: bytes) -> T:
+        return self._map[key]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return (k for k, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"Results({dict(self._items)!r})"
+
+    @property
+    def all_ok(self) -> bool:
+        return all(getattr(v, "ok", True) for _, v in self._items)
+
+
+class OpHandle(Generic[T]):
+    """An operation in progress: wait with ``result(timeout)``, ``await`` it, or poll ``done()``."""
+
+    def __init__(self, op_id: int, kind: str, future: Future[T], abort: Callable[[int], Any] | None = None) -> None:
+        self.op_id = op_id
+        self.kind = kind
+        self.future = future
+        self._abort = abort
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout: float | None = None) -> T:
+        """Block until the operation completes; re-raises its error."""
+        return self.future.result(timeout)
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return asyncio.wrap_future(self.future).__await__()
+
+    def abort(self) -> None:
+        """Best effort: ask the node to abort; the operation then completes (often ABORTED)."""
+        if self._abort is not None and not self.done():
+            self._abort(self.op_id)
+
+    def __repr__(self) -> str:
+        return f"OpHandle({self.kind} #{self.op_id}, done={self.done()})"

@@ -1,0 +1,115 @@
+"""``kvcr-node`` (run a node) and ``kvcr`` (talk to one: stats, version)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from kvcr_node.config import ConfigError, NodeConfig, default_endpoint, load_toml, pool_from_flag
+
+
+def _version() -> str:
+    try:
+        return version("kvcr")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvcr-node",
+        description="Run a kvcr node: memory pools registered with NIXL, served over ZeroMQ.",
+    )
+    p.add_argument("--config", type=Path, help="TOML file; flags given here override it")
+    p.add_argument("--endpoint", help=f"ZeroMQ endpoint to bind (default {default_endpoint()})")
+    p.add_argument("--name", help="node name shown to clients and peers")
+    p.add_argument(
+        "--pool", action="append", metavar="NAME:SLOT_SIZE:SLOT_COUNT[:MEMORY]",
+        help="declare a pool, e.g. kv:64KiB:4096:dram or full:64KiB:1024:hbm:0 (repeatable; replaces the config's pools)",
+    )
+    p.add_argument("--policy", choices=["fifo", "lru"])
+    p.add_argument("--low-watermark", type=float, help="capacity event threshold, fraction of a pool's slots")
+    p.add_argument("--protocol-version", type=int, help="speak protocol versions up to N only")
+    p.add_argument("--deadline-ms", type=int, help="deadline of operations that name none")
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ...")
+    p.add_argument("--version", action="version", version=f"kvcr-node {_version()}")
+    return p
+
+
+def build_config(args: argparse.Namespace) -> NodeConfig:
+    """Defaults, then the TOML file, then flags."""
+    config = load_toml(args.config) if args.config else NodeConfig()
+    changes: dict[str, Any] = {}
+    for attr in ("endpoint", "name", "policy", "low_watermark", "protocol_version", "deadline_ms", "log_level"):
+        value = getattr(args, attr)
+        if value is not None:
+            changes[attr] = value
+    if args.pool:
+        changes["pools"] = tuple(pool_from_flag(text) for text in args.pool)
+    return dataclasses.replace(config, **changes).validated()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvcr-node``."""
+    args = _parser().parse_args(argv)
+    try:
+        config = build_config(args)
+    except ConfigError as exc:
+        print(f"kvcr-node: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, config.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from kvcr_node.gpu import GpuUnavailable
+    from kvcr_node.node import Node
+
+    try:
+        node = Node(config)
+    except (GpuUnavailable, ImportError) as exc:
+        print(f"kvcr-node: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        print(f"kvcr-node: error: cannot start: {exc}", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGTERM, lambda *_: node.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: node.request_stop())
+    pools = ", ".join(f"{p.name}={p.slot_count}x{p.slot_size}B@{p.memory}" for p in config.pools)
+    print(f"kvcr-node {_version()} listening on {node.endpoint} (pools: {pools})", flush=True)
+    node.run()
+    logging.getLogger("kvcr.node").info("stopped")
+    return 0
+
+
+def tool_main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvcr``: ``kvcr stats [--endpoint E]``, ``kvcr version``."""
+    p = argparse.ArgumentParser(prog="kvcr", description="Talk to a kvcr node.")
+    sub = p.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("stats", help="print a node's statistics as JSON")
+    st.add_argument("--endpoint", default=default_endpoint())
+    st.add_argument("--timeout", type=float, default=5.0)
+    sub.add_parser("version", help="print the kvcr version")
+    args = p.parse_args(argv)
+    if args.command == "version":
+        print(_version())
+        return 0
+    from kvcr_client import Client, KvcrError
+
+    try:
+        with Client(args.endpoint, name="kvcr-cli", timeout=args.timeout) as client:
+            print(json.dumps(client.stats().result(args.timeout), indent=2, sort_keys=True))
+    except (KvcrError, TimeoutError) as exc:
+        print(f"kvcr: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Node configuration: flags or a TOML file, with a working default.
+
+Every error names the field it is about (``ConfigError``), so the CLI can print one clear
+line and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvcr_node.poolspec import PoolSpec
+from kvcr_protocol import CURRENT_VERSION, SUPPORTED_VERSIONS
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; ``field`` names it."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{field}: {reason}")
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_MEMORY = re.compile(r"^(dram|hbm:(\d+))$")
+
+
+def parse_size(value: Any, field: str) -> int:
+    """Bytes from an int or a string such as ``64KiB``, ``256M`` or ``1GiB`` (binary units)."""
+    if isinstance(value, bool):
+        raise ConfigError(field, f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (m := _SIZE.match(value)):
+        unit = (m.group(2) or "").upper()[:1]
+        size = int(m.group(1)) * _UNITS[unit if unit != "B" else ""]
+    else:
+        raise ConfigError(field, f"expected a size such as 65536 or '64KiB', got {value!r}")
+    if size <= 0:
+        raise ConfigError(field, f"must be positive, got {value!r}")
+    return size
+
+
+def parse_memory(value: Any, field: str) -> str:
+    """``dram`` or ``hbm:N`` (GPU N)."""
+    if not isinstance(value, str) or not _MEMORY.match(value):
+        raise ConfigError(field, f"expected 'dram' or 'hbm:N', got {value!r}")
+    return value
+
+
+def hbm_device(memory: str) -> int | None:
+    """The device of an ``hbm:N`` memory, or None for DRAM."""
+    m = _MEMORY.match(memory)
+    return int(m.group(2)) if m and m.group(2) is not None else None
+
+
+def default_endpoint() -> str:
+    """An ipc endpoint under the runtime dir ($XDG_RUNTIME_DIR, else /tmp/kvcr-$UID)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "kvcr" if runtime else Path(f"/tmp/kvcr-{os.getuid()}")
+    return f"ipc://{base / 'node.sock'}"
+
+
+def default_pools() -> tuple[PoolSpec, ...]:
+    """One DRAM pool ``kv`` of 64 KiB slots, 256 MiB in all."""
+    return (PoolSpec("kv", 64 << 10, 4096, "dram"),)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything a node needs to start."""
+
+    endpoint: str = field(default_factory=default_endpoint)
+    name: str = field(default_factory=lambda: f"kvcr-node-{os.getpid()}")
+    pools: tuple[PoolSpec, ...] = field(default_factory=default_pools)
+    policy: str = "lru"
+    low_watermark: float = 0.1
+    protocol_version: int = CURRENT_VERSION
+    deadline_ms: int = 30_000
+    """Deadline of an operation whose request names none."""
+    heartbeat_ms: int = 2_000
+    batch: int = 256
+    """Control messages drained per progress-loop turn."""
+    projection_cache: int = 512
+    log_level: str = "INFO"
+
+    def validated(self) -> NodeConfig:
+        """Check every field; raise ``ConfigError`` naming the first bad one."""
+        if not self.endpoint or "://" not in self.endpoint:
+            raise ConfigError("endpoint", f"expected a ZeroMQ endpoint such as ipc:///path or tcp://host:port, got {self.endpoint!r}")
+        if not self.name:
+            raise ConfigError("name", "must not be empty")
+        if not self.pools:
+            raise ConfigError("pools", "at least one pool is needed")
+        seen: set[str] = set()
+        for i, pool in enumerate(self.pools):
+            if pool.name in seen:
+                raise ConfigError(f"pools[{i}].name", f"pool {pool.name!r} is declared twice")
+            seen.add(pool.name)
+            parse_memory(pool.memory, f"pools[{i}].memory")
+        if self.policy not in ("fifo", "lru"):
+            raise ConfigError("policy", f"expected 'fifo' or 'lru', got {self.policy!r}")
+        if not 0.0 <= self.low_watermark < 1.0:
+            raise ConfigError("low_watermark", f"expected a fraction in [0, 1), got {self.low_watermark!r}")
+        if self.protocol_version not in SUPPORTED_VERSIONS:
+            raise ConfigError("protocol_version", f"expected one of {list(SUPPORTED_VERSIONS)}, got {self.protocol_version!r}")
+        for name in ("deadline_ms", "heartbeat_ms", "batch", "projection_cache"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(name, f"expected a positive integer, got {value!r}")
+        return self
+
+
+def pool_from_mapping(raw: Any, where: str) -> PoolSpec:
+    """A pool from a TOML table: name, slot_size, and slot_count or size, memory."""
+    if not isinstance(raw, dict):
+        raise ConfigError(where, "expected a table with name, slot_size, slot_count")
+    unknown = set(raw) - {"name", "slot_size", "slot_count", "size", "memory"}
+    if unknown:
+        raise ConfigError(f"{where}.{sorted(unknown)[0]}", "unknown pool field")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}.name", f"expected a non-empty string, got {name!r}")
+    if "slot_size" not in raw:
+        raise ConfigError(f"{where}.slot_size", "is required")
+    slot_size = parse_size(raw["slot_size"], f"{where}.slot_size")
+    if "slot_count" in raw:
+        count = raw["slot_count"]
+        if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+            raise ConfigError(f"{where}.slot_count", f"expected a positive integer, got {count!r}")
+    elif "size" in raw:
+        total = parse_size(raw["size"], f"{where}.size")
+        if total % slot_size:
+            raise ConfigError(f"{where}.size", f"{total} is not a multiple of slot_size {slot_size}")
+        count = total // slot_size
+    else:
+        raise ConfigError(f"{where}.slot_count", "is required (or give size)")
+    memory = parse_memory(raw.get("memory", "dram"), f"{where}.memory")
+    try:
+        return PoolSpec(name, slot_size, count, memory)
+    except ValueError as exc:
+        raise ConfigError(where, str(exc)) from exc
+
+
+def pool_from_flag(text: str) -> PoolSpec:
+    """A pool from ``NAME:SLOT_SIZE:SLOT_COUNT[:MEMORY]``, e.g. ``kv:64KiB:4096:dram``."""
+    parts = text.split(":")
+    if len(parts) == 5 and parts[3] == "hbm":
+        parts = [*parts[:3], f"hbm:{parts[4]}"]
+    if len(parts) not in (3, 4):
+        raise ConfigError("--pool", f"expected NAME:SLOT_SIZE:SLOT_COUNT[:MEMORY], got {text!r}")
+    count: Any = int(parts[2]) if parts[2].isdigit() else parts[2]
+    raw: dict[str, Any] = {"name": parts[0], "slot_size": parts[1], "slot_count": count}
+    if len(parts) == 4:
+        raw["memory"] = parts[3]
+    return pool_from_mapping(raw, "--pool")
+
+
+_TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "endpoint": str, "name": str, "policy": str, "low_watermark": (int, float), "protocol_version": int,
+    "deadline_ms": int, "heartbeat_ms": int, "batch": int, "projection_cache": int, "log_level": str,
+}
+
+
+def load_toml(path: Path, base: NodeConfig | None = None) -> NodeConfig:
+    """Read a TOML config file over ``base`` (defaults when None)."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from exc
+    return from_mapping(raw, base)
+
+
+def from_mapping(raw: dict[str, Any], base: NodeConfig | None = None) -> NodeConfig:
+    """Apply a parsed TOML document to ``base``."""
+    config = base or NodeConfig()
+    changes: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "pools":
+            if not isinstance(value, list):
+                raise ConfigError("pools", "expected an array of tables ([[pools]])")
+            changes["pools"] = tuple(pool_from_mapping(p, f"pools[{i}]") for i, p in enumerate(value))
+            continue
+        expected = _TOP_FIELDS.get(key)
+        if expected is None:
+            raise ConfigError(key, "unknown configuration field")
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise ConfigError(key, f"wrong type {type(value).__name__}")
+        changes[key] = float(raw[key]) if key == "low_watermark" else raw[key]
+    return replace(config, **changes).validated()

@@ -1,0 +1,53 @@
+"""The memory behind a node's pools: page-aligned DRAM (and HBM through CuPy)."""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import numpy as np
+
+from kvcr_node.config import hbm_device
+from kvcr_node.poolspec import PoolSpec
+from kvcr_protocol import MemoryKind
+
+
+class PoolMemory:
+    """One pool's bytes: ``slot_count`` slots of ``slot_size`` bytes at ``address``."""
+
+    def __init__(self, spec: PoolSpec) -> None:
+        self.spec = spec
+        self.device = hbm_device(spec.memory)
+        self._keep: Any
+        if self.device is None:
+            # Anonymous mmap: page aligned, zero filled, never swapped into a Python heap.
+            self._keep = mmap.mmap(-1, spec.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.array: Any = np.frombuffer(self._keep, dtype=np.uint8)
+            self.kind = MemoryKind.DRAM
+            self.address = int(self.array.ctypes.data)
+        else:
+            from kvcr_node.gpu import allocate_hbm
+
+            self.array, self.address = allocate_hbm(spec.size, self.device)
+            self._keep = self.array
+            self.kind = MemoryKind.VRAM
+
+    @property
+    def nixl_device(self) -> int:
+        return self.device or 0
+
+    def slot_address(self, slot: int) -> int:
+        return self.address + slot * self.spec.slot_size
+
+    def view(self, slot: int) -> Any:
+        """The bytes of one slot (DRAM: a numpy view; HBM: a CuPy view)."""
+        size = self.spec.slot_size
+        return self.array[slot * size : (slot + 1) * size]
+
+    def close(self) -> None:
+        if isinstance(self._keep, mmap.mmap):
+            del self.array
+            try:
+                self._keep.close()
+            except BufferError:  # a view still exists; the mapping goes with the process
+                pass

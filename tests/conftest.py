@@ -1,0 +1,106 @@
+"""Shared fixtures: real kvcr-node processes on private ipc endpoints, bounded waits."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 15.0
+
+
+@dataclass
+class NodeProcess:
+    """A running ``kvcr-node`` child process."""
+
+    proc: subprocess.Popen[str]
+    endpoint: str
+    args: list[str]
+    output: list[str] = field(default_factory=list)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Signal the node and wait (bounded) for it to exit; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(STOP_TIMEOUT_S)
+        if self.proc.stdout is not None:
+            self.output.append(self.proc.stdout.read() or "")
+            self.proc.stdout.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """kill -9: no cleanup at all."""
+        self.stop(signal.SIGKILL)
+
+
+def start_node(endpoint: str, *extra: str) -> NodeProcess:
+    """Start ``kvcr-node`` and wait until it prints the endpoint it bound."""
+    args = [sys.executable, "-m", "kvcr_node.cli", "--endpoint", endpoint, "--log-level", "WARNING", *extra]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    node = NodeProcess(proc, endpoint, args)
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                break
+            node.output.append(line)
+            if "listening on" in line:
+                return node
+        node.stop(signal.SIGKILL)
+        raise RuntimeError(f"kvcr-node did not start: {''.join(node.output)}")
+    finally:
+        sel.close()
+
+
+@pytest.fixture
+def ipc_dir() -> Iterator[Path]:
+    # ipc paths are limited to ~107 bytes: keep them short.
+    short = Path(f"/tmp/kvcr-test-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    short.mkdir(parents=True)
+    yield short
+    for p in short.iterdir():
+        p.unlink(missing_ok=True)
+    short.rmdir()
+
+
+@pytest.fixture
+def node_factory(ipc_dir: Path) -> Iterator[Callable[..., NodeProcess]]:
+    """Start nodes on fresh ipc endpoints; every one is stopped after the test."""
+    nodes: list[NodeProcess] = []
+    counter = iter(range(1000))
+
+    def make(*extra: str) -> NodeProcess:
+        node = start_node(f"ipc://{ipc_dir}/n{next(counter)}.sock", *extra)
+        nodes.append(node)
+        return node
+
+    yield make
+    for node in nodes:
+        node.stop()
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    """Patterned, seed-dependent bytes (never zeros), so misplaced bytes show."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(1, 256, size=n, dtype=np.uint8)
+    return data
