@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from kvcr_protocol import MemoryKind
 
 Desc = tuple[int, int, int]
@@ -106,6 +108,24 @@ class Agent:
         """Create and post a transfer; returns (handle, state) with state DONE, PROC or ERR."""
         try:
             handle = self._nixl.make_prepped_xfer(op, local, list(local_idx), remote, list(remote_idx))
+        except Exception as exc:
+            raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
+        try:
+            state: str = self._nixl.transfer(handle)
+        except Exception as exc:
+            self.release(handle)
+            raise TransferError(f"NIXL could not post the {op}: {exc}") from exc
+        return handle, state
+
+    def start_descs(
+        self, op: str, local_kind: MemoryKind, local: Sequence[Desc], remote_kind: MemoryKind,
+        remote: Sequence[Desc], remote_agent: str,
+    ) -> tuple[Any, str]:
+        """Create and post a transfer from explicit descriptor lists (merged spans)."""
+        try:
+            ldescs = self._nixl.get_xfer_descs(np.array(local, dtype=np.uint64), _MEM[local_kind])
+            rdescs = self._nixl.get_xfer_descs(np.array(remote, dtype=np.uint64), _MEM[remote_kind])
+            handle = self._nixl.initialize_xfer(op, ldescs, rdescs, remote_agent)
         except Exception as exc:
             raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
         try:

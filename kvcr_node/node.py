@@ -58,6 +58,7 @@ from kvcr_protocol import (
     RegisterRegions,
     Release,
     RemoteProtocolError,
+    SrcSpan,
     StatsReply,
     StatsRequest,
     SubmitHint,
@@ -67,10 +68,10 @@ from kvcr_protocol import (
     encode,
     negotiate,
     peek_id,
-    resolve_span,
     supported_up_to,
 )
 from kvcr_protocol import Deliver as DeliverMsg
+from kvcr_protocol.descriptors import resolve_spans
 from kvcr_protocol.versions import BASE_VERSION
 
 log = logging.getLogger("kvcr.node")
@@ -404,9 +405,11 @@ class Node:
             outcome, entry = self.store.begin_deposit(item.key, layout, msg.optional)
             if outcome is DepositOutcome.NEW:
                 assert entry is not None
-                slots = entry.slots
                 fills.append((i, entry))
-                moves.extend(Move(m.pool, slot, m.remote, m.remote_kind) for m, slot in zip(item_moves, slots, strict=True))
+                moves.extend(
+                    (span.pool, slot, address, length, region)
+                    for span, slot, (address, length, region) in zip(item.spans, entry.slots, item_moves, strict=True)
+                )
             elif outcome is DepositOutcome.DUPLICATE:
                 op.set(i, KeyResult(KeyStatus.DUPLICATE))
             elif outcome is DepositOutcome.DROPPED:
@@ -421,19 +424,18 @@ class Node:
             self._start(op, "READ", moves, lambda ok: self._deposit_done(op, fills, msg.no_evict, ok))
         self._finish_if_settled(op)
 
-    def _deposit_moves(self, session: ClientSession, spans: Sequence[Any], path: str) -> list[Move]:
-        moves = []
+    def _deposit_moves(self, session: ClientSession, spans: Sequence[SrcSpan], path: str) -> list[tuple[int, int, Region]]:
+        """Check a deposit's spans (pool, size, region) and resolve them to client addresses."""
+        memories = self.memories
         for j, span in enumerate(spans):
-            mem = self.memories.get(span.pool)
+            mem = memories.get(span.pool)
             if mem is None:
                 raise DescriptorError(ErrorCode.UNKNOWN_POOL, f"pool {span.pool!r} does not exist", f"{path}[{j}].pool")
             if span.length != mem.spec.slot_size:
                 raise DescriptorError(
                     ErrorCode.SIZE_MISMATCH, f"span of {span.length} bytes, pool {span.pool!r} slots hold {mem.spec.slot_size}", f"{path}[{j}].length"
                 )
-            region, extent = resolve_span(session.regions, span.region, span.offset, span.length, f"{path}[{j}]")
-            moves.append(Move(span.pool, -1, extent, region.kind))
-        return moves
+        return resolve_spans(session.regions, [(s.region, s.offset, s.length) for s in spans], path)
 
     def _deposit_done(self, op: Operation, fills: list[tuple[int, ObjectEntry]], no_evict: bool, ok: bool) -> None:
         for i, entry in fills:
@@ -499,19 +501,22 @@ class Node:
         self._finish_if_settled(op)
 
     def _deliver_moves(self, session: ClientSession, entry: ObjectEntry, item: DeliverItem, path: str) -> list[Move]:
+        """Project the destination onto the stored layout, check sizes and regions."""
         layout = entry.layout
-        stored_names = tuple(name for name, _ in layout)
-        projection = self.projections.project(stored_names, tuple(s.name for s in item.spans))
+        spans = item.spans
+        projection = self.projections.project(tuple(name for name, _ in layout), tuple(s.name for s in spans))
         slots = entry.slots
-        moves = []
-        for j, (span, index) in enumerate(zip(item.spans, projection.indices, strict=True)):
-            pool = layout[index][1]
-            size = self.memories[pool].spec.slot_size
+        pools = [layout[index][1] for index in projection.indices]
+        memories = self.memories
+        for j, (span, pool) in enumerate(zip(spans, pools, strict=True)):
+            size = memories[pool].spec.slot_size
             if span.length != size:
                 raise DescriptorError(ErrorCode.SIZE_MISMATCH, f"span of {span.length} bytes, the stored span holds {size}", f"{path}.spans[{j}].length")
-            region, extent = resolve_span(session.regions, span.region, span.offset, span.length, f"{path}.spans[{j}]")
-            moves.append(Move(pool, slots[index], extent, region.kind))
-        return moves
+        resolved = resolve_spans(session.regions, [(s.region, s.offset, s.length) for s in spans], f"{path}.spans")
+        return [
+            (pool, slots[index], address, length, region)
+            for pool, index, (address, length, region) in zip(pools, projection.indices, resolved, strict=True)
+        ]
 
     def _deliver_done(self, op: Operation, claimed: list[tuple[int, ObjectEntry]], ok: bool) -> None:
         for i, entry in claimed:

@@ -1,8 +1,10 @@
 """Build, post and poll NIXL transfers between pool slots and a remote agent's memory.
 
 Each pool memory (one per memory kind and device) gets one descriptor list prepared at
-start, one descriptor per slot: a transfer then selects slots by index (DESIGN 9). The
-remote side is prepared per transfer from the destination spans.
+start, one descriptor per slot, so a transfer selects slots by index (DESIGN 9). When
+consecutive spans are contiguous on both sides (consecutive slots of one pool into
+consecutive client bytes) they are merged into one descriptor first: small descriptors
+are slow, and most objects land in consecutive slots.
 """
 
 from __future__ import annotations
@@ -11,55 +13,46 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcr_client.agent import Agent, TransferError
+from kvcr_client.agent import Agent, Desc, TransferError
 from kvcr_node.memory import PoolMemory
-from kvcr_protocol import MemoryKind
-from kvcr_protocol.descriptors import Extent
+from kvcr_protocol import MemoryKind, Region
 
+Move = tuple[str, int, int, int, Region]
+"""One span: (pool, slot, remote address, length, remote region)."""
 
-@dataclass(frozen=True, slots=True)
-class Move:
-    """One span: a slot of a pool, and an extent in the remote agent's memory."""
-
-    pool: str
-    slot: int
-    remote: Extent
-    remote_kind: MemoryKind
+_MERGE_GAIN = 2
+"""Merge only when it at least halves the descriptor count; else use the prepared lists."""
 
 
 @dataclass
 class Transfer:
     """One logical transfer (possibly several NIXL requests); terminal when all are."""
 
-    requests: list[Any]
-    dlists: list[Any]
     on_done: Callable[[bool], None]
     bytes: int
+    requests: list[Any] = field(default_factory=list)
+    dlists: list[Any] = field(default_factory=list)
+    pending: list[Any] = field(default_factory=list)
     state: str = "PROC"
     failed: bool = False
-    pending: list[Any] = field(default_factory=list)
 
 
 class LocalLists:
     """The prepared slot descriptor lists of every pool, grouped by memory kind and device."""
 
     def __init__(self, agent: Agent, memories: Sequence[PoolMemory]) -> None:
-        self.agent = agent
         self.lists: dict[tuple[MemoryKind, int], Any] = {}
-        self.base: dict[str, tuple[tuple[MemoryKind, int], int]] = {}
-        groups: dict[tuple[MemoryKind, int], list[tuple[int, int, int]]] = {}
+        self.pools: dict[str, tuple[tuple[MemoryKind, int], int, int, int]] = {}
+        """pool -> (group, index of slot 0 in the group's list, address of slot 0, slot size)"""
+        groups: dict[tuple[MemoryKind, int], list[Desc]] = {}
         for mem in memories:
             group = (mem.kind, mem.nixl_device)
             descs = groups.setdefault(group, [])
-            self.base[mem.spec.name] = (group, len(descs))
             size = mem.spec.slot_size
+            self.pools[mem.spec.name] = (group, len(descs), mem.address, size)
             descs.extend((mem.address + i * size, size, mem.nixl_device) for i in range(mem.spec.slot_count))
         for group, descs in groups.items():
             self.lists[group] = agent.prep_local(group[0], descs)
-
-    def index(self, pool: str, slot: int) -> tuple[tuple[MemoryKind, int], int]:
-        group, base = self.base[pool]
-        return group, base + slot
 
 
 class Transfers:
@@ -70,6 +63,7 @@ class Transfers:
         self.local = local
         self.inflight: list[Transfer] = []
         self.posted = 0
+        self.merged = 0
         self.failed = 0
         self.bytes = 0
 
@@ -77,38 +71,70 @@ class Transfers:
         """Post ``op`` (READ: remote -> slots; WRITE: slots -> remote) for ``moves``.
 
         Raises ``TransferError`` when NIXL refuses to create or post it; nothing is then
-        in flight. ``on_done(ok)`` runs once when every part is terminal.
+        in flight. Otherwise ``on_done(ok)`` runs exactly once, when every part is terminal.
         """
-        groups: dict[tuple[tuple[MemoryKind, int], MemoryKind, int], tuple[list[int], list[tuple[int, int, int]]]] = {}
-        for m in moves:
-            group, idx = self.local.index(m.pool, m.slot)
-            key = (group, m.remote_kind, m.remote.device)
-            local_idx, remote_descs = groups.setdefault(key, ([], []))
-            local_idx.append(idx)
-            remote_descs.append((m.remote.address, m.remote.length, m.remote.device))
-        transfer = Transfer([], [], on_done, sum(m.remote.length for m in moves))
+        pools = self.local.pools
+        # Group by (local memory, remote memory); within a group, merge contiguous runs.
+        groups: dict[tuple[tuple[MemoryKind, int], MemoryKind, int], list[list[Any]]] = {}
+        total = 0
+        for pool, slot, address, length, region in moves:
+            group, base, pool_addr, size = pools[pool]
+            total += length
+            runs = groups.setdefault((group, region.kind, region.device), [])
+            local_addr = pool_addr + slot * size
+            if runs:
+                last = runs[-1]
+                # Only consecutive slots of one pool: pools may sit back to back in memory.
+                if last[5] == pool and last[0] + last[2] == local_addr and last[1] + last[2] == address:
+                    last[2] += length
+                    last[3] += 1
+                    continue
+            runs.append([local_addr, address, length, 1, base + slot, pool])
+        transfer = Transfer(on_done, total)
         try:
-            for (group, rkind, _), (local_idx, remote_descs) in groups.items():
-                remote = self.agent.prep_remote(remote_agent, rkind, remote_descs)
-                transfer.dlists.append(remote)
-                handle, state = self.agent.start(
-                    op, self.local.lists[group], local_idx, remote, range(len(remote_descs))
-                )
-                transfer.requests.append(handle)
-                if state == "ERR":
-                    raise TransferError(f"NIXL failed to post the {op}")
-                if state == "PROC":
-                    transfer.pending.append(handle)
+            for (group, rkind, rdev), runs in groups.items():
+                self._post_group(transfer, op, remote_agent, group, rkind, rdev, runs)
         except TransferError:
             self._drain_then_release(transfer)
             raise
         self.posted += 1
-        self.bytes += transfer.bytes
-        if not transfer.pending:
-            self._finish(transfer, ok=True)
-        else:
+        self.bytes += total
+        if transfer.pending:
             self.inflight.append(transfer)
+        else:
+            self._finish(transfer, ok=True)
         return transfer
+
+    def _post_group(
+        self, transfer: Transfer, op: str, remote_agent: str, group: tuple[MemoryKind, int],
+        rkind: MemoryKind, rdev: int, runs: list[list[Any]],
+    ) -> None:
+        spans = sum(r[3] for r in runs)
+        if len(runs) * _MERGE_GAIN <= spans:
+            self.merged += 1
+            local = [(r[0], r[2], group[1]) for r in runs]
+            remote = [(r[1], r[2], rdev) for r in runs]
+            handle, state = self.agent.start_descs(op, group[0], local, rkind, remote, remote_agent)
+        else:
+            local_idx: list[int] = []
+            remote_descs: list[Desc] = []
+            for _, address, length, count, first, _ in runs:
+                if count == 1:
+                    local_idx.append(first)
+                    remote_descs.append((address, length, rdev))
+                    continue
+                size = length // count
+                for k in range(count):
+                    local_idx.append(first + k)
+                    remote_descs.append((address + k * size, size, rdev))
+            rlist = self.agent.prep_remote(remote_agent, rkind, remote_descs)
+            transfer.dlists.append(rlist)
+            handle, state = self.agent.start(op, self.local.lists[group], local_idx, rlist, range(len(remote_descs)))
+        transfer.requests.append(handle)
+        if state == "ERR":
+            raise TransferError(f"NIXL failed to post the {op}")
+        if state == "PROC":
+            transfer.pending.append(handle)
 
     def _drain_then_release(self, transfer: Transfer) -> None:
         # Parts already posted may still touch memory: wait for them before freeing.

@@ -61,3 +61,32 @@ def regions_overlap(a: Region, b: Region) -> bool:
     if a.kind != b.kind or a.device != b.device:
         return False
     return a.address < b.address + b.length and b.address < a.address + a.length
+
+
+def resolve_spans(
+    regions: Mapping[int, Region], spans: Sequence[tuple[int, int, int]], path: str
+) -> list[tuple[int, int, Region]]:
+    """Resolve many ``(region, offset, length)`` spans at once: ``(address, length, region)`` each.
+
+    Same rules as ``resolve_span``, one loop, no per-span objects (hot path of large
+    layouts); errors name ``{path}[j]``.
+    """
+    out: list[tuple[int, int, Region]] = []
+    last_id = -1
+    reg: Region | None = None
+    for j, (region, offset, length) in enumerate(spans):
+        if region != last_id:
+            reg = regions.get(region)
+            last_id = region
+        if reg is None:
+            raise DescriptorError(ErrorCode.BAD_DESCRIPTOR, f"region {region} was not announced", f"{path}[{j}].region")
+        if length == 0:
+            raise DescriptorError(ErrorCode.BAD_DESCRIPTOR, "a span has length 0", f"{path}[{j}].length")
+        if offset > reg.length or length > reg.length - offset:
+            raise DescriptorError(
+                ErrorCode.BAD_DESCRIPTOR,
+                f"[{offset}, {offset + length}) lies outside region {region} of {reg.length} bytes",
+                f"{path}[{j}].offset",
+            )
+        out.append((reg.address + offset, length, reg))
+    return out

@@ -1,0 +1,227 @@
+"""Local benchmark: a kvcr node and a client on one host, each against its raw anchor.
+
+Measured in one run, in one process tree:
+
+1. deliver of a 64 MiB object of 64 KiB spans through the node, against a raw NIXL WRITE
+   of the same descriptors from a bare NIXL process into the same kind of client buffer
+   (timed in the writer, and end to end with a raw ZeroMQ trigger);
+2. query round trip against a raw ZeroMQ DEALER/ROUTER msgpack echo;
+3. admission into a full pool as evictable objects in an unrelated pool grow 1k..100k;
+4. the node's CPU use while idle, and index memory per stored object at 100,000 objects.
+
+Run: ``python bench/local.py`` (about a minute). Ratios matter, not absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from admission import index_bytes_per_object, measure_admission  # noqa: E402
+from stats import fmt_gbps, fmt_us, summary  # noqa: E402
+
+from kvcr_client import Client, Span  # noqa: E402
+from kvcr_client.agent import load_nixl  # noqa: E402
+
+SPAN = 64 << 10
+SPANS = 1024
+OBJECT = SPAN * SPANS  # 64 MiB
+
+
+# --------------------------------------------------------------------------- raw anchors
+
+
+def raw_writer(endpoint: str) -> None:
+    """A bare NIXL process: a page-aligned pool registered once, WRITEs on request."""
+    nixl = load_nixl()
+    agent = nixl.nixl_agent("raw-writer", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    buf = mmap.mmap(-1, OBJECT, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pool = np.frombuffer(buf, dtype=np.uint8)
+    pool[:] = (np.arange(OBJECT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
+    base = pool.ctypes.data
+    agent.register_memory([(base, OBJECT, 0, "")], "DRAM")
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    remote = None
+    print("ready", flush=True)
+    while True:
+        ident, frame = sock.recv_multipart()
+        msg = msgpack.unpackb(frame)
+        if msg["t"] == "setup":
+            name = agent.add_remote_agent(msg["md"])
+            remote = agent.prep_xfer_dlist(name, [(msg["addr"] + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
+            sock.send_multipart([ident, msgpack.packb({"t": "ok"})])
+        elif msg["t"] == "write":
+            t0 = time.perf_counter()
+            handle = agent.make_prepped_xfer("WRITE", local, list(range(SPANS)), remote, list(range(SPANS)))
+            state = agent.transfer(handle)
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+            agent.release_xfer_handle(handle)
+            sock.send_multipart([ident, msgpack.packb({"t": "done", "s": time.perf_counter() - t0, "state": state})])
+        elif msg["t"] == "echo":
+            sock.send_multipart([ident, msgpack.packb({"t": "echo", "id": msg["id"], "v": 2})])
+        elif msg["t"] == "quit":
+            sock.send_multipart([ident, msgpack.packb({"t": "bye"})])
+            break
+    sock.close(0)
+    ctx.term()
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # NIXL logs its start-up on stdout: skip to our line
+        seen.append(line)
+        if line.startswith("ready") or "listening on" in line:
+            return proc
+    proc.kill()
+    raise RuntimeError(f"{args[0]} did not start: {''.join(seen)}")
+
+
+def bench_raw(endpoint: str, reps: int) -> dict[str, Any]:
+    """Raw NIXL WRITE of 1024 x 64 KiB into a buffer of this process, and a raw ZeroMQ echo."""
+    nixl = load_nixl()
+    agent = nixl.nixl_agent("raw-client", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    dst = np.zeros(OBJECT, dtype=np.uint8)
+    agent.register_memory([(dst.ctypes.data, OBJECT, 0, "")], "DRAM")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send(msgpack.packb({"t": "setup", "md": agent.get_agent_metadata(), "addr": dst.ctypes.data}))
+    assert msgpack.unpackb(sock.recv())["t"] == "ok"
+    in_writer, end_to_end = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sock.send(msgpack.packb({"t": "write"}))
+        # The target side needs progress too (DESIGN 9): progress while waiting.
+        while not sock.poll(0):
+            agent.get_new_notifs()
+        reply = msgpack.unpackb(sock.recv())
+        end_to_end.append(time.perf_counter() - t0)
+        assert reply["state"] == "DONE", reply
+        in_writer.append(reply["s"])
+    echo = []
+    for i in range(2000):
+        t0 = time.perf_counter()
+        sock.send(msgpack.packb({"v": 2, "t": "echo", "id": i, "keys": [b"k" * 32]}))
+        reply = msgpack.unpackb(sock.recv())
+        echo.append(time.perf_counter() - t0)
+        assert reply["id"] == i
+    sock.send(msgpack.packb({"t": "quit"}))
+    sock.recv()
+    sock.close(0)
+    ctx.term()
+    return {"write": summary(in_writer), "write_e2e": summary(end_to_end), "echo": summary(echo[200:]), "dst": dst}
+
+
+# --------------------------------------------------------------------------- kvcr
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_kvcr(endpoint: str, node_pid: int, reps: int, idle_s: float) -> dict[str, Any]:
+    src = (np.arange(OBJECT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
+    dst = np.zeros(OBJECT, dtype=np.uint8)
+    with Client(endpoint, name="bench") as client:
+        rs, rd = client.register(src), client.register(dst)
+        out = client.deposit({b"obj": [Span(f"L{i}", rs, i * SPAN, SPAN, "kv") for i in range(SPANS)]}).result(30)
+        assert out[b"obj"].ok, out
+        dest = {b"obj": [Span(f"L{i}", rd, i * SPAN, SPAN) for i in range(SPANS)]}
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            res = client.deliver(dest).result(30)
+            times.append(time.perf_counter() - t0)
+            assert res[b"obj"].ok, res
+        if not np.array_equal(src, dst):
+            raise AssertionError("delivered bytes differ from the deposited bytes")
+        queries = []
+        for _ in range(2000):
+            t0 = time.perf_counter()
+            client.query([b"obj"]).result(5)
+            queries.append(time.perf_counter() - t0)
+        # Idle: a client connected, nothing in flight.
+        c0, t0 = cpu_seconds(node_pid), time.monotonic()
+        time.sleep(idle_s)
+        idle = (cpu_seconds(node_pid) - c0) / (time.monotonic() - t0)
+        client_cpu0, t1 = cpu_seconds(os.getpid()), time.monotonic()
+        time.sleep(1.0)
+        client_idle = (cpu_seconds(os.getpid()) - client_cpu0) / (time.monotonic() - t1)
+        stats = client.stats().result(5)
+        assert stats["invariants"] == [], stats["invariants"]
+    return {"deliver": summary(times), "query": summary(queries[200:]), "idle_cpu": idle, "client_idle_cpu": client_idle}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--raw-writer", help=argparse.SUPPRESS)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--idle-seconds", type=float, default=5.0)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller admission sweep")
+    args = parser.parse_args()
+    if args.raw_writer:
+        raw_writer(args.raw_writer)
+        return 0
+    reps = 8 if args.quick else args.reps
+    run = Path(f"/tmp/kvcr-bench-{os.getpid()}")
+    run.mkdir(exist_ok=True)
+    node = _spawn("-m", "kvcr_node.cli", "--endpoint", f"ipc://{run}/node.sock", "--pool", f"kv:64KiB:{2 * SPANS}", "--log-level", "WARNING")
+    raw = _spawn(__file__, "--raw-writer", f"ipc://{run}/raw.sock")
+    try:
+        k = bench_kvcr(f"ipc://{run}/node.sock", node.pid, reps, 1.0 if args.quick else args.idle_seconds)
+        r = bench_raw(f"ipc://{run}/raw.sock", reps)
+    finally:
+        for p in (node, raw):
+            p.terminate()
+            p.wait(15)
+        for f in run.iterdir():
+            f.unlink()
+        run.rmdir()
+
+    print(f"deliver of a {OBJECT >> 20} MiB object, {SPANS} spans of {SPAN >> 10} KiB, DRAM -> DRAM, separate processes")
+    print(f"  kvcr deliver (client-observed)   {fmt_gbps(OBJECT, k['deliver'])}")
+    print(f"  raw NIXL WRITE (in the writer)   {fmt_gbps(OBJECT, r['write'])}")
+    print(f"  raw NIXL WRITE + ZeroMQ trigger  {fmt_gbps(OBJECT, r['write_e2e'])}")
+    ratio = r["write"]["median"] / k["deliver"]["median"]
+    ratio_e2e = r["write_e2e"]["median"] / k["deliver"]["median"]
+    print(f"  ratio kvcr / raw NIXL: {ratio:.2f} (goal >= 0.85); against raw NIXL + trigger: {ratio_e2e:.2f}")
+    print("query round trip")
+    print(f"  kvcr query        {fmt_us(k['query'])}")
+    print(f"  raw ZeroMQ echo   {fmt_us(r['echo'])}")
+    print(f"  ratio kvcr / raw echo p50: {k['query']['median'] / r['echo']['median']:.2f} (goal <= 1.3)")
+    print("admission into a full pool B, evicting one object of B each (FIFO)")
+    sweep = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
+    adm = {n: measure_admission(n) for n in sweep}
+    for n, m in adm.items():
+        print(f"  {n:>7,} evictable objects in unrelated pool A: median {m['median_s'] * 1e6:6.2f} us/admission, {int(m['visits'])} candidates visited for 64 admissions")
+    print(f"  ratio {sweep[-1] // 1000}k/1k: {adm[sweep[-1]]['median_s'] / adm[1_000]['median_s']:.2f} (goal <= 1.5)")
+    print(f"node CPU while idle with a client connected: {k['idle_cpu'] * 100:.2f}% of a core (goal < 1%)")
+    print(f"client process CPU while idle: {k['client_idle_cpu'] * 100:.2f}% of a core")
+    n_index = 10_000 if args.quick else 100_000
+    print(f"index memory per stored object at {n_index:,} objects: 1 span {index_bytes_per_object(n_index, 1):.0f} B, "
+          f"64 spans {index_bytes_per_object(n_index, 64):.0f} B (goal < 1024 B)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
