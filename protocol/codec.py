@@ -35,7 +35,7 @@ def encode(message: Message, version: int = CURRENT_VERSION) -> bytes:
     (a must-understand field set at a version that lacks it) or is otherwise invalid.
     """
     cls = type(message)
-    if cls.TAG not in MESSAGE_BY_TAG:
+    if getattr(cls, "TAG", None) not in MESSAGE_BY_TAG:
         raise LocalProtocolError(ErrorCode.UNKNOWN_TYPE, f"{cls.__name__} is not a protocol message", "t")
     if version not in SUPPORTED_VERSIONS:
         raise LocalProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"cannot encode at version {version}", "v")
@@ -60,8 +60,25 @@ def encode(message: Message, version: int = CURRENT_VERSION) -> bytes:
             out[f.key] = f.type.dump(value)
         except (AttributeError, TypeError, ValueError) as exc:
             raise LocalProtocolError(ErrorCode.WRONG_TYPE, f"cannot encode: {exc}", f.name) from exc
-    frame: bytes = msgpack.packb(out, use_bin_type=True)
+    try:
+        frame: bytes = msgpack.packb(out, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as exc:
+        # A value msgpack cannot carry (an int beyond 64 bits, an arbitrary object).
+        raise LocalProtocolError(ErrorCode.WRONG_TYPE, f"cannot encode: {exc}", "") from exc
     return frame
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    # Extension types are never valid; max_ext_len=0 alone still lets a 0-byte ext through.
+    raise ValueError(f"extension type {code}")
+
+
+def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    # A map with a repeated key is ambiguous (first or last wins?): refuse it.
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a map repeats a key")
+    return out
 
 
 def _unpack(frame: bytes, limits: Limits) -> Any:
@@ -78,6 +95,8 @@ def _unpack(frame: bytes, limits: Limits) -> Any:
             max_array_len=limits.max_spans + 16,
             max_map_len=4096,
             max_ext_len=0,
+            ext_hook=_no_ext,
+            object_pairs_hook=_unique_map,
         )
     except (ValueError, msgpack.UnpackException, msgpack.ExtraData, TypeError, RecursionError) as exc:
         raise RemoteProtocolError(ErrorCode.MALFORMED, f"not a single msgpack object: {type(exc).__name__}") from exc

@@ -26,7 +26,7 @@ class ErrorCode(enum.IntEnum):
 
     # 100-199: the frame itself is unacceptable.
     MALFORMED = 100
-    """Not decodable msgpack, trailing bytes, or an extension type."""
+    """Not decodable msgpack, trailing bytes, an extension type, or a repeated map key."""
     NOT_A_MAP = 101
     """The top-level object is not a map."""
     MISSING_FIELD = 102

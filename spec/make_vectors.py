@@ -1,0 +1,1146 @@
+"""Generate the conformance vectors in ``spec/vectors/`` (and the spec's field tables).
+
+``python spec/make_vectors.py`` rewrites ``spec/vectors/valid.json`` and
+``spec/vectors/invalid.json`` deterministically. The JSON files, not this script, are
+the source of truth: tests read them. ``python spec/make_vectors.py --tables`` prints the
+field tables of ``kvcr-protocol.md`` as generated from the code's ``FIELDS``.
+
+Every vector is checked against the codec here before it is written: a valid vector's
+``hex`` is what ``encode`` produces and decodes back to the same message; an invalid
+vector raises ``RemoteProtocolError`` with the code it states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import enum
+import inspect
+import itertools
+import json
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+import kvcr_protocol as kp
+from kvcr_protocol import messages as m
+from kvcr_protocol.wire import (
+    U64_MAX,
+    AnyMap,
+    Bool,
+    Bytes,
+    EnumStr,
+    Opt,
+    Record,
+    RecordType,
+    Seq,
+    Str,
+    UInt,
+    WireType,
+)
+
+HERE = Path(__file__).resolve().parent
+VECTORS = HERE / "vectors"
+
+# --------------------------------------------------------------------- field tables
+
+
+def type_text(wt: WireType[Any]) -> str:
+    """The spec's notation for a wire type (section 6.1 of the spec)."""
+    if isinstance(wt, UInt):
+        named = {U64_MAX: "uint64", (1 << 32) - 1: "uint32", 0xFFFF: "uint16"}
+        return named.get(wt.maximum, f"uint (0..{wt.maximum})")
+    if isinstance(wt, Bool):
+        return "bool"
+    if isinstance(wt, Bytes):
+        return f"bin ({wt.minimum}..`{wt.limit}` bytes)"
+    if isinstance(wt, Str):
+        text = f"str (0..`{wt.limit}` bytes)"
+        if wt.choices is not None:
+            text += ", one of " + ", ".join(f'`"{c}"`' for c in sorted(wt.choices))
+        return text
+    if isinstance(wt, EnumStr):
+        return f"`{wt.enum_type.__name__}`"
+    if isinstance(wt, Opt):
+        return f"nil or {type_text(wt.inner)}"
+    if isinstance(wt, Seq):
+        return f"array ({wt.minimum}..`{wt.limit}`) of {type_text(wt.item)}"
+    if isinstance(wt, RecordType):
+        return f"`{wt.cls.__name__}`"
+    if isinstance(wt, AnyMap):
+        return "map (str keys, any values)"
+    raise TypeError(f"no notation for {type(wt).__name__}")
+
+
+def default_text(value: Any) -> str:
+    """A default value as the msgpack value it stands for."""
+    if value is None:
+        return "`nil`"
+    if value is True or value is False:
+        return "`true`" if value else "`false`"
+    if isinstance(value, tuple):
+        return "`[]`"
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    return f"`{value}`"
+
+
+def message_table(cls: type[m.Message]) -> str:
+    """The markdown table of a message's fields."""
+    rows = ["| Key | Type | Default | Since |", "|---|---|---|---|"]
+    for f in cls.FIELDS:
+        default = "required" if f.required else default_text(f.default)
+        rows.append(f"| `{f.key}` | {type_text(f.type)} | {default} | {f.since} |")
+    return "\n".join(rows)
+
+
+def record_table(cls: type[Record]) -> str:
+    """The markdown table of a record's items."""
+    rows = ["| Item | Field | Type | Default |", "|---|---|---|---|"]
+    for i, f in enumerate(cls.FIELDS):
+        default = "required" if f.required else default_text(f.default)
+        rows.append(f"| {i} | `{f.name}` | {type_text(f.type)} | {default} |")
+    return "\n".join(rows)
+
+
+RECORDS: tuple[type[Record], ...] = (
+    m.Region,
+    m.SrcSpan,
+    m.DstSpan,
+    m.LayoutSpan,
+    m.DepositItem,
+    m.DeliverItem,
+    m.FetchItem,
+    m.PoolInfo,
+    m.KeyResult,
+    m.QueryResult,
+)
+ENUMS: tuple[type[enum.Enum], ...] = (m.MemoryKind, m.KeyStatus, m.Presence, m.WriteState)
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under a class's attributes (``X = 1`` then ``\"\"\"doc\"\"\"``)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in itertools.pairwise(body):
+        target = None
+        if isinstance(prev, ast.Assign) and isinstance(prev.targets[0], ast.Name):
+            target = prev.targets[0].id
+        elif isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name):
+            target = prev.target.id
+        if (
+            target is not None
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[target] = " ".join(node.value.value.split())
+    return docs
+
+
+def error_table() -> str:
+    """Every ``ErrorCode`` with its number and meaning."""
+    docs = attribute_docs(kp.ErrorCode)
+    rows = ["| Code | Name | Meaning |", "|---|---|---|"]
+    for code in kp.ErrorCode:
+        rows.append(f"| {code.value} | `{code.name}` | {docs[code.name]} |")
+    return "\n".join(rows)
+
+
+def limits_table() -> str:
+    """Every field of ``Limits`` with its default."""
+    docs = attribute_docs(kp.Limits)
+    rows = ["| Limit | Default | Bounds |", "|---|---|---|"]
+    for f in dataclasses.fields(kp.Limits):
+        default = f.default
+        size = f" ({default >> 20} MiB)" if isinstance(default, int) and default >= 1 << 20 else ""
+        rows.append(f"| `{f.name}` | {default}{size} | {docs[f.name]} |")
+    return "\n".join(rows)
+
+
+def all_tables() -> str:
+    """Every record and message table, each under its name."""
+    parts = []
+    for rec in RECORDS:
+        parts.append(f"Record `{rec.__name__}`:\n\n{record_table(rec)}\n")
+    for msg in kp.ALL_MESSAGES:
+        parts.append(f"Message `{msg.TAG}` ({msg.__name__}):\n\n{message_table(msg)}\n")
+    parts.append(f"Error codes:\n\n{error_table()}\n")
+    parts.append(f"Limits:\n\n{limits_table()}\n")
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------ JSON form
+
+
+def value_json(wt: WireType[Any], value: Any, omit_defaults: bool) -> Any:
+    """The JSON form of one field value."""
+    if isinstance(wt, Bytes):
+        return {"hex": value.hex()}
+    if isinstance(wt, EnumStr):
+        return value.value
+    if isinstance(wt, Opt):
+        return None if value is None else value_json(wt.inner, value, omit_defaults)
+    if isinstance(wt, Seq):
+        return [value_json(wt.item, v, omit_defaults) for v in value]
+    if isinstance(wt, RecordType):
+        return fields_json(value, omit_defaults)
+    return value
+
+
+def fields_json(obj: m.Message | Record, omit_defaults: bool = False) -> dict[str, Any]:
+    """The JSON form of a message or record: field names to values, in declared order."""
+    out: dict[str, Any] = {}
+    for f in type(obj).FIELDS:
+        value = getattr(obj, f.name)
+        if omit_defaults and not f.required and value == f.default:
+            continue
+        out[f.name] = value_json(f.type, value, omit_defaults)
+    return out
+
+
+# ------------------------------------------------------------------ realistic values
+
+MD_CLIENT = b"NIXL\x01client-0:ucx;shm;tcp\x00\x10\x7f"
+MD_NODE_A = b"NIXL\x01node-a:ucx;rc;tcp\x00\x20\x01"
+MD_NODE_B = b"NIXL\x01node-b:ucx;rc;tcp\x00\x20\x02"
+K1 = bytes.fromhex("3f9a0c11d2e45b7788a1c0ffee0dd15e")
+K2 = bytes.fromhex("a41b2c3d4e5f60718293a4b5c6d7e8f9")
+K3 = bytes.fromhex("00ff00ff00ff00ff00ff00ff00ff00ff0102030405060708")
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+R_DRAM = m.Region(1, m.MemoryKind.DRAM, 0, 0x7F3A_2C00_0000, 256 * MiB)
+R_VRAM = m.Region(2, m.MemoryKind.VRAM, 3, 0x7F00_0000_0000, 4 * GiB)
+R_POOL = m.Region(7, m.MemoryKind.DRAM, 0, 0x7E10_0000_0000, 16 * GiB)
+
+
+def src_layout(region: int, base: int) -> tuple[m.SrcSpan, ...]:
+    """A hybrid layout: two full-attention layers, one SWA layer, one Mamba state."""
+    return (
+        m.SrcSpan("L0", "full", region, base, 64 * KiB),
+        m.SrcSpan("L1", "full", region, base + 64 * KiB, 64 * KiB),
+        m.SrcSpan("L2", "swa", region, base + 128 * KiB, 16 * KiB),
+        m.SrcSpan("S", "state", region, base + 144 * KiB, 1536 * KiB),
+    )
+
+
+def dst_layout(region: int, base: int, names: tuple[str, ...] = ("L0", "L1", "L2", "S")) -> tuple[m.DstSpan, ...]:
+    sizes = {"L0": 64 * KiB, "L1": 64 * KiB, "L2": 16 * KiB, "S": 1536 * KiB}
+    out, off = [], base
+    for n in names:
+        out.append(m.DstSpan(n, region, off, sizes[n]))
+        off += sizes[n]
+    return tuple(out)
+
+
+LAYOUT = (m.LayoutSpan("L0", "full"), m.LayoutSpan("L1", "full"), m.LayoutSpan("L2", "swa"), m.LayoutSpan("S", "state"))
+
+
+# --------------------------------------------------------------------- valid vectors
+
+
+@dataclass
+class Valid:
+    """One valid instance; ``accept`` builds extra non-canonical frames for a version."""
+
+    name: str
+    message: m.Message
+    versions: tuple[int, ...] = (1, 2)
+    omit_defaults: bool = False
+    description: str = ""
+    accept: Callable[[m.Message, int], list[tuple[str, bytes]]] | None = field(default=None)
+
+
+def _wire(message: m.Message, version: int) -> dict[str, Any]:
+    obj: dict[str, Any] = msgpack.unpackb(kp.encode(message, version), raw=False)
+    return obj
+
+
+def _pack(obj: Any) -> bytes:
+    out: bytes = msgpack.packb(obj, use_bin_type=True)
+    return out
+
+
+def accept_defaults_omitted(message: m.Message, version: int) -> list[tuple[str, bytes]]:
+    """The frame with every field that holds its default left out."""
+    obj = _wire(message, version)
+    for f in type(message).FIELDS:
+        if not f.required and f.key in obj and getattr(message, f.name) == f.default:
+            del obj[f.key]
+    return [("defaulted fields omitted", _pack(obj))]
+
+
+def accept_variants(message: m.Message, version: int) -> list[tuple[str, bytes]]:
+    """Reordered fields, an unknown optional field, a non-minimal id."""
+    obj = _wire(message, version)
+    out = []
+    out.append(("fields in reverse order", _pack(dict(reversed(list(obj.items()))))))
+    extra = dict(obj)
+    extra["x_future"] = {"added": "by a later version", "n": 7}
+    out.append(("an unknown optional field, ignored", _pack(extra)))
+    # id as a uint64 (0xcf) instead of its minimal form.
+    assert len(obj) < 16
+    frame = bytes([0x80 | len(obj)])
+    for k, v in obj.items():
+        frame += _pack(k) + (b"\xcf" + v.to_bytes(8, "big") if k == "id" else _pack(v))
+    out.append(("id encoded as uint64 (not minimal)", frame))
+    return out
+
+
+def accept_short_records(message: m.Message, version: int) -> list[tuple[str, bytes]]:
+    """Results with trailing defaulted record items omitted, and with extra trailing items."""
+    obj = _wire(message, version)
+    short = dict(obj)
+    trimmed = []
+    for item in obj["results"]:
+        item = list(item)
+        rec = m.KeyResult.FIELDS if obj["t"] in ("complete", "write_done") else m.QueryResult.FIELDS
+        while len(item) > 1 and item[-1] == rec[len(item) - 1].default:
+            item.pop()
+        trimmed.append(item)
+    short["results"] = trimmed
+    longer = dict(obj)
+    longer["results"] = [[*item, "future item", 42] for item in obj["results"]]
+    return [
+        ("trailing defaulted record items omitted", _pack(short)),
+        ("extra trailing record items, ignored", _pack(longer)),
+    ]
+
+
+def accept_hello_newer(message: m.Message, version: int) -> list[tuple[str, bytes]]:
+    """A hello from a newer endpoint (v=3, an unknown optional field) reads as version 1."""
+    obj = _wire(message, version)
+    obj["v"] = 3
+    obj["x_future"] = True
+    return [("v=3 from a newer endpoint, read at version 1", _pack(obj))]
+
+
+def accept_partial_false(message: m.Message, version: int) -> list[tuple[str, bytes]]:
+    """``!partial`` present but false (canonical form omits it)."""
+    if version < 2:
+        return []
+    obj = _wire(message, version)
+    obj["!partial"] = False
+    return [("!partial explicitly false", _pack(obj))]
+
+
+def valid_instances() -> list[Valid]:
+    """Realistic instances of every message."""
+    return [
+        # ---- client <-> node
+        Valid(
+            "hello-minimal",
+            m.Hello(1, (1, 2), "sglang-worker-0", "kvcr-client-4711", MD_CLIENT),
+            omit_defaults=True,
+            accept=accept_hello_newer,
+            description="hello before any region is registered; always encoded at v=1",
+        ),
+        Valid(
+            "hello-regions",
+            m.Hello(1, (1, 2), "vllm-tp0", "kvcr-client-4712", MD_CLIENT, (R_DRAM, R_VRAM)),
+            description="hello announcing a DRAM staging region and a VRAM KV cache region",
+        ),
+        Valid(
+            "hello-v1-only",
+            m.Hello(1, (1,), "trtllm-0", "kvcr-client-9", MD_CLIENT, (R_DRAM,)),
+            description="hello from a client that speaks version 1 only",
+        ),
+        Valid(
+            "welcome-full",
+            m.Welcome(
+                1,
+                2,
+                "node-a",
+                0x1D2C3B4A59687766,
+                "kvcr-node-a",
+                (
+                    m.PoolInfo("full", 64 * KiB, 16384, "dram"),
+                    m.PoolInfo("swa", 16 * KiB, 8192, "dram"),
+                    m.PoolInfo("state", 1536 * KiB, 512, "hbm:0"),
+                ),
+                1000,
+            ),
+            versions=(2,),
+            description="welcome agreeing on version 2 with three pools and heartbeats every second",
+        ),
+        Valid(
+            "welcome-v1",
+            m.Welcome(
+                1, 1, "node-a", 0x1D2C3B4A59687766, "kvcr-node-a", (m.PoolInfo("full", 64 * KiB, 16384, "dram"),)
+            ),
+            versions=(1,),
+            description="welcome agreeing on version 1; heartbeat_ms defaulted",
+        ),
+        Valid(
+            "welcome-minimal",
+            m.Welcome(1, 1, "n", 1, "a"),
+            omit_defaults=True,
+            description="welcome with no pools and no heartbeat",
+        ),
+        Valid(
+            "regions",
+            m.RegisterRegions(2, MD_CLIENT + b"\x02", (R_VRAM,)),
+            description="a newly registered VRAM region with refreshed agent metadata",
+        ),
+        Valid("unregions", m.UnregisterRegions(3, (1, 2)), description="two regions withdrawn"),
+        Valid(
+            "deposit-minimal",
+            m.Deposit(10, (m.DepositItem(K1, (m.SrcSpan("L0", "full", 1, 0, 64 * KiB),)),)),
+            omit_defaults=True,
+            accept=accept_defaults_omitted,
+            description="one key, one span, every option defaulted",
+        ),
+        Valid(
+            "deposit-hybrid",
+            m.Deposit(
+                11,
+                (m.DepositItem(K1, src_layout(1, 0)), m.DepositItem(K2, src_layout(1, 2 * MiB))),
+                no_evict=True,
+                optional=False,
+                deadline_ms=5000,
+            ),
+            description="two keys with a hybrid layout (full, swa, state pools), no_evict, 5 s deadline",
+        ),
+        Valid(
+            "deposit-optional",
+            m.Deposit(12, (m.DepositItem(K3, src_layout(2, 0)),), optional=True),
+            description="an optional deposit from VRAM that the admission policy may drop",
+        ),
+        Valid(
+            "query",
+            m.Query(20, (K1, K2, K3)),
+            omit_defaults=True,
+            accept=accept_variants,
+            description="three keys, no request id",
+        ),
+        Valid(
+            "query-request", m.Query(21, (K1,), "req-7f3a9c"), description="a query scoped to a request, so hints count"
+        ),
+        Valid("query-max-key", m.Query(22, (bytes(range(256)),)), description="a key of exactly max_key (256) bytes"),
+        Valid("query-empty", m.Query(23, ()), description="a query naming no key"),
+        Valid(
+            "query-reply",
+            m.QueryReply(
+                20,
+                (
+                    m.QueryResult(m.Presence.HIT, "dram"),
+                    m.QueryResult(m.Presence.HIT, "hbm:0"),
+                    m.QueryResult(m.Presence.FETCHING, "dram"),
+                    m.QueryResult(m.Presence.FETCHABLE, "remote"),
+                    m.QueryResult(m.Presence.MISS),
+                ),
+            ),
+            accept=accept_short_records,
+            description="every presence value",
+        ),
+        Valid(
+            "deliver-whole",
+            m.Deliver(30, (m.DeliverItem(K1, dst_layout(2, 0)),)),
+            omit_defaults=True,
+            description="the whole layout into VRAM",
+        ),
+        Valid(
+            "deliver-subset",
+            m.Deliver(
+                31,
+                (m.DeliverItem(K1, dst_layout(2, 0, ("L0",))), m.DeliverItem(K2, dst_layout(2, 64 * KiB, ("L0",)))),
+                request_id="req-7f3a9c",
+                deadline_ms=250,
+            ),
+            description="layer 0 of two keys (progressive delivery), with a request id and deadline",
+        ),
+        Valid(
+            "fetch",
+            m.Fetch(40, (m.FetchItem(K1, LAYOUT), m.FetchItem(K2, LAYOUT)), "req-7f3a9c", 2000),
+            description="make two keys resident, pulled from the hinted peer",
+        ),
+        Valid(
+            "fetch-minimal",
+            m.Fetch(41, (m.FetchItem(K3, (m.LayoutSpan("", "full"),)),)),
+            omit_defaults=True,
+            description="a one-span layout with an empty span name",
+        ),
+        Valid("release", m.Release(50, (1, 2, 0xFFFF_FFFF_FFFF)), description="three handles dropped"),
+        Valid("abort", m.Abort(51, 31), description="abort operation 31"),
+        Valid(
+            "hint",
+            m.SubmitHint(52, "req-7f3a9c", "tcp://10.0.0.12:5555", (K1, K2)),
+            description="keys K1 and K2 may be on the node at 10.0.0.12",
+        ),
+        Valid("unhint", m.DiscardHint(53, "req-7f3a9c"), description="the request is over"),
+        Valid("stats", m.StatsRequest(54), description="ask for statistics"),
+        Valid(
+            "stats-reply",
+            m.StatsReply(
+                54,
+                {
+                    "objects": 1234,
+                    "pools": {"full": {"free": 100, "total": 16384}},
+                    "evictions": 17,
+                    "version": "0.1.0",
+                    "hit_ratio": 0.5,
+                    "clients": ["a", "b"],
+                    "draining": False,
+                    "last_error": None,
+                },
+            ),
+            description="nested statistics of every msgpack kind",
+        ),
+        Valid("stats-reply-empty", m.StatsReply(55, {}), description="no statistics"),
+        Valid(
+            "complete-deposit",
+            m.Completion(
+                11,
+                (
+                    m.KeyResult(m.KeyStatus.STORED, handle=9001),
+                    m.KeyResult(m.KeyStatus.DUPLICATE),
+                    m.KeyResult(m.KeyStatus.DROPPED),
+                    m.KeyResult(m.KeyStatus.FAILED, kp.ErrorCode.CAPACITY, "pool state: 0 of 512 slots reclaimable"),
+                    m.KeyResult(m.KeyStatus.ABORTED, kp.ErrorCode.ABORTED),
+                ),
+            ),
+            accept=accept_short_records,
+            description="deposit outcomes: stored with a handle, duplicate, dropped, failed, aborted",
+        ),
+        Valid(
+            "complete-deliver",
+            m.Completion(
+                31,
+                (
+                    m.KeyResult(m.KeyStatus.OK),
+                    m.KeyResult(
+                        m.KeyStatus.FAILED, kp.ErrorCode.LAYOUT_SUBSET_INVALID, "span 'L2' breaks the stored order"
+                    ),
+                ),
+            ),
+            description="a deliver with one key delivered and one refused",
+        ),
+        Valid("complete-empty", m.Completion(23, ()), description="completion of an empty batch"),
+        Valid("ack", m.Ack(52), description="the hint was recorded"),
+        Valid(
+            "error",
+            m.Error(7, kp.ErrorCode.WRONG_TYPE, "expected bin, got str", "keys[0]"),
+            description="a request refused whole, with the path of the bad field",
+        ),
+        Valid(
+            "error-unreadable",
+            m.Error(0, kp.ErrorCode.MALFORMED),
+            omit_defaults=True,
+            description="an error for a frame whose request id could not be read",
+        ),
+        Valid("capacity", m.CapacityEvent(3, "state", 12, 512), description="pool state is under its low watermark"),
+        Valid("heartbeat", m.Heartbeat(42), accept=accept_variants, description="heartbeat number 42"),
+        Valid("bye", m.Bye(99), description="the client is closing"),
+        # ---- node <-> node
+        Valid(
+            "peer-hello",
+            m.PeerHello(1, (1, 2), "node-a", 0x1D2C3B4A59687766, "kvcr-node-a", MD_NODE_A, (R_POOL,)),
+            accept=accept_hello_newer,
+            description="node A opens a session with node B, announcing its pool region",
+        ),
+        Valid(
+            "peer-hello-minimal",
+            m.PeerHello(1, (1,), "node-a", 1, "kvcr-node-a", MD_NODE_A),
+            omit_defaults=True,
+            description="a version-1 node with no regions to announce",
+        ),
+        Valid(
+            "peer-welcome",
+            m.PeerWelcome(1, 2, "node-b", 0x0BADC0DE00000001, "kvcr-node-b", MD_NODE_B),
+            versions=(2,),
+            description="node B agrees on version 2",
+        ),
+        Valid(
+            "peer-welcome-v1",
+            m.PeerWelcome(1, 1, "node-b", 0x0BADC0DE00000001, "kvcr-node-b", MD_NODE_B),
+            versions=(1,),
+            description="node B agrees on version 1",
+        ),
+        Valid(
+            "peer-client",
+            m.PeerClient(2, "kvcr-client-4712", MD_CLIENT, (R_DRAM, R_VRAM)),
+            description="client C's agent and regions, so B can write into C's memory",
+        ),
+        Valid(
+            "write-whole",
+            m.WriteRequest(100, "kvcr-client-4712", (m.DeliverItem(K1, dst_layout(2, 0)),), 1800),
+            accept=accept_partial_false,
+            description="write the whole object K1 into C's VRAM",
+        ),
+        Valid(
+            "write-minimal",
+            m.WriteRequest(101, "kvcr-node-a", (m.DeliverItem(K2, dst_layout(7, 4 * MiB)),)),
+            omit_defaults=True,
+            description="a fetch's write into node A's own pool; no deadline",
+        ),
+        Valid(
+            "write-partial",
+            m.WriteRequest(
+                102, "kvcr-client-4712", (m.DeliverItem(K1, dst_layout(2, 0, ("L0", "L2"))),), 900, partial=True
+            ),
+            versions=(2,),
+            description="write layers L0 and L2 only: a subset, must-understand !partial (version 2 only)",
+        ),
+        Valid(
+            "write-done",
+            m.WriteDone(
+                100,
+                (
+                    m.KeyResult(m.KeyStatus.OK),
+                    m.KeyResult(m.KeyStatus.FAILED, kp.ErrorCode.NOT_FOUND, "not held"),
+                    m.KeyResult(m.KeyStatus.FAILED, kp.ErrorCode.TRANSFER_FAILED, "NIXL_ERR_BACKEND"),
+                ),
+            ),
+            accept=accept_short_records,
+            description="per-key outcome of a write",
+        ),
+        Valid(
+            "refuse",
+            m.Refuse(102, kp.ErrorCode.BUSY, "512 writes pending"),
+            description="a write refused whole; nothing moved",
+        ),
+        Valid(
+            "refuse-minimal",
+            m.Refuse(103, kp.ErrorCode.SHUTTING_DOWN),
+            omit_defaults=True,
+            description="refused without a reason",
+        ),
+        Valid("probe", m.Probe(7, 100), description="what became of write 100?"),
+        Valid(
+            "probe-reply-in-flight",
+            m.ProbeReply(7, 100, m.WriteState.IN_FLIGHT, 0x0BADC0DE00000001),
+            description="a transfer may still write the destination",
+        ),
+        Valid(
+            "probe-reply-done",
+            m.ProbeReply(8, 100, m.WriteState.DONE, 0x0BADC0DE00000001),
+            description="terminal: nothing of write 100 can touch the destination now",
+        ),
+        Valid(
+            "probe-reply-unknown",
+            m.ProbeReply(9, 555, m.WriteState.UNKNOWN, 0x0BADC0DE00000002),
+            description="never seen by this incarnation (B restarted)",
+        ),
+        Valid(
+            "probe-reply-waiting",
+            m.ProbeReply(10, 101, m.WriteState.WAITING, 0x0BADC0DE00000001),
+            description="accepted, waiting on an object still WRITING",
+        ),
+    ]
+
+
+def build_valid() -> list[dict[str, Any]]:
+    """Every valid vector, checked against the codec."""
+    out = []
+    for inst in valid_instances():
+        for version in inst.versions:
+            msg = inst.message
+            frame = kp.encode(msg, version)
+            assert kp.decode(frame, version) == msg, inst.name
+            wire_version = msgpack.unpackb(frame)["v"]
+            vec: dict[str, Any] = {
+                "name": f"{inst.name}-v{version}",
+                "version": version,
+                "wire_version": wire_version,
+                "tag": type(msg).TAG,
+                "description": inst.description,
+                "fields": fields_json(msg, inst.omit_defaults),
+                "hex": frame.hex(),
+            }
+            if inst.accept is not None:
+                accepted = []
+                for what, alt in inst.accept(msg, version):
+                    assert alt != frame, (inst.name, what)
+                    assert kp.decode(alt, version) == msg, (inst.name, what)
+                    accepted.append({"description": what, "hex": alt.hex()})
+                if accepted:
+                    vec["accept"] = accepted
+            out.append(vec)
+    return out
+
+
+# ------------------------------------------------------------------- invalid vectors
+
+
+def _fix(n: int, body: bytes) -> bytes:
+    """A fixmap header for ``n`` pairs followed by ``body`` (hand-built maps)."""
+    return bytes([0x80 | n]) + body
+
+
+def _kv(key: str, value: Any) -> bytes:
+    return _pack(key) + _pack(value)
+
+
+def invalid_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
+    """(name, frame, max_version, expected code name, description)."""
+    hb = kp.encode(m.Heartbeat(1), 1)
+    dep = kp.encode(m.Deposit(10, (m.DepositItem(K1, src_layout(1, 0)),)), 1)
+    dep_obj = _wire(m.Deposit(10, (m.DepositItem(K1, src_layout(1, 0)),)), 1)
+    write1 = _wire(m.WriteRequest(100, "c", (m.DeliverItem(K1, dst_layout(2, 0, ("L0",))),), 100), 1)
+    write2 = _wire(m.WriteRequest(100, "c", (m.DeliverItem(K1, dst_layout(2, 0, ("L0",))),), 100, True), 2)
+
+    def q1(**fields: Any) -> bytes:
+        return _pack({"v": 1, "t": "query", "id": 5, **fields})
+
+    def with_(obj: dict[str, Any], **changes: Any) -> bytes:
+        new = dict(obj)
+        for k, v in changes.items():
+            new[k.replace("_bang_", "!")] = v
+        return _pack(new)
+
+    def without(obj: dict[str, Any], key: str) -> bytes:
+        return _pack({k: v for k, v in obj.items() if k != key})
+
+    # -- framing and msgpack
+    yield ("empty-frame", b"", 2, "MALFORMED", "a zero-length frame")
+    yield ("truncated-last-byte", hb[:-1], 2, "MALFORMED", "a heartbeat missing its last byte")
+    yield ("truncated-mid-str", dep[: len(dep) // 2], 2, "MALFORMED", "a deposit cut in the middle")
+    yield ("truncated-map-header", b"\x83", 2, "MALFORMED", "a map header announcing 3 pairs and nothing else")
+    yield (
+        "truncated-array",
+        _fix(4, _kv("v", 1) + _kv("t", "release") + _kv("id", 1) + _pack("handles") + b"\x93\x01"),
+        2,
+        "MALFORMED",
+        "an array announcing 3 items holding 1",
+    )
+    yield (
+        "truncated-bin-length",
+        _fix(4, _kv("v", 1) + _kv("t", "query") + _kv("id", 1) + _pack("keys") + b"\x91\xc6\xff\xff\xff\xff"),
+        2,
+        "MALFORMED",
+        "a bin32 claiming 4 GiB",
+    )
+    yield ("reserved-byte", b"\xc1", 2, "MALFORMED", "0xc1 is never used in msgpack")
+    yield ("json-not-msgpack", b'{"v":1,"t":"heartbeat","id":1}', 2, "MALFORMED", "JSON text, not msgpack")
+    yield ("trailing-bytes", hb + b"\x00", 2, "MALFORMED", "a valid heartbeat followed by one more byte")
+    yield ("two-frames", hb + hb, 2, "MALFORMED", "two heartbeats in one frame")
+    yield (
+        "invalid-utf8",
+        _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + _pack("id"))[:] + b"\xa3\xff\xfe\xfd",
+        2,
+        "MALFORMED",
+        "a str that is not UTF-8",
+    )
+    yield (
+        "ext-fixext1",
+        _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + _pack("id") + b"\xd4\x01\x00"),
+        2,
+        "MALFORMED",
+        "an extension type (fixext 1) as the id",
+    )
+    yield (
+        "ext-empty",
+        _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + _pack("id") + b"\xc7\x00\x05"),
+        2,
+        "MALFORMED",
+        "a zero-length extension type (ext 8) as the id",
+    )
+    yield (
+        "ext-timestamp",
+        _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + _pack("id") + b"\xd6\xff\x00\x00\x00\x01"),
+        2,
+        "MALFORMED",
+        "a msgpack timestamp as the id",
+    )
+    yield (
+        "duplicate-key",
+        _fix(4, _kv("v", 1) + _kv("t", "heartbeat") + _kv("id", 1) + _kv("id", 2)),
+        2,
+        "MALFORMED",
+        "the key id twice in one map",
+    )
+    yield (
+        "duplicate-v",
+        _fix(4, _kv("v", 1) + _kv("t", "heartbeat") + _kv("id", 1) + _kv("v", 2)),
+        2,
+        "MALFORMED",
+        "the key v twice, with different versions",
+    )
+    yield (
+        "list-map-key",
+        _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + b"\x91\x01\x01"),
+        2,
+        "MALFORMED",
+        "an array as a map key",
+    )
+    yield (
+        "too-deep",
+        _fix(
+            4,
+            _kv("v", 1)
+            + _kv("t", "stats_reply")
+            + _kv("id", 1)
+            + _pack("stats")
+            + b"\x81\xa1a"
+            + b"\x91" * 2000
+            + b"\xc0",
+        ),
+        2,
+        "MALFORMED",
+        "statistics nested 2000 arrays deep",
+    )
+    # -- envelope
+    yield ("array-frame", _pack([1, "heartbeat", 1]), 2, "NOT_A_MAP", "the envelope as an array")
+    yield ("int-frame", _pack(1), 2, "NOT_A_MAP", "a bare integer")
+    yield ("str-frame", _pack("heartbeat"), 2, "NOT_A_MAP", "a bare str")
+    yield ("nil-frame", b"\xc0", 2, "NOT_A_MAP", "nil")
+    yield ("missing-v", _pack({"t": "heartbeat", "id": 1}), 2, "MISSING_FIELD", "no version")
+    yield ("nil-v", _pack({"v": None, "t": "heartbeat", "id": 1}), 2, "MISSING_FIELD", "version nil (same as absent)")
+    yield ("missing-t", _pack({"v": 1, "id": 1}), 2, "MISSING_FIELD", "no type tag")
+    yield ("str-v", _pack({"v": "1", "t": "heartbeat", "id": 1}), 2, "WRONG_TYPE", "version as a str")
+    yield ("bool-v", _pack({"v": True, "t": "heartbeat", "id": 1}), 2, "WRONG_TYPE", "version as a bool")
+    yield ("float-v", _pack({"v": 1.0, "t": "heartbeat", "id": 1}), 2, "WRONG_TYPE", "version as a float")
+    yield ("int-t", _pack({"v": 1, "t": 7, "id": 1}), 2, "WRONG_TYPE", "type tag as an integer")
+    yield ("bin-t", _pack({"v": 1, "t": b"heartbeat", "id": 1}), 2, "WRONG_TYPE", "type tag as bin")
+    yield ("unknown-tag", _pack({"v": 1, "t": "teleport", "id": 1}), 2, "UNKNOWN_TYPE", "no message has this tag")
+    yield ("tag-case", _pack({"v": 1, "t": "Heartbeat", "id": 1}), 2, "UNKNOWN_TYPE", "tags are case-sensitive")
+    yield (
+        "unknown-tag-v99",
+        _pack({"v": 99, "t": "teleport", "id": 1}),
+        2,
+        "UNKNOWN_TYPE",
+        "the tag is checked before the version",
+    )
+    yield (
+        "version-0",
+        _pack({"v": 0, "t": "heartbeat", "id": 1}),
+        2,
+        "UNSUPPORTED_VERSION",
+        "version 0 does not exist",
+    )
+    yield ("version-negative", _pack({"v": -1, "t": "heartbeat", "id": 1}), 2, "UNSUPPORTED_VERSION", "version -1")
+    yield ("version-3", _pack({"v": 3, "t": "heartbeat", "id": 1}), 2, "UNSUPPORTED_VERSION", "version 3 is not spoken")
+    yield ("version-99", _pack({"v": 99, "t": "query", "id": 1, "keys": []}), 2, "UNSUPPORTED_VERSION", "version 99")
+    yield (
+        "version-2-at-1",
+        _pack({"v": 2, "t": "query", "id": 1, "keys": []}),
+        1,
+        "UNSUPPORTED_VERSION",
+        "a version-2 query reaching an endpoint that speaks version 1 only",
+    )
+    yield (
+        "welcome-version-3",
+        _pack({"v": 3, "t": "welcome", "id": 1, "version": 3, "node": "n", "incarnation": 1, "agent": "a"}),
+        2,
+        "UNSUPPORTED_VERSION",
+        "only hello and peer_hello tolerate any v",
+    )
+    # -- fields
+    yield ("missing-id", _pack({"v": 1, "t": "heartbeat"}), 2, "MISSING_FIELD", "no request id")
+    yield ("missing-items", without(dep_obj, "items"), 2, "MISSING_FIELD", "a deposit without items")
+    yield (
+        "hello-v5-missing-client",
+        _pack({"v": 5, "t": "hello", "id": 1, "versions": [1, 5], "agent": "a", "agent_md": b""}),
+        2,
+        "MISSING_FIELD",
+        "a hello from a newer version is still validated at version 1",
+    )
+    yield ("str-id", _pack({"v": 1, "t": "heartbeat", "id": "1"}), 2, "WRONG_TYPE", "id as a str")
+    yield ("negative-id", _pack({"v": 1, "t": "heartbeat", "id": -1}), 2, "OUT_OF_RANGE", "a negative id")
+    yield ("float-id", _pack({"v": 1, "t": "heartbeat", "id": 1.0}), 2, "WRONG_TYPE", "id as a float")
+    yield ("nil-id", _pack({"v": 1, "t": "heartbeat", "id": None}), 2, "WRONG_TYPE", "id nil")
+    yield ("int-for-bool", with_(dep_obj, no_evict=1), 2, "WRONG_TYPE", "no_evict as the integer 1")
+    yield ("str-key", q1(keys=["3f9a0c11"]), 2, "WRONG_TYPE", "a block key as str instead of bin")
+    yield ("empty-key", q1(keys=[b""]), 2, "OUT_OF_RANGE", "a zero-length block key")
+    yield ("key-257", q1(keys=[b"\x01" * 257]), 2, "TOO_LARGE", "a block key of 257 bytes (limit 256)")
+    yield (
+        "keys-4097",
+        q1(keys=[bytes([i % 251 + 1]) for i in range(4097)]),
+        2,
+        "TOO_MANY",
+        "4097 keys in one query (limit 4096)",
+    )
+    yield ("keys-not-array", q1(keys=b"\x01\x02"), 2, "WRONG_TYPE", "keys as one bin")
+    yield ("request-id-int", q1(keys=[], request_id=7), 2, "WRONG_TYPE", "request_id as an integer")
+    yield (
+        "name-129",
+        _pack({**dep_obj, "items": [[K1, [["L" * 129, "full", 1, 0, 65536]]]]}),
+        2,
+        "TOO_LARGE",
+        "a span name of 129 bytes (limit 128)",
+    )
+    yield (
+        "name-129-utf8",
+        _pack({**dep_obj, "items": [[K1, [["€" * 43, "full", 1, 0, 65536]]]]}),
+        2,
+        "TOO_LARGE",
+        "a span name of 43 characters but 129 UTF-8 bytes",
+    )
+    yield ("deadline-over-u32", with_(dep_obj, deadline_ms=1 << 32), 2, "OUT_OF_RANGE", "deadline_ms above 2^32-1")
+    yield (
+        "region-over-u32",
+        _pack({**dep_obj, "items": [[K1, [["L0", "full", 1 << 32, 0, 65536]]]]}),
+        2,
+        "OUT_OF_RANGE",
+        "a region id above 2^32-1",
+    )
+    yield (
+        "negative-offset",
+        _pack({**dep_obj, "items": [[K1, [["L0", "full", 1, -64, 65536]]]]}),
+        2,
+        "OUT_OF_RANGE",
+        "a negative span offset",
+    )
+    yield (
+        "error-code-65536",
+        _pack({"v": 1, "t": "error", "id": 1, "code": 65536}),
+        2,
+        "OUT_OF_RANGE",
+        "an error code above 65535",
+    )
+    yield (
+        "welcome-version-65536",
+        _pack({"v": 1, "t": "welcome", "id": 1, "version": 65536, "node": "n", "incarnation": 1, "agent": "a"}),
+        2,
+        "OUT_OF_RANGE",
+        "an agreed version above 65535",
+    )
+    yield (
+        "unknown-memory-kind",
+        _pack({"v": 1, "t": "regions", "id": 1, "agent_md": b"", "regions": [[1, "hbm", 0, 4096, 4096]]}),
+        2,
+        "OUT_OF_RANGE",
+        "memory kind hbm is not dram or vram",
+    )
+    yield (
+        "unknown-status",
+        _pack({"v": 1, "t": "complete", "id": 1, "results": [["MAYBE"]]}),
+        2,
+        "OUT_OF_RANGE",
+        "a key status that does not exist",
+    )
+    yield (
+        "presence-lowercase",
+        _pack({"v": 1, "t": "query_reply", "id": 1, "results": [["hit", "dram"]]}),
+        2,
+        "OUT_OF_RANGE",
+        "presence values are upper case",
+    )
+    yield (
+        "unknown-write-state",
+        _pack({"v": 1, "t": "probe_reply", "id": 1, "op": 1, "state": "GONE", "incarnation": 1}),
+        2,
+        "OUT_OF_RANGE",
+        "a write state that does not exist",
+    )
+    yield ("empty-spans", _pack({**dep_obj, "items": [[K1, []]]}), 2, "OUT_OF_RANGE", "a deposit item with no span")
+    yield (
+        "empty-layout",
+        _pack({"v": 1, "t": "fetch", "id": 1, "items": [[K1, []]]}),
+        2,
+        "OUT_OF_RANGE",
+        "a fetch item with an empty layout",
+    )
+    yield (
+        "empty-versions",
+        _pack({"v": 1, "t": "hello", "id": 1, "versions": [], "client": "c", "agent": "a", "agent_md": b""}),
+        2,
+        "OUT_OF_RANGE",
+        "a hello offering no version",
+    )
+    yield (
+        "agent-md-str",
+        _pack({"v": 1, "t": "regions", "id": 1, "agent_md": "md", "regions": []}),
+        2,
+        "WRONG_TYPE",
+        "agent metadata as str instead of bin",
+    )
+    yield (
+        "record-too-short",
+        _pack({**dep_obj, "items": [[K1, [["L0", "full", 1, 0]]]]}),
+        2,
+        "MISSING_FIELD",
+        "a source span with 4 of its 5 items",
+    )
+    yield ("item-too-short", _pack({**dep_obj, "items": [[K1]]}), 2, "MISSING_FIELD", "a deposit item without spans")
+    yield (
+        "key-result-empty",
+        _pack({"v": 1, "t": "complete", "id": 1, "results": [[]]}),
+        2,
+        "MISSING_FIELD",
+        "a key result with no status",
+    )
+    yield (
+        "record-as-map",
+        _pack({**dep_obj, "items": [{"key": K1, "spans": []}]}),
+        2,
+        "WRONG_TYPE",
+        "a record as a map instead of an array",
+    )
+    yield (
+        "regions-as-map",
+        _pack({"v": 1, "t": "regions", "id": 1, "agent_md": b"", "regions": {}}),
+        2,
+        "WRONG_TYPE",
+        "regions as a map",
+    )
+    yield (
+        "stats-not-map",
+        _pack({"v": 1, "t": "stats_reply", "id": 1, "stats": [1, 2]}),
+        2,
+        "WRONG_TYPE",
+        "statistics as an array",
+    )
+    yield (
+        "stats-int-key",
+        _pack({"v": 1, "t": "stats_reply", "id": 1, "stats": {1: 2}}),
+        2,
+        "WRONG_TYPE",
+        "statistics with an integer key",
+    )
+    yield (
+        "int-map-key",
+        _fix(4, _kv("v", 1) + _kv("t", "heartbeat") + _kv("id", 1) + _pack(5) + _pack(1)),
+        2,
+        "WRONG_TYPE",
+        "an integer key in the envelope",
+    )
+    yield (
+        "bin-map-key",
+        _fix(4, _kv("v", 1) + _kv("t", "heartbeat") + _kv("id", 1) + _pack(b"x") + _pack(1)),
+        2,
+        "WRONG_TYPE",
+        "a bin key in the envelope",
+    )
+    # -- versions and must-understand
+    yield (
+        "partial-in-v1-at-1",
+        with_(write1, _bang_partial=True),
+        1,
+        "MUST_UNDERSTAND",
+        "a v=1 write carrying !partial, read by a version-1 endpoint",
+    )
+    yield (
+        "partial-in-v1-at-2",
+        with_(write1, _bang_partial=True),
+        2,
+        "MUST_UNDERSTAND",
+        "a v=1 write carrying !partial: version 1 has no such field, whoever reads it",
+    )
+    yield (
+        "partial-v2-at-1",
+        _pack(write2),
+        1,
+        "UNSUPPORTED_VERSION",
+        "a v=2 partial write reaching a version-1 endpoint",
+    )
+    yield (
+        "partial-on-deliver",
+        _pack({"v": 2, "t": "deliver", "id": 1, "items": [], "!partial": True}),
+        2,
+        "MUST_UNDERSTAND",
+        "!partial exists on write only",
+    )
+    yield (
+        "unknown-bang-v2",
+        _pack({"v": 2, "t": "deliver", "id": 1, "items": [], "!priority": 1}),
+        2,
+        "MUST_UNDERSTAND",
+        "an unknown must-understand field on a version-2 message",
+    )
+    yield (
+        "unknown-bang-heartbeat",
+        _pack({"v": 2, "t": "heartbeat", "id": 1, "!x": None}),
+        2,
+        "MUST_UNDERSTAND",
+        "an unknown must-understand field, even nil",
+    )
+    yield (
+        "unknown-bang-hello",
+        _pack(
+            {
+                "v": 3,
+                "t": "hello",
+                "id": 1,
+                "versions": [3],
+                "client": "c",
+                "agent": "a",
+                "agent_md": b"",
+                "!auth": b"x",
+            }
+        ),
+        2,
+        "MUST_UNDERSTAND",
+        "a newer hello with a must-understand field this side lacks",
+    )
+    yield ("partial-not-bool", with_(write2, _bang_partial=1), 2, "WRONG_TYPE", "!partial as an integer")
+
+
+def build_invalid() -> list[dict[str, Any]]:
+    """Every invalid vector, checked against the codec."""
+    out = []
+    names = set()
+    for name, frame, max_version, code, description in invalid_inputs():
+        assert name not in names, name
+        names.add(name)
+        try:
+            kp.decode(frame, max_version)
+        except kp.RemoteProtocolError as exc:
+            assert exc.code.name == code, (name, exc)
+            path = exc.path
+        else:
+            raise AssertionError(f"{name}: decoded")
+        out.append(
+            {
+                "name": name,
+                "max_version": max_version,
+                "error": code,
+                "path": path,
+                "description": description,
+                "hex": frame.hex(),
+            }
+        )
+    return out
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+    path.write_text(text, encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--tables", action="store_true", help="print the spec's field tables and exit")
+    args = parser.parse_args(argv)
+    if args.tables:
+        sys.stdout.write(all_tables())
+        return 0
+    VECTORS.mkdir(exist_ok=True)
+    write_json(
+        VECTORS / "valid.json",
+        {
+            "protocol_version": kp.CURRENT_VERSION,
+            "about": (
+                "Valid frames. For each vector: encode(message from fields, version) == hex; "
+                "decode(hex, max_version=version) == that message; every accept[].hex decodes to it too. "
+                'In fields, bin is {"hex": ...}, enums are their values, records are objects, '
+                "and a field left out holds its default."
+            ),
+            "vectors": build_valid(),
+        },
+    )
+    write_json(
+        VECTORS / "invalid.json",
+        {
+            "protocol_version": kp.CURRENT_VERSION,
+            "about": (
+                "Invalid frames. decode(hex, max_version) raises RemoteProtocolError with code error "
+                "(an ErrorCode name) at path."
+            ),
+            "vectors": build_invalid(),
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""The written protocol (spec/kvcr-protocol.md) agrees with the code."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import kvcr_protocol as kp
+
+SPEC_DIR = Path(__file__).resolve().parents[2] / "spec"
+SPEC = (SPEC_DIR / "kvcr-protocol.md").read_text(encoding="utf-8")
+
+
+def load_generator() -> ModuleType:
+    """spec/make_vectors.py as a module (it renders the field tables from the code)."""
+    name = "kvcr_spec_make_vectors"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SPEC_DIR / "make_vectors.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+GEN = load_generator()
+
+
+def test_protocol_version_line() -> None:
+    lines = [line for line in SPEC.splitlines() if line.startswith("Protocol-Version:")]
+    assert len(lines) == 1
+    match = re.fullmatch(r"Protocol-Version: (\d+)", lines[0])
+    assert match is not None
+    assert int(match.group(1)) == kp.CURRENT_VERSION
+    assert SPEC.index(lines[0]) < 200, "the version line belongs near the top"
+
+
+@pytest.mark.parametrize("cls", kp.ALL_MESSAGES, ids=[c.TAG for c in kp.ALL_MESSAGES])
+def test_every_message_is_specified_with_its_exact_fields(cls: type[kp.Message]) -> None:
+    assert f"#### `{cls.TAG}`" in SPEC
+    table = GEN.message_table(cls)
+    section = SPEC.split(f"#### `{cls.TAG}`\n", 1)[1].split("####", 1)[0]
+    assert table in section, f"the table of {cls.TAG} differs from its FIELDS"
+
+
+@pytest.mark.parametrize("cls", GEN.RECORDS, ids=[c.__name__ for c in GEN.RECORDS])
+def test_every_record_is_specified_with_its_exact_fields(cls: type) -> None:
+    section = SPEC.split(f"#### Record `{cls.__name__}`\n", 1)[1].split("####", 1)[0]
+    assert GEN.record_table(cls) in section
+
+
+def test_every_record_in_use_is_listed() -> None:
+    from kvcr_protocol.wire import Opt, RecordType, Seq, WireType
+
+    found: set[type] = set()
+
+    def walk(wt: WireType[object]) -> None:
+        if isinstance(wt, RecordType):
+            found.add(wt.cls)
+            for f in wt.cls.FIELDS:
+                walk(f.type)
+        elif isinstance(wt, (Seq,)):
+            walk(wt.item)
+        elif isinstance(wt, Opt):
+            walk(wt.inner)
+
+    for cls in kp.ALL_MESSAGES:
+        for f in cls.FIELDS:
+            walk(f.type)
+    assert found == set(GEN.RECORDS)
+
+
+def test_every_error_code_is_specified() -> None:
+    assert GEN.error_table() in SPEC
+    for code in kp.ErrorCode:
+        assert f"`{code.name}`" in SPEC
+
+
+def test_every_limit_is_specified() -> None:
+    assert GEN.limits_table() in SPEC
+
+
+def test_every_enum_value_is_specified() -> None:
+    for enum_type in GEN.ENUMS:
+        for member in enum_type:
+            assert f'`"{member.value}"`' in SPEC, f"{enum_type.__name__}.{member.name}"
+
+
+def test_every_tag_appears_in_the_exchanges() -> None:
+    exchanges = SPEC.split("## 5. Sessions and exchanges", 1)[1].split("## 6. Messages", 1)[0]
+    for cls in kp.ALL_MESSAGES:
+        assert f"`{cls.TAG}`" in exchanges, cls.TAG

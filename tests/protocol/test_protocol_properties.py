@@ -1,0 +1,179 @@
+"""Property tests: round trips of random valid messages, and hostile bytes.
+
+Strategies are built generically from the ``FIELDS`` tables, so a new message or field
+is covered without editing this file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvcr_protocol as kp
+from kvcr_protocol import DEFAULT_LIMITS, RemoteProtocolError
+from kvcr_protocol.messages import BASE_ENCODED, Message
+from kvcr_protocol.wire import (
+    AnyMap,
+    Bool,
+    Bytes,
+    EnumStr,
+    Field,
+    Opt,
+    RecordType,
+    Seq,
+    Str,
+    UInt,
+    WireType,
+)
+
+SMALL = 3  # at most this many items per array: keeps examples small and fast
+SETTINGS = settings(deadline=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _utf8_within(limit: int) -> st.SearchStrategy[str]:
+    return st.text(max_size=min(limit, 12)).filter(lambda s: len(s.encode("utf-8")) <= limit)
+
+
+JSONISH = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=SMALL) | st.dictionaries(st.text(max_size=6), inner, max_size=SMALL),
+    max_leaves=8,
+)
+
+
+def strategy_for(wt: WireType[Any]) -> st.SearchStrategy[Any]:
+    """Values that are valid for a wire type under the default limits."""
+    if isinstance(wt, UInt):
+        return st.integers(0, wt.maximum)
+    if isinstance(wt, Bool):
+        return st.booleans()
+    if isinstance(wt, Bytes):
+        limit = getattr(DEFAULT_LIMITS, wt.limit)
+        return st.binary(min_size=wt.minimum, max_size=min(limit, 24))
+    if isinstance(wt, Str):
+        if wt.choices is not None:
+            return st.sampled_from(sorted(wt.choices))
+        return _utf8_within(getattr(DEFAULT_LIMITS, wt.limit))
+    if isinstance(wt, EnumStr):
+        return st.sampled_from([*wt.enum_type.__members__.values()])
+    if isinstance(wt, Opt):
+        return st.none() | strategy_for(wt.inner)
+    if isinstance(wt, Seq):
+        limit = getattr(DEFAULT_LIMITS, wt.limit)
+        return st.lists(strategy_for(wt.item), min_size=wt.minimum, max_size=min(limit, SMALL)).map(tuple)
+    if isinstance(wt, RecordType):
+        return st.builds(wt.cls, *[strategy_for(f.type) for f in wt.fields])
+    if isinstance(wt, AnyMap):
+        return st.dictionaries(st.text(max_size=8), JSONISH, max_size=4)
+    raise TypeError(f"no strategy for {type(wt).__name__}")
+
+
+def field_strategy(f: Field, version: int) -> st.SearchStrategy[Any]:
+    if f.since > version:
+        return st.just(f.default)  # not expressible at this version
+    return strategy_for(f.type)
+
+
+def message_strategy(cls: type[Message], version: int) -> st.SearchStrategy[Message]:
+    if cls in BASE_ENCODED:
+        version = kp.BASE_VERSION
+    return st.builds(cls, **{f.name: field_strategy(f, version) for f in cls.FIELDS})
+
+
+VERSIONED = st.sampled_from(kp.SUPPORTED_VERSIONS).flatmap(
+    lambda v: st.tuples(st.just(v), st.sampled_from(kp.ALL_MESSAGES).flatmap(lambda c: message_strategy(c, v)))
+)
+
+
+@SETTINGS
+@given(VERSIONED)
+def test_round_trip_of_every_message(pair: tuple[int, Message]) -> None:
+    version, msg = pair
+    frame = kp.encode(msg, version)
+    assert kp.decode(frame, version) == msg
+    assert kp.decode(frame, kp.CURRENT_VERSION) == msg
+    assert kp.encode(kp.decode(frame, version), version) == frame  # canonical: re-encoding is stable
+    obj = msgpack.unpackb(frame, raw=False)
+    assert list(obj)[:2] == ["v", "t"]
+    assert obj["v"] == (kp.BASE_VERSION if type(msg) in BASE_ENCODED else version)
+
+
+def test_every_message_type_has_a_strategy() -> None:
+    for version in kp.SUPPORTED_VERSIONS:
+        for cls in kp.ALL_MESSAGES:
+            assert message_strategy(cls, version) is not None
+
+
+def _decode_or_refuse(frame: bytes, max_version: int) -> None:
+    """Decoding returns a message or raises RemoteProtocolError, never anything else."""
+    try:
+        msg = kp.decode(frame, max_version)
+    except RemoteProtocolError as exc:
+        assert isinstance(exc.code, kp.ErrorCode) and exc.code != kp.ErrorCode.OK
+    else:
+        assert isinstance(msg, Message)
+
+
+@SETTINGS
+@given(st.binary(max_size=64), st.sampled_from(kp.SUPPORTED_VERSIONS))
+def test_random_bytes_only_raise_remote_errors(frame: bytes, max_version: int) -> None:
+    _decode_or_refuse(frame, max_version)
+
+
+@st.composite
+def mutated_frames(draw: st.DrawFn) -> tuple[bytes, int]:
+    version, msg = draw(VERSIONED)
+    frame = bytearray(kp.encode(msg, version))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate", "duplicate"]))
+        if not frame:
+            break
+        i = draw(st.integers(0, len(frame) - 1))
+        if op == "flip":
+            frame[i] ^= 1 << draw(st.integers(0, 7))
+        elif op == "set":
+            frame[i] = draw(st.integers(0, 255))
+        elif op == "insert":
+            frame.insert(i, draw(st.integers(0, 255)))
+        elif op == "delete":
+            del frame[i]
+        elif op == "truncate":
+            del frame[i:]
+        else:
+            j = draw(st.integers(i, len(frame)))
+            frame[j:j] = frame[i:j]
+    return bytes(frame), draw(st.sampled_from(kp.SUPPORTED_VERSIONS))
+
+
+@SETTINGS
+@given(mutated_frames())
+def test_mutated_frames_only_raise_remote_errors(case: tuple[bytes, int]) -> None:
+    _decode_or_refuse(*case)
+
+
+# Structured hostility: valid msgpack maps with plausible keys and arbitrary values.
+_TAGS = st.sampled_from([c.TAG for c in kp.ALL_MESSAGES] + ["nope", ""])
+_KEYS = st.sampled_from(sorted({f.key for c in kp.ALL_MESSAGES for f in c.FIELDS} | {"!x", "x", "v", "t"}))
+
+
+@st.composite
+def hostile_maps(draw: st.DrawFn) -> bytes:
+    obj: dict[Any, Any] = {"v": draw(st.integers(-1, 3) | JSONISH), "t": draw(_TAGS | JSONISH)}
+    for key in draw(st.lists(_KEYS, max_size=6)):
+        obj[key] = draw(JSONISH | st.lists(st.lists(JSONISH, max_size=6), max_size=3))
+    out: bytes = msgpack.packb(obj, use_bin_type=True)
+    return out
+
+
+@SETTINGS
+@given(hostile_maps(), st.sampled_from(kp.SUPPORTED_VERSIONS))
+def test_hostile_maps_only_raise_remote_errors(frame: bytes, max_version: int) -> None:
+    _decode_or_refuse(frame, max_version)

@@ -1,0 +1,184 @@
+"""Version negotiation and the must-understand rule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+
+import kvcr_protocol as kp
+from kvcr_protocol import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
+from kvcr_protocol.messages import DeliverItem, DstSpan, Hello, PeerHello, Query, WriteRequest
+
+ITEM = DeliverItem(b"\x01" * 16, (DstSpan("L0", 2, 0, 65536),))
+PARTIAL = WriteRequest(7, "client-agent", (ITEM,), 500, partial=True)
+WHOLE = WriteRequest(8, "client-agent", (ITEM,), 500)
+
+
+def pack(obj: Any) -> bytes:
+    out: bytes = msgpack.packb(obj, use_bin_type=True)
+    return out
+
+
+def unpack(frame: bytes) -> dict[str, Any]:
+    obj: dict[str, Any] = msgpack.unpackb(frame, raw=False)
+    return obj
+
+
+# ---------------------------------------------------------------- negotiation
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "agreed"),
+    [(1, 1, 1), (1, 2, 1), (2, 1, 1), (2, 2, 2)],
+)
+def test_negotiation_matrix(ours: int, theirs: int, agreed: int) -> None:
+    assert kp.negotiate(kp.supported_up_to(ours), kp.supported_up_to(theirs)) == agreed
+
+
+def test_negotiation_is_symmetric() -> None:
+    for a in kp.SUPPORTED_VERSIONS:
+        for b in kp.SUPPORTED_VERSIONS:
+            ours, theirs = kp.supported_up_to(a), kp.supported_up_to(b)
+            assert kp.negotiate(ours, theirs) == kp.negotiate(theirs, ours) == min(a, b)
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [((1,), (2,)), ((2,), (1,)), ((1, 2), (3, 4)), ((1,), ())])
+def test_no_common_version(ours: tuple[int, ...], theirs: tuple[int, ...]) -> None:
+    with pytest.raises(ProtocolError) as info:
+        kp.negotiate(ours, theirs)
+    assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
+
+
+def test_negotiation_ignores_unknown_newer_versions() -> None:
+    assert kp.negotiate(kp.SUPPORTED_VERSIONS, (1, 2, 3, 17)) == 2
+
+
+def test_supported_up_to() -> None:
+    assert kp.supported_up_to(1) == (1,)
+    assert kp.supported_up_to(2) == (1, 2)
+    assert kp.supported_up_to(kp.CURRENT_VERSION) == kp.SUPPORTED_VERSIONS
+
+
+@pytest.mark.parametrize("cap", [0, 3, -1, 99])
+def test_supported_up_to_refuses_unknown_caps(cap: int) -> None:
+    with pytest.raises(ValueError, match="max_version"):
+        kp.supported_up_to(cap)
+
+
+def test_version_constants() -> None:
+    assert kp.BASE_VERSION == 1
+    assert kp.CURRENT_VERSION == max(kp.SUPPORTED_VERSIONS) == 2
+    assert kp.PARTIAL_LAYOUT_VERSION in kp.SUPPORTED_VERSIONS
+
+
+# ----------------------------------------------------------- must-understand
+
+
+def test_partial_write_encodes_at_version_2_with_the_bang_key() -> None:
+    frame = kp.encode(PARTIAL, 2)
+    obj = unpack(frame)
+    assert obj["v"] == 2 and obj["!partial"] is True and "partial" not in obj
+    assert kp.decode(frame, 2) == PARTIAL
+
+
+def test_whole_write_omits_the_must_understand_field() -> None:
+    for version in (1, 2):
+        obj = unpack(kp.encode(WHOLE, version))
+        assert "!partial" not in obj
+        assert kp.decode(kp.encode(WHOLE, version), version) == WHOLE
+
+
+def test_partial_write_cannot_be_encoded_at_version_1() -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        kp.encode(PARTIAL, 1)
+    assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
+    assert info.value.path == "partial"
+
+
+def test_version_2_partial_write_reaching_a_version_1_endpoint() -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        kp.decode(kp.encode(PARTIAL, 2), 1)
+    assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
+
+
+@pytest.mark.parametrize("max_version", [1, 2])
+def test_version_1_frame_carrying_partial_is_refused(max_version: int) -> None:
+    obj = unpack(kp.encode(WHOLE, 1))
+    obj["!partial"] = True
+    with pytest.raises(RemoteProtocolError) as info:
+        kp.decode(pack(obj), max_version)
+    assert info.value.code is ErrorCode.MUST_UNDERSTAND
+    assert info.value.path == "!partial"
+
+
+def test_unbanged_partial_is_an_ignored_optional_field() -> None:
+    # Without "!", "partial" is just an unknown optional key: it never makes a subset.
+    obj = unpack(kp.encode(WHOLE, 2))
+    obj["partial"] = True
+    assert kp.decode(pack(obj), 2) == WHOLE
+
+
+def test_unknown_optional_fields_are_ignored() -> None:
+    for version in kp.SUPPORTED_VERSIONS:
+        obj = unpack(kp.encode(Query(3, (b"k",), "r"), version))
+        obj["x_new"] = [1, 2, {"a": b"b"}]
+        obj["priority"] = 9
+        assert kp.decode(pack(obj), version) == Query(3, (b"k",), "r")
+
+
+@pytest.mark.parametrize("key", ["!x", "!", "!partial2", "!request_id"])
+def test_unknown_must_understand_field_is_refused(key: str) -> None:
+    obj = unpack(kp.encode(Query(3, (b"k",)), 2))
+    obj[key] = False
+    with pytest.raises(RemoteProtocolError) as info:
+        kp.decode(pack(obj), 2)
+    assert info.value.code is ErrorCode.MUST_UNDERSTAND
+
+
+def test_every_must_understand_field_is_banged_and_versioned() -> None:
+    for cls in kp.ALL_MESSAGES:
+        for f in cls.FIELDS:
+            assert f.key.startswith("!") == f.must_understand
+            if f.must_understand:
+                assert not f.required and f.since > kp.BASE_VERSION
+
+
+# ------------------------------------------------------------ version rules
+
+
+@pytest.mark.parametrize("cls", [Hello, PeerHello])
+@pytest.mark.parametrize("version", [1, 2])
+def test_hellos_always_travel_at_version_1(cls: type[Hello] | type[PeerHello], version: int) -> None:
+    if cls is Hello:
+        msg: Hello | PeerHello = Hello(1, (1, 2), "c", "a", b"md")
+    else:
+        msg = PeerHello(1, (1, 2), "n", 5, "a", b"md")
+    frame = kp.encode(msg, version)
+    assert unpack(frame)["v"] == 1
+    assert kp.decode(frame, 1) == msg
+
+
+@pytest.mark.parametrize("v", [0, 2, 3, 99, (1 << 64) - 1])
+def test_hello_is_readable_at_any_version(v: int) -> None:
+    hello = Hello(1, (1, 2, 3), "c", "a", b"")
+    obj = unpack(kp.encode(hello))
+    obj["v"] = v
+    assert kp.decode(pack(obj), 1) == hello
+
+
+def test_version_1_frames_are_readable_by_version_2() -> None:
+    assert kp.decode(kp.encode(WHOLE, 1), 2) == WHOLE
+
+
+@pytest.mark.parametrize("version", [0, 3])
+def test_cannot_encode_at_an_unknown_version(version: int) -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        kp.encode(WHOLE, version)
+    assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
+
+
+def test_only_write_changes_between_versions() -> None:
+    changed = {cls.TAG for cls in kp.ALL_MESSAGES if any(f.since > 1 for f in cls.FIELDS)}
+    assert changed == {"write"}
