@@ -30,11 +30,11 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from admission import index_bytes_per_object, measure_admission  # noqa: E402
-from stats import fmt_gbps, fmt_us, summary  # noqa: E402
+from admission import index_bytes_per_object, measure_admission
+from stats import fmt_gbps, fmt_us, summary
 
-from kvcr_client import Client, Span  # noqa: E402
-from kvcr_client.agent import load_nixl  # noqa: E402
+from kvcr_client import Client, Span
+from kvcr_client.agent import load_nixl
 
 SPAN = 64 << 10
 SPANS = 1024

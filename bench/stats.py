@@ -12,7 +12,7 @@ def summary(samples: Sequence[float]) -> dict[str, float]:
     n = len(ordered)
     med = statistics.median(ordered)
     p10 = ordered[max(0, int(0.1 * (n - 1)))]
-    p90 = ordered[min(n - 1, int(round(0.9 * (n - 1))))]
+    p90 = ordered[min(n - 1, round(0.9 * (n - 1)))]
     return {"median": med, "p10": p10, "p90": p90, "spread": (p90 - p10) / med if med else 0.0, "n": n}
 
 

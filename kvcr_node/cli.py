@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
         "--pool", action="append", metavar="NAME:SLOT_SIZE:SLOT_COUNT[:MEMORY]",
         help="declare a pool, e.g. kv:64KiB:4096:dram or full:64KiB:1024:hbm:0 (repeatable; replaces the config's pools)",
     )
-    p.add_argument("--policy", choices=["fifo", "lru"])
+    p.add_argument("--policy", help="eviction policy: fifo, lru (default) or module:Class for a plug-in")
     p.add_argument("--low-watermark", type=float, help="capacity event threshold, fraction of a pool's slots")
     p.add_argument("--protocol-version", type=int, help="speak protocol versions up to N only")
     p.add_argument("--deadline-ms", type=int, help="deadline of operations that name none")
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         node = Node(config)
-    except (GpuUnavailable, ImportError) as exc:
+    except (GpuUnavailable, ImportError, ValueError) as exc:
         print(f"kvcr-node: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:

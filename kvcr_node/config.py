@@ -104,8 +104,8 @@ class NodeConfig:
                 raise ConfigError(f"pools[{i}].name", f"pool {pool.name!r} is declared twice")
             seen.add(pool.name)
             parse_memory(pool.memory, f"pools[{i}].memory")
-        if self.policy not in ("fifo", "lru"):
-            raise ConfigError("policy", f"expected 'fifo' or 'lru', got {self.policy!r}")
+        if self.policy not in ("fifo", "lru") and ":" not in self.policy:
+            raise ConfigError("policy", f"expected 'fifo', 'lru' or 'module:Class', got {self.policy!r}")
         if not 0.0 <= self.low_watermark < 1.0:
             raise ConfigError("low_watermark", f"expected a fraction in [0, 1), got {self.low_watermark!r}")
         if self.protocol_version not in SUPPORTED_VERSIONS:
@@ -134,6 +134,8 @@ def pool_from_mapping(raw: Any, where: str) -> PoolSpec:
         count = raw["slot_count"]
         if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
             raise ConfigError(f"{where}.slot_count", f"expected a positive integer, got {count!r}")
+        if "size" in raw and parse_size(raw["size"], f"{where}.size") != count * slot_size:
+            raise ConfigError(f"{where}.size", f"disagrees with slot_count {count} x slot_size {slot_size}; give one of them")
     elif "size" in raw:
         total = parse_size(raw["size"], f"{where}.size")
         if total % slot_size:

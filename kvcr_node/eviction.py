@@ -15,6 +15,7 @@ outnumber the live ones, so every removal costs O(1) amortized and a victim O(lo
 from __future__ import annotations
 
 import heapq
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
@@ -120,11 +121,23 @@ _POLICIES: dict[str, type[EvictionPolicy]] = {"fifo": FifoPolicy, "lru": LruPoli
 
 
 def make_policy(name: str) -> EvictionPolicy:
-    """A built-in policy by name: ``"fifo"`` or ``"lru"``."""
-    try:
+    """A built-in policy by name (``"fifo"``, ``"lru"``), or ``"module:Class"`` for a plug-in.
+
+    A plug-in class is instantiated without arguments and must be an ``EvictionPolicy``.
+    """
+    if name in _POLICIES:
         return _POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; expected one of {sorted(_POLICIES)}") from None
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"eviction policy {name!r} cannot be loaded: {exc}") from exc
+        policy = cls()
+        if not isinstance(policy, EvictionPolicy):
+            raise ValueError(f"eviction policy {name!r} is not an EvictionPolicy")
+        return policy
+    raise ValueError(f"unknown eviction policy {name!r}; expected one of {sorted(_POLICIES)} or 'module:Class'")
 
 
 _Item = tuple[float, int, E]

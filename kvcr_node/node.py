@@ -559,7 +559,7 @@ class Node:
             # "fetch never projects": the expected layout must be the stored one.
             op.fail(i, ErrorCode.LAYOUT_MISMATCH, f"items[{i}].layout differs from the stored layout")
         else:
-            self.store.claim(entry)
+            self.store.claim(entry, accessed=True)  # DESIGN 5: a fetch claim is an LRU access
             op.set(i, KeyResult(KeyStatus.OK, handle=self._new_handle(op.session, entry)))
         self._finish_if_settled(op)
 

@@ -170,7 +170,7 @@ class Store:
 
     @property
     def tick(self) -> int:
-        """The logical clock: advances on every access (commit, accessed unclaim)."""
+        """The logical clock: advances on every access (commit, accessed claim or unclaim)."""
         return self._tick
 
     def __len__(self) -> int:
@@ -279,11 +279,17 @@ class Store:
 
     # -- claims -----------------------------------------------------------------------
 
-    def claim(self, entry: ObjectEntry) -> None:
-        """Hold a READY object against eviction (counted)."""
+    def claim(self, entry: ObjectEntry, accessed: bool = False) -> None:
+        """Hold a READY object against eviction (counted).
+
+        ``accessed`` records an access now (a fetch claim is one for LRU, DESIGN 5).
+        """
         self._own(entry)
         if entry.state is not _READY:
             raise StoreError(f"claim of {entry.key!r}: it is {entry.state.name}, not READY")
+        if accessed:
+            self._tick += 1
+            entry.last_access = self._tick
         if entry.claims == 0:
             # DESIGN 5: "Claims, releases, removals and evictions update both."
             self._index.remove(entry)

@@ -37,7 +37,7 @@ class NodeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(STOP_TIMEOUT_S)
-        if self.proc.stdout is not None:
+        if self.proc.stdout is not None and not self.proc.stdout.closed:
             self.output.append(self.proc.stdout.read() or "")
             self.proc.stdout.close()
         return self.proc.returncode
