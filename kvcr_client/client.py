@@ -112,7 +112,7 @@ class _Base:
         self._completed: collections.deque[OpHandle[Any]] = collections.deque()
 
     def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
-        handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort)
+        handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait)
         fut.add_done_callback(lambda _: self._completed.append(handle))
         return handle
 
@@ -331,10 +331,7 @@ class _Base:
             region.registration = None
 
     def _hello(self, timeout_s: float) -> Future[Any]:
-        fut: Future[Any] = Future()
-        regions = tuple(r.wire() for r in self._regions.values())
-        self.core.call(lambda: self.core.hello(regions, fut, timeout_s))
-        return fut
+        return self.core.hello(tuple(r.wire() for r in self._regions.values()), timeout_s)
 
 
 def _ack(msg: Message) -> None:
@@ -348,7 +345,7 @@ class Client(_Base):
     def __init__(self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0) -> None:
         self._init(endpoint, name, max_version)
         try:
-            self._hello(timeout).result(timeout + 5)
+            self.core.wait(self._hello(timeout), timeout + 5)
         except BaseException:
             self.core.close()
             raise
@@ -364,7 +361,7 @@ class Client(_Base):
         handle = self._describe(buffer)
         self.core.call(lambda: self._register_on_io(handle, True)).result(30)
         try:
-            self._announce(handle)[1].result(15)
+            self.core.wait(self._announce(handle)[1], 15)
         except BaseException:
             self.core.call(lambda: self._unregister_on_io(handle)).result(30)
             raise
@@ -373,12 +370,12 @@ class Client(_Base):
     def unregister(self, region: RegionHandle) -> None:
         """Stop using a buffer: the node forgets the region, then NIXL deregisters it."""
         self._unregister_check(region)
-        self.core.request(lambda i: UnregisterRegions(i, (region.region,)), _ack, 10.0)[1].result(15)
+        self.core.wait(self.core.request(lambda i: UnregisterRegions(i, (region.region,)), _ack, 10.0)[1], 15)
         self.core.call(lambda: self._unregister_on_io(region)).result(30)
 
     def reconnect(self, timeout: float = 10.0) -> Welcome:
         """Open a new session (after node loss or restart), announcing every registered region."""
-        result: Welcome = self._hello(timeout).result(timeout + 5)
+        result: Welcome = self.core.wait(self._hello(timeout), timeout + 5)
         return result
 
     def close(self) -> None:

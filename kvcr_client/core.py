@@ -1,9 +1,16 @@
-"""The client core: one I/O thread that owns the DEALER socket and the NIXL agent.
+"""The client core: the DEALER socket, the NIXL agent and the pending requests.
 
-Callers on any thread (or an asyncio loop) hand work to the I/O thread through a queue
-and get ``concurrent.futures.Future`` objects back. While any operation that may touch
-client memory is pending, the I/O thread progresses the NIXL agent at a short interval:
-both ends of a NIXL transfer need progress (DESIGN 9). Idle, it blocks in a ZeroMQ poll.
+Whoever holds the core's I/O lock owns the socket and the agent. A caller that sends a
+request takes the lock and sends from its own thread; a caller that blocks on a result
+drives the socket itself until its reply is in, so a round trip costs no thread hand-off.
+A background thread takes the lock whenever no caller holds it: it delivers replies
+that nobody is waiting on (asyncio awaiters, ``poll_completed``), and, while any
+operation that may touch client memory is pending, progresses the NIXL agent at a short
+interval: both ends of a NIXL transfer need progress (DESIGN 9). Idle, it blocks in
+``select`` on the socket's file descriptor and costs nothing.
+
+Rule for every lock holder: before releasing the lock, drain the socket until ZeroMQ
+reports no more input, so the edge-triggered socket descriptor re-arms.
 """
 
 from __future__ import annotations
@@ -13,10 +20,12 @@ import itertools
 import logging
 import os
 import secrets
+import select
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +54,10 @@ from kvcr_protocol import (
 
 log = logging.getLogger("kvcr.client")
 
-_IDLE_POLL_MS = 200
+_IDLE_S = 0.2
+_DRIVE_SLICE_S = 0.05
 _GRACE_S = 2.0
+_MAX_BACKOFF_S = 0.001
 
 
 @dataclass
@@ -57,8 +68,13 @@ class _Pending:
     convert: Callable[[Message], Any]
 
 
+def _backoff(spins: int) -> float:
+    """10 us, doubling up to 1 ms: quick for short transfers, cheap for long ones."""
+    return min(_MAX_BACKOFF_S, 10e-6 * (1 << min(spins, 7)))
+
+
 class ClientCore:
-    """Socket, agent and pending requests, owned by one I/O thread."""
+    """Socket, agent and pending requests, shared by caller threads and one background thread."""
 
     def __init__(
         self,
@@ -73,8 +89,14 @@ class ClientCore:
         self.agent = Agent(f"{self.name}.{os.getpid()}.{secrets.token_hex(4)}")
         self._own_context = context is None
         self.context = context or zmq.Context()
+        self._io = threading.RLock()
+        self._drivers = 0
+        self._drivers_lock = threading.Lock()
+        self._no_drivers = threading.Event()
+        self._no_drivers.set()
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
+        self._fds: tuple[int, ...] = ()
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
@@ -88,28 +110,24 @@ class ClientCore:
         self.welcome: Welcome | None = None
         self.capacity_events: collections.deque[CapacityEvent] = collections.deque(maxlen=1024)
         self.on_capacity: Callable[[CapacityEvent], None] | None = None
-        self._thread = threading.Thread(target=self._run, name=f"kvcr-io-{self.name}", daemon=True)
+        self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ caller side
 
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Run ``fn`` on the I/O thread; its return value (or exception) lands in the future."""
+        """Run ``fn`` holding the I/O lock (it may use the socket and the agent)."""
         future: Future[Any] = Future()
         if self._closed:
             future.set_exception(ClientClosed("the client is closed"))
             return future
-
-        def run() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
+        with self._io:
             try:
                 future.set_result(fn())
-            except BaseException as exc:  # handed to the caller, not swallowed
+            except Exception as exc:
                 future.set_exception(exc)
-
-        self._commands.append(run)
-        self._wake()
+            finally:
+                self._drain_socket()
         return future
 
     def request(
@@ -118,35 +136,85 @@ class ClientCore:
         convert: Callable[[Message], Any],
         timeout_s: float,
         touches_memory: bool = False,
-        future: Future[Any] | None = None,
     ) -> tuple[int, Future[Any]]:
         """Send a request built for a fresh id; the reply passes through ``convert``."""
         op_id = next(self._ids)
-        fut: Future[Any] = future or Future()
+        fut: Future[Any] = Future()
+        if self._closed:
+            fut.set_exception(ClientClosed("the client is closed"))
+            return op_id, fut
 
         def send() -> None:
             self._send_request(op_id, build(op_id), convert, timeout_s, touches_memory, fut)
 
-        if self._closed:
-            fut.set_exception(ClientClosed("the client is closed"))
+        # The background thread holds the lock only for short turns: wait a moment for it.
+        if self._io.acquire(timeout=0.0005):
+            try:
+                send()
+                self._drain_socket()
+            finally:
+                self._io.release()
         else:
+            # A driver holds the socket in a poll: hand it the send (it polls our wake pipe).
             self._commands.append(send)
             self._wake()
         return op_id, fut
 
+    def wait(self, future: Future[Any], timeout: float | None) -> Any:
+        """Block until ``future`` is done, driving the socket and agent meanwhile."""
+        if future.done():
+            return future.result(0)
+        with self._drivers_lock:
+            self._drivers += 1
+            self._no_drivers.clear()
+        try:
+            return self._drive(future, timeout)
+        finally:
+            with self._drivers_lock:
+                self._drivers -= 1
+                if not self._drivers:
+                    self._no_drivers.set()
+
+    def _drive(self, future: Future[Any], timeout: float | None) -> Any:
+        end = None if timeout is None else time.monotonic() + timeout
+        spins = 0
+        while not future.done():
+            remaining = _DRIVE_SLICE_S if end is None else end - time.monotonic()
+            if remaining <= 0:
+                raise FutureTimeout()
+            if self._closed or not self._io.acquire(blocking=False):
+                try:
+                    return future.result(min(remaining, 0.002))
+                except FutureTimeout:
+                    continue
+            try:
+                if future.done():
+                    break
+                busy = self._busy()
+                spins = spins + 1 if busy else 0
+                self._turn(min(remaining, _backoff(spins) if busy else _DRIVE_SLICE_S))
+            finally:
+                self._io.release()
+        return future.result(0)
+
     def close(self, timeout: float = 5.0) -> None:
-        """Say bye (best effort), stop the I/O thread and release the socket."""
+        """Say bye (best effort), stop the background thread and release the socket."""
         if self._closed:
             return
         if self.connected and not self.lost:
             _, fut = self.request(lambda i: Bye(i), lambda m: None, min(timeout, 2.0))
             try:
-                fut.result(timeout)
+                self.wait(fut, timeout)
             except Exception:
                 log.debug("bye was not acknowledged", exc_info=True)
         self._closed = True
         self._wake()
         self._thread.join(timeout)
+        with self._io:
+            self._fail_all(ClientClosed("the client is closed"))
+            while self._commands:
+                self._commands.popleft()()
+            self._close_socket()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         if self._own_context:
@@ -158,19 +226,22 @@ class ClientCore:
         except (BlockingIOError, OSError):
             pass
 
-    # ------------------------------------------------------------------ I/O thread
+    # ------------------------------------------------------------------ socket (lock held)
 
     def open_socket(self) -> None:
-        """(I/O thread) A fresh DEALER connected to the node, with a disconnect monitor."""
+        """A fresh DEALER connected to the node, with a disconnect monitor."""
         self._close_socket()
         sock: zmq.Socket[bytes] = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         sock.connect(self.endpoint)
         self._sock = sock
+        self._fds = (int(sock.getsockopt(zmq.FD)), int(self._monitor.getsockopt(zmq.FD)))
         self.lost = False
+        self._wake()  # the background thread must select on the new descriptors
 
     def _close_socket(self) -> None:
+        self._fds = ()
         if self._sock is not None:
             try:
                 self._sock.disable_monitor()
@@ -182,22 +253,25 @@ class ClientCore:
             self._monitor.close(0)
             self._monitor = None
 
-    def hello(self, regions: tuple[Region, ...], future: Future[Any], timeout_s: float) -> None:
-        """(I/O thread) Open the session: version agreement, our metadata and regions."""
-        self.open_socket()
-        md = self.agent.metadata()
+    def hello(self, regions: tuple[Region, ...], timeout_s: float) -> Future[Any]:
+        """Open the session: version agreement, our metadata and regions."""
+        future: Future[Any] = Future()
 
         def on_welcome(msg: Message) -> Welcome:
-            assert isinstance(msg, Welcome)
+            if not isinstance(msg, Welcome):
+                raise ValueError(f"expected welcome, got {msg.TAG}")
             self.version = msg.version
             self.welcome = msg
             self.connected = True
             return msg
 
-        op_id = next(self._ids)
-        self._send_request(
-            op_id, Hello(op_id, self.versions, self.name, self.agent.name, md, regions), on_welcome, timeout_s, False, future
-        )
+        with self._io:
+            self.open_socket()
+            op_id = next(self._ids)
+            hello = Hello(op_id, self.versions, self.name, self.agent.name, self.agent.metadata(), regions)
+            self._send_request(op_id, hello, on_welcome, timeout_s, False, future)
+            self._drain_socket()
+        return future
 
     def _send_request(
         self, op_id: int, msg: Message, convert: Callable[[Message], Any], timeout_s: float, touches: bool, fut: Future[Any]
@@ -212,72 +286,88 @@ class ClientCore:
         except LocalProtocolError as exc:
             fut.set_exception(exc)
             return
+        self._pending[op_id] = _Pending(fut, time.monotonic() + timeout_s + _GRACE_S, touches, convert)
         try:
             self._sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
+            del self._pending[op_id]
             fut.set_exception(NodeLostError(f"the node at {self.endpoint} is not reachable"))
-            return
-        self._pending[op_id] = _Pending(fut, time.monotonic() + timeout_s + _GRACE_S, touches, convert)
 
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        registered: tuple[Any, Any] = (None, None)
+    def _busy(self) -> bool:
+        return any(p.touches_memory for p in self._pending.values())
+
+    def _turn(self, timeout_s: float) -> None:
+        """One turn with the lock held: commands, wait up to ``timeout_s``, drain, progress, expire."""
+        while self._commands:
+            self._commands.popleft()()
+        if timeout_s > 0 and self._sock is not None:
+            self._drain_socket()  # the descriptors below only signal new input once drained
+            if timeout_s >= 0.001:
+                poller = zmq.Poller()
+                poller.register(self._sock, zmq.POLLIN)
+                if self._monitor is not None:
+                    poller.register(self._monitor, zmq.POLLIN)
+                poller.register(self._wake_r, zmq.POLLIN)
+                ready = dict(poller.poll(int(timeout_s * 1000)))
+                woken = self._wake_r in ready
+            else:
+                readable, _, _ = select.select((*self._fds, self._wake_r), (), (), timeout_s)
+                woken = self._wake_r in readable
+            if woken:
+                self._drain_wake()
+            while self._commands:
+                self._commands.popleft()()
+        self._drain_monitor()
+        self._drain_socket()
+        if self._busy():
+            # Progress our agent: the node's transfer into or out of our memory
+            # completes only when both ends are progressed.
+            self.agent.progress()
+        self._expire()
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _background(self) -> None:
         spins = 0
         try:
             while not self._closed:
-                if registered != (self._sock, self._monitor):
-                    for s in registered:
-                        if s is not None:
-                            poller.unregister(s)
-                    registered = (self._sock, self._monitor)
-                    for s in registered:
-                        if s is not None:
-                            poller.register(s, zmq.POLLIN)
-                busy = any(p.touches_memory for p in self._pending.values())
-                if busy:
-                    events = dict(poller.poll(0))
-                    if not events:
-                        # Progress our agent: the node's transfer into or out of our
-                        # memory completes only when both ends are progressed.
-                        self.agent.progress()
-                        time.sleep(min(0.001, 10e-6 * (1 << min(spins, 7))))
-                        spins += 1
-                else:
-                    spins = 0
-                    events = dict(poller.poll(self._idle_timeout_ms()))
-                if self._wake_r in events:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                while self._commands:
-                    self._commands.popleft()()
-                if self._monitor is not None and self._monitor in events:
-                    self._drain_monitor()
-                if self._sock is not None and self._sock in events:
-                    self._drain_socket()
-                if busy:
-                    self.agent.progress()
-                self._expire()
-        except Exception:  # the I/O thread must not die silently
-            log.exception("kvcr client I/O thread failed")
-            self._fail_all(NodeLostError("the client I/O thread failed"))
-        finally:
-            self._fail_all(ClientClosed("the client is closed"))
-            while self._commands:
-                self._commands.popleft()()
-            self._close_socket()
+                busy = self._busy()
+                spins = spins + 1 if busy else 0
+                timeout = _backoff(spins) if busy else self._idle_timeout()
+                fds = (*self._fds, self._wake_r)
+                try:
+                    readable, _, _ = select.select(fds, (), (), timeout)
+                except (OSError, ValueError):  # a descriptor closed under us: re-read them
+                    readable = []
+                if self._wake_r in readable:
+                    self._drain_wake()
+                if self._closed:
+                    break
+                if self._drivers:
+                    # A caller is driving the socket (and the agent): stay out of its way.
+                    self._no_drivers.wait(_IDLE_S)
+                    continue
+                with self._io:
+                    self._turn(0)
+        except Exception:  # the background thread must not die silently
+            log.exception("kvcr client background thread failed")
+            with self._io:
+                self._fail_all(NodeLostError("the client background thread failed"))
 
-    def _idle_timeout_ms(self) -> int:
+    def _idle_timeout(self) -> float:
         if not self._pending:
-            return _IDLE_POLL_MS
-        nearest = min(p.deadline for p in self._pending.values())
-        return max(0, min(_IDLE_POLL_MS, int((nearest - time.monotonic()) * 1000) + 1))
+            return _IDLE_S
+        nearest = min(p.deadline for p in list(self._pending.values()))
+        return max(0.0, min(_IDLE_S, nearest - time.monotonic()))
 
     def _drain_monitor(self) -> None:
-        assert self._monitor is not None
+        if self._monitor is None:
+            return
         while True:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
@@ -289,12 +379,12 @@ class ClientCore:
                 self._fail_all(NodeLostError(f"lost the node at {self.endpoint}"))
 
     def _drain_socket(self) -> None:
-        assert self._sock is not None
-        for _ in range(1024):
-            try:
-                frame = self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        sock = self._sock
+        if sock is None:
+            return
+        # Read until ZeroMQ reports no input: that re-arms the socket's descriptor.
+        while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            frame = sock.recv(zmq.NOBLOCK)
             try:
                 msg = decode(frame, self.version or self.versions[-1])
             except RemoteProtocolError as exc:
@@ -321,7 +411,7 @@ class ClientCore:
             return
         try:
             pending.future.set_result(pending.convert(msg))
-        except (ProtocolError, AssertionError, KeyError, ValueError) as exc:
+        except (ProtocolError, KeyError, ValueError) as exc:
             pending.future.set_exception(exc)
 
     def _expire(self) -> None:

@@ -62,17 +62,31 @@ class Results(Mapping[bytes, T]):
 class OpHandle(Generic[T]):
     """An operation in progress: wait with ``result(timeout)``, ``await`` it, or poll ``done()``."""
 
-    def __init__(self, op_id: int, kind: str, future: Future[T], abort: Callable[[int], Any] | None = None) -> None:
+    def __init__(
+        self,
+        op_id: int,
+        kind: str,
+        future: Future[T],
+        abort: Callable[[int], Any] | None = None,
+        waiter: Callable[[Future[T], float | None], T] | None = None,
+    ) -> None:
         self.op_id = op_id
         self.kind = kind
         self.future = future
         self._abort = abort
+        self._waiter = waiter
 
     def done(self) -> bool:
         return self.future.done()
 
     def result(self, timeout: float | None = None) -> T:
-        """Block until the operation completes; re-raises its error."""
+        """Block until the operation completes; re-raises its error.
+
+        The waiting thread drives the client's socket itself, so the reply costs no
+        thread hand-off. Raises ``TimeoutError`` when ``timeout`` passes first.
+        """
+        if self._waiter is not None and not self.future.done():
+            return self._waiter(self.future, timeout)
         return self.future.result(timeout)
 
     def __await__(self) -> Generator[Any, None, T]:
