@@ -179,23 +179,41 @@ class _Base:
                 raise ArgumentError(f"{path}.length", f"pool {span.pool!r} holds spans of {pool.slot_size} bytes, got {span.length}")
         return region
 
-    def _spans(self, key: bytes, spans: Any, path: str, deposit: bool) -> tuple[list[Any], list[RegionHandle]]:
+    def _spans(self, key: bytes, spans: Any, path: str, deposit: bool) -> tuple[list[Any], set[RegionHandle]]:
+        """Check spans and turn them into wire records; the regions they use."""
         if isinstance(spans, Span) or not isinstance(spans, Sequence) or not spans:
             raise ArgumentError(path, "expected a non-empty sequence of Span")
         out: list[Any] = []
-        used: list[RegionHandle] = []
+        used: set[RegionHandle] = set()
+        regions: dict[Any, Any] = self._regions
+        pools = self.pools if deposit else {}
+        max_name = DEFAULT_LIMITS.max_name // 4  # a str this short is within the byte limit in any encoding
         for j, span in enumerate(spans):
-            region = self._check_span(span, f"{path}[{j}]", deposit)
-            used.append(region)
+            # Fast path for well-formed spans; anything unusual gets the detailed check.
+            if type(span) is not Span:
+                self._check_span(span, f"{path}[{j}]", deposit)
+            name, offset, length = span.name, span.offset, span.length
+            region = span.region
+            known = regions.get(getattr(region, "region", None))
+            if (
+                type(name) is not str or len(name) > max_name
+                or type(offset) is not int or type(length) is not int
+                or offset < 0 or length <= 0
+                or known is None or known is not region
+                or offset + length > known.length
+                or (deposit and ((pool := pools.get(span.pool)) is None or length != pool.slot_size))
+            ):
+                self._check_span(span, f"{path}[{j}]", deposit)
+            used.add(region)
             if deposit:
-                out.append(SrcSpan(span.name, span.pool, region.region, span.offset, span.length))
+                out.append(SrcSpan(name, span.pool, region.region, offset, length))
             else:
-                out.append(DstSpan(span.name, region.region, span.offset, span.length))
+                out.append(DstSpan(name, region.region, offset, length))
         return out, used
 
     # -- operations
 
-    def _op(self, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool, regions: list[RegionHandle]) -> OpHandle[Any]:
+    def _op(self, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool, regions: set[RegionHandle]) -> OpHandle[Any]:
         for region in regions:
             region.in_use += 1
 
@@ -225,14 +243,14 @@ class _Base:
         deadline_ms: int = DEFAULT_DEADLINE_MS,
     ) -> OpHandle[Results[KeyOutcome]]:
         """Store objects; each key maps to its layout's spans in order (with pools)."""
-        items, keys, regions = [], [], []
+        items, keys, regions = [], [], set()
         for key, spans in _batch(objects, "objects"):
             path = f"objects[{key!r}]"
             _key(key, path)
             wire, used = self._spans(key, spans, f"{path}.spans", deposit=True)
             items.append(DepositItem(key, tuple(wire)))
             keys.append(key)
-            regions.extend(used)
+            regions |= used
         frozen = tuple(items)
         return self._op("deposit", keys, lambda i: Deposit(i, frozen, no_evict, optional, deadline_ms), deadline_ms, True, regions)
 
@@ -241,14 +259,14 @@ class _Base:
         deadline_ms: int = DEFAULT_DEADLINE_MS,
     ) -> OpHandle[Results[KeyOutcome]]:
         """Put objects' bytes into registered memory: the whole layout or an ordered subset of its spans."""
-        items, keys, regions = [], [], []
+        items, keys, regions = [], [], set()
         for key, spans in _batch(objects, "objects"):
             path = f"objects[{key!r}]"
             _key(key, path)
             wire, used = self._spans(key, spans, f"{path}.spans", deposit=False)
             items.append(DeliverItem(key, tuple(wire)))
             keys.append(key)
-            regions.extend(used)
+            regions |= used
         frozen = tuple(items)
         return self._op("deliver", keys, lambda i: DeliverMsg(i, frozen, request_id, deadline_ms), deadline_ms, True, regions)
 
@@ -266,7 +284,7 @@ class _Base:
             items.append(FetchItem(key, tuple(LayoutSpan(n, p) for n, p in layout)))
             keys.append(key)
         frozen = tuple(items)
-        return self._op("fetch", keys, lambda i: Fetch(i, frozen, request_id, deadline_ms), deadline_ms, False, [])
+        return self._op("fetch", keys, lambda i: Fetch(i, frozen, request_id, deadline_ms), deadline_ms, False, set())
 
     def release(self, handles: Iterable[int]) -> OpHandle[Results[KeyOutcome]]:
         """Drop handle claims; results are keyed by the handle as 8 big-endian bytes."""
@@ -278,7 +296,7 @@ class _Base:
                 raise ArgumentError(f"handles[{i}]", f"expected a positive int handle, got {h!r}")
         keys = [h.to_bytes(8, "big") for h in hs]
         frozen = tuple(hs)
-        return self._op("release", keys, lambda i: Release(i, frozen), 10_000, False, [])
+        return self._op("release", keys, lambda i: Release(i, frozen), 10_000, False, set())
 
     def query(self, keys: Iterable[bytes], request_id: str | None = None) -> OpHandle[Results[KeyPresence]]:
         """Where are these keys? Advisory: a HIT may be evicted before the next call."""

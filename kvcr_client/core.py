@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -51,6 +51,10 @@ from kvcr_protocol import (
     encode,
     supported_up_to,
 )
+
+# Plain ints: pyzmq's flag enums cost a Python call per operation on the hot path.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 log = logging.getLogger("kvcr.client")
 
@@ -97,6 +101,7 @@ class ClientCore:
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
         self._fds: tuple[int, ...] = ()
+        self._poller = zmq.Poller()
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
@@ -182,11 +187,12 @@ class ClientCore:
             remaining = _DRIVE_SLICE_S if end is None else end - time.monotonic()
             if remaining <= 0:
                 raise FutureTimeout()
-            if self._closed or not self._io.acquire(blocking=False):
-                try:
-                    return future.result(min(remaining, 0.002))
-                except FutureTimeout:
-                    continue
+            if self._closed:
+                return future.result(remaining)
+            # The lock is held only for short turns (or by another driver, who may well
+            # complete our future): wait for it briefly, then look at the future again.
+            if not self._io.acquire(timeout=min(remaining, 0.0005)):
+                continue
             try:
                 if future.done():
                     break
@@ -237,6 +243,9 @@ class ClientCore:
         sock.connect(self.endpoint)
         self._sock = sock
         self._fds = (int(sock.getsockopt(zmq.FD)), int(self._monitor.getsockopt(zmq.FD)))
+        self._poller = zmq.Poller()
+        for item in (sock, self._monitor, self._wake_r):
+            self._poller.register(item, zmq.POLLIN)
         self.lost = False
         self._wake()  # the background thread must select on the new descriptors
 
@@ -303,12 +312,7 @@ class ClientCore:
         if timeout_s > 0 and self._sock is not None:
             self._drain_socket()  # the descriptors below only signal new input once drained
             if timeout_s >= 0.001:
-                poller = zmq.Poller()
-                poller.register(self._sock, zmq.POLLIN)
-                if self._monitor is not None:
-                    poller.register(self._monitor, zmq.POLLIN)
-                poller.register(self._wake_r, zmq.POLLIN)
-                ready = dict(poller.poll(int(timeout_s * 1000)))
+                ready = dict(self._poller.poll(int(timeout_s * 1000)))
                 woken = self._wake_r in ready
             else:
                 readable, _, _ = select.select((*self._fds, self._wake_r), (), (), timeout_s)
@@ -352,8 +356,12 @@ class ClientCore:
                     # A caller is driving the socket (and the agent): stay out of its way.
                     self._no_drivers.wait(_IDLE_S)
                     continue
-                with self._io:
+                if not self._io.acquire(timeout=0.001):
+                    continue
+                try:
                     self._turn(0)
+                finally:
+                    self._io.release()
         except Exception:  # the background thread must not die silently
             log.exception("kvcr client background thread failed")
             with self._io:
@@ -368,7 +376,7 @@ class ClientCore:
     def _drain_monitor(self) -> None:
         if self._monitor is None:
             return
-        while True:
+        while cast(int, self._monitor.getsockopt(_EVENTS)) & _POLLIN:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
@@ -383,7 +391,7 @@ class ClientCore:
         if sock is None:
             return
         # Read until ZeroMQ reports no input: that re-arms the socket's descriptor.
-        while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        while cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
             frame = sock.recv(zmq.NOBLOCK)
             try:
                 msg = decode(frame, self.version or self.versions[-1])

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -73,6 +73,10 @@ from kvcr_protocol import (
 from kvcr_protocol import Deliver as DeliverMsg
 from kvcr_protocol.descriptors import resolve_spans
 from kvcr_protocol.versions import BASE_VERSION
+
+# Plain ints: pyzmq's flag enums cost a Python call per operation on the hot path.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 log = logging.getLogger("kvcr.node")
 
@@ -207,12 +211,12 @@ class Node:
             pass
 
     def _drain_messages(self) -> None:
+        sock = self.sock
         for _ in range(self.config.batch):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            # Ask before reading: cheaper than the exception of an empty read.
+            if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
-            self._handle_frames(frames)
+            self._handle_frames(sock.recv_multipart(zmq.NOBLOCK))
 
     def _handle_frames(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -249,7 +253,8 @@ class Node:
 
     def _send(self, identity: bytes, msg: Message, version: int) -> None:
         try:
-            self.sock.send_multipart([identity, encode(msg, version)], zmq.NOBLOCK)
+            self.sock.send(identity, zmq.NOBLOCK | zmq.SNDMORE)
+            self.sock.send(encode(msg, version), zmq.NOBLOCK)
         except zmq.Again:
             self.counters["send_dropped"] += 1
 

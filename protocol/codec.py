@@ -152,32 +152,51 @@ def decode(frame: bytes, max_version: int = CURRENT_VERSION, limits: Limits = DE
     return _load_fields(cls, obj, version, limits)
 
 
+_Plan = tuple[tuple[tuple[str, str, Any, Any, bool], ...], frozenset[str]]
+_PLANS: dict[tuple[type[Message], int], _Plan] = {}
+
+
+def _plan(cls: type[Message], version: int) -> _Plan:
+    """The fields of ``cls`` known at ``version`` as plain tuples, and every known key.
+
+    Computed once per (class, version), so a decode does no per-field attribute lookups.
+    """
+    plan = _PLANS.get((cls, version))
+    if plan is not None:
+        return plan
+    fields = tuple(
+        (f.name, f.key, f.type.load, f.default, f.required) for f in cls.FIELDS if f.since <= version
+    )
+    known = frozenset({_VERSION_KEY, _TAG_KEY, *(key for _, key, _, _, _ in fields)})
+    _PLANS[cls, version] = (fields, known)
+    return fields, known
+
+
 def _load_fields(cls: type[Message], obj: dict[Any, Any], version: int, limits: Limits) -> Message:
-    known: set[str] = {_VERSION_KEY, _TAG_KEY}
+    fields, known = _plan(cls, version)
     args: dict[str, Any] = {}
-    for f in cls.FIELDS:
-        if f.since > version:
-            continue
-        known.add(f.key)
-        if f.key in obj:
-            args[f.name] = f.type.load(obj[f.key], f.name, limits)
-        elif f.required:
-            raise RemoteProtocolError(ErrorCode.MISSING_FIELD, f"{cls.TAG} needs {f.name}", f.name)
+    for name, key, load, default, required in fields:
+        if key in obj:
+            args[name] = load(obj[key], name, limits)
+        elif required:
+            raise RemoteProtocolError(ErrorCode.MISSING_FIELD, f"{cls.TAG} needs {name}", name)
         else:
-            args[f.name] = f.default
-    for key in obj:
-        if key in known:
-            continue
-        if type(key) is not str:
-            raise RemoteProtocolError(ErrorCode.WRONG_TYPE, "map keys must be str", "")
-        if key.startswith("!"):
-            # Must-understand rule: a field whose key begins with "!" that this side
-            # does not know at this version makes the whole message unacceptable.
-            raise RemoteProtocolError(
-                ErrorCode.MUST_UNDERSTAND, f"{cls.TAG} at version {version} does not know {key!r}", key[:64]
-            )
-        # Unknown optional fields are ignored (tolerance of newer senders).
-    _check_totals(cls, args, limits)
+            args[name] = default
+    if len(obj) > len(known) or not known.issuperset(obj):
+        for key in obj:
+            if key in known:
+                continue
+            if type(key) is not str:
+                raise RemoteProtocolError(ErrorCode.WRONG_TYPE, "map keys must be str", "")
+            if key.startswith("!"):
+                # Must-understand rule: a field whose key begins with "!" that this side
+                # does not know at this version makes the whole message unacceptable.
+                raise RemoteProtocolError(
+                    ErrorCode.MUST_UNDERSTAND, f"{cls.TAG} at version {version} does not know {key!r}", key[:64]
+                )
+            # Unknown optional fields are ignored (tolerance of newer senders).
+    if "items" in args:
+        _check_totals(cls, args, limits)
     return cls(**args)
 
 

@@ -148,7 +148,17 @@ class Seq(WireType[tuple[T, ...]]):
         if len(value) < self.minimum:
             raise _fail(ErrorCode.OUT_OF_RANGE, f"{len(value)} items, at least {self.minimum} needed", path)
         load = self.item.load
-        return tuple(load(v, f"{path}[{i}]", limits) for i, v in enumerate(value))
+        out = []
+        i = 0
+        try:
+            # Items get an empty path; the failing one's index is added only on error,
+            # so a valid message costs no path formatting.
+            for v in value:
+                out.append(load(v, "", limits))
+                i += 1
+        except RemoteProtocolError as exc:
+            raise RemoteProtocolError(exc.code, exc.reason, f"{path}[{i}]{exc.path}") from None
+        return tuple(out)
 
     def dump(self, value: tuple[T, ...]) -> Any:
         dump = self.item.dump
@@ -212,11 +222,13 @@ class RecordType(WireType[R]):
             missing = self.fields[len(value)].name
             raise _fail(ErrorCode.MISSING_FIELD, f"{self.cls.__name__} needs {self.n_required} items", f"{path}.{missing}")
         args = []
-        for i, f in enumerate(self.fields):
-            if i < len(value):
-                args.append(f.type.load(value[i], f"{path}.{f.name}", limits))
-            else:
-                args.append(f.default)
+        n = len(value)
+        f = self.fields[0]
+        try:
+            for i, f in enumerate(self.fields):
+                args.append(f.type.load(value[i], "", limits) if i < n else f.default)
+        except RemoteProtocolError as exc:
+            raise RemoteProtocolError(exc.code, exc.reason, f"{path}.{f.name}{exc.path}") from None
         # Items beyond the known fields come from a newer version: ignored.
         return self.factory(*args)
 
