@@ -67,8 +67,10 @@ def raw_writer(endpoint: str) -> None:
             remote = agent.prep_xfer_dlist(name, [(msg["addr"] + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
             sock.send_multipart([ident, msgpack.packb({"t": "ok"})])
         elif msg["t"] == "write":
+            # The first ``n`` descriptors (all by default), one NIXL request.
+            n = msg.get("n", SPANS)
             t0 = time.perf_counter()
-            handle = agent.make_prepped_xfer("WRITE", local, list(range(SPANS)), remote, list(range(SPANS)))
+            handle = agent.make_prepped_xfer("WRITE", local, list(range(n)), remote, list(range(n)))
             state = agent.transfer(handle)
             while state == "PROC":
                 state = agent.check_xfer_state(handle)

@@ -256,9 +256,14 @@ class _Base:
 
     def deliver(
         self, objects: Mapping[bytes, Sequence[Span]], request_id: str | None = None,
-        deadline_ms: int = DEFAULT_DEADLINE_MS,
+        deadline_ms: int = DEFAULT_DEADLINE_MS, partial: bool = False,
     ) -> OpHandle[Results[KeyOutcome]]:
-        """Put objects' bytes into registered memory: the whole layout or an ordered subset of its spans."""
+        """Put objects' bytes into registered memory: the whole layout or an ordered subset of its spans.
+
+        A node projects objects it holds whatever ``partial`` says. For an object it must
+        get from the peer a hint for ``request_id`` names, only a ``partial`` deliver may
+        name a subset (the source must speak protocol version 2).
+        """
         items, keys, regions = [], [], set()
         for key, spans in _batch(objects, "objects"):
             path = f"objects[{key!r}]"
@@ -268,7 +273,11 @@ class _Base:
             keys.append(key)
             regions |= used
         frozen = tuple(items)
-        return self._op("deliver", keys, lambda i: DeliverMsg(i, frozen, request_id, deadline_ms), deadline_ms, True, regions)
+        # Version 1 sessions cannot carry the flag; their remote deliveries name whole layouts.
+        flag = partial and self.core.version >= 2
+        return self._op(
+            "deliver", keys, lambda i: DeliverMsg(i, frozen, request_id, deadline_ms, flag), deadline_ms, True, regions
+        )
 
     def fetch(
         self, expected_layouts: Mapping[bytes, Sequence[tuple[str, str]]], request_id: str | None = None,

@@ -34,6 +34,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvcr_client.agent import Agent
 from kvcr_client.errors import ClientClosed, NodeError, NodeLostError, OperationTimeout
+from kvcr_client.pacing import Pacer
 from kvcr_protocol import (
     CURRENT_VERSION,
     Bye,
@@ -61,7 +62,6 @@ log = logging.getLogger("kvcr.client")
 _IDLE_S = 0.2
 _DRIVE_SLICE_S = 0.05
 _GRACE_S = 2.0
-_MAX_BACKOFF_S = 0.001
 
 
 @dataclass
@@ -70,11 +70,6 @@ class _Pending:
     deadline: float
     touches_memory: bool
     convert: Callable[[Message], Any]
-
-
-def _backoff(spins: int) -> float:
-    """10 us, doubling up to 1 ms: quick for short transfers, cheap for long ones."""
-    return min(_MAX_BACKOFF_S, 10e-6 * (1 << min(spins, 7)))
 
 
 class ClientCore:
@@ -182,7 +177,7 @@ class ClientCore:
 
     def _drive(self, future: Future[Any], timeout: float | None) -> Any:
         end = None if timeout is None else time.monotonic() + timeout
-        spins = 0
+        pacer = Pacer()
         while not future.done():
             remaining = _DRIVE_SLICE_S if end is None else end - time.monotonic()
             if remaining <= 0:
@@ -196,9 +191,11 @@ class ClientCore:
             try:
                 if future.done():
                     break
-                busy = self._busy()
-                spins = spins + 1 if busy else 0
-                self._turn(min(remaining, _backoff(spins) if busy else _DRIVE_SLICE_S))
+                if self._busy():
+                    self._turn(min(remaining, pacer.next()))
+                else:
+                    pacer.reset()
+                    self._turn(min(remaining, _DRIVE_SLICE_S))
             finally:
                 self._io.release()
         return future.result(0)
@@ -337,12 +334,14 @@ class ClientCore:
             pass
 
     def _background(self) -> None:
-        spins = 0
+        pacer = Pacer()
         try:
             while not self._closed:
-                busy = self._busy()
-                spins = spins + 1 if busy else 0
-                timeout = _backoff(spins) if busy else self._idle_timeout()
+                if self._busy():
+                    timeout = pacer.next()
+                else:
+                    pacer.reset()
+                    timeout = self._idle_timeout()
                 fds = (*self._fds, self._wake_r)
                 try:
                     readable, _, _ = select.select(fds, (), (), timeout)

@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--low-watermark", type=float, help="capacity event threshold, fraction of a pool's slots")
     p.add_argument("--protocol-version", type=int, help="speak protocol versions up to N only")
     p.add_argument("--deadline-ms", type=int, help="deadline of operations that name none")
+    p.add_argument("--peer-dead-ms", type=int, help="a peer disconnected this long is taken as gone")
+    p.add_argument("--defer-writes", action="store_true", default=None, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ...")
     p.add_argument("--version", action="version", version=f"kvcr-node {_version()}")
     return p
@@ -47,7 +49,8 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
     """Defaults, then the TOML file, then flags."""
     config = load_toml(args.config) if args.config else NodeConfig()
     changes: dict[str, Any] = {}
-    for attr in ("endpoint", "name", "policy", "low_watermark", "protocol_version", "deadline_ms", "log_level"):
+    for attr in ("endpoint", "name", "policy", "low_watermark", "protocol_version", "deadline_ms", "log_level",
+                 "peer_dead_ms", "defer_writes"):
         value = getattr(args, attr)
         if value is not None:
             changes[attr] = value

@@ -88,6 +88,10 @@ class NodeConfig:
     batch: int = 256
     """Control messages drained per progress-loop turn."""
     projection_cache: int = 512
+    peer_dead_ms: int = 3_000
+    """A source disconnected this long is taken as gone: its writes can no longer land."""
+    defer_writes: bool = False
+    """Measuring only: submit peer writes a turn later instead of in the decoding turn."""
     log_level: str = "INFO"
 
     def validated(self) -> NodeConfig:
@@ -110,7 +114,7 @@ class NodeConfig:
             raise ConfigError("low_watermark", f"expected a fraction in [0, 1), got {self.low_watermark!r}")
         if self.protocol_version not in SUPPORTED_VERSIONS:
             raise ConfigError("protocol_version", f"expected one of {list(SUPPORTED_VERSIONS)}, got {self.protocol_version!r}")
-        for name in ("deadline_ms", "heartbeat_ms", "batch", "projection_cache"):
+        for name in ("deadline_ms", "heartbeat_ms", "batch", "projection_cache", "peer_dead_ms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(name, f"expected a positive integer, got {value!r}")
@@ -167,6 +171,7 @@ def pool_from_flag(text: str) -> PoolSpec:
 _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "endpoint": str, "name": str, "policy": str, "low_watermark": (int, float), "protocol_version": int,
     "deadline_ms": int, "heartbeat_ms": int, "batch": int, "projection_cache": int, "log_level": str,
+    "peer_dead_ms": int, "defer_writes": bool,
 }
 
 
@@ -194,7 +199,7 @@ def from_mapping(raw: dict[str, Any], base: NodeConfig | None = None) -> NodeCon
         expected = _TOP_FIELDS.get(key)
         if expected is None:
             raise ConfigError(key, "unknown configuration field")
-        if isinstance(value, bool) or not isinstance(value, expected):
+        if (expected is bool) != isinstance(value, bool) or not isinstance(value, expected):
             raise ConfigError(key, f"wrong type {type(value).__name__}")
         changes[key] = float(raw[key]) if key == "low_watermark" else raw[key]
     return replace(config, **changes).validated()

@@ -1,12 +1,16 @@
-"""Per-client state on a node: identity, NIXL agent, regions, handles, operations."""
+"""Per-connection state on a node: client and peer sessions, and operations in progress."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvcr_node.transfers import Transfer
 from kvcr_protocol import KeyResult, KeyStatus, Region
+
+RECENT_WRITES = 4096
+"""Completed peer writes a source remembers, to answer probes with DONE."""
 
 
 @dataclass
@@ -17,10 +21,31 @@ class ClientSession:
     name: str
     agent: str
     version: int
+    agent_md: bytes = b""
     regions: dict[int, Region] = field(default_factory=dict)
+    regions_version: int = 0
+    """Bumped whenever ``regions`` or ``agent_md`` change, so peers get them again."""
     handles: set[int] = field(default_factory=set)
     ops: dict[int, Operation] = field(default_factory=dict)
     closing: bool = False
+
+
+@dataclass
+class PeerSession(ClientSession):
+    """A target node that opened a peer session with this (source) node.
+
+    ``regions`` are the target's pools; ``clients`` the regions of the target's clients
+    that this node may write into, by their agent name.
+    """
+
+    incarnation: int = 0
+    clients: dict[str, dict[int, Region]] = field(default_factory=dict)
+    done: collections.OrderedDict[int, None] = field(default_factory=collections.OrderedDict)
+
+    def remember_done(self, op_id: int) -> None:
+        self.done[op_id] = None
+        while len(self.done) > RECENT_WRITES:
+            self.done.popitem(last=False)
 
 
 @dataclass
@@ -38,6 +63,14 @@ class Operation:
     resume: Callable[[int], None] | None = None
     """Continues one waiting item once its key is READY (or gone)."""
     aborted: bool = False
+    agent: str = ""
+    """The agent whose memory the transfers touch (the client's, or a peer write's target)."""
+    regions: dict[int, Region] = field(default_factory=dict)
+    """The regions destination spans are checked against."""
+    exact: bool = False
+    """Destination names must equal the stored layout (a peer write without ``!partial``)."""
+    remote: int = 0
+    """Remote writes sent to peers for this operation and not yet answered."""
 
     def set(self, index: int, result: KeyResult) -> None:
         if self.results[index] is None:
@@ -49,6 +82,9 @@ class Operation:
     @property
     def settled(self) -> bool:
         """Every item has a result and no transfer of this op can touch memory any more."""
-        return not self.waiting and all(t.state != "PROC" for t in self.transfers) and all(
-            r is not None for r in self.results
+        return (
+            not self.waiting
+            and not self.remote
+            and all(t.state != "PROC" for t in self.transfers)
+            and all(r is not None for r in self.results)
         )

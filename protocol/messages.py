@@ -333,16 +333,24 @@ class QueryReply(Message):
 
 @dataclass(frozen=True, slots=True)
 class Deliver(Message):
-    """Client -> node: put objects' bytes (whole or a named subset) into client memory."""
+    """Client -> node: put objects' bytes (whole or a named subset) into client memory.
+
+    ``partial`` (version 2) says the span names may select an ordered subset of each
+    stored layout. A node projects local objects either way; for an object it must
+    fetch from a peer, only a ``partial`` deliver may name a subset, and only a version 2
+    peer can serve one.
+    """
 
     TAG: ClassVar[str] = "deliver"
     id: int
     items: tuple[DeliverItem, ...]
     request_id: str | None = None
     deadline_ms: int = 0
+    partial: bool = False
     FIELDS: ClassVar[tuple[Field, ...]] = _fields(
         Field("items", Seq(RecordType(DeliverItem), "max_keys")),
         Field("request_id", Opt(_TEXT), None), Field("deadline_ms", UInt(_U32), 0),
+        Field("partial", Bool(), False, since=2),
     )
 
 

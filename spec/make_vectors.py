@@ -220,7 +220,19 @@ GiB = 1024 * MiB
 
 R_DRAM = m.Region(1, m.MemoryKind.DRAM, 0, 0x7F3A_2C00_0000, 256 * MiB)
 R_VRAM = m.Region(2, m.MemoryKind.VRAM, 3, 0x7F00_0000_0000, 4 * GiB)
-R_POOL = m.Region(7, m.MemoryKind.DRAM, 0, 0x7E10_0000_0000, 16 * GiB)
+
+# Node A's pools, in the order of its welcome (welcome-full): full, swa, state.
+POOLS_A = (
+    m.PoolInfo("full", 64 * KiB, 16384, "dram"),
+    m.PoolInfo("swa", 16 * KiB, 8192, "dram"),
+    m.PoolInfo("state", 1536 * KiB, 512, "hbm:0"),
+)
+# What A announces in peer_hello.regions: one region per pool, region id = pool index.
+POOL_REGIONS_A = (
+    m.Region(0, m.MemoryKind.DRAM, 0, 0x7E10_0000_0000, 64 * KiB * 16384),
+    m.Region(1, m.MemoryKind.DRAM, 0, 0x7E20_0000_0000, 16 * KiB * 8192),
+    m.Region(2, m.MemoryKind.VRAM, 0, 0x7F80_0000_0000, 1536 * KiB * 512),
+)
 
 
 def src_layout(region: int, base: int) -> tuple[m.SrcSpan, ...]:
@@ -231,6 +243,17 @@ def src_layout(region: int, base: int) -> tuple[m.SrcSpan, ...]:
         m.SrcSpan("L2", "swa", region, base + 128 * KiB, 16 * KiB),
         m.SrcSpan("S", "state", region, base + 144 * KiB, 1536 * KiB),
     )
+
+
+def fetch_dst(slots: dict[str, int]) -> tuple[m.DstSpan, ...]:
+    """A fetch's destination in node A: span name -> slot of its pool (offset = slot * slot_size)."""
+    pools = {"L0": 0, "L1": 0, "L2": 1, "S": 2}
+    out = []
+    for name, slot in slots.items():
+        index = pools[name]
+        size = POOLS_A[index].slot_size
+        out.append(m.DstSpan(name, index, slot * size, size))
+    return tuple(out)
 
 
 def dst_layout(region: int, base: int, names: tuple[str, ...] = ("L0", "L1", "L2", "S")) -> tuple[m.DstSpan, ...]:
@@ -271,12 +294,14 @@ def _pack(obj: Any) -> bytes:
 
 
 def accept_defaults_omitted(message: m.Message, version: int) -> list[tuple[str, bytes]]:
-    """The frame with every field that holds its default left out."""
+    """The frame with every field that holds its default left out (none if none is emitted)."""
     obj = _wire(message, version)
+    dropped = False
     for f in type(message).FIELDS:
         if not f.required and f.key in obj and getattr(message, f.name) == f.default:
             del obj[f.key]
-    return [("defaulted fields omitted", _pack(obj))]
+            dropped = True
+    return [("defaulted fields omitted", _pack(obj))] if dropped else []
 
 
 def accept_variants(message: m.Message, version: int) -> list[tuple[str, bytes]]:
@@ -324,6 +349,17 @@ def accept_hello_newer(message: m.Message, version: int) -> list[tuple[str, byte
     return [("v=3 from a newer endpoint, read at version 1", _pack(obj))]
 
 
+def accept_v1_ignores_partial(message: m.Message, version: int) -> list[tuple[str, bytes]]:
+    """A ``partial`` key in a v=1 frame: version 1 has no such field, so it is ignored."""
+    assert version == 1
+    out = []
+    for value, what in ((True, "true"), (1, "the integer 1")):
+        obj = _wire(message, version)
+        obj["partial"] = value
+        out.append((f"partial: {what} in a v=1 frame, an unknown optional key, ignored", _pack(obj)))
+    return out
+
+
 def accept_partial_false(message: m.Message, version: int) -> list[tuple[str, bytes]]:
     """``!partial`` present but false (canonical form omits it)."""
     if version < 2:
@@ -362,11 +398,7 @@ def valid_instances() -> list[Valid]:
                 "node-a",
                 0x1D2C3B4A59687766,
                 "kvcr-node-a",
-                (
-                    m.PoolInfo("full", 64 * KiB, 16384, "dram"),
-                    m.PoolInfo("swa", 16 * KiB, 8192, "dram"),
-                    m.PoolInfo("state", 1536 * KiB, 512, "hbm:0"),
-                ),
+                POOLS_A,
                 1000,
             ),
             versions=(2,),
@@ -456,7 +488,42 @@ def valid_instances() -> list[Valid]:
                 request_id="req-7f3a9c",
                 deadline_ms=250,
             ),
-            description="layer 0 of two keys (progressive delivery), with a request id and deadline",
+            accept=accept_defaults_omitted,
+            description=(
+                "layer 0 of two keys (progressive delivery), with a request id and deadline; without partial "
+                "(at version 2 it travels as false), so a key served by a peer must name its whole layout"
+            ),
+        ),
+        Valid(
+            "deliver-partial",
+            m.Deliver(
+                32,
+                (m.DeliverItem(K1, dst_layout(2, 0, ("L0", "L2"))), m.DeliverItem(K2, dst_layout(2, 80 * KiB, ("S",)))),
+                request_id="req-7f3a9c",
+                deadline_ms=250,
+                partial=True,
+            ),
+            versions=(2,),
+            accept=accept_variants,
+            description=(
+                "subsets of two keys with partial set (version 2 only): a key the node must get from a peer "
+                "is forwarded as a !partial write"
+            ),
+        ),
+        Valid(
+            "deliver-no-partial",
+            m.Deliver(
+                32,
+                (m.DeliverItem(K1, dst_layout(2, 0, ("L0", "L2"))), m.DeliverItem(K2, dst_layout(2, 80 * KiB, ("S",)))),
+                request_id="req-7f3a9c",
+                deadline_ms=250,
+            ),
+            versions=(1,),
+            accept=accept_v1_ignores_partial,
+            description=(
+                "the same subsets from a version-1 session, which cannot carry partial: local keys are "
+                "still projected; a key served by a peer fails LAYOUT_SUBSET_INVALID at the source"
+            ),
         ),
         Valid(
             "fetch",
@@ -543,9 +610,12 @@ def valid_instances() -> list[Valid]:
         # ---- node <-> node
         Valid(
             "peer-hello",
-            m.PeerHello(1, (1, 2), "node-a", 0x1D2C3B4A59687766, "kvcr-node-a", MD_NODE_A, (R_POOL,)),
+            m.PeerHello(1, (1, 2), "node-a", 0x1D2C3B4A59687766, "kvcr-node-a", MD_NODE_A, POOL_REGIONS_A),
             accept=accept_hello_newer,
-            description="node A opens a session with node B, announcing its pool region",
+            description=(
+                "node A opens a session with node B, announcing its pools (full, swa, state in welcome order) "
+                "as regions 0, 1 and 2 for fetches"
+            ),
         ),
         Valid(
             "peer-hello-minimal",
@@ -578,9 +648,12 @@ def valid_instances() -> list[Valid]:
         ),
         Valid(
             "write-minimal",
-            m.WriteRequest(101, "kvcr-node-a", (m.DeliverItem(K2, dst_layout(7, 4 * MiB)),)),
+            m.WriteRequest(101, "kvcr-node-a", (m.DeliverItem(K2, fetch_dst({"L0": 5, "L1": 6, "L2": 3, "S": 2})),)),
             omit_defaults=True,
-            description="a fetch's write into node A's own pool; no deadline",
+            description=(
+                "a fetch's write into node A's own slots: agent is A's agent, regions are A's pools from "
+                "peer_hello (full slots 5 and 6, swa slot 3, state slot 2; offset = slot * slot_size); no deadline"
+            ),
         ),
         Valid(
             "write-partial",
@@ -687,6 +760,7 @@ def invalid_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     dep_obj = _wire(m.Deposit(10, (m.DepositItem(K1, src_layout(1, 0)),)), 1)
     write1 = _wire(m.WriteRequest(100, "c", (m.DeliverItem(K1, dst_layout(2, 0, ("L0",))),), 100), 1)
     write2 = _wire(m.WriteRequest(100, "c", (m.DeliverItem(K1, dst_layout(2, 0, ("L0",))),), 100, True), 2)
+    deliver2 = _wire(m.Deliver(30, (m.DeliverItem(K1, dst_layout(2, 0, ("L0",))),), partial=True), 2)
 
     def q1(**fields: Any) -> bytes:
         return _pack({"v": 1, "t": "query", "id": 5, **fields})
@@ -1038,7 +1112,35 @@ def invalid_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
         _pack({"v": 2, "t": "deliver", "id": 1, "items": [], "!partial": True}),
         2,
         "MUST_UNDERSTAND",
-        "!partial exists on write only",
+        "!partial exists on write only; deliver's flag is the optional partial",
+    )
+    yield (
+        "deliver-partial-not-bool",
+        with_(deliver2, partial=1),
+        2,
+        "WRONG_TYPE",
+        "deliver's partial as the integer 1",
+    )
+    yield (
+        "deliver-partial-str",
+        with_(deliver2, partial="true"),
+        2,
+        "WRONG_TYPE",
+        "deliver's partial as a str",
+    )
+    yield (
+        "deliver-partial-nil",
+        with_(deliver2, partial=None),
+        2,
+        "WRONG_TYPE",
+        "deliver's partial nil: not a bool, and not the same as absent",
+    )
+    yield (
+        "deliver-partial-v2-at-1",
+        _pack(deliver2),
+        1,
+        "UNSUPPORTED_VERSION",
+        "a v=2 partial deliver reaching a node that speaks version 1 only",
     )
     yield (
         "unknown-bang-v2",

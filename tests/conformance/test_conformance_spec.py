@@ -96,3 +96,43 @@ def test_every_tag_appears_in_the_exchanges() -> None:
     exchanges = SPEC.split("## 5. Sessions and exchanges", 1)[1].split("## 6. Messages", 1)[0]
     for cls in kp.ALL_MESSAGES:
         assert f"`{cls.TAG}`" in exchanges, cls.TAG
+
+
+def section(title: str) -> str:
+    """The text of a section, from its heading to the next heading of the same level."""
+    level = title.split(" ", 1)[0]
+    body = SPEC.split(f"{title}\n", 1)[1]
+    return body.split(f"\n{level} ", 1)[0]
+
+
+def test_cross_node_rules_are_specified() -> None:
+    cross = section("## 12. Cross-node delivery")
+    for needle in (
+        "`partial`",
+        "`!partial`",
+        "`PEER_UNSUPPORTED`",
+        "`LAYOUT_SUBSET_INVALID`",
+        "`DESTINATION_UNCERTAIN`",
+        "`peer_dead_ms`",
+        "3000 ms",
+        "`welcome.pools`",
+        "offset = slot",
+    ):
+        assert needle in cross, needle
+
+
+def test_peer_session_specifies_write_done_and_probe_states() -> None:
+    peer = section("### 5.3 Peer session")
+    for state in kp.WriteState:
+        assert f"| `{state.value}` |" in peer, state
+    for code in ("NOT_FOUND", "LAYOUT_SUBSET_INVALID", "SIZE_MISMATCH", "BAD_DESCRIPTOR", "TIMEOUT", "TRANSFER_FAILED"):
+        assert f"| `FAILED` | `{code}` |" in peer, code
+    assert "`peer_hello.regions`" in peer and "once per client agent per peer" in peer
+
+
+def test_versions_section_names_every_later_field() -> None:
+    versions = section("## 7. Versions and negotiation")
+    for cls in kp.ALL_MESSAGES:
+        for f in cls.FIELDS:
+            if f.since > kp.BASE_VERSION:
+                assert f"`{f.key}` on `{cls.TAG}`" in versions, (cls.TAG, f.key)

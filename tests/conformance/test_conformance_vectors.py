@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 import kvcr_protocol as kp
-from kvcr_protocol.messages import BASE_ENCODED, Message, WriteRequest
+from kvcr_protocol.messages import BASE_ENCODED, Deliver, Message, WriteRequest
 from kvcr_protocol.wire import (
     AnyMap,
     Bool,
@@ -101,7 +102,7 @@ def test_invalid_vector(vec: dict[str, Any]) -> None:
 
 
 def test_every_message_has_a_vector_at_every_version() -> None:
-    # Every message is expressible at every version; only a partial write needs version 2.
+    # Every message is expressible at every version; only a partial write or deliver needs version 2.
     have: dict[str, set[int]] = {}
     for vec in VALID:
         have.setdefault(vec["tag"], set()).add(vec["version"])
@@ -116,6 +117,21 @@ def test_partial_write_vectors_are_version_2_only() -> None:
     assert all(v["version"] == kp.PARTIAL_LAYOUT_VERSION for v in partial)
     whole = [v for v in VALID if v["tag"] == WriteRequest.TAG and not v["fields"].get("partial")]
     assert {v["version"] for v in whole} == set(kp.SUPPORTED_VERSIONS)
+
+
+def test_partial_deliver_vectors_are_version_2_only() -> None:
+    partial = [v for v in VALID if v["tag"] == Deliver.TAG and v["fields"].get("partial")]
+    assert partial, "no vector for a partial deliver"
+    assert all(v["version"] == kp.PARTIAL_LAYOUT_VERSION for v in partial)
+    for vec in partial:
+        obj = msgpack.unpackb(bytes.fromhex(vec["hex"]), raw=False)
+        assert obj["partial"] is True and "!partial" not in obj
+    plain = [v for v in VALID if v["tag"] == Deliver.TAG and not v["fields"].get("partial")]
+    assert {v["version"] for v in plain} == set(kp.SUPPORTED_VERSIONS)
+    for vec in plain:
+        obj = msgpack.unpackb(bytes.fromhex(vec["hex"]), raw=False)
+        assert obj.get("partial", False) is False
+        assert ("partial" in obj) == (vec["version"] >= kp.PARTIAL_LAYOUT_VERSION)
 
 
 def test_base_encoded_messages_travel_at_version_1() -> None:

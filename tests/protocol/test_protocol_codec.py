@@ -115,6 +115,9 @@ def test_encoding_is_deterministic_and_in_field_order() -> None:
     frame = kp.encode(msg)
     assert frame == kp.encode(msg)
     keys = list(msgpack.unpackb(frame, raw=False))
+    assert keys == ["v", "t", "id", "items", "request_id", "deadline_ms", "partial"]
+    # Version 1 has no partial field, so it is not emitted there.
+    keys = list(msgpack.unpackb(kp.encode(msg, 1), raw=False))
     assert keys == ["v", "t", "id", "items", "request_id", "deadline_ms"]
 
 

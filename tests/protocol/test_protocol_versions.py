@@ -9,11 +9,13 @@ import pytest
 
 import kvcr_protocol as kp
 from kvcr_protocol import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
-from kvcr_protocol.messages import DeliverItem, DstSpan, Hello, PeerHello, Query, WriteRequest
+from kvcr_protocol.messages import Deliver, DeliverItem, DstSpan, Hello, PeerHello, Query, WriteRequest
 
 ITEM = DeliverItem(b"\x01" * 16, (DstSpan("L0", 2, 0, 65536),))
 PARTIAL = WriteRequest(7, "client-agent", (ITEM,), 500, partial=True)
 WHOLE = WriteRequest(8, "client-agent", (ITEM,), 500)
+DELIVER_PARTIAL = Deliver(9, (ITEM,), "req", 250, partial=True)
+DELIVER = Deliver(9, (ITEM,), "req", 250)
 
 
 def pack(obj: Any) -> bytes:
@@ -120,6 +122,70 @@ def test_unbanged_partial_is_an_ignored_optional_field() -> None:
     assert kp.decode(pack(obj), 2) == WHOLE
 
 
+# ------------------------------------------------------- deliver's partial flag
+
+
+def test_partial_deliver_encodes_at_version_2_without_a_bang() -> None:
+    # On deliver, partial is an ordinary optional field (not must-understand).
+    obj = unpack(kp.encode(DELIVER_PARTIAL, 2))
+    assert obj["v"] == 2 and obj["partial"] is True and "!partial" not in obj
+    assert kp.decode(kp.encode(DELIVER_PARTIAL, 2), 2) == DELIVER_PARTIAL
+
+
+def test_plain_deliver_carries_partial_false_at_version_2_only() -> None:
+    assert unpack(kp.encode(DELIVER, 2))["partial"] is False
+    assert "partial" not in unpack(kp.encode(DELIVER, 1))
+    for version in (1, 2):
+        assert kp.decode(kp.encode(DELIVER, version), version) == DELIVER
+
+
+def test_partial_deliver_cannot_be_encoded_at_version_1() -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        kp.encode(DELIVER_PARTIAL, 1)
+    assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
+    assert info.value.path == "partial"
+
+
+@pytest.mark.parametrize("max_version", [1, 2])
+@pytest.mark.parametrize("value", [True, 1, "yes", None])
+def test_version_1_deliver_ignores_a_partial_key(max_version: int, value: object) -> None:
+    # Version 1 has no such field: the key is an unknown optional one, whatever it holds.
+    obj = unpack(kp.encode(DELIVER, 1))
+    obj["partial"] = value
+    assert kp.decode(pack(obj), max_version) == DELIVER
+
+
+def test_partial_deliver_reaching_a_version_1_node() -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        kp.decode(kp.encode(DELIVER_PARTIAL, 2), 1)
+    assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
+
+
+@pytest.mark.parametrize("value", [1, 0, "true", None, [True]])
+def test_partial_deliver_flag_must_be_a_bool(value: object) -> None:
+    obj = unpack(kp.encode(DELIVER_PARTIAL, 2))
+    obj["partial"] = value
+    with pytest.raises(RemoteProtocolError) as info:
+        kp.decode(pack(obj), 2)
+    assert info.value.code is ErrorCode.WRONG_TYPE
+    assert info.value.path == "partial"
+
+
+def test_partial_deliver_flag_absent_means_false() -> None:
+    obj = unpack(kp.encode(DELIVER, 2))
+    del obj["partial"]
+    assert kp.decode(pack(obj), 2) == DELIVER
+
+
+def test_bang_partial_on_deliver_is_refused() -> None:
+    obj = unpack(kp.encode(DELIVER, 2))
+    obj["!partial"] = True
+    with pytest.raises(RemoteProtocolError) as info:
+        kp.decode(pack(obj), 2)
+    assert info.value.code is ErrorCode.MUST_UNDERSTAND
+    assert info.value.path == "!partial"
+
+
 def test_unknown_optional_fields_are_ignored() -> None:
     for version in kp.SUPPORTED_VERSIONS:
         obj = unpack(kp.encode(Query(3, (b"k",), "r"), version))
@@ -179,6 +245,8 @@ def test_cannot_encode_at_an_unknown_version(version: int) -> None:
     assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
 
 
-def test_only_write_changes_between_versions() -> None:
+def test_only_write_and_deliver_change_between_versions() -> None:
     changed = {cls.TAG for cls in kp.ALL_MESSAGES if any(f.since > 1 for f in cls.FIELDS)}
-    assert changed == {"write"}
+    assert changed == {"write", "deliver"}
+    added = {(cls.TAG, f.key, f.must_understand) for cls in kp.ALL_MESSAGES for f in cls.FIELDS if f.since > 1}
+    assert added == {("write", "!partial", True), ("deliver", "partial", False)}

@@ -1,0 +1,75 @@
+"""The target side of cross-node delivery: links to source nodes and the writes sent on them.
+
+A link is one DEALER socket from this node to a peer's ROUTER, with the peer session it
+carries (DESIGN 7): hello, version agreement, the peer's incarnation and agent. Writes
+wait in the link's queue until the session is up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvcr_node.sessions import ClientSession, Operation
+from kvcr_node.store import ObjectEntry
+from kvcr_protocol import DeliverItem
+
+
+@dataclass(eq=False)
+class RemoteWrite:
+    """One write request to a source node, on behalf of a deliver or a fetch."""
+
+    link: PeerLink
+    id: int
+    op: Operation
+    indices: list[int]
+    """The operation's items this write carries, in order."""
+    items: tuple[DeliverItem, ...]
+    agent: str
+    """Whose memory the source writes into: the client's agent, or ours for a fetch."""
+    client: ClientSession | None
+    """The client whose metadata and regions the source needs first (None for a fetch)."""
+    partial: bool
+    deadline: float
+    fills: list[ObjectEntry] | None = None
+    """For a fetch: the WRITING entries the source fills, one per item."""
+    state: str = "queued"
+    """queued (not sent), sent, uncertain (deadline passed, may still be written), done."""
+    next_probe: float = 0.0
+
+
+@dataclass(eq=False)
+class PeerLink:
+    """Our connection to one source node."""
+
+    endpoint: str
+    sock: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes]
+    state: str = "connecting"
+    """connecting (hello sent), ready, down (disconnected since ``down_since``)."""
+    hello_id: int = 0
+    version: int = 0
+    incarnation: int = 0
+    node: str = ""
+    agent: str = ""
+    down_since: float | None = None
+    writes: dict[int, RemoteWrite] = field(default_factory=dict)
+    """Writes sent or uncertain, by id."""
+    queued: list[RemoteWrite] = field(default_factory=list)
+    clients_sent: dict[str, int] = field(default_factory=dict)
+    """Client agent -> the regions version the peer has."""
+    probes: dict[int, RemoteWrite] = field(default_factory=dict)
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.sock.close(0)
+        self.monitor.close(0)
+
+    @property
+    def fds(self) -> tuple[Any, ...]:
+        return (self.sock, self.monitor)
