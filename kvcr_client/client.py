@@ -82,6 +82,23 @@ class Span:
     pool: str = ""
 
 
+@dataclass(frozen=True)
+class CurveKeys:
+    """CurveZMQ keys (z85 text, 40 characters) for a node that requires authentication."""
+
+    server_public: str | bytes
+    """The node's public key."""
+    public: str | bytes
+    secret: str | bytes
+
+
+def _z85(key: str | bytes, path: str) -> bytes:
+    raw = key.encode() if isinstance(key, str) else key
+    if not isinstance(raw, bytes) or len(raw.strip()) != 40:
+        raise ArgumentError(path, "expected a 40-character z85 CurveZMQ key")
+    return raw.strip()
+
+
 def _key(key: Any, path: str) -> bytes:
     if not isinstance(key, bytes):
         raise ArgumentError(path, f"keys are bytes, got {type(key).__name__}")
@@ -105,8 +122,12 @@ class _Base:
     core: ClientCore
     _regions: dict[int, RegionHandle]
 
-    def _init(self, endpoint: str, name: str | None, max_version: int) -> None:
-        self.core = ClientCore(endpoint, name, max_version)
+    def _init(self, endpoint: str, name: str | None, max_version: int, curve: CurveKeys | None = None) -> None:
+        keys = None
+        if curve is not None:
+            keys = (_z85(curve.server_public, "curve.server_public"), _z85(curve.public, "curve.public"),
+                    _z85(curve.secret, "curve.secret"))
+        self.core = ClientCore(endpoint, name, max_version, curve=keys)
         self._regions = {}
         self._next_region = 1
         self._completed: collections.deque[OpHandle[Any]] = collections.deque()
@@ -369,8 +390,11 @@ def _ack(msg: Message) -> None:
 class Client(_Base):
     """The blocking client. ``with Client(endpoint) as c: ...``"""
 
-    def __init__(self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0) -> None:
-        self._init(endpoint, name, max_version)
+    def __init__(
+        self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        self._init(endpoint, name, max_version, curve)
         try:
             self.core.wait(self._hello(timeout), timeout + 5)
         except BaseException:
@@ -423,12 +447,17 @@ class Client(_Base):
 class AsyncClient(_Base):
     """The asyncio client. ``async with await AsyncClient.connect(endpoint) as c: ...``"""
 
-    def __init__(self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION) -> None:
-        self._init(endpoint, name, max_version)
+    def __init__(
+        self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, curve: CurveKeys | None = None
+    ) -> None:
+        self._init(endpoint, name, max_version, curve)
 
     @classmethod
-    async def connect(cls, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0) -> AsyncClient:
-        client = cls(endpoint, name, max_version)
+    async def connect(
+        cls, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
+        curve: CurveKeys | None = None,
+    ) -> AsyncClient:
+        client = cls(endpoint, name, max_version, curve)
         try:
             await asyncio.wrap_future(client._hello(timeout))
         except BaseException:
@@ -467,4 +496,4 @@ class AsyncClient(_Base):
         await asyncio.to_thread(Client.close, self)  # type: ignore[arg-type]
 
 
-__all__ = ["AsyncClient", "Client", "KvcrError", "NodeLostError", "RegionHandle", "Span"]
+__all__ = ["AsyncClient", "Client", "CurveKeys", "KvcrError", "NodeLostError", "RegionHandle", "Span"]

@@ -40,6 +40,7 @@ from kvcr_protocol import (
     Bye,
     CapacityEvent,
     Error,
+    ErrorCode,
     Heartbeat,
     Hello,
     LocalProtocolError,
@@ -81,8 +82,11 @@ class ClientCore:
         name: str | None = None,
         max_version: int = CURRENT_VERSION,
         context: zmq.Context[Any] | None = None,
+        curve: tuple[bytes, bytes, bytes] | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = curve
+        """(server public key, our public key, our secret key), z85, for CurveZMQ nodes."""
         self.name = name or f"kvcr-client-{os.getpid()}"
         self.versions = supported_up_to(max_version)
         self.agent = Agent(f"{self.name}.{os.getpid()}.{secrets.token_hex(4)}")
@@ -108,6 +112,8 @@ class ClientCore:
         self.lost = False
         self.version = 0
         self.welcome: Welcome | None = None
+        self._last_sent = 0.0
+        self._last_heard = 0.0
         self.capacity_events: collections.deque[CapacityEvent] = collections.deque(maxlen=1024)
         self.on_capacity: Callable[[CapacityEvent], None] | None = None
         self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
@@ -236,7 +242,15 @@ class ClientCore:
         self._close_socket()
         sock: zmq.Socket[bytes] = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        if self.curve is not None:
+            server, public, secret = self.curve
+            sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        self._monitor = sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )
         sock.connect(self.endpoint)
         self._sock = sock
         self._fds = (int(sock.getsockopt(zmq.FD)), int(self._monitor.getsockopt(zmq.FD)))
@@ -269,6 +283,7 @@ class ClientCore:
             self.version = msg.version
             self.welcome = msg
             self.connected = True
+            self._last_heard = time.monotonic()
             return msg
 
         with self._io:
@@ -295,6 +310,7 @@ class ClientCore:
         self._pending[op_id] = _Pending(fut, time.monotonic() + timeout_s + _GRACE_S, touches, convert)
         try:
             self._sock.send(frame, zmq.NOBLOCK)
+            self._last_sent = time.monotonic()
         except zmq.Again:
             del self._pending[op_id]
             fut.set_exception(NodeLostError(f"the node at {self.endpoint} is not reachable"))
@@ -325,6 +341,29 @@ class ClientCore:
             # completes only when both ends are progressed.
             self.agent.progress()
         self._expire()
+        self._heartbeat()
+
+    def _heartbeat_s(self) -> float:
+        welcome = self.welcome
+        return welcome.heartbeat_ms / 1000 if welcome is not None and welcome.heartbeat_ms else 0.0
+
+    def _heartbeat(self) -> None:
+        """Say we are alive when idle; a node silent for three intervals is lost."""
+        interval = self._heartbeat_s()
+        if not interval or not self.connected or self._sock is None:
+            return
+        now = time.monotonic()
+        if now - self._last_heard > 3 * interval + 1.0:
+            self.lost = True
+            self.connected = False
+            self._fail_all(NodeLostError(f"the node at {self.endpoint} has been silent for {now - self._last_heard:.1f} s"))
+            return
+        if now - self._last_sent >= interval:
+            try:
+                self._sock.send(encode(Heartbeat(0), self.version), zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._last_sent = now
 
     def _drain_wake(self) -> None:
         try:
@@ -367,6 +406,9 @@ class ClientCore:
                 self._fail_all(NodeLostError("the client background thread failed"))
 
     def _idle_timeout(self) -> float:
+        interval = self._heartbeat_s()
+        if interval and self.connected:
+            return min(interval / 2, _IDLE_S) if self._pending else interval / 2
         if not self._pending:
             return _IDLE_S
         nearest = min(p.deadline for p in list(self._pending.values()))
@@ -384,6 +426,11 @@ class ClientCore:
                 self.lost = True
                 self.connected = False
                 self._fail_all(NodeLostError(f"lost the node at {self.endpoint}"))
+            elif event["event"] in (
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            ):
+                # The node refused us (CurveZMQ keys, or a plain client at a CURVE node).
+                self._fail_all(NodeError(ErrorCode.UNAUTHORIZED, f"the node at {self.endpoint} refused the connection handshake"))
 
     def _drain_socket(self) -> None:
         sock = self._sock
@@ -392,6 +439,7 @@ class ClientCore:
         # Read until ZeroMQ reports no input: that re-arms the socket's descriptor.
         while cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
             frame = sock.recv(zmq.NOBLOCK)
+            self._last_heard = time.monotonic()
             try:
                 msg = decode(frame, self.version or self.versions[-1])
             except RemoteProtocolError as exc:

@@ -39,6 +39,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol-version", type=int, help="speak protocol versions up to N only")
     p.add_argument("--deadline-ms", type=int, help="deadline of operations that name none")
     p.add_argument("--peer-dead-ms", type=int, help="a peer disconnected this long is taken as gone")
+    p.add_argument("--client-grace-ms", type=int, help="a client silent this long is dropped, its handles released")
+    p.add_argument("--heartbeat-ms", type=int, help="how often clients must say they are alive")
+    p.add_argument("--max-clients", type=int, help="client sessions at once")
+    p.add_argument("--max-pending", type=int, help="operations in progress per client before BUSY")
+    p.add_argument("--curve-secret-key", help="file with the node's CurveZMQ secret key (enables authentication)")
+    p.add_argument("--curve-public-key", help="file with the node's CurveZMQ public key")
+    p.add_argument("--curve-allow", help="file of allowed client and peer public keys, one per line")
+    p.add_argument("--curve-peer-key", help="file with the public key peer nodes serve with")
     p.add_argument("--defer-writes", action="store_true", default=None, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ...")
     p.add_argument("--version", action="version", version=f"kvcr-node {_version()}")
@@ -50,7 +58,8 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
     config = load_toml(args.config) if args.config else NodeConfig()
     changes: dict[str, Any] = {}
     for attr in ("endpoint", "name", "policy", "low_watermark", "protocol_version", "deadline_ms", "log_level",
-                 "peer_dead_ms", "defer_writes"):
+                 "peer_dead_ms", "defer_writes", "client_grace_ms", "heartbeat_ms", "max_clients", "max_pending",
+                 "curve_secret_key", "curve_public_key", "curve_allow", "curve_peer_key"):
         value = getattr(args, attr)
         if value is not None:
             changes[attr] = value
@@ -92,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def tool_main(argv: list[str] | None = None) -> int:
-    """Entry point of ``kvcr``: ``kvcr stats [--endpoint E]``, ``kvcr version``."""
+    """Entry point of ``kvcr``: ``stats``, ``keygen``, ``version``."""
     p = argparse.ArgumentParser(prog="kvcr", description="Talk to a kvcr node.")
     sub = p.add_subparsers(dest="command", required=True)
+    kg = sub.add_parser("keygen", help="write a CurveZMQ key pair: PREFIX.key (secret) and PREFIX.pub")
+    kg.add_argument("prefix", type=Path)
     st = sub.add_parser("stats", help="print a node's statistics as JSON")
     st.add_argument("--endpoint", default=default_endpoint())
     st.add_argument("--timeout", type=float, default=5.0)
@@ -102,6 +113,12 @@ def tool_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.command == "version":
         print(_version())
+        return 0
+    if args.command == "keygen":
+        from kvcr_node.auth import write_keypair
+
+        public, secret = write_keypair(args.prefix)
+        print(f"wrote {secret} (secret, mode 600) and {public}")
         return 0
     from kvcr_client import Client, KvcrError
 

@@ -85,6 +85,23 @@ class NodeConfig:
     deadline_ms: int = 30_000
     """Deadline of an operation whose request names none."""
     heartbeat_ms: int = 2_000
+    """How often clients say they are alive (told to them in welcome)."""
+    client_grace_ms: int = 10_000
+    """A client silent this long is gone: its operations are aborted, its handles released."""
+    max_clients: int = 256
+    """Client sessions at once; one more hello is refused with TOO_MANY_CLIENTS."""
+    max_pending: int = 1024
+    """Operations in progress per client; one more is refused with BUSY (back-pressure)."""
+    max_frame: int = 8 << 20
+    """Bytes in one control frame; larger ones are refused (TOO_LARGE) or cut off."""
+    curve_secret_key: str = ""
+    """File with this node's CurveZMQ secret key (z85); enables authentication."""
+    curve_public_key: str = ""
+    """File with this node's CurveZMQ public key (z85)."""
+    curve_allow: str = ""
+    """File listing the client and peer public keys (z85, one per line) allowed in."""
+    curve_peer_key: str = ""
+    """File with the public key peers serve with (z85); defaults to this node's own."""
     batch: int = 256
     """Control messages drained per progress-loop turn."""
     projection_cache: int = 512
@@ -114,10 +131,18 @@ class NodeConfig:
             raise ConfigError("low_watermark", f"expected a fraction in [0, 1), got {self.low_watermark!r}")
         if self.protocol_version not in SUPPORTED_VERSIONS:
             raise ConfigError("protocol_version", f"expected one of {list(SUPPORTED_VERSIONS)}, got {self.protocol_version!r}")
-        for name in ("deadline_ms", "heartbeat_ms", "batch", "projection_cache", "peer_dead_ms"):
+        for name in ("deadline_ms", "heartbeat_ms", "batch", "projection_cache", "peer_dead_ms",
+                     "client_grace_ms", "max_clients", "max_pending", "max_frame"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(name, f"expected a positive integer, got {value!r}")
+        curve = (self.curve_secret_key, self.curve_public_key, self.curve_allow)
+        if any(curve) and not all(curve):
+            raise ConfigError("curve_secret_key", "CurveZMQ needs curve_secret_key, curve_public_key and curve_allow together")
+        for name in ("curve_secret_key", "curve_public_key", "curve_allow", "curve_peer_key"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(name, f"no such file: {path}")
         return self
 
 
@@ -171,7 +196,8 @@ def pool_from_flag(text: str) -> PoolSpec:
 _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "endpoint": str, "name": str, "policy": str, "low_watermark": (int, float), "protocol_version": int,
     "deadline_ms": int, "heartbeat_ms": int, "batch": int, "projection_cache": int, "log_level": str,
-    "peer_dead_ms": int, "defer_writes": bool,
+    "peer_dead_ms": int, "defer_writes": bool, "client_grace_ms": int, "max_clients": int, "max_pending": int,
+    "max_frame": int, "curve_secret_key": str, "curve_public_key": str, "curve_allow": str, "curve_peer_key": str,
 }
 
 

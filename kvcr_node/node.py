@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import zmq
+from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from kvcr_client.agent import Agent, TransferError
 from kvcr_client.pacing import Pacer
+from kvcr_node.auth import ZAP_ENDPOINT, read_allow_list, read_key, zap_reply
 from kvcr_node.config import NodeConfig
 from kvcr_node.eviction import make_policy
 from kvcr_node.memory import PoolMemory
@@ -49,6 +51,7 @@ from kvcr_protocol import (
     Hello,
     KeyResult,
     KeyStatus,
+    Limits,
     Message,
     PeerClient,
     PeerHello,
@@ -136,9 +139,17 @@ class Node:
 
         self._own_context = context is None
         self.context = context or zmq.Context()
+        self.limits = Limits(max_frame=config.max_frame)
+        self.zap: zmq.Socket[bytes] | None = None
+        self.allowed: frozenset[bytes] = frozenset()
         self.sock: zmq.Socket[bytes] = self.context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Frames far over the limit are cut off by ZeroMQ; those a little over get TOO_LARGE.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_frame)
+        self._auth_monitor: zmq.Socket[bytes] | None = None
+        if config.curve_secret_key:
+            self._setup_curve()
         self.endpoint = _bind_endpoint(self.sock, config.endpoint)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -196,6 +207,51 @@ class Node:
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        for extra in (self.zap, self._auth_monitor):
+            if extra is not None:
+                self._poller.register(extra, zmq.POLLIN)
+        self._next_liveness = 0.0
+
+    def _setup_curve(self) -> None:
+        """CURVE server on the ROUTER, with the ZAP handler served from the progress loop."""
+        config = self.config
+        self.curve_secret = read_key(config.curve_secret_key)
+        self.curve_public = read_key(config.curve_public_key)
+        self.curve_peer = read_key(config.curve_peer_key) if config.curve_peer_key else self.curve_public
+        self.allowed = read_allow_list(config.curve_allow)
+        # The ZAP handler must be bound before the ROUTER accepts anyone.
+        self.zap = self.context.socket(zmq.REP)
+        self.zap.setsockopt(zmq.LINGER, 0)
+        self.zap.bind(ZAP_ENDPOINT)
+        self.sock.setsockopt(zmq.CURVE_SERVER, 1)
+        self.sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve_secret)
+        self.sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve_public)
+        self.sock.setsockopt(zmq.ZAP_DOMAIN, b"kvcr")
+        # A client that does not speak CURVE never reaches ZAP: count its failed handshake.
+        self._auth_monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+
+    def _serve_zap(self) -> None:
+        assert self.zap is not None
+        while cast(int, self.zap.getsockopt(_EVENTS)) & _POLLIN:
+            request = self.zap.recv_multipart(zmq.NOBLOCK)
+            reply, user = zap_reply(request, self.allowed)
+            if user is not None:
+                self.counters["auth_accepted"] += 1
+            else:
+                self.counters["auth_refused"] += 1
+                key = z85.encode(request[6]).decode() if len(request) > 6 and len(request[6]) == 32 else "(none)"
+                log.warning("refused a connection: CURVE key %s is not on the allow-list", key)
+            self.zap.send_multipart(reply)
+
+    def _drain_auth_monitor(self) -> None:
+        assert self._auth_monitor is not None
+        while cast(int, self._auth_monitor.getsockopt(_EVENTS)) & _POLLIN:
+            event = recv_monitor_message(self._auth_monitor, zmq.NOBLOCK)
+            if event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                self.counters["auth_handshake_failed"] += 1
+                log.warning("refused a connection that failed the CURVE handshake")
 
     # ------------------------------------------------------------------ the loop
 
@@ -226,6 +282,10 @@ class Node:
                     events = dict(poller.poll(self._idle_timeout_ms()))
                 if self._wake_r in events:
                     self._drain_wake()
+                if self.zap is not None and self.zap in events:
+                    self._serve_zap()
+                if self._auth_monitor is not None and self._auth_monitor in events:
+                    self._drain_auth_monitor()
                 if self.sock in events:
                     self._drain_messages()
                 if self._link_socks:
@@ -241,6 +301,7 @@ class Node:
                     self.agent.progress()
                 self.transfers.poll()
                 self._check_deadlines()
+                self._check_liveness()
                 self._flush_capacity_events()
         finally:
             self._shutdown()
@@ -249,8 +310,25 @@ class Node:
         """Whether a peer may be writing into our pools right now."""
         return any(w.fills for link in self.links.values() for w in link.writes.values())
 
+    def _check_liveness(self) -> None:
+        """Drop clients silent for longer than the grace period (DESIGN 7: no leaks)."""
+        now = time.monotonic()
+        if now < self._next_liveness:
+            return
+        self._next_liveness = now + min(self.config.heartbeat_ms, self.config.client_grace_ms) / 1000
+        grace = self.config.client_grace_ms / 1000
+        for session in [s for s in self.sessions.values() if now - s.last_seen > grace]:
+            self.counters["clients_expired" if not isinstance(session, PeerSession) else "peers_expired"] += 1
+            log.warning("%s %s silent for %.1f s: dropping its session", "peer" if isinstance(session, PeerSession) else "client",
+                        session.name, now - session.last_seen)
+            self._close_session(session)
+            if session.ops:
+                self.retired.append(session)
+
     def _idle_timeout_ms(self) -> int:
         deadline = self._next_deadline()
+        if self.sessions:
+            deadline = min(deadline or float("inf"), self._next_liveness)
         if self.links and any(link.writes or link.queued or link.state == "down" for link in self.links.values()):
             deadline = min(deadline or float("inf"), time.monotonic() + _REMOTE_POLL_MS / 1000)
         if deadline is None:
@@ -279,8 +357,10 @@ class Node:
             return
         payload = frames[1]
         session = self.sessions.get(identity)
+        if session is not None:
+            session.last_seen = time.monotonic()
         try:
-            msg = decode(payload, session.version if session else self.versions[-1])
+            msg = decode(payload, session.version if session else self.versions[-1], self.limits)
         except RemoteProtocolError as exc:
             self._refuse(identity, peek_id(payload), exc)
             return
@@ -331,6 +411,10 @@ class Node:
         old = self.sessions.get(identity)
         if old is not None:
             self._close_session(old)
+        clients = sum(1 for s in self.sessions.values() if not isinstance(s, PeerSession))
+        if clients >= self.config.max_clients:
+            self._refuse(identity, msg.id, ProtocolError(ErrorCode.TOO_MANY_CLIENTS, f"this node serves at most {self.config.max_clients} clients"))
+            return
         try:
             agent = self.agent.add_remote(msg.agent_md)
         except Exception as exc:
@@ -416,6 +500,10 @@ class Node:
     def _new_op(self, session: ClientSession, msg_id: int, kind: str, n: int, deadline_ms: int) -> Operation | None:
         if msg_id in session.ops:
             self._refuse(session.identity, msg_id, ProtocolError(ErrorCode.BAD_STATE, f"operation {msg_id} is already in progress", "id"))
+            return None
+        if len(session.ops) >= self.config.max_pending:
+            # Back-pressure: refuse rather than queue without bound.
+            self._refuse(session.identity, msg_id, ProtocolError(ErrorCode.BUSY, f"{len(session.ops)} operations in progress; retry later"))
             return None
         ms = deadline_ms or self.config.deadline_ms
         op = Operation(session, msg_id, kind, time.monotonic() + ms / 1000, [None] * n)
@@ -983,6 +1071,11 @@ class Node:
             return link
         sock: zmq.Socket[bytes] = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.zap is not None:
+            # Peers authenticate us by our own key pair; they serve with curve_peer_key.
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve_peer)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve_public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve_secret)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint)
         link = PeerLink(endpoint, sock, monitor)
@@ -1245,6 +1338,11 @@ class Node:
             self._release_memory()
         for link in self.links.values():
             link.close()
+        if self._auth_monitor is not None:
+            self.sock.disable_monitor()
+            self._auth_monitor.close(0)
+        if self.zap is not None:
+            self.zap.close(0)
         self.sock.close(0)
         if self.endpoint.startswith("ipc://"):
             Path(self.endpoint[len("ipc://") :]).unlink(missing_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ class ClientSession:
     handles: set[int] = field(default_factory=set)
     ops: dict[int, Operation] = field(default_factory=dict)
     closing: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
 
 
 @dataclass
