@@ -546,6 +546,34 @@ class Node:
                 ok.append(True)
         return ok
 
+    def _sort_items(
+        self, op: Operation, keys: Sequence[bytes], request_id: str | None
+    ) -> tuple[list[int], dict[str, list[int]]]:
+        """Split a batch: keys READY here, and keys a hint sends to another node.
+
+        The operation waits on keys still WRITING here; keys neither here nor hinted
+        fail NOT_FOUND, repeated keys DUPLICATE_KEY.
+        """
+        unique = self._unique_keys(op, keys)
+        ready: list[int] = []
+        remote: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            if not unique[i]:
+                continue
+            entry = self.store.lookup(key)
+            if entry is None:
+                source = self._hinted_source(request_id, key)
+                if source is None:
+                    op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node"
+                            + (" and no hint names a source" if request_id is not None else ""))
+                else:
+                    remote.setdefault(source, []).append(i)
+            elif entry.state is ObjectState.WRITING:
+                self._wait(op, key, i)
+            else:
+                ready.append(i)
+        return ready, remote
+
     # ---- deposit
 
     def _on_deposit(self, session: ClientSession, msg: Deposit) -> None:
@@ -622,25 +650,9 @@ class Node:
         if op is None:
             return
         op.agent, op.regions = session.agent, session.regions
-        unique = self._unique_keys(op, [item.key for item in msg.items])
         items = msg.items
         op.resume = lambda i: self._deliver_ready([i], op, items)
-        ready: list[int] = []
-        remote: dict[str, list[int]] = {}
-        for i, item in enumerate(items):
-            if not unique[i]:
-                continue
-            entry = self.store.lookup(item.key)
-            if entry is None:
-                source = self._hinted_source(msg.request_id, item.key)
-                if source is None:
-                    op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node and no hint names a source")
-                else:
-                    remote.setdefault(source, []).append(i)
-            elif entry.state is ObjectState.WRITING:
-                self._wait(op, item.key, i)
-            else:
-                ready.append(i)
+        ready, remote = self._sort_items(op, [item.key for item in items], msg.request_id)
         self._deliver_ready(ready, op, items)
         for source, indices in remote.items():
             self._remote_write(op, source, indices, tuple(items[i] for i in indices), session.agent, session, msg.partial)
@@ -713,28 +725,15 @@ class Node:
         op = self._new_op(session, msg.id, "fetch", len(msg.items), msg.deadline_ms)
         if op is None:
             return
-        unique = self._unique_keys(op, [item.key for item in msg.items])
         items = msg.items
         op.resume = lambda i: self._fetch_ready(op, i, items[i])
-        remote: dict[str, list[tuple[int, ObjectEntry]]] = {}
-        for i, item in enumerate(items):
-            if not unique[i]:
-                continue
-            entry = self.store.lookup(item.key)
-            if entry is None:
-                source = self._hinted_source(msg.request_id, item.key)
-                if source is None:
-                    op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node and no hint names a source")
-                    continue
-                fill = self._begin_fill(op, i, item)
-                if fill is not None:
-                    remote.setdefault(source, []).append((i, fill))
-            elif entry.state is ObjectState.WRITING:
-                self._wait(op, item.key, i)
-            else:
-                self._fetch_ready(op, i, item)
-        for source, fills in remote.items():
-            self._remote_fetch(op, source, fills)
+        ready, remote = self._sort_items(op, [item.key for item in items], msg.request_id)
+        for i in ready:
+            self._fetch_ready(op, i, items[i])
+        for source, indices in remote.items():
+            fills = [(i, fill) for i in indices if (fill := self._begin_fill(op, i, items[i])) is not None]
+            if fills:
+                self._remote_fetch(op, source, fills)
         self._finish_if_settled(op)
 
     def _fetch_ready(self, op: Operation, i: int, item: FetchItem) -> None:
@@ -1272,7 +1271,6 @@ class Node:
         if op is None:
             return
         op.agent, op.regions, op.exact = msg.agent, regions, not msg.partial
-        unique = self._unique_keys(op, [item.key for item in msg.items])
         items = msg.items
 
         def resume(i: int) -> None:
@@ -1280,17 +1278,8 @@ class Node:
             self._deliver_ready([i], op, items)
 
         op.resume = resume
-        ready: list[int] = []
-        for i, item in enumerate(items):
-            if not unique[i]:
-                continue
-            entry = self.store.lookup(item.key)
-            if entry is None:
-                op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node")
-            elif entry.state is ObjectState.WRITING:
-                self._wait(op, item.key, i)
-            else:
-                ready.append(i)
+        # A source never forwards: request_id None names no hint.
+        ready, _ = self._sort_items(op, [item.key for item in items], None)
         if ready and self.config.defer_writes:
             # Measuring switch only: submit on a later turn, as a second queue would.
             self.counters["writes_deferred"] += 1
