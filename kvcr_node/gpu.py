@@ -23,6 +23,12 @@ def allocate_hbm(size: int, device: int) -> tuple[Any, int]:
         raise GpuUnavailable(f"pool memory hbm:{device}: no CUDA device is usable ({exc})") from exc
     if device >= count:
         raise GpuUnavailable(f"pool memory hbm:{device}: this machine has {count} CUDA device(s)")
-    with cupy.cuda.Device(device):
-        array = cupy.zeros(size, dtype=cupy.uint8)
+    try:
+        dev = cupy.cuda.Device(device)
+        with dev:
+            array = cupy.zeros(size, dtype=cupy.uint8)
+            # zeros() is an asynchronous memset: let it finish before NIXL may write the pool.
+            dev.synchronize()
+    except (cupy.cuda.memory.OutOfMemoryError, cupy.cuda.runtime.CUDARuntimeError) as exc:
+        raise GpuUnavailable(f"pool memory hbm:{device}: cannot allocate {size} bytes ({exc})") from exc
     return array, int(array.data.ptr)
