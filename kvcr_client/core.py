@@ -57,6 +57,7 @@ from kvcr_protocol import (
 # Plain ints: pyzmq's flag enums cost a Python call per operation on the hot path.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 log = logging.getLogger("kvcr.client")
 
@@ -309,7 +310,7 @@ class ClientCore:
             return
         self._pending[op_id] = _Pending(fut, time.monotonic() + timeout_s + _GRACE_S, touches, convert)
         try:
-            self._sock.send(frame, zmq.NOBLOCK)
+            self._sock.send(frame, _NOBLOCK)
             self._last_sent = time.monotonic()
         except zmq.Again:
             del self._pending[op_id]
@@ -438,7 +439,7 @@ class ClientCore:
             return
         # Read until ZeroMQ reports no input: that re-arms the socket's descriptor.
         while cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
-            frame = sock.recv(zmq.NOBLOCK)
+            frame = sock.recv(_NOBLOCK)
             self._last_heard = time.monotonic()
             try:
                 msg = decode(frame, self.version or self.versions[-1])

@@ -93,6 +93,8 @@ from kvcr_protocol.versions import BASE_VERSION, PARTIAL_LAYOUT_VERSION
 # Plain ints: pyzmq's flag enums cost a Python call per operation on the hot path.
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
 
 log = logging.getLogger("kvcr.node")
 
@@ -235,7 +237,7 @@ class Node:
     def _serve_zap(self) -> None:
         assert self.zap is not None
         while cast(int, self.zap.getsockopt(_EVENTS)) & _POLLIN:
-            request = self.zap.recv_multipart(zmq.NOBLOCK)
+            request = self.zap.recv_multipart(_NOBLOCK)
             reply, user = zap_reply(request, self.allowed)
             if user is not None:
                 self.counters["auth_accepted"] += 1
@@ -348,7 +350,7 @@ class Node:
             # Ask before reading: cheaper than the exception of an empty read.
             if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
-            self._handle_frames(sock.recv_multipart(zmq.NOBLOCK))
+            self._handle_frames(sock.recv_multipart(_NOBLOCK))
 
     def _handle_frames(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -392,8 +394,8 @@ class Node:
 
     def _send(self, identity: bytes, msg: Message, version: int) -> None:
         try:
-            self.sock.send(identity, zmq.NOBLOCK | zmq.SNDMORE)
-            self.sock.send(encode(msg, version), zmq.NOBLOCK)
+            self.sock.send(identity, _NOBLOCK | _SNDMORE)
+            self.sock.send(encode(msg, version), _NOBLOCK)
         except zmq.Again:
             self.counters["send_dropped"] += 1
 
@@ -1096,7 +1098,7 @@ class Node:
 
     def _link_send(self, link: PeerLink, msg: Message) -> bool:
         try:
-            link.sock.send(encode(msg, link.version or self.versions[-1]), zmq.NOBLOCK)
+            link.sock.send(encode(msg, link.version or self.versions[-1]), _NOBLOCK)
         except zmq.Again:
             return False
         return True
@@ -1115,7 +1117,7 @@ class Node:
                 self._peer_hello(link)
         sock = link.sock
         while cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
-            frame = sock.recv(zmq.NOBLOCK)
+            frame = sock.recv(_NOBLOCK)
             try:
                 msg = decode(frame, link.version or self.versions[-1])
             except RemoteProtocolError as exc:
