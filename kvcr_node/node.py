@@ -324,13 +324,17 @@ class Node:
             log.warning("%s %s silent for %.1f s: dropping its session", "peer" if isinstance(session, PeerSession) else "client",
                         session.name, now - session.last_seen)
             self._close_session(session)
-            if session.ops:
+            if session.ops and isinstance(session, PeerSession):
+                # Only peer sessions retire (probes look there); a client's ops hold their session.
                 self.retired.append(session)
 
     def _idle_timeout_ms(self) -> int:
         deadline = self._next_deadline()
         if self.sessions:
             deadline = min(deadline or float("inf"), self._next_liveness)
+        ready = [link.next_heartbeat for link in self.links.values() if link.state == "ready"]
+        if ready:
+            deadline = min(deadline or float("inf"), min(ready))
         if self.links and any(link.writes or link.queued or link.state == "down" for link in self.links.values()):
             deadline = min(deadline or float("inf"), time.monotonic() + _REMOTE_POLL_MS / 1000)
         if deadline is None:
@@ -1144,6 +1148,10 @@ class Node:
                 log.warning("peer %s refused our hello: %s", link.endpoint, msg.reason)
                 self._fail_queued(link, ErrorCode.PEER_UNSUPPORTED if msg.code == ErrorCode.UNSUPPORTED_VERSION else ErrorCode.PEER_UNREACHABLE,
                                   f"the source refused the peer session: {msg.reason}")
+            if isinstance(msg, Error) and msg.code == ErrorCode.BAD_STATE and link.state == "ready":
+                # The source has no session for us any more (it dropped us as silent while
+                # the connection stayed up): open a new one, or every later write fails too.
+                self._peer_hello(link)
         elif isinstance(msg, ProbeReply):
             self._on_probe_reply(link, msg)
 
@@ -1188,6 +1196,10 @@ class Node:
 
     def _check_links(self, now: float) -> None:
         for link in self.links.values():
+            if link.state == "ready" and link.next_heartbeat <= now:
+                # The source drops sessions silent for its client grace, ours included.
+                link.next_heartbeat = now + self.config.heartbeat_ms / 1000
+                self._link_send(link, Heartbeat(self._write_id()))
             for write in list(link.queued):
                 if write.deadline <= now:
                     link.queued.remove(write)

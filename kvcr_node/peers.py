@@ -61,6 +61,8 @@ class PeerLink:
     clients_sent: dict[str, int] = field(default_factory=dict)
     """Client agent -> the regions version the peer has."""
     probes: dict[int, RemoteWrite] = field(default_factory=dict)
+    next_heartbeat: float = 0.0
+    """When to tell the peer we are alive (it drops sessions silent for its client grace)."""
 
     def close(self) -> None:
         try:

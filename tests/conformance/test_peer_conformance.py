@@ -1,0 +1,400 @@
+"""Peer conformance: a target node and a source node of any protocol versions (DESIGN 7, 8).
+
+``PeerConformance`` holds the cases; a subclass supplies the ``pair`` fixture (a target
+node with a client, a source node with a client). ``TestVersionMatrix`` runs them on
+local nodes for every (target version, source version) in {1, 2}²; ``TestExternalPair``
+points them at nodes already running elsewhere:
+
+    KVCR_PEER_TARGET=ipc:///tmp/a.sock KVCR_PEER_SOURCE=ipc:///tmp/b.sock \\
+        pytest tests/conformance/test_peer_conformance.py -k External
+
+(``KVCR_PEER_POOL=name:slot_bytes`` names a pool both nodes have, default ``kv:65536``.)
+The expected outcome of each case follows from the versions the two nodes speak:
+
+- whole deliveries and fetches work at every pair;
+- a subset sent with ``partial`` works only when both speak version 2. A version-2
+  target that knows its source speaks version 1 fails it with ``PEER_UNSUPPORTED`` and
+  sends nothing; a version-1 target cannot carry the flag (its client drops it), so the
+  source gets a whole-layout request and refuses the subset with ``LAYOUT_SUBSET_INVALID``;
+- a version-1 ``write`` frame carrying the must-understand ``!partial`` is refused whole
+  (``MUST_UNDERSTAND``) and writes nothing, whatever version the source speaks.
+
+Every refused delivery leaves the destination's own pattern untouched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from kvcr_client import Client, ErrorCode
+from kvcr_client.agent import Agent
+from kvcr_protocol import (
+    Bye,
+    DeliverItem,
+    DstSpan,
+    Error,
+    MemoryKind,
+    PeerHello,
+    PeerWelcome,
+    Region,
+    WriteDone,
+    WriteRequest,
+    decode,
+    encode,
+)
+from kvcr_protocol.versions import PARTIAL_LAYOUT_VERSION
+
+
+def _remote_helpers() -> ModuleType:
+    """tests/integration/remote_helpers.py (that folder is not on ``sys.path`` here)."""
+    module = sys.modules.get("remote_helpers")
+    if module is None:
+        path = Path(__file__).resolve().parents[1] / "integration" / "remote_helpers.py"
+        spec = importlib.util.spec_from_file_location("remote_helpers", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["remote_helpers"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+rh = _remote_helpers()
+RESULT_TIMEOUT_S: float = rh.RESULT_TIMEOUT_S
+OK, FAILED = rh.OK, rh.FAILED
+Dest = rh.Dest
+Site = rh.Site
+deliver_checked = rh.deliver_checked
+expect = rh.expect
+outcome_count = rh.outcome_count
+
+RAW_TIMEOUT_S = 10.0
+
+
+@dataclass
+class PeerPair:
+    """A target node (where the client connects) and a source node (that holds the keys)."""
+
+    target: Any
+    source: Any
+    target_version: int
+    source_version: int
+    pool: str
+    slot: int
+    exclusive: bool
+    """The nodes were started for this test: exact slot accounting applies."""
+
+    @property
+    def agreed(self) -> int:
+        return min(self.target_version, self.source_version)
+
+    @property
+    def subsets_travel(self) -> bool:
+        return self.agreed >= PARTIAL_LAYOUT_VERSION
+
+    def layout(self, n: int) -> Any:
+        return rh.Layout([(f"L{i}", self.pool, self.slot) for i in range(n)])
+
+    def key(self, label: str) -> bytes:
+        return f"conf/{label}/{secrets.token_hex(4)}".encode()
+
+    def hint(self, keys: list[bytes]) -> str:
+        rid = f"conf-{secrets.token_hex(4)}"
+        self.target.client.submit_hint(rid, self.source.endpoint, keys).result(RESULT_TIMEOUT_S)
+        return rid
+
+    def check_clean(self) -> None:
+        for site in (self.target, self.source):
+            if self.exclusive:
+                rh.assert_site_clean(site)
+            else:
+                st = site.stats()
+                assert st["invariants"] == [], st["invariants"]
+        peer = self.target.stats()["peers"].get(self.source.endpoint)
+        if peer is not None:
+            assert (peer["writes_outstanding"], peer["queued"], peer["uncertain"]) == (0, 0, 0), peer
+
+
+class PeerConformance:
+    """The cases. Subclasses provide a ``pair`` fixture yielding a ``PeerPair``."""
+
+    def test_versions_agreed(self, pair: PeerPair) -> None:
+        k = pair.key("hello")
+        layout = pair.layout(2)
+        src = pair.source.deposit(k, layout, seed=1)
+        deliver_checked(pair.target, k, layout, src, range(2), seed=2, request_id=pair.hint([k]))
+        peer = pair.target.stats()["peers"][pair.source.endpoint]
+        assert peer["version"] == pair.agreed, peer
+        assert peer["state"] == "ready", peer
+        assert peer["incarnation"] == pair.source.stats()["incarnation"], peer
+
+    def test_whole_delivery(self, pair: PeerPair) -> None:
+        k = pair.key("whole")
+        layout = pair.layout(6)
+        src = pair.source.deposit(k, layout, seed=10)
+        rid = pair.hint([k])
+        deliver_checked(pair.target, k, layout, src, range(6), seed=11, request_id=rid)
+        deliver_checked(pair.target, k, layout, src, range(6), seed=12, request_id=rid, reverse=True)
+        # ``partial`` naming the whole layout: the target cannot tell it from a subset (it
+        # does not hold the object), so towards a version-1 source it fails closed as one.
+        if pair.target_version >= PARTIAL_LAYOUT_VERSION > pair.source_version:
+            deliver_checked(pair.target, k, layout, None, range(6), seed=13, request_id=rid, partial=True,
+                            code=ErrorCode.PEER_UNSUPPORTED)
+        else:
+            deliver_checked(pair.target, k, layout, src, range(6), seed=13, request_id=rid, partial=True)
+
+    def test_subset_with_partial_flag(self, pair: PeerPair) -> None:
+        k = pair.key("subset")
+        layout = pair.layout(6)
+        src = pair.source.deposit(k, layout, seed=20)
+        rid = pair.hint([k])
+        before = pair.source.stats()
+        if pair.subsets_travel:
+            dst = Dest(pair.target, layout, range(6), seed=21)
+            for group in ([0], [1, 2, 3, 4, 5]):
+                spans = [dst.spans[i] for i in group]
+                expect(pair.target.client.deliver({k: spans}, request_id=rid, partial=True).result(RESULT_TIMEOUT_S)[k], OK)
+            dst.assert_delivered(src)
+            deliver_checked(pair.target, k, layout, src, [1, 4], seed=22, request_id=rid, partial=True)
+            return
+        if pair.target_version >= PARTIAL_LAYOUT_VERSION:
+            # The target knows the source cannot: fail closed, send nothing.
+            for n, indices in enumerate(([0], [1, 2, 3, 4, 5], [2])):
+                deliver_checked(pair.target, k, layout, None, indices, seed=23 + n, request_id=rid, partial=True,
+                                code=ErrorCode.PEER_UNSUPPORTED)
+            after = pair.source.stats()
+            assert outcome_count(after, "write.") == outcome_count(before, "write."), after["outcomes"]
+            assert after["transfers"]["posted"] == before["transfers"]["posted"], after["transfers"]
+        else:
+            # A version-1 target cannot carry the flag: the source sees a whole-layout request.
+            for n, indices in enumerate(([0], [1, 2, 3, 4, 5])):
+                deliver_checked(pair.target, k, layout, None, indices, seed=23 + n, request_id=rid, partial=True,
+                                code=ErrorCode.LAYOUT_SUBSET_INVALID)
+            after = pair.source.stats()
+            assert (outcome_count(after, "write.FAILED.LAYOUT_SUBSET_INVALID")
+                    == outcome_count(before, "write.FAILED.LAYOUT_SUBSET_INVALID") + 2), after["outcomes"]
+            assert after["transfers"]["posted"] == before["transfers"]["posted"], after["transfers"]
+        # The whole object still travels on the same session afterwards.
+        deliver_checked(pair.target, k, layout, src, range(6), seed=30, request_id=rid)
+
+    def test_subset_without_partial_flag_fails_closed(self, pair: PeerPair) -> None:
+        k = pair.key("noflag")
+        layout = pair.layout(4)
+        pair.source.deposit(k, layout, seed=40)
+        rid = pair.hint([k])
+        for n, indices in enumerate(([0], [0, 1, 2], [3])):
+            deliver_checked(pair.target, k, layout, None, indices, seed=41 + n, request_id=rid,
+                            code=ErrorCode.LAYOUT_SUBSET_INVALID)
+
+    def test_fetch_whole_objects(self, pair: PeerPair) -> None:
+        k = pair.key("fetch")
+        layout = pair.layout(3)
+        src = pair.source.deposit(k, layout, seed=50)
+        rid = pair.hint([k])
+        out = pair.target.client.fetch({k: [(n, pair.pool) for n in layout.names]}, request_id=rid).result(RESULT_TIMEOUT_S)[k]
+        expect(out, OK)
+        pair.target.resident[k] = (pair.pool,) * 3
+        # Local on the target now: subsets need no flag.
+        deliver_checked(pair.target, k, layout, src, range(3), seed=51)
+        deliver_checked(pair.target, k, layout, src, [2], seed=52)
+        assert out.handle is not None
+        pair.target.client.release([out.handle]).result(RESULT_TIMEOUT_S)
+
+    @pytest.mark.parametrize("frame", ["v1+!partial", "v1-control", "v2+!partial"])
+    def test_raw_write_frames(self, pair: PeerPair, frame: str) -> None:
+        """Hand-built peer frames to the source: the must-understand rule (DESIGN 8)."""
+        k = pair.key("raw")
+        layout = pair.layout(3)
+        src = pair.source.deposit(k, layout, seed=60)
+        offer = (1,) if frame.startswith("v1") else (1, 2)
+        with RawPeer(pair.source.endpoint, offer, layout.nbytes + 256, seed=61) as raw:
+            session = raw.hello()
+            before = pair.source.stats()
+            if frame == "v1+!partial":
+                payload = raw.write_frame(7, k, layout, [1], version=1, partial=False)
+                obj = msgpack.unpackb(payload, raw=False)
+                assert obj["v"] == 1 and "!partial" not in obj
+                obj["!partial"] = True
+                reply = raw.request(msgpack.packb(obj, use_bin_type=True), 7)
+                assert isinstance(reply, Error), reply
+                assert reply.code == ErrorCode.MUST_UNDERSTAND, reply
+                written: list[int] = []
+            elif frame == "v1-control":
+                # The same frame without the flag, naming the whole layout: served, byte-exact.
+                reply = raw.request(raw.write_frame(8, k, layout, [0, 1, 2], version=1, partial=False), 8)
+                assert isinstance(reply, WriteDone), reply
+                assert [r.status for r in reply.results] == [OK], reply
+                written = [0, 1, 2]
+            elif session >= PARTIAL_LAYOUT_VERSION:
+                reply = raw.request(raw.write_frame(9, k, layout, [1], version=2, partial=True), 9)
+                assert isinstance(reply, WriteDone), reply
+                assert [r.status for r in reply.results] == [OK], reply
+                written = [1]
+            else:
+                # A version-1 source refuses a version-2 frame outright.
+                reply = raw.request(raw.write_frame(9, k, layout, [1], version=2, partial=True), 9)
+                assert isinstance(reply, Error), reply
+                assert reply.code == ErrorCode.UNSUPPORTED_VERSION, reply
+                written = []
+            expected = raw.before.copy()
+            for i in written:
+                at = raw.offset + layout.offsets[i]
+                expected[at : at + layout.spans[i][2]] = layout.src_bytes(src, i)
+            rh.assert_bytes_equal(raw.buf, expected, f"raw destination ({frame})")
+            after = pair.source.stats()
+            posted = after["transfers"]["posted"] - before["transfers"]["posted"]
+            assert (posted > 0) == bool(written), (posted, written)
+            if not written:
+                assert outcome_count(after, "write.") == outcome_count(before, "write."), after["outcomes"]
+
+
+class RawPeer:
+    """A hand-driven peer session: a DEALER socket and a NIXL agent with one DRAM buffer."""
+
+    def __init__(self, endpoint: str, versions: tuple[int, ...], size: int, seed: int) -> None:
+        self.endpoint = endpoint
+        self.versions = versions
+        self.offset = 128
+        self.buf = rh.pattern(size, seed)
+        self.before = self.buf.copy()
+        self.agent = Agent(f"conf-raw.{os.getpid()}.{secrets.token_hex(4)}")
+        self.address = int(self.buf.ctypes.data)
+        self.reg = self.agent.register(MemoryKind.DRAM, self.address, size, 0)
+        self.ctx = zmq.Context()
+        self.sock: zmq.Socket[bytes] = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.version = 1
+
+    def __enter__(self) -> RawPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.request(encode(Bye(99), self.version), 99)  # the source drops the session
+        finally:
+            self.sock.close(0)
+            self.ctx.term()
+            self.agent.deregister(self.reg)
+
+    def hello(self) -> int:
+        region = Region(0, MemoryKind.DRAM, 0, self.address, self.buf.size)
+        msg = PeerHello(1, self.versions, "conf-raw", secrets.randbits(62) | 1, self.agent.name,
+                        self.agent.metadata(), (region,))
+        reply = self.request(encode(msg, 1), 1)
+        assert isinstance(reply, PeerWelcome), reply
+        self.agent.add_remote(reply.agent_md)
+        self.version = reply.version
+        return reply.version
+
+    def write_frame(self, op: int, key: bytes, layout: Any, indices: list[int], version: int, partial: bool) -> bytes:
+        spans = tuple(
+            DstSpan(layout.spans[i][0], 0, self.offset + layout.offsets[i], layout.spans[i][2]) for i in indices
+        )
+        return encode(WriteRequest(op, self.agent.name, (DeliverItem(key, spans),), 5000, partial), version)
+
+    def request(self, payload: bytes, op: int) -> Any:
+        """Send one frame and wait (bounded) for the reply to ``op``, progressing our agent meanwhile."""
+        self.sock.send(payload)
+        deadline = time.monotonic() + RAW_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self.agent.progress()
+            if self.sock.poll(5, zmq.POLLIN):
+                reply = decode(self.sock.recv(), 2)
+                if getattr(reply, "id", None) == op:
+                    return reply
+        raise AssertionError(f"no reply to {op} within {RAW_TIMEOUT_S}s")
+
+
+# --------------------------------------------------------------------------- where the cases run
+
+
+MATRIX = [(1, 1), (1, 2), (2, 1), (2, 2)]
+
+
+@pytest.fixture(scope="module", params=MATRIX, ids=[f"target{t}-source{s}" for t, s in MATRIX])
+def matrix_pair(request: pytest.FixtureRequest) -> Iterator[PeerPair]:
+    """One pair per version pair, shared by the cases of ``TestVersionMatrix``."""
+    tv, sv = request.param
+    with rh.short_ipc_dir("conf") as d:
+        nodes: list[Any] = []
+        numbers = itertools.count()  # next() is atomic: the nodes start in parallel
+
+        def factory(*args: str) -> Any:
+            node = rh.start_node(f"ipc://{d}/n{next(numbers)}.sock", *args)
+            nodes.append(node)
+            return node
+
+        try:
+            with rh.sites_of(factory, check=False) as sites:
+                target, source = sites.start(
+                    ("target", {"args": ("--protocol-version", str(tv))}),
+                    ("source", {"args": ("--protocol-version", str(sv))}),
+                )
+                # A client speaks the highest version its node offers.
+                assert target.client.node.version == tv and source.client.node.version == sv
+                yield PeerPair(target, source, tv, sv, "kv", 64 * 1024, exclusive=True)
+        finally:
+            codes = [node.stop() for node in nodes]
+        assert codes == [0] * len(nodes), [node.output for node in nodes]
+
+
+class TestVersionMatrix(PeerConformance):
+    """Local nodes: ``--protocol-version`` on each side. The cases share one pair per
+    version pair (keys are unique per case); each case must leave both nodes clean."""
+
+    @pytest.fixture
+    def pair(self, matrix_pair: PeerPair) -> Iterator[PeerPair]:
+        yield matrix_pair
+        matrix_pair.check_clean()
+
+
+class _External:
+    """A node process started elsewhere: only its endpoint is known."""
+
+    class _Proc:
+        @staticmethod
+        def poll() -> None:
+            return None
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.proc = self._Proc()
+
+
+class TestExternalPair(PeerConformance):
+    """Nodes named by ``KVCR_PEER_TARGET`` / ``KVCR_PEER_SOURCE`` (skipped when unset)."""
+
+    @pytest.fixture
+    def pair(self) -> Iterator[PeerPair]:
+        target_ep, source_ep = os.environ.get("KVCR_PEER_TARGET"), os.environ.get("KVCR_PEER_SOURCE")
+        if not target_ep or not source_ep:
+            pytest.skip("set KVCR_PEER_TARGET and KVCR_PEER_SOURCE to run the cases against running nodes")
+        pool, _, slot = os.environ.get("KVCR_PEER_POOL", "kv:65536").partition(":")
+        opened: list[Any] = []
+        try:
+            for endpoint, name in ((target_ep, "conf-target"), (source_ep, "conf-source")):
+                client = Client(endpoint, name=name)
+                opened.append(Site(_External(endpoint), client, rh.Registrar(client)))
+            target, source = opened
+            pair = PeerPair(target, source, target.client.node.version, source.client.node.version, pool, int(slot),
+                            exclusive=False)
+            yield pair
+            pair.check_clean()
+        finally:
+            for site in opened:
+                site.close()
+
