@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,11 +28,11 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from local import SPAN, SPANS, _spawn  # noqa: E402
-from stats import fmt_gbps, fmt_us, summary  # noqa: E402
+from local import SPAN, SPANS, _spawn
+from stats import fmt_gbps, fmt_us, summary
 
-from kvcr_client import Client, Span  # noqa: E402
-from kvcr_client.agent import load_nixl  # noqa: E402
+from kvcr_client import Client, Span
+from kvcr_client.agent import load_nixl
 
 LAYERS = 32
 

@@ -115,6 +115,7 @@ class ClientCore:
         self.welcome: Welcome | None = None
         self._last_sent = 0.0
         self._last_heard = 0.0
+        self._heartbeats = 0
         self.capacity_events: collections.deque[CapacityEvent] = collections.deque(maxlen=1024)
         self.on_capacity: Callable[[CapacityEvent], None] | None = None
         self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
@@ -361,7 +362,8 @@ class ClientCore:
             return
         if now - self._last_sent >= interval:
             try:
-                self._sock.send(encode(Heartbeat(0), self.version), zmq.NOBLOCK)
+                self._heartbeats += 1
+                self._sock.send(encode(Heartbeat(self._heartbeats), self.version), _NOBLOCK)
             except zmq.Again:
                 return
             self._last_sent = now
@@ -457,18 +459,23 @@ class ClientCore:
                 except Exception:
                     log.exception("capacity callback failed")
             return
+        if isinstance(msg, Heartbeat):
+            return  # its id counts heartbeats, not requests
         pending = self._pending.pop(getattr(msg, "id", 0), None)
         if pending is None:
-            if not isinstance(msg, Heartbeat):
-                log.debug("reply for no pending request: %s", msg.TAG)
+            log.debug("reply for no pending request: %s", msg.TAG)
             return
         if isinstance(msg, Error):
             pending.future.set_exception(NodeError(msg.code, msg.reason, msg.path))
             return
         try:
-            pending.future.set_result(pending.convert(msg))
-        except (ProtocolError, KeyError, ValueError) as exc:
-            pending.future.set_exception(exc)
+            result = pending.convert(msg)
+        except Exception as exc:  # a reply of the wrong type or shape fails that request only
+            pending.future.set_exception(
+                exc if isinstance(exc, ProtocolError) else NodeError(ErrorCode.WRONG_TYPE, f"unexpected reply {msg.TAG}: {exc!r}")
+            )
+            return
+        pending.future.set_result(result)
 
     def _expire(self) -> None:
         if not self._pending:

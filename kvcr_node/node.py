@@ -913,7 +913,10 @@ class Node:
             stats = self.store.pool_stats()[pool]
             self.counters["capacity_events"] += 1
             for session in list(self.sessions.values()):
-                self._reply(session, CapacityEvent(0, pool, stats["free"] + stats["evictable"], stats["total"]))
+                if isinstance(session, PeerSession):
+                    continue
+                session.events += 1
+                self._reply(session, CapacityEvent(session.events, pool, stats["free"] + stats["evictable"], stats["total"]))
 
     def _next_deadline(self) -> float | None:
         deadlines = [op.deadline for ops in self.waiters.values() for op in ops]

@@ -30,6 +30,8 @@ class ClientSession:
     ops: dict[int, Operation] = field(default_factory=dict)
     closing: bool = False
     last_seen: float = field(default_factory=time.monotonic)
+    events: int = 0
+    """Capacity events sent in this session (their ids count from 1)."""
 
 
 @dataclass

@@ -1,0 +1,194 @@
+"""CurveZMQ authentication on real nodes: keys from ``kvcr keygen``, an allow-list.
+
+An allowed client works (byte-exact round trip); a client with an unknown key and a plain
+(unencrypted) client are refused quickly with ``UNAUTHORIZED``, and the node counts
+them (``auth_refused``, ``auth_handshake_failed``). Two CURVE nodes deliver across: each
+node's public key is on the other's allow-list, and each names the key the other serves
+with (``--curve-peer-key``); a node whose key is not allowed gets no peer session.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from integration_helpers import (
+    RESULT_TIMEOUT_S,
+    KiB,
+    Layout,
+    Registrar,
+    assert_bytes_equal,
+    assert_clean,
+    pattern,
+    stats,
+    wait_until,
+)
+
+from kvcr_client import Client, CurveKeys, ErrorCode, KeyStatus, NodeError, Span
+
+POOL = ("--pool", "kv:4KiB:64")
+SLOT = 4 * KiB
+LAYOUT = Layout([(f"L{i}", "kv", SLOT) for i in range(4)])
+REFUSAL_S = 5.0
+
+
+@dataclass
+class KeyPair:
+    public_file: Path
+    secret_file: Path
+
+    @property
+    def public(self) -> str:
+        return self.public_file.read_text().strip()
+
+    @property
+    def secret(self) -> str:
+        return self.secret_file.read_text().strip()
+
+
+def keygen(prefix: Path) -> KeyPair:
+    """``kvcr keygen PREFIX``: PREFIX.pub and PREFIX.key (mode 600)."""
+    tool = Path(sys.executable).parent / "kvcr"
+    cmd = [str(tool)] if tool.exists() else [sys.executable, "-c", "import sys; from kvcr_node.cli import tool_main; sys.exit(tool_main())"]
+    done = subprocess.run([*cmd, "keygen", str(prefix)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    pair = KeyPair(prefix.with_suffix(".pub"), prefix.with_suffix(".key"))
+    assert len(pair.public) == 40 and len(pair.secret) == 40
+    assert pair.secret_file.stat().st_mode & 0o077 == 0, "the secret key must be private"
+    return pair
+
+
+def curve_args(node: KeyPair, allow: list[KeyPair], directory: Path, name: str, peer: KeyPair | None = None) -> list[str]:
+    allow_file = directory / f"{name}.allow"
+    allow_file.write_text("# allowed keys\n" + "".join(f"{k.public} {k.public_file.stem}\n" for k in allow))
+    args = ["--curve-secret-key", str(node.secret_file), "--curve-public-key", str(node.public_file),
+            "--curve-allow", str(allow_file)]
+    if peer is not None:
+        args += ["--curve-peer-key", str(peer.public_file)]
+    return args
+
+
+def curve(node: KeyPair, client: KeyPair) -> CurveKeys:
+    return CurveKeys(server_public=node.public, public=client.public, secret=client.secret)
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Callable[[str], KeyPair]:
+    return lambda name: keygen(tmp_path / name)
+
+
+def round_trip(client: Client, key: bytes, seed: int) -> None:
+    reg = Registrar(client)
+    src = pattern(LAYOUT.nbytes, seed)
+    region = reg(src)
+    assert client.deposit({key: LAYOUT.source_spans(region)}).result(RESULT_TIMEOUT_S)[key].status is KeyStatus.STORED
+    dst = pattern(LAYOUT.nbytes, seed + 1)
+    dregion = reg(dst)
+    spans = [Span(n, dregion, o, s) for (n, _, s), o in zip(LAYOUT.spans, LAYOUT.offsets, strict=True)]
+    assert client.deliver({key: spans}).result(RESULT_TIMEOUT_S)[key].status is KeyStatus.OK
+    assert_bytes_equal(dst, src, "round trip over CurveZMQ")
+    reg.close()
+
+
+def test_allowed_unknown_and_plain_clients(node_factory: Callable[..., Any], keys: Callable[[str], KeyPair], tmp_path: Path) -> None:
+    server, alice, mallory = keys("server"), keys("alice"), keys("mallory")
+    node = node_factory(*POOL, *curve_args(server, [alice], tmp_path, "n"))
+    with Client(node.endpoint, name="alice", curve=curve(server, alice)) as client:
+        round_trip(client, b"k", 1)
+        before = stats(client)["counters"]
+        assert before.get("auth_accepted", 0) >= 1, before
+
+        # A key that is not on the allow-list: the ZAP handler refuses it.
+        t0 = time.monotonic()
+        with pytest.raises(NodeError) as err:
+            Client(node.endpoint, name="mallory", curve=curve(server, mallory), timeout=REFUSAL_S)
+        assert err.value.code == ErrorCode.UNAUTHORIZED, err.value
+        assert time.monotonic() - t0 < REFUSAL_S
+        assert wait_until(lambda: stats(client)["counters"].get("auth_refused", 0) >= 1, 5), stats(client)["counters"]
+
+        # A plain client cannot even finish the handshake with a CURVE server.
+        t0 = time.monotonic()
+        with pytest.raises(NodeError) as err:
+            Client(node.endpoint, name="plain", timeout=REFUSAL_S)
+        assert err.value.code == ErrorCode.UNAUTHORIZED, err.value
+        assert time.monotonic() - t0 < REFUSAL_S
+        assert wait_until(lambda: stats(client)["counters"].get("auth_handshake_failed", 0) >= 1, 5), stats(client)["counters"]
+
+        # Neither got a session; the allowed client is undisturbed.
+        st = stats(client)
+        assert st["clients"] == 1 and st["counters"].get("hellos") == 1, st
+        round_trip(client, b"k2", 3)
+        assert_clean(client)
+
+
+def test_client_with_the_wrong_server_key_is_refused(
+    node_factory: Callable[..., Any], keys: Callable[[str], KeyPair], tmp_path: Path
+) -> None:
+    server, impostor, alice = keys("server"), keys("impostor"), keys("alice")
+    node = node_factory(*POOL, *curve_args(server, [alice], tmp_path, "n"))
+    t0 = time.monotonic()
+    with pytest.raises(NodeError) as err:
+        Client(node.endpoint, name="alice", curve=curve(impostor, alice), timeout=REFUSAL_S)
+    assert err.value.code == ErrorCode.UNAUTHORIZED, err.value
+    assert time.monotonic() - t0 < REFUSAL_S
+    with Client(node.endpoint, name="alice", curve=curve(server, alice)) as client:
+        st = assert_clean(client)
+        assert st["clients"] == 1
+        # The server cannot read the client's handshake (it was sealed for another key).
+        assert st["counters"].get("auth_handshake_failed", 0) >= 1, st["counters"]
+
+
+def test_two_curve_nodes_deliver_across(node_factory: Callable[..., Any], keys: Callable[[str], KeyPair], tmp_path: Path) -> None:
+    ka, kb, kc = keys("node-a"), keys("node-b"), keys("node-c")
+    ca, cb = keys("client-a"), keys("client-b")
+    # Each node lets in its client and the other node, and serves peers with the other's key in mind.
+    node_b = node_factory(*POOL, *curve_args(kb, [cb, ka], tmp_path, "b", peer=ka))
+    node_a = node_factory(*POOL, *curve_args(ka, [ca, kb], tmp_path, "a", peer=kb))
+    # C is allowed nowhere: B refuses its peer session.
+    node_c = node_factory(*POOL, *curve_args(kc, [ca], tmp_path, "c", peer=kb))
+    with (
+        Client(node_b.endpoint, name="client-b", curve=curve(kb, cb)) as client_b,
+        Client(node_a.endpoint, name="client-a", curve=curve(ka, ca)) as client_a,
+        Client(node_c.endpoint, name="client-c", curve=curve(kc, ca)) as client_c,
+    ):
+        reg_b = Registrar(client_b)
+        src = pattern(LAYOUT.nbytes, 7)
+        region = reg_b(src)
+        assert client_b.deposit({b"x": LAYOUT.source_spans(region)}).result(10)[b"x"].status is KeyStatus.STORED
+
+        reg_a = Registrar(client_a)
+        client_a.submit_hint("r", node_b.endpoint, [b"x"]).result(5)
+        dst = pattern(LAYOUT.nbytes + 128, 8)
+        expected = dst.copy()
+        expected[64 : 64 + LAYOUT.nbytes] = src
+        dregion = reg_a(dst)
+        spans = [Span(n, dregion, 64 + o, s) for (n, _, s), o in zip(LAYOUT.spans, LAYOUT.offsets, strict=True)]
+        res = client_a.deliver({b"x": spans}, request_id="r").result(RESULT_TIMEOUT_S)
+        assert res[b"x"].status is KeyStatus.OK, res
+        assert_bytes_equal(dst, expected, "cross-node delivery between CURVE nodes")
+        st_b = stats(client_b)
+        assert st_b["peer_sessions"] == 1 and st_b["counters"].get("peer_hellos") == 1, st_b
+        assert stats(client_a)["peers"][node_b.endpoint]["state"] == "ready"
+
+        # Node C's key is not on B's list: no peer session, the delivery fails at its deadline.
+        reg_c = Registrar(client_c)
+        client_c.submit_hint("r", node_b.endpoint, [b"x"]).result(5)
+        dst_c = np.zeros(LAYOUT.nbytes, dtype=np.uint8)
+        cregion = reg_c(dst_c)
+        spans = [Span(n, cregion, o, s) for (n, _, s), o in zip(LAYOUT.spans, LAYOUT.offsets, strict=True)]
+        res = client_c.deliver({b"x": spans}, request_id="r", deadline_ms=1500).result(RESULT_TIMEOUT_S)
+        assert (res[b"x"].status, res[b"x"].code) == (KeyStatus.FAILED, ErrorCode.PEER_UNREACHABLE), res
+        assert not dst_c.any(), "a refused peer wrote into the destination"
+        assert wait_until(lambda: stats(client_b)["counters"].get("auth_refused", 0) >= 1, 5), stats(client_b)["counters"]
+        assert stats(client_b)["peer_sessions"] == 1
+
+        for client, reg in ((client_a, reg_a), (client_b, reg_b), (client_c, reg_c)):
+            assert_clean(client)
+            reg.close()
