@@ -187,15 +187,21 @@ def main() -> int:
     reps = 8 if args.quick else args.reps
     run = Path(f"/tmp/kvcr-bench-{os.getpid()}")
     run.mkdir(exist_ok=True)
-    node = _spawn("-m", "kvcr_node.cli", "--endpoint", f"ipc://{run}/node.sock", "--pool", f"kv:64KiB:{2 * SPANS}", "--log-level", "WARNING")
-    raw = _spawn(__file__, "--raw-writer", f"ipc://{run}/raw.sock")
+    procs: list[subprocess.Popen[str]] = []
     try:
+        procs.append(node := _spawn("-m", "kvcr_node.cli", "--endpoint", f"ipc://{run}/node.sock",
+                                    "--pool", f"kv:64KiB:{2 * SPANS}", "--log-level", "WARNING"))
+        procs.append(_spawn(__file__, "--raw-writer", f"ipc://{run}/raw.sock"))
         k = bench_kvcr(f"ipc://{run}/node.sock", node.pid, reps, 1.0 if args.quick else args.idle_seconds)
         r = bench_raw(f"ipc://{run}/raw.sock", reps)
     finally:
-        for p in (node, raw):
+        for p in procs:
             p.terminate()
-            p.wait(15)
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(15)
         for f in run.iterdir():
             f.unlink()
         run.rmdir()

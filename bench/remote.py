@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -141,19 +142,22 @@ def main() -> int:
     run = Path(f"/tmp/kvcr-rbench-{os.getpid()}")
     run.mkdir(exist_ok=True)
     node = [sys.executable, "-m", "kvcr_node.cli", "--pool", f"kv:64KiB:{SPANS + 2 * LAYERS}", "--log-level", "WARNING"]
-    procs = [
-        _spawn(*node[1:], "--endpoint", f"ipc://{run}/a.sock"),
-        _spawn(*node[1:], "--endpoint", f"ipc://{run}/b.sock"),
-        _spawn(*node[1:], "--endpoint", f"ipc://{run}/bd.sock", "--defer-writes"),
-        _spawn(str(Path(__file__).resolve().parent / "local.py"), "--raw-writer", f"ipc://{run}/raw.sock"),
-    ]
+    procs = []
     try:
+        for extra in (("--endpoint", f"ipc://{run}/a.sock"), ("--endpoint", f"ipc://{run}/b.sock"),
+                      ("--endpoint", f"ipc://{run}/bd.sock", "--defer-writes")):
+            procs.append(_spawn(*node[1:], *extra))
+        procs.append(_spawn(str(Path(__file__).resolve().parent / "local.py"), "--raw-writer", f"ipc://{run}/raw.sock"))
         k = bench_kvcr(f"ipc://{run}/a.sock", f"ipc://{run}/b.sock", f"ipc://{run}/bd.sock", args.reps)
         r = raw_anchor(f"ipc://{run}/raw.sock", args.reps)
     finally:
         for p in procs:
             p.terminate()
-            p.wait(15)
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(15)
         for f in run.iterdir():
             f.unlink()
         run.rmdir()

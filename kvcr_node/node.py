@@ -355,6 +355,10 @@ class Node:
             if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
             self._handle_frames(sock.recv_multipart(_NOBLOCK))
+            if self.transfers.inflight:
+                # Complete what finished before reading on: a first layer's completion must
+                # not wait behind the next request's submission.
+                self.transfers.poll()
 
     def _handle_frames(self, frames: list[bytes]) -> None:
         identity = frames[0]
