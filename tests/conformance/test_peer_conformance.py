@@ -24,20 +24,17 @@ Every refused delivery leaves the destination's own pattern untouched.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import secrets
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import msgpack
 import pytest
+import remote_helpers  # tests/integration, on pytest's pythonpath
 import zmq
 
 from kvcr_client import Client, ErrorCode
@@ -58,21 +55,7 @@ from kvcr_protocol import (
 )
 from kvcr_protocol.versions import PARTIAL_LAYOUT_VERSION
 
-
-def _remote_helpers() -> ModuleType:
-    """tests/integration/remote_helpers.py (that folder is not on ``sys.path`` here)."""
-    module = sys.modules.get("remote_helpers")
-    if module is None:
-        path = Path(__file__).resolve().parents[1] / "integration" / "remote_helpers.py"
-        spec = importlib.util.spec_from_file_location("remote_helpers", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["remote_helpers"] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-rh = _remote_helpers()
+rh = remote_helpers
 RESULT_TIMEOUT_S: float = rh.RESULT_TIMEOUT_S
 OK, FAILED = rh.OK, rh.FAILED
 Dest = rh.Dest

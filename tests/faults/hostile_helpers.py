@@ -8,7 +8,6 @@ with bounded waits.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import selectors
@@ -18,9 +17,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import integration_helpers  # tests/integration, on pytest's pythonpath
 import numpy as np
 
 from kvcr_client import Client
@@ -29,19 +28,7 @@ _HERE = Path(__file__).resolve().parent
 WORKER = _HERE / "hostile_worker.py"
 
 
-def _integration_helpers() -> ModuleType:
-    module = sys.modules.get("integration_helpers")
-    if module is None:
-        path = _HERE.parent / "integration" / "integration_helpers.py"
-        spec = importlib.util.spec_from_file_location("integration_helpers", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["integration_helpers"] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-_ih = _integration_helpers()
+_ih = integration_helpers
 KiB: int = _ih.KiB
 RESULT_TIMEOUT_S: float = _ih.RESULT_TIMEOUT_S
 Layout = _ih.Layout

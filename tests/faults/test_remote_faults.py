@@ -18,7 +18,6 @@ write to a peer outstanding, and exactly the slots of the objects the test knows
 
 from __future__ import annotations
 
-import importlib.util
 import selectors
 import signal
 import subprocess
@@ -26,28 +25,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+import remote_helpers  # tests/integration, on pytest's pythonpath
 
 from kvcr_client import ErrorCode, NodeLostError, OperationTimeout, Presence
 
-
-def _remote_helpers() -> ModuleType:
-    """tests/integration/remote_helpers.py (that folder is not on ``sys.path`` here)."""
-    module = sys.modules.get("remote_helpers")
-    if module is None:
-        path = Path(__file__).resolve().parents[1] / "integration" / "remote_helpers.py"
-        spec = importlib.util.spec_from_file_location("remote_helpers", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["remote_helpers"] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-rh = _remote_helpers()
+rh = remote_helpers
 RESULT_TIMEOUT_S: float = rh.RESULT_TIMEOUT_S
 OK, FAILED = rh.OK, rh.FAILED
 Dest = rh.Dest

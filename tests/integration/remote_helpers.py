@@ -12,16 +12,14 @@ and no object is left half written.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import integration_helpers  # tests/integration, on pytest's pythonpath
 import numpy as np
 
 from kvcr_client import Client, ErrorCode, KeyOutcome, KeyStatus, Presence, Span
@@ -30,19 +28,7 @@ from kvcr_protocol import CURRENT_VERSION
 _HERE = Path(__file__).resolve().parent
 
 
-def _integration_helpers() -> ModuleType:
-    """``integration_helpers`` of this folder, whether or not this folder is on ``sys.path``."""
-    module = sys.modules.get("integration_helpers")
-    if module is None:
-        spec = importlib.util.spec_from_file_location("integration_helpers", _HERE / "integration_helpers.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["integration_helpers"] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-_ih = _integration_helpers()
+_ih = integration_helpers
 KiB: int = _ih.KiB
 RESULT_TIMEOUT_S: float = _ih.RESULT_TIMEOUT_S
 Layout = _ih.Layout
