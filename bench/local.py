@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,9 +27,9 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from admission import index_bytes_per_object, measure_admission
+from procs import process_group, spawn
 from stats import fmt_gbps, fmt_us, summary
 
 from kvcr_client import Client, Span
@@ -83,18 +82,6 @@ def raw_writer(endpoint: str) -> None:
             break
     sock.close(0)
     ctx.term()
-
-
-def _spawn(*args: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout is not None
-    seen = []
-    for line in proc.stdout:  # NIXL logs its start-up on stdout: skip to our line
-        seen.append(line)
-        if line.startswith("ready") or "listening on" in line:
-            return proc
-    proc.kill()
-    raise RuntimeError(f"{args[0]} did not start: {''.join(seen)}")
 
 
 def bench_raw(endpoint: str, reps: int) -> dict[str, Any]:
@@ -185,26 +172,12 @@ def main() -> int:
         raw_writer(args.raw_writer)
         return 0
     reps = 8 if args.quick else args.reps
-    run = Path(f"/tmp/kvcr-bench-{os.getpid()}")
-    run.mkdir(exist_ok=True)
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        procs.append(node := _spawn("-m", "kvcr_node.cli", "--endpoint", f"ipc://{run}/node.sock",
-                                    "--pool", f"kv:64KiB:{2 * SPANS}", "--log-level", "WARNING"))
-        procs.append(_spawn(__file__, "--raw-writer", f"ipc://{run}/raw.sock"))
+    with process_group("bench") as (run, procs):
+        procs.append(node := spawn("-m", "kvcr_node.cli", "--endpoint", f"ipc://{run}/node.sock",
+                                   "--pool", f"kv:64KiB:{2 * SPANS}", "--log-level", "WARNING"))
+        procs.append(spawn(__file__, "--raw-writer", f"ipc://{run}/raw.sock"))
         k = bench_kvcr(f"ipc://{run}/node.sock", node.pid, reps, 1.0 if args.quick else args.idle_seconds)
         r = bench_raw(f"ipc://{run}/raw.sock", reps)
-    finally:
-        for p in procs:
-            p.terminate()
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(15)
-        for f in run.iterdir():
-            f.unlink()
-        run.rmdir()
 
     print(f"deliver of a {OBJECT >> 20} MiB object, {SPANS} spans of {SPAN >> 10} KiB, DRAM -> DRAM, separate processes")
     print(f"  kvcr deliver (client-observed)   {fmt_gbps(OBJECT, k['deliver'])}")

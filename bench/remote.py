@@ -16,8 +16,6 @@ Run: ``python bench/remote.py`` (under a minute). Ratios matter, not absolute ti
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +27,8 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from local import SPAN, SPANS, _spawn
+from local import SPAN, SPANS
+from procs import process_group, spawn
 from stats import fmt_gbps, fmt_us, summary
 
 from kvcr_client import Client, Span
@@ -139,28 +138,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
-    run = Path(f"/tmp/kvcr-rbench-{os.getpid()}")
-    run.mkdir(exist_ok=True)
-    node = [sys.executable, "-m", "kvcr_node.cli", "--pool", f"kv:64KiB:{SPANS + 2 * LAYERS}", "--log-level", "WARNING"]
-    procs = []
-    try:
+    node = ["-m", "kvcr_node.cli", "--pool", f"kv:64KiB:{SPANS + 2 * LAYERS}", "--log-level", "WARNING"]
+    with process_group("rbench") as (run, procs):
         for extra in (("--endpoint", f"ipc://{run}/a.sock"), ("--endpoint", f"ipc://{run}/b.sock"),
                       ("--endpoint", f"ipc://{run}/bd.sock", "--defer-writes")):
-            procs.append(_spawn(*node[1:], *extra))
-        procs.append(_spawn(str(Path(__file__).resolve().parent / "local.py"), "--raw-writer", f"ipc://{run}/raw.sock"))
+            procs.append(spawn(*node, *extra))
+        procs.append(spawn(str(Path(__file__).resolve().parent / "local.py"), "--raw-writer", f"ipc://{run}/raw.sock"))
         k = bench_kvcr(f"ipc://{run}/a.sock", f"ipc://{run}/b.sock", f"ipc://{run}/bd.sock", args.reps)
         r = raw_anchor(f"ipc://{run}/raw.sock", args.reps)
-    finally:
-        for p in procs:
-            p.terminate()
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(15)
-        for f in run.iterdir():
-            f.unlink()
-        run.rmdir()
     anchor = r["one_span_xfer"]["median"] + r["rtt"]["median"]
     print(f"time to first layer: object of {LAYERS} spans of {SPAN >> 10} KiB on node B, client on node A")
     print(f"  kvcr first span (partial deliver)      {fmt_us(k['first'])}")
