@@ -35,6 +35,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from procs import stop
 from stats import fmt_gbps, summary
 
 from kvcr_client import Client, Span
@@ -261,13 +262,7 @@ def main() -> int:
             print(f"--- output of {proc.args!r} (exit {proc.returncode}):\n{''.join(seen)}", file=sys.stderr)
         raise
     finally:
-        for proc, _ in procs:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(15)
+        stop([proc for proc, _ in procs])
         for f in run.iterdir():
             f.unlink()
         run.rmdir()

@@ -23,6 +23,17 @@ def spawn(*args: str) -> subprocess.Popen[str]:
     raise RuntimeError(f"{args[0]} did not start: {''.join(seen)}")
 
 
+def stop(procs: list[subprocess.Popen[str]]) -> None:
+    """Terminate each process, killing any that does not exit within 15 s."""
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(15)
+
+
 @contextmanager
 def process_group(name: str) -> Iterator[tuple[Path, list[subprocess.Popen[str]]]]:
     """A private run folder for ipc endpoints and a list of processes stopped on exit."""
@@ -32,13 +43,7 @@ def process_group(name: str) -> Iterator[tuple[Path, list[subprocess.Popen[str]]
     try:
         yield run, procs
     finally:
-        for proc in procs:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(15)
+        stop(procs)
         for f in run.iterdir():
             f.unlink()
         run.rmdir()
