@@ -35,6 +35,9 @@ from zmq.utils.monitor import recv_monitor_message
 from kvcr_client.agent import Agent
 from kvcr_client.errors import ClientClosed, NodeError, NodeLostError, OperationTimeout
 from kvcr_client.pacing import Pacer
+from kvcr_client.zmq_flags import EVENTS as _EVENTS
+from kvcr_client.zmq_flags import NOBLOCK as _NOBLOCK
+from kvcr_client.zmq_flags import POLLIN as _POLLIN
 from kvcr_protocol import (
     CURRENT_VERSION,
     Bye,
@@ -53,11 +56,6 @@ from kvcr_protocol import (
     encode,
     supported_up_to,
 )
-
-# Plain ints: pyzmq's flag enums cost a Python call per operation on the hot path.
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
 
 log = logging.getLogger("kvcr.client")
 

@@ -24,6 +24,10 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvcr_client.agent import Agent, TransferError
 from kvcr_client.pacing import Pacer
+from kvcr_client.zmq_flags import EVENTS as _EVENTS
+from kvcr_client.zmq_flags import NOBLOCK as _NOBLOCK
+from kvcr_client.zmq_flags import POLLIN as _POLLIN
+from kvcr_client.zmq_flags import SNDMORE as _SNDMORE
 from kvcr_node.auth import ZAP_ENDPOINT, read_allow_list, read_key, zap_reply
 from kvcr_node.config import NodeConfig
 from kvcr_node.eviction import make_policy
@@ -89,12 +93,6 @@ from kvcr_protocol import (
 from kvcr_protocol import Deliver as DeliverMsg
 from kvcr_protocol.descriptors import resolve_spans
 from kvcr_protocol.versions import BASE_VERSION, PARTIAL_LAYOUT_VERSION
-
-# Plain ints: pyzmq's flag enums cost a Python call per operation on the hot path.
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
-_SNDMORE = int(zmq.SNDMORE)
 
 log = logging.getLogger("kvcr.node")
 
