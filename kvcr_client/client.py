@@ -401,6 +401,14 @@ class Client(_Base):
             self.core.close()
             raise
 
+    @classmethod
+    def connect(
+        cls, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
+        curve: CurveKeys | None = None,
+    ) -> Client:
+        """Open a session with the node at ``endpoint`` (the same as the constructor)."""
+        return cls(endpoint, name, max_version, timeout, curve)
+
     def __enter__(self) -> Client:
         return self
 
