@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from kvcr_protocol.wire import (
     AnyMap,
@@ -93,36 +93,42 @@ class Region(Record):
     FIELDS: ClassVar[tuple[Field, ...]] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class SrcSpan(Record):
+class _SrcSpanFields(NamedTuple):
+    name: str
+    pool: str
+    region: int
+    offset: int
+    length: int
+
+
+class SrcSpan(_SrcSpanFields, Record):
     """A deposit's span: its name and pool, and where its bytes are in client memory."""
 
+    __slots__ = ()
+
+
+class _DstSpanFields(NamedTuple):
     name: str
-    pool: str
     region: int
     offset: int
     length: int
-    FIELDS: ClassVar[tuple[Field, ...]] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class DstSpan(Record):
+class DstSpan(_DstSpanFields, Record):
     """A deliver's span: the stored span it names and where its bytes must land."""
 
-    name: str
-    region: int
-    offset: int
-    length: int
-    FIELDS: ClassVar[tuple[Field, ...]] = ()
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class LayoutSpan(Record):
-    """One span of a layout: name and pool."""
-
+class _LayoutSpanFields(NamedTuple):
     name: str
     pool: str
-    FIELDS: ClassVar[tuple[Field, ...]] = ()
+
+
+class LayoutSpan(_LayoutSpanFields, Record):
+    """One span of a layout: name and pool."""
+
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)

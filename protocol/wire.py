@@ -139,6 +139,8 @@ class Seq(WireType[tuple[T, ...]]):
         self.item = item
         self.limit = limit
         self.minimum = minimum
+        # Records of plain fields load a whole array in one generated loop.
+        self.load_many: Callable[[Any, Limits], Any] | None = getattr(item, "load_many", None)
 
     def load(self, value: Any, path: str, limits: Limits) -> tuple[T, ...]:
         if type(value) is not list:
@@ -148,6 +150,11 @@ class Seq(WireType[tuple[T, ...]]):
             raise _fail(ErrorCode.TOO_MANY, f"{len(value)} items, limit {maximum}", path)
         if len(value) < self.minimum:
             raise _fail(ErrorCode.OUT_OF_RANGE, f"{len(value)} items, at least {self.minimum} needed", path)
+        load_many = self.load_many
+        if load_many is not None:
+            loaded = load_many(value, limits)
+            if loaded is not None:
+                return loaded  # type: ignore[no-any-return]
         load = self.item.load
         out = []
         i = 0
@@ -199,12 +206,70 @@ class Field:
 
 
 class Record:
-    """Base of small structs that travel as arrays; subclasses declare ``FIELDS``."""
+    """Base of small structs that travel as arrays; subclasses declare ``FIELDS``.
 
+    Spans, which come by the thousand, are tuple subclasses (a ``NamedTuple`` base):
+    a decoded msgpack array becomes one with a single C call, and encodes as itself.
+    """
+
+    __slots__ = ()
     FIELDS: ClassVar[tuple[Field, ...]] = ()
 
 
 R = TypeVar("R", bound=Record)
+
+_FastLoad = Callable[[Any, Limits], Any]
+
+
+def _fast_loaders(cls: type[Any], fields: tuple[Field, ...]) -> tuple[_FastLoad, _FastLoad] | None:
+    """Generated loaders (one item, many items) for records of plain uints and strs, else None.
+
+    They check exactly what the field types check, inline, with no call per field; they
+    return None at the first item that does not pass, and the caller then takes the
+    full path, which names the bad field. Generated once per record class.
+    """
+    names = [f"a{i}" for i in range(len(fields))]
+    checks: list[str] = []
+    limits_used: set[str] = set()
+    for name, f in zip(names, fields, strict=True):
+        t = f.type
+        if type(t) is UInt:
+            checks.append(f"type({name}) is int and 0 <= {name} <= {t.maximum}")
+        elif type(t) is Str and t.choices is None:
+            limits_used.add(t.limit)
+            # At most 4 UTF-8 bytes a character: encode only when it could matter.
+            checks.append(
+                f"type({name}) is str and (len({name}) * 4 <= m_{t.limit}"
+                f" or len({name}.encode('utf-8', 'surrogatepass')) <= m_{t.limit})"
+            )
+        else:
+            return None
+    tuple_based = issubclass(cls, tuple)
+    make = "new(cls, v)" if tuple_based else f"cls({', '.join(names)})"
+    unpack = f"{', '.join(names)}, = v"
+    cond = " and ".join(f"({c})" for c in checks)
+    head = "".join(f"    m_{lim} = limits.{lim}\n" for lim in sorted(limits_used))
+    source = (
+        "def load_one(v, limits):\n" + head
+        + f"    if type(v) is list and len(v) == {len(fields)}:\n"
+        + f"        {unpack}\n"
+        + f"        if {cond}:\n"
+        + f"            return {make}\n"
+        + "    return None\n"
+        + "def load_many(values, limits):\n" + head
+        + "    out = []\n    append = out.append\n"
+        + "    for v in values:\n"
+        + f"        if type(v) is not list or len(v) != {len(fields)}:\n"
+        + "            return None\n"
+        + f"        {unpack}\n"
+        + f"        if not ({cond}):\n"
+        + "            return None\n"
+        + f"        append({make})\n"
+        + "    return tuple(out)\n"
+    )
+    namespace: dict[str, Any] = {"cls": cls, "new": tuple.__new__}
+    exec(compile(source, f"<kvcr record loader {cls.__name__}>", "exec"), namespace)
+    return namespace["load_one"], namespace["load_many"]
 
 
 class RecordType(WireType[R]):
@@ -214,45 +279,17 @@ class RecordType(WireType[R]):
         self.cls = cls
         self.fields = cls.FIELDS
         self.n_required = sum(1 for f in self.fields if f.required)
-        self.factory: Callable[..., R] = cls
-        self.fast = self._fast_plan(self.fields)
+        self.tuple_based = issubclass(cls, tuple)
+        loaders = _fast_loaders(cls, self.fields)
+        self.load_one: _FastLoad | None = loaders[0] if loaders else None
+        self.load_many: _FastLoad | None = loaders[1] if loaders else None
         self.getter = operator.attrgetter(*(f.name for f in self.fields))
 
-    @staticmethod
-    def _fast_plan(fields: tuple[Field, ...]) -> tuple[tuple[bool, Any], ...] | None:
-        """(is an int, bound) per field when every field is a plain uint or str, else None.
-
-        Spans are records of this kind and come by the thousand: checking them inline
-        avoids a method call per field. Anything unusual takes the full path, which
-        names the bad field.
-        """
-        plan: list[tuple[bool, Any]] = []
-        for f in fields:
-            t = f.type
-            if type(t) is UInt:
-                plan.append((True, t.maximum))
-            elif type(t) is Str and t.choices is None:
-                plan.append((False, t.limit))
-            else:
-                return None
-        return tuple(plan)
-
     def load(self, value: Any, path: str, limits: Limits) -> R:
-        fast = self.fast
-        if fast is not None and type(value) is list and len(value) == len(fast):
-            for v, (is_int, bound) in zip(value, fast, strict=True):
-                if is_int:
-                    if type(v) is not int or v < 0 or v > bound:
-                        break
-                elif type(v) is not str:
-                    break
-                else:
-                    maximum = getattr(limits, bound)
-                    # At most 4 UTF-8 bytes a character: encode only when it could matter.
-                    if len(v) > maximum or (len(v) * 4 > maximum and len(v.encode("utf-8", "surrogatepass")) > maximum):
-                        break
-            else:
-                return self.factory(*value)
+        if self.load_one is not None:
+            record = self.load_one(value, limits)
+            if record is not None:
+                return record  # type: ignore[no-any-return]
         if type(value) is not list:
             raise _fail(ErrorCode.WRONG_TYPE, f"expected array ({self.cls.__name__}), got {_tname(value)}", path)
         if len(value) < self.n_required:
@@ -267,12 +304,13 @@ class RecordType(WireType[R]):
         except RemoteProtocolError as exc:
             raise RemoteProtocolError(exc.code, exc.reason, f"{path}.{f.name}{exc.path}") from None
         # Items beyond the known fields come from a newer version: ignored.
-        return self.factory(*args)
+        return self.cls(*args)
 
     def dump(self, value: R) -> Any:
-        if self.fast is not None:
-            # Plain uints and strs dump as themselves; msgpack packs the tuple as an array.
-            return self.getter(value)
+        if self.load_one is not None:
+            # Plain uints and strs dump as themselves: a tuple-based record is already the
+            # array msgpack writes; others become the tuple of their fields.
+            return value if self.tuple_based else self.getter(value)
         return [f.type.dump(getattr(value, f.name)) for f in self.fields]
 
 

@@ -177,3 +177,52 @@ def hostile_maps(draw: st.DrawFn) -> bytes:
 @given(hostile_maps(), st.sampled_from(kp.SUPPORTED_VERSIONS))
 def test_hostile_maps_only_raise_remote_errors(frame: bytes, max_version: int) -> None:
     _decode_or_refuse(frame, max_version)
+
+
+# ------------------------------------------ generated record loaders against the field path
+
+FAST_RECORDS = [kp.SrcSpan, kp.DstSpan, kp.LayoutSpan, kp.PoolInfo]
+_ITEM = (
+    st.integers(-2, 3) | st.integers((1 << 32) - 2, (1 << 32) + 1) | st.integers((1 << 64) - 2, (1 << 64) - 1)
+    | st.text(max_size=4) | st.text(min_size=60, max_size=70) | st.text("\u00e9\u4e2d\U0001f600", min_size=15, max_size=40)
+    | st.booleans() | st.none() | st.binary(max_size=3) | st.floats(allow_nan=False)
+)
+
+
+def _field_by_field(rt: RecordType[Any], value: Any) -> Any:
+    """The full path alone: what the generated loader must agree with."""
+    saved = rt.load_one
+    rt.load_one = None
+    try:
+        return rt.load(value, "r", DEFAULT_LIMITS)
+    except RemoteProtocolError as exc:
+        return (exc.code, exc.path)
+    finally:
+        rt.load_one = saved
+
+
+@SETTINGS
+@given(st.sampled_from(FAST_RECORDS), st.data())
+def test_generated_record_loaders_agree_with_field_checks(cls: type[Any], data: st.DataObject) -> None:
+    rt = RecordType(cls)
+    assert rt.load_one is not None and rt.load_many is not None
+    n = len(cls.FIELDS)
+    valid = st.tuples(*(strategy_for(f.type) for f in cls.FIELDS)).map(list)
+    noisy = st.lists(_ITEM, min_size=n - 1, max_size=n + 1)
+    values = data.draw(st.lists(valid | noisy, min_size=1, max_size=4))
+    expected = [_field_by_field(rt, v) for v in values]
+    for value, want in zip(values, expected, strict=True):
+        fast = rt.load_one(value, DEFAULT_LIMITS)
+        # The generated loader either accepts exactly what the field checks accept (the
+        # same record), or declines and leaves the error to the full path.
+        assert fast is None or (fast == want and type(fast) is type(want))
+        try:
+            got: Any = rt.load(value, "r", DEFAULT_LIMITS)
+        except RemoteProtocolError as exc:
+            got = (exc.code, exc.path)
+        assert got == want and type(got) is type(want)
+    many = rt.load_many(values, DEFAULT_LIMITS)
+    if all(isinstance(w, cls) for w in expected) and all(len(v) == n for v in values):
+        assert many == tuple(expected)
+    else:
+        assert many is None
