@@ -56,6 +56,7 @@ from kvcr_protocol import (
     KeyResult,
     KeyStatus,
     Limits,
+    MemoryKind,
     Message,
     PeerClient,
     PeerHello,
@@ -93,6 +94,9 @@ from kvcr_protocol import (
 from kvcr_protocol import Deliver as DeliverMsg
 from kvcr_protocol.descriptors import resolve_spans
 from kvcr_protocol.versions import BASE_VERSION, PARTIAL_LAYOUT_VERSION
+
+_NO_REGION = Region(0, MemoryKind.DRAM, 0, 0, 0)
+"""Stands for "no run yet" where a region is expected; never a client's region."""
 
 log = logging.getLogger("kvcr.node")
 
@@ -198,6 +202,7 @@ class Node:
             Region(i, mem.kind, mem.nixl_device, mem.address, mem.spec.size) for i, mem in enumerate(self.memories.values())
         )
         self.pool_index = {name: i for i, name in enumerate(self.memories)}
+        self.slot_sizes = {name: mem.spec.slot_size for name, mem in self.memories.items()}
         self.links: dict[str, PeerLink] = {}
         self.retired: list[ClientSession] = []
         """Closed peer sessions whose writes are still running."""
@@ -605,7 +610,7 @@ class Node:
                 assert entry is not None
                 fills.append((i, entry))
                 moves.extend(
-                    (span.pool, slot, address, length, region)
+                    (span.pool, slot, address, length, region, 1)
                     for span, slot, (address, length, region) in zip(item.spans, entry.slots, item_moves, strict=True)
                 )
             elif outcome is DepositOutcome.DUPLICATE:
@@ -691,29 +696,64 @@ class Node:
         self._finish_if_settled(op)
 
     def _deliver_moves(self, op: Operation, entry: ObjectEntry, item: DeliverItem, path: str) -> list[Move]:
-        """Project the destination onto the stored layout, check sizes and regions."""
-        layout = entry.layout
+        """Project the destination onto the stored layout, check sizes and regions.
+
+        One pass per check over spans that are plain tuples (name, region, offset,
+        length); a failing check hands over to the canonical checker for its error.
+        """
         spans = item.spans
-        stored = tuple(name for name, _ in layout)
-        requested = tuple(s.name for s in spans)
+        stored = tuple([name for name, _ in entry.layout])
+        requested = tuple([s[0] for s in spans])
         if op.exact and requested != stored:
             # A peer write without the partial-layout flag names the whole layout, exactly.
             raise ProjectionError(
                 ErrorCode.LAYOUT_SUBSET_INVALID, "without the partial-layout flag the names must be the stored layout"
             )
         projection = self.projections.project(stored, requested)
-        slots = entry.slots
-        pools = [layout[index][1] for index in projection.indices]
-        memories = self.memories
-        for j, (span, pool) in enumerate(zip(spans, pools, strict=True)):
-            size = memories[pool].spec.slot_size
-            if span.length != size:
-                raise DescriptorError(ErrorCode.SIZE_MISMATCH, f"span of {span.length} bytes, the stored span holds {size}", f"{path}.spans[{j}].length")
-        resolved = resolve_spans(op.regions, [(s.region, s.offset, s.length) for s in spans], f"{path}.spans")
-        return [
-            (pool, slots[index], address, length, region)
-            for pool, index, (address, length, region) in zip(pools, projection.indices, resolved, strict=True)
-        ]
+        slots: Sequence[int] = entry.slots
+        pools: Sequence[str] = entry.info.signature
+        if not projection.full:
+            slots = [slots[i] for i in projection.indices]
+            pools = [pools[i] for i in projection.indices]
+        # Projection rule: "each destination length equals the stored span's size".
+        sizes = self.slot_sizes
+        need = entry.info.need
+        size = sizes[need[0][0]] if len(need) == 1 else -1
+        if size < 0 or any(s[3] != size for s in spans):
+            for j, (span, pool) in enumerate(zip(spans, pools, strict=True)):
+                if span[3] != sizes[pool]:
+                    raise DescriptorError(
+                        ErrorCode.SIZE_MISMATCH, f"span of {span[3]} bytes, the stored span holds {sizes[pool]}",
+                        f"{path}.spans[{j}].length",
+                    )
+        moves: list[Move] = []
+        append = moves.append
+        regions = op.regions
+        last_id, reg = -1, None
+        # Spans that continue the current run (the next slot of the same pool, the next
+        # bytes of the same region) join it: one move, later one descriptor.
+        run_pool, run_slot, run_address, run_length, run_region, run_count = "", 0, 0, 0, _NO_REGION, 0
+        for (_, region, offset, length), pool, slot in zip(spans, pools, slots, strict=True):
+            if region != last_id:
+                reg = regions.get(region)
+                last_id = region
+            # Span rule: inside a region the client announced (resolve_spans says which).
+            if reg is None or offset > reg.length or length > reg.length - offset:
+                resolve_spans(regions, [(s[1], s[2], s[3]) for s in spans], f"{path}.spans")
+                raise AssertionError("resolve_spans accepted a span outside its region")
+            address = reg.address + offset
+            if (
+                slot == run_slot + run_count and address == run_address + run_length
+                and pool == run_pool and reg is run_region
+            ):
+                run_length += length
+                run_count += 1
+                continue
+            if run_count:
+                append((run_pool, run_slot, run_address, run_length, run_region, run_count))
+            run_pool, run_slot, run_address, run_length, run_region, run_count = pool, slot, address, length, reg, 1
+        append((run_pool, run_slot, run_address, run_length, run_region, run_count))
+        return moves
 
     def _deliver_done(self, op: Operation, claimed: list[tuple[int, ObjectEntry]], ok: bool) -> None:
         for i, entry in claimed:

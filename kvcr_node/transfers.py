@@ -17,8 +17,9 @@ from kvcr_client.agent import Agent, Desc, TransferError
 from kvcr_node.memory import PoolMemory
 from kvcr_protocol import MemoryKind, Region
 
-Move = tuple[str, int, int, int, Region]
-"""One span: (pool, slot, remote address, length, remote region)."""
+Move = tuple[str, int, int, int, Region, int]
+"""(pool, first slot, remote address, length, remote region, spans): ``spans`` consecutive
+slots of the pool and as many contiguous spans of remote memory (usually 1)."""
 
 _MERGE_GAIN = 2
 """Merge only when it at least halves the descriptor count; else use the prepared lists."""
@@ -77,19 +78,26 @@ class Transfers:
         # Group by (local memory, remote memory); within a group, merge contiguous runs.
         groups: dict[tuple[tuple[MemoryKind, int], MemoryKind, int], list[list[Any]]] = {}
         total = 0
-        for pool, slot, address, length, region in moves:
-            group, base, pool_addr, size = pools[pool]
+        last_pool: str | None = None
+        last_region: Region | None = None
+        runs: list[list[Any]] = []
+        base = pool_addr = size = 0
+        for pool, slot, address, length, region, count in moves:
             total += length
-            runs = groups.setdefault((group, region.kind, region.device), [])
+            if pool is not last_pool or region is not last_region:
+                # Consecutive moves mostly share pool and region: look the group up once.
+                group, base, pool_addr, size = pools[pool]
+                runs = groups.setdefault((group, region.kind, region.device), [])
+                last_pool, last_region = pool, region
             local_addr = pool_addr + slot * size
             if runs:
                 last = runs[-1]
                 # Only consecutive slots of one pool: pools may sit back to back in memory.
                 if last[5] == pool and last[0] + last[2] == local_addr and last[1] + last[2] == address:
                     last[2] += length
-                    last[3] += 1
+                    last[3] += count
                     continue
-            runs.append([local_addr, address, length, 1, base + slot, pool])
+            runs.append([local_addr, address, length, count, base + slot, pool])
         transfer = Transfer(on_done, total)
         try:
             for (group, rkind, rdev), runs in groups.items():
