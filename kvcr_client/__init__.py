@@ -4,7 +4,7 @@
 torch) with their own NIXL agent, so the node moves bytes straight into and out of them.
 """
 
-from kvcr_client.client import AsyncClient, Client, CurveKeys, RegionHandle, Span
+from kvcr_client.client import AsyncClient, Client, CurveKeys, Destination, RegionHandle, Span
 from kvcr_client.errors import (
     ArgumentError,
     ClientClosed,
@@ -17,7 +17,7 @@ from kvcr_client.results import KeyOutcome, KeyPresence, OpHandle, Results
 from kvcr_protocol import ErrorCode, KeyStatus, Presence
 
 __all__ = [
-    "ArgumentError", "AsyncClient", "Client", "ClientClosed", "CurveKeys", "ErrorCode", "KeyOutcome", "KeyPresence",
+    "ArgumentError", "AsyncClient", "Client", "ClientClosed", "CurveKeys", "Destination", "ErrorCode", "KeyOutcome", "KeyPresence",
     "KeyStatus", "KvcrError", "NodeError", "NodeLostError", "OpHandle", "OperationTimeout", "Presence",
     "RegionHandle", "Results", "Span",
 ]

@@ -82,6 +82,21 @@ class Span:
     pool: str = ""
 
 
+@dataclass(frozen=True, eq=False)
+class Destination:
+    """Destination spans a client checked once (``Client.destination``); reuse it across delivers."""
+
+    client: Any = field(repr=False)
+    wire: tuple[DstSpan, ...] = field(repr=False)
+    regions: frozenset[RegionHandle] = field(repr=False)
+
+    def __len__(self) -> int:
+        return len(self.wire)
+
+
+_new_tuple = tuple.__new__
+
+
 @dataclass(frozen=True)
 class CurveKeys:
     """CurveZMQ keys (z85 text, 40 characters) for a node that requires authentication."""
@@ -200,37 +215,59 @@ class _Base:
                 raise ArgumentError(f"{path}.length", f"pool {span.pool!r} holds spans of {pool.slot_size} bytes, got {span.length}")
         return region
 
-    def _spans(self, key: bytes, spans: Any, path: str, deposit: bool) -> tuple[list[Any], set[RegionHandle]]:
+    def _spans(self, key: bytes, spans: Any, path: str, deposit: bool) -> tuple[tuple[Any, ...], set[RegionHandle]]:
         """Check spans and turn them into wire records; the regions they use."""
         if isinstance(spans, Span) or not isinstance(spans, Sequence) or not spans:
             raise ArgumentError(path, "expected a non-empty sequence of Span")
         out: list[Any] = []
+        append = out.append
         used: set[RegionHandle] = set()
         regions: dict[Any, Any] = self._regions
         pools = self.pools if deposit else {}
         max_name = DEFAULT_LIMITS.max_name // 4  # a str this short is within the byte limit in any encoding
+        checked: RegionHandle | None = None
         for j, span in enumerate(spans):
-            # Fast path for well-formed spans; anything unusual gets the detailed check.
+            # Fast path for well-formed spans; anything unusual gets the detailed check,
+            # which names the field.
             if type(span) is not Span:
                 self._check_span(span, f"{path}[{j}]", deposit)
-            name, offset, length = span.name, span.offset, span.length
-            region = span.region
-            known = regions.get(getattr(region, "region", None))
+            name, region, offset, length = span.name, span.region, span.offset, span.length
+            if region is not checked:
+                if regions.get(getattr(region, "region", None)) is not region:
+                    self._check_span(span, f"{path}[{j}]", deposit)
+                used.add(region)
+                checked = region
             if (
                 type(name) is not str or len(name) > max_name
                 or type(offset) is not int or type(length) is not int
                 or offset < 0 or length <= 0
-                or known is None or known is not region
-                or offset + length > known.length
+                or offset + length > region.length
                 or (deposit and ((pool := pools.get(span.pool)) is None or length != pool.slot_size))
             ):
                 self._check_span(span, f"{path}[{j}]", deposit)
-            used.add(region)
+            # Spans are tuples on the wire: build them as tuples (what NamedTuple._make does).
             if deposit:
-                out.append(SrcSpan(name, span.pool, region.region, offset, length))
+                append(_new_tuple(SrcSpan, (name, span.pool, region.region, offset, length)))
             else:
-                out.append(DstSpan(name, region.region, offset, length))
-        return out, used
+                append(_new_tuple(DstSpan, (name, region.region, offset, length)))
+        return tuple(out), used
+
+    def destination(self, spans: Sequence[Span]) -> Destination:
+        """Destination spans checked once, for delivering into the same memory again and again.
+
+        ``deliver`` takes a ``Destination`` wherever it takes a sequence of ``Span``, and
+        then does no per-span work. It stays valid while its regions stay registered.
+        """
+        wire, used = self._spans(b"", spans, "spans", deposit=False)
+        return Destination(self, wire, frozenset(used))
+
+    def _destination(self, dest: Destination, path: str) -> tuple[tuple[Any, ...], set[RegionHandle]]:
+        if dest.client is not self:
+            raise ArgumentError(path, "a Destination made by another client")
+        for region in dest.regions:
+            if self._regions.get(region.region) is not region:
+                raise ArgumentError(path, f"region {region.region} of this Destination is no longer registered")
+        return dest.wire, set(dest.regions)
 
     # -- operations
 
@@ -269,14 +306,14 @@ class _Base:
             path = f"objects[{key!r}]"
             _key(key, path)
             wire, used = self._spans(key, spans, f"{path}.spans", deposit=True)
-            items.append(DepositItem(key, tuple(wire)))
+            items.append(DepositItem(key, wire))
             keys.append(key)
             regions |= used
         frozen = tuple(items)
         return self._op("deposit", keys, lambda i: Deposit(i, frozen, no_evict, optional, deadline_ms), deadline_ms, True, regions)
 
     def deliver(
-        self, objects: Mapping[bytes, Sequence[Span]], request_id: str | None = None,
+        self, objects: Mapping[bytes, Sequence[Span] | Destination], request_id: str | None = None,
         deadline_ms: int = DEFAULT_DEADLINE_MS, partial: bool = False,
     ) -> OpHandle[Results[KeyOutcome]]:
         """Put objects' bytes into registered memory: the whole layout or an ordered subset of its spans.
@@ -289,8 +326,11 @@ class _Base:
         for key, spans in _batch(objects, "objects"):
             path = f"objects[{key!r}]"
             _key(key, path)
-            wire, used = self._spans(key, spans, f"{path}.spans", deposit=False)
-            items.append(DeliverItem(key, tuple(wire)))
+            if type(spans) is Destination:
+                wire, used = self._destination(spans, f"{path}.spans")
+            else:
+                wire, used = self._spans(key, spans, f"{path}.spans", deposit=False)
+            items.append(DeliverItem(key, wire))
             keys.append(key)
             regions |= used
         frozen = tuple(items)

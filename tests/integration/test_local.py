@@ -616,6 +616,51 @@ def test_deliver_errors(client: Client, register: Registrar, key: Callable[[str]
     assert err.value.field == "buffer"
 
 
+def test_prepared_destination_is_reused_and_checked(
+    client: Client, node: Any, register: Registrar, key: Callable[[str], bytes]
+) -> None:
+    """``Client.destination`` checks spans once; deliver reuses them and rechecks only the regions."""
+    layout = plain_layout(16)
+    k = key("prepared")
+    src, _ = stored_object(client, register, k, layout, seed=5)
+    span = 64 * KiB
+    dst = pattern(16 * span, 501)
+    region = register(dst)
+    whole = client.destination([Span(f"L{i}", region, i * span, span) for i in range(16)])
+    first = client.destination([Span("L0", region, 0, span)])
+    assert len(whole) == 16
+    before = slot_accounting(stats(client))
+    for seed in (502, 503):
+        dst[:] = pattern(dst.size, seed)
+        res = client.deliver({k: whole}).result(RESULT_TIMEOUT_S)
+        assert res[k].status is OK, res[k]
+        assert_bytes_equal(dst, src, "deliver into a prepared destination")
+    dst[:] = pattern(dst.size, 504)
+    expected = dst.copy()
+    expected[:span] = src[:span]
+    assert client.deliver({k: first}).result(RESULT_TIMEOUT_S)[k].status is OK
+    assert_bytes_equal(dst, expected, "deliver of a prepared first layer")
+
+    # Spans are checked when the destination is made, with the same field paths as deliver.
+    with pytest.raises(ArgumentError) as err:
+        client.destination([Span("L0", region, 0, span), Span("L1", region, 16 * span, span)])
+    assert err.value.field == "spans[1].offset"
+    with pytest.raises(ArgumentError):
+        client.destination([])
+    # Another client's destination, or one whose region is gone, is refused before sending.
+    with Client(node.endpoint, name="itest-other") as other:
+        mine = other.register(pattern(span, 505))
+        foreign = other.destination([Span("L0", mine, 0, span)])
+        with pytest.raises(ArgumentError) as err:
+            client.deliver({k: foreign})
+        assert "another client" in str(err.value)
+        other.unregister(mine)
+        with pytest.raises(ArgumentError) as err:
+            other.deliver({k: foreign})
+        assert err.value.field.endswith(".spans") and "no longer registered" in str(err.value)
+    assert_clean(client, slots_before=before)
+
+
 def test_capacity_events_are_edge_triggered(node_factory: Callable[..., Any]) -> None:
     """Reclaimable (free + evictable) under half the pool: one event for that pool, re-armed above."""
     n = node_factory("--pool", "cap:4KiB:16", "--pool", "other:4KiB:16", "--low-watermark", "0.5")
