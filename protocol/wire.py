@@ -221,18 +221,23 @@ R = TypeVar("R", bound=Record)
 _FastLoad = Callable[[Any, Limits], Any]
 
 
-def _fast_loaders(cls: type[Any], fields: tuple[Field, ...]) -> tuple[_FastLoad, _FastLoad] | None:
-    """Generated loaders (one item, many items) for records of plain uints and strs, else None.
+def _fast_loaders(cls: type[Any], fields: tuple[Field, ...]) -> tuple[_FastLoad, _FastLoad, bool] | None:
+    """Generated loaders (one item, many items) for records of simple fields, else None.
 
-    They check exactly what the field types check, inline, with no call per field; they
-    return None at the first item that does not pass, and the caller then takes the
-    full path, which names the bad field. Generated once per record class.
+    Simple fields are uints, strs without choices, str enums and optional uints. The
+    loaders check exactly what the field types check, inline, with no call per field;
+    they return None at the first item that does not pass, and the caller then takes
+    the full path, which names the bad field. Generated once per record class. The
+    third value says whether every field is a plain uint or str (it dumps as itself).
     """
     names = [f"a{i}" for i in range(len(fields))]
     checks: list[str] = []
+    args: list[str] = []
     limits_used: set[str] = set()
-    for name, f in zip(names, fields, strict=True):
+    namespace: dict[str, Any] = {"cls": cls, "new": tuple.__new__}
+    for i, (name, f) in enumerate(zip(names, fields, strict=True)):
         t = f.type
+        arg = name
         if type(t) is UInt:
             checks.append(f"type({name}) is int and 0 <= {name} <= {t.maximum}")
         elif type(t) is Str and t.choices is None:
@@ -242,10 +247,21 @@ def _fast_loaders(cls: type[Any], fields: tuple[Field, ...]) -> tuple[_FastLoad,
                 f"type({name}) is str and (len({name}) * 4 <= m_{t.limit}"
                 f" or len({name}.encode('utf-8', 'surrogatepass')) <= m_{t.limit})"
             )
+        elif type(t) is EnumStr:
+            namespace[f"members{i}"] = t.by_value
+            arg = f"e{i}"
+            checks.append(f"type({name}) is str and ({arg} := members{i}.get({name})) is not None")
+        elif type(t) is Opt and type(t.inner) is UInt:
+            checks.append(f"{name} is None or (type({name}) is int and 0 <= {name} <= {t.inner.maximum})")
         else:
             return None
+        args.append(arg)
+    plain = args == names
     tuple_based = issubclass(cls, tuple)
-    make = "new(cls, v)" if tuple_based else f"cls({', '.join(names)})"
+    if tuple_based:
+        make = "new(cls, v)" if plain else f"new(cls, ({', '.join(args)},))"
+    else:
+        make = f"cls({', '.join(args)})"
     unpack = f"{', '.join(names)}, = v"
     cond = " and ".join(f"({c})" for c in checks)
     head = "".join(f"    m_{lim} = limits.{lim}\n" for lim in sorted(limits_used))
@@ -267,9 +283,8 @@ def _fast_loaders(cls: type[Any], fields: tuple[Field, ...]) -> tuple[_FastLoad,
         + f"        append({make})\n"
         + "    return tuple(out)\n"
     )
-    namespace: dict[str, Any] = {"cls": cls, "new": tuple.__new__}
     exec(compile(source, f"<kvcr record loader {cls.__name__}>", "exec"), namespace)
-    return namespace["load_one"], namespace["load_many"]
+    return namespace["load_one"], namespace["load_many"], plain
 
 
 class RecordType(WireType[R]):
@@ -283,6 +298,7 @@ class RecordType(WireType[R]):
         loaders = _fast_loaders(cls, self.fields)
         self.load_one: _FastLoad | None = loaders[0] if loaders else None
         self.load_many: _FastLoad | None = loaders[1] if loaders else None
+        self.plain = loaders[2] if loaders else False
         self.getter = operator.attrgetter(*(f.name for f in self.fields))
 
     def load(self, value: Any, path: str, limits: Limits) -> R:
@@ -307,7 +323,7 @@ class RecordType(WireType[R]):
         return self.cls(*args)
 
     def dump(self, value: R) -> Any:
-        if self.load_one is not None:
+        if self.plain:
             # Plain uints and strs dump as themselves: a tuple-based record is already the
             # array msgpack writes; others become the tuple of their fields.
             return value if self.tuple_based else self.getter(value)

@@ -181,11 +181,12 @@ def test_hostile_maps_only_raise_remote_errors(frame: bytes, max_version: int) -
 
 # ------------------------------------------ generated record loaders against the field path
 
-FAST_RECORDS = [kp.SrcSpan, kp.DstSpan, kp.LayoutSpan, kp.PoolInfo]
+FAST_RECORDS = [kp.SrcSpan, kp.DstSpan, kp.LayoutSpan, kp.PoolInfo, kp.KeyResult, kp.QueryResult, kp.Region]
 _ITEM = (
     st.integers(-2, 3) | st.integers((1 << 32) - 2, (1 << 32) + 1) | st.integers((1 << 64) - 2, (1 << 64) - 1)
     | st.text(max_size=4) | st.text(min_size=60, max_size=70) | st.text("\u00e9\u4e2d\U0001f600", min_size=15, max_size=40)
     | st.booleans() | st.none() | st.binary(max_size=3) | st.floats(allow_nan=False)
+    | st.sampled_from(["OK", "FAILED", "HIT", "MISS", "dram", "vram", "ok", "Hit"])
 )
 
 
