@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
@@ -65,6 +66,7 @@ from kvcr_protocol import (
     Presence,
     Probe,
     ProbeReply,
+    Projection,
     ProjectionCache,
     ProjectionError,
     ProtocolError,
@@ -94,6 +96,12 @@ from kvcr_protocol import (
 from kvcr_protocol import Deliver as DeliverMsg
 from kvcr_protocol.descriptors import resolve_spans
 from kvcr_protocol.versions import BASE_VERSION, PARTIAL_LAYOUT_VERSION
+
+_FULL = Projection((), True)
+"""The whole layout (its indices are never read: full deliveries take every slot in order)."""
+
+_UNIFORM_MIN = 16
+"""From this many spans, a deliver of one pool and one region is checked column-wise."""
 
 _NO_REGION = Region(0, MemoryKind.DRAM, 0, 0, 0)
 """Stands for "no run yet" where a region is expected; never a client's region."""
@@ -703,22 +711,32 @@ class Node:
         """
         spans = item.spans
         stored = tuple([name for name, _ in entry.layout])
-        requested = tuple([s[0] for s in spans])
+        # Columns of the spans (names, regions, offsets, lengths): one C-level transpose.
+        columns = tuple(zip(*spans, strict=True))
+        requested: tuple[str, ...] = columns[0]
         if op.exact and requested != stored:
             # A peer write without the partial-layout flag names the whole layout, exactly.
             raise ProjectionError(
                 ErrorCode.LAYOUT_SUBSET_INVALID, "without the partial-layout flag the names must be the stored layout"
             )
-        projection = self.projections.project(stored, requested)
+        # Projection rule: "same names, same order: a full delivery" (no cache lookup, which
+        # would hash both name tuples).
+        projection = _FULL if requested == stored else self.projections.project(stored, requested)
+        need = entry.info.need
+        sizes = self.slot_sizes
+        size = sizes[need[0][0]] if len(need) == 1 else -1
+        if size > 0 and len(spans) >= _UNIFORM_MIN and len(set(columns[1])) == 1 and set(columns[3]) == {size}:
+            # One pool, one region, every length right: the common case, checked and
+            # merged a column at a time.
+            uniform = self._uniform_moves(op, entry, None if projection.full else projection.indices, columns, size)
+            if uniform is not None:
+                return uniform
         slots: Sequence[int] = entry.slots
         pools: Sequence[str] = entry.info.signature
-        if not projection.full:
+        if not projection.full:  # a subset: only the selected stored spans
             slots = [slots[i] for i in projection.indices]
             pools = [pools[i] for i in projection.indices]
         # Projection rule: "each destination length equals the stored span's size".
-        sizes = self.slot_sizes
-        need = entry.info.need
-        size = sizes[need[0][0]] if len(need) == 1 else -1
         if size < 0 or any(s[3] != size for s in spans):
             for j, (span, pool) in enumerate(zip(spans, pools, strict=True)):
                 if span[3] != sizes[pool]:
@@ -754,6 +772,35 @@ class Node:
             run_pool, run_slot, run_address, run_length, run_region, run_count = pool, slot, address, length, reg, 1
         append((run_pool, run_slot, run_address, run_length, run_region, run_count))
         return moves
+
+    def _uniform_moves(
+        self, op: Operation, entry: ObjectEntry, indices: tuple[int, ...] | None, columns: tuple[tuple[Any, ...], ...], size: int
+    ) -> list[Move] | None:
+        """Moves for spans of one pool and one region whose lengths are the slot size.
+
+        None when a span lies outside the region: the per-span path then names it.
+        """
+        reg = op.regions.get(columns[1][0])
+        if reg is None or reg.length < size:
+            return None
+        offsets = np.array(columns[2], dtype=np.uint64)
+        # Span rule: inside the region, [offset, offset + length) within its bytes.
+        if int(offsets.max()) > reg.length - size:
+            return None
+        slots = np.frombuffer(entry.slot_view, dtype=np.uint32).astype(np.int64)
+        if indices is not None:
+            slots = slots[np.array(indices, dtype=np.intp)]
+        # A run continues while the next span is the next slot and the next destination
+        # bytes. Offsets are bounded by the region now, so uint64 differences are exact.
+        breaks = np.flatnonzero((np.diff(slots) != 1) | (np.diff(offsets) != size)) + 1
+        starts = [0, *breaks.tolist()]
+        ends = [*starts[1:], len(offsets)]
+        pool = entry.info.need[0][0]
+        base = reg.address
+        return [
+            (pool, int(slots[a]), base + int(offsets[a]), (b - a) * size, reg, b - a)
+            for a, b in zip(starts, ends, strict=True)
+        ]
 
     def _deliver_done(self, op: Operation, claimed: list[tuple[int, ObjectEntry]], ok: bool) -> None:
         for i, entry in claimed:

@@ -102,6 +102,11 @@ class ObjectEntry:
         """One slot per span, in that span's pool, in layout order."""
         return tuple(memoryview(self._slots).cast("I"))
 
+    @property
+    def slot_view(self) -> memoryview:
+        """The slots as a read-only view of 32-bit integers (no copy)."""
+        return memoryview(self._slots).cast("I")
+
     def pool_slots(self) -> dict[str, list[int]]:
         """The slots grouped by pool, each list in layout order."""
         need = self.info.need

@@ -741,6 +741,31 @@ def test_poll_completed_returns_completed_handles(
     assert client.poll_completed() == []
 
 
+def test_replies_nobody_drives_still_complete(client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
+    """A blocking client's background thread completes what no caller waits on, also right after a caller drove."""
+    layout = plain_layout(2, "small", 4 * KiB)
+    k = key("obj")
+    src = pattern(layout.nbytes, 95)
+    region = register(src)
+    assert client.deposit({k: layout.source_spans(region)}).result(10)[k].status is STORED
+    dst = pattern(layout.nbytes, 96)
+    dregion = register(dst)
+    spans = [Span(n, dregion, o, s) for (n, _, s), o in zip(layout.spans, layout.offsets, strict=True)]
+    for _ in range(3):
+        client.query([k]).result(5)  # a caller drove a moment ago: the background thread is parked
+        left = [client.query([k]), client.deliver({k: spans})]
+        # Only look (future.done() does not drive): the background thread must take these.
+        assert wait_until(lambda left=left: all(h.future.done() for h in left), 5.0), left
+        assert left[0].result(0)[k].presence is Presence.HIT and left[1].result(0).all_ok
+        assert_bytes_equal(dst, src, "deliver nobody waited on")
+    # A sync handle can be awaited from asyncio too.
+    assert asyncio.run(_await(client.query([k])))[k].presence is Presence.HIT
+
+
+async def _await(handle: Any) -> Any:
+    return await handle
+
+
 async def test_async_client_round_trip(node: Any) -> None:
     layout = plain_layout(4, "small", 4 * KiB)
     src = pattern(layout.nbytes, 101)
@@ -873,6 +898,62 @@ def test_lru_counts_a_fetch_as_an_access(node_factory: Callable[..., Any]) -> No
         assert _present(c, keys) == {k: k != keys[1] for k in keys}
         assert_clean(c)
         reg.close()
+
+
+def test_node_rechecks_many_span_destinations(client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
+    """Destinations of many spans (checked a column at a time by the node): every refusal names its span."""
+    slot = 4 * KiB
+    n = 24
+    layout = plain_layout(n, "small", slot)
+    k = key("obj")
+    src, _ = stored_object(client, register, k, layout, seed=151)
+    dst = pattern((n + 1) * slot, 152)
+    region = register(dst)
+    other = register(pattern(n * slot, 153))
+    before = stats(client)
+
+    def raw(spans: list[DstSpan]) -> Any:
+        build = lambda i: Deliver(i, (DeliverItem(k, tuple(spans)),))  # noqa: E731
+        return client.core.request(build, lambda m: m, 10.0, True)[1].result(15).results[0]
+
+    good = [DstSpan(f"L{i}", region.region, i * slot, slot) for i in range(n)]
+    cases = {
+        "last span past the region's end": (
+            [*good[:-1], DstSpan(f"L{n - 1}", region.region, (n + 1) * slot - slot + 1, slot)], ErrorCode.BAD_DESCRIPTOR,
+            f"spans[{n - 1}].offset",
+        ),
+        "an offset beyond any address": (
+            [*good[:5], DstSpan("L5", region.region, (1 << 64) - 1, slot), *good[6:]], ErrorCode.BAD_DESCRIPTOR, "spans[5].offset",
+        ),
+        "one span in a region never announced": (
+            [*good[:7], DstSpan("L7", 424242, 0, slot), *good[8:]], ErrorCode.BAD_DESCRIPTOR, "spans[7].region",
+        ),
+        "one length off": ([*good[:3], DstSpan("L3", region.region, 3 * slot, slot - 1), *good[4:]], ErrorCode.SIZE_MISMATCH, "spans[3].length"),
+    }
+    for label, (spans, code, where) in cases.items():
+        out = raw(spans)
+        assert (out.status, out.code) == (FAILED, code), (label, out)
+        assert where in out.reason, (label, out.reason)
+    assert_bytes_equal(dst, pattern((n + 1) * slot, 152), "refused destination")
+    assert_clean(client, slots_before=slot_accounting(before))
+
+    # Accepted shapes: back to front (no run merges), spans split over two regions, a subset.
+    expected = dst.copy()
+    backwards = [DstSpan(f"L{i}", region.region, (n - 1 - i) * slot, slot) for i in range(n)]
+    for i in range(n):
+        expected[(n - 1 - i) * slot : (n - i) * slot] = layout.src_bytes(src, i)
+    assert raw(backwards).status is OK
+    assert_bytes_equal(dst, expected, "back-to-front destination")
+    split = [DstSpan(f"L{i}", (region if i % 2 else other).region, i * slot, slot) for i in range(n)]
+    assert raw(split).status is OK
+    for i in range(1, n, 2):
+        assert_bytes_equal(dst[i * slot : (i + 1) * slot], layout.src_bytes(src, i), f"span {i} in the first region")
+    subset = [DstSpan(f"L{i}", region.region, (i // 2) * slot, slot) for i in range(0, n, 2) if i != 4]
+    dst[:] = pattern(dst.size, 154)
+    assert raw(subset).status is OK
+    for j, i in enumerate([i for i in range(0, n, 2) if i != 4]):
+        assert_bytes_equal(dst[(i // 2) * slot : (i // 2 + 1) * slot], layout.src_bytes(src, i), f"subset span {j}")
+    assert_clean(client, slots_before=slot_accounting(before))
 
 
 def test_node_rechecks_what_the_client_checks(client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
