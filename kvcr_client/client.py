@@ -148,12 +148,13 @@ class _Base:
         self._completed: collections.deque[OpHandle[Any]] = collections.deque()
 
     def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
-        handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait)
+        handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait, self.core.poll)
         fut.add_done_callback(lambda _: self._completed.append(handle))
         return handle
 
     def poll_completed(self) -> list[OpHandle[Any]]:
         """Every operation that completed since the last call, for engines that poll once per step."""
+        self.core.poll()
         out = []
         while self._completed:
             out.append(self._completed.popleft())

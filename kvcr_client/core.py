@@ -4,10 +4,15 @@ Whoever holds the core's I/O lock owns the socket and the agent. A caller that s
 request takes the lock and sends from its own thread; a caller that blocks on a result
 drives the socket itself until its reply is in, so a round trip costs no thread hand-off.
 A background thread takes the lock whenever no caller holds it: it delivers replies
-that nobody is waiting on (asyncio awaiters, ``poll_completed``), and, while any
-operation that may touch client memory is pending, progresses the NIXL agent at a short
-interval: both ends of a NIXL transfer need progress (DESIGN 9). Idle, it blocks in
-``select`` on the socket's file descriptor and costs nothing.
+that nobody is waiting on (asyncio awaiters, callbacks), and, while any operation that
+may touch client memory is pending, progresses the NIXL agent at a short interval: both
+ends of a NIXL transfer need progress (DESIGN 9). Idle, it blocks in ``select`` on the
+socket's file descriptor and costs nothing. While callers drive (and for a few
+milliseconds after, when they usually drive again) it parks off that descriptor, so a
+reply wakes only the thread that waits for it; a request left with nobody driving it
+resumes the background thread at once when its caller stops driving, and otherwise
+within those few milliseconds. ``poll`` reads without blocking, for engines that look
+at their operations once per step.
 
 Rule for every lock holder: before releasing the lock, drain the socket until ZeroMQ
 reports no more input, so the edge-triggered socket descriptor re-arms.
@@ -60,6 +65,8 @@ from kvcr_protocol import (
 log = logging.getLogger("kvcr.client")
 
 _IDLE_S = 0.2
+_PARK_S = 0.005
+"""How long the background thread stays off the socket after a caller stopped driving."""
 _DRIVE_SLICE_S = 0.05
 _GRACE_S = 2.0
 
@@ -94,8 +101,12 @@ class ClientCore:
         self._io = threading.RLock()
         self._drivers = 0
         self._drivers_lock = threading.Lock()
-        self._no_drivers = threading.Event()
-        self._no_drivers.set()
+        self._drive_end = 0.0
+        """When the last caller stopped driving (monotonic)."""
+        self._resume = threading.Event()
+        """Wakes a parked background thread: requests are left with no caller driving them."""
+        self._selecting = False
+        """Whether the background thread is (about to be) in select on the socket's descriptor."""
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
         self._fds: tuple[int, ...] = ()
@@ -172,14 +183,31 @@ class ClientCore:
             return future.result(0)
         with self._drivers_lock:
             self._drivers += 1
-            self._no_drivers.clear()
+        if self._selecting:
+            # Move the background thread off the socket's descriptor while we drive.
+            self._wake()
         try:
             return self._drive(future, timeout)
         finally:
             with self._drivers_lock:
                 self._drivers -= 1
                 if not self._drivers:
-                    self._no_drivers.set()
+                    self._drive_end = time.monotonic()
+                    if self._pending:
+                        self._resume.set()  # nobody drives what is left: the background thread does
+
+    def poll(self) -> None:
+        """Read what has arrived and progress the agent once, without blocking.
+
+        For engines that look at their operations once per step (``poll_completed``,
+        ``done``) rather than wait on them.
+        """
+        if self._closed or not self._io.acquire(blocking=False):
+            return
+        try:
+            self._turn(0)
+        finally:
+            self._io.release()
 
     def _drive(self, future: Future[Any], timeout: float | None) -> Any:
         end = None if timeout is None else time.monotonic() + timeout
@@ -218,6 +246,7 @@ class ClientCore:
                 log.debug("bye was not acknowledged", exc_info=True)
         self._closed = True
         self._wake()
+        self._resume.set()
         self._thread.join(timeout)
         with self._io:
             self._fail_all(ClientClosed("the client is closed"))
@@ -377,24 +406,35 @@ class ClientCore:
         pacer = Pacer()
         try:
             while not self._closed:
+                self._resume.clear()
+                if self._drivers or (not self._pending and time.monotonic() - self._drive_end < _PARK_S):
+                    # Callers are driving the socket (or did a moment ago, and will
+                    # again): park off its descriptor, so replies wake only the caller
+                    # that waits for them; a second thread woken per reply costs a GIL
+                    # hand-off on every round trip.
+                    self._resume.wait(_PARK_S)
+                    continue
                 if self._busy():
                     timeout = pacer.next()
                 else:
                     pacer.reset()
                     timeout = self._idle_timeout()
                 fds = (*self._fds, self._wake_r)
+                self._selecting = True
+                if self._drivers:  # a caller began driving meanwhile (see wait)
+                    self._selecting = False
+                    continue
                 try:
                     readable, _, _ = select.select(fds, (), (), timeout)
                 except (OSError, ValueError):  # a descriptor closed under us: re-read them
                     readable = []
+                self._selecting = False
                 if self._wake_r in readable:
                     self._drain_wake()
                 if self._closed:
                     break
                 if self._drivers:
-                    # A caller is driving the socket (and the agent): stay out of its way.
-                    self._no_drivers.wait(_IDLE_S)
-                    continue
+                    continue  # a caller is driving the socket (and the agent): park above
                 if not self._io.acquire(timeout=0.001):
                     continue
                 try:

@@ -69,14 +69,19 @@ class OpHandle(Generic[T]):
         future: Future[T],
         abort: Callable[[int], Any] | None = None,
         waiter: Callable[[Future[T], float | None], T] | None = None,
+        poll: Callable[[], None] | None = None,
     ) -> None:
         self.op_id = op_id
         self.kind = kind
         self.future = future
         self._abort = abort
         self._waiter = waiter
+        self._poll = poll
 
     def done(self) -> bool:
+        """Whether the operation completed; reads what has arrived first, without blocking."""
+        if not self.future.done() and self._poll is not None:
+            self._poll()
         return self.future.done()
 
     def result(self, timeout: float | None = None) -> T:
@@ -94,8 +99,8 @@ class OpHandle(Generic[T]):
 
     def abort(self) -> None:
         """Best effort: ask the node to abort; the operation then completes (often ABORTED)."""
-        if self._abort is not None and not self.done():
+        if self._abort is not None and not self.future.done():
             self._abort(self.op_id)
 
     def __repr__(self) -> str:
-        return f"OpHandle({self.kind} #{self.op_id}, done={self.done()})"
+        return f"OpHandle({self.kind} #{self.op_id}, done={self.future.done()})"
