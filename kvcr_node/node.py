@@ -36,7 +36,7 @@ from kvcr_node.memory import PoolMemory
 from kvcr_node.peers import PeerLink, RemoteWrite
 from kvcr_node.sessions import ClientSession, Operation, PeerSession
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
-from kvcr_node.transfers import LocalLists, Move, Transfers
+from kvcr_node.transfers import LocalLists, Move, Transfers, offsets_within, run_moves
 from kvcr_protocol import (
     Abort,
     Ack,
@@ -607,20 +607,30 @@ class Node:
         for i, item in enumerate(msg.items):
             if not unique[i]:
                 continue
-            try:
-                item_moves = self._deposit_moves(session, item.spans, f"items[{i}].spans")
-            except DescriptorError as exc:
-                op.fail(i, exc.code, f"{exc.path}: {exc.reason}")
-                continue
-            layout = tuple((s.name, s.pool) for s in item.spans)
+            # Columns of the spans (names, pools, regions, offsets, lengths): one C-level transpose.
+            columns = tuple(zip(*item.spans, strict=True))
+            uniform = self._uniform_source(session, columns)
+            item_moves: list[tuple[int, int, Region]] = []
+            if uniform is None:
+                try:
+                    item_moves = self._deposit_moves(session, item.spans, f"items[{i}].spans")
+                except DescriptorError as exc:
+                    op.fail(i, exc.code, f"{exc.path}: {exc.reason}")
+                    continue
+            layout = tuple(zip(columns[0], columns[1], strict=True))
             outcome, entry = self.store.begin_deposit(item.key, layout, msg.optional)
             if outcome is DepositOutcome.NEW:
                 assert entry is not None
                 fills.append((i, entry))
-                moves.extend(
-                    (span.pool, slot, address, length, region, 1)
-                    for span, slot, (address, length, region) in zip(item.spans, entry.slots, item_moves, strict=True)
-                )
+                if uniform is not None:
+                    pool, size, region, offsets = uniform
+                    slots = np.frombuffer(entry.slot_view, dtype=np.uint32).astype(np.int64)
+                    moves.extend(run_moves(pool, size, region, offsets, slots))
+                else:
+                    moves.extend(
+                        (span.pool, slot, address, length, region, 1)
+                        for span, slot, (address, length, region) in zip(item.spans, entry.slots, item_moves, strict=True)
+                    )
             elif outcome is DepositOutcome.DUPLICATE:
                 op.set(i, KeyResult(KeyStatus.DUPLICATE))
             elif outcome is DepositOutcome.DROPPED:
@@ -634,6 +644,24 @@ class Node:
         if fills:
             self._start(op, "READ", moves, lambda ok: self._deposit_done(op, fills, msg.no_evict, ok))
         self._finish_if_settled(op)
+
+    def _uniform_source(
+        self, session: ClientSession, columns: tuple[tuple[Any, ...], ...]
+    ) -> tuple[str, int, Region, np.ndarray] | None:
+        """(pool, slot size, region, offsets) for deposit spans of one pool and one region whose
+        lengths are the slot size and which lie inside the region; else None (checked per span).
+        """
+        _, pools, regions, offsets, lengths = columns
+        if len(offsets) < _UNIFORM_MIN or len(set(pools)) != 1 or len(set(regions)) != 1:
+            return None
+        mem = self.memories.get(pools[0])
+        if mem is None or set(lengths) != {mem.spec.slot_size}:
+            return None
+        region = session.regions.get(regions[0])
+        checked = offsets_within(region, offsets, mem.spec.slot_size)
+        if region is None or checked is None:
+            return None
+        return pools[0], mem.spec.slot_size, region, checked
 
     def _deposit_moves(self, session: ClientSession, spans: Sequence[SrcSpan], path: str) -> list[tuple[int, int, Region]]:
         """Check a deposit's spans (pool, size, region) and resolve them to client addresses."""
@@ -781,26 +809,14 @@ class Node:
         None when a span lies outside the region: the per-span path then names it.
         """
         reg = op.regions.get(columns[1][0])
-        if reg is None or reg.length < size:
-            return None
-        offsets = np.array(columns[2], dtype=np.uint64)
         # Span rule: inside the region, [offset, offset + length) within its bytes.
-        if int(offsets.max()) > reg.length - size:
+        offsets = offsets_within(reg, columns[2], size)
+        if reg is None or offsets is None:
             return None
         slots = np.frombuffer(entry.slot_view, dtype=np.uint32).astype(np.int64)
         if indices is not None:
             slots = slots[np.array(indices, dtype=np.intp)]
-        # A run continues while the next span is the next slot and the next destination
-        # bytes. Offsets are bounded by the region now, so uint64 differences are exact.
-        breaks = np.flatnonzero((np.diff(slots) != 1) | (np.diff(offsets) != size)) + 1
-        starts = [0, *breaks.tolist()]
-        ends = [*starts[1:], len(offsets)]
-        pool = entry.info.need[0][0]
-        base = reg.address
-        return [
-            (pool, int(slots[a]), base + int(offsets[a]), (b - a) * size, reg, b - a)
-            for a, b in zip(starts, ends, strict=True)
-        ]
+        return run_moves(entry.info.need[0][0], size, reg, offsets, slots)
 
     def _deliver_done(self, op: Operation, claimed: list[tuple[int, ObjectEntry]], ok: bool) -> None:
         for i, entry in claimed:

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvcr_client.agent import Agent, Desc, TransferError
 from kvcr_node.memory import PoolMemory
 from kvcr_protocol import MemoryKind, Region
@@ -20,6 +22,34 @@ from kvcr_protocol import MemoryKind, Region
 Move = tuple[str, int, int, int, Region, int]
 """(pool, first slot, remote address, length, remote region, spans): ``spans`` consecutive
 slots of the pool and as many contiguous spans of remote memory (usually 1)."""
+
+def run_moves(pool: str, size: int, region: Region, offsets: np.ndarray, slots: np.ndarray) -> list[Move]:
+    """Moves for spans of one pool and one remote region, each ``size`` bytes, in order.
+
+    ``offsets`` (uint64) are the spans' offsets in ``region``, already checked to lie in
+    it; ``slots`` (int64) their slots. A run continues while the next span is the next
+    slot and the next bytes of the region, and becomes one move. Offsets bounded by the
+    region make the uint64 differences exact.
+    """
+    breaks = np.flatnonzero((np.diff(slots) != 1) | (np.diff(offsets) != size)) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*starts[1:], len(offsets)]
+    base = region.address
+    return [
+        (pool, int(slots[a]), base + int(offsets[a]), (b - a) * size, region, b - a)
+        for a, b in zip(starts, ends, strict=True)
+    ]
+
+
+def offsets_within(region: Region | None, offsets: Sequence[int], size: int) -> np.ndarray | None:
+    """``offsets`` as uint64 when every span of ``size`` bytes lies inside ``region``, else None."""
+    if region is None or region.length < size:
+        return None
+    array = np.array(offsets, dtype=np.uint64)
+    if int(array.max()) > region.length - size:
+        return None
+    return array
+
 
 _MERGE_GAIN = 2
 """Merge only when it at least halves the descriptor count; else use the prepared lists."""

@@ -956,6 +956,61 @@ def test_node_rechecks_many_span_destinations(client: Client, register: Registra
     assert_clean(client, slots_before=slot_accounting(before))
 
 
+def test_node_rechecks_many_span_deposits(client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
+    """Deposits of many spans (checked a column at a time by the node): refusals name the span, nothing leaks."""
+    slot = 4 * KiB
+    n = 24
+    layout = plain_layout(n, "small", slot)
+    src = pattern((n + 1) * slot, 161)
+    region = register(src)
+    other = register(pattern(n * slot, 162))
+    before = stats(client)
+
+    def raw(k: bytes, spans: list[SrcSpan]) -> Any:
+        build = lambda i: Deposit(i, (DepositItem(k, tuple(spans)),))  # noqa: E731
+        return client.core.request(build, lambda m: m, 10.0, True)[1].result(15).results[0]
+
+    good = [SrcSpan(f"L{i}", "small", region.region, i * slot, slot) for i in range(n)]
+    cases = {
+        "last span past the region's end": (
+            [*good[:-1], SrcSpan(f"L{n - 1}", "small", region.region, n * slot + 1, slot)], ErrorCode.BAD_DESCRIPTOR,
+            f"spans[{n - 1}].offset",
+        ),
+        "an offset beyond any address": (
+            [*good[:5], SrcSpan("L5", "small", region.region, (1 << 64) - 1, slot), *good[6:]],
+            ErrorCode.BAD_DESCRIPTOR, "spans[5].offset",
+        ),
+        "one span in a region never announced": (
+            [*good[:7], SrcSpan("L7", "small", 424242, 0, slot), *good[8:]], ErrorCode.BAD_DESCRIPTOR, "spans[7].region",
+        ),
+        "one length off": (
+            [*good[:3], SrcSpan("L3", "small", region.region, 3 * slot, slot - 1), *good[4:]],
+            ErrorCode.SIZE_MISMATCH, "spans[3].length",
+        ),
+        "one pool unknown": ([*good[:9], SrcSpan("L9", "nope", region.region, 0, slot), *good[10:]], ErrorCode.UNKNOWN_POOL, "spans[9].pool"),
+    }
+    for label, (spans, code, where) in cases.items():
+        out = raw(key(label), spans)
+        assert (out.status, out.code) == (FAILED, code), (label, out)
+        assert where in out.reason, (label, out.reason)
+        assert client.query([key(label)]).result(5)[key(label)].presence is Presence.MISS
+    assert_clean(client, slots_before=slot_accounting(before))
+
+    # Accepted shapes, each delivered back byte for byte: offset by one span, back to
+    # front, and split over two regions.
+    shapes = {
+        "shifted": [SrcSpan(f"L{i}", "small", region.region, (i + 1) * slot, slot) for i in range(n)],
+        "backwards": [SrcSpan(f"L{i}", "small", region.region, (n - 1 - i) * slot, slot) for i in range(n)],
+        "split": [SrcSpan(f"L{i}", "small", (region if i % 2 else other).region, i * slot, slot) for i in range(n)],
+    }
+    buffers = {region.region: src, other.region: other.buffer}
+    for label, spans in shapes.items():
+        k = key(label)
+        assert raw(k, spans).status is STORED, label
+        expected = np.concatenate([buffers[s.region][s.offset : s.offset + slot] for s in spans])
+        deliver_and_check(client, register, k, layout, expected, range(n), seed=170)
+
+
 def test_node_rechecks_what_the_client_checks(client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
     """Requests built past the client's checks (raw messages): the node refuses each key on its own."""
     slot = 4 * KiB
