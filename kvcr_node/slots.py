@@ -14,6 +14,7 @@ from kvcr_node.poolspec import MAX_SLOTS
 
 _FREE = 0
 _USED = 1
+_FREE_BYTE = bytes([_FREE])
 
 
 class OutOfSlots(Exception):
@@ -80,6 +81,25 @@ class SlotAllocator:
     def free(self, slots: Iterable[int]) -> None:
         """Return ``slots``; raise :class:`SlotError` and return none on any misuse."""
         batch = list(slots)
+        if not batch:
+            return
+        used = self._used
+        # The checks in bulk (C loops: slots come by the thousand); any doubt takes the
+        # per-slot pass, which names the offending slot.
+        if (
+            set(map(type, batch)) != {int}
+            or min(batch) < 0
+            or max(batch) >= self._total
+            or _FREE_BYTE in bytes(map(used.__getitem__, batch))
+        ):
+            self._check_free(batch)
+        if len(batch) > 1 and len(set(batch)) != len(batch):
+            raise SlotError(f"slots freed twice in one call: {sorted(batch)}")
+        for slot in batch:
+            used[slot] = _FREE
+        self._free.extend(reversed(batch))
+
+    def _check_free(self, batch: list[int]) -> None:
         used = self._used
         total = self._total
         for slot in batch:
@@ -89,11 +109,6 @@ class SlotAllocator:
                 raise SlotError(f"slot {slot} out of range 0..{total - 1}")
             if used[slot] != _USED:
                 raise SlotError(f"slot {slot} is not allocated (double free?)")
-        if len(batch) > 1 and len(set(batch)) != len(batch):
-            raise SlotError(f"slots freed twice in one call: {sorted(batch)}")
-        for slot in batch:
-            used[slot] = _FREE
-        self._free.extend(reversed(batch))
 
     def is_allocated(self, slot: int) -> bool:
         """Whether ``slot`` is currently allocated."""

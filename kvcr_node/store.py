@@ -237,8 +237,12 @@ class Store:
             for victim in victims:
                 self._evict(victim)
 
-        taken = {pool: iter(self._alloc[pool].alloc(count)) for pool, count in info.need}
-        packed = array("I", [next(taken[pool]) for pool in info.signature]).tobytes()
+        if len(info.need) == 1:
+            pool, count = info.need[0]
+            packed = array("I", self._alloc[pool].alloc(count)).tobytes()
+        else:
+            taken = {pool: iter(self._alloc[pool].alloc(count)) for pool, count in info.need}
+            packed = array("I", [next(taken[pool]) for pool in info.signature]).tobytes()
         if info.users == 0:
             self._layouts[info.layout] = info
         info.users += 1

@@ -75,6 +75,28 @@ def test_double_free_and_out_of_range_raise_and_free_nothing() -> None:
     healthy(alloc)
 
 
+def test_large_batches_name_the_bad_slot_and_free_nothing() -> None:
+    """Batches of thousands are checked in bulk; one bad slot anywhere still names itself."""
+    alloc = SlotAllocator(5000)
+    slots = alloc.alloc(4000)
+    alloc.free(slots[3000:])
+    cases = [
+        ([*slots[:2000], slots[3500]], "not allocated"),
+        ([*slots[:1000], 5000, *slots[1000:2000]], "out of range"),
+        ([*slots[:10], True, *slots[10:20]], "not an int"),
+        ([*slots[:500], 1.0, *slots[500:600]], "not an int"),
+        ([*slots[:800], slots[5]], "twice"),
+    ]
+    for batch, message in cases:
+        with pytest.raises(SlotError, match=message):
+            alloc.free(batch)  # type: ignore[arg-type]
+        assert alloc.allocated_count == 3000
+    healthy(alloc)
+    alloc.free(slots[:3000])
+    assert alloc.allocated_count == 0
+    healthy(alloc)
+
+
 def test_empty_and_invalid_totals() -> None:
     empty = SlotAllocator(0)
     assert empty.alloc(0) == []
