@@ -68,6 +68,19 @@ EOF
     fi
 fi
 
+# 3b. Some nixl-cu13 builds leave UCX without its bundled CUDA modules ("VRAM memory is
+#     detected as host by UCX"); naming the wheel's module folder is harmless where UCX finds
+#     it by itself.
+if [[ -z ${UCX_MODULE_DIR:-} ]]; then
+    shopt -s nullglob
+    mods=("$site"/nixl_cu1*.libs/ucx)
+    shopt -u nullglob
+    if ((${#mods[@]})); then
+        export UCX_MODULE_DIR=${mods[0]}
+        echo "gpu_check: UCX modules from $UCX_MODULE_DIR"
+    fi
+fi
+
 # 4. Everything present, and a GPU: say what is missing instead of skipping tests.
 "$py" - <<'EOF'
 import sys
