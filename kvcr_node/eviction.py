@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import importlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar
@@ -25,6 +26,8 @@ Layout = tuple[tuple[str, str], ...]
 
 Signature = tuple[str, ...]
 """The pool names of a layout, in order (DESIGN 2)."""
+
+log = logging.getLogger("kvcr.node")
 
 _COMPACT_MIN = 64
 """Dead heap items tolerated before a heap is rebuilt, whatever its size."""
@@ -119,11 +122,60 @@ class LruPolicy(EvictionPolicy):
 
 _POLICIES: dict[str, type[EvictionPolicy]] = {"fifo": FifoPolicy, "lru": LruPolicy}
 
+_LOGGED_FAILURES = 10
+"""Plug-in failures logged with their traceback; after that, one line every thousand."""
+
+
+class GuardedPolicy(EvictionPolicy):
+    """A plug-in policy behind a boundary: its failures are logged and counted, never raised.
+
+    A plug-in runs inside the store's state changes, where an exception would leave the
+    index half updated and stop the node. So a ``score`` that raises or is not a number
+    (or is NaN) counts as 0, which puts the object early in the eviction order, and an
+    ``admit`` that raises or does not return a bool admits, as if there were no hook.
+    """
+
+    def __init__(self, inner: EvictionPolicy) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.failures = 0
+
+    def score(self, entry: EvictionEntry) -> float:
+        try:
+            value = self.inner.score(entry)
+        except Exception:
+            self._failed("score", entry.key, "raised")
+            return 0.0
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            self._failed("score", entry.key, f"returned {value!r}, not a number")
+            return 0.0
+        return float(value)
+
+    def admit(self, key: bytes, layout: Layout) -> bool:
+        try:
+            value = self.inner.admit(key, layout)
+        except Exception:
+            self._failed("admit", key, "raised")
+            return True
+        if type(value) is not bool:
+            self._failed("admit", key, f"returned {value!r}, not a bool")
+            return True
+        return value
+
+    def _failed(self, hook: str, key: bytes, what: str) -> None:
+        self.failures += 1
+        if self.failures <= _LOGGED_FAILURES:
+            log.error("eviction policy %r: %s(%r) %s; using the default", self.name, hook, key[:64], what,
+                      exc_info=what == "raised")
+        elif self.failures % 1000 == 0:
+            log.error("eviction policy %r: %d failures so far", self.name, self.failures)
+
 
 def make_policy(name: str) -> EvictionPolicy:
     """A built-in policy by name (``"fifo"``, ``"lru"``), or ``"module:Class"`` for a plug-in.
 
-    A plug-in class is instantiated without arguments and must be an ``EvictionPolicy``.
+    A plug-in class is instantiated without arguments and must be an ``EvictionPolicy``;
+    it runs behind a ``GuardedPolicy``.
     """
     if name in _POLICIES:
         return _POLICIES[name]()
@@ -136,7 +188,7 @@ def make_policy(name: str) -> EvictionPolicy:
         policy = cls()
         if not isinstance(policy, EvictionPolicy):
             raise ValueError(f"eviction policy {name!r} is not an EvictionPolicy")
-        return policy
+        return GuardedPolicy(policy)
     raise ValueError(f"unknown eviction policy {name!r}; expected one of {sorted(_POLICIES)} or 'module:Class'")
 
 

@@ -962,6 +962,7 @@ class Node:
     def snapshot(self) -> dict[str, Any]:
         """Statistics and the result of the accounting check (O(objects))."""
         store = self.store.stats()
+        policy = self.store.policy
         return {
             "node": self.config.name,
             "incarnation": self.incarnation,
@@ -997,6 +998,7 @@ class Node:
             "protocol_errors": dict(self.protocol_errors),
             "counters": dict(self.counters),
             "projection_cache": {"size": len(self.projections), "hits": self.projections.hits, "misses": self.projections.misses},
+            "policy": {"name": policy.name, "failures": getattr(policy, "failures", 0)},
             "invariants": self.check_invariants(),
         }
 

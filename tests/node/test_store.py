@@ -306,6 +306,57 @@ def test_dropped_by_an_admission_hook_only_when_optional() -> None:
     ok(store)
 
 
+class FaultyPolicy(EvictionPolicy):
+    """A plug-in with defects: scores and admission answers that raise or are not what they must be."""
+
+    name = "faulty"
+
+    def score(self, entry: EvictionEntry) -> float:
+        key = entry.key
+        if key.startswith(b"raise"):
+            raise RuntimeError("score defect")
+        if key.startswith(b"nan"):
+            return float("nan")
+        if key.startswith(b"text"):
+            return "late"  # type: ignore[return-value]
+        return 10.0
+
+    def admit(self, key: bytes, layout: Layout) -> bool:
+        if key.startswith(b"raise"):
+            raise RuntimeError("admit defect")
+        if key.startswith(b"none"):
+            return None  # type: ignore[return-value]
+        return not key.startswith(b"no")
+
+
+def test_plug_in_policy_failures_are_contained(caplog: pytest.LogCaptureFixture) -> None:
+    """A plug-in that raises or answers nonsense never breaks the store: defaults apply, failures count."""
+    policy = make_policy(f"{__name__}:FaultyPolicy")
+    assert policy.name == "faulty"
+    store = make([("A", 4)], policy)
+    # Admission: a defect admits (as if there were no hook); a plain "no" still drops.
+    assert store.begin_deposit(b"raise-1", span("A"), optional=True)[0] is NEW
+    assert store.begin_deposit(b"none-1", span("A"), optional=True)[0] is NEW
+    assert store.begin_deposit(b"no-1", span("A"), optional=True) == (DepositOutcome.DROPPED, None)
+    for key in (b"raise-1", b"none-1"):
+        entry = store.lookup(key)
+        assert entry is not None
+        store.commit(entry)
+    ok(store)
+    # Scores: a defect counts as 0 (evicted before the well-scored objects).
+    put(store, b"good", span("A"))
+    put(store, b"nan", span("A"))
+    put(store, b"text", span("A"), commit=False)  # the pool is full now; this one evicts
+    ok(store)
+    assert present(store, b"raise-1", b"none-1", b"good", b"nan", b"text") == [b"none-1", b"good", b"nan", b"text"]
+    entry = store.lookup(b"text")
+    assert entry is not None
+    store.commit(entry)
+    ok(store)
+    assert getattr(policy, "failures", 0) == 5  # two admits, three scores (raise-1, nan, text)
+    assert "admit(b'raise-1') raised" in caplog.text and "not a number" in caplog.text
+
+
 def test_hybrid_layouts() -> None:
     pools = [
         PoolSpec("full", 64 * KiB, 16),
