@@ -114,6 +114,19 @@ _REMOTE_POLL_MS = 50
 _PROBE_INTERVAL_S = 0.25
 
 
+def _uniform_within(regions: dict[int, Region], spans: Sequence[DstSpan]) -> bool:
+    """Whether many spans of one length in one region all lie inside it (checked a column at a time).
+
+    False says only that the per-span check must decide.
+    """
+    if len(spans) < _UNIFORM_MIN:
+        return False
+    _, ids, offsets, lengths = zip(*spans, strict=True)
+    if len(set(ids)) != 1 or len(set(lengths)) != 1 or lengths[0] <= 0:
+        return False
+    return offsets_within(regions.get(ids[0]), offsets, lengths[0]) is not None
+
+
 def _bind_endpoint(sock: zmq.Socket[bytes], endpoint: str) -> str:
     if endpoint.startswith("ipc://"):
         path = Path(endpoint[len("ipc://") :])
@@ -1096,6 +1109,8 @@ class Node:
     ) -> None:
         """Ask ``source`` to write objects straight into the client's memory (DESIGN 7)."""
         for i, item in zip(indices, items, strict=True):
+            if _uniform_within(client.regions, item.spans):
+                continue
             try:
                 resolve_spans(client.regions, [(s.region, s.offset, s.length) for s in item.spans], f"items[{i}].spans")
             except DescriptorError as exc:

@@ -36,6 +36,7 @@ from remote_helpers import (
 )
 
 from kvcr_client import ErrorCode, Presence, Span
+from kvcr_protocol import Deliver, DeliverItem, DstSpan
 
 
 @pytest.fixture
@@ -254,6 +255,36 @@ def test_hints_and_absent_keys(sites: Sites) -> None:
     # A hint naming the node itself is no source.
     hinted(a, "self", a, [b"here"])
     deliver_checked(a, b"here", layout, None, range(2), seed=504, request_id="self", code=ErrorCode.NOT_FOUND)
+
+
+def test_target_checks_many_span_destinations_before_asking(sites: Sites) -> None:
+    """Destinations past the client's checks (raw frames): A refuses them itself and asks B nothing."""
+    a, b = sites.start("a", "b")
+    n = 24
+    layout = plain_layout(n)
+    src = b.deposit(b"k", layout, seed=20)
+    rid = hinted(a, "rq", b, [b"k"])
+    dst = Dest(a, layout, range(n), seed=520, gap=0)
+    region, slot = dst.region.region, 64 * KiB
+
+    def raw(spans: list[DstSpan]) -> Any:
+        build = lambda i: Deliver(i, (DeliverItem(b"k", tuple(spans)),), rid)  # noqa: E731
+        return a.client.core.request(build, lambda m: m, 10.0, True)[1].result(RESULT_TIMEOUT_S).results[0]
+
+    good = [DstSpan(f"L{i}", region, dst.offsets[i], slot) for i in range(n)]
+    writes = counter(a.stats(), "remote_writes")
+    for spans, where in (
+        ([*good[:-1], DstSpan(f"L{n - 1}", region, n * slot - slot + 1, slot)], f"spans[{n - 1}].offset"),
+        ([*good[:4], DstSpan("L4", 424242, 0, slot), *good[5:]], "spans[4].region"),
+        ([*good[:2], DstSpan("L2", region, (1 << 64) - 1, slot), *good[3:]], "spans[2].offset"),
+    ):
+        out = raw(spans)
+        assert (out.status, out.code) == (FAILED, ErrorCode.BAD_DESCRIPTOR), out
+        assert where in out.reason, out.reason
+    assert counter(a.stats(), "remote_writes") == writes
+    dst.assert_untouched()
+    assert raw(good).status is OK
+    dst.assert_delivered(src)
 
 
 def test_evicted_between_query_and_deliver(sites: Sites) -> None:
