@@ -107,6 +107,8 @@ class ClientCore:
         """Wakes a parked background thread: requests are left with no caller driving them."""
         self._selecting = False
         """Whether the background thread is (about to be) in select on the socket's descriptor."""
+        self._reading = 0
+        """How deep the lock holder is in reading replies (read and written with the lock held)."""
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
         self._fds: tuple[int, ...] = ()
@@ -205,7 +207,10 @@ class ClientCore:
         if self._closed or not self._io.acquire(blocking=False):
             return
         try:
-            self._turn(0)
+            # Not from inside a read (a done-callback that looks at another handle): that
+            # read goes on after the callback, and reading again there would nest dispatches.
+            if not self._reading:
+                self._turn(0)
         finally:
             self._io.release()
 
@@ -478,15 +483,19 @@ class ClientCore:
         if sock is None:
             return
         # Read until ZeroMQ reports no input: that re-arms the socket's descriptor.
-        while cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
-            frame = sock.recv(_NOBLOCK)
-            self._last_heard = time.monotonic()
-            try:
-                msg = decode(frame, self.version or self.versions[-1])
-            except RemoteProtocolError as exc:
-                log.warning("undecodable frame from the node: %s", exc)
-                continue
-            self._dispatch(msg)
+        self._reading += 1
+        try:
+            while cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+                frame = sock.recv(_NOBLOCK)
+                self._last_heard = time.monotonic()
+                try:
+                    msg = decode(frame, self.version or self.versions[-1])
+                except RemoteProtocolError as exc:
+                    log.warning("undecodable frame from the node: %s", exc)
+                    continue
+                self._dispatch(msg)
+        finally:
+            self._reading -= 1
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, CapacityEvent):

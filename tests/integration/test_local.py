@@ -760,6 +760,12 @@ def test_replies_nobody_drives_still_complete(client: Client, register: Registra
         assert_bytes_equal(dst, src, "deliver nobody waited on")
     # A sync handle can be awaited from asyncio too.
     assert asyncio.run(_await(client.query([k])))[k].presence is Presence.HIT
+    # A done-callback may look at other handles (done() does not read from inside a read).
+    seen: list[bool] = []
+    first, second = client.query([k]), client.query([k])
+    first.future.add_done_callback(lambda _: seen.append(second.done()))
+    assert first.result(5)[k].presence is Presence.HIT and second.result(5)[k].presence is Presence.HIT
+    assert len(seen) == 1
 
 
 async def _await(handle: Any) -> Any:
