@@ -5,7 +5,8 @@ Measured in one run, in one process tree:
 1. deliver of a 64 MiB object of 64 KiB spans through the node, against a raw NIXL WRITE
    of the same descriptors from a bare NIXL process into the same kind of client buffer
    (timed in the writer, and end to end with a raw ZeroMQ trigger);
-2. query round trip against a raw ZeroMQ DEALER/ROUTER msgpack echo;
+2. query round trip against a raw ZeroMQ DEALER/ROUTER msgpack echo, and deposit of the
+   same object under new keys against a raw NIXL READ of the same descriptors;
 3. admission into a full pool as evictable objects in an unrelated pool grow 1k..100k;
 4. the node's CPU use while idle, and index memory per stored object at 100,000 objects.
 
@@ -78,7 +79,9 @@ def raw_writer(endpoint: str) -> None:
                 rdesc = agent.get_xfer_descs(np.array([(msg_addr, n * SPAN, 0)], dtype=np.uint64), "DRAM")
                 handle = agent.initialize_xfer("WRITE", ldesc, rdesc, remote_name)
             else:
-                handle = agent.make_prepped_xfer("WRITE", local, list(range(n)), remote, list(range(n)))
+                # READ pulls the client's bytes into the pool (what a deposit does).
+                op = "READ" if msg.get("read") else "WRITE"
+                handle = agent.make_prepped_xfer(op, local, list(range(n)), remote, list(range(n)))
             state = agent.transfer(handle)
             while state == "PROC":
                 state = agent.check_xfer_state(handle)
@@ -118,6 +121,14 @@ def bench_raw(endpoint: str, reps: int) -> dict[str, Any]:
         else:
             end_to_end.append(time.perf_counter() - t0)
             in_writer.append(reply["s"])
+    reads = []
+    for _ in range(reps):
+        sock.send(msgpack.packb({"t": "write", "read": True}))
+        while not sock.poll(0):
+            agent.get_new_notifs()
+        reply = msgpack.unpackb(sock.recv())
+        assert reply["state"] == "DONE", reply
+        reads.append(reply["s"])
     echo = []
     for i in range(2000):
         t0 = time.perf_counter()
@@ -130,6 +141,7 @@ def bench_raw(endpoint: str, reps: int) -> dict[str, Any]:
     sock.close(0)
     ctx.term()
     return {"write": summary(in_writer), "write_e2e": summary(end_to_end), "write_merged": summary(merged),
+            "read": summary(reads),
             "echo": summary(echo[200:]), "dst": dst}
 
 
@@ -168,6 +180,19 @@ def bench_kvcr(endpoint: str, node_pid: int, reps: int, idle_s: float) -> dict[s
             t0 = time.perf_counter()
             client.query([b"obj"]).result(5)
             queries.append(time.perf_counter() - t0)
+        # Deposits of the same 64 MiB under new keys: each evicts the oldest object (FIFO).
+        sources = [Span(f"L{i}", rs, i * SPAN, SPAN, "kv") for i in range(SPANS)]
+        deposits = []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            res = client.deposit({f"dep{i}".encode(): sources}).result(30)
+            deposits.append(time.perf_counter() - t0)
+            assert res.all_ok, res
+        dst[:] = 0
+        last = f"dep{reps - 1}".encode()
+        assert client.deliver({last: spans}).result(30)[last].ok
+        if not np.array_equal(src, dst):
+            raise AssertionError("a deposit's bytes differ when delivered back")
         # Idle: a client connected, nothing in flight.
         c0, t0 = cpu_seconds(node_pid), time.monotonic()
         time.sleep(idle_s)
@@ -177,7 +202,8 @@ def bench_kvcr(endpoint: str, node_pid: int, reps: int, idle_s: float) -> dict[s
         client_idle = (cpu_seconds(os.getpid()) - client_cpu0) / (time.monotonic() - t1)
         stats = client.stats().result(5)
         assert stats["invariants"] == [], stats["invariants"]
-    return {"deliver": summary(times["list"]), "deliver_prepared": summary(times["prepared"]), "query": summary(queries[200:]), "idle_cpu": idle, "client_idle_cpu": client_idle}
+    return {"deliver": summary(times["list"]), "deliver_prepared": summary(times["prepared"]),
+            "deposit": summary(deposits), "query": summary(queries[200:]), "idle_cpu": idle, "client_idle_cpu": client_idle}
 
 
 def main() -> int:
@@ -208,6 +234,10 @@ def main() -> int:
         ratio = r["write"]["median"] / k[name]["median"]
         ratio_e2e = r["write_e2e"]["median"] / k[name]["median"]
         print(f"  ratio kvcr / raw NIXL, {label}: {ratio:.2f} (goal >= 0.85); against raw NIXL + trigger: {ratio_e2e:.2f}")
+    print("deposit of the same object under a new key (evicting one), against raw NIXL READ")
+    print(f"  kvcr deposit, list of spans      {fmt_gbps(OBJECT, k['deposit'])}")
+    print(f"  raw NIXL READ (in the reader)    {fmt_gbps(OBJECT, r['read'])}")
+    print(f"  ratio kvcr / raw NIXL: {r['read']['median'] / k['deposit']['median']:.2f}")
     print("query round trip")
     print(f"  kvcr query        {fmt_us(k['query'])}")
     print(f"  raw ZeroMQ echo   {fmt_us(r['echo'])}")
