@@ -36,7 +36,7 @@ from kvcr_node.memory import PoolMemory
 from kvcr_node.peers import PeerLink, RemoteWrite
 from kvcr_node.sessions import ClientSession, Operation, PeerSession
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
-from kvcr_node.transfers import LocalLists, Move, Transfers, offsets_within, run_moves
+from kvcr_node.transfers import LocalLists, Move, Transfers, run_moves, uniform_columns
 from kvcr_protocol import (
     Abort,
     Ack,
@@ -57,7 +57,6 @@ from kvcr_protocol import (
     KeyResult,
     KeyStatus,
     Limits,
-    MemoryKind,
     Message,
     PeerClient,
     PeerHello,
@@ -100,31 +99,12 @@ from kvcr_protocol.versions import BASE_VERSION, PARTIAL_LAYOUT_VERSION
 _FULL = Projection((), True)
 """The whole layout (its indices are never read: full deliveries take every slot in order)."""
 
-_UNIFORM_MIN = 16
-"""From this many spans, a deliver of one pool and one region is checked column-wise."""
-
-_NO_REGION = Region(0, MemoryKind.DRAM, 0, 0, 0)
-"""Stands for "no run yet" where a region is expected; never a client's region."""
-
 log = logging.getLogger("kvcr.node")
 
 _IDLE_POLL_MS = 1000
 _SHUTDOWN_DRAIN_S = 10.0
 _REMOTE_POLL_MS = 50
 _PROBE_INTERVAL_S = 0.25
-
-
-def _uniform_within(regions: dict[int, Region], spans: Sequence[DstSpan]) -> bool:
-    """Whether many spans of one length in one region all lie inside it (checked a column at a time).
-
-    False says only that the per-span check must decide.
-    """
-    if len(spans) < _UNIFORM_MIN:
-        return False
-    _, ids, offsets, lengths = zip(*spans, strict=True)
-    if len(set(ids)) != 1 or len(set(lengths)) != 1 or lengths[0] <= 0:
-        return False
-    return offsets_within(regions.get(ids[0]), offsets, lengths[0]) is not None
 
 
 def _bind_endpoint(sock: zmq.Socket[bytes], endpoint: str) -> str:
@@ -637,7 +617,7 @@ class Node:
                 fills.append((i, entry))
                 if uniform is not None:
                     pool, size, region, offsets = uniform
-                    slots = np.frombuffer(entry.slot_view, dtype=np.uint32).astype(np.int64)
+                    slots = np.frombuffer(entry.slot_view, dtype=np.uint32)
                     moves.extend(run_moves(pool, size, region, offsets, slots))
                 else:
                     moves.extend(
@@ -664,17 +644,12 @@ class Node:
         """(pool, slot size, region, offsets) for deposit spans of one pool and one region whose
         lengths are the slot size and which lie inside the region; else None (checked per span).
         """
-        _, pools, regions, offsets, lengths = columns
-        if len(offsets) < _UNIFORM_MIN or len(set(pools)) != 1 or len(set(regions)) != 1:
-            return None
+        _, pools, ids, offsets, lengths = columns
         mem = self.memories.get(pools[0])
-        if mem is None or set(lengths) != {mem.spec.slot_size}:
+        if mem is None or len(set(pools)) != 1:
             return None
-        region = session.regions.get(regions[0])
-        checked = offsets_within(region, offsets, mem.spec.slot_size)
-        if region is None or checked is None:
-            return None
-        return pools[0], mem.spec.slot_size, region, checked
+        uniform = uniform_columns(session.regions, ids, offsets, lengths, mem.spec.slot_size)
+        return None if uniform is None else (pools[0], mem.spec.slot_size, *uniform)
 
     def _deposit_moves(self, session: ClientSession, spans: Sequence[SrcSpan], path: str) -> list[tuple[int, int, Region]]:
         """Check a deposit's spans (pool, size, region) and resolve them to client addresses."""
@@ -747,8 +722,8 @@ class Node:
     def _deliver_moves(self, op: Operation, entry: ObjectEntry, item: DeliverItem, path: str) -> list[Move]:
         """Project the destination onto the stored layout, check sizes and regions.
 
-        One pass per check over spans that are plain tuples (name, region, offset,
-        length); a failing check hands over to the canonical checker for its error.
+        Spans of one pool and one region are checked a column at a time; others, and
+        every refusal, span by span, so that an error names its span.
         """
         spans = item.spans
         stored = tuple([name for name, _ in entry.layout])
@@ -766,70 +741,34 @@ class Node:
         need = entry.info.need
         sizes = self.slot_sizes
         size = sizes[need[0][0]] if len(need) == 1 else -1
-        if size > 0 and len(spans) >= _UNIFORM_MIN and len(set(columns[1])) == 1 and set(columns[3]) == {size}:
-            # One pool, one region, every length right: the common case, checked and
+        if size > 0:
+            # One pool, one region, every length right (the common case): checked and
             # merged a column at a time.
-            uniform = self._uniform_moves(op, entry, None if projection.full else projection.indices, columns, size)
+            uniform = uniform_columns(op.regions, columns[1], columns[2], columns[3], size)
             if uniform is not None:
-                return uniform
+                region, offsets = uniform
+                slots_array = np.frombuffer(entry.slot_view, dtype=np.uint32)
+                if not projection.full:
+                    slots_array = slots_array[np.array(projection.indices, dtype=np.intp)]
+                return run_moves(need[0][0], size, region, offsets, slots_array)
         slots: Sequence[int] = entry.slots
         pools: Sequence[str] = entry.info.signature
         if not projection.full:  # a subset: only the selected stored spans
             slots = [slots[i] for i in projection.indices]
             pools = [pools[i] for i in projection.indices]
         # Projection rule: "each destination length equals the stored span's size".
-        if size < 0 or any(s[3] != size for s in spans):
-            for j, (span, pool) in enumerate(zip(spans, pools, strict=True)):
-                if span[3] != sizes[pool]:
-                    raise DescriptorError(
-                        ErrorCode.SIZE_MISMATCH, f"span of {span[3]} bytes, the stored span holds {sizes[pool]}",
-                        f"{path}.spans[{j}].length",
-                    )
-        moves: list[Move] = []
-        append = moves.append
-        regions = op.regions
-        last_id, reg = -1, None
-        # Spans that continue the current run (the next slot of the same pool, the next
-        # bytes of the same region) join it: one move, later one descriptor.
-        run_pool, run_slot, run_address, run_length, run_region, run_count = "", 0, 0, 0, _NO_REGION, 0
-        for (_, region, offset, length), pool, slot in zip(spans, pools, slots, strict=True):
-            if region != last_id:
-                reg = regions.get(region)
-                last_id = region
-            # Span rule: inside a region the client announced (resolve_spans says which).
-            if reg is None or offset > reg.length or length > reg.length - offset:
-                resolve_spans(regions, [(s[1], s[2], s[3]) for s in spans], f"{path}.spans")
-                raise AssertionError("resolve_spans accepted a span outside its region")
-            address = reg.address + offset
-            if (
-                slot == run_slot + run_count and address == run_address + run_length
-                and pool == run_pool and reg is run_region
-            ):
-                run_length += length
-                run_count += 1
-                continue
-            if run_count:
-                append((run_pool, run_slot, run_address, run_length, run_region, run_count))
-            run_pool, run_slot, run_address, run_length, run_region, run_count = pool, slot, address, length, reg, 1
-        append((run_pool, run_slot, run_address, run_length, run_region, run_count))
-        return moves
-
-    def _uniform_moves(
-        self, op: Operation, entry: ObjectEntry, indices: tuple[int, ...] | None, columns: tuple[tuple[Any, ...], ...], size: int
-    ) -> list[Move] | None:
-        """Moves for spans of one pool and one region whose lengths are the slot size.
-
-        None when a span lies outside the region: the per-span path then names it.
-        """
-        reg = op.regions.get(columns[1][0])
-        # Span rule: inside the region, [offset, offset + length) within its bytes.
-        offsets = offsets_within(reg, columns[2], size)
-        if reg is None or offsets is None:
-            return None
-        slots = np.frombuffer(entry.slot_view, dtype=np.uint32).astype(np.int64)
-        if indices is not None:
-            slots = slots[np.array(indices, dtype=np.intp)]
-        return run_moves(entry.info.need[0][0], size, reg, offsets, slots)
+        for j, (span, pool) in enumerate(zip(spans, pools, strict=True)):
+            if span[3] != sizes[pool]:
+                raise DescriptorError(
+                    ErrorCode.SIZE_MISMATCH, f"span of {span[3]} bytes, the stored span holds {sizes[pool]}",
+                    f"{path}.spans[{j}].length",
+                )
+        # Span rule: inside a region the client announced (errors name the span).
+        resolved = resolve_spans(op.regions, [(s[1], s[2], s[3]) for s in spans], f"{path}.spans")
+        return [
+            (pool, slot, address, length, region, 1)
+            for pool, slot, (address, length, region) in zip(pools, slots, resolved, strict=True)
+        ]
 
     def _deliver_done(self, op: Operation, claimed: list[tuple[int, ObjectEntry]], ok: bool) -> None:
         for i, entry in claimed:
@@ -1109,7 +1048,8 @@ class Node:
     ) -> None:
         """Ask ``source`` to write objects straight into the client's memory (DESIGN 7)."""
         for i, item in zip(indices, items, strict=True):
-            if _uniform_within(client.regions, item.spans):
+            _, ids, offsets, lengths = zip(*item.spans, strict=True)
+            if uniform_columns(client.regions, ids, offsets, lengths) is not None:
                 continue
             try:
                 resolve_spans(client.regions, [(s.region, s.offset, s.length) for s in item.spans], f"items[{i}].spans")

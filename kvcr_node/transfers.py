@@ -9,7 +9,7 @@ are slow, and most objects land in consecutive slots.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +27,11 @@ def run_moves(pool: str, size: int, region: Region, offsets: np.ndarray, slots: 
     """Moves for spans of one pool and one remote region, each ``size`` bytes, in order.
 
     ``offsets`` (uint64) are the spans' offsets in ``region``, already checked to lie in
-    it; ``slots`` (int64) their slots. A run continues while the next span is the next
-    slot and the next bytes of the region, and becomes one move. Offsets bounded by the
-    region make the uint64 differences exact.
+    it; ``slots`` their slots. A run continues while the next span is the next slot and
+    the next bytes of the region, and becomes one move. Offsets bounded by the region
+    make the uint64 differences exact; slots are compared as int64.
     """
+    slots = slots.astype(np.int64)
     breaks = np.flatnonzero((np.diff(slots) != 1) | (np.diff(offsets) != size)) + 1
     starts = [0, *breaks.tolist()]
     ends = [*starts[1:], len(offsets)]
@@ -41,14 +42,31 @@ def run_moves(pool: str, size: int, region: Region, offsets: np.ndarray, slots: 
     ]
 
 
-def offsets_within(region: Region | None, offsets: Sequence[int], size: int) -> np.ndarray | None:
-    """``offsets`` as uint64 when every span of ``size`` bytes lies inside ``region``, else None."""
-    if region is None or region.length < size:
+UNIFORM_MIN = 16
+"""From this many spans, spans of one region and one length are checked a column at a time."""
+
+
+def uniform_columns(
+    regions: Mapping[int, Region], ids: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
+    size: int | None = None,
+) -> tuple[Region, np.ndarray] | None:
+    """The region and uint64 offsets of many spans that share one region and one length
+    (``size`` when given) and all lie inside that region; None when any of that does not
+    hold, and the per-span checks must decide (and name the bad span).
+
+    ``ids``, ``offsets`` and ``lengths`` are the spans' columns.
+    """
+    if len(ids) < UNIFORM_MIN or len(set(ids)) != 1 or len(set(lengths)) != 1:
+        return None
+    length = lengths[0]
+    region = regions.get(ids[0])
+    if region is None or length <= 0 or (size is not None and length != size) or region.length < length:
         return None
     array = np.array(offsets, dtype=np.uint64)
-    if int(array.max()) > region.length - size:
+    # Span rule: [offset, offset + length) inside the region's bytes.
+    if int(array.max()) > region.length - length:
         return None
-    return array
+    return region, array
 
 
 _MERGE_GAIN = 2
