@@ -416,6 +416,25 @@ class Node:
 
     # ------------------------------------------------------------------ sessions
 
+    def _open_session(
+        self, identity: bytes, request_id: int, agent_md: bytes, regions: Sequence[Region],
+        make: Callable[[str], ClientSession],
+    ) -> ClientSession | None:
+        """Load the sender's NIXL metadata, make its session and take its regions; None after a refusal."""
+        try:
+            agent = self.agent.add_remote(agent_md)
+        except Exception as exc:
+            self._refuse(identity, request_id, ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"agent metadata refused by NIXL: {exc}", "agent_md"))
+            return None
+        session = make(agent)
+        try:
+            self._add_regions(session, regions)
+        except ProtocolError as exc:
+            self._refuse(identity, request_id, exc)
+            return None
+        self.sessions[identity] = session
+        return session
+
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
         try:
             version = negotiate(self.versions, msg.versions)
@@ -429,20 +448,14 @@ class Node:
         if clients >= self.config.max_clients:
             self._refuse(identity, msg.id, ProtocolError(ErrorCode.TOO_MANY_CLIENTS, f"this node serves at most {self.config.max_clients} clients"))
             return
-        try:
-            agent = self.agent.add_remote(msg.agent_md)
-        except Exception as exc:
-            self._refuse(identity, msg.id, ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"agent metadata refused by NIXL: {exc}", "agent_md"))
+        session = self._open_session(
+            identity, msg.id, msg.agent_md, msg.regions,
+            lambda agent: ClientSession(identity, msg.client, agent, version, msg.agent_md),
+        )
+        if session is None:
             return
-        session = ClientSession(identity, msg.client, agent, version, msg.agent_md)
-        try:
-            self._add_regions(session, msg.regions)
-        except ProtocolError as exc:
-            self._refuse(identity, msg.id, exc)
-            return
-        self.sessions[identity] = session
         self.counters["hellos"] += 1
-        log.info("client %s (agent %s) joined at version %d", msg.client, agent, version)
+        log.info("client %s (agent %s) joined at version %d", msg.client, session.agent, version)
         self._reply(
             session,
             Welcome(msg.id, version, self.config.name, self.incarnation, self.agent.name, self.pool_info, self.config.heartbeat_ms),
@@ -1310,18 +1323,12 @@ class Node:
             self._close_session(old)
             if old.ops:
                 self.retired.append(old)
-        try:
-            agent = self.agent.add_remote(msg.agent_md)
-        except Exception as exc:
-            self._refuse(identity, msg.id, ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"agent metadata refused by NIXL: {exc}", "agent_md"))
+        session = self._open_session(
+            identity, msg.id, msg.agent_md, msg.regions,
+            lambda agent: PeerSession(identity, msg.node, agent, version, msg.agent_md, incarnation=msg.incarnation),
+        )
+        if session is None:
             return
-        session = PeerSession(identity, msg.node, agent, version, msg.agent_md, incarnation=msg.incarnation)
-        try:
-            self._add_regions(session, msg.regions)
-        except ProtocolError as exc:
-            self._refuse(identity, msg.id, exc)
-            return
-        self.sessions[identity] = session
         self.counters["peer_hellos"] += 1
         log.info("peer %s (incarnation %x) joined at version %d", msg.node, msg.incarnation, version)
         self._reply(session, PeerWelcome(msg.id, version, self.config.name, self.incarnation, self.agent.name, self.agent.metadata()))
