@@ -1102,8 +1102,10 @@ class Node:
         if client is not None and link.clients_sent.get(client.agent) != client.regions_version:
             # The client's metadata reaches the source once per client and peer (and again
             # when its regions change).
-            self._link_send(link, PeerClient(self._write_id(), client.agent, client.agent_md, tuple(client.regions.values())))
-            link.clients_sent[client.agent] = client.regions_version
+            announce = PeerClient(self._write_id(), client.agent, client.agent_md, tuple(client.regions.values()))
+            if self._link_send(link, announce):
+                link.clients_sent[client.agent] = client.regions_version
+                link.announcing[announce.id] = client.agent
         remaining_ms = max(1, int((write.deadline - time.monotonic()) * 1000))
         msg = WriteRequest(write.id, write.agent, write.items, remaining_ms, write.partial)
         if self._link_send(link, msg):
@@ -1217,8 +1219,17 @@ class Node:
                     self._end_write(write, ErrorCode.TRANSFER_FAILED, "the source answered with the wrong number of results")
                 else:
                     self._end_write(write, None, "", msg.results)
+        elif isinstance(msg, Ack):
+            link.announcing.pop(msg.id, None)
         elif isinstance(msg, (Refuse, Error)):
             write = link.writes.get(msg.id)
+            agent = link.announcing.pop(msg.id, None)
+            if agent is not None:
+                # The source refused a client's announcement: the writes sent after it fail
+                # there (agent not announced); announce again with the client's next write.
+                self.counters["peer_client_refused"] += 1
+                link.clients_sent.pop(agent, None)
+                log.warning("peer %s refused client %s: %s", link.endpoint, agent, msg.reason)
             if write is not None:
                 self._end_write(write, ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.TRANSFER_FAILED,
                                 f"the source refused: {msg.reason}")
@@ -1247,6 +1258,7 @@ class Node:
         link.state = "ready"
         link.down_since = None
         link.clients_sent.clear()
+        link.announcing.clear()
         try:
             link.agent = self.agent.add_remote(msg.agent_md)
         except Exception as exc:

@@ -59,7 +59,9 @@ class PeerLink:
     """Writes sent or uncertain, by id."""
     queued: list[RemoteWrite] = field(default_factory=list)
     clients_sent: dict[str, int] = field(default_factory=dict)
-    """Client agent -> the regions version the peer has."""
+    """Client agent -> the regions version the peer has (or is being sent)."""
+    announcing: dict[int, str] = field(default_factory=dict)
+    """peer_client messages not yet answered: id -> client agent."""
     probes: dict[int, RemoteWrite] = field(default_factory=dict)
     next_heartbeat: float = 0.0
     """When to tell the peer we are alive (it drops sessions silent for its client grace)."""

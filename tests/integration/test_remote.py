@@ -10,11 +10,16 @@ slots are exactly those of the objects the test knows it holds.
 
 from __future__ import annotations
 
+import os
+import secrets
 import signal
+import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from remote_helpers import (
     FAILED,
     OK,
@@ -36,7 +41,21 @@ from remote_helpers import (
 )
 
 from kvcr_client import ErrorCode, Presence, Span
-from kvcr_protocol import Deliver, DeliverItem, DstSpan
+from kvcr_client.agent import Agent
+from kvcr_protocol import (
+    Deliver,
+    DeliverItem,
+    DstSpan,
+    Error,
+    Heartbeat,
+    PeerClient,
+    PeerHello,
+    PeerWelcome,
+    Refuse,
+    WriteRequest,
+    decode,
+    encode,
+)
 
 
 @pytest.fixture
@@ -285,6 +304,69 @@ def test_target_checks_many_span_destinations_before_asking(sites: Sites) -> Non
     dst.assert_untouched()
     assert raw(good).status is OK
     dst.assert_delivered(src)
+
+
+class RefusingSource:
+    """A source node stand-in: welcomes targets, refuses every client announcement and write."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.agent = Agent(f"refusing-source.{os.getpid()}.{secrets.token_hex(4)}")
+        self.ctx = zmq.Context()
+        self.sock: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.seen: list[str] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        version = 2
+        while not self.stop.is_set():
+            if not self.sock.poll(20):
+                continue
+            identity, frame = self.sock.recv_multipart()
+            msg = decode(frame, 2)
+            self.seen.append(msg.TAG)
+            reply: Any = None
+            if isinstance(msg, PeerHello):
+                version = max(set(msg.versions) & {1, 2})
+                reply = PeerWelcome(msg.id, version, "refusing", 7, self.agent.name, self.agent.metadata())
+            elif isinstance(msg, PeerClient):
+                reply = Error(msg.id, ErrorCode.BAD_DESCRIPTOR, "client refused for the test", "agent_md")
+            elif isinstance(msg, WriteRequest):
+                reply = Refuse(msg.id, ErrorCode.BAD_STATE, f"agent {msg.agent!r} was not announced")
+            elif isinstance(msg, Heartbeat):
+                reply = msg
+            if reply is not None:
+                self.sock.send_multipart([identity, encode(reply, version)])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_refused_client_announcement_is_sent_again(sites: Sites, tmp_path: Path) -> None:
+    """A source that refuses a client's announcement gets it again with that client's next write."""
+    (a,) = sites.start("a")
+    source = RefusingSource(f"ipc://{tmp_path}/refusing.sock")
+    try:
+        layout = plain_layout(2)
+        rid = hinted(a, "rq", source, [b"k"])
+        for attempt in range(2):
+            dst = Dest(a, layout, range(2), seed=530 + attempt)
+            out = a.client.deliver({b"k": dst.spans}, request_id=rid).result(RESULT_TIMEOUT_S)[b"k"]
+            expect(out, FAILED, ErrorCode.BAD_STATE)
+            dst.assert_untouched()
+        # Each write went out after a fresh announcement, not unannounced after the refusal.
+        assert source.seen.count("peer_client") == 2, source.seen
+        assert source.seen.count("write") == 2, source.seen
+        assert counter(a.stats(), "peer_client_refused") == 2
+    finally:
+        source.close()
 
 
 def test_evicted_between_query_and_deliver(sites: Sites) -> None:
