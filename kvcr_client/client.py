@@ -122,6 +122,13 @@ def _key(key: Any, path: str) -> bytes:
     return key
 
 
+def _span_total(items: Sequence[Any], attr: str, what: str) -> None:
+    """One message carries at most ``max_spans`` spans over all its keys: refuse more before sending."""
+    total = sum(len(getattr(item, attr)) for item in items)
+    if total > DEFAULT_LIMITS.max_spans:
+        raise ArgumentError(what, f"{total} spans in one call, at most {DEFAULT_LIMITS.max_spans}")
+
+
 def _batch(items: Mapping[bytes, Any] | Iterable[bytes], what: str) -> list[Any]:
     seq = list(items.items()) if isinstance(items, Mapping) else list(items)
     if not seq:
@@ -259,6 +266,8 @@ class _Base:
         ``deliver`` takes a ``Destination`` wherever it takes a sequence of ``Span``, and
         then does no per-span work. It stays valid while its regions stay registered.
         """
+        if isinstance(spans, Sequence) and len(spans) > DEFAULT_LIMITS.max_spans:
+            raise ArgumentError("spans", f"{len(spans)} spans, at most {DEFAULT_LIMITS.max_spans}")
         wire, used = self._spans(b"", spans, "spans", deposit=False)
         return Destination(self, wire, frozenset(used))
 
@@ -310,6 +319,7 @@ class _Base:
             items.append(DepositItem(key, wire))
             keys.append(key)
             regions |= used
+        _span_total(items, "spans", "objects")
         frozen = tuple(items)
         return self._op("deposit", keys, lambda i: Deposit(i, frozen, no_evict, optional, deadline_ms), deadline_ms, True, regions)
 
@@ -334,6 +344,7 @@ class _Base:
             items.append(DeliverItem(key, wire))
             keys.append(key)
             regions |= used
+        _span_total(items, "spans", "objects")
         frozen = tuple(items)
         # Version 1 sessions cannot carry the flag; their remote deliveries name whole layouts.
         flag = partial and self.core.version >= 2
@@ -354,6 +365,7 @@ class _Base:
                 raise ArgumentError(path, "expected a non-empty sequence of (span name, pool) pairs")
             items.append(FetchItem(key, tuple(LayoutSpan(n, p) for n, p in layout)))
             keys.append(key)
+        _span_total(items, "layout", "expected_layouts")
         frozen = tuple(items)
         return self._op("fetch", keys, lambda i: Fetch(i, frozen, request_id, deadline_ms), deadline_ms, False, set())
 

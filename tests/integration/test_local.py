@@ -607,6 +607,17 @@ def test_deliver_errors(client: Client, register: Registrar, key: Callable[[str]
     with pytest.raises(ArgumentError) as err:
         client.deposit({"text": [Span("L0", region, 0, slot, "small")]})  # type: ignore[dict-item]
     assert err.value.field.startswith("objects")
+    # One call carries at most max_spans spans over all its keys.
+    many = [Span("L0", region, 0, slot)] * 40_000
+    with pytest.raises(ArgumentError) as err:
+        client.deliver({k: many, k + b"2": many})
+    assert err.value.field == "objects" and "80000 spans" in str(err.value)
+    with pytest.raises(ArgumentError) as err:
+        client.destination(many * 2)
+    assert err.value.field == "spans"
+    with pytest.raises(ArgumentError) as err:
+        client.fetch({k: [("L0", "small")] * 70_000})
+    assert err.value.field == "expected_layouts"
     # Buffers that cannot be regions.
     with pytest.raises(ArgumentError) as err:
         client.register(np.arange(64, dtype=np.uint8)[::2])
