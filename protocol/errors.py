@@ -71,6 +71,8 @@ class ErrorCode(enum.IntEnum):
     """An abort or probe names an operation that is not known."""
     NO_HINT = 210
     """A remote operation has no hint naming a source for the key."""
+    BAD_ENDPOINT = 211
+    """An endpoint is not one this node can connect to (unknown transport, bad address or port)."""
 
     # 300-399: transfers, peers and deadlines.
     TRANSFER_FAILED = 300
@@ -91,6 +93,8 @@ class ErrorCode(enum.IntEnum):
     """The operation failed but a transfer may still have written the destination."""
     NODE_LOST = 308
     """The client lost its node before the operation completed."""
+    INTERNAL = 309
+    """The node failed while handling the request; the failure is logged and counted, the node goes on."""
 
     # 400-499: admission.
     BUSY = 400
@@ -99,6 +103,10 @@ class ErrorCode(enum.IntEnum):
     """The node serves as many clients as it allows."""
     UNAUTHORIZED = 402
     """The sender may not open a session."""
+    HINT_LIMIT = 403
+    """The session holds as many hints as the node allows; discard some first."""
+    PEER_LIMIT = 404
+    """The node holds as many peer links as it allows and none is idle enough to close."""
 
 
 class ProtocolError(Exception):
