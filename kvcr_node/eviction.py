@@ -17,9 +17,11 @@ from __future__ import annotations
 import heapq
 import importlib
 import logging
+import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, cast
 
 Layout = tuple[tuple[str, str], ...]
 """An object's spans in order, each ``(span name, pool name)``."""
@@ -126,6 +128,15 @@ _LOGGED_FAILURES = 10
 """Plug-in failures logged with their traceback; after that, one line every thousand."""
 
 
+def _short_repr(value: object) -> str:
+    """A plug-in's answer for a log line: bounded, and safe when its ``repr`` is itself defective."""
+    try:
+        text = repr(value)
+    except Exception:
+        return f"<{type(value).__name__} with a failing repr>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class GuardedPolicy(EvictionPolicy):
     """A plug-in policy behind a boundary: its failures are logged and counted, never raised.
 
@@ -146,10 +157,26 @@ class GuardedPolicy(EvictionPolicy):
         except Exception:
             self._failed("score", entry.key, "raised")
             return 0.0
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            self._failed("score", entry.key, f"returned {value!r}, not a number")
+        try:
+            return self._as_score(value, entry.key)
+        except Exception:  # a number type whose comparisons are themselves defective
+            self._failed("score", entry.key, "returned a number that cannot be compared")
             return 0.0
-        return float(value)
+
+    def _as_score(self, value: object, key: bytes) -> float:
+        """A plug-in's score as a float: any real number (ints past float range become
+        +-inf, so they order last or first); NaN, bools and non-numbers count as 0."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            self._failed("score", key, f"returned {_short_repr(value)}, not a number")
+            return 0.0
+        try:
+            score = float(value)
+        except OverflowError:
+            return math.inf if cast(float, value) > 0 else -math.inf
+        if score != score:
+            self._failed("score", key, "returned NaN, not a number")
+            return 0.0
+        return score
 
     def admit(self, key: bytes, layout: Layout) -> bool:
         try:
@@ -158,7 +185,7 @@ class GuardedPolicy(EvictionPolicy):
             self._failed("admit", key, "raised")
             return True
         if type(value) is not bool:
-            self._failed("admit", key, f"returned {value!r}, not a bool")
+            self._failed("admit", key, f"returned {_short_repr(value)}, not a bool")
             return True
         return value
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -326,7 +327,16 @@ class FaultyPolicy(EvictionPolicy):
             raise RuntimeError("admit defect")
         if key.startswith(b"none"):
             return None  # type: ignore[return-value]
+        if key.startswith(b"badrepr"):
+            return BadRepr()  # type: ignore[return-value]
         return not key.startswith(b"no")
+
+
+class BadRepr:
+    """An answer whose repr raises: logging the defect must not raise out of the guard."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr defect")
 
 
 def test_plug_in_policy_failures_are_contained(caplog: pytest.LogCaptureFixture) -> None:
@@ -338,6 +348,8 @@ def test_plug_in_policy_failures_are_contained(caplog: pytest.LogCaptureFixture)
     assert store.begin_deposit(b"raise-1", span("A"), optional=True)[0] is NEW
     assert store.begin_deposit(b"none-1", span("A"), optional=True)[0] is NEW
     assert store.begin_deposit(b"no-1", span("A"), optional=True) == (DepositOutcome.DROPPED, None)
+    assert store.begin_deposit(b"badrepr", span("A"), optional=True)[0] is NEW
+    store.abandon(store.lookup(b"badrepr"))  # type: ignore[arg-type]
     for key in (b"raise-1", b"none-1"):
         entry = store.lookup(key)
         assert entry is not None
@@ -353,8 +365,42 @@ def test_plug_in_policy_failures_are_contained(caplog: pytest.LogCaptureFixture)
     assert entry is not None
     store.commit(entry)
     ok(store)
-    assert getattr(policy, "failures", 0) == 5  # two admits, three scores (raise-1, nan, text)
+    assert getattr(policy, "failures", 0) == 6  # three admits, three scores (raise-1, nan, text)
     assert "admit(b'raise-1') raised" in caplog.text and "not a number" in caplog.text
+
+
+class HugeScorePolicy(EvictionPolicy):
+    """Scores that are numbers but not floats: ints past float range, numpy scalars, infinities."""
+
+    name = "huge"
+
+    def score(self, entry: EvictionEntry) -> float:
+        key = entry.key
+        if key.startswith(b"big"):
+            return 10**400  # type: ignore[return-value]
+        if key.startswith(b"neg"):
+            return -(10**400)  # type: ignore[return-value]
+        if key.startswith(b"np"):
+            return np.int64(5)  # type: ignore[return-value]
+        if key.startswith(b"inf"):
+            return float("inf")
+        return 1.0
+
+
+def test_plug_in_policy_scores_past_float_range() -> None:
+    """A score of 10**400 is a number: it orders last (-10**400 first), and never raises out of the store."""
+    policy = make_policy(f"{__name__}:HugeScorePolicy")
+    store = make([("A", 4)], policy)
+    for key in (b"big", b"np", b"neg", b"plain"):
+        put(store, key, span("A"))
+    ok(store)
+    # Full: each new object evicts the lowest score first: neg (-inf), plain (1), np (5), then big (+inf).
+    for n, key in enumerate((b"inf-1", b"inf-2", b"inf-3")):
+        put(store, key, span("A"))
+        ok(store)
+        assert len(present(store, b"big", b"np", b"neg", b"plain")) == 3 - n
+    assert present(store, b"big", b"np", b"neg", b"plain") == [b"big"]
+    assert getattr(policy, "failures", 0) == 0
 
 
 def test_hybrid_layouts() -> None:
