@@ -15,7 +15,6 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -31,6 +30,7 @@ from kvcr_client.zmq_flags import POLLIN as _POLLIN
 from kvcr_client.zmq_flags import SNDMORE as _SNDMORE
 from kvcr_node.auth import ZAP_ENDPOINT, read_allow_list, read_key, zap_reply
 from kvcr_node.config import NodeConfig
+from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.eviction import make_policy
 from kvcr_node.memory import PoolMemory
 from kvcr_node.peers import PeerLink, RemoteWrite
@@ -107,17 +107,6 @@ _REMOTE_POLL_MS = 50
 _PROBE_INTERVAL_S = 0.25
 
 
-def _bind_endpoint(sock: zmq.Socket[bytes], endpoint: str) -> str:
-    if endpoint.startswith("ipc://"):
-        path = Path(endpoint[len("ipc://") :])
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if path.exists():
-            path.unlink()  # a stale socket file from a node that did not exit cleanly
-    sock.bind(endpoint)
-    bound = sock.getsockopt(zmq.LAST_ENDPOINT)
-    return bound.decode() if isinstance(bound, bytes) else str(bound)
-
-
 class Node:
     """A kvcr node. ``run()`` is the progress loop; ``request_stop()`` ends it cleanly."""
 
@@ -155,7 +144,13 @@ class Node:
         self._auth_monitor: zmq.Socket[bytes] | None = None
         if config.curve_secret_key:
             self._setup_curve()
-        self.endpoint = _bind_endpoint(self.sock, config.endpoint)
+        try:
+            self.bound = BoundEndpoint(self.sock, config.endpoint)
+        except Exception:
+            self._close_sockets()
+            self._release_memory()
+            raise
+        self.endpoint = self.bound.endpoint
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -1425,18 +1420,20 @@ class Node:
             self._release_memory()
         for link in self.links.values():
             link.close()
+        self._close_sockets()
+        self.bound.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _close_sockets(self) -> None:
         if self._auth_monitor is not None:
             self.sock.disable_monitor()
             self._auth_monitor.close(0)
         if self.zap is not None:
             self.zap.close(0)
         self.sock.close(0)
-        if self.endpoint.startswith("ipc://"):
-            Path(self.endpoint[len("ipc://") :]).unlink(missing_ok=True)
         if self._own_context:
             self.context.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
     def _release_memory(self) -> None:
         for reg in self._regs:

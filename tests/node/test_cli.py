@@ -113,3 +113,54 @@ def test_tool_stats_of_a_running_node(node_factory: Callable[..., Any]) -> None:
     assert st["pools"]["kv"]["total"] == 8
     assert st["invariants"] == []
     assert st["claims"]["total"] == 0
+
+
+def test_second_node_on_a_live_ipc_path_is_refused(ipc_dir: Path, node_factory: Callable[..., Any]) -> None:
+    """Starting kvcr-node twice on one ipc path fails with one line; the first node keeps serving."""
+    from kvcr_client import Client
+
+    first = node_factory("--pool", "kv:4KiB:8", "--name", "first")
+    proc = run_node("--pool", "kv:4KiB:8", "--name", "second", endpoint=first.endpoint)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    line = one_error_line(proc)
+    assert "another kvcr-node is serving" in line and first.endpoint in line, line
+    assert "listening" not in proc.stdout
+    with Client(first.endpoint) as client:
+        st = client.stats().result(10)
+    assert st["node"] == "first" and st["invariants"] == []
+
+
+def test_stale_ipc_socket_of_a_dead_node_is_recovered(ipc_dir: Path, node_factory: Callable[..., Any]) -> None:
+    """A node killed with SIGKILL leaves its socket file; the next node on that path replaces it."""
+    from kvcr_client import Client
+
+    dead = node_factory("--pool", "kv:4KiB:8", "--name", "dead")
+    dead.kill()
+    path = Path(dead.endpoint.removeprefix("ipc://"))
+    assert path.exists()
+    from integration_helpers import running_node
+
+    with running_node(ipc_dir, "n0", "--pool", "kv:4KiB:8", "--name", "again") as again:
+        assert again.endpoint == dead.endpoint
+        with Client(again.endpoint) as client:
+            assert client.stats().result(10)["node"] == "again"
+
+
+def test_ipc_path_served_by_another_process_is_refused(ipc_dir: Path) -> None:
+    """A process that holds no kvcr lock (an older node, say) but answers on the socket is not displaced."""
+    import zmq
+
+    endpoint = f"ipc://{ipc_dir}/other.sock"
+    ctx = zmq.Context()
+    other = ctx.socket(zmq.ROUTER)
+    other.setsockopt(zmq.LINGER, 0)
+    try:
+        other.bind(endpoint)
+        proc = run_node("--pool", "kv:4KiB:8", endpoint=endpoint)
+        assert proc.returncode == 2, (proc.stdout, proc.stderr)
+        line = one_error_line(proc)
+        assert "another process is serving" in line, line
+        assert Path(endpoint.removeprefix("ipc://")).exists()
+    finally:
+        other.close(0)
+        ctx.term()
