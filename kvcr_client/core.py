@@ -16,6 +16,11 @@ at their operations once per step.
 
 Rule for every lock holder: before releasing the lock, drain the socket until ZeroMQ
 reports no more input, so the edge-triggered socket descriptor re-arms.
+
+The pending table changes only with the lock held. The background thread looks at it
+between turns without the lock, so it never walks it there: it reads a count of
+memory-touching requests and the nearest deadline, both kept up to date where the table
+changes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import os
 import secrets
 import select
@@ -115,6 +121,10 @@ class ClientCore:
         self._poller = zmq.Poller()
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
+        self._touching = 0
+        """Pending requests that may touch client memory (changed with the lock held, read without)."""
+        self._nearest = math.inf
+        """No pending deadline is earlier (monotonic; may be early, never late; changed with the lock held)."""
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -322,6 +332,9 @@ class ClientCore:
 
         with self._io:
             self.open_socket()
+            if not self._thread.is_alive() and not self._closed:
+                self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
+                self._thread.start()
             op_id = next(self._ids)
             hello = Hello(op_id, self.versions, self.name, self.agent.name, self.agent.metadata(), regions)
             self._send_request(op_id, hello, on_welcome, timeout_s, False, future)
@@ -341,16 +354,35 @@ class ClientCore:
         except LocalProtocolError as exc:
             fut.set_exception(exc)
             return
-        self._pending[op_id] = _Pending(fut, time.monotonic() + timeout_s + _GRACE_S, touches, convert)
+        self._add_pending(op_id, _Pending(fut, time.monotonic() + timeout_s + _GRACE_S, touches, convert))
         try:
             self._sock.send(frame, _NOBLOCK)
             self._last_sent = time.monotonic()
         except zmq.Again:
-            del self._pending[op_id]
+            self._pop_pending(op_id)
             fut.set_exception(NodeLostError(f"the node at {self.endpoint} is not reachable"))
 
+    def _add_pending(self, op_id: int, pending: _Pending) -> None:
+        """Lock held: the one place requests enter the pending table."""
+        self._pending[op_id] = pending
+        if pending.touches_memory:
+            self._touching += 1
+        self._nearest = min(self._nearest, pending.deadline)
+
+    def _pop_pending(self, op_id: int) -> _Pending | None:
+        """Lock held: the one place a request leaves the pending table (``_fail_all`` empties it)."""
+        pending = self._pending.pop(op_id, None)
+        if pending is not None and pending.touches_memory:
+            self._touching -= 1
+        return pending
+
     def _busy(self) -> bool:
-        return any(p.touches_memory for p in self._pending.values())
+        """Whether requests that may touch client memory are pending (safe without the lock)."""
+        return self._touching > 0
+
+    def pending_count(self) -> int:
+        """Requests sent and not answered yet."""
+        return len(self._pending)
 
     def _turn(self, timeout_s: float) -> None:
         """One turn with the lock held: commands, wait up to ``timeout_s``, drain, progress, expire."""
@@ -446,10 +478,14 @@ class ClientCore:
                     self._turn(0)
                 finally:
                     self._io.release()
-        except Exception:  # the background thread must not die silently
-            log.exception("kvcr client background thread failed")
+        except Exception as exc:  # the background thread must not die silently
+            log.exception("kvcr client background thread failed; the session is lost until reconnect()")
             with self._io:
-                self._fail_all(NodeLostError("the client background thread failed"))
+                # Nobody would read the replies of later requests: refuse them at once
+                # (NodeLostError) until reconnect() starts a new thread with a new session.
+                self.lost = True
+                self.connected = False
+                self._fail_all(NodeLostError(f"the client background thread failed: {exc!r}; call reconnect()"))
 
     def _idle_timeout(self) -> float:
         interval = self._heartbeat_s()
@@ -457,8 +493,7 @@ class ClientCore:
             return min(interval / 2, _IDLE_S) if self._pending else interval / 2
         if not self._pending:
             return _IDLE_S
-        nearest = min(p.deadline for p in list(self._pending.values()))
-        return max(0.0, min(_IDLE_S, nearest - time.monotonic()))
+        return max(0.0, min(_IDLE_S, self._nearest - time.monotonic()))
 
     def _drain_monitor(self) -> None:
         if self._monitor is None:
@@ -508,7 +543,7 @@ class ClientCore:
             return
         if isinstance(msg, Heartbeat):
             return  # its id counts heartbeats, not requests
-        pending = self._pending.pop(getattr(msg, "id", 0), None)
+        pending = self._pop_pending(getattr(msg, "id", 0))
         if pending is None:
             log.debug("reply for no pending request: %s", msg.TAG)
             return
@@ -525,17 +560,21 @@ class ClientCore:
         pending.future.set_result(result)
 
     def _expire(self) -> None:
-        if not self._pending:
-            return
         now = time.monotonic()
+        if now < self._nearest:
+            return
         for op_id in [i for i, p in self._pending.items() if p.deadline <= now]:
-            pending = self._pending.pop(op_id)
+            pending = self._pop_pending(op_id)
+            assert pending is not None
             pending.future.set_exception(
                 OperationTimeout(f"operation {op_id}: no answer from {self.endpoint} within its deadline")
             )
+        self._nearest = min((p.deadline for p in self._pending.values()), default=math.inf)
 
     def _fail_all(self, exc: Exception) -> None:
         pending, self._pending = self._pending, {}
+        self._touching = 0
+        self._nearest = math.inf
         for p in pending.values():
             if not p.future.done():
                 p.future.set_exception(exc)
