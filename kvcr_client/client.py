@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvcr_client.buffers import BufferError, describe
 from kvcr_client.core import ClientCore
@@ -45,6 +47,7 @@ from kvcr_protocol import (
     SubmitHint,
     UnregisterRegions,
     Welcome,
+    supported_up_to,
 )
 from kvcr_protocol import Deliver as DeliverMsg
 
@@ -114,6 +117,65 @@ def _z85(key: str | bytes, path: str) -> bytes:
     return raw.strip()
 
 
+_U32_MAX = (1 << 32) - 1
+"""Largest ``deadline_ms`` the protocol carries (uint32, spec section 6.4)."""
+_U64_MAX = (1 << 64) - 1
+"""Largest release handle the protocol carries (uint64, spec section 6.4)."""
+
+
+def _uint(value: Any, path: str, maximum: int, minimum: int = 0) -> int:
+    """An integer (not a bool) in ``minimum..maximum``, as a plain int."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ArgumentError(path, f"expected an int in {minimum}..{maximum}, got {type(value).__name__}")
+    number = operator.index(value)
+    if not minimum <= number <= maximum:
+        raise ArgumentError(path, f"{number} is outside {minimum}..{maximum}")
+    return number
+
+
+def _deadline(value: Any) -> int:
+    """Milliseconds the node may spend, counted from receipt; 0: the node's default (spec section 5.1)."""
+    return _uint(value, "deadline_ms", _U32_MAX)
+
+
+def _flag(value: Any, path: str) -> bool:
+    if type(value) is not bool:
+        raise ArgumentError(path, f"expected a bool, got {type(value).__name__}")
+    return value
+
+
+def _text(value: Any, path: str, limit: int, *, empty: bool = True) -> str:
+    """A str of at most ``limit`` UTF-8 bytes (the protocol's limits, spec section 11)."""
+    if not isinstance(value, str):
+        raise ArgumentError(path, f"expected a str, got {type(value).__name__}")
+    if not value and not empty:
+        raise ArgumentError(path, "must not be empty")
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError as exc:
+        raise ArgumentError(path, f"not encodable as UTF-8: {exc.reason}") from None
+    if size > limit:
+        raise ArgumentError(path, f"{size} bytes in UTF-8, at most {limit}")
+    return value
+
+
+def _request_id(value: Any) -> str:
+    """A request id: a non-empty str of at most ``max_text`` bytes."""
+    return _text(value, "request_id", DEFAULT_LIMITS.max_text, empty=False)
+
+
+def _optional_request_id(value: Any) -> str | None:
+    """A request id, or ``None`` for none."""
+    return None if value is None else _request_id(value)
+
+
+def _timeout(value: Any, path: str = "timeout") -> float:
+    """A wait in seconds: a positive finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ArgumentError(path, f"expected a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 def _key(key: Any, path: str) -> bytes:
     if not isinstance(key, bytes):
         raise ArgumentError(path, f"keys are bytes, got {type(key).__name__}")
@@ -129,8 +191,16 @@ def _span_total(items: Sequence[Any], attr: str, what: str) -> None:
         raise ArgumentError(what, f"{total} spans in one call, at most {DEFAULT_LIMITS.max_spans}")
 
 
-def _batch(items: Mapping[bytes, Any] | Iterable[bytes], what: str) -> list[Any]:
-    seq = list(items.items()) if isinstance(items, Mapping) else list(items)
+def _batch(items: Mapping[bytes, Any] | Iterable[bytes], what: str, mapping: bool = False) -> list[Any]:
+    """The items of a call's batch: a mapping of key -> value where ``mapping``, else an iterable of keys."""
+    if mapping:
+        if not isinstance(items, Mapping):
+            raise ArgumentError(what, f"expected a mapping of bytes keys, got {type(items).__name__}")
+        seq = list(items.items())
+    else:
+        if isinstance(items, (str, bytes, bytearray, memoryview)) or not isinstance(items, Iterable):
+            raise ArgumentError(what, f"expected an iterable of bytes keys, got {type(items).__name__}")
+        seq = list(cast(Iterable[Any], items))
     if not seq:
         raise ArgumentError(what, "the batch is empty")
     if len(seq) > DEFAULT_LIMITS.max_keys:
@@ -145,6 +215,11 @@ class _Base:
     _regions: dict[int, RegionHandle]
 
     def _init(self, endpoint: str, name: str | None, max_version: int, curve: CurveKeys | None = None) -> None:
+        _text(endpoint, "endpoint", DEFAULT_LIMITS.max_text, empty=False)
+        if name is not None:
+            _text(name, "name", DEFAULT_LIMITS.max_name)
+        if max_version not in supported_up_to(CURRENT_VERSION):
+            raise ArgumentError("max_version", f"{max_version!r} is not one of {list(supported_up_to(CURRENT_VERSION))}")
         keys = None
         if curve is not None:
             keys = (_z85(curve.server_public, "curve.server_public"), _z85(curve.public, "curve.public"),
@@ -310,9 +385,16 @@ class _Base:
         self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
         deadline_ms: int = DEFAULT_DEADLINE_MS,
     ) -> OpHandle[Results[KeyOutcome]]:
-        """Store objects; each key maps to its layout's spans in order (with pools)."""
+        """Store objects; each key maps to its layout's spans in order (with pools).
+
+        ``deadline_ms``: milliseconds the node may spend, counted from its receipt of the
+        request; 0 means the node's default (its ``deadline_ms`` setting, spec section 5.1).
+        """
+        no_evict = _flag(no_evict, "no_evict")
+        optional = _flag(optional, "optional")
+        deadline_ms = _deadline(deadline_ms)
         items, keys, regions = [], [], set()
-        for key, spans in _batch(objects, "objects"):
+        for key, spans in _batch(objects, "objects", mapping=True):
             path = f"objects[{key!r}]"
             _key(key, path)
             wire, used = self._spans(key, spans, f"{path}.spans", deposit=True)
@@ -331,10 +413,14 @@ class _Base:
 
         A node projects objects it holds whatever ``partial`` says. For an object it must
         get from the peer a hint for ``request_id`` names, only a ``partial`` deliver may
-        name a subset (the source must speak protocol version 2).
+        name a subset (the source must speak protocol version 2). ``deadline_ms`` as for
+        ``deposit``.
         """
+        request_id = _optional_request_id(request_id)
+        deadline_ms = _deadline(deadline_ms)
+        partial = _flag(partial, "partial")
         items, keys, regions = [], [], set()
-        for key, spans in _batch(objects, "objects"):
+        for key, spans in _batch(objects, "objects", mapping=True):
             path = f"objects[{key!r}]"
             _key(key, path)
             if type(spans) is Destination:
@@ -356,13 +442,23 @@ class _Base:
         self, expected_layouts: Mapping[bytes, Sequence[tuple[str, str]]], request_id: str | None = None,
         deadline_ms: int = DEFAULT_DEADLINE_MS,
     ) -> OpHandle[Results[KeyOutcome]]:
-        """Make objects resident in the node (whole layouts); each OK result carries a release handle."""
+        """Make objects resident in the node (whole layouts); each OK result carries a release handle.
+
+        ``deadline_ms`` as for ``deposit``.
+        """
+        request_id = _optional_request_id(request_id)
+        deadline_ms = _deadline(deadline_ms)
         items, keys = [], []
-        for key, layout in _batch(expected_layouts, "expected_layouts"):
+        for key, layout in _batch(expected_layouts, "expected_layouts", mapping=True):
             path = f"expected_layouts[{key!r}]"
             _key(key, path)
-            if not layout or any(not (isinstance(s, tuple) and len(s) == 2) for s in layout):
+            if isinstance(layout, (str, bytes)) or not isinstance(layout, Sequence) or not layout:
                 raise ArgumentError(path, "expected a non-empty sequence of (span name, pool) pairs")
+            for j, s in enumerate(layout):
+                if not (isinstance(s, tuple) and len(s) == 2):
+                    raise ArgumentError(f"{path}[{j}]", "expected a (span name, pool) pair")
+                _text(s[0], f"{path}[{j}]", DEFAULT_LIMITS.max_name)
+                _text(s[1], f"{path}[{j}]", DEFAULT_LIMITS.max_name)
             items.append(FetchItem(key, tuple(LayoutSpan(n, p) for n, p in layout)))
             keys.append(key)
         _span_total(items, "layout", "expected_layouts")
@@ -371,18 +467,20 @@ class _Base:
 
     def release(self, handles: Iterable[int]) -> OpHandle[Results[KeyOutcome]]:
         """Drop handle claims; results are keyed by the handle as 8 big-endian bytes."""
-        hs = list(handles)
+        if isinstance(handles, (str, bytes, bytearray, memoryview)) or not isinstance(handles, Iterable):
+            raise ArgumentError("handles", f"expected an iterable of int handles, got {type(handles).__name__}")
+        hs = [_uint(h, f"handles[{i}]", _U64_MAX, minimum=1) for i, h in enumerate(handles)]
         if not hs:
             raise ArgumentError("handles", "the batch is empty")
-        for i, h in enumerate(hs):
-            if isinstance(h, bool) or not isinstance(h, int) or h <= 0:
-                raise ArgumentError(f"handles[{i}]", f"expected a positive int handle, got {h!r}")
+        if len(hs) > DEFAULT_LIMITS.max_keys:
+            raise ArgumentError("handles", f"{len(hs)} handles, at most {DEFAULT_LIMITS.max_keys} per call")
         keys = [h.to_bytes(8, "big") for h in hs]
         frozen = tuple(hs)
         return self._op("release", keys, lambda i: Release(i, frozen), 10_000, False, set())
 
     def query(self, keys: Iterable[bytes], request_id: str | None = None) -> OpHandle[Results[KeyPresence]]:
         """Where are these keys? Advisory: a HIT may be evicted before the next call."""
+        request_id = _optional_request_id(request_id)
         ks = [_key(k, f"keys[{i}]") for i, k in enumerate(_batch(keys, "keys"))]
         frozen = tuple(ks)
 
@@ -395,8 +493,8 @@ class _Base:
 
     def submit_hint(self, request_id: str, source_endpoint: str, keys: Iterable[bytes]) -> OpHandle[None]:
         """Tell the node that, for ``request_id``, ``keys`` may be held by the node at ``source_endpoint``."""
-        if not request_id:
-            raise ArgumentError("request_id", "must not be empty")
+        request_id = _request_id(request_id)
+        _text(source_endpoint, "source_endpoint", DEFAULT_LIMITS.max_text)
         if "://" not in source_endpoint:
             raise ArgumentError("source_endpoint", f"expected a ZeroMQ endpoint, got {source_endpoint!r}")
         ks = tuple(_key(k, f"keys[{i}]") for i, k in enumerate(_batch(keys, "keys")))
@@ -404,11 +502,15 @@ class _Base:
         return self._handle(op_id, "hint", fut)
 
     def discard_hint(self, request_id: str) -> OpHandle[None]:
+        """The request is over: the node forgets its hints."""
+        request_id = _request_id(request_id)
         op_id, fut = self.core.request(lambda i: DiscardHint(i, request_id), _ack, 10.0)
         return self._handle(op_id, "unhint", fut)
 
     def abort(self, handle: OpHandle[Any]) -> None:
         """Best effort; the operation then completes, ABORTED where it had not finished."""
+        if not isinstance(handle, OpHandle):
+            raise ArgumentError("handle", f"expected an OpHandle of this client, got {type(handle).__name__}")
         handle.abort()
 
     def stats(self) -> OpHandle[dict[str, Any]]:
@@ -420,7 +522,7 @@ class _Base:
         return self._handle(op_id, "stats", fut)
 
     def _unregister_check(self, region: RegionHandle) -> None:
-        if self._regions.get(region.region) is not region:
+        if not isinstance(region, RegionHandle) or self._regions.get(region.region) is not region:
             raise ArgumentError("region", "not a region registered with this client")
         if region.in_use:
             raise ArgumentError("region", f"{region.in_use} pending operation(s) still use it")
@@ -447,6 +549,7 @@ class Client(_Base):
         self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
         curve: CurveKeys | None = None,
     ) -> None:
+        timeout = _timeout(timeout)
         self._init(endpoint, name, max_version, curve)
         try:
             self.core.wait(self._hello(timeout), timeout + 5)
@@ -487,6 +590,7 @@ class Client(_Base):
 
     def reconnect(self, timeout: float = 10.0) -> Welcome:
         """Open a new session (after node loss or restart), announcing every registered region."""
+        timeout = _timeout(timeout)
         result: Welcome = self.core.wait(self._hello(timeout), timeout + 5)
         return result
 
@@ -518,6 +622,7 @@ class AsyncClient(_Base):
         cls, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
         curve: CurveKeys | None = None,
     ) -> AsyncClient:
+        timeout = _timeout(timeout)
         client = cls(endpoint, name, max_version, curve)
         try:
             await asyncio.wrap_future(client._hello(timeout))
@@ -550,6 +655,7 @@ class AsyncClient(_Base):
         await asyncio.wrap_future(self.core.call(lambda: self._unregister_on_io(region)))
 
     async def reconnect(self, timeout: float = 10.0) -> Welcome:
+        timeout = _timeout(timeout)
         result: Welcome = await asyncio.wrap_future(self._hello(timeout))
         return result
 

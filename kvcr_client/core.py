@@ -51,6 +51,7 @@ from kvcr_client.zmq_flags import NOBLOCK as _NOBLOCK
 from kvcr_client.zmq_flags import POLLIN as _POLLIN
 from kvcr_protocol import (
     CURRENT_VERSION,
+    DEFAULT_LIMITS,
     Bye,
     CapacityEvent,
     Error,
@@ -77,6 +78,13 @@ _DRIVE_SLICE_S = 0.05
 _GRACE_S = 2.0
 
 
+def _agent_name(client: str) -> str:
+    """A unique NIXL agent name within the protocol's name limit: the client's name cut to fit."""
+    suffix = f".{os.getpid()}.{secrets.token_hex(4)}"
+    room = DEFAULT_LIMITS.max_name - len(suffix)
+    return client.encode()[:room].decode(errors="ignore") + suffix
+
+
 @dataclass
 class _Pending:
     future: Future[Any]
@@ -101,7 +109,7 @@ class ClientCore:
         """(server public key, our public key, our secret key), z85, for CurveZMQ nodes."""
         self.name = name or f"kvcr-client-{os.getpid()}"
         self.versions = supported_up_to(max_version)
-        self.agent = Agent(f"{self.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        self.agent = Agent(_agent_name(self.name))
         self._own_context = context is None
         self.context = context or zmq.Context()
         self._io = threading.RLock()
