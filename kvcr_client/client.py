@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
@@ -51,7 +52,11 @@ from kvcr_protocol import (
 )
 from kvcr_protocol import Deliver as DeliverMsg
 
+log = logging.getLogger("kvcr.client")
+
 DEFAULT_DEADLINE_MS = 30_000
+DEFAULT_MAX_COMPLETED = 8192
+"""Completed operations kept for ``poll_completed`` at most; older ones are dropped and counted."""
 
 
 @dataclass(eq=False)
@@ -214,8 +219,12 @@ class _Base:
     core: ClientCore
     _regions: dict[int, RegionHandle]
 
-    def _init(self, endpoint: str, name: str | None, max_version: int, curve: CurveKeys | None = None) -> None:
+    def _init(
+        self, endpoint: str, name: str | None, max_version: int, curve: CurveKeys | None = None,
+        max_completed: int = DEFAULT_MAX_COMPLETED,
+    ) -> None:
         _text(endpoint, "endpoint", DEFAULT_LIMITS.max_text, empty=False)
+        max_completed = _uint(max_completed, "max_completed", 1 << 31, minimum=1)
         if name is not None:
             _text(name, "name", DEFAULT_LIMITS.max_name)
         if max_version not in supported_up_to(CURRENT_VERSION):
@@ -227,20 +236,47 @@ class _Base:
         self.core = ClientCore(endpoint, name, max_version, curve=keys)
         self._regions = {}
         self._next_region = 1
-        self._completed: collections.deque[OpHandle[Any]] = collections.deque()
+        self._completed: collections.deque[OpHandle[Any]] = collections.deque(maxlen=max_completed)
+        self._polling = False
+        """Whether the engine polls (it called ``poll_completed``): only then are completions queued."""
+        self.completed_dropped = 0
+        """Completions dropped from the full ``poll_completed`` queue (``max_completed``)."""
 
     def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
         handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait, self.core.poll)
-        fut.add_done_callback(lambda _: self._completed.append(handle))
+        fut.add_done_callback(lambda _: self._queue_completed(handle))
         return handle
 
+    def _queue_completed(self, handle: OpHandle[Any]) -> None:
+        """Queue a completion for ``poll_completed``: only for a polling engine, only if nobody waited."""
+        if not self._polling or handle.waited:
+            return
+        queue = self._completed
+        if len(queue) == queue.maxlen:
+            self.completed_dropped += 1
+            if self.completed_dropped == 1:
+                log.warning("poll_completed queue full (%d): dropping the oldest completions", queue.maxlen)
+        queue.append(handle)  # a full deque drops its oldest entry
+
     def poll_completed(self) -> list[OpHandle[Any]]:
-        """Every operation that completed since the last call, for engines that poll once per step."""
+        """The operations that completed since the last call, for engines that poll once per step.
+
+        The first call says that the engine polls: completions are queued from then on,
+        only for handles nobody waited on (``result``) or awaited, and at most
+        ``max_completed`` of them (the oldest are dropped beyond, counted in
+        ``completed_dropped``). An engine that waits on or awaits its handles, and never
+        calls this, keeps no queue at all.
+        """
+        self._polling = True
         self.core.poll()
         out = []
         while self._completed:
             out.append(self._completed.popleft())
         return out
+
+    def tables(self) -> dict[str, int]:
+        """Sizes of the client's tables (for monitoring, and churn tests that check nothing grows)."""
+        return {**self.core.tables(), "completed": len(self._completed), "regions": len(self._regions)}
 
     @property
     def pools(self) -> dict[str, PoolInfo]:
@@ -547,10 +583,10 @@ class Client(_Base):
 
     def __init__(
         self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
-        curve: CurveKeys | None = None,
+        curve: CurveKeys | None = None, max_completed: int = DEFAULT_MAX_COMPLETED,
     ) -> None:
         timeout = _timeout(timeout)
-        self._init(endpoint, name, max_version, curve)
+        self._init(endpoint, name, max_version, curve, max_completed)
         try:
             self.core.wait(self._hello(timeout), timeout + 5)
         except BaseException:
@@ -560,10 +596,10 @@ class Client(_Base):
     @classmethod
     def connect(
         cls, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
-        curve: CurveKeys | None = None,
+        curve: CurveKeys | None = None, max_completed: int = DEFAULT_MAX_COMPLETED,
     ) -> Client:
         """Open a session with the node at ``endpoint`` (the same as the constructor)."""
-        return cls(endpoint, name, max_version, timeout, curve)
+        return cls(endpoint, name, max_version, timeout, curve, max_completed)
 
     def __enter__(self) -> Client:
         return self
@@ -613,17 +649,18 @@ class AsyncClient(_Base):
     """The asyncio client. ``async with await AsyncClient.connect(endpoint) as c: ...``"""
 
     def __init__(
-        self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, curve: CurveKeys | None = None
+        self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, curve: CurveKeys | None = None,
+        max_completed: int = DEFAULT_MAX_COMPLETED,
     ) -> None:
-        self._init(endpoint, name, max_version, curve)
+        self._init(endpoint, name, max_version, curve, max_completed)
 
     @classmethod
     async def connect(
         cls, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
-        curve: CurveKeys | None = None,
+        curve: CurveKeys | None = None, max_completed: int = DEFAULT_MAX_COMPLETED,
     ) -> AsyncClient:
         timeout = _timeout(timeout)
-        client = cls(endpoint, name, max_version, curve)
+        client = cls(endpoint, name, max_version, curve, max_completed)
         try:
             await asyncio.wrap_future(client._hello(timeout))
         except BaseException:

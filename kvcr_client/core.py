@@ -392,6 +392,10 @@ class ClientCore:
         """Requests sent and not answered yet."""
         return len(self._pending)
 
+    def tables(self) -> dict[str, int]:
+        """Sizes of the core's tables: requests pending, commands handed to a driver."""
+        return {"pending": len(self._pending), "commands": len(self._commands)}
+
     def _turn(self, timeout_s: float) -> None:
         """One turn with the lock held: commands, wait up to ``timeout_s``, drain, progress, expire."""
         while self._commands:
