@@ -11,6 +11,7 @@ import collections
 import logging
 import math
 import operator
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -70,7 +71,13 @@ class RegionHandle:
     device: int
     buffer: Any = field(repr=False)
     registration: Any = field(repr=False, default=None)
-    in_use: int = 0
+    users: dict[int, str] = field(repr=False, default_factory=dict)
+    """Operations the node may still run on this memory: op id -> kind (changed under the client's use lock)."""
+
+    @property
+    def in_use(self) -> int:
+        """How many operations the node may still run on this memory (answered ones and timed-out ones)."""
+        return len(self.users)
 
     def wire(self) -> Region:
         return Region(self.region, self.kind, self.device, self.address, self.length)
@@ -235,6 +242,8 @@ class _Base:
                     _z85(curve.secret, "curve.secret"))
         self.core = ClientCore(endpoint, name, max_version, curve=keys)
         self._regions = {}
+        self._use_lock = threading.Lock()
+        """Guards ``RegionHandle.users`` (a leaf lock: taken with or without the core's I/O lock)."""
         self._next_region = 1
         self._completed: collections.deque[OpHandle[Any]] = collections.deque(maxlen=max_completed)
         self._polling = False
@@ -393,8 +402,22 @@ class _Base:
     # -- operations
 
     def _op(self, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool, regions: set[RegionHandle]) -> OpHandle[Any]:
-        for region in regions:
-            region.in_use += 1
+        """Send one operation. Its regions stay in use until the node can no longer touch them.
+
+        That is when the node answered, or the session is over (closed, or the node lost);
+        not when the client merely stopped waiting (spec section 5.1). ``deadline_ms`` 0
+        is the node's default, which the client does not know: it waits for the answer.
+        """
+        op_id = self.core.next_id()
+        if regions:
+            with self._use_lock:
+                for region in regions:
+                    region.users[op_id] = kind
+
+        def settled() -> None:
+            with self._use_lock:
+                for region in regions:
+                    region.users.pop(op_id, None)
 
         def convert(msg: Message) -> Results[Any]:
             assert isinstance(msg, Completion)
@@ -405,13 +428,8 @@ class _Base:
                 for k, r in zip(keys, msg.results, strict=True)
             ])
 
-        op_id, fut = self.core.request(build, convert, deadline_ms / 1000, touches)
-
-        def unuse(_: Future[Any]) -> None:
-            for region in regions:
-                region.in_use -= 1
-
-        fut.add_done_callback(unuse)
+        timeout_s = deadline_ms / 1000 if deadline_ms else math.inf
+        _, fut = self.core.request(build, convert, timeout_s, touches, op_id, settled if regions else None)
         return self._handle(op_id, kind, fut, self._abort)
 
     def _abort(self, op_id: int) -> None:
@@ -424,7 +442,11 @@ class _Base:
         """Store objects; each key maps to its layout's spans in order (with pools).
 
         ``deadline_ms``: milliseconds the node may spend, counted from its receipt of the
-        request; 0 means the node's default (its ``deadline_ms`` setting, spec section 5.1).
+        request (0..2**32-1); 0 means the node's default (its ``deadline_ms`` setting,
+        spec section 5.1). The client waits for the answer until that deadline plus a
+        grace of 2 s, or, for 0, until the answer or the end of the session; then the
+        handle fails with ``OperationTimeout``, but the regions the spans name stay in use
+        (``unregister`` refuses them) until the node's late answer or the session's end.
         """
         no_evict = _flag(no_evict, "no_evict")
         optional = _flag(optional, "optional")
@@ -560,8 +582,15 @@ class _Base:
     def _unregister_check(self, region: RegionHandle) -> None:
         if not isinstance(region, RegionHandle) or self._regions.get(region.region) is not region:
             raise ArgumentError("region", "not a region registered with this client")
-        if region.in_use:
-            raise ArgumentError("region", f"{region.in_use} pending operation(s) still use it")
+        with self._use_lock:
+            users = sorted(region.users.items())
+        if users:
+            late = self.core.timed_out_ids()
+            ops = ", ".join(
+                f"{kind} #{op_id}" + (" (timed out here, the node has not answered)" if op_id in late else "")
+                for op_id, kind in users
+            )
+            raise ArgumentError("region", f"operations the node may still run on it: {ops}")
 
     def _unregister_on_io(self, region: RegionHandle) -> None:
         self._regions.pop(region.region, None)
