@@ -43,6 +43,7 @@ class Snapshot:
 
     @classmethod
     def take(cls, client: Any) -> Snapshot:
+        gc.collect()  # objects in reference cycles hold descriptors until collected
         return cls(fd_count(), rss_kib(), dict(client.tables()))
 
     def assert_back_within(self, before: Snapshot, what: str) -> None:
