@@ -599,7 +599,8 @@ class _Base:
             region.registration = None
 
     def _hello(self, timeout_s: float) -> Future[Any]:
-        return self.core.hello(tuple(r.wire() for r in self._regions.values()), timeout_s)
+        regions = list(self._regions.values())  # one step: another thread may register meanwhile
+        return self.core.hello(tuple(r.wire() for r in regions), timeout_s)
 
 
 def _ack(msg: Message) -> None:
