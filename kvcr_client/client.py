@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
+import math
+import operator
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvcr_client.buffers import BufferError, describe
 from kvcr_client.core import ClientCore
@@ -45,10 +49,15 @@ from kvcr_protocol import (
     SubmitHint,
     UnregisterRegions,
     Welcome,
+    supported_up_to,
 )
 from kvcr_protocol import Deliver as DeliverMsg
 
+log = logging.getLogger("kvcr.client")
+
 DEFAULT_DEADLINE_MS = 30_000
+DEFAULT_MAX_COMPLETED = 8192
+"""Completed operations kept for ``poll_completed`` at most; older ones are dropped and counted."""
 
 
 @dataclass(eq=False)
@@ -62,7 +71,13 @@ class RegionHandle:
     device: int
     buffer: Any = field(repr=False)
     registration: Any = field(repr=False, default=None)
-    in_use: int = 0
+    users: dict[int, str] = field(repr=False, default_factory=dict)
+    """Operations the node may still run on this memory: op id -> kind (changed under the client's use lock)."""
+
+    @property
+    def in_use(self) -> int:
+        """How many operations the node may still run on this memory (answered ones and timed-out ones)."""
+        return len(self.users)
 
     def wire(self) -> Region:
         return Region(self.region, self.kind, self.device, self.address, self.length)
@@ -114,6 +129,65 @@ def _z85(key: str | bytes, path: str) -> bytes:
     return raw.strip()
 
 
+_U32_MAX = (1 << 32) - 1
+"""Largest ``deadline_ms`` the protocol carries (uint32, spec section 6.4)."""
+_U64_MAX = (1 << 64) - 1
+"""Largest release handle the protocol carries (uint64, spec section 6.4)."""
+
+
+def _uint(value: Any, path: str, maximum: int, minimum: int = 0) -> int:
+    """An integer (not a bool) in ``minimum..maximum``, as a plain int."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ArgumentError(path, f"expected an int in {minimum}..{maximum}, got {type(value).__name__}")
+    number = operator.index(value)
+    if not minimum <= number <= maximum:
+        raise ArgumentError(path, f"{number} is outside {minimum}..{maximum}")
+    return number
+
+
+def _deadline(value: Any) -> int:
+    """Milliseconds the node may spend, counted from receipt; 0: the node's default (spec section 5.1)."""
+    return _uint(value, "deadline_ms", _U32_MAX)
+
+
+def _flag(value: Any, path: str) -> bool:
+    if type(value) is not bool:
+        raise ArgumentError(path, f"expected a bool, got {type(value).__name__}")
+    return value
+
+
+def _text(value: Any, path: str, limit: int, *, empty: bool = True) -> str:
+    """A str of at most ``limit`` UTF-8 bytes (the protocol's limits, spec section 11)."""
+    if not isinstance(value, str):
+        raise ArgumentError(path, f"expected a str, got {type(value).__name__}")
+    if not value and not empty:
+        raise ArgumentError(path, "must not be empty")
+    try:
+        size = len(value.encode())
+    except UnicodeEncodeError as exc:
+        raise ArgumentError(path, f"not encodable as UTF-8: {exc.reason}") from None
+    if size > limit:
+        raise ArgumentError(path, f"{size} bytes in UTF-8, at most {limit}")
+    return value
+
+
+def _request_id(value: Any) -> str:
+    """A request id: a non-empty str of at most ``max_text`` bytes."""
+    return _text(value, "request_id", DEFAULT_LIMITS.max_text, empty=False)
+
+
+def _optional_request_id(value: Any) -> str | None:
+    """A request id, or ``None`` for none."""
+    return None if value is None else _request_id(value)
+
+
+def _timeout(value: Any, path: str = "timeout") -> float:
+    """A wait in seconds: a positive finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ArgumentError(path, f"expected a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 def _key(key: Any, path: str) -> bytes:
     if not isinstance(key, bytes):
         raise ArgumentError(path, f"keys are bytes, got {type(key).__name__}")
@@ -129,8 +203,16 @@ def _span_total(items: Sequence[Any], attr: str, what: str) -> None:
         raise ArgumentError(what, f"{total} spans in one call, at most {DEFAULT_LIMITS.max_spans}")
 
 
-def _batch(items: Mapping[bytes, Any] | Iterable[bytes], what: str) -> list[Any]:
-    seq = list(items.items()) if isinstance(items, Mapping) else list(items)
+def _batch(items: Mapping[bytes, Any] | Iterable[bytes], what: str, mapping: bool = False) -> list[Any]:
+    """The items of a call's batch: a mapping of key -> value where ``mapping``, else an iterable of keys."""
+    if mapping:
+        if not isinstance(items, Mapping):
+            raise ArgumentError(what, f"expected a mapping of bytes keys, got {type(items).__name__}")
+        seq = list(items.items())
+    else:
+        if isinstance(items, (str, bytes, bytearray, memoryview)) or not isinstance(items, Iterable):
+            raise ArgumentError(what, f"expected an iterable of bytes keys, got {type(items).__name__}")
+        seq = list(cast(Iterable[Any], items))
     if not seq:
         raise ArgumentError(what, "the batch is empty")
     if len(seq) > DEFAULT_LIMITS.max_keys:
@@ -144,28 +226,66 @@ class _Base:
     core: ClientCore
     _regions: dict[int, RegionHandle]
 
-    def _init(self, endpoint: str, name: str | None, max_version: int, curve: CurveKeys | None = None) -> None:
+    def _init(
+        self, endpoint: str, name: str | None, max_version: int, curve: CurveKeys | None = None,
+        max_completed: int = DEFAULT_MAX_COMPLETED,
+    ) -> None:
+        _text(endpoint, "endpoint", DEFAULT_LIMITS.max_text, empty=False)
+        max_completed = _uint(max_completed, "max_completed", 1 << 31, minimum=1)
+        if name is not None:
+            _text(name, "name", DEFAULT_LIMITS.max_name)
+        if max_version not in supported_up_to(CURRENT_VERSION):
+            raise ArgumentError("max_version", f"{max_version!r} is not one of {list(supported_up_to(CURRENT_VERSION))}")
         keys = None
         if curve is not None:
             keys = (_z85(curve.server_public, "curve.server_public"), _z85(curve.public, "curve.public"),
                     _z85(curve.secret, "curve.secret"))
         self.core = ClientCore(endpoint, name, max_version, curve=keys)
         self._regions = {}
+        self._use_lock = threading.Lock()
+        """Guards ``RegionHandle.users`` (a leaf lock: taken with or without the core's I/O lock)."""
         self._next_region = 1
-        self._completed: collections.deque[OpHandle[Any]] = collections.deque()
+        self._completed: collections.deque[OpHandle[Any]] = collections.deque(maxlen=max_completed)
+        self._polling = False
+        """Whether the engine polls (it called ``poll_completed``): only then are completions queued."""
+        self.completed_dropped = 0
+        """Completions dropped from the full ``poll_completed`` queue (``max_completed``)."""
 
     def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
         handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait, self.core.poll)
-        fut.add_done_callback(lambda _: self._completed.append(handle))
+        fut.add_done_callback(lambda _: self._queue_completed(handle))
         return handle
 
+    def _queue_completed(self, handle: OpHandle[Any]) -> None:
+        """Queue a completion for ``poll_completed``: only for a polling engine, only if nobody waited."""
+        if not self._polling or handle.waited:
+            return
+        queue = self._completed
+        if len(queue) == queue.maxlen:
+            self.completed_dropped += 1
+            if self.completed_dropped == 1:
+                log.warning("poll_completed queue full (%d): dropping the oldest completions", queue.maxlen)
+        queue.append(handle)  # a full deque drops its oldest entry
+
     def poll_completed(self) -> list[OpHandle[Any]]:
-        """Every operation that completed since the last call, for engines that poll once per step."""
+        """The operations that completed since the last call, for engines that poll once per step.
+
+        The first call says that the engine polls: completions are queued from then on,
+        only for handles nobody waited on (``result``) or awaited, and at most
+        ``max_completed`` of them (the oldest are dropped beyond, counted in
+        ``completed_dropped``). An engine that waits on or awaits its handles, and never
+        calls this, keeps no queue at all.
+        """
+        self._polling = True
         self.core.poll()
         out = []
         while self._completed:
             out.append(self._completed.popleft())
         return out
+
+    def tables(self) -> dict[str, int]:
+        """Sizes of the client's tables (for monitoring, and churn tests that check nothing grows)."""
+        return {**self.core.tables(), "completed": len(self._completed), "regions": len(self._regions)}
 
     @property
     def pools(self) -> dict[str, PoolInfo]:
@@ -282,8 +402,22 @@ class _Base:
     # -- operations
 
     def _op(self, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool, regions: set[RegionHandle]) -> OpHandle[Any]:
-        for region in regions:
-            region.in_use += 1
+        """Send one operation. Its regions stay in use until the node can no longer touch them.
+
+        That is when the node answered, or the session is over (closed, or the node lost);
+        not when the client merely stopped waiting (spec section 5.1). ``deadline_ms`` 0
+        is the node's default, which the client does not know: it waits for the answer.
+        """
+        op_id = self.core.next_id()
+        if regions:
+            with self._use_lock:
+                for region in regions:
+                    region.users[op_id] = kind
+
+        def settled() -> None:
+            with self._use_lock:
+                for region in regions:
+                    region.users.pop(op_id, None)
 
         def convert(msg: Message) -> Results[Any]:
             assert isinstance(msg, Completion)
@@ -294,13 +428,8 @@ class _Base:
                 for k, r in zip(keys, msg.results, strict=True)
             ])
 
-        op_id, fut = self.core.request(build, convert, deadline_ms / 1000, touches)
-
-        def unuse(_: Future[Any]) -> None:
-            for region in regions:
-                region.in_use -= 1
-
-        fut.add_done_callback(unuse)
+        timeout_s = deadline_ms / 1000 if deadline_ms else math.inf
+        _, fut = self.core.request(build, convert, timeout_s, touches, op_id, settled if regions else None)
         return self._handle(op_id, kind, fut, self._abort)
 
     def _abort(self, op_id: int) -> None:
@@ -310,9 +439,20 @@ class _Base:
         self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
         deadline_ms: int = DEFAULT_DEADLINE_MS,
     ) -> OpHandle[Results[KeyOutcome]]:
-        """Store objects; each key maps to its layout's spans in order (with pools)."""
+        """Store objects; each key maps to its layout's spans in order (with pools).
+
+        ``deadline_ms``: milliseconds the node may spend, counted from its receipt of the
+        request (0..2**32-1); 0 means the node's default (its ``deadline_ms`` setting,
+        spec section 5.1). The client waits for the answer until that deadline plus a
+        grace of 2 s, or, for 0, until the answer or the end of the session; then the
+        handle fails with ``OperationTimeout``, but the regions the spans name stay in use
+        (``unregister`` refuses them) until the node's late answer or the session's end.
+        """
+        no_evict = _flag(no_evict, "no_evict")
+        optional = _flag(optional, "optional")
+        deadline_ms = _deadline(deadline_ms)
         items, keys, regions = [], [], set()
-        for key, spans in _batch(objects, "objects"):
+        for key, spans in _batch(objects, "objects", mapping=True):
             path = f"objects[{key!r}]"
             _key(key, path)
             wire, used = self._spans(key, spans, f"{path}.spans", deposit=True)
@@ -331,10 +471,14 @@ class _Base:
 
         A node projects objects it holds whatever ``partial`` says. For an object it must
         get from the peer a hint for ``request_id`` names, only a ``partial`` deliver may
-        name a subset (the source must speak protocol version 2).
+        name a subset (the source must speak protocol version 2). ``deadline_ms`` as for
+        ``deposit``.
         """
+        request_id = _optional_request_id(request_id)
+        deadline_ms = _deadline(deadline_ms)
+        partial = _flag(partial, "partial")
         items, keys, regions = [], [], set()
-        for key, spans in _batch(objects, "objects"):
+        for key, spans in _batch(objects, "objects", mapping=True):
             path = f"objects[{key!r}]"
             _key(key, path)
             if type(spans) is Destination:
@@ -356,13 +500,23 @@ class _Base:
         self, expected_layouts: Mapping[bytes, Sequence[tuple[str, str]]], request_id: str | None = None,
         deadline_ms: int = DEFAULT_DEADLINE_MS,
     ) -> OpHandle[Results[KeyOutcome]]:
-        """Make objects resident in the node (whole layouts); each OK result carries a release handle."""
+        """Make objects resident in the node (whole layouts); each OK result carries a release handle.
+
+        ``deadline_ms`` as for ``deposit``.
+        """
+        request_id = _optional_request_id(request_id)
+        deadline_ms = _deadline(deadline_ms)
         items, keys = [], []
-        for key, layout in _batch(expected_layouts, "expected_layouts"):
+        for key, layout in _batch(expected_layouts, "expected_layouts", mapping=True):
             path = f"expected_layouts[{key!r}]"
             _key(key, path)
-            if not layout or any(not (isinstance(s, tuple) and len(s) == 2) for s in layout):
+            if isinstance(layout, (str, bytes)) or not isinstance(layout, Sequence) or not layout:
                 raise ArgumentError(path, "expected a non-empty sequence of (span name, pool) pairs")
+            for j, s in enumerate(layout):
+                if not (isinstance(s, tuple) and len(s) == 2):
+                    raise ArgumentError(f"{path}[{j}]", "expected a (span name, pool) pair")
+                _text(s[0], f"{path}[{j}]", DEFAULT_LIMITS.max_name)
+                _text(s[1], f"{path}[{j}]", DEFAULT_LIMITS.max_name)
             items.append(FetchItem(key, tuple(LayoutSpan(n, p) for n, p in layout)))
             keys.append(key)
         _span_total(items, "layout", "expected_layouts")
@@ -371,18 +525,20 @@ class _Base:
 
     def release(self, handles: Iterable[int]) -> OpHandle[Results[KeyOutcome]]:
         """Drop handle claims; results are keyed by the handle as 8 big-endian bytes."""
-        hs = list(handles)
+        if isinstance(handles, (str, bytes, bytearray, memoryview)) or not isinstance(handles, Iterable):
+            raise ArgumentError("handles", f"expected an iterable of int handles, got {type(handles).__name__}")
+        hs = [_uint(h, f"handles[{i}]", _U64_MAX, minimum=1) for i, h in enumerate(handles)]
         if not hs:
             raise ArgumentError("handles", "the batch is empty")
-        for i, h in enumerate(hs):
-            if isinstance(h, bool) or not isinstance(h, int) or h <= 0:
-                raise ArgumentError(f"handles[{i}]", f"expected a positive int handle, got {h!r}")
+        if len(hs) > DEFAULT_LIMITS.max_keys:
+            raise ArgumentError("handles", f"{len(hs)} handles, at most {DEFAULT_LIMITS.max_keys} per call")
         keys = [h.to_bytes(8, "big") for h in hs]
         frozen = tuple(hs)
         return self._op("release", keys, lambda i: Release(i, frozen), 10_000, False, set())
 
     def query(self, keys: Iterable[bytes], request_id: str | None = None) -> OpHandle[Results[KeyPresence]]:
         """Where are these keys? Advisory: a HIT may be evicted before the next call."""
+        request_id = _optional_request_id(request_id)
         ks = [_key(k, f"keys[{i}]") for i, k in enumerate(_batch(keys, "keys"))]
         frozen = tuple(ks)
 
@@ -395,8 +551,8 @@ class _Base:
 
     def submit_hint(self, request_id: str, source_endpoint: str, keys: Iterable[bytes]) -> OpHandle[None]:
         """Tell the node that, for ``request_id``, ``keys`` may be held by the node at ``source_endpoint``."""
-        if not request_id:
-            raise ArgumentError("request_id", "must not be empty")
+        request_id = _request_id(request_id)
+        _text(source_endpoint, "source_endpoint", DEFAULT_LIMITS.max_text)
         if "://" not in source_endpoint:
             raise ArgumentError("source_endpoint", f"expected a ZeroMQ endpoint, got {source_endpoint!r}")
         ks = tuple(_key(k, f"keys[{i}]") for i, k in enumerate(_batch(keys, "keys")))
@@ -404,11 +560,15 @@ class _Base:
         return self._handle(op_id, "hint", fut)
 
     def discard_hint(self, request_id: str) -> OpHandle[None]:
+        """The request is over: the node forgets its hints."""
+        request_id = _request_id(request_id)
         op_id, fut = self.core.request(lambda i: DiscardHint(i, request_id), _ack, 10.0)
         return self._handle(op_id, "unhint", fut)
 
     def abort(self, handle: OpHandle[Any]) -> None:
         """Best effort; the operation then completes, ABORTED where it had not finished."""
+        if not isinstance(handle, OpHandle):
+            raise ArgumentError("handle", f"expected an OpHandle of this client, got {type(handle).__name__}")
         handle.abort()
 
     def stats(self) -> OpHandle[dict[str, Any]]:
@@ -420,10 +580,17 @@ class _Base:
         return self._handle(op_id, "stats", fut)
 
     def _unregister_check(self, region: RegionHandle) -> None:
-        if self._regions.get(region.region) is not region:
+        if not isinstance(region, RegionHandle) or self._regions.get(region.region) is not region:
             raise ArgumentError("region", "not a region registered with this client")
-        if region.in_use:
-            raise ArgumentError("region", f"{region.in_use} pending operation(s) still use it")
+        with self._use_lock:
+            users = sorted(region.users.items())
+        if users:
+            late = self.core.timed_out_ids()
+            ops = ", ".join(
+                f"{kind} #{op_id}" + (" (timed out here, the node has not answered)" if op_id in late else "")
+                for op_id, kind in users
+            )
+            raise ArgumentError("region", f"operations the node may still run on it: {ops}")
 
     def _unregister_on_io(self, region: RegionHandle) -> None:
         self._regions.pop(region.region, None)
@@ -432,7 +599,8 @@ class _Base:
             region.registration = None
 
     def _hello(self, timeout_s: float) -> Future[Any]:
-        return self.core.hello(tuple(r.wire() for r in self._regions.values()), timeout_s)
+        regions = list(self._regions.values())  # one step: another thread may register meanwhile
+        return self.core.hello(tuple(r.wire() for r in regions), timeout_s)
 
 
 def _ack(msg: Message) -> None:
@@ -445,9 +613,10 @@ class Client(_Base):
 
     def __init__(
         self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
-        curve: CurveKeys | None = None,
+        curve: CurveKeys | None = None, max_completed: int = DEFAULT_MAX_COMPLETED,
     ) -> None:
-        self._init(endpoint, name, max_version, curve)
+        timeout = _timeout(timeout)
+        self._init(endpoint, name, max_version, curve, max_completed)
         try:
             self.core.wait(self._hello(timeout), timeout + 5)
         except BaseException:
@@ -457,10 +626,10 @@ class Client(_Base):
     @classmethod
     def connect(
         cls, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
-        curve: CurveKeys | None = None,
+        curve: CurveKeys | None = None, max_completed: int = DEFAULT_MAX_COMPLETED,
     ) -> Client:
         """Open a session with the node at ``endpoint`` (the same as the constructor)."""
-        return cls(endpoint, name, max_version, timeout, curve)
+        return cls(endpoint, name, max_version, timeout, curve, max_completed)
 
     def __enter__(self) -> Client:
         return self
@@ -487,6 +656,7 @@ class Client(_Base):
 
     def reconnect(self, timeout: float = 10.0) -> Welcome:
         """Open a new session (after node loss or restart), announcing every registered region."""
+        timeout = _timeout(timeout)
         result: Welcome = self.core.wait(self._hello(timeout), timeout + 5)
         return result
 
@@ -509,16 +679,18 @@ class AsyncClient(_Base):
     """The asyncio client. ``async with await AsyncClient.connect(endpoint) as c: ...``"""
 
     def __init__(
-        self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, curve: CurveKeys | None = None
+        self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, curve: CurveKeys | None = None,
+        max_completed: int = DEFAULT_MAX_COMPLETED,
     ) -> None:
-        self._init(endpoint, name, max_version, curve)
+        self._init(endpoint, name, max_version, curve, max_completed)
 
     @classmethod
     async def connect(
         cls, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
-        curve: CurveKeys | None = None,
+        curve: CurveKeys | None = None, max_completed: int = DEFAULT_MAX_COMPLETED,
     ) -> AsyncClient:
-        client = cls(endpoint, name, max_version, curve)
+        timeout = _timeout(timeout)
+        client = cls(endpoint, name, max_version, curve, max_completed)
         try:
             await asyncio.wrap_future(client._hello(timeout))
         except BaseException:
@@ -550,6 +722,7 @@ class AsyncClient(_Base):
         await asyncio.wrap_future(self.core.call(lambda: self._unregister_on_io(region)))
 
     async def reconnect(self, timeout: float = 10.0) -> Welcome:
+        timeout = _timeout(timeout)
         result: Welcome = await asyncio.wrap_future(self._hello(timeout))
         return result
 

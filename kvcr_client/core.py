@@ -16,6 +16,19 @@ at their operations once per step.
 
 Rule for every lock holder: before releasing the lock, drain the socket until ZeroMQ
 reports no more input, so the edge-triggered socket descriptor re-arms.
+
+The pending table changes only with the lock held. The background thread looks at it
+between turns without the lock, so it never walks it there: it reads a count of
+memory-touching requests and the nearest deadline, both kept up to date where the table
+changes.
+
+A request that may touch client memory and gets no answer within its deadline (plus a
+grace) fails for its waiter with ``OperationTimeout``, but the node may still be moving
+its bytes: it is kept as a timed-out record, and its ``on_settled`` callback (which lets
+go of the regions it names) runs only when the node's late answer arrives or the session
+is over (spec section 5.1). The session is over for the client when it closes, or when
+it declares the node lost (disconnected, or silent for three heartbeat intervals; spec
+section 14 says what that leaves open).
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import os
 import secrets
 import select
@@ -45,6 +59,7 @@ from kvcr_client.zmq_flags import NOBLOCK as _NOBLOCK
 from kvcr_client.zmq_flags import POLLIN as _POLLIN
 from kvcr_protocol import (
     CURRENT_VERSION,
+    DEFAULT_LIMITS,
     Bye,
     CapacityEvent,
     Error,
@@ -65,18 +80,31 @@ from kvcr_protocol import (
 log = logging.getLogger("kvcr.client")
 
 _IDLE_S = 0.2
+_LATE_PROGRESS_S = 0.01
+"""How often the agent is progressed while only timed-out memory-touching operations remain."""
 _PARK_S = 0.005
 """How long the background thread stays off the socket after a caller stopped driving."""
 _DRIVE_SLICE_S = 0.05
 _GRACE_S = 2.0
+"""How long after an operation's deadline the client still waits for the node's answer."""
+
+
+def _agent_name(client: str) -> str:
+    """A unique NIXL agent name within the protocol's name limit: the client's name cut to fit."""
+    suffix = f".{os.getpid()}.{secrets.token_hex(4)}"
+    room = DEFAULT_LIMITS.max_name - len(suffix)
+    return client.encode()[:room].decode(errors="ignore") + suffix
 
 
 @dataclass
 class _Pending:
     future: Future[Any]
     deadline: float
+    """When the client stops waiting (monotonic); infinite for a deadline left to the node."""
     touches_memory: bool
     convert: Callable[[Message], Any]
+    on_settled: Callable[[], None] | None = None
+    """Called once, lock held, when the node can no longer touch memory for this request."""
 
 
 class ClientCore:
@@ -95,7 +123,7 @@ class ClientCore:
         """(server public key, our public key, our secret key), z85, for CurveZMQ nodes."""
         self.name = name or f"kvcr-client-{os.getpid()}"
         self.versions = supported_up_to(max_version)
-        self.agent = Agent(f"{self.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        self.agent = Agent(_agent_name(self.name))
         self._own_context = context is None
         self.context = context or zmq.Context()
         self._io = threading.RLock()
@@ -115,6 +143,12 @@ class ClientCore:
         self._poller = zmq.Poller()
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
+        self._touching = 0
+        """Pending requests that may touch client memory (changed with the lock held, read without)."""
+        self._nearest = math.inf
+        """No pending deadline is earlier (monotonic; may be early, never late; changed with the lock held)."""
+        self._timed_out: dict[int, _Pending] = {}
+        """Memory-touching requests the client stopped waiting for, until the node answers (lock held)."""
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -155,16 +189,30 @@ class ClientCore:
         convert: Callable[[Message], Any],
         timeout_s: float,
         touches_memory: bool = False,
+        op_id: int | None = None,
+        on_settled: Callable[[], None] | None = None,
     ) -> tuple[int, Future[Any]]:
-        """Send a request built for a fresh id; the reply passes through ``convert``."""
-        op_id = next(self._ids)
+        """Send a request built for ``op_id`` (a fresh id by default); the reply passes through ``convert``.
+
+        ``timeout_s`` is how long to wait for the answer (plus a grace); ``math.inf`` waits
+        until the answer or the end of the session. ``on_settled`` runs exactly once
+        (with the I/O lock held, so it must be quick and take no other lock than a leaf
+        one) when the request can no longer touch client memory: answered, never sent,
+        or the session over; for a memory-touching request, not when it merely timed out.
+        """
+        if op_id is None:
+            op_id = self.next_id()
         fut: Future[Any] = Future()
         if self._closed:
             fut.set_exception(ClientClosed("the client is closed"))
+            if on_settled is not None:
+                on_settled()
             return op_id, fut
+        pending = _Pending(fut, math.inf, touches_memory, convert, on_settled)
+        oid = op_id
 
         def send() -> None:
-            self._send_request(op_id, build(op_id), convert, timeout_s, touches_memory, fut)
+            self._send_request(oid, build, timeout_s, pending)
 
         # The background thread holds the lock only for short turns: wait a moment for it.
         if self._io.acquire(timeout=0.0005):
@@ -178,6 +226,10 @@ class ClientCore:
             self._commands.append(send)
             self._wake()
         return op_id, fut
+
+    def next_id(self) -> int:
+        """A fresh request id (unique in this client)."""
+        return next(self._ids)
 
     def wait(self, future: Future[Any], timeout: float | None) -> Any:
         """Block until ``future`` is done, driving the socket and agent meanwhile."""
@@ -322,35 +374,86 @@ class ClientCore:
 
         with self._io:
             self.open_socket()
-            op_id = next(self._ids)
+            if not self._thread.is_alive() and not self._closed:
+                self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
+                self._thread.start()
+            op_id = self.next_id()
             hello = Hello(op_id, self.versions, self.name, self.agent.name, self.agent.metadata(), regions)
-            self._send_request(op_id, hello, on_welcome, timeout_s, False, future)
+            self._send_request(op_id, lambda _: hello, timeout_s, _Pending(future, math.inf, False, on_welcome))
             self._drain_socket()
         return future
 
-    def _send_request(
-        self, op_id: int, msg: Message, convert: Callable[[Message], Any], timeout_s: float, touches: bool, fut: Future[Any]
-    ) -> None:
+    def _send_request(self, op_id: int, build: Callable[[int], Message], timeout_s: float, pending: _Pending) -> None:
+        """Lock held: encode and send; a request that is not sent settles at once."""
+        fut = pending.future
+        sock = self._sock
+        error: Exception | None = None
+        frame = b""
         if not fut.set_running_or_notify_cancel():
+            self._settle(pending)
             return
-        if self._sock is None or self.lost:
-            fut.set_exception(NodeLostError(f"not connected to {self.endpoint}; call reconnect()"))
+        if self._closed:
+            error = ClientClosed("the client is closed")
+        elif sock is None or self.lost:
+            error = NodeLostError(f"not connected to {self.endpoint}; call reconnect()")
+        else:
+            try:
+                frame = encode(build(op_id), self.version or self.versions[0])
+            except LocalProtocolError as exc:
+                error = exc
+        if error is not None or sock is None:
+            fut.set_exception(error or NodeLostError(f"not connected to {self.endpoint}"))
+            self._settle(pending)
             return
+        pending.deadline = time.monotonic() + timeout_s + _GRACE_S
+        self._add_pending(op_id, pending)
         try:
-            frame = encode(msg, self.version or self.versions[0])
-        except LocalProtocolError as exc:
-            fut.set_exception(exc)
-            return
-        self._pending[op_id] = _Pending(fut, time.monotonic() + timeout_s + _GRACE_S, touches, convert)
-        try:
-            self._sock.send(frame, _NOBLOCK)
+            sock.send(frame, _NOBLOCK)
             self._last_sent = time.monotonic()
         except zmq.Again:
-            del self._pending[op_id]
+            self._pop_pending(op_id)
             fut.set_exception(NodeLostError(f"the node at {self.endpoint} is not reachable"))
+            self._settle(pending)
+
+    @staticmethod
+    def _settle(pending: _Pending) -> None:
+        """The node can no longer touch memory for this request: run its callback, once."""
+        callback, pending.on_settled = pending.on_settled, None
+        if callback is not None:
+            try:
+                callback()
+            except Exception:
+                log.exception("a settle callback failed")
+
+    def _add_pending(self, op_id: int, pending: _Pending) -> None:
+        """Lock held: the one place requests enter the pending table."""
+        self._pending[op_id] = pending
+        if pending.touches_memory:
+            self._touching += 1
+        self._nearest = min(self._nearest, pending.deadline)
+
+    def _pop_pending(self, op_id: int) -> _Pending | None:
+        """Lock held: the one place a request leaves the pending table (``_fail_all`` empties it)."""
+        pending = self._pending.pop(op_id, None)
+        if pending is not None and pending.touches_memory:
+            self._touching -= 1
+        return pending
 
     def _busy(self) -> bool:
-        return any(p.touches_memory for p in self._pending.values())
+        """Whether requests that may touch client memory are pending (safe without the lock)."""
+        return self._touching > 0
+
+    def pending_count(self) -> int:
+        """Requests sent and not answered yet."""
+        return len(self._pending)
+
+    def tables(self) -> dict[str, int]:
+        """Sizes of the core's tables: requests pending, timed out awaiting the node, handed to a driver."""
+        return {"pending": len(self._pending), "timed_out": len(self._timed_out), "commands": len(self._commands)}
+
+    def timed_out_ids(self) -> frozenset[int]:
+        """Ids of memory-touching requests the client stopped waiting for and the node has not answered."""
+        return frozenset(list(self._timed_out))
 
     def _turn(self, timeout_s: float) -> None:
         """One turn with the lock held: commands, wait up to ``timeout_s``, drain, progress, expire."""
@@ -370,7 +473,7 @@ class ClientCore:
                 self._commands.popleft()()
         self._drain_monitor()
         self._drain_socket()
-        if self._busy():
+        if self._busy() or self._timed_out:
             # Progress our agent: the node's transfer into or out of our memory
             # completes only when both ends are progressed.
             self.agent.progress()
@@ -446,19 +549,23 @@ class ClientCore:
                     self._turn(0)
                 finally:
                     self._io.release()
-        except Exception:  # the background thread must not die silently
-            log.exception("kvcr client background thread failed")
+        except Exception as exc:  # the background thread must not die silently
+            log.exception("kvcr client background thread failed; the session is lost until reconnect()")
             with self._io:
-                self._fail_all(NodeLostError("the client background thread failed"))
+                # Nobody would read the replies of later requests: refuse them at once
+                # (NodeLostError) until reconnect() starts a new thread with a new session.
+                self.lost = True
+                self.connected = False
+                self._fail_all(NodeLostError(f"the client background thread failed: {exc!r}; call reconnect()"))
 
     def _idle_timeout(self) -> float:
+        late = _LATE_PROGRESS_S if self._timed_out else math.inf  # their transfers need our agent's progress
         interval = self._heartbeat_s()
         if interval and self.connected:
-            return min(interval / 2, _IDLE_S) if self._pending else interval / 2
+            return min(interval / 2, _IDLE_S, late) if self._pending else min(interval / 2, late)
         if not self._pending:
-            return _IDLE_S
-        nearest = min(p.deadline for p in list(self._pending.values()))
-        return max(0.0, min(_IDLE_S, nearest - time.monotonic()))
+            return min(_IDLE_S, late)
+        return max(0.0, min(_IDLE_S, late, self._nearest - time.monotonic()))
 
     def _drain_monitor(self) -> None:
         if self._monitor is None:
@@ -508,10 +615,18 @@ class ClientCore:
             return
         if isinstance(msg, Heartbeat):
             return  # its id counts heartbeats, not requests
-        pending = self._pending.pop(getattr(msg, "id", 0), None)
+        op_id = getattr(msg, "id", 0)
+        pending = self._pop_pending(op_id)
         if pending is None:
-            log.debug("reply for no pending request: %s", msg.TAG)
+            late = self._timed_out.pop(op_id, None)
+            if late is not None:
+                # The answer the client stopped waiting for: the node is done with our memory.
+                log.debug("late %s for timed-out operation %d", msg.TAG, op_id)
+                self._settle(late)
+            else:
+                log.debug("reply for no pending request: %s", msg.TAG)
             return
+        self._settle(pending)
         if isinstance(msg, Error):
             pending.future.set_exception(NodeError(msg.code, msg.reason, msg.path))
             return
@@ -525,17 +640,31 @@ class ClientCore:
         pending.future.set_result(result)
 
     def _expire(self) -> None:
-        if not self._pending:
-            return
         now = time.monotonic()
+        if now < self._nearest:
+            return
         for op_id in [i for i, p in self._pending.items() if p.deadline <= now]:
-            pending = self._pending.pop(op_id)
+            pending = self._pop_pending(op_id)
+            assert pending is not None
+            if pending.touches_memory and pending.on_settled is not None:
+                # The node may still move its bytes: keep holding its memory until it answers.
+                self._timed_out[op_id] = pending
+            else:
+                self._settle(pending)
             pending.future.set_exception(
                 OperationTimeout(f"operation {op_id}: no answer from {self.endpoint} within its deadline")
             )
+        self._nearest = min((p.deadline for p in self._pending.values()), default=math.inf)
 
     def _fail_all(self, exc: Exception) -> None:
+        """The session is over (closed, or the node lost): every request fails and settles."""
         pending, self._pending = self._pending, {}
+        late, self._timed_out = self._timed_out, {}
+        self._touching = 0
+        self._nearest = math.inf
+        for p in late.values():
+            self._settle(p)
         for p in pending.values():
+            self._settle(p)
             if not p.future.done():
                 p.future.set_exception(exc)

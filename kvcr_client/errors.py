@@ -34,10 +34,12 @@ class NodeLostError(KvcrError, ConnectionError):
 
 
 class OperationTimeout(KvcrError, TimeoutError):
-    """No answer within the operation's deadline.
+    """No answer within the operation's deadline (plus a grace).
 
-    For a deliver, the destination may still be written until the node confirms the
-    transfer is over or is known dead: do not reuse that memory blindly.
+    For a deposit or deliver, the node may still read or write the memory it names until
+    it answers: the client keeps that memory's regions in use (``unregister`` refuses
+    them) until the node's late answer arrives or the session is over. Do not reuse a
+    deliver's destination blindly.
     """
 
 

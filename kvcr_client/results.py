@@ -77,6 +77,8 @@ class OpHandle(Generic[T]):
         self._abort = abort
         self._waiter = waiter
         self._poll = poll
+        self.waited = False
+        """Someone waited on (``result``) or awaited this handle: ``poll_completed`` skips it."""
 
     def done(self) -> bool:
         """Whether the operation completed; reads what has arrived first, without blocking."""
@@ -90,11 +92,13 @@ class OpHandle(Generic[T]):
         The waiting thread drives the client's socket itself, so the reply costs no
         thread hand-off. Raises ``TimeoutError`` when ``timeout`` passes first.
         """
+        self.waited = True
         if self._waiter is not None and not self.future.done():
             return self._waiter(self.future, timeout)
         return self.future.result(timeout)
 
     def __await__(self) -> Generator[Any, None, T]:
+        self.waited = True
         return asyncio.wrap_future(self.future).__await__()
 
     def abort(self) -> None:

@@ -1,0 +1,229 @@
+"""Client churn soaks (issue #10): thousands of operations, nothing grows in the client.
+
+Each test measures this process's descriptors (/proc/self/fd), RSS (VmRSS) and the
+client's table sizes (``Client.tables()``: pending, timed out, commands, completed,
+regions) before and after thousands of operations, and asserts they come back within a
+small bound; the node ends clean (no invariant breach, claim, pending operation, or
+leaked slot). Every delivered byte is compared with the source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from client_measure import Snapshot
+from integration_helpers import (
+    KiB,
+    Layout,
+    Registrar,
+    assert_bytes_equal,
+    assert_clean,
+    pattern,
+    slot_accounting,
+    stats,
+    wait_until,
+)
+
+import kvcr_client.core
+from kvcr_client import AsyncClient, Client, KeyStatus, OperationTimeout, Presence, Span
+
+SLOT = 4 * KiB
+LAYOUT = Layout([(f"L{i}", "kv", SLOT) for i in range(2)])
+NODE_ARGS = ("--pool", "kv:4KiB:64", "--heartbeat-ms", "20000")
+OPERATIONS = 4000
+BATCH = 40
+"""Operations issued before looking at those nobody waits on."""
+THREADS = 4
+PER_THREAD = 300
+ROUNDS = 3
+LATE = 300
+"""Operations that time out in the client while the node is frozen, then are answered late."""
+SESSIONS = 40
+SESSION_WARMUP = 20
+SETTLE_S = 15.0
+WARMUP = 300
+
+
+@contextlib.contextmanager
+def frozen(node: Any) -> Iterator[None]:
+    node.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        node.proc.send_signal(signal.SIGCONT)
+
+
+class Fixture:
+    """A client with a stored object and a destination region, for deliver churn."""
+
+    def __init__(self, client: Client, reg: Registrar, key: bytes) -> None:
+        self.key = key
+        self.src = pattern(LAYOUT.nbytes, 21)
+        region = reg(self.src)
+        assert client.deposit({key: LAYOUT.source_spans(region)}).result(10)[key].status is KeyStatus.STORED
+        self.dst = pattern(LAYOUT.nbytes, 22)
+        self.dst_region = reg(self.dst)
+        self.spans = [Span(n, self.dst_region, o, s) for (n, _, s), o in zip(LAYOUT.spans, LAYOUT.offsets, strict=True)]
+        self.dest = client.destination(self.spans)
+
+
+def _mixed(client: Client, f: Fixture, i: int) -> Any:
+    """One operation of a mix: queries, stats, delivers from spans and from a prepared destination."""
+    match i % 4:
+        case 0:
+            return client.query([f.key])
+        case 1:
+            return client.stats()
+        case 2:
+            return client.deliver({f.key: f.spans})
+        case _:
+            return client.deliver({f.key: f.dest})
+
+
+def _check(result: Any, f: Fixture) -> None:
+    if isinstance(result, dict):
+        assert result["invariants"] == []
+    elif f.key in result and hasattr(result[f.key], "presence"):
+        assert result[f.key].presence is Presence.HIT
+    else:
+        assert result[f.key].status is KeyStatus.OK, result[f.key]
+
+
+def test_thousands_of_operations_without_polling(node_factory: Callable[..., Any]) -> None:
+    node = node_factory(*NODE_ARGS)
+    with Client(node.endpoint, name="churn") as client:
+        reg = Registrar(client)
+        f = Fixture(client, reg, b"churn/obj")
+        slots = slot_accounting(stats(client))
+        for i in range(WARMUP):
+            _check(_mixed(client, f, i).result(5), f)
+        before = Snapshot.take(client)
+        for first in range(0, OPERATIONS, BATCH):
+            left = []
+            for i in range(first, first + BATCH):
+                handle = _mixed(client, f, i)
+                if i % 3:
+                    _check(handle.result(5), f)  # a waiting engine
+                else:
+                    left.append(handle)  # nobody waits: the background thread completes it
+            assert wait_until(lambda left=left: all(h.future.done() for h in left), SETTLE_S, 0.001)
+            for h in left:
+                _check(h.future.result(0), f)
+        assert_bytes_equal(f.dst, f.src, "destination after the churn")
+        Snapshot.take(client).assert_back_within(before, "operations without polling")
+        assert client.tables()["completed"] == 0 and client.tables()["pending"] == 0
+        assert_clean(client, slots_before=slots)
+        reg.close()
+
+
+def test_many_threads_beside_the_background_thread(node_factory: Callable[..., Any]) -> None:
+    node = node_factory(*NODE_ARGS)
+    with Client(node.endpoint, name="threads") as client:
+        reg = Registrar(client)
+        f = Fixture(client, reg, b"threads/obj")
+        slots = slot_accounting(stats(client))
+        errors: list[BaseException] = []
+
+        def work(t: int) -> None:
+            try:
+                left = []
+                for i in range(PER_THREAD):
+                    handle = _mixed(client, f, i + t)
+                    if (i + t) % 2:
+                        _check(handle.result(10), f)  # this thread drives the socket
+                    else:
+                        left.append(handle)  # the background thread completes these
+                assert wait_until(lambda: all(h.future.done() for h in left), SETTLE_S, 0.001)
+                for h in left:
+                    _check(h.future.result(0), f)
+            except BaseException as exc:
+                errors.append(exc)
+
+        def run_threads() -> None:
+            threads = [threading.Thread(target=work, args=(t,), name=f"churn-{t}") for t in range(THREADS)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not any(t.is_alive() for t in threads)
+            assert errors == [], errors[:3]
+
+        run_threads()  # warm-up: each new thread's malloc arena and stack are made once
+        before = Snapshot.take(client)
+        for _ in range(ROUNDS):
+            run_threads()
+        assert client.core._thread.is_alive()
+        assert_bytes_equal(f.dst, f.src, "destination after the threads")
+        Snapshot.take(client).assert_back_within(before, "threads beside the background thread")
+        assert f.dst_region.in_use == 0
+        assert_clean(client, slots_before=slots)
+        reg.close()
+
+
+def test_timed_out_operations_are_all_released(node_factory: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hundreds of delivers time out in the client; the node answers them late; nothing is left."""
+    node = node_factory(*NODE_ARGS)
+    monkeypatch.setattr(kvcr_client.core, "_GRACE_S", 0.0)
+    with Client(node.endpoint, name="late-churn") as client:
+        reg = Registrar(client)
+        f = Fixture(client, reg, b"late/obj")
+        slots = slot_accounting(stats(client))
+        for i in range(WARMUP):
+            _check(_mixed(client, f, i).result(5), f)
+        before = Snapshot.take(client)
+        for _ in range(2):
+            f.dst[:] = pattern(f.dst.size, 23)
+            with frozen(node):
+                handles = [client.deliver({f.key: f.dest}, deadline_ms=1) for _ in range(LATE)]
+                for h in handles:
+                    with pytest.raises(OperationTimeout):
+                        h.result(SETTLE_S)
+                assert client.tables()["timed_out"] == LATE
+                assert f.dst_region.in_use == LATE
+            # Received late with a 1 ms deadline: each completes OK or TIMEOUT, and answers.
+            assert wait_until(lambda: client.tables()["timed_out"] == 0, SETTLE_S), client.tables()
+            assert f.dst_region.in_use == 0
+        assert client.deliver({f.key: f.dest}).result(10)[f.key].status is KeyStatus.OK
+        assert_bytes_equal(f.dst, f.src, "destination after the late answers")
+        Snapshot.take(client).assert_back_within(before, "timed-out operations")
+        assert_clean(client, slots_before=slots)
+        reg.close()
+
+
+def test_sessions_come_and_go(node_factory: Callable[..., Any]) -> None:
+    """Clients opened and closed again and again leave no descriptor or memory behind."""
+    node = node_factory(*NODE_ARGS)
+    src = pattern(SLOT, 31)
+
+    def session(i: int) -> None:
+        with Client(node.endpoint, name=f"s{i}") as c:
+            region = c.register(src)
+            key = b"s/%d" % (i % 4)
+            assert c.deposit({key: [Span("L0", region, 0, SLOT, "kv")]}).result(10)[key].ok
+            assert c.query([key]).result(5)[key].presence is Presence.HIT
+            c.unregister(region)
+
+    for i in range(SESSION_WARMUP):  # NIXL and UCX allocate caches over the first agents a process makes
+        session(i)
+    asyncio.run(_async_sessions(node.endpoint, 2))
+    with Client(node.endpoint, name="watch") as watch:
+        before = Snapshot.take(watch)
+        for i in range(SESSIONS):
+            session(i)
+        asyncio.run(_async_sessions(node.endpoint, SESSIONS // 4))
+        after = Snapshot.take(watch)
+        after.assert_back_within(before, "sessions")
+        assert wait_until(lambda: stats(watch)["clients"] == 1, SETTLE_S), stats(watch)["clients"]
+        assert_clean(watch)
+
+
+async def _async_sessions(endpoint: str, n: int) -> None:
+    for i in range(n):
+        async with await AsyncClient.connect(endpoint, name=f"a{i}") as c:
+            assert (await c.query([b"s/0"]))[b"s/0"].presence is Presence.HIT
