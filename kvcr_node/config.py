@@ -85,9 +85,11 @@ class NodeConfig:
     deadline_ms: int = 30_000
     """Deadline of an operation whose request names none."""
     heartbeat_ms: int = 2_000
-    """How often clients say they are alive (told to them in welcome)."""
+    """How often clients say they are alive (told to them in welcome); 0 disables heartbeats,
+    and with them the dropping of silent sessions (spec section 5.2)."""
     client_grace_ms: int = 10_000
-    """A client silent this long is gone: its operations are aborted, its handles released."""
+    """A client silent this long is gone: its operations are aborted, its handles released
+    (only while heartbeats are on)."""
     max_clients: int = 256
     """Client sessions at once; one more hello is refused with TOO_MANY_CLIENTS."""
     max_pending: int = 1024
@@ -134,8 +136,11 @@ class NodeConfig:
         for name in ("deadline_ms", "heartbeat_ms", "batch", "projection_cache", "peer_dead_ms",
                      "client_grace_ms", "max_clients", "max_pending", "max_frame"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(name, f"expected a positive integer, got {value!r}")
+            # heartbeat_ms 0 disables heartbeats (spec section 5.2); every other count is positive.
+            least = 0 if name == "heartbeat_ms" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                what = "a non-negative" if least == 0 else "a positive"
+                raise ConfigError(name, f"expected {what} integer, got {value!r}")
         curve = (self.curve_secret_key, self.curve_public_key, self.curve_allow)
         if any(curve) and not all(curve):
             raise ConfigError("curve_secret_key", "CurveZMQ needs curve_secret_key, curve_public_key and curve_allow together")

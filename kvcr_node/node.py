@@ -318,6 +318,8 @@ class Node:
 
     def _check_liveness(self) -> None:
         """Drop clients silent for longer than the grace period (DESIGN 7: no leaks)."""
+        if not self.config.heartbeat_ms:
+            return  # heartbeats off: clients send none, so silence means nothing (spec section 5.2)
         now = time.monotonic()
         if now < self._next_liveness:
             return
@@ -334,9 +336,9 @@ class Node:
 
     def _idle_timeout_ms(self) -> int:
         deadline = self._next_deadline()
-        if self.sessions:
+        if self.sessions and self.config.heartbeat_ms:
             deadline = min(deadline or float("inf"), self._next_liveness)
-        ready = [link.next_heartbeat for link in self.links.values() if link.state == "ready"]
+        ready = [link.next_heartbeat for link in self.links.values() if link.state == "ready" and self.config.heartbeat_ms]
         if ready:
             deadline = min(deadline or float("inf"), min(ready))
         if self.links and any(link.writes or link.queued or link.state == "down" for link in self.links.values()):
@@ -1286,7 +1288,7 @@ class Node:
 
     def _check_links(self, now: float) -> None:
         for link in self.links.values():
-            if link.state == "ready" and link.next_heartbeat <= now:
+            if link.state == "ready" and link.next_heartbeat <= now and self.config.heartbeat_ms:
                 # The source drops sessions silent for its client grace, ours included.
                 link.next_heartbeat = now + self.config.heartbeat_ms / 1000
                 self._link_send(link, Heartbeat(self._write_id()))

@@ -299,6 +299,15 @@ def test_from_mapping_refuses(raw: dict[str, Any], field: str) -> None:
     assert err.value.field == field, err.value
 
 
+def test_heartbeat_zero_disables_heartbeats() -> None:
+    """Spec section 5.2: heartbeat_ms 0 disables heartbeats (and with them silence-based expiry)."""
+    assert from_mapping({"heartbeat_ms": 0}).heartbeat_ms == 0
+    assert build_config(_args("--heartbeat-ms", "0")).heartbeat_ms == 0
+    with pytest.raises(ConfigError) as err:
+        from_mapping({"heartbeat_ms": -1})
+    assert err.value.field == "heartbeat_ms"
+
+
 def test_toml_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_toml(tmp_path / "missing.toml")
