@@ -8,6 +8,7 @@ onto stored layouts; ``descriptors`` checks spans against announced regions.
 
 from kvcr_protocol.codec import decode, encode, peek_id
 from kvcr_protocol.descriptors import DescriptorError, Extent, check_span_sizes, resolve_span
+from kvcr_protocol.endpoints import IPC_PATH_MAX, endpoint_problem
 from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
 from kvcr_protocol.messages import *  # noqa: F403 - the message catalogue is the API
@@ -27,6 +28,7 @@ __all__ = [
     "BASE_VERSION",
     "CURRENT_VERSION",
     "DEFAULT_LIMITS",
+    "IPC_PATH_MAX",
     "MESSAGE_BY_TAG",
     "PARTIAL_LAYOUT_VERSION",
     "SUPPORTED_VERSIONS",
@@ -44,6 +46,7 @@ __all__ = [
     "compute_projection",
     "decode",
     "encode",
+    "endpoint_problem",
     "negotiate",
     "peek_id",
     "resolve_span",
