@@ -45,6 +45,7 @@ from kvcr_protocol import (
     SubmitHint,
     UnregisterRegions,
     Welcome,
+    endpoint_problem,
 )
 from kvcr_protocol import Deliver as DeliverMsg
 
@@ -397,8 +398,9 @@ class _Base:
         """Tell the node that, for ``request_id``, ``keys`` may be held by the node at ``source_endpoint``."""
         if not request_id:
             raise ArgumentError("request_id", "must not be empty")
-        if "://" not in source_endpoint:
-            raise ArgumentError("source_endpoint", f"expected a ZeroMQ endpoint, got {source_endpoint!r}")
+        problem = endpoint_problem(source_endpoint)  # the node's own check (spec section 5.2)
+        if problem is not None:
+            raise ArgumentError("source_endpoint", problem)
         ks = tuple(_key(k, f"keys[{i}]") for i, k in enumerate(_batch(keys, "keys")))
         op_id, fut = self.core.request(lambda i: SubmitHint(i, request_id, source_endpoint, ks), _ack, 10.0)
         return self._handle(op_id, "hint", fut)

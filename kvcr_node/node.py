@@ -88,6 +88,7 @@ from kvcr_protocol import (
     WriteState,
     decode,
     encode,
+    endpoint_problem,
     negotiate,
     peek_id,
     supported_up_to,
@@ -916,6 +917,12 @@ class Node:
         self._reply(session, QueryReply(msg.id, tuple(results)))
 
     def _on_hint(self, session: ClientSession, msg: SubmitHint) -> None:
+        problem = endpoint_problem(msg.endpoint)
+        if problem is not None:
+            # Spec section 5.2: only endpoints this node can dial are kept, so that no
+            # deliver or fetch ever hands a socket an address it cannot connect to.
+            self._refuse(session.identity, msg.id, ProtocolError(ErrorCode.BAD_ENDPOINT, problem, "endpoint"))
+            return
         self.hints[msg.request_id] = (msg.endpoint, frozenset(msg.keys))
         self._reply(session, Ack(msg.id))
 
