@@ -165,7 +165,6 @@ class Node:
         self.handles: dict[int, tuple[ClientSession, ObjectEntry]] = {}
         self._next_handle = 1
         self.waiters: dict[bytes, list[Operation]] = {}
-        self.hints: dict[str, tuple[str, frozenset[bytes]]] = {}
         self.op_claims = 0
         self._stop = False
         self.stopping = False
@@ -509,6 +508,7 @@ class Node:
         Operations with a transfer in flight keep their claims until it is terminal.
         """
         session.closing = True
+        session.forget_hints()  # spec section 5.2: hints end with their session
         for op in list(session.ops.values()):
             self._abort_op(op)
         for handle in list(session.handles):
@@ -592,7 +592,7 @@ class Node:
                 continue
             entry = self.store.lookup(key)
             if entry is None:
-                source = self._hinted_source(request_id, key)
+                source = self._hinted_source(op.session, request_id, key)
                 if source is None:
                     op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node"
                             + (" and no hint names a source" if request_id is not None else ""))
@@ -902,7 +902,7 @@ class Node:
         return self.memories[entry.layout[0][1]].spec.memory
 
     def _on_query(self, session: ClientSession, msg: Query) -> None:
-        hint = self.hints.get(msg.request_id) if msg.request_id is not None else None
+        hint = session.hints.get(msg.request_id) if msg.request_id is not None else None
         results = []
         for key in msg.keys:
             entry = self.store.lookup(key)
@@ -923,11 +923,32 @@ class Node:
             # deliver or fetch ever hands a socket an address it cannot connect to.
             self._refuse(session.identity, msg.id, ProtocolError(ErrorCode.BAD_ENDPOINT, problem, "endpoint"))
             return
-        self.hints[msg.request_id] = (msg.endpoint, frozenset(msg.keys))
+        keys = frozenset(msg.keys)
+        old = session.hints.get(msg.request_id)
+        limit = self.config.max_hints_per_session
+        if old is None and len(session.hints) >= limit:
+            # Spec section 5.2: hints are bounded per session; a replacement is not one more.
+            self._refuse(session.identity, msg.id, ProtocolError(
+                ErrorCode.HINT_LIMIT,
+                f"this session holds {len(session.hints)} hints, the most the node allows (max_hints_per_session); "
+                "discard some first", "request_id"))
+            return
+        total = session.hinted_keys - (len(old[1]) if old is not None else 0) + len(keys)
+        if total > self.config.max_hinted_keys_per_session:
+            self._refuse(session.identity, msg.id, ProtocolError(
+                ErrorCode.HINT_LIMIT,
+                f"this hint would bring the session's hinted keys to {total}, over the "
+                f"{self.config.max_hinted_keys_per_session} the node allows (max_hinted_keys_per_session); "
+                "discard some first", "keys"))
+            return
+        session.hints[msg.request_id] = (msg.endpoint, keys)
+        session.hinted_keys = total
         self._reply(session, Ack(msg.id))
 
     def _on_unhint(self, session: ClientSession, msg: DiscardHint) -> None:
-        self.hints.pop(msg.request_id, None)
+        old = session.hints.pop(msg.request_id, None)
+        if old is not None:
+            session.hinted_keys -= len(old[1])
         self._reply(session, Ack(msg.id))
 
     def _on_stats(self, session: ClientSession, msg: StatsRequest) -> None:
@@ -973,7 +994,16 @@ class Node:
             "counters": dict(self.counters),
             "projection_cache": {"size": len(self.projections), "hits": self.projections.hits, "misses": self.projections.misses},
             "policy": {"name": policy.name, "failures": getattr(policy, "failures", 0)},
+            "tables": self._table_sizes(),
             "invariants": self.check_invariants(),
+        }
+
+    def _table_sizes(self) -> dict[str, int]:
+        """Sizes of the node's tables that clients can grow (churn tests watch them return)."""
+        clients = [s for s in self.sessions.values() if not isinstance(s, PeerSession)]
+        return {
+            "hints": sum(len(s.hints) for s in clients),
+            "hinted_keys": sum(s.hinted_keys for s in clients),
         }
 
     def check_invariants(self) -> list[str]:
@@ -1026,11 +1056,15 @@ class Node:
 
     # ------------------------------------------------------------------ cross-node: target side
 
-    def _hinted_source(self, request_id: str | None, key: bytes) -> str | None:
-        """The endpoint a request's hint names for ``key`` (never this node itself)."""
+    def _hinted_source(self, session: ClientSession, request_id: str | None, key: bytes) -> str | None:
+        """The endpoint ``session``'s hint for a request names for ``key`` (never this node itself).
+
+        Only the session's own hints count (spec section 5.2): another client's hint under
+        the same request id can neither be seen nor steer this request.
+        """
         if request_id is None:
             return None
-        hint = self.hints.get(request_id)
+        hint = session.hints.get(request_id)
         if hint is None or key not in hint[1] or hint[0] == self.endpoint:
             return None
         return hint[0]
