@@ -610,12 +610,19 @@ class Node:
         op = self._new_op(session, msg.id, "deposit", len(msg.items), msg.deadline_ms)
         if op is None:
             return
+        # An item whose key another writer holds WRITING waits for that writer's outcome
+        # and is then tried again from the start (spec section 9: DUPLICATE means stored).
+        op.resume = lambda i: self._deposit_items(op, msg, [i])
         unique = self._unique_keys(op, [item.key for item in msg.items])
+        self._deposit_items(op, msg, [i for i in range(len(msg.items)) if unique[i]])
+
+    def _deposit_items(self, op: Operation, msg: Deposit, indices: Sequence[int]) -> None:
+        """Begin storing the items ``indices`` of a deposit: check, place, and read the source."""
+        session = op.session
         fills: list[tuple[int, ObjectEntry]] = []
         moves: list[Move] = []
-        for i, item in enumerate(msg.items):
-            if not unique[i]:
-                continue
+        for i in indices:
+            item = msg.items[i]
             # Columns of the spans (names, pools, regions, offsets, lengths): one C-level transpose.
             columns = tuple(zip(*item.spans, strict=True))
             uniform = self._uniform_source(session, columns)
@@ -641,7 +648,13 @@ class Node:
                         for span, slot, (address, length, region) in zip(item.spans, entry.slots, item_moves, strict=True)
                     )
             elif outcome is DepositOutcome.DUPLICATE:
-                op.set(i, KeyResult(KeyStatus.DUPLICATE))
+                assert entry is not None
+                if entry.state is ObjectState.WRITING:
+                    # Another deposit or a fetch is filling the key and may still fail: wait
+                    # for it (spec section 9); at our deadline, TIMEOUT.
+                    self._wait(op, item.key, i)
+                else:
+                    op.set(i, KeyResult(KeyStatus.DUPLICATE))
             elif outcome is DepositOutcome.DROPPED:
                 op.set(i, KeyResult(KeyStatus.DROPPED))
             elif outcome is DepositOutcome.LAYOUT_MISMATCH:
@@ -716,6 +729,11 @@ class Node:
         for i in indices:
             item = items[i]
             entry = self.store.lookup(item.key)
+            if entry is not None and entry.state is ObjectState.WRITING:
+                # Written again since the wait began (a waiting deposit took over a failed
+                # writer's key): wait for that writer too.
+                self._wait(op, item.key, i)
+                continue
             if entry is None or entry.state is not ObjectState.READY:
                 op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node")
                 continue
@@ -817,7 +835,9 @@ class Node:
 
     def _fetch_ready(self, op: Operation, i: int, item: FetchItem) -> None:
         entry = self.store.lookup(item.key)
-        if entry is None or entry.state is not ObjectState.READY:
+        if entry is not None and entry.state is ObjectState.WRITING:
+            self._wait(op, item.key, i)  # written again since the wait began: wait for that writer
+        elif entry is None or entry.state is not ObjectState.READY:
             op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node")
         elif tuple((s.name, s.pool) for s in item.layout) != entry.layout:
             # "fetch never projects": the expected layout must be the stored one.
