@@ -56,6 +56,8 @@ SOAK_LEFT = 100
 """Hints each of ``SOAK_SESSIONS`` sessions leaves behind at bye, per round."""
 SOAK_KEYS = 16
 FD_SLACK = 2
+SETTLE_S = 5.0
+"""Bound on the wait for closed connections' descriptors to go."""
 RSS_SLACK_KIB = 4096
 """The node's growth allowed over the soak; leaked hints would cost about 3 MiB a round."""
 
@@ -320,6 +322,7 @@ def test_hint_churn_soak(node_factory: Callable[..., Any]) -> None:
     node = node_factory(*POOL)
     keys = [bytes([i]) * 32 for i in range(SOAK_KEYS)]
     with Client(node.endpoint, name="keeper") as keeper, raw_sessions(node.endpoint, keeper.core.agent) as session:
+        keeper_fds = node_usage(node.proc.pid)[0]
 
         def churn(round_no: int) -> None:
             # One session: SOAK_HINTS hints, submitted and discarded in batches.
@@ -337,9 +340,12 @@ def test_hint_churn_soak(node_factory: Callable[..., Any]) -> None:
 
         churn(0)  # warm-up: the node's allocator reaches its working size
         assert tables(stats(keeper))["hints"] == 0
+        # Connections of closed sessions are closed by ZeroMQ's I/O thread, a little later.
+        assert wait_until(lambda: node_usage(node.proc.pid)[0] <= keeper_fds, SETTLE_S)
         fds_before, rss_before = node_usage(node.proc.pid)
         for round_no in range(1, SOAK_ROUNDS + 1):
             churn(round_no)
+        wait_until(lambda: node_usage(node.proc.pid)[0] <= fds_before + FD_SLACK, SETTLE_S)
         fds_after, rss_after = node_usage(node.proc.pid)
         st = assert_clean(keeper)
         print(f"\nhint churn: {SOAK_ROUNDS} rounds; descriptors {fds_before} -> {fds_after}, "
