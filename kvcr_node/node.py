@@ -34,7 +34,7 @@ from kvcr_node.config import NodeConfig
 from kvcr_node.eviction import make_policy
 from kvcr_node.memory import PoolMemory
 from kvcr_node.peers import PeerLink, RemoteWrite
-from kvcr_node.sessions import ClientSession, Operation, PeerSession
+from kvcr_node.sessions import ClientSession, Operation, PeerSession, Withdrawal
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import LocalLists, Move, Transfers, run_moves, uniform_columns
 from kvcr_protocol import (
@@ -205,6 +205,8 @@ class Node:
         self.pool_index = {name: i for i, name in enumerate(self.memories)}
         self.slot_sizes = {name: mem.spec.slot_size for name, mem in self.memories.items()}
         self.links: dict[str, PeerLink] = {}
+        self.withdrawing: dict[bytes, ClientSession] = {}
+        """Sessions with an ``unregions`` whose ack is held, by identity."""
         self.retired: list[ClientSession] = []
         """Closed peer sessions whose writes are still running."""
         self._link_socks: dict[Any, PeerLink] = {}
@@ -490,10 +492,49 @@ class Node:
         self._reply(session, Ack(msg.id))
 
     def _on_unregions(self, session: ClientSession, msg: UnregisterRegions) -> None:
-        for region in msg.regions:
-            session.regions.pop(region, None)
+        records = {rid: region for rid in msg.regions if (region := session.regions.pop(rid, None)) is not None}
         session.regions_version += 1
+        if self._regions_reserved(session, msg.regions):
+            # Spec section 12: a source may still write there (DESTINATION_UNCERTAIN); the
+            # ack waits until it cannot. The regions take no new work meanwhile.
+            session.withdrawals[msg.id] = Withdrawal(tuple(msg.regions), records)
+            self.withdrawing[session.identity] = session
+            self.counters["unregions_held"] += 1
+            return
         self._reply(session, Ack(msg.id))
+
+    def _regions_reserved(self, session: ClientSession, regions: Sequence[int]) -> bool:
+        """Whether a remote write that is not over may still write into one of the client's ``regions``."""
+        wanted = set(regions)
+        for link in self.links.values():
+            for write in (*link.writes.values(), *link.queued):
+                if write.client is None or write.agent != session.agent or write.state == "done":
+                    continue
+                if any(span[1] in wanted for item in write.items for span in item.spans):
+                    return True
+        return False
+
+    def _release_withdrawals(self) -> None:
+        """Acknowledge every held ``unregions`` whose regions no write can reach any more."""
+        for identity, session in list(self.withdrawing.items()):
+            for request_id, withdrawal in list(session.withdrawals.items()):
+                if not self._regions_reserved(session, withdrawal.regions):
+                    del session.withdrawals[request_id]
+                    self._reply(session, Ack(request_id))
+            if not session.withdrawals:
+                del self.withdrawing[identity]
+
+    def _cancel_withdrawal(self, session: ClientSession, request_id: int) -> None:
+        """The client aborted a held ``unregions``: its regions are announced again, and the
+        request is refused whole (``error`` ABORTED: nothing of it was done)."""
+        withdrawal = session.withdrawals.pop(request_id)
+        if not session.withdrawals:
+            self.withdrawing.pop(session.identity, None)
+        for rid, region in withdrawal.records.items():
+            session.regions.setdefault(rid, region)
+        session.regions_version += 1
+        self._refuse(session.identity, request_id, ProtocolError(
+            ErrorCode.ABORTED, "aborted: the regions stay announced; the client must keep them registered"))
 
     def _on_bye(self, session: ClientSession, msg: Bye) -> None:
         self._reply(session, Ack(msg.id))
@@ -509,6 +550,9 @@ class Node:
         """
         session.closing = True
         session.forget_hints()  # spec section 5.2: hints end with their session
+        session.withdrawals.clear()  # held unregions end unanswered with the session
+        if self.withdrawing.get(session.identity) is session:
+            del self.withdrawing[session.identity]
         for op in list(session.ops.values()):
             self._abort_op(op)
         for handle in list(session.handles):
@@ -899,6 +943,10 @@ class Node:
 
     def _on_abort(self, session: ClientSession, msg: Abort) -> None:
         op = session.ops.get(msg.op)
+        if op is None and msg.op in session.withdrawals:
+            self._reply(session, Ack(msg.id))
+            self._cancel_withdrawal(session, msg.op)
+            return
         if op is None:
             self._refuse(session.identity, msg.id, ProtocolError(ErrorCode.UNKNOWN_OP, f"operation {msg.op} is not in progress", "op"))
             return
@@ -1024,6 +1072,7 @@ class Node:
         return {
             "hints": sum(len(s.hints) for s in clients),
             "hinted_keys": sum(s.hinted_keys for s in clients),
+            "withdrawals": sum(len(s.withdrawals) for s in clients),
         }
 
     def check_invariants(self) -> list[str]:
@@ -1186,6 +1235,8 @@ class Node:
         was_uncertain = write.state == "uncertain"
         write.state = "done"
         write.link.writes.pop(write.id, None)
+        if self.withdrawing and write.client is not None:
+            self._release_withdrawals()  # a held unregions may wait on this write (spec section 12)
         op = write.op
         if was_uncertain:
             self.counters["uncertain_resolved"] += 1

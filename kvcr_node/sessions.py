@@ -18,6 +18,20 @@ RECENT_WRITES = 4096
 
 
 @dataclass
+class Withdrawal:
+    """An ``unregions`` whose ack waits: a source may still write into its regions.
+
+    The regions are withdrawn at once (new spans in them fail), and put back if the
+    client aborts the request.
+    """
+
+    regions: tuple[int, ...]
+    """The region ids the request names."""
+    records: dict[int, Region]
+    """Those the session had announced, as they were."""
+
+
+@dataclass
 class ClientSession:
     """One client that said hello on the node's ROUTER socket."""
 
@@ -35,6 +49,8 @@ class ClientSession:
     last_seen: float = field(default_factory=time.monotonic)
     events: int = 0
     """Capacity events sent in this session (their ids count from 1)."""
+    withdrawals: dict[int, Withdrawal] = field(default_factory=dict)
+    """``unregions`` requests whose ack is held, by request id (spec section 5.2)."""
     hints: dict[str, Hint] = field(default_factory=dict)
     """This session's hints by request id (spec section 5.2): no other session sees them."""
     hinted_keys: int = 0
