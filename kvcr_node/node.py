@@ -95,6 +95,7 @@ from kvcr_protocol import (
 )
 from kvcr_protocol import Deliver as DeliverMsg
 from kvcr_protocol.descriptors import resolve_spans
+from kvcr_protocol.operations import SOURCE_CODES, allowed_refusal, allowed_result
 from kvcr_protocol.versions import BASE_VERSION, PARTIAL_LAYOUT_VERSION
 
 _FULL = Projection((), True)
@@ -106,6 +107,17 @@ _IDLE_POLL_MS = 1000
 _SHUTDOWN_DRAIN_S = 10.0
 _REMOTE_POLL_MS = 50
 _PROBE_INTERVAL_S = 0.25
+
+
+def _from_source(result: KeyResult) -> KeyResult:
+    """A source's per-key result as passed on: what a source does not send becomes a failed
+    transfer (spec section 5.3), so no peer can give a client a status or code out of place."""
+    if result.status is KeyStatus.OK and result.code == 0:
+        return KeyResult(KeyStatus.OK)
+    if result.status in (KeyStatus.FAILED, KeyStatus.ABORTED) and allowed_result("write", result.code) and result.code:
+        return KeyResult(result.status, result.code, result.reason)
+    return KeyResult(KeyStatus.FAILED, ErrorCode.TRANSFER_FAILED,
+                     f"the source answered {result.status.value} with code {result.code}: {result.reason}"[:1024])
 
 
 def _bind_endpoint(sock: zmq.Socket[bytes], endpoint: str) -> str:
@@ -171,6 +183,10 @@ class Node:
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.protocol_errors: collections.Counter[str] = collections.Counter()
         self.counters: collections.Counter[str] = collections.Counter()
+        self.undeclared_codes: collections.Counter[str] = collections.Counter()
+        """Codes sent that spec section 10.1 does not list for their request (a breach)."""
+        self._serving: str | None = None
+        """The type of the request being handled (None while it is not decoded yet)."""
         self._handlers: dict[type[Message], Callable[[ClientSession, Any], None]] = {
             RegisterRegions: self._on_regions,
             UnregisterRegions: self._on_unregions,
@@ -369,6 +385,7 @@ class Node:
                 self.transfers.poll()
 
     def _handle_frames(self, frames: list[bytes]) -> None:
+        self._serving = None
         identity = frames[0]
         if len(frames) != 2:
             self._refuse(identity, 0, ProtocolError(ErrorCode.MALFORMED, f"expected 1 payload frame, got {len(frames) - 1}"))
@@ -382,6 +399,7 @@ class Node:
         except RemoteProtocolError as exc:
             self._refuse(identity, peek_id(payload), exc)
             return
+        self._serving = msg.TAG
         if isinstance(msg, Hello):
             self._on_hello(identity, msg)
             return
@@ -402,7 +420,10 @@ class Node:
             return
         handler(session, msg)
 
-    def _refuse(self, identity: bytes, request_id: int, exc: ProtocolError) -> None:
+    def _refuse(self, identity: bytes, request_id: int, exc: ProtocolError, request: str | None = None) -> None:
+        """Answer a request with ``error``; ``request`` names its type when it is not the
+        message being handled (the codes a node may send per request: spec section 10.1)."""
+        self._check_refusal(request or self._serving, exc.code)
         self.protocol_errors[exc.code.name] += 1
         session = self.sessions.get(identity)
         version = session.version if session else BASE_VERSION
@@ -440,6 +461,9 @@ class Node:
         return session
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        if self.stopping:
+            self._refuse(identity, msg.id, ProtocolError(ErrorCode.SHUTTING_DOWN, "the node is stopping"))
+            return
         try:
             version = negotiate(self.versions, msg.versions)
         except ProtocolError as exc:
@@ -534,7 +558,7 @@ class Node:
             session.regions.setdefault(rid, region)
         session.regions_version += 1
         self._refuse(session.identity, request_id, ProtocolError(
-            ErrorCode.ABORTED, "aborted: the regions stay announced; the client must keep them registered"))
+            ErrorCode.ABORTED, "aborted: the regions stay announced; the client must keep them registered"), "unregions")
 
     def _on_bye(self, session: ClientSession, msg: Bye) -> None:
         self._reply(session, Ack(msg.id))
@@ -589,6 +613,7 @@ class Node:
             return
         del op.session.ops[op.id]
         results = tuple(r for r in op.results if r is not None)
+        self._check_results(op.kind, results)
         for r in results:
             self.outcomes[f"{op.kind}.{r.status.value}" + (f".{ErrorCode(r.code).name}" if r.code else "")] += 1
         if isinstance(op.session, PeerSession) and op.kind == "write":
@@ -939,6 +964,7 @@ class Node:
                 results.append(KeyResult(KeyStatus.OK))
             else:
                 results.append(KeyResult(KeyStatus.FAILED, ErrorCode.UNKNOWN_HANDLE, f"handles[{i}] is not held by this client"))
+        self._check_results("release", results)
         self._reply(session, Completion(msg.id, tuple(results)))
 
     def _on_abort(self, session: ClientSession, msg: Abort) -> None:
@@ -1066,6 +1092,17 @@ class Node:
             "invariants": self.check_invariants(),
         }
 
+    def _check_refusal(self, request: str | None, code: int) -> None:
+        """Count a refusal code the spec does not list for the request (section 10.1)."""
+        if not allowed_refusal(request, code):
+            self.undeclared_codes[f"{request or 'undecoded frame'}: error {code}"] += 1
+
+    def _check_results(self, request: str, results: Sequence[KeyResult]) -> None:
+        """Count per-key codes the spec does not list for the request (section 10.1)."""
+        for r in results:
+            if not allowed_result(request, r.code):
+                self.undeclared_codes[f"{request}: result {r.code}"] += 1
+
     def _table_sizes(self) -> dict[str, int]:
         """Sizes of the node's tables that clients can grow (churn tests watch them return)."""
         clients = [s for s in self.sessions.values() if not isinstance(s, PeerSession)]
@@ -1084,6 +1121,8 @@ class Node:
         for handle, (session, _) in self.handles.items():
             if handle not in session.handles:
                 breaches.append(f"handle {handle} is not in its session")
+        for what, n in self.undeclared_codes.items():
+            breaches.append(f"sent a code spec section 10.1 does not list ({what}) {n} times")
         return breaches
 
     # ---- capacity events and deadlines
@@ -1246,7 +1285,7 @@ class Node:
             return
         op.remote -= 1
         for n, i in enumerate(write.indices):
-            result = results[n] if n < len(results) else None
+            result = _from_source(results[n]) if n < len(results) else None
             if write.fills is not None:
                 entry = write.fills[n]
                 if result is not None and result.status is KeyStatus.OK and not op.aborted:
@@ -1345,8 +1384,10 @@ class Node:
                 link.clients_sent.pop(agent, None)
                 log.warning("peer %s refused client %s: %s", link.endpoint, agent, msg.reason)
             if write is not None:
-                self._end_write(write, ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.TRANSFER_FAILED,
-                                f"the source refused: {msg.reason}")
+                # Spec section 10.1: the codes a source refuses a write with pass on; any other
+                # (a bug or a hostile source) is a failed transfer.
+                code = ErrorCode(msg.code) if msg.code in SOURCE_CODES else ErrorCode.TRANSFER_FAILED
+                self._end_write(write, code, f"the source refused (code {msg.code}): {msg.reason}")
             elif msg.id == link.hello_id:
                 log.warning("peer %s refused our hello: %s", link.endpoint, msg.reason)
                 self._fail_queued(link, ErrorCode.PEER_UNSUPPORTED if msg.code == ErrorCode.UNSUPPORTED_VERSION else ErrorCode.PEER_UNREACHABLE,
@@ -1437,6 +1478,9 @@ class Node:
     # ------------------------------------------------------------------ cross-node: source side
 
     def _on_peer_hello(self, identity: bytes, msg: PeerHello) -> None:
+        if self.stopping:
+            self._refuse(identity, msg.id, ProtocolError(ErrorCode.SHUTTING_DOWN, "the node is stopping"))
+            return
         try:
             version = negotiate(self.versions, msg.versions)
         except ProtocolError as exc:

@@ -13,6 +13,7 @@ from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, R
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
 from kvcr_protocol.messages import *  # noqa: F403 - the message catalogue is the API
 from kvcr_protocol.messages import ALL_MESSAGES, MESSAGE_BY_TAG
+from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, RequestCodes
 from kvcr_protocol.projection import Projection, ProjectionCache, ProjectionError, compute_projection
 from kvcr_protocol.versions import (
     BASE_VERSION,
@@ -25,12 +26,14 @@ from kvcr_protocol.versions import (
 
 __all__ = [
     "ALL_MESSAGES",
+    "ANY_REQUEST",
     "BASE_VERSION",
     "CURRENT_VERSION",
     "DEFAULT_LIMITS",
     "IPC_PATH_MAX",
     "MESSAGE_BY_TAG",
     "PARTIAL_LAYOUT_VERSION",
+    "REQUEST_CODES",
     "SUPPORTED_VERSIONS",
     "DescriptorError",
     "ErrorCode",
@@ -42,6 +45,7 @@ __all__ = [
     "ProjectionError",
     "ProtocolError",
     "RemoteProtocolError",
+    "RequestCodes",
     "check_span_sizes",
     "compute_projection",
     "decode",
