@@ -14,12 +14,13 @@ import operator
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from kvcr_client.buffers import BufferError, describe
 from kvcr_client.core import ClientCore
-from kvcr_client.errors import ArgumentError, KvcrError, NodeLostError
+from kvcr_client.errors import ArgumentError, KvcrError, NodeError, NodeLostError, OperationTimeout
 from kvcr_client.results import KeyOutcome, KeyPresence, OpHandle, Results
 from kvcr_protocol import (
     CURRENT_VERSION,
@@ -49,6 +50,7 @@ from kvcr_protocol import (
     SubmitHint,
     UnregisterRegions,
     Welcome,
+    endpoint_problem,
     supported_up_to,
 )
 from kvcr_protocol import Deliver as DeliverMsg
@@ -58,6 +60,8 @@ log = logging.getLogger("kvcr.client")
 DEFAULT_DEADLINE_MS = 30_000
 DEFAULT_MAX_COMPLETED = 8192
 """Completed operations kept for ``poll_completed`` at most; older ones are dropped and counted."""
+CANCEL_UNREGISTER_S = 10.0
+"""How long ``unregister`` waits for the node to answer the cancellation of a timed-out withdrawal."""
 
 
 @dataclass(eq=False)
@@ -553,8 +557,9 @@ class _Base:
         """Tell the node that, for ``request_id``, ``keys`` may be held by the node at ``source_endpoint``."""
         request_id = _request_id(request_id)
         _text(source_endpoint, "source_endpoint", DEFAULT_LIMITS.max_text)
-        if "://" not in source_endpoint:
-            raise ArgumentError("source_endpoint", f"expected a ZeroMQ endpoint, got {source_endpoint!r}")
+        problem = endpoint_problem(source_endpoint)  # the node's own check (spec section 5.2)
+        if problem is not None:
+            raise ArgumentError("source_endpoint", problem)
         ks = tuple(_key(k, f"keys[{i}]") for i, k in enumerate(_batch(keys, "keys")))
         op_id, fut = self.core.request(lambda i: SubmitHint(i, request_id, source_endpoint, ks), _ack, 10.0)
         return self._handle(op_id, "hint", fut)
@@ -591,6 +596,36 @@ class _Base:
                 for op_id, kind in users
             )
             raise ArgumentError("region", f"operations the node may still run on it: {ops}")
+
+    @staticmethod
+    def _unregister_timeout(timeout: float | None) -> None:
+        if timeout is None:
+            return
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0 or math.isinf(timeout):
+            raise ArgumentError("timeout", f"expected None or a finite number of seconds >= 0, got {timeout!r}")
+
+    def _withdraw(self, region: RegionHandle) -> tuple[int, Future[Any]]:
+        """Send ``unregions`` for ``region``; its ack may take as long as a source may still write there."""
+        return self.core.request(lambda i: UnregisterRegions(i, (region.region,)), _ack, math.inf)
+
+    def _cancel_withdrawal(self, region: RegionHandle, op_id: int, fut: Future[Any], timeout: float | None) -> bool:
+        """The ack did not come within ``timeout``: ask the node to keep the region (abort the
+        ``unregions``). True if the ack came meanwhile after all; else raises, the region
+        staying registered here and announced at the node (spec section 5.2)."""
+        self.core.request(lambda i: Abort(i, op_id), lambda m: None, CANCEL_UNREGISTER_S)
+        try:
+            self.core.wait(fut, CANCEL_UNREGISTER_S)
+        except NodeError as exc:
+            if exc.code != ErrorCode.ABORTED:
+                raise
+        except FutureTimeout:
+            pass
+        else:
+            return True
+        raise OperationTimeout(
+            f"region {region.region}: the node did not release it within {timeout} s (a source may still write "
+            "into it after a DESTINATION_UNCERTAIN delivery); it stays registered and announced: call unregister again later"
+        )
 
     def _unregister_on_io(self, region: RegionHandle) -> None:
         self._regions.pop(region.region, None)
@@ -648,10 +683,21 @@ class Client(_Base):
             raise
         return handle
 
-    def unregister(self, region: RegionHandle) -> None:
-        """Stop using a buffer: the node forgets the region, then NIXL deregisters it."""
+    def unregister(self, region: RegionHandle, timeout: float | None = None) -> None:
+        """Stop using a buffer: the node forgets the region, then NIXL deregisters it.
+
+        The node acknowledges only once nothing may write the region any more; after a
+        ``DESTINATION_UNCERTAIN`` delivery into it, that is when the source confirms or is
+        known gone. ``timeout`` (seconds; None: as long as that takes) bounds the wait: past
+        it, ``OperationTimeout`` is raised and the region stays registered and announced.
+        """
         self._unregister_check(region)
-        self.core.wait(self.core.request(lambda i: UnregisterRegions(i, (region.region,)), _ack, 10.0)[1], 15)
+        self._unregister_timeout(timeout)
+        op_id, fut = self._withdraw(region)
+        try:
+            self.core.wait(fut, timeout)
+        except FutureTimeout:
+            self._cancel_withdrawal(region, op_id, fut, timeout)
         self.core.call(lambda: self._unregister_on_io(region)).result(30)
 
     def reconnect(self, timeout: float = 10.0) -> Welcome:
@@ -716,9 +762,16 @@ class AsyncClient(_Base):
             raise
         return handle
 
-    async def unregister(self, region: RegionHandle) -> None:
+    async def unregister(self, region: RegionHandle, timeout: float | None = None) -> None:
+        """As ``Client.unregister``: waits (up to ``timeout`` s) until the node releases the region."""
         self._unregister_check(region)
-        await asyncio.wrap_future(self.core.request(lambda i: UnregisterRegions(i, (region.region,)), _ack, 10.0)[1])
+        self._unregister_timeout(timeout)
+        op_id, fut = self._withdraw(region)
+        done, _ = await asyncio.wait({asyncio.wrap_future(fut)}, timeout=timeout)
+        if done:
+            done.pop().result()
+        else:
+            await asyncio.to_thread(self._cancel_withdrawal, region, op_id, fut, timeout)
         await asyncio.wrap_future(self.core.call(lambda: self._unregister_on_io(region)))
 
     async def reconnect(self, timeout: float = 10.0) -> Welcome:

@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-ms", type=int, help="how often clients must say they are alive")
     p.add_argument("--max-clients", type=int, help="client sessions at once")
     p.add_argument("--max-pending", type=int, help="operations in progress per client before BUSY")
+    p.add_argument("--max-hints-per-session", type=int, help="hints one client may hold before HINT_LIMIT")
+    p.add_argument("--max-hinted-keys-per-session", type=int, help="keys over one client's hints before HINT_LIMIT")
     p.add_argument("--curve-secret-key", help="file with the node's CurveZMQ secret key (enables authentication)")
     p.add_argument("--curve-public-key", help="file with the node's CurveZMQ public key")
     p.add_argument("--curve-allow", help="file of allowed client and peer public keys, one per line")
@@ -59,6 +61,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
     changes: dict[str, Any] = {}
     for attr in ("endpoint", "name", "policy", "low_watermark", "protocol_version", "deadline_ms", "log_level",
                  "peer_dead_ms", "defer_writes", "client_grace_ms", "heartbeat_ms", "max_clients", "max_pending",
+                 "max_hints_per_session", "max_hinted_keys_per_session",
                  "curve_secret_key", "curve_public_key", "curve_allow", "curve_peer_key"):
         value = getattr(args, attr)
         if value is not None:

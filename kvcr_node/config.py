@@ -85,13 +85,19 @@ class NodeConfig:
     deadline_ms: int = 30_000
     """Deadline of an operation whose request names none."""
     heartbeat_ms: int = 2_000
-    """How often clients say they are alive (told to them in welcome)."""
+    """How often clients say they are alive (told to them in welcome); 0 disables heartbeats,
+    and with them the dropping of silent sessions (spec section 5.2)."""
     client_grace_ms: int = 10_000
-    """A client silent this long is gone: its operations are aborted, its handles released."""
+    """A client silent this long is gone: its operations are aborted, its handles released
+    (only while heartbeats are on)."""
     max_clients: int = 256
     """Client sessions at once; one more hello is refused with TOO_MANY_CLIENTS."""
     max_pending: int = 1024
     """Operations in progress per client; one more is refused with BUSY (back-pressure)."""
+    max_hints_per_session: int = 1024
+    """Hints (request ids) one session may hold; one more is refused with HINT_LIMIT."""
+    max_hinted_keys_per_session: int = 65536
+    """Keys summed over one session's hints; a hint past it is refused with HINT_LIMIT."""
     max_frame: int = 8 << 20
     """Bytes in one control frame; larger ones are refused (TOO_LARGE) or cut off."""
     curve_secret_key: str = ""
@@ -132,10 +138,14 @@ class NodeConfig:
         if self.protocol_version not in SUPPORTED_VERSIONS:
             raise ConfigError("protocol_version", f"expected one of {list(SUPPORTED_VERSIONS)}, got {self.protocol_version!r}")
         for name in ("deadline_ms", "heartbeat_ms", "batch", "projection_cache", "peer_dead_ms",
-                     "client_grace_ms", "max_clients", "max_pending", "max_frame"):
+                     "client_grace_ms", "max_clients", "max_pending", "max_frame",
+                     "max_hints_per_session", "max_hinted_keys_per_session"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(name, f"expected a positive integer, got {value!r}")
+            # heartbeat_ms 0 disables heartbeats (spec section 5.2); every other count is positive.
+            least = 0 if name == "heartbeat_ms" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                what = "a non-negative" if least == 0 else "a positive"
+                raise ConfigError(name, f"expected {what} integer, got {value!r}")
         curve = (self.curve_secret_key, self.curve_public_key, self.curve_allow)
         if any(curve) and not all(curve):
             raise ConfigError("curve_secret_key", "CurveZMQ needs curve_secret_key, curve_public_key and curve_allow together")
@@ -197,7 +207,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "endpoint": str, "name": str, "policy": str, "low_watermark": (int, float), "protocol_version": int,
     "deadline_ms": int, "heartbeat_ms": int, "batch": int, "projection_cache": int, "log_level": str,
     "peer_dead_ms": int, "defer_writes": bool, "client_grace_ms": int, "max_clients": int, "max_pending": int,
-    "max_frame": int, "curve_secret_key": str, "curve_public_key": str, "curve_allow": str, "curve_peer_key": str,
+    "max_frame": int, "max_hints_per_session": int, "max_hinted_keys_per_session": int, "curve_secret_key": str, "curve_public_key": str, "curve_allow": str, "curve_peer_key": str,
 }
 
 

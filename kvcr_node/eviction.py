@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import importlib
+import inspect
 import logging
 import math
 import numbers
@@ -201,8 +202,9 @@ class GuardedPolicy(EvictionPolicy):
 def make_policy(name: str) -> EvictionPolicy:
     """A built-in policy by name (``"fifo"``, ``"lru"``), or ``"module:Class"`` for a plug-in.
 
-    A plug-in class is instantiated without arguments and must be an ``EvictionPolicy``;
-    it runs behind a ``GuardedPolicy``.
+    A plug-in must name a concrete ``EvictionPolicy`` subclass, checked before anything
+    of it runs (``os:getcwd`` names a callable, not a policy: it is refused unrun). The
+    class is instantiated without arguments and runs behind a ``GuardedPolicy``.
     """
     if name in _POLICIES:
         return _POLICIES[name]()
@@ -212,9 +214,14 @@ def make_policy(name: str) -> EvictionPolicy:
             cls = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"eviction policy {name!r} cannot be loaded: {exc}") from exc
-        policy = cls()
-        if not isinstance(policy, EvictionPolicy):
-            raise ValueError(f"eviction policy {name!r} is not an EvictionPolicy")
+        if not isinstance(cls, type) or not issubclass(cls, EvictionPolicy):
+            raise ValueError(f"eviction policy {name!r} is not an EvictionPolicy subclass (got {type(cls).__name__})")
+        if inspect.isabstract(cls):
+            raise ValueError(f"eviction policy {name!r} is abstract: it must define score()")
+        try:
+            policy = cls()
+        except Exception as exc:
+            raise ValueError(f"eviction policy {name!r} cannot be instantiated without arguments: {exc}") from exc
         return GuardedPolicy(policy)
     raise ValueError(f"unknown eviction policy {name!r}; expected one of {sorted(_POLICIES)} or 'module:Class'")
 

@@ -12,6 +12,17 @@ from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import MemoryKind
 
 
+class PoolAllocationError(RuntimeError):
+    """A pool's memory could not be allocated; the message names the pool and its size."""
+
+    def __init__(self, spec: PoolSpec, cause: BaseException) -> None:
+        self.spec = spec
+        super().__init__(
+            f"pool {spec.name!r} ({spec.slot_count} slots of {spec.slot_size} bytes = {spec.size} bytes, "
+            f"{spec.memory}): cannot allocate its memory: {cause}"
+        )
+
+
 class PoolMemory:
     """One pool's bytes: ``slot_count`` slots of ``slot_size`` bytes at ``address``."""
 
@@ -21,14 +32,20 @@ class PoolMemory:
         self._keep: Any
         if self.device is None:
             # Anonymous mmap: page aligned, zero filled, never swapped into a Python heap.
-            self._keep = mmap.mmap(-1, spec.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            try:
+                self._keep = mmap.mmap(-1, spec.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            except (OSError, OverflowError, MemoryError, ValueError) as exc:
+                raise PoolAllocationError(spec, exc) from exc
             self.array: Any = np.frombuffer(self._keep, dtype=np.uint8)
             self.kind = MemoryKind.DRAM
             self.address = int(self.array.ctypes.data)
         else:
-            from kvcr_node.gpu import allocate_hbm
+            from kvcr_node.gpu import GpuUnavailable, allocate_hbm
 
-            self.array, self.address = allocate_hbm(spec.size, self.device)
+            try:
+                self.array, self.address = allocate_hbm(spec.size, self.device)
+            except GpuUnavailable as exc:
+                raise GpuUnavailable(f"pool {spec.name!r} ({spec.size} bytes): {exc}") from exc
             self._keep = self.array
             self.kind = MemoryKind.VRAM
 

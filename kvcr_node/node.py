@@ -34,7 +34,7 @@ from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.eviction import make_policy
 from kvcr_node.memory import PoolMemory
 from kvcr_node.peers import PeerLink, RemoteWrite
-from kvcr_node.sessions import ClientSession, Operation, PeerSession
+from kvcr_node.sessions import ClientSession, Operation, PeerSession, Withdrawal
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import LocalLists, Move, Transfers, run_moves, uniform_columns
 from kvcr_protocol import (
@@ -88,12 +88,14 @@ from kvcr_protocol import (
     WriteState,
     decode,
     encode,
+    endpoint_problem,
     negotiate,
     peek_id,
     supported_up_to,
 )
 from kvcr_protocol import Deliver as DeliverMsg
 from kvcr_protocol.descriptors import resolve_spans
+from kvcr_protocol.operations import SOURCE_CODES, allowed_refusal, allowed_result
 from kvcr_protocol.versions import BASE_VERSION, PARTIAL_LAYOUT_VERSION
 
 _FULL = Projection((), True)
@@ -105,6 +107,17 @@ _IDLE_POLL_MS = 1000
 _SHUTDOWN_DRAIN_S = 10.0
 _REMOTE_POLL_MS = 50
 _PROBE_INTERVAL_S = 0.25
+
+
+def _from_source(result: KeyResult) -> KeyResult:
+    """A source's per-key result as passed on: what a source does not send becomes a failed
+    transfer (spec section 5.3), so no peer can give a client a status or code out of place."""
+    if result.status is KeyStatus.OK and result.code == 0:
+        return KeyResult(KeyStatus.OK)
+    if result.status in (KeyStatus.FAILED, KeyStatus.ABORTED) and allowed_result("write", result.code) and result.code:
+        return KeyResult(result.status, result.code, result.reason)
+    return KeyResult(KeyStatus.FAILED, ErrorCode.TRANSFER_FAILED,
+                     f"the source answered {result.status.value} with code {result.code}: {result.reason}"[:1024])
 
 
 class Node:
@@ -159,13 +172,16 @@ class Node:
         self.handles: dict[int, tuple[ClientSession, ObjectEntry]] = {}
         self._next_handle = 1
         self.waiters: dict[bytes, list[Operation]] = {}
-        self.hints: dict[str, tuple[str, frozenset[bytes]]] = {}
         self.op_claims = 0
         self._stop = False
         self.stopping = False
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.protocol_errors: collections.Counter[str] = collections.Counter()
         self.counters: collections.Counter[str] = collections.Counter()
+        self.undeclared_codes: collections.Counter[str] = collections.Counter()
+        """Codes sent that spec section 10.1 does not list for their request (a breach)."""
+        self._serving: str | None = None
+        """The type of the request being handled (None while it is not decoded yet)."""
         self._handlers: dict[type[Message], Callable[[ClientSession, Any], None]] = {
             RegisterRegions: self._on_regions,
             UnregisterRegions: self._on_unregions,
@@ -200,6 +216,8 @@ class Node:
         self.pool_index = {name: i for i, name in enumerate(self.memories)}
         self.slot_sizes = {name: mem.spec.slot_size for name, mem in self.memories.items()}
         self.links: dict[str, PeerLink] = {}
+        self.withdrawing: dict[bytes, ClientSession] = {}
+        """Sessions with an ``unregions`` whose ack is held, by identity."""
         self.retired: list[ClientSession] = []
         """Closed peer sessions whose writes are still running."""
         self._link_socks: dict[Any, PeerLink] = {}
@@ -313,6 +331,8 @@ class Node:
 
     def _check_liveness(self) -> None:
         """Drop clients silent for longer than the grace period (DESIGN 7: no leaks)."""
+        if not self.config.heartbeat_ms:
+            return  # heartbeats off: clients send none, so silence means nothing (spec section 5.2)
         now = time.monotonic()
         if now < self._next_liveness:
             return
@@ -329,9 +349,9 @@ class Node:
 
     def _idle_timeout_ms(self) -> int:
         deadline = self._next_deadline()
-        if self.sessions:
+        if self.sessions and self.config.heartbeat_ms:
             deadline = min(deadline or float("inf"), self._next_liveness)
-        ready = [link.next_heartbeat for link in self.links.values() if link.state == "ready"]
+        ready = [link.next_heartbeat for link in self.links.values() if link.state == "ready" and self.config.heartbeat_ms]
         if ready:
             deadline = min(deadline or float("inf"), min(ready))
         if self.links and any(link.writes or link.queued or link.state == "down" for link in self.links.values()):
@@ -360,6 +380,7 @@ class Node:
                 self.transfers.poll()
 
     def _handle_frames(self, frames: list[bytes]) -> None:
+        self._serving = None
         identity = frames[0]
         if len(frames) != 2:
             self._refuse(identity, 0, ProtocolError(ErrorCode.MALFORMED, f"expected 1 payload frame, got {len(frames) - 1}"))
@@ -373,6 +394,7 @@ class Node:
         except RemoteProtocolError as exc:
             self._refuse(identity, peek_id(payload), exc)
             return
+        self._serving = msg.TAG
         if isinstance(msg, Hello):
             self._on_hello(identity, msg)
             return
@@ -393,7 +415,10 @@ class Node:
             return
         handler(session, msg)
 
-    def _refuse(self, identity: bytes, request_id: int, exc: ProtocolError) -> None:
+    def _refuse(self, identity: bytes, request_id: int, exc: ProtocolError, request: str | None = None) -> None:
+        """Answer a request with ``error``; ``request`` names its type when it is not the
+        message being handled (the codes a node may send per request: spec section 10.1)."""
+        self._check_refusal(request or self._serving, exc.code)
         self.protocol_errors[exc.code.name] += 1
         session = self.sessions.get(identity)
         version = session.version if session else BASE_VERSION
@@ -431,6 +456,9 @@ class Node:
         return session
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        if self.stopping:
+            self._refuse(identity, msg.id, ProtocolError(ErrorCode.SHUTTING_DOWN, "the node is stopping"))
+            return
         try:
             version = negotiate(self.versions, msg.versions)
         except ProtocolError as exc:
@@ -483,10 +511,49 @@ class Node:
         self._reply(session, Ack(msg.id))
 
     def _on_unregions(self, session: ClientSession, msg: UnregisterRegions) -> None:
-        for region in msg.regions:
-            session.regions.pop(region, None)
+        records = {rid: region for rid in msg.regions if (region := session.regions.pop(rid, None)) is not None}
         session.regions_version += 1
+        if self._regions_reserved(session, msg.regions):
+            # Spec section 12: a source may still write there (DESTINATION_UNCERTAIN); the
+            # ack waits until it cannot. The regions take no new work meanwhile.
+            session.withdrawals[msg.id] = Withdrawal(tuple(msg.regions), records)
+            self.withdrawing[session.identity] = session
+            self.counters["unregions_held"] += 1
+            return
         self._reply(session, Ack(msg.id))
+
+    def _regions_reserved(self, session: ClientSession, regions: Sequence[int]) -> bool:
+        """Whether a remote write that is not over may still write into one of the client's ``regions``."""
+        wanted = set(regions)
+        for link in self.links.values():
+            for write in (*link.writes.values(), *link.queued):
+                if write.client is None or write.agent != session.agent or write.state == "done":
+                    continue
+                if any(span[1] in wanted for item in write.items for span in item.spans):
+                    return True
+        return False
+
+    def _release_withdrawals(self) -> None:
+        """Acknowledge every held ``unregions`` whose regions no write can reach any more."""
+        for identity, session in list(self.withdrawing.items()):
+            for request_id, withdrawal in list(session.withdrawals.items()):
+                if not self._regions_reserved(session, withdrawal.regions):
+                    del session.withdrawals[request_id]
+                    self._reply(session, Ack(request_id))
+            if not session.withdrawals:
+                del self.withdrawing[identity]
+
+    def _cancel_withdrawal(self, session: ClientSession, request_id: int) -> None:
+        """The client aborted a held ``unregions``: its regions are announced again, and the
+        request is refused whole (``error`` ABORTED: nothing of it was done)."""
+        withdrawal = session.withdrawals.pop(request_id)
+        if not session.withdrawals:
+            self.withdrawing.pop(session.identity, None)
+        for rid, region in withdrawal.records.items():
+            session.regions.setdefault(rid, region)
+        session.regions_version += 1
+        self._refuse(session.identity, request_id, ProtocolError(
+            ErrorCode.ABORTED, "aborted: the regions stay announced; the client must keep them registered"), "unregions")
 
     def _on_bye(self, session: ClientSession, msg: Bye) -> None:
         self._reply(session, Ack(msg.id))
@@ -501,6 +568,10 @@ class Node:
         Operations with a transfer in flight keep their claims until it is terminal.
         """
         session.closing = True
+        session.forget_hints()  # spec section 5.2: hints end with their session
+        session.withdrawals.clear()  # held unregions end unanswered with the session
+        if self.withdrawing.get(session.identity) is session:
+            del self.withdrawing[session.identity]
         for op in list(session.ops.values()):
             self._abort_op(op)
         for handle in list(session.handles):
@@ -537,6 +608,7 @@ class Node:
             return
         del op.session.ops[op.id]
         results = tuple(r for r in op.results if r is not None)
+        self._check_results(op.kind, results)
         for r in results:
             self.outcomes[f"{op.kind}.{r.status.value}" + (f".{ErrorCode(r.code).name}" if r.code else "")] += 1
         if isinstance(op.session, PeerSession) and op.kind == "write":
@@ -584,7 +656,7 @@ class Node:
                 continue
             entry = self.store.lookup(key)
             if entry is None:
-                source = self._hinted_source(request_id, key)
+                source = self._hinted_source(op.session, request_id, key)
                 if source is None:
                     op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node"
                             + (" and no hint names a source" if request_id is not None else ""))
@@ -602,12 +674,19 @@ class Node:
         op = self._new_op(session, msg.id, "deposit", len(msg.items), msg.deadline_ms)
         if op is None:
             return
+        # An item whose key another writer holds WRITING waits for that writer's outcome
+        # and is then tried again from the start (spec section 9: DUPLICATE means stored).
+        op.resume = lambda i: self._deposit_items(op, msg, [i])
         unique = self._unique_keys(op, [item.key for item in msg.items])
+        self._deposit_items(op, msg, [i for i in range(len(msg.items)) if unique[i]])
+
+    def _deposit_items(self, op: Operation, msg: Deposit, indices: Sequence[int]) -> None:
+        """Begin storing the items ``indices`` of a deposit: check, place, and read the source."""
+        session = op.session
         fills: list[tuple[int, ObjectEntry]] = []
         moves: list[Move] = []
-        for i, item in enumerate(msg.items):
-            if not unique[i]:
-                continue
+        for i in indices:
+            item = msg.items[i]
             # Columns of the spans (names, pools, regions, offsets, lengths): one C-level transpose.
             columns = tuple(zip(*item.spans, strict=True))
             uniform = self._uniform_source(session, columns)
@@ -633,7 +712,13 @@ class Node:
                         for span, slot, (address, length, region) in zip(item.spans, entry.slots, item_moves, strict=True)
                     )
             elif outcome is DepositOutcome.DUPLICATE:
-                op.set(i, KeyResult(KeyStatus.DUPLICATE))
+                assert entry is not None
+                if entry.state is ObjectState.WRITING:
+                    # Another deposit or a fetch is filling the key and may still fail: wait
+                    # for it (spec section 9); at our deadline, TIMEOUT.
+                    self._wait(op, item.key, i)
+                else:
+                    op.set(i, KeyResult(KeyStatus.DUPLICATE))
             elif outcome is DepositOutcome.DROPPED:
                 op.set(i, KeyResult(KeyStatus.DROPPED))
             elif outcome is DepositOutcome.LAYOUT_MISMATCH:
@@ -708,6 +793,11 @@ class Node:
         for i in indices:
             item = items[i]
             entry = self.store.lookup(item.key)
+            if entry is not None and entry.state is ObjectState.WRITING:
+                # Written again since the wait began (a waiting deposit took over a failed
+                # writer's key): wait for that writer too.
+                self._wait(op, item.key, i)
+                continue
             if entry is None or entry.state is not ObjectState.READY:
                 op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node")
                 continue
@@ -809,7 +899,9 @@ class Node:
 
     def _fetch_ready(self, op: Operation, i: int, item: FetchItem) -> None:
         entry = self.store.lookup(item.key)
-        if entry is None or entry.state is not ObjectState.READY:
+        if entry is not None and entry.state is ObjectState.WRITING:
+            self._wait(op, item.key, i)  # written again since the wait began: wait for that writer
+        elif entry is None or entry.state is not ObjectState.READY:
             op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node")
         elif tuple((s.name, s.pool) for s in item.layout) != entry.layout:
             # "fetch never projects": the expected layout must be the stored one.
@@ -867,10 +959,15 @@ class Node:
                 results.append(KeyResult(KeyStatus.OK))
             else:
                 results.append(KeyResult(KeyStatus.FAILED, ErrorCode.UNKNOWN_HANDLE, f"handles[{i}] is not held by this client"))
+        self._check_results("release", results)
         self._reply(session, Completion(msg.id, tuple(results)))
 
     def _on_abort(self, session: ClientSession, msg: Abort) -> None:
         op = session.ops.get(msg.op)
+        if op is None and msg.op in session.withdrawals:
+            self._reply(session, Ack(msg.id))
+            self._cancel_withdrawal(session, msg.op)
+            return
         if op is None:
             self._refuse(session.identity, msg.id, ProtocolError(ErrorCode.UNKNOWN_OP, f"operation {msg.op} is not in progress", "op"))
             return
@@ -894,7 +991,7 @@ class Node:
         return self.memories[entry.layout[0][1]].spec.memory
 
     def _on_query(self, session: ClientSession, msg: Query) -> None:
-        hint = self.hints.get(msg.request_id) if msg.request_id is not None else None
+        hint = session.hints.get(msg.request_id) if msg.request_id is not None else None
         results = []
         for key in msg.keys:
             entry = self.store.lookup(key)
@@ -909,11 +1006,38 @@ class Node:
         self._reply(session, QueryReply(msg.id, tuple(results)))
 
     def _on_hint(self, session: ClientSession, msg: SubmitHint) -> None:
-        self.hints[msg.request_id] = (msg.endpoint, frozenset(msg.keys))
+        problem = endpoint_problem(msg.endpoint)
+        if problem is not None:
+            # Spec section 5.2: only endpoints this node can dial are kept, so that no
+            # deliver or fetch ever hands a socket an address it cannot connect to.
+            self._refuse(session.identity, msg.id, ProtocolError(ErrorCode.BAD_ENDPOINT, problem, "endpoint"))
+            return
+        keys = frozenset(msg.keys)
+        old = session.hints.get(msg.request_id)
+        limit = self.config.max_hints_per_session
+        if old is None and len(session.hints) >= limit:
+            # Spec section 5.2: hints are bounded per session; a replacement is not one more.
+            self._refuse(session.identity, msg.id, ProtocolError(
+                ErrorCode.HINT_LIMIT,
+                f"this session holds {len(session.hints)} hints, the most the node allows (max_hints_per_session); "
+                "discard some first", "request_id"))
+            return
+        total = session.hinted_keys - (len(old[1]) if old is not None else 0) + len(keys)
+        if total > self.config.max_hinted_keys_per_session:
+            self._refuse(session.identity, msg.id, ProtocolError(
+                ErrorCode.HINT_LIMIT,
+                f"this hint would bring the session's hinted keys to {total}, over the "
+                f"{self.config.max_hinted_keys_per_session} the node allows (max_hinted_keys_per_session); "
+                "discard some first", "keys"))
+            return
+        session.hints[msg.request_id] = (msg.endpoint, keys)
+        session.hinted_keys = total
         self._reply(session, Ack(msg.id))
 
     def _on_unhint(self, session: ClientSession, msg: DiscardHint) -> None:
-        self.hints.pop(msg.request_id, None)
+        old = session.hints.pop(msg.request_id, None)
+        if old is not None:
+            session.hinted_keys -= len(old[1])
         self._reply(session, Ack(msg.id))
 
     def _on_stats(self, session: ClientSession, msg: StatsRequest) -> None:
@@ -959,7 +1083,28 @@ class Node:
             "counters": dict(self.counters),
             "projection_cache": {"size": len(self.projections), "hits": self.projections.hits, "misses": self.projections.misses},
             "policy": {"name": policy.name, "failures": getattr(policy, "failures", 0)},
+            "tables": self._table_sizes(),
             "invariants": self.check_invariants(),
+        }
+
+    def _check_refusal(self, request: str | None, code: int) -> None:
+        """Count a refusal code the spec does not list for the request (section 10.1)."""
+        if not allowed_refusal(request, code):
+            self.undeclared_codes[f"{request or 'undecoded frame'}: error {code}"] += 1
+
+    def _check_results(self, request: str, results: Sequence[KeyResult]) -> None:
+        """Count per-key codes the spec does not list for the request (section 10.1)."""
+        for r in results:
+            if not allowed_result(request, r.code):
+                self.undeclared_codes[f"{request}: result {r.code}"] += 1
+
+    def _table_sizes(self) -> dict[str, int]:
+        """Sizes of the node's tables that clients can grow (churn tests watch them return)."""
+        clients = [s for s in self.sessions.values() if not isinstance(s, PeerSession)]
+        return {
+            "hints": sum(len(s.hints) for s in clients),
+            "hinted_keys": sum(s.hinted_keys for s in clients),
+            "withdrawals": sum(len(s.withdrawals) for s in clients),
         }
 
     def check_invariants(self) -> list[str]:
@@ -971,6 +1116,8 @@ class Node:
         for handle, (session, _) in self.handles.items():
             if handle not in session.handles:
                 breaches.append(f"handle {handle} is not in its session")
+        for what, n in self.undeclared_codes.items():
+            breaches.append(f"sent a code spec section 10.1 does not list ({what}) {n} times")
         return breaches
 
     # ---- capacity events and deadlines
@@ -1012,11 +1159,15 @@ class Node:
 
     # ------------------------------------------------------------------ cross-node: target side
 
-    def _hinted_source(self, request_id: str | None, key: bytes) -> str | None:
-        """The endpoint a request's hint names for ``key`` (never this node itself)."""
+    def _hinted_source(self, session: ClientSession, request_id: str | None, key: bytes) -> str | None:
+        """The endpoint ``session``'s hint for a request names for ``key`` (never this node itself).
+
+        Only the session's own hints count (spec section 5.2): another client's hint under
+        the same request id can neither be seen nor steer this request.
+        """
         if request_id is None:
             return None
-        hint = self.hints.get(request_id)
+        hint = session.hints.get(request_id)
         if hint is None or key not in hint[1] or hint[0] == self.endpoint:
             return None
         return hint[0]
@@ -1118,6 +1269,8 @@ class Node:
         was_uncertain = write.state == "uncertain"
         write.state = "done"
         write.link.writes.pop(write.id, None)
+        if self.withdrawing and write.client is not None:
+            self._release_withdrawals()  # a held unregions may wait on this write (spec section 12)
         op = write.op
         if was_uncertain:
             self.counters["uncertain_resolved"] += 1
@@ -1127,7 +1280,7 @@ class Node:
             return
         op.remote -= 1
         for n, i in enumerate(write.indices):
-            result = results[n] if n < len(results) else None
+            result = _from_source(results[n]) if n < len(results) else None
             if write.fills is not None:
                 entry = write.fills[n]
                 if result is not None and result.status is KeyStatus.OK and not op.aborted:
@@ -1226,8 +1379,10 @@ class Node:
                 link.clients_sent.pop(agent, None)
                 log.warning("peer %s refused client %s: %s", link.endpoint, agent, msg.reason)
             if write is not None:
-                self._end_write(write, ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.TRANSFER_FAILED,
-                                f"the source refused: {msg.reason}")
+                # Spec section 10.1: the codes a source refuses a write with pass on; any other
+                # (a bug or a hostile source) is a failed transfer.
+                code = ErrorCode(msg.code) if msg.code in SOURCE_CODES else ErrorCode.TRANSFER_FAILED
+                self._end_write(write, code, f"the source refused (code {msg.code}): {msg.reason}")
             elif msg.id == link.hello_id:
                 log.warning("peer %s refused our hello: %s", link.endpoint, msg.reason)
                 self._fail_queued(link, ErrorCode.PEER_UNSUPPORTED if msg.code == ErrorCode.UNSUPPORTED_VERSION else ErrorCode.PEER_UNREACHABLE,
@@ -1281,7 +1436,7 @@ class Node:
 
     def _check_links(self, now: float) -> None:
         for link in self.links.values():
-            if link.state == "ready" and link.next_heartbeat <= now:
+            if link.state == "ready" and link.next_heartbeat <= now and self.config.heartbeat_ms:
                 # The source drops sessions silent for its client grace, ours included.
                 link.next_heartbeat = now + self.config.heartbeat_ms / 1000
                 self._link_send(link, Heartbeat(self._write_id()))
@@ -1318,6 +1473,9 @@ class Node:
     # ------------------------------------------------------------------ cross-node: source side
 
     def _on_peer_hello(self, identity: bytes, msg: PeerHello) -> None:
+        if self.stopping:
+            self._refuse(identity, msg.id, ProtocolError(ErrorCode.SHUTTING_DOWN, "the node is stopping"))
+            return
         try:
             version = negotiate(self.versions, msg.versions)
         except ProtocolError as exc:

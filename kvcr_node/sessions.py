@@ -10,8 +10,25 @@ from dataclasses import dataclass, field
 from kvcr_node.transfers import Transfer
 from kvcr_protocol import KeyResult, KeyStatus, Region
 
+Hint = tuple[str, frozenset[bytes]]
+"""A hint: the source endpoint, and the keys it may hold."""
+
 RECENT_WRITES = 4096
 """Completed peer writes a source remembers, to answer probes with DONE."""
+
+
+@dataclass
+class Withdrawal:
+    """An ``unregions`` whose ack waits: a source may still write into its regions.
+
+    The regions are withdrawn at once (new spans in them fail), and put back if the
+    client aborts the request.
+    """
+
+    regions: tuple[int, ...]
+    """The region ids the request names."""
+    records: dict[int, Region]
+    """Those the session had announced, as they were."""
 
 
 @dataclass
@@ -32,6 +49,17 @@ class ClientSession:
     last_seen: float = field(default_factory=time.monotonic)
     events: int = 0
     """Capacity events sent in this session (their ids count from 1)."""
+    withdrawals: dict[int, Withdrawal] = field(default_factory=dict)
+    """``unregions`` requests whose ack is held, by request id (spec section 5.2)."""
+    hints: dict[str, Hint] = field(default_factory=dict)
+    """This session's hints by request id (spec section 5.2): no other session sees them."""
+    hinted_keys: int = 0
+    """Keys summed over ``hints`` (bounded by the node's ``max_hinted_keys_per_session``)."""
+
+    def forget_hints(self) -> None:
+        """Drop every hint (bye or expiry: hints end with their session)."""
+        self.hints.clear()
+        self.hinted_keys = 0
 
 
 @dataclass

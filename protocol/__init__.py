@@ -8,10 +8,12 @@ onto stored layouts; ``descriptors`` checks spans against announced regions.
 
 from kvcr_protocol.codec import decode, encode, peek_id
 from kvcr_protocol.descriptors import DescriptorError, Extent, check_span_sizes, resolve_span
+from kvcr_protocol.endpoints import IPC_PATH_MAX, endpoint_problem
 from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
 from kvcr_protocol.messages import *  # noqa: F403 - the message catalogue is the API
 from kvcr_protocol.messages import ALL_MESSAGES, MESSAGE_BY_TAG
+from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, RequestCodes
 from kvcr_protocol.projection import Projection, ProjectionCache, ProjectionError, compute_projection
 from kvcr_protocol.versions import (
     BASE_VERSION,
@@ -24,11 +26,14 @@ from kvcr_protocol.versions import (
 
 __all__ = [
     "ALL_MESSAGES",
+    "ANY_REQUEST",
     "BASE_VERSION",
     "CURRENT_VERSION",
     "DEFAULT_LIMITS",
+    "IPC_PATH_MAX",
     "MESSAGE_BY_TAG",
     "PARTIAL_LAYOUT_VERSION",
+    "REQUEST_CODES",
     "SUPPORTED_VERSIONS",
     "DescriptorError",
     "ErrorCode",
@@ -40,10 +45,12 @@ __all__ = [
     "ProjectionError",
     "ProtocolError",
     "RemoteProtocolError",
+    "RequestCodes",
     "check_span_sizes",
     "compute_projection",
     "decode",
     "encode",
+    "endpoint_problem",
     "negotiate",
     "peek_id",
     "resolve_span",

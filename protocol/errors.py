@@ -70,7 +70,7 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_OP = 209
     """An abort or probe names an operation that is not known."""
     NO_HINT = 210
-    """A remote operation has no hint naming a source for the key."""
+    """Reserved; not sent: a key neither held nor named by a hint fails `NOT_FOUND`."""
     BAD_ENDPOINT = 211
     """An endpoint is not one this node can connect to (unknown transport, bad address or port)."""
 

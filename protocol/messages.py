@@ -45,7 +45,7 @@ class KeyStatus(enum.Enum):
     STORED = "STORED"
     """deposit: the object is READY in the node."""
     DUPLICATE = "DUPLICATE"
-    """deposit: already READY or WRITING with the same layout; no second transfer."""
+    """deposit: already READY with the same layout (a writer still WRITING it was waited for); no second transfer."""
     DROPPED = "DROPPED"
     """deposit: the admission policy declined an optional deposit."""
     OK = "OK"

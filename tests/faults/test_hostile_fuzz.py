@@ -68,8 +68,9 @@ SESSIONLESS = 3
 HELLOED = 2
 WINDOW = 200
 """Frames in flight per connection: well under the default high-water marks (1000)."""
-FUZZ_BUDGET_S = 40.0
-STALL_S = 10.0
+STALL_S = 30.0
+"""No reply at all for this long means the node hangs (a liveness check, not a speed limit:
+the test's length depends on the machine's load and is bounded only by its timeout)."""
 PROBE_EVERY = 400
 """A valid query on a hello'd connection every this many frames: the session still works."""
 SKIP_SESSIONLESS = (Hello, PeerHello, Heartbeat, Bye)
@@ -306,7 +307,6 @@ def run_plans(conns: list[Conn]) -> float:
     last_progress = start
     while not all(c.finished for c in conns):
         now = time.monotonic()
-        assert now - start < FUZZ_BUDGET_S, [(c.name, c.received, len(c.plan)) for c in conns]
         assert now - last_progress < STALL_S, ("no reply for a while", [(c.name, c.received, len(c.plan)) for c in conns])
         for c in conns:
             while c.next < len(c.plan) and c.outstanding < WINDOW:
@@ -361,7 +361,6 @@ def fuzz_node() -> Iterator[Any]:
 
 @pytest.mark.timeout(180)
 def test_fuzzed_frames_are_refused_exactly_and_disturb_no_one(fuzz_node: Any) -> None:
-    test_start = time.monotonic()
     endpoint = fuzz_node.endpoint
     conns: list[Conn] = []
     ctx = zmq.Context()
@@ -436,4 +435,3 @@ def test_fuzzed_frames_are_refused_exactly_and_disturb_no_one(fuzz_node: Any) ->
             c.sock.close(0)
         ctx.term()
         worker.close()
-    assert time.monotonic() - test_start < 40, "the fuzz test took too long"

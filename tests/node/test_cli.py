@@ -88,6 +88,17 @@ def test_hbm_pool_without_a_usable_gpu(ipc_dir: Path, memory: str) -> None:
     assert list(ipc_dir.iterdir()) == []
 
 
+def test_pool_too_big_to_allocate_names_the_pool_and_its_size(ipc_dir: Path) -> None:
+    """100000 slots of 1 GiB cannot be mapped: the one error line says which pool and how big."""
+    proc = run_node("--pool", "small:4KiB:4", "--pool", "huge:1GiB:100000", endpoint=f"ipc://{ipc_dir}/n.sock")
+    assert proc.returncode != 0
+    line = one_error_line(proc)
+    assert "'huge'" in line and "'small'" not in line, line
+    assert str(100000 * (1 << 30)) in line, line
+    assert "Traceback" not in proc.stderr
+    assert list(ipc_dir.iterdir()) == []
+
+
 def test_endpoint_that_cannot_be_bound() -> None:
     proc = run_node("--pool", "kv:4KiB:4", endpoint="tcp://999.1.1.1:5")
     assert proc.returncode != 0

@@ -270,6 +270,8 @@ def test_toml_only_overrides_what_it_names(tmp_path: Path) -> None:
         ({"batch": True}, "batch"),
         ({"batch": 0}, "batch"),
         ({"deadline_ms": -1}, "deadline_ms"),
+        ({"max_hints_per_session": 0}, "max_hints_per_session"),
+        ({"max_hinted_keys_per_session": "64"}, "max_hinted_keys_per_session"),
         ({"low_watermark": "0.1"}, "low_watermark"),
         ({"low_watermark": True}, "low_watermark"),
         ({"low_watermark": 1.0}, "low_watermark"),
@@ -297,6 +299,23 @@ def test_from_mapping_refuses(raw: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError) as err:
         from_mapping(raw)
     assert err.value.field == field, err.value
+
+
+def test_hint_limits_from_the_file_and_flags() -> None:
+    assert (NodeConfig().max_hints_per_session, NodeConfig().max_hinted_keys_per_session) == (1024, 65536)
+    config = from_mapping({"max_hints_per_session": 8, "max_hinted_keys_per_session": 64})
+    assert (config.max_hints_per_session, config.max_hinted_keys_per_session) == (8, 64)
+    config = build_config(_args("--max-hints-per-session", "4", "--max-hinted-keys-per-session", "16"))
+    assert (config.max_hints_per_session, config.max_hinted_keys_per_session) == (4, 16)
+
+
+def test_heartbeat_zero_disables_heartbeats() -> None:
+    """Spec section 5.2: heartbeat_ms 0 disables heartbeats (and with them silence-based expiry)."""
+    assert from_mapping({"heartbeat_ms": 0}).heartbeat_ms == 0
+    assert build_config(_args("--heartbeat-ms", "0")).heartbeat_ms == 0
+    with pytest.raises(ConfigError) as err:
+        from_mapping({"heartbeat_ms": -1})
+    assert err.value.field == "heartbeat_ms"
 
 
 def test_toml_file_errors(tmp_path: Path) -> None:

@@ -67,6 +67,35 @@ def test_make_policy() -> None:
         make_policy("random")
 
 
+_CALLED: list[str] = []
+
+
+def _not_a_policy() -> EvictionPolicy:
+    """A callable that returns a policy but is not a policy class: it must never run."""
+    _CALLED.append("called")
+    return FifoPolicy()
+
+
+class _NotAPolicy:
+    def __init__(self) -> None:
+        _CALLED.append("instantiated")
+
+
+@pytest.mark.parametrize("attr", ["_not_a_policy", "_NotAPolicy", "_CALLED", "A"])
+def test_make_policy_checks_the_class_before_calling_it(attr: str) -> None:
+    """``module:attr`` must name an EvictionPolicy subclass; anything else is refused unrun."""
+    _CALLED.clear()
+    with pytest.raises(ValueError, match="is not an EvictionPolicy subclass"):
+        make_policy(f"{__name__}:{attr}")
+    assert _CALLED == []
+
+
+def test_make_policy_refuses_the_abstract_base_and_loads_a_subclass() -> None:
+    with pytest.raises(ValueError, match="abstract"):
+        make_policy("kvcr_node.eviction:EvictionPolicy")
+    assert make_policy("kvcr_node.eviction:FifoPolicy").name == "fifo"
+
+
 def test_default_admission_hook_admits() -> None:
     assert make_policy("fifo").admit(b"k", A)
 

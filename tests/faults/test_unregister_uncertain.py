@@ -1,0 +1,87 @@
+"""Unregistering memory that a source may still write (spec sections 5.2 and 12).
+
+A deliver from a source B that stops answering (SIGSTOP) fails DESTINATION_UNCERTAIN at
+its deadline, and node A keeps the destination reserved until B is known to be done or
+gone. While it is, A must not acknowledge an ``unregions`` of that region, and the
+client must not deregister the memory: ``unregister`` waits (as long as its ``timeout``
+allows; past it, it raises and the region stays registered and announced) and returns
+once the reservation ends. Afterwards nothing is left: no write, no held withdrawal.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import remote_helpers  # tests/integration, on pytest's pythonpath
+
+from kvcr_client import ArgumentError, ErrorCode, OperationTimeout, Span
+
+rh = remote_helpers
+RESULT_TIMEOUT_S: float = rh.RESULT_TIMEOUT_S
+LAYOUT = rh.plain_layout(4)
+DEADLINE_MS = 1000
+PEER_DEAD_MS = 500
+SHORT_TIMEOUT_S = 0.5
+WAIT_S = 1.0
+"""How long the test watches an unregister that must still be waiting."""
+SLACK_S = 5.0
+
+
+@pytest.fixture
+def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
+    with rh.sites_of(node_factory) as s:
+        yield s
+
+
+def held(site: Any) -> int:
+    return int(site.stats()["tables"]["withdrawals"])
+
+
+def test_unregister_waits_while_a_source_may_still_write(sites: Any) -> None:
+    a, b = sites.start(("a", {"args": ("--peer-dead-ms", str(PEER_DEAD_MS))}), "b")
+    src = b.deposit(b"k", LAYOUT, seed=1)
+    a.client.submit_hint("r", b.endpoint, [b"k"]).result(RESULT_TIMEOUT_S)
+    rh.deliver_checked(a, b"k", LAYOUT, src, range(4), seed=2, request_id="r")  # the peer session is up
+    local = a.deposit(b"local", rh.plain_layout(1), seed=3)
+    dst = rh.Dest(a, LAYOUT, range(4), seed=4)
+    a.reg.regions.remove(dst.region)  # this test unregisters it itself
+    with pytest.raises(ArgumentError):
+        a.client.unregister(dst.region, timeout=-1)
+
+    b.node.proc.send_signal(signal.SIGSTOP)  # killed below; thawed in ``finally`` if a check fails first
+    try:
+        out = a.client.deliver({b"k": dst.spans}, request_id="r", deadline_ms=DEADLINE_MS).result(DEADLINE_MS / 1000 + SLACK_S)
+        rh.expect(out[b"k"], rh.FAILED, ErrorCode.DESTINATION_UNCERTAIN)
+
+        # Past its timeout, unregister gives up: the region stays registered and announced.
+        with pytest.raises(OperationTimeout, match="stays registered"):
+            a.client.unregister(dst.region, timeout=SHORT_TIMEOUT_S)
+        assert held(a) == 0, "the node gave the withdrawal up"
+        into = [Span("L0", dst.region, 0, 64 * rh.KiB)]
+        assert a.client.deliver({b"local": into}).result(RESULT_TIMEOUT_S)[b"local"].status is rh.OK
+        rh.assert_bytes_equal(dst.buf[: 64 * rh.KiB], local, "deliver into the region that stayed announced")
+
+        # Without a timeout it waits as long as the source may still write.
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(a.client.unregister, dst.region)
+            assert rh.wait_until(lambda: held(a) == 1, SLACK_S)
+            assert not rh.wait_until(waiting.done, WAIT_S), waiting.result(0)
+            # Meanwhile the withdrawn region takes no new work.
+            refused = a.client.deliver({b"local": into}).result(RESULT_TIMEOUT_S)[b"local"]
+            rh.expect(refused, rh.FAILED, ErrorCode.BAD_DESCRIPTOR)
+            b.node.proc.send_signal(signal.SIGKILL)
+            b.node.proc.wait(SLACK_S)
+            # B is known gone after peer_dead_ms: the reservation ends, the ack comes, the memory goes.
+            waiting.result(PEER_DEAD_MS / 1000 + SLACK_S)
+    finally:
+        if b.node.proc.poll() is None:
+            b.node.proc.send_signal(signal.SIGCONT)
+    assert dst.region.registration is None
+    st = a.stats()
+    assert st["tables"]["withdrawals"] == 0, st["tables"]
+    assert st["counters"].get("unregions_held") == 2, st["counters"]
+    assert st["peers"][b.endpoint]["uncertain"] == 0, st["peers"]
