@@ -18,7 +18,7 @@
 # so that the pytest-asyncio and pytest-timeout that pyproject.toml's options need match it.
 #
 # Environment: KVCR_WHEELS (wheel folder, default .whl), KVCR_SITE (install target, default
-# /tmp/site), KVCR_SRC (import links, default /tmp/kvcr_src), PYTHON (default python3).
+# /tmp/site), PYTHON (default python3).
 # Extra arguments go to pytest, e.g. scripts/gpu_check.sh -k 'not cross_node'.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,6 @@ root=$PWD
 py=${PYTHON:-python3}
 wheels=${KVCR_WHEELS:-.whl}
 site=${KVCR_SITE:-/tmp/site}
-src=${KVCR_SRC:-/tmp/kvcr_src}
 export PYTHONUNBUFFERED=1 PIP_ROOT_USER_ACTION=ignore
 
 # 1. The missing wheels, offline, into a folder of their own (no pip install of the project).
@@ -40,13 +39,10 @@ else
     echo "gpu_check: no wheels in $wheels; using what is installed" >&2
 fi
 
-# 2. The repo importable as installed: protocol/ imports as kvcr_protocol. Child processes
-#    (tests start nodes with `python -m kvcr_node.cli`) inherit PYTHONPATH.
-mkdir -p "$src"
-ln -sfn "$root/protocol" "$src/kvcr_protocol"
-ln -sfn "$root/kvcr_node" "$src/kvcr_node"
-ln -sfn "$root/kvcr_client" "$src/kvcr_client"
-export PYTHONPATH="$site:$src:$root${PYTHONPATH:+:$PYTHONPATH}"
+# 2. The repo importable as installed: kvcr_protocol from its distribution's folder
+#    (protocol/), kvcr_node and kvcr_client from the root. Child processes (tests start
+#    nodes with `python -m kvcr_node.cli`) inherit PYTHONPATH.
+export PYTHONPATH="$site:$root/protocol:$root${PYTHONPATH:+:$PYTHONPATH}"
 
 # 3. UCX's CUDA memory hooks (bundled in nixl-cu13) need libcudart.so.13: when the loader
 #    does not know it, point it at the copy a CUDA wheel or the toolkit has.

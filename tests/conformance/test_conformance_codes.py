@@ -34,7 +34,7 @@ from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, SOURCE_CODES, a
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = (ROOT / "spec" / "kvcr-protocol.md").read_text(encoding="utf-8")
 NODE_SOURCES = sorted((ROOT / "kvcr_node").glob("*.py"))
-PROTOCOL_SOURCES = [ROOT / "protocol" / name for name in ("codec.py", "wire.py", "descriptors.py", "projection.py", "versions.py")]
+PROTOCOL_SOURCES = [ROOT / "protocol" / "kvcr_protocol" / name for name in ("codec.py", "wire.py", "descriptors.py", "projection.py", "versions.py")]
 
 SENT_ELSEWHERE = frozenset({ErrorCode.INTERNAL, ErrorCode.PEER_LIMIT})
 """Listed codes whose sending comes with other hardening changes (a handler that fails,
