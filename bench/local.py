@@ -34,7 +34,7 @@ from procs import process_group, spawn
 from stats import fmt_gbps, fmt_us, summary
 
 from kvcr_client import Client, Span
-from kvcr_client.agent import load_nixl
+from kvcr_io.agent import load_nixl
 
 SPAN = 64 << 10
 SPANS = 1024

@@ -51,12 +51,13 @@ from typing import Any, cast
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvcr_client.agent import Agent
 from kvcr_client.errors import ClientClosed, NodeError, NodeLostError, OperationTimeout
-from kvcr_client.pacing import Pacer
-from kvcr_client.zmq_flags import EVENTS as _EVENTS
-from kvcr_client.zmq_flags import NOBLOCK as _NOBLOCK
-from kvcr_client.zmq_flags import POLLIN as _POLLIN
+from kvcr_io.agent import Agent
+from kvcr_io.pacing import Pacer
+from kvcr_io.wake import WakePipe
+from kvcr_io.zmq_flags import EVENTS as _EVENTS
+from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
+from kvcr_io.zmq_flags import POLLIN as _POLLIN
 from kvcr_protocol import (
     CURRENT_VERSION,
     DEFAULT_LIMITS,
@@ -150,9 +151,8 @@ class ClientCore:
         self._timed_out: dict[int, _Pending] = {}
         """Memory-touching requests the client stopped waiting for, until the node answers (lock held)."""
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wakeup = WakePipe()
+        self._wake_r = self._wakeup.read_fd
         self._closed = False
         self.connected = False
         self.lost = False
@@ -310,16 +310,12 @@ class ClientCore:
             while self._commands:
                 self._commands.popleft()()
             self._close_socket()
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        self._wakeup.close()
         if self._own_context:
             self.context.term()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
+        self._wakeup.wake()
 
     # ------------------------------------------------------------------ socket (lock held)
 
@@ -468,7 +464,7 @@ class ClientCore:
                 readable, _, _ = select.select((*self._fds, self._wake_r), (), (), timeout_s)
                 woken = self._wake_r in readable
             if woken:
-                self._drain_wake()
+                self._wakeup.drain()
             while self._commands:
                 self._commands.popleft()()
         self._drain_monitor()
@@ -503,13 +499,6 @@ class ClientCore:
                 return
             self._last_sent = now
 
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
     def _background(self) -> None:
         pacer = Pacer()
         try:
@@ -538,7 +527,7 @@ class ClientCore:
                     readable = []
                 self._selecting = False
                 if self._wake_r in readable:
-                    self._drain_wake()
+                    self._wakeup.drain()
                 if self._closed:
                     break
                 if self._drivers:

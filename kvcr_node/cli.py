@@ -1,25 +1,18 @@
-"""``kvcr-node`` (run a node) and ``kvcr`` (talk to one: stats, version)."""
+"""``kvcr-node``: run a node from flags and a TOML file (``kvcr``, the tool that talks to one, is ``kvcr_client.tool``)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import signal
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from kvcr_node.config import ConfigError, NodeConfig, default_endpoint, load_toml, pool_from_flag
-
-
-def _version() -> str:
-    try:
-        return version("kvcr")
-    except PackageNotFoundError:
-        return "unknown"
+from kvcr_io import package_version
+from kvcr_io.endpoints import default_endpoint
+from kvcr_node.config import ConfigError, NodeConfig, load_toml, pool_from_flag
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-peer-key", help="file with the public key peer nodes serve with")
     p.add_argument("--defer-writes", action="store_true", default=None, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ...")
-    p.add_argument("--version", action="version", version=f"kvcr-node {_version()}")
+    p.add_argument("--version", action="version", version=f"kvcr-node {package_version()}")
     return p
 
 
@@ -97,40 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: node.request_stop())
     signal.signal(signal.SIGINT, lambda *_: node.request_stop())
     pools = ", ".join(f"{p.name}={p.slot_count}x{p.slot_size}B@{p.memory}" for p in config.pools)
-    print(f"kvcr-node {_version()} listening on {node.endpoint} (pools: {pools})", flush=True)
+    print(f"kvcr-node {package_version()} listening on {node.endpoint} (pools: {pools})", flush=True)
     node.run()
     logging.getLogger("kvcr.node").info("stopped")
-    return 0
-
-
-def tool_main(argv: list[str] | None = None) -> int:
-    """Entry point of ``kvcr``: ``stats``, ``keygen``, ``version``."""
-    p = argparse.ArgumentParser(prog="kvcr", description="Talk to a kvcr node.")
-    sub = p.add_subparsers(dest="command", required=True)
-    kg = sub.add_parser("keygen", help="write a CurveZMQ key pair: PREFIX.key (secret) and PREFIX.pub")
-    kg.add_argument("prefix", type=Path)
-    st = sub.add_parser("stats", help="print a node's statistics as JSON")
-    st.add_argument("--endpoint", default=default_endpoint())
-    st.add_argument("--timeout", type=float, default=5.0)
-    sub.add_parser("version", help="print the kvcr version")
-    args = p.parse_args(argv)
-    if args.command == "version":
-        print(_version())
-        return 0
-    if args.command == "keygen":
-        from kvcr_node.auth import write_keypair
-
-        public, secret = write_keypair(args.prefix)
-        print(f"wrote {secret} (secret, mode 600) and {public}")
-        return 0
-    from kvcr_client import Client, KvcrError
-
-    try:
-        with Client(args.endpoint, name="kvcr-cli", timeout=args.timeout) as client:
-            print(json.dumps(client.stats().result(args.timeout), indent=2, sort_keys=True))
-    except (KvcrError, TimeoutError) as exc:
-        print(f"kvcr: error: {exc}", file=sys.stderr)
-        return 1
     return 0
 
 

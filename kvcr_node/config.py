@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvcr_io.endpoints import default_endpoint
 from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import CURRENT_VERSION, SUPPORTED_VERSIONS
 
@@ -58,13 +59,6 @@ def hbm_device(memory: str) -> int | None:
     """The device of an ``hbm:N`` memory, or None for DRAM."""
     m = _MEMORY.match(memory)
     return int(m.group(2)) if m and m.group(2) is not None else None
-
-
-def default_endpoint() -> str:
-    """An ipc endpoint under the runtime dir ($XDG_RUNTIME_DIR, else /tmp/kvcr-$UID)."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) / "kvcr" if runtime else Path(f"/tmp/kvcr-{os.getuid()}")
-    return f"ipc://{base / 'node.sock'}"
 
 
 def default_pools() -> tuple[PoolSpec, ...]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -22,13 +21,15 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from kvcr_client.agent import Agent, TransferError
-from kvcr_client.pacing import Pacer
-from kvcr_client.zmq_flags import EVENTS as _EVENTS
-from kvcr_client.zmq_flags import NOBLOCK as _NOBLOCK
-from kvcr_client.zmq_flags import POLLIN as _POLLIN
-from kvcr_client.zmq_flags import SNDMORE as _SNDMORE
-from kvcr_node.auth import ZAP_ENDPOINT, read_allow_list, read_key, zap_reply
+from kvcr_io.agent import Agent, TransferError
+from kvcr_io.keys import read_key
+from kvcr_io.pacing import Pacer
+from kvcr_io.wake import WakePipe
+from kvcr_io.zmq_flags import EVENTS as _EVENTS
+from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
+from kvcr_io.zmq_flags import POLLIN as _POLLIN
+from kvcr_io.zmq_flags import SNDMORE as _SNDMORE
+from kvcr_node.auth import ZAP_ENDPOINT, read_allow_list, zap_reply
 from kvcr_node.config import NodeConfig
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.eviction import make_policy
@@ -164,9 +165,7 @@ class Node:
             self._release_memory()
             raise
         self.endpoint = self.bound.endpoint
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wakeup = WakePipe()
 
         self.sessions: dict[bytes, ClientSession] = {}
         self.handles: dict[int, tuple[ClientSession, ObjectEntry]] = {}
@@ -225,7 +224,7 @@ class Node:
         self._deferred: list[Callable[[], None]] = []
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._poller.register(self._wakeup.read_fd, zmq.POLLIN)
         for extra in (self.zap, self._auth_monitor):
             if extra is not None:
                 self._poller.register(extra, zmq.POLLIN)
@@ -277,10 +276,7 @@ class Node:
     def request_stop(self) -> None:
         """Ask the loop to stop (thread- and signal-safe)."""
         self._stop = True
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
+        self._wakeup.wake()
 
     def run(self) -> None:
         """Run the progress loop until ``request_stop``; then shut down cleanly."""
@@ -299,8 +295,8 @@ class Node:
                 else:
                     pacer.reset()
                     events = dict(poller.poll(self._idle_timeout_ms()))
-                if self._wake_r in events:
-                    self._drain_wake()
+                if self._wakeup.read_fd in events:
+                    self._wakeup.drain()
                 if self.zap is not None and self.zap in events:
                     self._serve_zap()
                 if self._auth_monitor is not None and self._auth_monitor in events:
@@ -359,13 +355,6 @@ class Node:
         if deadline is None:
             return _IDLE_POLL_MS
         return max(0, min(_IDLE_POLL_MS, int((deadline - time.monotonic()) * 1000) + 1))
-
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
 
     def _drain_messages(self) -> None:
         sock = self.sock
@@ -1580,8 +1569,7 @@ class Node:
             link.close()
         self._close_sockets()
         self.bound.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wakeup.close()
 
     def _close_sockets(self) -> None:
         if self._auth_monitor is not None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcr_client.agent import Agent, Desc, TransferError
+from kvcr_io.agent import Agent, Desc, TransferError
 from kvcr_node.memory import PoolMemory
 from kvcr_protocol import MemoryKind, Region
 

@@ -38,7 +38,7 @@ import remote_helpers  # tests/integration, on pytest's pythonpath
 import zmq
 
 from kvcr_client import Client, ErrorCode
-from kvcr_client.agent import Agent
+from kvcr_io.agent import Agent
 from kvcr_protocol import (
     Bye,
     DeliverItem,

@@ -40,7 +40,7 @@ from hostile_helpers import (
 )
 
 from kvcr_client import Client, ErrorCode, KeyStatus, NodeError, NodeLostError, Span
-from kvcr_client.agent import Agent
+from kvcr_io.agent import Agent
 from kvcr_protocol import Deposit, DepositItem, Hello, Query, SrcSpan, StatsRequest, Welcome, decode, encode
 
 SLOT = 4 * KiB

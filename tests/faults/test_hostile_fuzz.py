@@ -40,7 +40,7 @@ import zmq
 from hostile_helpers import Worker, assert_clean, short_ipc_dir, start_node, stats
 
 from kvcr_client import Client, KeyStatus, Span
-from kvcr_client.agent import Agent
+from kvcr_io.agent import Agent
 from kvcr_protocol import (
     Ack,
     Bye,

@@ -56,7 +56,7 @@ class KeyPair:
 def keygen(prefix: Path) -> KeyPair:
     """``kvcr keygen PREFIX``: PREFIX.pub and PREFIX.key (mode 600)."""
     tool = Path(sys.executable).parent / "kvcr"
-    cmd = [str(tool)] if tool.exists() else [sys.executable, "-c", "import sys; from kvcr_node.cli import tool_main; sys.exit(tool_main())"]
+    cmd = [str(tool)] if tool.exists() else [sys.executable, "-c", "import sys; from kvcr_client.tool import main; sys.exit(main())"]
     done = subprocess.run([*cmd, "keygen", str(prefix)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     pair = KeyPair(prefix.with_suffix(".pub"), prefix.with_suffix(".key"))

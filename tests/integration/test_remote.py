@@ -41,7 +41,7 @@ from remote_helpers import (
 )
 
 from kvcr_client import ErrorCode, Presence, Span
-from kvcr_client.agent import Agent
+from kvcr_io.agent import Agent
 from kvcr_protocol import (
     Deliver,
     DeliverItem,

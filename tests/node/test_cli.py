@@ -24,7 +24,7 @@ def run_node(*argv: str, endpoint: str | None = None) -> subprocess.CompletedPro
 
 
 def run_tool(*argv: str) -> subprocess.CompletedProcess[str]:
-    code = "import sys; from kvcr_node.cli import tool_main; sys.exit(tool_main())"
+    code = "import sys; from kvcr_client.tool import main; sys.exit(main())"
     return subprocess.run(
         [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=TIMEOUT_S, check=False
     )

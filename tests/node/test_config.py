@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from kvcr_io.endpoints import default_endpoint
 from kvcr_node.cli import _parser, build_config
 from kvcr_node.config import (
     ConfigError,
     NodeConfig,
-    default_endpoint,
     from_mapping,
     hbm_device,
     load_toml,
