@@ -53,14 +53,6 @@ class PoolMemory:
     def nixl_device(self) -> int:
         return self.device or 0
 
-    def slot_address(self, slot: int) -> int:
-        return self.address + slot * self.spec.slot_size
-
-    def view(self, slot: int) -> Any:
-        """The bytes of one slot (DRAM: a numpy view; HBM: a CuPy view)."""
-        size = self.spec.slot_size
-        return self.array[slot * size : (slot + 1) * size]
-
     def close(self) -> None:
         if isinstance(self._keep, mmap.mmap):
             del self.array

@@ -22,7 +22,6 @@ from kvcr_protocol.messages import (
     Message,
 )
 from kvcr_protocol.versions import BASE_VERSION, CURRENT_VERSION, SUPPORTED_VERSIONS
-from kvcr_protocol.wire import Field
 
 _VERSION_KEY = "v"
 _TAG_KEY = "t"
@@ -213,8 +212,3 @@ def _check_totals(cls: type[Message], args: dict[str, Any], limits: Limits) -> N
             total += len(item.layout)
     if total > limits.max_spans:
         raise RemoteProtocolError(ErrorCode.TOO_MANY, f"{total} spans in one message, limit {limits.max_spans}", "items")
-
-
-def field_table(cls: type[Message]) -> tuple[Field, ...]:
-    """The wire fields of a message class (for documentation and tests)."""
-    return cls.FIELDS

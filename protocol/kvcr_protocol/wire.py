@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
-from kvcr_protocol.errors import ErrorCode, ProtocolError, RemoteProtocolError
+from kvcr_protocol.errors import ErrorCode, RemoteProtocolError
 from kvcr_protocol.limits import Limits
 
 T = TypeVar("T")
@@ -335,9 +335,3 @@ def _tname(value: Any) -> str:
         int: "integer", bool: "boolean", str: "str", bytes: "bin", list: "array",
         dict: "map", float: "float", type(None): "nil",
     }.get(type(value), type(value).__name__)
-
-
-def check(condition: bool, code: ErrorCode, reason: str, path: str, *, local: bool = False) -> None:
-    """Raise a protocol error unless ``condition`` holds."""
-    if not condition:
-        raise ProtocolError(code, reason, path) if local else RemoteProtocolError(code, reason, path)
