@@ -1,6 +1,6 @@
 """Admission cost against unrelated evictable objects, and index memory per object.
 
-DESIGN 5's cost goal: admitting an object that evicts k victims costs O(k log n),
+architecture §3's cost goal: admitting an object that evicts k victims costs O(k log n),
 whatever the number of evictable objects in unrelated pools. This fills pool A with
 ``n_unrelated`` evictable objects and pool B to the brim, then times admissions into B,
 each of which evicts one object of B. The time per admission should not grow with

@@ -8,7 +8,7 @@ writer) and this client process. Measured in one run:
 2. the raw anchors: a bare NIXL process WRITEs the same 1024 descriptors from its own VRAM
    (or DRAM) pool into the same kind of CuPy buffer of this process, timed in the writer,
    and end to end with a raw ZeroMQ trigger; plus the same bytes as one descriptor, which
-   is what kvcr posts after merging contiguous spans (DESIGN 9).
+   is what kvcr posts after merging contiguous spans (architecture §6).
 
 Every transfer's bytes are checked on the host after the timed repetitions. The first
 repetitions of each (CUDA IPC mapping, UCX rendezvous set-up) are run but not counted.
@@ -164,7 +164,7 @@ def bench_raw(cupy: Any, endpoint: str, reps: int, warmup: int) -> dict[str, Any
             for rep in range(warmup + reps):
                 t0 = time.perf_counter()
                 sock.send(msgpack.packb({"t": "write", "kind": kind, "one": one}))
-                # The target side needs progress too (DESIGN 9): progress while waiting.
+                # The target side needs progress too (architecture §6): progress while waiting.
                 while not sock.poll(0):
                     agent.get_new_notifs()
                 reply = msgpack.unpackb(sock.recv())

@@ -111,7 +111,7 @@ def bench_raw(endpoint: str, reps: int) -> dict[str, Any]:
     for i in range(2 * reps):
         t0 = time.perf_counter()
         sock.send(msgpack.packb({"t": "write", "merged": i % 2 == 1}))
-        # The target side needs progress too (DESIGN 9): progress while waiting.
+        # The target side needs progress too (architecture §6): progress while waiting.
         while not sock.poll(0):
             agent.get_new_notifs()
         reply = msgpack.unpackb(sock.recv())

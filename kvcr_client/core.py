@@ -6,7 +6,7 @@ drives the socket itself until its reply is in, so a round trip costs no thread 
 A background thread takes the lock whenever no caller holds it: it delivers replies
 that nobody is waiting on (asyncio awaiters, callbacks), and, while any operation that
 may touch client memory is pending, progresses the NIXL agent at a short interval: both
-ends of a NIXL transfer need progress (DESIGN 9). Idle, it blocks in ``select`` on the
+ends of a NIXL transfer need progress (architecture §6). Idle, it blocks in ``select`` on the
 socket's file descriptor and costs nothing. While callers drive (and for a few
 milliseconds after, when they usually drive again) it parks off that descriptor, so a
 reply wakes only the thread that waits for it; a request left with nobody driving it

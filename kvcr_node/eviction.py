@@ -1,4 +1,4 @@
-"""Eviction policies and the two-structure eviction index (DESIGN 5).
+"""Eviction policies and the two-structure eviction index (architecture §3).
 
 A policy scores an object once, when it becomes evictable; the index keeps every
 evictable object twice over, in a global queue and in a queue per pool signature, both
@@ -28,7 +28,7 @@ Layout = tuple[tuple[str, str], ...]
 """An object's spans in order, each ``(span name, pool name)``."""
 
 Signature = tuple[str, ...]
-"""The pool names of a layout, in order (DESIGN 2)."""
+"""The pool names of a layout, in order (architecture §2)."""
 
 log = logging.getLogger("kvcr.node")
 
@@ -84,7 +84,7 @@ E = TypeVar("E", bound=EvictionEntry)
 
 
 class EvictionPolicy(ABC):
-    """A score function, plus an optional admission hook (DESIGN 5).
+    """A score function, plus an optional admission hook (architecture §3).
 
     ``score`` runs when an object becomes evictable (commit, or its last claim
     dropped); lower scores are evicted first and ties go in insertion order. Scores
@@ -257,7 +257,7 @@ class _Heap(Generic[E]):
 
 
 class EvictionIndex(Generic[E]):
-    """The global queue and the layout index of DESIGN 5, kept in lockstep."""
+    """The global queue and the layout index of architecture §3, kept in lockstep."""
 
     __slots__ = ("_global", "_groups", "_policy", "_pool_sigs", "_seq", "_slots", "visits")
 
@@ -269,7 +269,7 @@ class EvictionIndex(Generic[E]):
         # pool -> signatures of the non-empty groups that use it: the fast-path test
         # looks only at the deficit pools' entries here.
         self._pool_sigs: dict[str, set[Signature]] = {}
-        # pool -> slots held by evictable objects (DESIGN 3's "reclaimable" part).
+        # pool -> slots held by evictable objects (architecture §2's "reclaimable" part).
         self._slots: dict[str, int] = {}
         self.visits = 0
         """Candidate objects looked at by ``select_victims``, cumulative."""
@@ -339,14 +339,14 @@ class EvictionIndex(Generic[E]):
         need = {pool: n for pool, n in deficit.items() if n > 0}
         if not need:
             return []
-        # All or nothing (DESIGN 5: "if the candidates cannot cover the deficit, nothing
+        # All or nothing (architecture §3: "if the candidates cannot cover the deficit, nothing
         # is evicted"). The walk below takes every candidate that uses a pool still in
         # deficit, so it fails exactly when some pool's evictable slots fall short of
         # its deficit; this test decides in O(deficit pools) without walking.
         for pool, n in need.items():
             if self._slots.get(pool, 0) < n:
                 return None
-        # DESIGN 5: "If every non-empty group that uses a deficit pool is one and the
+        # architecture §3: "If every non-empty group that uses a deficit pool is one and the
         # same group, take victims from that group's queue (the fast path: no object
         # of an unrelated pool is ever looked at). If several groups overlap the
         # deficit pools, walk the global queue, so the policy's order across layouts

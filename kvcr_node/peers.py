@@ -1,7 +1,7 @@
 """The target side of cross-node delivery: links to source nodes and the writes sent on them.
 
 A link is one DEALER socket from this node to a peer's ROUTER, with the peer session it
-carries (DESIGN 7): hello, version agreement, the peer's incarnation and agent. Writes
+carries (spec section 12): hello, version agreement, the peer's incarnation and agent. Writes
 wait in the link's queue until the session is up.
 """
 

@@ -1,6 +1,6 @@
 """The description of one memory pool, importable without the store.
 
-DESIGN 2: a pool is a named region of one memory kind (``dram``, or ``hbm`` on a device)
+architecture §2: a pool is a named region of one memory kind (``dram``, or ``hbm`` on a device)
 cut into fixed-size slots. Config parsing builds these; the store only reads them.
 """
 

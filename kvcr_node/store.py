@@ -3,9 +3,9 @@
 Pure and single-threaded: no I/O, no clock, no locks. The caller (the node's progress
 loop) moves the bytes; the store only decides which slots hold which object and which
 objects may go. Every method runs in time proportional to the object it touches and,
-when it evicts, O(k log n) for k victims (DESIGN 5).
+when it evicts, O(k log n) for k victims (architecture §3).
 
-Lifecycle (DESIGN 2)::
+Lifecycle (architecture §2)::
 
     begin_deposit -> WRITING --commit--> READY <--claim/unclaim--> READY (claimed)
                         |                  |
@@ -37,7 +37,7 @@ class StoreError(ValueError):
 
 
 class ObjectState(enum.Enum):
-    """DESIGN 2: an object is WRITING while its bytes arrive, then READY."""
+    """architecture §2: an object is WRITING while its bytes arrive, then READY."""
 
     WRITING = "writing"
     READY = "ready"
@@ -202,7 +202,7 @@ class Store:
             raise StoreError(f"key must be bytes, got {type(key).__name__}")
         existing = self._objects.get(key)
         if existing is not None:
-            # DESIGN 2: "A later deposit of the same key with another layout fails."
+            # architecture §2: "A later deposit of the same key with another layout fails."
             if existing.info.layout is layout or existing.info.layout == layout:
                 return DepositOutcome.DUPLICATE, existing
             return DepositOutcome.LAYOUT_MISMATCH, existing
@@ -220,7 +220,7 @@ class Store:
         if optional and not self._policy.admit(key, info.layout):
             return DepositOutcome.DROPPED, None
 
-        # DESIGN 5: "count the slots it needs per pool. If free slots suffice, take
+        # architecture §3: "count the slots it needs per pool. If free slots suffice, take
         # them. Otherwise find the pools in deficit."
         deficit: dict[str, int] = {}
         for pool, count in info.need:
@@ -291,7 +291,7 @@ class Store:
     def claim(self, entry: ObjectEntry, accessed: bool = False) -> None:
         """Hold a READY object against eviction (counted).
 
-        ``accessed`` records an access now (a fetch claim is one for LRU, DESIGN 5).
+        ``accessed`` records an access now (a fetch claim is one for LRU, architecture §3).
         """
         self._own(entry)
         if entry.state is not _READY:
@@ -300,7 +300,7 @@ class Store:
             self._tick += 1
             entry.last_access = self._tick
         if entry.claims == 0:
-            # DESIGN 5: "Claims, releases, removals and evictions update both."
+            # architecture §3: "Claims, releases, removals and evictions update both."
             self._index.remove(entry)
             self._check_pressure(entry.info)
         entry.claims += 1
@@ -370,7 +370,7 @@ class Store:
     # -- capacity pressure ------------------------------------------------------------
 
     def _check_pressure(self, info: LayoutInfo) -> None:
-        # DESIGN 3: "when a pool's reclaimable slots (free plus evictable) fall under
+        # architecture §2: "when a pool's reclaimable slots (free plus evictable) fall under
         # its low watermark, connected clients get one event for that pool
         # (edge-triggered)". Re-armed once reclaimable is back at or above it.
         for pool, _ in info.need:
@@ -478,7 +478,7 @@ class Store:
                 breaches.append(f"layout table filed {info!r} under another layout")
             if info.users != users.get(id(info), 0):
                 breaches.append(f"{info!r}: {info.users} users counted, {users.get(id(info), 0)} found")
-        # DESIGN 5: "an object is in both or in neither", and it is in both exactly
+        # architecture §3: "an object is in both or in neither", and it is in both exactly
         # when it is evictable (READY with no claim).
         breaches.extend(self._index.check())
         in_global, in_groups = self._index.members()

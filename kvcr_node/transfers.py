@@ -1,7 +1,7 @@
 """Build, post and poll NIXL transfers between pool slots and a remote agent's memory.
 
 Each pool memory (one per memory kind and device) gets one descriptor list prepared at
-start, one descriptor per slot, so a transfer selects slots by index (DESIGN 9). When
+start, one descriptor per slot, so a transfer selects slots by index (architecture §6). When
 consecutive spans are contiguous on both sides (consecutive slots of one pool into
 consecutive client bytes) they are merged into one descriptor first: small descriptors
 are slow, and most objects land in consecutive slots.

@@ -1,4 +1,4 @@
-"""Peer conformance: a target node and a source node of any protocol versions (DESIGN 7, 8).
+"""Peer conformance: a target node and a source node of any protocol versions (spec section 12, spec section 7).
 
 ``PeerConformance`` holds the cases; a subclass supplies the ``pair`` fixture (a target
 node with a client, a source node with a client). ``TestVersionMatrix`` runs them on
@@ -198,7 +198,7 @@ class PeerConformance:
 
     @pytest.mark.parametrize("frame", ["v1+!partial", "v1-control", "v2+!partial"])
     def test_raw_write_frames(self, pair: PeerPair, frame: str) -> None:
-        """Hand-built peer frames to the source: the must-understand rule (DESIGN 8)."""
+        """Hand-built peer frames to the source: the must-understand rule (spec section 7)."""
         k = pair.key("raw")
         layout = pair.layout(3)
         src = pair.source.deposit(k, layout, seed=60)

@@ -1,4 +1,4 @@
-"""Faults with real processes (DESIGN 7: failures are first-class; nothing leaks).
+"""Faults with real processes (spec section 12: failures are first-class; nothing leaks).
 
 Clients killed in the middle of a deposit or a delivery, a source node killed in the
 middle of its write, a source nobody listens at, a node restarted under its clients, a

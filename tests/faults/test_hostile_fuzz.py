@@ -1,4 +1,4 @@
-"""Hostile input against a live node (DESIGN 8, spec 4.3, 5.1, 10, 11).
+"""Hostile input against a live node (spec section 7, spec 4.3, 5.1, 10, 11).
 
 Over 50,000 frames from several raw DEALER connections (some opened a session with
 ``hello``, some never did): random bytes, truncated and mutated encodings of real

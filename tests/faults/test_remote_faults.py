@@ -1,4 +1,4 @@
-"""Cross-node delivery when a source or a client fails (DESIGN 7: failures are first-class).
+"""Cross-node delivery when a source or a client fails (spec section 12: failures are first-class).
 
 Each fault is made deterministic with SIGSTOP: the source is frozen before it can read the
 write request, so the test knows what was and was not written; SIGKILL then removes it

@@ -1,4 +1,4 @@
-"""GPU memory end to end (DESIGN 9): HBM pools, CuPy and torch CUDA buffers, real transfers.
+"""GPU memory end to end (architecture §6): HBM pools, CuPy and torch CUDA buffers, real transfers.
 
 Runs where CuPy sees a CUDA device, and is skipped elsewhere with the reason (never faked).
 A real ``kvcr-node`` process holds an HBM pool on device 0 (one CuPy allocation registered

@@ -1,4 +1,4 @@
-"""The GPU feature's paths that need no GPU (DESIGN 9): ``hbm:N`` pools, the missing-CuPy
+"""The GPU feature's paths that need no GPU (architecture §6): ``hbm:N`` pools, the missing-CuPy
 error, and how CUDA buffers are described and announced.
 
 No device memory is touched. CUDA and torch objects here are stand-ins that expose only

@@ -1,4 +1,4 @@
-"""Helpers for the cross-node tests (DESIGN 7): nodes with a client each, checked deliveries.
+"""Helpers for the cross-node tests (spec section 12): nodes with a client each, checked deliveries.
 
 Used by ``tests/integration/test_remote.py``, ``tests/conformance/test_peer_conformance.py``
 and ``tests/faults/test_remote_faults.py``. The last two load this module by path

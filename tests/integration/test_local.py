@@ -1,4 +1,4 @@
-"""One real ``kvcr-node`` process and a client on the same host (DESIGN 3, 4, 5, 8).
+"""One real ``kvcr-node`` process and a client on the same host (architecture §2, spec section 8, architecture §3, spec section 7).
 
 Most tests share one node (module scope) and leave it clean: after each test the node
 reports no invariant breach, no claim, nothing pending or in flight, and consistent slot
@@ -175,7 +175,7 @@ def test_hybrid_layout_whole_and_subsets(client: Client, register: Registrar, ke
 def test_repeated_and_empty_names_deliver_whole(
     client: Client, register: Registrar, key: Callable[[str], bytes]
 ) -> None:
-    """DESIGN 4: same names in the same order is a full delivery, even with repeats or empty names."""
+    """spec section 8: same names in the same order is a full delivery, even with repeats or empty names."""
     for label, names in (("aab", ["a", "a", "b"]), ("empty", ["", "x", ""])):
         layout = Layout([(n, "small", 4 * KiB) for n in names])
         k = key(label)
@@ -897,7 +897,7 @@ def test_sigterm_with_a_connected_client(node_factory: Callable[..., Any]) -> No
 
 
 def test_lru_counts_a_fetch_as_an_access(node_factory: Callable[..., Any]) -> None:
-    """DESIGN 5: LRU's last access includes the fetch claim; the oldest object, fetched, survives."""
+    """architecture §3: LRU's last access includes the fetch claim; the oldest object, fetched, survives."""
     slot = 4 * KiB
     n = node_factory("--pool", "e:4KiB:16", "--policy", "lru")
     layout = plain_layout(4, "e", slot)

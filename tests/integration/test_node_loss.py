@@ -1,4 +1,4 @@
-"""A node that dies or stops under a client (DESIGN 7: failures are first-class).
+"""A node that dies or stops under a client (spec section 12: failures are first-class).
 
 SIGKILL: the client's pending operations fail (``NodeLostError``, or ``OperationTimeout``)
 within their deadline; a node started again on the same endpoint serves the client after

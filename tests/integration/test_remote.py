@@ -1,4 +1,4 @@
-"""Cross-node delivery between real node processes (DESIGN 4, 6, 7).
+"""Cross-node delivery between real node processes (spec section 8, architecture §4, spec section 12).
 
 Node A is where the client connects; node B (and C) hold the objects, named to A by a
 request's hint. B writes from its pool straight into the client's memory. Every

@@ -1,4 +1,4 @@
-"""EvictionIndex and the built-in policies (DESIGN 5), on bare entries without a store."""
+"""EvictionIndex and the built-in policies (architecture §3), on bare entries without a store."""
 
 from __future__ import annotations
 

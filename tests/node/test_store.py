@@ -1,4 +1,4 @@
-"""Store: deposits, claims, eviction through the index, capacity pressure (DESIGN 2, 3, 5)."""
+"""Store: deposits, claims, eviction through the index, capacity pressure (architecture §2, architecture §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Named-span projection (DESIGN section 4) and its bounded cache."""
+"""Named-span projection (spec section 8) and its bounded cache."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def names(text: str) -> tuple[str, ...]:
     return tuple(text)
 
 
-# The examples table of DESIGN section 4 and of the spec, section 8.
+# The examples table of the spec, section 8.
 VALID_CASES = [
     ("abc", ("b",), (1,), False),
     ("abc", ("a", "c"), (0, 2), False),
