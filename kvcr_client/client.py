@@ -50,6 +50,7 @@ from kvcr_protocol import (
     SubmitHint,
     UnregisterRegions,
     Welcome,
+    code_of,
     endpoint_problem,
     supported_up_to,
 )
@@ -428,7 +429,7 @@ class _Base:
             if len(msg.results) != len(keys):
                 raise ValueError(f"{len(msg.results)} results for {len(keys)} keys")
             return Results([
-                (k, KeyOutcome(r.status, ErrorCode(r.code) if r.code in ErrorCode._value2member_map_ else r.code, r.reason, r.handle))
+                (k, KeyOutcome(r.status, code_of(r.code), r.reason, r.handle))
                 for k, r in zip(keys, msg.results, strict=True)
             ])
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvcr_protocol import ErrorCode
+from kvcr_protocol import ErrorCode, code_of
 
 
 class KvcrError(Exception):
@@ -22,7 +22,7 @@ class NodeError(KvcrError):
     """The node refused a request whole; ``code`` and ``path`` say why and where."""
 
     def __init__(self, code: int, reason: str, path: str = "") -> None:
-        self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else code
+        self.code = code_of(code)
         self.reason = reason
         self.path = path
         name = self.code.name if isinstance(self.code, ErrorCode) else str(code)

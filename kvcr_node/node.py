@@ -46,7 +46,6 @@ from kvcr_protocol import (
     Completion,
     DeliverItem,
     Deposit,
-    DescriptorError,
     DiscardHint,
     DstSpan,
     Error,
@@ -68,7 +67,6 @@ from kvcr_protocol import (
     ProbeReply,
     Projection,
     ProjectionCache,
-    ProjectionError,
     ProtocolError,
     Query,
     QueryReply,
@@ -683,7 +681,7 @@ class Node:
             if uniform is None:
                 try:
                     item_moves = self._deposit_moves(session, item.spans, f"items[{i}].spans")
-                except DescriptorError as exc:
+                except ProtocolError as exc:
                     op.fail(i, exc.code, f"{exc.path}: {exc.reason}")
                     continue
             layout = tuple(zip(columns[0], columns[1], strict=True))
@@ -739,9 +737,9 @@ class Node:
         for j, span in enumerate(spans):
             mem = memories.get(span.pool)
             if mem is None:
-                raise DescriptorError(ErrorCode.UNKNOWN_POOL, f"pool {span.pool!r} does not exist", f"{path}[{j}].pool")
+                raise ProtocolError(ErrorCode.UNKNOWN_POOL, f"pool {span.pool!r} does not exist", f"{path}[{j}].pool")
             if span.length != mem.spec.slot_size:
-                raise DescriptorError(
+                raise ProtocolError(
                     ErrorCode.SIZE_MISMATCH, f"span of {span.length} bytes, pool {span.pool!r} slots hold {mem.spec.slot_size}", f"{path}[{j}].length"
                 )
         return resolve_spans(session.regions, [(s.region, s.offset, s.length) for s in spans], path)
@@ -792,8 +790,8 @@ class Node:
                 continue
             try:
                 item_moves = self._deliver_moves(op, entry, item, f"items[{i}]")
-            except (DescriptorError, ProjectionError) as exc:
-                where = f"{exc.path}: " if isinstance(exc, DescriptorError) else f"items[{i}].spans: "
+            except ProtocolError as exc:
+                where = f"{exc.path or f'items[{i}].spans'}: "
                 op.fail(i, exc.code, where + exc.reason)
                 continue
             # DESIGN 4: "While any projected span is being delivered, the claim covers the
@@ -819,7 +817,7 @@ class Node:
         requested: tuple[str, ...] = columns[0]
         if op.exact and requested != stored:
             # A peer write without the partial-layout flag names the whole layout, exactly.
-            raise ProjectionError(
+            raise ProtocolError(
                 ErrorCode.LAYOUT_SUBSET_INVALID, "without the partial-layout flag the names must be the stored layout"
             )
         # Projection rule: "same names, same order: a full delivery" (no cache lookup, which
@@ -846,7 +844,7 @@ class Node:
         # Projection rule: "each destination length equals the stored span's size".
         for j, (span, pool) in enumerate(zip(spans, pools, strict=True)):
             if span[3] != sizes[pool]:
-                raise DescriptorError(
+                raise ProtocolError(
                     ErrorCode.SIZE_MISMATCH, f"span of {span[3]} bytes, the stored span holds {sizes[pool]}",
                     f"{path}.spans[{j}].length",
                 )
@@ -1201,7 +1199,7 @@ class Node:
                 continue
             try:
                 resolve_spans(client.regions, [(s.region, s.offset, s.length) for s in item.spans], f"items[{i}].spans")
-            except DescriptorError as exc:
+            except ProtocolError as exc:
                 op.fail(i, exc.code, f"{exc.path}: {exc.reason}")
         keep = [(i, item) for i, item in zip(indices, items, strict=True) if op.results[i] is None]
         if not keep:

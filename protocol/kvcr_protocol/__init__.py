@@ -7,14 +7,14 @@ onto stored layouts; ``descriptors`` checks spans against announced regions.
 """
 
 from kvcr_protocol.codec import decode, encode, peek_id
-from kvcr_protocol.descriptors import DescriptorError, Extent, check_span_sizes, resolve_span
+from kvcr_protocol.descriptors import Extent, check_span_sizes, resolve_span
 from kvcr_protocol.endpoints import IPC_PATH_MAX, endpoint_problem
-from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError
+from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, code_of
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
 from kvcr_protocol.messages import *  # noqa: F403 - the message catalogue is the API
 from kvcr_protocol.messages import ALL_MESSAGES, MESSAGE_BY_TAG
 from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, RequestCodes
-from kvcr_protocol.projection import Projection, ProjectionCache, ProjectionError, compute_projection
+from kvcr_protocol.projection import Projection, ProjectionCache, compute_projection
 from kvcr_protocol.versions import (
     BASE_VERSION,
     CURRENT_VERSION,
@@ -35,18 +35,17 @@ __all__ = [
     "PARTIAL_LAYOUT_VERSION",
     "REQUEST_CODES",
     "SUPPORTED_VERSIONS",
-    "DescriptorError",
     "ErrorCode",
     "Extent",
     "Limits",
     "LocalProtocolError",
     "Projection",
     "ProjectionCache",
-    "ProjectionError",
     "ProtocolError",
     "RemoteProtocolError",
     "RequestCodes",
     "check_span_sizes",
+    "code_of",
     "compute_projection",
     "decode",
     "encode",

@@ -5,18 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvcr_protocol.errors import ErrorCode
+from kvcr_protocol.errors import ErrorCode, ProtocolError
 from kvcr_protocol.messages import Region
-
-
-class DescriptorError(ValueError):
-    """A span is unacceptable; ``code`` and ``path`` name what and where."""
-
-    def __init__(self, code: ErrorCode, reason: str, path: str) -> None:
-        self.code = code
-        self.reason = reason
-        self.path = path
-        super().__init__(f"{code.name} at {path}: {reason}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,12 +24,12 @@ def resolve_span(
     """Resolve a span against announced regions; it must lie wholly inside its region."""
     reg = regions.get(region)
     if reg is None:
-        raise DescriptorError(ErrorCode.BAD_DESCRIPTOR, f"region {region} was not announced", f"{path}.region")
+        raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"region {region} was not announced", f"{path}.region")
     if length == 0:
-        raise DescriptorError(ErrorCode.BAD_DESCRIPTOR, "a span has length 0", f"{path}.length")
+        raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, "a span has length 0", f"{path}.length")
     # offset + length <= region length, written so that no sum can overflow the check.
     if offset > reg.length or length > reg.length - offset:
-        raise DescriptorError(
+        raise ProtocolError(
             ErrorCode.BAD_DESCRIPTOR,
             f"[{offset}, {offset + length}) lies outside region {region} of {reg.length} bytes",
             f"{path}.offset",
@@ -51,7 +41,7 @@ def check_span_sizes(lengths: Sequence[int], slot_sizes: Sequence[int], path: st
     """Each span length must equal the slot size of the stored span it maps to."""
     for i, (length, size) in enumerate(zip(lengths, slot_sizes, strict=True)):
         if length != size:
-            raise DescriptorError(
+            raise ProtocolError(
                 ErrorCode.SIZE_MISMATCH, f"span of {length} bytes, the slot holds {size}", f"{path}[{i}].length"
             )
 
@@ -79,11 +69,11 @@ def resolve_spans(
             reg = regions.get(region)
             last_id = region
         if reg is None:
-            raise DescriptorError(ErrorCode.BAD_DESCRIPTOR, f"region {region} was not announced", f"{path}[{j}].region")
+            raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"region {region} was not announced", f"{path}[{j}].region")
         if length == 0:
-            raise DescriptorError(ErrorCode.BAD_DESCRIPTOR, "a span has length 0", f"{path}[{j}].length")
+            raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, "a span has length 0", f"{path}[{j}].length")
         if offset > reg.length or length > reg.length - offset:
-            raise DescriptorError(
+            raise ProtocolError(
                 ErrorCode.BAD_DESCRIPTOR,
                 f"[{offset}, {offset + length}) lies outside region {region} of {reg.length} bytes",
                 f"{path}[{j}].offset",

@@ -109,8 +109,23 @@ class ErrorCode(enum.IntEnum):
     """The node holds as many peer links as it allows and none is idle enough to close."""
 
 
+_KNOWN = frozenset(int(code) for code in ErrorCode)
+
+
+def code_of(value: int) -> ErrorCode | int:
+    """A code read off the wire: its ``ErrorCode``, or the number itself when this side does
+    not know it (a newer peer's code; spec section 10 says to treat it by its range)."""
+    return ErrorCode(value) if value in _KNOWN else value
+
+
 class ProtocolError(Exception):
-    """A protocol violation, carrying its error code and the path of the bad field."""
+    """The one typed error of kvcr: a code, a reason and the path of the bad field.
+
+    Raised for frames that break the protocol, for spans outside their regions and for
+    destination names that are no valid projection alike, so each layer translates it
+    once: the node into an error reply or a per-key result, the client into its own
+    ``ArgumentError``/``NodeError``.
+    """
 
     def __init__(self, code: ErrorCode, reason: str, path: str = "") -> None:
         self.code = code

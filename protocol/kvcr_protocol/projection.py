@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvcr_protocol.errors import ErrorCode
+from kvcr_protocol.errors import ErrorCode, ProtocolError
 
 Names = tuple[str, ...]
 
@@ -23,17 +23,8 @@ class Projection:
     full: bool
 
 
-class ProjectionError(ValueError):
-    """The destination names are not a valid projection; ``code`` says which rule broke."""
-
-    def __init__(self, code: ErrorCode, reason: str) -> None:
-        self.code = code
-        self.reason = reason
-        super().__init__(f"{code.name}: {reason}")
-
-
 def compute_projection(stored: Names, requested: Names) -> Projection:
-    """Apply the projection rules; raise ``ProjectionError(LAYOUT_SUBSET_INVALID)`` when they fail.
+    """Apply the projection rules; raise ``ProtocolError(LAYOUT_SUBSET_INVALID)`` when they fail.
 
     Sizes are not checked here (they need the pools); see ``descriptors.check_span_sizes``.
     """
@@ -44,30 +35,30 @@ def compute_projection(stored: Names, requested: Names) -> Projection:
     invalid = ErrorCode.LAYOUT_SUBSET_INVALID
     # "at least one name"
     if not requested:
-        raise ProjectionError(invalid, "a subset names at least one span")
+        raise ProtocolError(invalid, "a subset names at least one span")
     # "fewer spans than stored"
     if len(requested) >= len(stored):
-        raise ProjectionError(invalid, f"{len(requested)} names is not a subset of {len(stored)} stored spans")
+        raise ProtocolError(invalid, f"{len(requested)} names is not a subset of {len(stored)} stored spans")
     # "the stored layout's names are themselves unique and non-empty"
     if "" in stored or len(set(stored)) != len(stored):
-        raise ProjectionError(invalid, "the stored layout's names are not unique and non-empty")
+        raise ProtocolError(invalid, "the stored layout's names are not unique and non-empty")
     position = {name: i for i, name in enumerate(stored)}
     indices: list[int] = []
     seen: set[str] = set()
     for name in requested:
         # "every name non-empty and unique in the request"
         if not name:
-            raise ProjectionError(invalid, "a span name is empty")
+            raise ProtocolError(invalid, "a span name is empty")
         if name in seen:
-            raise ProjectionError(invalid, f"span {name!r} is named twice")
+            raise ProtocolError(invalid, f"span {name!r} is named twice")
         seen.add(name)
         # "every name present in the stored layout"
         index = position.get(name)
         if index is None:
-            raise ProjectionError(invalid, f"span {name!r} is not in the stored layout")
+            raise ProtocolError(invalid, f"span {name!r} is not in the stored layout")
         # "the names keep the stored order (strictly increasing stored indices)"
         if indices and index <= indices[-1]:
-            raise ProjectionError(invalid, f"span {name!r} breaks the stored order")
+            raise ProtocolError(invalid, f"span {name!r} breaks the stored order")
         indices.append(index)
     return Projection(tuple(indices), False)
 
@@ -82,7 +73,7 @@ class ProjectionCache:
         if size < 1:
             raise ValueError(f"size: must be at least 1, got {size}")
         self.size = size
-        self._entries: OrderedDict[tuple[Names, Names], Projection | ProjectionError] = OrderedDict()
+        self._entries: OrderedDict[tuple[Names, Names], Projection | ProtocolError] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
@@ -90,14 +81,14 @@ class ProjectionCache:
         return len(self._entries)
 
     def project(self, stored: Names, requested: Names) -> Projection:
-        """The projection of ``requested`` onto ``stored``; raises ``ProjectionError``."""
+        """The projection of ``requested`` onto ``stored``; raises ``ProtocolError``."""
         key = (stored, requested)
         entry = self._entries.get(key)
         if entry is None:
             self.misses += 1
             try:
                 entry = compute_projection(stored, requested)
-            except ProjectionError as exc:
+            except ProtocolError as exc:
                 entry = exc
             self._entries[key] = entry
             if len(self._entries) > self.size:
@@ -105,6 +96,6 @@ class ProjectionCache:
         else:
             self.hits += 1
             self._entries.move_to_end(key)
-        if isinstance(entry, ProjectionError):
-            raise ProjectionError(entry.code, entry.reason)
+        if isinstance(entry, ProtocolError):
+            raise ProtocolError(entry.code, entry.reason)
         return entry

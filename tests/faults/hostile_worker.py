@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from kvcr_client import Client, ErrorCode, KeyStatus, KvcrError, Span
+from kvcr_protocol import code_of
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -383,7 +384,7 @@ def run_deliver(args: argparse.Namespace) -> None:
             o = res[key.encode()]
             base = k * slot * n
             exact = bool(np.array_equal(dst[base : base + slot * n], pattern(slot * n, args.seed + k)))
-            outcomes[key] = [o.status.value, ErrorCode(o.code).name if o.code in ErrorCode._value2member_map_ else int(o.code), exact]
+            outcomes[key] = [o.status.value, getattr(code_of(o.code), "name", int(o.code)), exact]
         emit("result", outcomes=outcomes, seconds=seconds)
         # Keep progressing the agent a while (a write that outlived its deadline may land).
         end = time.monotonic() + args.linger

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcr_protocol import DescriptorError, ErrorCode, Extent, check_span_sizes, resolve_span
+from kvcr_protocol import ErrorCode, Extent, ProtocolError, check_span_sizes, resolve_span
 from kvcr_protocol.descriptors import regions_overlap
 from kvcr_protocol.messages import MemoryKind, Region
 
@@ -46,27 +46,27 @@ def test_span_at_the_edges(offset: int, length: int) -> None:
     ],
 )
 def test_span_outside_a_region(offset: int, length: int) -> None:
-    with pytest.raises(DescriptorError) as info:
+    with pytest.raises(ProtocolError) as info:
         resolve_span(REGIONS, 1, offset, length, "items[3].spans[1]")
     assert info.value.code is ErrorCode.BAD_DESCRIPTOR
     assert info.value.path == "items[3].spans[1].offset"
 
 
 def test_unknown_region() -> None:
-    with pytest.raises(DescriptorError) as info:
+    with pytest.raises(ProtocolError) as info:
         resolve_span(REGIONS, 9, 0, 1, "items[0].spans[0]")
     assert info.value.code is ErrorCode.BAD_DESCRIPTOR
     assert info.value.path == "items[0].spans[0].region"
 
 
 def test_no_regions_at_all() -> None:
-    with pytest.raises(DescriptorError):
+    with pytest.raises(ProtocolError):
         resolve_span({}, 1, 0, 1, "s")
 
 
 @pytest.mark.parametrize("offset", [0, 4096, U64])
 def test_zero_length(offset: int) -> None:
-    with pytest.raises(DescriptorError) as info:
+    with pytest.raises(ProtocolError) as info:
         resolve_span(REGIONS, 1, offset, 0, "s")
     assert info.value.code is ErrorCode.BAD_DESCRIPTOR
     assert info.value.path == "s.length"
@@ -74,7 +74,7 @@ def test_zero_length(offset: int) -> None:
 
 def test_empty_region_holds_nothing() -> None:
     empty = {5: Region(5, MemoryKind.DRAM, 0, BASE, 0)}
-    with pytest.raises(DescriptorError):
+    with pytest.raises(ProtocolError):
         resolve_span(empty, 5, 0, 1, "s")
 
 
@@ -90,7 +90,7 @@ def test_span_sizes_match() -> None:
 
 
 def test_span_size_mismatch_names_the_span() -> None:
-    with pytest.raises(DescriptorError) as info:
+    with pytest.raises(ProtocolError) as info:
         check_span_sizes([65536, 16000, 1], [65536, 16384, 2], "items[2].spans")
     assert info.value.code is ErrorCode.SIZE_MISMATCH
     assert info.value.path == "items[2].spans[1].length"

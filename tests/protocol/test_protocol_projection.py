@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcr_protocol import ErrorCode, Projection, ProjectionCache, ProjectionError, compute_projection
+from kvcr_protocol import ErrorCode, Projection, ProjectionCache, ProtocolError, compute_projection
 
 INVALID = ErrorCode.LAYOUT_SUBSET_INVALID
 
@@ -54,7 +54,7 @@ def test_valid_projection(stored: str, requested: tuple[str, ...], indices: tupl
 
 @pytest.mark.parametrize(("stored", "requested"), INVALID_CASES)
 def test_invalid_projection(stored: str, requested: tuple[str, ...]) -> None:
-    with pytest.raises(ProjectionError) as info:
+    with pytest.raises(ProtocolError) as info:
         compute_projection(names(stored), requested)
     assert info.value.code is INVALID
 
@@ -68,7 +68,7 @@ def test_same_names_same_order_is_full_even_when_names_repeat_or_are_empty(store
 
 
 def test_subset_of_a_layout_with_empty_names_is_invalid() -> None:
-    with pytest.raises(ProjectionError):
+    with pytest.raises(ProtocolError):
         compute_projection(("", "x"), ("x",))
 
 
@@ -82,9 +82,9 @@ def test_realistic_layer_names() -> None:
 
 
 def test_error_message_names_the_rule() -> None:
-    with pytest.raises(ProjectionError, match="order"):
+    with pytest.raises(ProtocolError, match="order"):
         compute_projection(("a", "b", "c"), ("c", "a"))
-    with pytest.raises(ProjectionError, match="not in the stored layout"):
+    with pytest.raises(ProtocolError, match="not in the stored layout"):
         compute_projection(("a", "b", "c"), ("d",))
 
 
@@ -104,7 +104,7 @@ def test_cache_is_bounded() -> None:
 def test_cache_bound_includes_failures() -> None:
     cache = ProjectionCache(size=4)
     for i in range(40):
-        with pytest.raises(ProjectionError):
+        with pytest.raises(ProtocolError):
             cache.project(("a", "b"), (f"x{i}",))
         assert len(cache) <= 4
 
@@ -121,7 +121,7 @@ def test_cache_hits_return_equal_results() -> None:
 def test_cache_caches_failures() -> None:
     cache = ProjectionCache(size=16)
     for _ in range(3):
-        with pytest.raises(ProjectionError) as info:
+        with pytest.raises(ProtocolError) as info:
             cache.project(("a", "b"), ("b", "a"))
         assert info.value.code is INVALID
     assert cache.misses == 1 and cache.hits == 2
