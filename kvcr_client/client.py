@@ -61,6 +61,18 @@ log = logging.getLogger("kvcr.client")
 DEFAULT_DEADLINE_MS = 30_000
 DEFAULT_MAX_COMPLETED = 8192
 """Completed operations kept for ``poll_completed`` at most; older ones are dropped and counted."""
+CONTROL_TIMEOUT_S = 10.0
+"""How long a request the node answers at once waits (query, hints, stats, region announcements)."""
+CONNECT_TIMEOUT_S = 10.0
+"""The default wait for the node's welcome."""
+ABORT_TIMEOUT_S = 5.0
+"""How long an abort request waits for its acknowledgement (the operation completes on its own)."""
+RELEASE_DEADLINE_MS = 10_000
+"""The deadline of a release (the node answers it at once)."""
+LOCAL_CALL_TIMEOUT_S = 30.0
+"""How long registering or deregistering a buffer with our own NIXL agent may take."""
+ANNOUNCE_TIMEOUT_S = 15.0
+"""How long ``register`` waits for the node to accept the new region."""
 CANCEL_UNREGISTER_S = 10.0
 """How long ``unregister`` waits for the node to answer the cancellation of a timed-out withdrawal."""
 
@@ -320,7 +332,7 @@ class _Base:
 
     def _announce(self, handle: RegionHandle) -> tuple[int, Future[Any]]:
         return self.core.request(
-            lambda i: RegisterRegions(i, self.core.agent.metadata(), (handle.wire(),)), _ack, 10.0
+            lambda i: RegisterRegions(i, self.core.agent.metadata(), (handle.wire(),)), _ack, CONTROL_TIMEOUT_S
         )
 
     def _check_span(self, span: Any, path: str, deposit: bool) -> RegionHandle:
@@ -438,7 +450,7 @@ class _Base:
         return self._handle(op_id, kind, fut, self._abort)
 
     def _abort(self, op_id: int) -> None:
-        self.core.request(lambda i: Abort(i, op_id), lambda m: None, 5.0)
+        self.core.request(lambda i: Abort(i, op_id), lambda m: None, ABORT_TIMEOUT_S)
 
     def deposit(
         self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
@@ -539,7 +551,7 @@ class _Base:
             raise ArgumentError("handles", f"{len(hs)} handles, at most {DEFAULT_LIMITS.max_keys} per call")
         keys = [h.to_bytes(8, "big") for h in hs]
         frozen = tuple(hs)
-        return self._op("release", keys, lambda i: Release(i, frozen), 10_000, False, set())
+        return self._op("release", keys, lambda i: Release(i, frozen), RELEASE_DEADLINE_MS, False, set())
 
     def query(self, keys: Iterable[bytes], request_id: str | None = None) -> OpHandle[Results[KeyPresence]]:
         """Where are these keys? Advisory: a HIT may be evicted before the next call."""
@@ -551,7 +563,7 @@ class _Base:
             assert isinstance(msg, QueryReply)
             return Results([(k, KeyPresence(r.presence, r.tier)) for k, r in zip(ks, msg.results, strict=True)])
 
-        op_id, fut = self.core.request(lambda i: Query(i, frozen, request_id), convert, 10.0)
+        op_id, fut = self.core.request(lambda i: Query(i, frozen, request_id), convert, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "query", fut)
 
     def submit_hint(self, request_id: str, source_endpoint: str, keys: Iterable[bytes]) -> OpHandle[None]:
@@ -562,13 +574,13 @@ class _Base:
         if problem is not None:
             raise ArgumentError("source_endpoint", problem)
         ks = tuple(_key(k, f"keys[{i}]") for i, k in enumerate(_batch(keys, "keys")))
-        op_id, fut = self.core.request(lambda i: SubmitHint(i, request_id, source_endpoint, ks), _ack, 10.0)
+        op_id, fut = self.core.request(lambda i: SubmitHint(i, request_id, source_endpoint, ks), _ack, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "hint", fut)
 
     def discard_hint(self, request_id: str) -> OpHandle[None]:
         """The request is over: the node forgets its hints."""
         request_id = _request_id(request_id)
-        op_id, fut = self.core.request(lambda i: DiscardHint(i, request_id), _ack, 10.0)
+        op_id, fut = self.core.request(lambda i: DiscardHint(i, request_id), _ack, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "unhint", fut)
 
     def abort(self, handle: OpHandle[Any]) -> None:
@@ -582,7 +594,7 @@ class _Base:
             assert isinstance(msg, StatsReply)
             return msg.stats
 
-        op_id, fut = self.core.request(lambda i: StatsRequest(i), convert, 10.0)
+        op_id, fut = self.core.request(lambda i: StatsRequest(i), convert, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "stats", fut)
 
     def _unregister_check(self, region: RegionHandle) -> None:
@@ -648,7 +660,7 @@ class Client(_Base):
     """The blocking client. ``with Client(endpoint) as c: ...``"""
 
     def __init__(
-        self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
+        self, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = CONNECT_TIMEOUT_S,
         curve: CurveKeys | None = None, max_completed: int = DEFAULT_MAX_COMPLETED,
     ) -> None:
         timeout = _timeout(timeout)
@@ -661,7 +673,7 @@ class Client(_Base):
 
     @classmethod
     def connect(
-        cls, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
+        cls, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = CONNECT_TIMEOUT_S,
         curve: CurveKeys | None = None, max_completed: int = DEFAULT_MAX_COMPLETED,
     ) -> Client:
         """Open a session with the node at ``endpoint`` (the same as the constructor)."""
@@ -676,11 +688,11 @@ class Client(_Base):
     def register(self, buffer: Any) -> RegionHandle:
         """Register a numpy/CuPy/torch buffer with NIXL and announce it to the node."""
         handle = self._describe(buffer)
-        self.core.call(lambda: self._register_on_io(handle, True)).result(30)
+        self.core.call(lambda: self._register_on_io(handle, True)).result(LOCAL_CALL_TIMEOUT_S)
         try:
-            self.core.wait(self._announce(handle)[1], 15)
+            self.core.wait(self._announce(handle)[1], ANNOUNCE_TIMEOUT_S)
         except BaseException:
-            self.core.call(lambda: self._unregister_on_io(handle)).result(30)
+            self.core.call(lambda: self._unregister_on_io(handle)).result(LOCAL_CALL_TIMEOUT_S)
             raise
         return handle
 
@@ -699,9 +711,9 @@ class Client(_Base):
             self.core.wait(fut, timeout)
         except FutureTimeout:
             self._cancel_withdrawal(region, op_id, fut, timeout)
-        self.core.call(lambda: self._unregister_on_io(region)).result(30)
+        self.core.call(lambda: self._unregister_on_io(region)).result(LOCAL_CALL_TIMEOUT_S)
 
-    def reconnect(self, timeout: float = 10.0) -> Welcome:
+    def reconnect(self, timeout: float = CONNECT_TIMEOUT_S) -> Welcome:
         """Open a new session (after node loss or restart), announcing every registered region."""
         timeout = _timeout(timeout)
         result: Welcome = self.core.wait(self._hello(timeout), timeout + 5)
@@ -733,7 +745,7 @@ class AsyncClient(_Base):
 
     @classmethod
     async def connect(
-        cls, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = 10.0,
+        cls, endpoint: str, name: str | None = None, max_version: int = CURRENT_VERSION, timeout: float = CONNECT_TIMEOUT_S,
         curve: CurveKeys | None = None, max_completed: int = DEFAULT_MAX_COMPLETED,
     ) -> AsyncClient:
         timeout = _timeout(timeout)
@@ -747,7 +759,7 @@ class AsyncClient(_Base):
 
     async def __aenter__(self) -> AsyncClient:
         if self.core.welcome is None:
-            await asyncio.wrap_future(self._hello(10.0))
+            await asyncio.wrap_future(self._hello(CONNECT_TIMEOUT_S))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -775,7 +787,7 @@ class AsyncClient(_Base):
             await asyncio.to_thread(self._cancel_withdrawal, region, op_id, fut, timeout)
         await asyncio.wrap_future(self.core.call(lambda: self._unregister_on_io(region)))
 
-    async def reconnect(self, timeout: float = 10.0) -> Welcome:
+    async def reconnect(self, timeout: float = CONNECT_TIMEOUT_S) -> Welcome:
         timeout = _timeout(timeout)
         result: Welcome = await asyncio.wrap_future(self._hello(timeout))
         return result

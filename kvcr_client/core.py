@@ -81,11 +81,22 @@ from kvcr_protocol import (
 log = logging.getLogger("kvcr.client")
 
 _IDLE_S = 0.2
+"""The longest the idle background thread blocks before it looks at deadlines again."""
 _LATE_PROGRESS_S = 0.01
 """How often the agent is progressed while only timed-out memory-touching operations remain."""
 _PARK_S = 0.005
 """How long the background thread stays off the socket after a caller stopped driving."""
 _DRIVE_SLICE_S = 0.05
+"""A waiting caller polls the socket at most this long per turn before it looks at its future again."""
+_LOCK_WAIT_S = 0.0005
+"""A caller waits this long for the I/O lock (held only for short turns) before it hands its
+send to the driver that holds the lock, or looks at its future again."""
+_BACKGROUND_LOCK_WAIT_S = 0.001
+"""The background thread waits this long for the I/O lock before it looks again."""
+_POLL_MIN_S = 0.001
+"""Waits shorter than this use ``select`` on the descriptors (ZeroMQ's poll counts whole ms)."""
+_CLOSE_TIMEOUT_S = 5.0
+"""How long ``close`` waits for the node to acknowledge ``bye`` and for the thread to end."""
 _GRACE_S = 2.0
 """How long after an operation's deadline the client still waits for the node's answer."""
 
@@ -215,7 +226,7 @@ class ClientCore:
             self._send_request(oid, build, timeout_s, pending)
 
         # The background thread holds the lock only for short turns: wait a moment for it.
-        if self._io.acquire(timeout=0.0005):
+        if self._io.acquire(timeout=_LOCK_WAIT_S):
             try:
                 send()
                 self._drain_socket()
@@ -277,7 +288,7 @@ class ClientCore:
                 return future.result(remaining)
             # The lock is held only for short turns (or by another driver, who may well
             # complete our future): wait for it briefly, then look at the future again.
-            if not self._io.acquire(timeout=min(remaining, 0.0005)):
+            if not self._io.acquire(timeout=min(remaining, _LOCK_WAIT_S)):
                 continue
             try:
                 if future.done():
@@ -291,7 +302,7 @@ class ClientCore:
                 self._io.release()
         return future.result(0)
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = _CLOSE_TIMEOUT_S) -> None:
         """Say bye (best effort), stop the background thread and release the socket."""
         if self._closed:
             return
@@ -457,7 +468,7 @@ class ClientCore:
             self._commands.popleft()()
         if timeout_s > 0 and self._sock is not None:
             self._drain_socket()  # the descriptors below only signal new input once drained
-            if timeout_s >= 0.001:
+            if timeout_s >= _POLL_MIN_S:
                 ready = dict(self._poller.poll(int(timeout_s * 1000)))
                 woken = self._wake_r in ready
             else:
@@ -532,7 +543,7 @@ class ClientCore:
                     break
                 if self._drivers:
                     continue  # a caller is driving the socket (and the agent): park above
-                if not self._io.acquire(timeout=0.001):
+                if not self._io.acquire(timeout=_BACKGROUND_LOCK_WAIT_S):
                     continue
                 try:
                     self._turn(0)
