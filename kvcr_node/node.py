@@ -10,6 +10,8 @@ interval.
 from __future__ import annotations
 
 import collections
+import errno
+import functools
 import logging
 import os
 import secrets
@@ -105,6 +107,34 @@ _IDLE_POLL_MS = 1000
 _SHUTDOWN_DRAIN_S = 10.0
 _REMOTE_POLL_MS = 50
 _PROBE_INTERVAL_S = 0.25
+_FAILURE_LOG_INTERVAL_S = 10.0
+"""An internal failure of one kind is logged (with its traceback) at most this often; each is counted."""
+_LINK_TRANSPORTS = ("tcp://", "ipc://")
+"""Transports a peer link may use (spec section 12: sources are other nodes' ROUTER endpoints)."""
+_BAD_ENDPOINT_ERRNOS = frozenset({errno.EPROTONOSUPPORT, errno.EINVAL, errno.ENAMETOOLONG, errno.ENOENT, zmq.ENOCOMPATPROTO})
+"""ZeroMQ connect errors that mean the endpoint itself is wrong (others: the node cannot connect now)."""
+
+
+class LinkError(Exception):
+    """A link to a source could not be opened; the keys that needed it fail with ``code``."""
+
+    def __init__(self, code: ErrorCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def _close_quietly(sock: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | None) -> None:
+    """Close what was opened for a link that could not be made."""
+    if sock is not None:
+        if monitor is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        sock.close(0)
+    if monitor is not None:
+        monitor.close(0)
 
 
 def _bind_endpoint(sock: zmq.Socket[bytes], endpoint: str) -> str:
@@ -217,6 +247,11 @@ class Node:
             if extra is not None:
                 self._poller.register(extra, zmq.POLLIN)
         self._next_liveness = 0.0
+        self._failure_logged: dict[str, float] = {}
+        """Failure kind -> when it may be logged (with a traceback) again."""
+        self._answering: tuple[bytes, int] | None = None
+        """(identity, id) of the request being handled; ``_answered`` says whether it got a reply."""
+        self._answered = False
 
     def _setup_curve(self) -> None:
         """CURVE server on the ROUTER, with the ZAP handler served from the progress loop."""
@@ -270,47 +305,81 @@ class Node:
             pass
 
     def run(self) -> None:
-        """Run the progress loop until ``request_stop``; then shut down cleanly."""
-        poller = self._poller
+        """Run the progress loop until ``request_stop``; then shut down cleanly.
+
+        No exception of one step (or of one message, see ``_handle_frames``) ends the
+        loop: it is logged and counted (``internal_errors``) and the next step runs.
+        """
         pacer = Pacer()
+        events: dict[Any, int] = {}
         try:
             while not self._stop:
-                filling = self._filling()
-                if self.transfers.inflight or self._deferred or filling:
-                    events = dict(poller.poll(0))
-                    if not events:
-                        # In flight: spin briefly, then poll NIXL at a short, bounded interval.
-                        delay = pacer.next()
-                        if delay:
-                            time.sleep(delay)
-                else:
-                    pacer.reset()
-                    events = dict(poller.poll(self._idle_timeout_ms()))
+                filling = False
+                try:
+                    filling = self._filling()
+                    events = self._wait_events(pacer, filling)
+                except Exception as exc:
+                    self._internal_failure("poll", exc)
+                    events = {}
+                    time.sleep(_REMOTE_POLL_MS / 1000)  # a failing poll must not spin
                 if self._wake_r in events:
-                    self._drain_wake()
+                    self._guarded("wake", self._drain_wake)
                 if self.zap is not None and self.zap in events:
-                    self._serve_zap()
+                    self._guarded("zap", self._serve_zap)
                 if self._auth_monitor is not None and self._auth_monitor in events:
-                    self._drain_auth_monitor()
+                    self._guarded("auth monitor", self._drain_auth_monitor)
                 if self.sock in events:
-                    self._drain_messages()
+                    self._guarded("receive", self._drain_messages)
                 if self._link_socks:
                     for sock in [s for s in events if s in self._link_socks]:
-                        self._drain_link(self._link_socks[sock])
+                        link = self._link_socks.get(sock)
+                        if link is not None:  # an earlier step may have closed it
+                            self._guarded("peer link", functools.partial(self._drain_link, link))
                 if self._deferred:
                     deferred, self._deferred = self._deferred, []
                     for submit in deferred:
-                        submit()
+                        self._guarded("deferred write", submit)
                 if filling:
                     # A source is writing into our pools (a fetch): our agent is the
                     # target of that transfer and needs progress too (DESIGN 9).
-                    self.agent.progress()
-                self.transfers.poll()
-                self._check_deadlines()
-                self._check_liveness()
-                self._flush_capacity_events()
+                    self._guarded("agent progress", self.agent.progress)
+                self._guarded("transfer completion", self.transfers.poll)
+                self._guarded("deadlines", self._check_deadlines)
+                self._guarded("liveness", self._check_liveness)
+                self._guarded("capacity events", self._flush_capacity_events)
         finally:
             self._shutdown()
+
+    def _wait_events(self, pacer: Pacer, filling: bool) -> dict[Any, int]:
+        """Poll the sockets: at once while transfers run, else until the next timer."""
+        if self.transfers.inflight or self._deferred or filling:
+            events = dict(self._poller.poll(0))
+            if not events:
+                # In flight: spin briefly, then poll NIXL at a short, bounded interval.
+                delay = pacer.next()
+                if delay:
+                    time.sleep(delay)
+            return events
+        pacer.reset()
+        return dict(self._poller.poll(self._idle_timeout_ms()))
+
+    def _guarded(self, step: str, fn: Callable[[], object]) -> None:
+        """Run one loop step; an exception is logged and counted, and the loop goes on."""
+        try:
+            fn()
+        except Exception as exc:
+            self._internal_failure(step, exc)
+
+    def _internal_failure(self, what: str, exc: BaseException) -> None:
+        """Count an unexpected failure; log it with its traceback (at most every few seconds per kind)."""
+        self.counters["internal_errors"] += 1
+        now = time.monotonic()
+        if now >= self._failure_logged.get(what, 0.0):
+            self._failure_logged[what] = now + _FAILURE_LOG_INTERVAL_S
+            log.error("internal failure in %s (counted; the node goes on): %s: %s", what, type(exc).__name__, exc,
+                      exc_info=exc)
+        else:
+            log.debug("internal failure in %s: %r", what, exc)
 
     def _filling(self) -> bool:
         """Whether a peer may be writing into our pools right now."""
@@ -358,7 +427,15 @@ class Node:
             # Ask before reading: cheaper than the exception of an empty read.
             if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
-            self._handle_frames(sock.recv_multipart(_NOBLOCK))
+            frames = sock.recv_multipart(_NOBLOCK)
+            self._answered = False
+            try:
+                self._handle_frames(frames)
+            except Exception as exc:
+                # Hello, decoding or the guard itself failed: the sender still gets an answer.
+                self._message_failed(frames, exc)
+            finally:
+                self._answering = None
             if self.transfers.inflight:
                 # Complete what finished before reading on: a first layer's completion must
                 # not wait behind the next request's submission.
@@ -378,6 +455,8 @@ class Node:
         except RemoteProtocolError as exc:
             self._refuse(identity, peek_id(payload), exc)
             return
+        msg_id: int = getattr(msg, "id", 0)
+        self._answering = (identity, msg_id)
         if isinstance(msg, Hello):
             self._on_hello(identity, msg)
             return
@@ -396,7 +475,44 @@ class Node:
         if self.stopping and not isinstance(msg, (Release, Bye, Heartbeat, StatsRequest)):
             self._refuse(identity, getattr(msg, "id", 0), ProtocolError(ErrorCode.SHUTTING_DOWN, "the node is stopping"))
             return
-        handler(session, msg)
+        before = session.ops.get(msg_id)
+        try:
+            handler(session, msg)
+        except Exception as exc:
+            self._handler_failed(session, msg, before, exc)
+
+    def _handler_failed(self, session: ClientSession, msg: Message, before: Operation | None, exc: Exception) -> None:
+        """One message's handler raised: fail that message ``INTERNAL``, release what it set aside.
+
+        An operation it registered is broken: its items that no transfer or remote write
+        covers fail ``INTERNAL`` once nothing of it runs (spec section 10); without one, the
+        request gets an ``error`` reply with its id unless it was answered already.
+        """
+        self._internal_failure(msg.TAG, exc)
+        msg_id: int = getattr(msg, "id", 0)
+        reason = f"the node failed while handling {msg.TAG}: {type(exc).__name__}: {exc}"
+        op = session.ops.get(msg_id)
+        if op is not None and op is not before:
+            self._break_op(op, reason)
+        elif not self._answered:
+            self._refuse(session.identity, msg_id, ProtocolError(ErrorCode.INTERNAL, reason))
+
+    def _message_failed(self, frames: list[bytes], exc: Exception) -> None:
+        self._internal_failure("message", exc)
+        if not self._answered and frames:
+            request_id = peek_id(frames[-1]) if len(frames) == 2 else 0
+            reason = f"the node failed while handling the message: {type(exc).__name__}: {exc}"
+            try:
+                self._refuse(frames[0], request_id, ProtocolError(ErrorCode.INTERNAL, reason))
+            except Exception as again:
+                self._internal_failure("error reply", again)
+
+    def _break_op(self, op: Operation, reason: str) -> None:
+        """Fail an operation whose handling failed: stop its waits, finish it once nothing of it runs."""
+        op.broken = reason[:1024]
+        for key in list(op.waiting):
+            self._unwait(op, key)
+        self._finish_if_settled(op)
 
     def _refuse(self, identity: bytes, request_id: int, exc: ProtocolError) -> None:
         self.protocol_errors[exc.code.name] += 1
@@ -405,6 +521,9 @@ class Node:
         self._send(identity, Error(request_id, int(exc.code), exc.reason[:1024], exc.path[:256]), version)
 
     def _send(self, identity: bytes, msg: Message, version: int) -> None:
+        answering = self._answering
+        if answering is not None and answering[0] == identity and getattr(msg, "id", None) == answering[1]:
+            self._answered = True
         try:
             self.sock.send(identity, _NOBLOCK | _SNDMORE)
             self.sock.send(encode(msg, version), _NOBLOCK)
@@ -541,6 +660,8 @@ class Node:
         if not op.settled or op.session.ops.get(op.id) is not op:
             return
         del op.session.ops[op.id]
+        if op.broken is not None:
+            op.fail_unresolved(ErrorCode.INTERNAL)
         results = tuple(r for r in op.results if r is not None)
         for r in results:
             self.outcomes[f"{op.kind}.{r.status.value}" + (f".{ErrorCode(r.code).name}" if r.code else "")] += 1
@@ -604,11 +725,27 @@ class Node:
     # ---- deposit
 
     def _on_deposit(self, session: ClientSession, msg: Deposit) -> None:
+        fills: list[tuple[int, ObjectEntry]] = []
+        try:
+            self._deposit(session, msg, fills)
+        except BaseException:
+            # Slots set aside that no transfer took over are freed (the guard fails the items).
+            op = session.ops.get(msg.id)
+            if op is None or not any(t.state == "PROC" for t in op.transfers):
+                self._abandon_fills([e for _, e in fills if self.store.lookup(e.key) is e and e.state is ObjectState.WRITING])
+            raise
+
+    def _abandon_fills(self, entries: Sequence[ObjectEntry]) -> None:
+        """Free WRITING entries that no transfer fills after all, and wake their waiters."""
+        for entry in entries:
+            self.store.abandon(entry)
+            self._wake(entry.key)
+
+    def _deposit(self, session: ClientSession, msg: Deposit, fills: list[tuple[int, ObjectEntry]]) -> None:
         op = self._new_op(session, msg.id, "deposit", len(msg.items), msg.deadline_ms)
         if op is None:
             return
         unique = self._unique_keys(op, [item.key for item in msg.items])
-        fills: list[tuple[int, ObjectEntry]] = []
         moves: list[Move] = []
         for i, item in enumerate(msg.items):
             if not unique[i]:
@@ -721,6 +858,11 @@ class Node:
             except (DescriptorError, ProjectionError) as exc:
                 where = f"{exc.path}: " if isinstance(exc, DescriptorError) else f"items[{i}].spans: "
                 op.fail(i, exc.code, where + exc.reason)
+                continue
+            except Exception as exc:
+                # Before the claim: this item fails alone, the claims of the others stay owned.
+                self._internal_failure(f"{op.kind} item", exc)
+                op.fail(i, ErrorCode.INTERNAL, f"items[{i}]: the node failed: {type(exc).__name__}: {exc}")
                 continue
             # DESIGN 4: "While any projected span is being delivered, the claim covers the
             # whole object."
@@ -964,7 +1106,25 @@ class Node:
             "counters": dict(self.counters),
             "projection_cache": {"size": len(self.projections), "hits": self.projections.hits, "misses": self.projections.misses},
             "policy": {"name": policy.name, "failures": getattr(policy, "failures", 0)},
+            "tables": self._table_sizes(),
             "invariants": self.check_invariants(),
+        }
+
+    def _table_sizes(self) -> dict[str, int]:
+        """Entries in the node's per-session and per-peer tables, for soaks and operators."""
+        peers = [s for s in (*self.sessions.values(), *self.retired) if isinstance(s, PeerSession)]
+        links = self.links.values()
+        return {
+            "sessions": len(self.sessions),
+            "retired_sessions": len(self.retired),
+            "handles": len(self.handles),
+            "waiters": len(self.waiters),
+            "links": len(self.links),
+            "link_sockets": len(self._link_socks),
+            "probes": sum(len(link.probes) for link in links),
+            "clients_sent": sum(len(link.clients_sent) for link in links),
+            "announcing": sum(len(link.announcing) for link in links),
+            "peer_clients": sum(len(s.clients) for s in peers),
         }
 
     def check_invariants(self) -> list[str]:
@@ -1007,11 +1167,23 @@ class Node:
     # ---- transfers
 
     def _start(self, op: Operation, kind: str, moves: list[Move], on_done: Callable[[bool], None]) -> None:
+        def done(ok: bool) -> None:
+            # A completion that raises breaks its operation only, never the loop.
+            try:
+                on_done(ok)
+            except Exception as exc:
+                self._internal_failure(f"{op.kind} completion", exc)
+                self._break_op(op, f"the node failed while completing {op.kind}: {type(exc).__name__}: {exc}")
+
         try:
-            transfer = self.transfers.start(kind, op.agent or op.session.agent, moves, on_done)
+            transfer = self.transfers.start(kind, op.agent or op.session.agent, moves, done)
         except TransferError as exc:
             log.warning("transfer refused for %s %d: %s", op.kind, op.id, exc)
-            on_done(False)
+            done(False)
+            return
+        except Exception as exc:
+            self._internal_failure(f"{op.kind} transfer", exc)
+            done(False)
             return
         op.transfers.append(transfer)
 
@@ -1043,15 +1215,29 @@ class Node:
         return None
 
     def _remote_fetch(self, op: Operation, source: str, fills: list[tuple[int, ObjectEntry]]) -> None:
-        """Ask ``source`` to write whole objects into our WRITING slots."""
-        items = []
-        for _, entry in fills:
-            spans = []
-            for (name, pool), slot in zip(entry.layout, entry.slots, strict=True):
-                size = self.memories[pool].spec.slot_size
-                spans.append(DstSpan(name, self.pool_index[pool], slot * size, size))
-            items.append(DeliverItem(entry.key, tuple(spans)))
-        write = self._new_write(op, source, [i for i, _ in fills], tuple(items), self.agent.name, None, False)
+        """Ask ``source`` to write whole objects into our WRITING slots.
+
+        Until the write exists nothing can touch those slots: if the link cannot be opened
+        (or anything fails before), they are freed and the keys fail.
+        """
+        try:
+            link = self._link(source)
+            items = []
+            for _, entry in fills:
+                spans = []
+                for (name, pool), slot in zip(entry.layout, entry.slots, strict=True):
+                    size = self.memories[pool].spec.slot_size
+                    spans.append(DstSpan(name, self.pool_index[pool], slot * size, size))
+                items.append(DeliverItem(entry.key, tuple(spans)))
+        except LinkError as exc:
+            self._abandon_fills([entry for _, entry in fills])
+            for i, _ in fills:
+                op.fail(i, exc.code, exc.reason)
+            return
+        except BaseException:
+            self._abandon_fills([entry for _, entry in fills])
+            raise
+        write = self._new_write(op, link, [i for i, _ in fills], tuple(items), self.agent.name, None, False)
         write.fills = [entry for _, entry in fills]
         self._submit_write(write)
 
@@ -1069,17 +1255,23 @@ class Node:
             except DescriptorError as exc:
                 op.fail(i, exc.code, f"{exc.path}: {exc.reason}")
         keep = [(i, item) for i, item in zip(indices, items, strict=True) if op.results[i] is None]
+        if keep:
+            try:
+                link = self._link(source)
+            except LinkError as exc:
+                for i, _ in keep:
+                    op.fail(i, exc.code, exc.reason)
+                keep = []
         if not keep:
             self._finish_if_settled(op)
             return
-        write = self._new_write(op, source, [i for i, _ in keep], tuple(item for _, item in keep), agent, client, partial)
+        write = self._new_write(op, link, [i for i, _ in keep], tuple(item for _, item in keep), agent, client, partial)
         self._submit_write(write)
 
     def _new_write(
-        self, op: Operation, source: str, indices: list[int], items: tuple[DeliverItem, ...],
+        self, op: Operation, link: PeerLink, indices: list[int], items: tuple[DeliverItem, ...],
         agent: str, client: ClientSession | None, partial: bool,
     ) -> RemoteWrite:
-        link = self._link(source)
         write = RemoteWrite(link, self._next_write, op, indices, items, agent, client, partial, op.deadline)
         self._next_write += 1
         op.remote += 1
@@ -1151,25 +1343,56 @@ class Node:
         self._finish_if_settled(op)
 
     def _link(self, endpoint: str) -> PeerLink:
+        """The link to the source at ``endpoint``, opened if need be (spec section 12).
+
+        Raises ``LinkError`` (``BAD_ENDPOINT`` or ``PEER_UNREACHABLE``, with the reason)
+        when it cannot be opened; nothing it opened stays behind.
+        """
         link = self.links.get(endpoint)
         if link is not None:
             return link
-        sock: zmq.Socket[bytes] = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.zap is not None:
-            # Peers authenticate us by our own key pair; they serve with curve_peer_key.
-            sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve_peer)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve_public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve_secret)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sock.connect(endpoint)
+        if not endpoint.startswith(_LINK_TRANSPORTS):
+            raise LinkError(ErrorCode.BAD_ENDPOINT, f"the source endpoint {endpoint!r} is not a tcp:// or ipc:// endpoint")
+        sock: zmq.Socket[bytes] | None = None
+        monitor: zmq.Socket[bytes] | None = None
+        try:
+            sock = self.context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if self.zap is not None:
+                # Peers authenticate us by our own key pair; they serve with curve_peer_key.
+                sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve_peer)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve_public)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve_secret)
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            _close_quietly(sock, monitor)
+            code = ErrorCode.BAD_ENDPOINT if exc.errno in _BAD_ENDPOINT_ERRNOS else ErrorCode.PEER_UNREACHABLE
+            self.counters["link_failures"] += 1
+            raise LinkError(code, f"cannot connect to the source {endpoint!r}: {exc.strerror}") from exc
+        except BaseException:
+            _close_quietly(sock, monitor)
+            raise
         link = PeerLink(endpoint, sock, monitor)
         self.links[endpoint] = link
         for s in link.fds:
             self._poller.register(s, zmq.POLLIN)
             self._link_socks[s] = link
-        self._peer_hello(link)
+        try:
+            self._peer_hello(link)
+        except BaseException:
+            self._close_link(link)
+            raise
         return link
+
+    def _close_link(self, link: PeerLink) -> None:
+        """Close a link with no work left: its sockets, monitor and poller entries go."""
+        if self.links.get(link.endpoint) is link:
+            del self.links[link.endpoint]
+        for s in link.fds:
+            if self._link_socks.pop(s, None) is not None:
+                self._poller.unregister(s)
+        link.close()
 
     def _peer_hello(self, link: PeerLink) -> None:
         link.hello_id = self._write_id()
@@ -1200,14 +1423,27 @@ class Node:
                 # Back: a new connection is a new session at the peer; say hello again.
                 self._peer_hello(link)
         sock = link.sock
-        while cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+        while not link.closed and cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
             frame = sock.recv(_NOBLOCK)
             try:
                 msg = decode(frame, link.version or self.versions[-1])
             except RemoteProtocolError as exc:
                 self.protocol_errors[exc.code.name] += 1
                 continue
-            self._on_link_message(link, msg)
+            try:
+                self._on_link_message(link, msg)
+            except Exception as exc:
+                self._link_message_failed(link, msg, exc)
+
+    def _link_message_failed(self, link: PeerLink, msg: Message, exc: Exception) -> None:
+        """Handling a source's message raised: count it; the write it answers (if any) fails ``INTERNAL``."""
+        self._internal_failure(f"peer {msg.TAG}", exc)
+        write = link.writes.get(getattr(msg, "id", -1))
+        if write is not None and write.state != "done":
+            try:
+                self._end_write(write, ErrorCode.INTERNAL, f"the node failed while handling the source's {msg.TAG}")
+            except Exception as again:
+                self._internal_failure("ending a write", again)
 
     def _on_link_message(self, link: PeerLink, msg: Message) -> None:
         if isinstance(msg, PeerWelcome) and msg.id == link.hello_id:

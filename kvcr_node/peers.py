@@ -66,7 +66,10 @@ class PeerLink:
     next_heartbeat: float = 0.0
     """When to tell the peer we are alive (it drops sessions silent for its client grace)."""
 
+    closed: bool = False
+
     def close(self) -> None:
+        self.closed = True
         try:
             self.sock.disable_monitor()
         except zmq.ZMQError:
