@@ -107,6 +107,16 @@ _IDLE_POLL_MS = 1000
 _SHUTDOWN_DRAIN_S = 10.0
 _REMOTE_POLL_MS = 50
 _PROBE_INTERVAL_S = 0.25
+_AGENT_PROGRESS_S = 1.0
+"""With no transfer running, the NIXL agent is still progressed this often, on turns the
+loop makes anyway (the idle poll wakes at least every ``_IDLE_POLL_MS``): UCX closes the
+connection to a remote agent whose process went away only when progressed, and an idle
+node otherwise never progresses its agent (each departed client kept a descriptor)."""
+_DEPARTED_AGENTS = 64
+"""Remote agents of ended sessions kept loaded, least recently used out. Loading an agent
+opens a UCX endpoint; removing one closes it only once the agent at the other end goes,
+so an agent that opens session after session (a reconnecting client) would leave one
+descriptor per session if it were removed at each end. Kept loaded, it reuses its endpoint."""
 _FAILURE_LOG_INTERVAL_S = 10.0
 """An internal failure of one kind is logged (with its traceback) at most this often; each is counted."""
 _LINK_TRANSPORTS = ("tcp://", "ipc://")
@@ -247,6 +257,13 @@ class Node:
             if extra is not None:
                 self._poller.register(extra, zmq.POLLIN)
         self._next_liveness = 0.0
+        self._remote_agents: set[str] = set()
+        """Remote agents loaded into our NIXL agent (sessions, their clients, links)."""
+        self._agents_pending: set[str] = set()
+        """Remote agents to release once no running transfer uses them."""
+        self._agents_departed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Loaded remote agents nothing holds any more, least recently released first (``_DEPARTED_AGENTS``)."""
+        self._next_progress = 0.0
         self._failure_logged: dict[str, float] = {}
         """Failure kind -> when it may be logged (with a traceback) again."""
         self._answering: tuple[bytes, int] | None = None
@@ -343,6 +360,8 @@ class Node:
                     # A source is writing into our pools (a fetch): our agent is the
                     # target of that transfer and needs progress too (DESIGN 9).
                     self._guarded("agent progress", self.agent.progress)
+                if not self.transfers.inflight:  # polling transfers progresses the agent
+                    self._guarded("agent progress", self._progress_idle)
                 self._guarded("transfer completion", self.transfers.poll)
                 self._guarded("deadlines", self._check_deadlines)
                 self._guarded("liveness", self._check_liveness)
@@ -391,6 +410,8 @@ class Node:
         if now < self._next_liveness:
             return
         self._next_liveness = now + min(self.config.heartbeat_ms, self.config.client_grace_ms) / 1000
+        if self._agents_pending:
+            self._release_pending_agents()
         grace = self.config.client_grace_ms / 1000
         for session in [s for s in self.sessions.values() if now - s.last_seen > grace]:
             self.counters["clients_expired" if not isinstance(session, PeerSession) else "peers_expired"] += 1
@@ -541,7 +562,7 @@ class Node:
     ) -> ClientSession | None:
         """Load the sender's NIXL metadata, make its session and take its regions; None after a refusal."""
         try:
-            agent = self.agent.add_remote(agent_md)
+            agent = self._add_remote(agent_md)
         except Exception as exc:
             self._refuse(identity, request_id, ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"agent metadata refused by NIXL: {exc}", "agent_md"))
             return None
@@ -549,6 +570,7 @@ class Node:
         try:
             self._add_regions(session, regions)
         except ProtocolError as exc:
+            self._release_agent(agent)
             self._refuse(identity, request_id, exc)
             return None
         self.sessions[identity] = session
@@ -594,7 +616,12 @@ class Node:
 
     def _on_regions(self, session: ClientSession, msg: RegisterRegions) -> None:
         try:
-            self.agent.add_remote(msg.agent_md)
+            agent = self._add_remote(msg.agent_md)
+            if agent != session.agent:
+                # Another agent's metadata: nothing may ever write through it; do not keep it.
+                self._release_agent(agent)
+                raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"the metadata is agent {agent!r}'s, the session's agent is "
+                                    f"{session.agent!r}", "agent_md")
             self._add_regions(session, msg.regions)
             session.agent_md = msg.agent_md
             session.regions_version += 1
@@ -631,15 +658,71 @@ class Node:
             self._release_handle(session, handle)
         if self.sessions.get(session.identity) is session:
             del self.sessions[session.identity]
-        self._maybe_forget_agent(session)
+        self._release_agent(session.agent)
 
-    def _maybe_forget_agent(self, session: ClientSession) -> None:
-        if session.ops or any(s.agent == session.agent for s in self.sessions.values()):
+    # ------------------------------------------------------------------ remote agents
+
+    def _add_remote(self, metadata: bytes) -> str:
+        """Load (or refresh) a remote agent's metadata into our NIXL agent; returns its name."""
+        name = self.agent.add_remote(metadata)
+        self._remote_agents.add(name)
+        self._agents_pending.discard(name)
+        self._agents_departed.pop(name, None)
+        return name
+
+    def _agent_holder(self, name: str) -> str | None:
+        """Who still needs the remote agent ``name``: "held" (a session, a peer's client or a
+        link, each of which releases it when it goes), "running" (an operation or transfer
+        that is still running), or None."""
+        running = False
+        for session in self.sessions.values():
+            if session.agent == name:
+                return "held"
+            if isinstance(session, PeerSession):
+                if name in session.clients:
+                    return "held"
+                running = running or any(op.agent == name for op in session.ops.values())
+        if any(link.agent == name for link in self.links.values()):
+            return "held"
+        if running or any(t.agent == name for t in self.transfers.inflight):
+            return "running"
+        return None
+
+    def _release_agent(self, name: str) -> None:
+        """A holder of remote agent ``name`` let go: once nothing holds or runs on it, it joins
+        the departed agents, of which the least recently released beyond ``_DEPARTED_AGENTS``
+        are removed from NIXL."""
+        if name not in self._remote_agents or name in self._agents_departed:
             return
+        holder = self._agent_holder(name)
+        if holder is not None:
+            if holder == "running":
+                self._agents_pending.add(name)  # retried as operations finish
+            return
+        self._agents_pending.discard(name)
+        self._agents_departed[name] = None
+        while len(self._agents_departed) > _DEPARTED_AGENTS:
+            oldest, _ = self._agents_departed.popitem(last=False)
+            self._remove_remote(oldest)
+
+    def _remove_remote(self, name: str) -> None:
+        self._remote_agents.discard(name)
         try:
-            self.agent.remove_remote(session.agent)
+            self.agent.remove_remote(name)
         except Exception:
-            log.debug("removing remote agent %s failed", session.agent, exc_info=True)
+            log.debug("removing remote agent %s failed", name, exc_info=True)
+
+    def _release_pending_agents(self) -> None:
+        for name in list(self._agents_pending):
+            self._release_agent(name)
+
+    def _progress_idle(self) -> None:
+        """Progress our agent at most every ``_AGENT_PROGRESS_S``, so that connections to agents
+        that went away free their descriptors on an idle node too."""
+        now = time.monotonic()
+        if now >= self._next_progress:
+            self._next_progress = now + _AGENT_PROGRESS_S
+            self.agent.progress()
 
     # ------------------------------------------------------------------ operations
 
@@ -660,6 +743,8 @@ class Node:
         if not op.settled or op.session.ops.get(op.id) is not op:
             return
         del op.session.ops[op.id]
+        if self._agents_pending:
+            self._release_pending_agents()
         if op.broken is not None:
             op.fail_unresolved(ErrorCode.INTERNAL)
         results = tuple(r for r in op.results if r is not None)
@@ -673,7 +758,6 @@ class Node:
                 self.retired.remove(op.session)
             return
         if op.session.closing:
-            self._maybe_forget_agent(op.session)
             # A closed session's handles from this op were never handed out: release them.
             for r in results:
                 if r.handle is not None:
@@ -1125,6 +1209,9 @@ class Node:
             "clients_sent": sum(len(link.clients_sent) for link in links),
             "announcing": sum(len(link.announcing) for link in links),
             "peer_clients": sum(len(s.clients) for s in peers),
+            "remote_agents": len(self._remote_agents),
+            "remote_agents_departed": len(self._agents_departed),
+            "remote_agents_pending": len(self._agents_pending),
         }
 
     def check_invariants(self) -> list[str]:
@@ -1495,10 +1582,14 @@ class Node:
         link.down_since = None
         link.clients_sent.clear()
         link.announcing.clear()
+        old_agent = link.agent
         try:
-            link.agent = self.agent.add_remote(msg.agent_md)
+            link.agent = self._add_remote(msg.agent_md)
         except Exception as exc:
+            link.agent = ""
             log.warning("peer %s metadata refused: %s", link.endpoint, exc)
+        if old_agent and old_agent != link.agent:
+            self._release_agent(old_agent)  # the source restarted with another agent
         queued, link.queued = link.queued, []
         for write in queued:
             if write.state == "queued":
@@ -1583,14 +1674,16 @@ class Node:
 
     def _on_peer_client(self, peer: PeerSession, msg: PeerClient) -> None:
         try:
-            agent = self.agent.add_remote(msg.agent_md)
+            agent = self._add_remote(msg.agent_md)
+        except Exception as exc:
+            self._refuse(peer.identity, msg.id, ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"agent metadata refused: {exc}", "agent_md"))
+            return
+        try:
             holder = ClientSession(b"", msg.agent, agent, peer.version)
             self._add_regions(holder, msg.regions)
         except ProtocolError as exc:
+            self._release_agent(agent)  # unless the peer announced it before
             self._refuse(peer.identity, msg.id, exc)
-            return
-        except Exception as exc:
-            self._refuse(peer.identity, msg.id, ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"agent metadata refused: {exc}", "agent_md"))
             return
         peer.clients[agent] = holder.regions
         self._reply(peer, Ack(msg.id))

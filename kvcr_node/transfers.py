@@ -79,6 +79,8 @@ class Transfer:
 
     on_done: Callable[[bool], None]
     bytes: int
+    agent: str = ""
+    """The remote agent whose memory it touches (kept loaded while it runs)."""
     requests: list[Any] = field(default_factory=list)
     dlists: list[Any] = field(default_factory=list)
     pending: list[Any] = field(default_factory=list)
@@ -146,7 +148,7 @@ class Transfers:
                     last[3] += count
                     continue
             runs.append([local_addr, address, length, count, base + slot, pool])
-        transfer = Transfer(on_done, total)
+        transfer = Transfer(on_done, total, remote_agent)
         try:
             for (group, rkind, rdev), runs in groups.items():
                 self._post_group(transfer, op, remote_agent, group, rkind, rdev, runs)
