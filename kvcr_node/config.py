@@ -60,6 +60,12 @@ def hbm_device(memory: str) -> int | None:
     return int(m.group(2)) if m and m.group(2) is not None else None
 
 
+DEFAULT_PEER_IDLE_MS = 30_000
+"""A link to a source with no work outstanding closes after this long unused."""
+DEFAULT_MAX_PEERS = 64
+"""Links to source nodes held at once."""
+
+
 def default_endpoint() -> str:
     """An ipc endpoint under the runtime dir ($XDG_RUNTIME_DIR, else /tmp/kvcr-$UID)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
@@ -107,6 +113,12 @@ class NodeConfig:
     projection_cache: int = 512
     peer_dead_ms: int = 3_000
     """A source disconnected this long is taken as gone: its writes can no longer land."""
+    peer_idle_ms: int = DEFAULT_PEER_IDLE_MS
+    """A link to a source with no write outstanding (sent, queued or uncertain) and unused
+    this long is closed (spec section 5.3); the next request for that source opens it again."""
+    max_peers: int = DEFAULT_MAX_PEERS
+    """Links to sources at once. One more closes the least recently used idle link first;
+    with every link busy, the keys that need it fail PEER_LIMIT."""
     defer_writes: bool = False
     """Measuring only: submit peer writes a turn later instead of in the decoding turn."""
     log_level: str = "INFO"
@@ -132,7 +144,7 @@ class NodeConfig:
         if self.protocol_version not in SUPPORTED_VERSIONS:
             raise ConfigError("protocol_version", f"expected one of {list(SUPPORTED_VERSIONS)}, got {self.protocol_version!r}")
         for name in ("deadline_ms", "heartbeat_ms", "batch", "projection_cache", "peer_dead_ms",
-                     "client_grace_ms", "max_clients", "max_pending", "max_frame"):
+                     "client_grace_ms", "max_clients", "max_pending", "max_frame", "peer_idle_ms", "max_peers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(name, f"expected a positive integer, got {value!r}")
@@ -198,6 +210,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "deadline_ms": int, "heartbeat_ms": int, "batch": int, "projection_cache": int, "log_level": str,
     "peer_dead_ms": int, "defer_writes": bool, "client_grace_ms": int, "max_clients": int, "max_pending": int,
     "max_frame": int, "curve_secret_key": str, "curve_public_key": str, "curve_allow": str, "curve_peer_key": str,
+    "peer_idle_ms": int, "max_peers": int,
 }
 
 

@@ -118,6 +118,8 @@ opens a UCX endpoint; removing one closes it only once the agent at the other en
 so an agent that opens session after session (a reconnecting client) would leave one
 descriptor per session if it were removed at each end. Kept loaded, it reuses its endpoint."""
 _FAILURE_LOG_INTERVAL_S = 10.0
+_BYE_LINGER_MS = 100
+"""How long a closed link's socket may still try to deliver its ``bye``."""
 """An internal failure of one kind is logged (with its traceback) at most this often; each is counted."""
 _LINK_TRANSPORTS = ("tcp://", "ipc://")
 """Transports a peer link may use (spec section 12: sources are other nodes' ROUTER endpoints)."""
@@ -429,8 +431,13 @@ class Node:
         ready = [link.next_heartbeat for link in self.links.values() if link.state == "ready"]
         if ready:
             deadline = min(deadline or float("inf"), min(ready))
-        if self.links and any(link.writes or link.queued or link.state == "down" for link in self.links.values()):
-            deadline = min(deadline or float("inf"), time.monotonic() + _REMOTE_POLL_MS / 1000)
+        if self.links:
+            if any(link.writes or link.queued for link in self.links.values()):
+                deadline = min(deadline or float("inf"), time.monotonic() + _REMOTE_POLL_MS / 1000)
+            idle = [link.last_used for link in self.links.values() if not link.busy]
+            if idle:
+                # Wake once when the longest-idle link is due to close, no more often.
+                deadline = min(deadline or float("inf"), min(idle) + self.config.peer_idle_ms / 1000)
         if deadline is None:
             return _IDLE_POLL_MS
         return max(0, min(_IDLE_POLL_MS, int((deadline - time.monotonic()) * 1000) + 1))
@@ -642,6 +649,8 @@ class Node:
     def _on_bye(self, session: ClientSession, msg: Bye) -> None:
         self._reply(session, Ack(msg.id))
         self._close_session(session)
+        if session.ops and isinstance(session, PeerSession):
+            self.retired.append(session)  # its running writes stay answerable to probes
 
     def _on_heartbeat(self, session: ClientSession, msg: Heartbeat) -> None:
         self._reply(session, Heartbeat(msg.id))
@@ -659,6 +668,12 @@ class Node:
         if self.sessions.get(session.identity) is session:
             del self.sessions[session.identity]
         self._release_agent(session.agent)
+        if isinstance(session, PeerSession):
+            # The agents its target announced go with it (spec section 5.3, bye).
+            announced = list(session.clients)
+            session.clients.clear()
+            for agent in announced:
+                self._release_agent(agent)
 
     # ------------------------------------------------------------------ remote agents
 
@@ -1402,6 +1417,7 @@ class Node:
         was_uncertain = write.state == "uncertain"
         write.state = "done"
         write.link.writes.pop(write.id, None)
+        write.link.last_used = time.monotonic()
         op = write.op
         if was_uncertain:
             self.counters["uncertain_resolved"] += 1
@@ -1437,9 +1453,12 @@ class Node:
         """
         link = self.links.get(endpoint)
         if link is not None:
+            link.last_used = time.monotonic()
             return link
         if not endpoint.startswith(_LINK_TRANSPORTS):
             raise LinkError(ErrorCode.BAD_ENDPOINT, f"the source endpoint {endpoint!r} is not a tcp:// or ipc:// endpoint")
+        if len(self.links) >= self.config.max_peers:
+            self._make_room_for_link(endpoint)
         sock: zmq.Socket[bytes] | None = None
         monitor: zmq.Socket[bytes] | None = None
         try:
@@ -1472,14 +1491,37 @@ class Node:
             raise
         return link
 
-    def _close_link(self, link: PeerLink) -> None:
-        """Close a link with no work left: its sockets, monitor and poller entries go."""
+    def _make_room_for_link(self, endpoint: str) -> None:
+        """At ``max_peers`` links: close the least recently used idle one, or refuse (PEER_LIMIT)."""
+        idle = [link for link in self.links.values() if not link.busy]
+        if not idle:
+            self.counters["peer_limit_refusals"] += 1
+            raise LinkError(
+                ErrorCode.PEER_LIMIT,
+                f"cannot open a link to {endpoint!r}: this node holds max_peers={self.config.max_peers} links to "
+                "other sources, each with writes outstanding; retry later",
+            )
+        self.counters["links_evicted"] += 1
+        self._retire_link(min(idle, key=lambda link: link.last_used))
+
+    def _retire_link(self, link: PeerLink) -> None:
+        """Close a link that has no work left: say bye (spec section 5.3), close its sockets and
+        release the source's agent."""
+        if link.state == "ready":
+            self._link_send(link, Bye(self._write_id()))
+        log.info("closing the link to %s (%s)", link.node or link.endpoint, link.endpoint)
+        self._close_link(link, _BYE_LINGER_MS if link.state == "ready" else 0)
+        if link.agent:
+            self._release_agent(link.agent)
+
+    def _close_link(self, link: PeerLink, linger_ms: int = 0) -> None:
+        """Close a link's sockets and monitor and forget it; its poller entries go too."""
         if self.links.get(link.endpoint) is link:
             del self.links[link.endpoint]
         for s in link.fds:
             if self._link_socks.pop(s, None) is not None:
                 self._poller.unregister(s)
-        link.close()
+        link.close(linger_ms)
 
     def _peer_hello(self, link: PeerLink) -> None:
         link.hello_id = self._write_id()
@@ -1612,7 +1654,13 @@ class Node:
             self._end_write(write, None, "")
 
     def _check_links(self, now: float) -> None:
-        for link in self.links.values():
+        idle_s = self.config.peer_idle_ms / 1000
+        for link in list(self.links.values()):
+            if not link.busy and now - link.last_used >= idle_s:
+                # Nothing outstanding and unused for peer_idle_ms: close it (spec section 5.3).
+                self.counters["links_closed_idle"] += 1
+                self._retire_link(link)
+                continue
             if link.state == "ready" and link.next_heartbeat <= now:
                 # The source drops sessions silent for its client grace, ours included.
                 link.next_heartbeat = now + self.config.heartbeat_ms / 1000

@@ -1,0 +1,146 @@
+"""Peer churn: links to sources must not grow without bound (issue #10, defect 2).
+
+- Links to sources close once they have no work and have not been used for
+  ``--peer-idle-ms``; at most ``--max-peers`` exist at once: a request that needs one more
+  closes the least recently used idle link, or fails ``PEER_LIMIT`` when every link is busy.
+
+Table sizes come from stats ``tables``, descriptors from /proc/PID/fd of the node process.
+Every test ends with the surviving nodes clean (no claim, breach, pending operation or
+outstanding write) and their tables back to a bound.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import remote_helpers  # tests/integration, on pytest's pythonpath
+
+from kvcr_client import ErrorCode
+
+rh = remote_helpers
+RESULT_TIMEOUT_S: float = rh.RESULT_TIMEOUT_S
+FAILED = rh.FAILED
+Dest = rh.Dest
+counter = rh.counter
+deliver_checked = rh.deliver_checked
+expect = rh.expect
+poll_stats = rh.poll_stats
+wait_until = rh.wait_until
+
+MAX_PEERS = 16
+PEER_IDLE_MS = 300
+ENDPOINTS = 200
+CHURN_DEADLINE_MS = 100
+BUSY_DEADLINE_MS = 2000
+FD_SLACK = 10
+"""Descriptors the node may hold above its baseline once every link is closed."""
+SETTLE_S = 5.0
+LAYOUT = rh.plain_layout(2)
+
+
+@pytest.fixture
+def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
+    with rh.sites_of(node_factory) as s:
+        yield s
+
+
+def fd_count(site: Any) -> int:
+    return len(os.listdir(f"/proc/{site.node.proc.pid}/fd"))
+
+
+def tables(site: Any) -> dict[str, int]:
+    return dict(site.stats()["tables"])
+
+
+def held_agents(st: dict[str, Any]) -> int:
+    """Remote agents a node holds for a session, link or announced client (not those of
+    ended sessions it keeps loaded, a bounded LRU)."""
+    t = st["tables"]
+    return int(t["remote_agents"] - t["remote_agents_departed"])
+
+
+def hint(site: Any, rid: str, endpoint: str, keys: list[bytes]) -> None:
+    site.client.submit_hint(rid, endpoint, keys).result(RESULT_TIMEOUT_S)
+
+
+# --------------------------------------------------------------------------- links (defect 2)
+
+
+def test_links_are_capped_and_close_when_idle(sites: Any) -> None:
+    """Hundreds of distinct unreachable sources: never more than max_peers links, PEER_LIMIT
+    while all are busy, and every link (with its descriptors) gone after peer_idle_ms."""
+    (a,) = sites.start(("a", {"args": ("--max-peers", str(MAX_PEERS), "--peer-idle-ms", str(PEER_IDLE_MS))}))
+    here = Path(a.endpoint.removeprefix("ipc://")).parent
+    dests = [Dest(a, LAYOUT, range(2), seed=10 + i) for i in range(MAX_PEERS + 1)]
+    fds_before = fd_count(a)
+    slots_before = rh.integration_helpers.slot_accounting(a.stats())
+
+    # Every link busy with a queued write: one more source is refused, nothing set aside.
+    for i in range(MAX_PEERS + 1):
+        hint(a, f"busy{i}", f"ipc://{here}/busy{i}.sock", [b"k"])
+    busy = [a.client.deliver({b"k": dests[i].spans}, request_id=f"busy{i}", deadline_ms=BUSY_DEADLINE_MS)
+            for i in range(MAX_PEERS)]
+    refused = a.client.deliver({b"k": dests[MAX_PEERS].spans}, request_id=f"busy{MAX_PEERS}",
+                               deadline_ms=BUSY_DEADLINE_MS).result(RESULT_TIMEOUT_S)[b"k"]
+    expect(refused, FAILED, ErrorCode.PEER_LIMIT)
+    assert "max_peers" in refused.reason and str(MAX_PEERS) in refused.reason, refused
+    fetched = a.client.fetch({b"k": [(n, "kv") for n in LAYOUT.names]}, request_id=f"busy{MAX_PEERS}",
+                             deadline_ms=BUSY_DEADLINE_MS).result(RESULT_TIMEOUT_S)[b"k"]
+    expect(fetched, FAILED, ErrorCode.PEER_LIMIT)
+    assert a.stats()["writing"] == 0
+    for handle in busy:
+        expect(handle.result(BUSY_DEADLINE_MS / 1000 + RESULT_TIMEOUT_S)[b"k"], FAILED, ErrorCode.PEER_UNREACHABLE)
+    for i in range(MAX_PEERS + 1):
+        a.client.discard_hint(f"busy{i}").result(RESULT_TIMEOUT_S)
+
+    # Churn: each batch needs MAX_PEERS new links; idle ones make room (least recently used first).
+    peak_links = peak_fds = 0
+    for start in range(0, ENDPOINTS, MAX_PEERS):
+        rids = [f"e{n}" for n in range(start, min(start + MAX_PEERS, ENDPOINTS))]
+        hints = [a.client.submit_hint(rid, f"ipc://{here}/{rid}.sock", [b"k"]) for rid in rids]
+        for h in hints:
+            h.result(RESULT_TIMEOUT_S)
+        handles = [a.client.deliver({b"k": dests[j].spans}, request_id=rid, deadline_ms=CHURN_DEADLINE_MS)
+                   for j, rid in enumerate(rids)]
+        for handle in handles:
+            expect(handle.result(RESULT_TIMEOUT_S)[b"k"], FAILED, ErrorCode.PEER_UNREACHABLE)
+        for h in [a.client.discard_hint(rid) for rid in rids]:
+            h.result(RESULT_TIMEOUT_S)
+        t = tables(a)
+        peak_links = max(peak_links, t["links"])
+        peak_fds = max(peak_fds, fd_count(a))
+        assert t["links"] <= MAX_PEERS and t["link_sockets"] <= 2 * MAX_PEERS, t
+
+    st = poll_stats(a, lambda st: st["tables"]["links"] == 0, SETTLE_S, "every idle link closed")
+    settled = wait_until(lambda: fd_count(a) <= fds_before + FD_SLACK, SETTLE_S, 0.05)
+    print(f"links peak {peak_links}; node fds {fds_before} -> peak {peak_fds} -> {fd_count(a)}")
+    assert settled, (fds_before, fd_count(a))
+    assert st["tables"]["link_sockets"] == 0 and st["peers"] == {}, st["tables"]
+    assert counter(st, "links_closed_idle") > 0 and counter(st, "links_evicted") > 0, st["counters"]
+    assert counter(st, "internal_errors") == 0, st["counters"]
+    for dst in dests:
+        dst.assert_untouched()
+    assert rh.integration_helpers.slot_accounting(st) == slots_before
+    assert a.alive
+
+
+def test_remote_deliver_after_the_link_closed_idle(sites: Any) -> None:
+    """A link closed for idleness says bye (the source forgets the peer session and its
+    clients' agents) and is opened again, byte-exact, by the next remote deliver."""
+    a, b = sites.start(("a", {"args": ("--peer-idle-ms", str(PEER_IDLE_MS))}), "b")
+    src = b.deposit(b"k", LAYOUT, seed=1)
+    b_agents = held_agents(b.stats())
+    hint(a, "r", b.endpoint, [b"k"])
+    deliver_checked(a, b"k", LAYOUT, src, range(2), seed=2, request_id="r")
+    assert tables(b)["peer_clients"] == 1
+    st = poll_stats(a, lambda st: st["tables"]["links"] == 0, SETTLE_S, "the idle link closed")
+    assert counter(st, "links_closed_idle") == 1, st["counters"]
+    poll_stats(b, lambda st: st["peer_sessions"] == 0 and st["tables"]["peer_clients"] == 0
+               and held_agents(st) == b_agents, SETTLE_S, "B forgot the peer session at bye")
+    deliver_checked(a, b"k", LAYOUT, src, range(2), seed=3, request_id="r")
+    deliver_checked(a, b"k", LAYOUT, src, [1], seed=4, request_id="r", partial=True)
+    assert tables(a)["links"] == 1
