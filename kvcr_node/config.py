@@ -64,6 +64,8 @@ DEFAULT_PEER_IDLE_MS = 30_000
 """A link to a source with no work outstanding closes after this long unused."""
 DEFAULT_MAX_PEERS = 64
 """Links to source nodes held at once."""
+DEFAULT_MAX_PEER_CLIENTS = 256
+"""Client agents a target may have announced per peer session (the source's table)."""
 
 
 def default_endpoint() -> str:
@@ -119,6 +121,10 @@ class NodeConfig:
     max_peers: int = DEFAULT_MAX_PEERS
     """Links to sources at once. One more closes the least recently used idle link first;
     with every link busy, the keys that need it fail PEER_LIMIT."""
+    max_peer_clients: int = DEFAULT_MAX_PEER_CLIENTS
+    """Client agents a target's peer session may have announced here; the least recently
+    used beyond are forgotten (their NIXL agents released), and announced again by the
+    target when it next needs them (spec section 5.3)."""
     defer_writes: bool = False
     """Measuring only: submit peer writes a turn later instead of in the decoding turn."""
     log_level: str = "INFO"
@@ -144,7 +150,8 @@ class NodeConfig:
         if self.protocol_version not in SUPPORTED_VERSIONS:
             raise ConfigError("protocol_version", f"expected one of {list(SUPPORTED_VERSIONS)}, got {self.protocol_version!r}")
         for name in ("deadline_ms", "heartbeat_ms", "batch", "projection_cache", "peer_dead_ms",
-                     "client_grace_ms", "max_clients", "max_pending", "max_frame", "peer_idle_ms", "max_peers"):
+                     "client_grace_ms", "max_clients", "max_pending", "max_frame", "peer_idle_ms", "max_peers",
+                     "max_peer_clients"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(name, f"expected a positive integer, got {value!r}")
@@ -210,7 +217,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "deadline_ms": int, "heartbeat_ms": int, "batch": int, "projection_cache": int, "log_level": str,
     "peer_dead_ms": int, "defer_writes": bool, "client_grace_ms": int, "max_clients": int, "max_pending": int,
     "max_frame": int, "curve_secret_key": str, "curve_public_key": str, "curve_allow": str, "curve_peer_key": str,
-    "peer_idle_ms": int, "max_peers": int,
+    "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int,
 }
 
 

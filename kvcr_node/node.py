@@ -668,7 +668,13 @@ class Node:
         if self.sessions.get(session.identity) is session:
             del self.sessions[session.identity]
         self._release_agent(session.agent)
-        if isinstance(session, PeerSession):
+        if not isinstance(session, PeerSession):
+            # Sources forget it too in time (max_peer_clients); announce it afresh if it returns.
+            for link in self.links.values():
+                link.clients_sent.pop(session.agent, None)
+                for announce_id in [i for i, agent in link.announcing.items() if agent == session.agent]:
+                    del link.announcing[announce_id]
+        else:
             # The agents its target announced go with it (spec section 5.3, bye).
             announced = list(session.clients)
             session.clients.clear()
@@ -1417,6 +1423,7 @@ class Node:
         was_uncertain = write.state == "uncertain"
         write.state = "done"
         write.link.writes.pop(write.id, None)
+        write.link.probes.pop(write.probe_id, None)
         write.link.last_used = time.monotonic()
         op = write.op
         if was_uncertain:
@@ -1595,7 +1602,15 @@ class Node:
                 self.counters["peer_client_refused"] += 1
                 link.clients_sent.pop(agent, None)
                 log.warning("peer %s refused client %s: %s", link.endpoint, agent, msg.reason)
-            if write is not None:
+            if write is not None and isinstance(msg, Refuse) and self._may_retry(link, write, msg):
+                # The source forgot the client (max_peer_clients): announce it again, retry once.
+                write.retried = True
+                self.counters["writes_retried"] += 1
+                assert write.client is not None
+                link.clients_sent.pop(write.client.agent, None)
+                link.writes.pop(write.id, None)
+                self._send_write(write)
+            elif write is not None:
                 self._end_write(write, ErrorCode(msg.code) if msg.code in ErrorCode._value2member_map_ else ErrorCode.TRANSFER_FAILED,
                                 f"the source refused: {msg.reason}")
             elif msg.id == link.hello_id:
@@ -1608,6 +1623,17 @@ class Node:
                 self._peer_hello(link)
         elif isinstance(msg, ProbeReply):
             self._on_probe_reply(link, msg)
+
+    @staticmethod
+    def _may_retry(link: PeerLink, write: RemoteWrite, msg: Refuse) -> bool:
+        """Whether a refused write is one to send again: refused for its client's agent
+        (BAD_STATE) although that client's announcement was not refused, not yet retried,
+        and its client still there (spec section 5.3)."""
+        client = write.client
+        return (
+            msg.code == ErrorCode.BAD_STATE and write.state == "sent" and not write.retried
+            and client is not None and not client.closing and client.agent in link.clients_sent
+        )
 
     def _on_peer_welcome(self, link: PeerLink, msg: PeerWelcome) -> None:
         restarted = link.incarnation not in (0, msg.incarnation)
@@ -1679,10 +1705,14 @@ class Node:
                     # Gone for longer than peer_dead_ms: nothing of it writes any more.
                     self._end_write(write, None, "")
                 elif link.state == "ready" and write.next_probe <= now:
-                    probe_id = self._write_id()
-                    link.probes[probe_id] = write
+                    # Only the latest probe of a write is kept: an answer to an older one is
+                    # not needed (the newer asks the same, later).
+                    link.probes.pop(write.probe_id, None)
+                    write.probe_id = self._write_id()
+                    link.probes[write.probe_id] = write
                     write.next_probe = now + _PROBE_INTERVAL_S
-                    self._link_send(link, Probe(probe_id, write.id))
+                    self.counters["probes_sent"] += 1
+                    self._link_send(link, Probe(write.probe_id, write.id))
 
     def _make_uncertain(self, write: RemoteWrite) -> None:
         """The deadline passed with the write unanswered: fail the items, keep the memory."""
@@ -1734,10 +1764,27 @@ class Node:
             self._refuse(peer.identity, msg.id, exc)
             return
         peer.clients[agent] = holder.regions
+        peer.clients.move_to_end(agent)
+        self._bound_peer_clients(peer)
         self._reply(peer, Ack(msg.id))
+
+    def _bound_peer_clients(self, peer: PeerSession) -> None:
+        """Forget the least recently used announced clients beyond ``max_peer_clients`` (spec
+        section 5.3), except those a running write of this peer names: that table is then
+        over the bound by at most the peer's operations in progress (``max_pending``)."""
+        excess = len(peer.clients) - self.config.max_peer_clients
+        if excess <= 0:
+            return
+        running = {op.agent for op in peer.ops.values()}
+        for agent in [a for a in peer.clients if a not in running][:excess]:
+            del peer.clients[agent]
+            self.counters["peer_clients_evicted"] += 1
+            self._release_agent(agent)
 
     def _on_write(self, peer: PeerSession, msg: WriteRequest) -> None:
         regions = peer.regions if msg.agent == peer.agent else peer.clients.get(msg.agent)
+        if regions is not None and msg.agent != peer.agent:
+            peer.clients.move_to_end(msg.agent)
         if regions is None:
             self.protocol_errors[ErrorCode.BAD_STATE.name] += 1
             self._reply(peer, Refuse(msg.id, ErrorCode.BAD_STATE, f"agent {msg.agent!r} was not announced (peer_client first)"))

@@ -39,6 +39,10 @@ class RemoteWrite:
     state: str = "queued"
     """queued (not sent), sent, uncertain (deadline passed, may still be written), done."""
     next_probe: float = 0.0
+    probe_id: int = 0
+    """Its latest probe (only the latest is kept in ``PeerLink.probes``)."""
+    retried: bool = False
+    """Sent a second time after the source refused it for an agent it had forgotten."""
 
 
 @dataclass(eq=False)
@@ -60,10 +64,11 @@ class PeerLink:
     """Writes sent or uncertain, by id."""
     queued: list[RemoteWrite] = field(default_factory=list)
     clients_sent: dict[str, int] = field(default_factory=dict)
-    """Client agent -> the regions version the peer has (or is being sent)."""
+    """Client agent -> the regions version the peer has (or is being sent); live clients only."""
     announcing: dict[int, str] = field(default_factory=dict)
     """peer_client messages not yet answered: id -> client agent."""
     probes: dict[int, RemoteWrite] = field(default_factory=dict)
+    """Probe id -> the uncertain write it asks about (one per write: its latest)."""
     next_heartbeat: float = 0.0
     """When to tell the peer we are alive (it drops sessions silent for its client grace)."""
     last_used: float = field(default_factory=time.monotonic)

@@ -43,7 +43,8 @@ class PeerSession(ClientSession):
     """
 
     incarnation: int = 0
-    clients: dict[str, dict[int, Region]] = field(default_factory=dict)
+    clients: collections.OrderedDict[str, dict[int, Region]] = field(default_factory=collections.OrderedDict)
+    """Announced client agent -> its regions, least recently used first (bounded by the node)."""
     done: collections.OrderedDict[int, None] = field(default_factory=collections.OrderedDict)
 
     def remember_done(self, op_id: int) -> None:
