@@ -119,6 +119,9 @@ so an agent that opens session after session (a reconnecting client) would leave
 descriptor per session if it were removed at each end. Kept loaded, it reuses its endpoint."""
 _FAILURE_LOG_INTERVAL_S = 10.0
 _BYE_LINGER_MS = 100
+_LINK_RECONNECT_MAX_MS = 1000
+"""ZeroMQ retries a link's connection at 100 ms, doubling up to this: a source that stays
+unreachable costs its link a retry a second, not ten, until the link closes idle."""
 """How long a closed link's socket may still try to deliver its ``bye``."""
 """An internal failure of one kind is logged (with its traceback) at most this often; each is counted."""
 _LINK_TRANSPORTS = ("tcp://", "ipc://")
@@ -1471,6 +1474,7 @@ class Node:
         try:
             sock = self.context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, _LINK_RECONNECT_MAX_MS)
             if self.zap is not None:
                 # Peers authenticate us by our own key pair; they serve with curve_peer_key.
                 sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve_peer)
