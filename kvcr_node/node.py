@@ -516,7 +516,7 @@ class Node:
         """One message's handler raised: fail that message ``INTERNAL``, release what it set aside.
 
         An operation it registered is broken: its items that no transfer or remote write
-        covers fail ``INTERNAL`` once nothing of it runs (spec section 10); without one, the
+        covers fail ``INTERNAL`` once nothing of it runs (spec section 5.1); without one, the
         request gets an ``error`` reply with its id unless it was answered already.
         """
         self._internal_failure(msg.TAG, exc)
