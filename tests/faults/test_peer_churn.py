@@ -43,7 +43,7 @@ MAX_PEERS = 16
 PEER_IDLE_MS = 300
 ENDPOINTS = 200
 CHURN_DEADLINE_MS = 100
-BUSY_DEADLINE_MS = 2000
+BUSY_DEADLINE_MS = 800
 FD_SLACK = 10
 """Descriptors the node may hold above its baseline once every link is closed."""
 SETTLE_S = 5.0
