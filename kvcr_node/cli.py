@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol-version", type=int, help="speak protocol versions up to N only")
     p.add_argument("--deadline-ms", type=int, help="deadline of operations that name none")
     p.add_argument("--peer-dead-ms", type=int, help="a peer disconnected this long is taken as gone")
+    p.add_argument("--peer-idle-ms", type=int, help="a link to a source with no work, unused this long, is closed")
+    p.add_argument("--max-peers", type=int, help="links to source nodes at once (PEER_LIMIT past it when all are busy)")
+    p.add_argument("--max-peer-clients", type=int, help="client agents each target node may have announced here (LRU)")
     p.add_argument("--client-grace-ms", type=int, help="a client silent this long is dropped, its handles released")
     p.add_argument("--heartbeat-ms", type=int, help="how often clients must say they are alive")
     p.add_argument("--max-clients", type=int, help="client sessions at once")
@@ -53,8 +56,8 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
     config = load_toml(args.config) if args.config else NodeConfig()
     changes: dict[str, Any] = {}
     for attr in ("endpoint", "name", "policy", "low_watermark", "protocol_version", "deadline_ms", "log_level",
-                 "peer_dead_ms", "defer_writes", "client_grace_ms", "heartbeat_ms", "max_clients", "max_pending",
-                 "max_hints_per_session", "max_hinted_keys_per_session",
+                 "peer_dead_ms", "peer_idle_ms", "max_peers", "max_peer_clients", "defer_writes", "client_grace_ms",
+                 "heartbeat_ms", "max_clients", "max_pending", "max_hints_per_session", "max_hinted_keys_per_session",
                  "curve_secret_key", "curve_public_key", "curve_allow", "curve_peer_key"):
         value = getattr(args, attr)
         if value is not None:

@@ -61,6 +61,14 @@ def hbm_device(memory: str) -> int | None:
     return int(m.group(2)) if m and m.group(2) is not None else None
 
 
+DEFAULT_PEER_IDLE_MS = 30_000
+"""A link to a source with no work outstanding closes after this long unused."""
+DEFAULT_MAX_PEERS = 64
+"""Links to source nodes held at once."""
+DEFAULT_MAX_PEER_CLIENTS = 256
+"""Client agents a target may have announced per peer session (the source's table)."""
+
+
 def default_pools() -> tuple[PoolSpec, ...]:
     """One DRAM pool ``kv`` of 64 KiB slots, 256 MiB in all."""
     return (PoolSpec("kv", 64 << 10, 4096, "dram"),)
@@ -107,6 +115,16 @@ class NodeConfig:
     projection_cache: int = 512
     peer_dead_ms: int = 3_000
     """A source disconnected this long is taken as gone: its writes can no longer land."""
+    peer_idle_ms: int = DEFAULT_PEER_IDLE_MS
+    """A link to a source with no write outstanding (sent, queued or uncertain) and unused
+    this long is closed (spec section 5.3); the next request for that source opens it again."""
+    max_peers: int = DEFAULT_MAX_PEERS
+    """Links to sources at once. One more closes the least recently used idle link first;
+    with every link busy, the keys that need it fail PEER_LIMIT."""
+    max_peer_clients: int = DEFAULT_MAX_PEER_CLIENTS
+    """Client agents a target's peer session may have announced here; the least recently
+    used beyond are forgotten (their NIXL agents released), and announced again by the
+    target when it next needs them (spec section 5.3)."""
     defer_writes: bool = False
     """Measuring only: submit peer writes a turn later instead of in the decoding turn."""
     log_level: str = "INFO"
@@ -132,8 +150,8 @@ class NodeConfig:
         if self.protocol_version not in SUPPORTED_VERSIONS:
             raise ConfigError("protocol_version", f"expected one of {list(SUPPORTED_VERSIONS)}, got {self.protocol_version!r}")
         for name in ("deadline_ms", "heartbeat_ms", "batch", "projection_cache", "peer_dead_ms",
-                     "client_grace_ms", "max_clients", "max_pending", "max_frame",
-                     "max_hints_per_session", "max_hinted_keys_per_session"):
+                     "client_grace_ms", "max_clients", "max_pending", "max_frame", "peer_idle_ms", "max_peers",
+                     "max_peer_clients", "max_hints_per_session", "max_hinted_keys_per_session"):
             value = getattr(self, name)
             # heartbeat_ms 0 disables heartbeats (spec section 5.2); every other count is positive.
             least = 0 if name == "heartbeat_ms" else 1
@@ -201,7 +219,9 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "endpoint": str, "name": str, "policy": str, "low_watermark": (int, float), "protocol_version": int,
     "deadline_ms": int, "heartbeat_ms": int, "batch": int, "projection_cache": int, "log_level": str,
     "peer_dead_ms": int, "defer_writes": bool, "client_grace_ms": int, "max_clients": int, "max_pending": int,
-    "max_frame": int, "max_hints_per_session": int, "max_hinted_keys_per_session": int, "curve_secret_key": str, "curve_public_key": str, "curve_allow": str, "curve_peer_key": str,
+    "max_frame": int, "max_hints_per_session": int, "max_hinted_keys_per_session": int, "curve_secret_key": str,
+    "curve_public_key": str, "curve_allow": str, "curve_peer_key": str,
+    "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int,
 }
 
 

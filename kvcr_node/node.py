@@ -1,6 +1,6 @@
 """The node: one progress thread that owns the ROUTER socket, the NIXL agent and all state.
 
-DESIGN 6: each turn drains a bounded batch of control messages, polls in-flight
+architecture §4: each turn drains a bounded batch of control messages, polls in-flight
 transfers, completes finished operations and submits new transfers. Nothing here takes
 a lock; other threads only call ``request_stop`` or read ``snapshot``. Idle, the loop
 blocks in a ZeroMQ poll; with transfers in flight it polls NIXL at a short, bounded
@@ -10,6 +10,8 @@ interval.
 from __future__ import annotations
 
 import collections
+import errno
+import functools
 import logging
 import secrets
 import time
@@ -106,6 +108,49 @@ _IDLE_POLL_MS = 1000
 _SHUTDOWN_DRAIN_S = 10.0
 _REMOTE_POLL_MS = 50
 _PROBE_INTERVAL_S = 0.25
+_AGENT_PROGRESS_S = 1.0
+"""With no transfer running, the NIXL agent is still progressed this often, on turns the
+loop makes anyway (the idle poll wakes at least every ``_IDLE_POLL_MS``): UCX closes the
+connection to a remote agent whose process went away only when progressed, and an idle
+node otherwise never progresses its agent (each departed client kept a descriptor)."""
+_DEPARTED_AGENTS = 64
+"""Remote agents of ended sessions kept loaded, least recently used out. Loading an agent
+opens a UCX endpoint; removing one closes it only once the agent at the other end goes,
+so an agent that opens session after session (a reconnecting client) would leave one
+descriptor per session if it were removed at each end. Kept loaded, it reuses its endpoint."""
+_FAILURE_LOG_INTERVAL_S = 10.0
+_BYE_LINGER_MS = 100
+_LINK_RECONNECT_MAX_MS = 1000
+"""ZeroMQ retries a link's connection at 100 ms, doubling up to this: a source that stays
+unreachable costs its link a retry a second, not ten, until the link closes idle."""
+"""How long a closed link's socket may still try to deliver its ``bye``."""
+"""An internal failure of one kind is logged (with its traceback) at most this often; each is counted."""
+_LINK_TRANSPORTS = ("tcp://", "ipc://")
+"""Transports a peer link may use (spec section 12: sources are other nodes' ROUTER endpoints)."""
+_BAD_ENDPOINT_ERRNOS = frozenset({errno.EPROTONOSUPPORT, errno.EINVAL, errno.ENAMETOOLONG, errno.ENOENT, zmq.ENOCOMPATPROTO})
+"""ZeroMQ connect errors that mean the endpoint itself is wrong (others: the node cannot connect now)."""
+
+
+class LinkError(Exception):
+    """A link to a source could not be opened; the keys that needed it fail with ``code``."""
+
+    def __init__(self, code: ErrorCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def _close_quietly(sock: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | None) -> None:
+    """Close what was opened for a link that could not be made."""
+    if sock is not None:
+        if monitor is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        sock.close(0)
+    if monitor is not None:
+        monitor.close(0)
 
 
 def _from_source(result: KeyResult) -> KeyResult:
@@ -134,7 +179,7 @@ class Node:
             for spec in config.pools:
                 mem = PoolMemory(spec)
                 self.memories[spec.name] = mem
-                # Registered with NIXL once, at start (DESIGN 9).
+                # Registered with NIXL once, at start (architecture §6).
                 self._regs.append(self.agent.register(mem.kind, mem.address, spec.size, mem.nixl_device))
             self.local = LocalLists(self.agent, list(self.memories.values()))
         except Exception:
@@ -227,6 +272,18 @@ class Node:
             if extra is not None:
                 self._poller.register(extra, zmq.POLLIN)
         self._next_liveness = 0.0
+        self._remote_agents: set[str] = set()
+        """Remote agents loaded into our NIXL agent (sessions, their clients, links)."""
+        self._agents_pending: set[str] = set()
+        """Remote agents to release once no running transfer uses them."""
+        self._agents_departed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Loaded remote agents nothing holds any more, least recently released first (``_DEPARTED_AGENTS``)."""
+        self._next_progress = 0.0
+        self._failure_logged: dict[str, float] = {}
+        """Failure kind -> when it may be logged (with a traceback) again."""
+        self._answering: tuple[bytes, int] | None = None
+        """(identity, id) of the request being handled; ``_answered`` says whether it got a reply."""
+        self._answered = False
 
     def _setup_curve(self) -> None:
         """CURVE server on the ROUTER, with the ZAP handler served from the progress loop."""
@@ -277,60 +334,98 @@ class Node:
         self._wakeup.wake()
 
     def run(self) -> None:
-        """Run the progress loop until ``request_stop``; then shut down cleanly."""
-        poller = self._poller
+        """Run the progress loop until ``request_stop``; then shut down cleanly.
+
+        No exception of one step (or of one message, see ``_handle_frames``) ends the
+        loop: it is logged and counted (``internal_errors``) and the next step runs.
+        """
         pacer = Pacer()
+        events: dict[Any, int] = {}
         try:
             while not self._stop:
-                filling = self._filling()
-                if self.transfers.inflight or self._deferred or filling:
-                    events = dict(poller.poll(0))
-                    if not events:
-                        # In flight: spin briefly, then poll NIXL at a short, bounded interval.
-                        delay = pacer.next()
-                        if delay:
-                            time.sleep(delay)
-                else:
-                    pacer.reset()
-                    events = dict(poller.poll(self._idle_timeout_ms()))
+                filling = False
+                try:
+                    filling = self._filling()
+                    events = self._wait_events(pacer, filling)
+                except Exception as exc:
+                    self._internal_failure("poll", exc)
+                    events = {}
+                    time.sleep(_REMOTE_POLL_MS / 1000)  # a failing poll must not spin
                 if self._wakeup.read_fd in events:
-                    self._wakeup.drain()
+                    self._guarded("wake", self._wakeup.drain)
                 if self.zap is not None and self.zap in events:
-                    self._serve_zap()
+                    self._guarded("zap", self._serve_zap)
                 if self._auth_monitor is not None and self._auth_monitor in events:
-                    self._drain_auth_monitor()
+                    self._guarded("auth monitor", self._drain_auth_monitor)
                 if self.sock in events:
-                    self._drain_messages()
+                    self._guarded("receive", self._drain_messages)
                 if self._link_socks:
                     for sock in [s for s in events if s in self._link_socks]:
-                        self._drain_link(self._link_socks[sock])
+                        link = self._link_socks.get(sock)
+                        if link is not None:  # an earlier step may have closed it
+                            self._guarded("peer link", functools.partial(self._drain_link, link))
                 if self._deferred:
                     deferred, self._deferred = self._deferred, []
                     for submit in deferred:
-                        submit()
+                        self._guarded("deferred write", submit)
                 if filling:
                     # A source is writing into our pools (a fetch): our agent is the
-                    # target of that transfer and needs progress too (DESIGN 9).
-                    self.agent.progress()
-                self.transfers.poll()
-                self._check_deadlines()
-                self._check_liveness()
-                self._flush_capacity_events()
+                    # target of that transfer and needs progress too (architecture §6).
+                    self._guarded("agent progress", self.agent.progress)
+                if not self.transfers.inflight:  # polling transfers progresses the agent
+                    self._guarded("agent progress", self._progress_idle)
+                self._guarded("transfer completion", self.transfers.poll)
+                self._guarded("deadlines", self._check_deadlines)
+                self._guarded("liveness", self._check_liveness)
+                self._guarded("capacity events", self._flush_capacity_events)
         finally:
             self._shutdown()
+
+    def _wait_events(self, pacer: Pacer, filling: bool) -> dict[Any, int]:
+        """Poll the sockets: at once while transfers run, else until the next timer."""
+        if self.transfers.inflight or self._deferred or filling:
+            events = dict(self._poller.poll(0))
+            if not events:
+                # In flight: spin briefly, then poll NIXL at a short, bounded interval.
+                delay = pacer.next()
+                if delay:
+                    time.sleep(delay)
+            return events
+        pacer.reset()
+        return dict(self._poller.poll(self._idle_timeout_ms()))
+
+    def _guarded(self, step: str, fn: Callable[[], object]) -> None:
+        """Run one loop step; an exception is logged and counted, and the loop goes on."""
+        try:
+            fn()
+        except Exception as exc:
+            self._internal_failure(step, exc)
+
+    def _internal_failure(self, what: str, exc: BaseException) -> None:
+        """Count an unexpected failure; log it with its traceback (at most every few seconds per kind)."""
+        self.counters["internal_errors"] += 1
+        now = time.monotonic()
+        if now >= self._failure_logged.get(what, 0.0):
+            self._failure_logged[what] = now + _FAILURE_LOG_INTERVAL_S
+            log.error("internal failure in %s (counted; the node goes on): %s: %s", what, type(exc).__name__, exc,
+                      exc_info=exc)
+        else:
+            log.debug("internal failure in %s: %r", what, exc)
 
     def _filling(self) -> bool:
         """Whether a peer may be writing into our pools right now."""
         return any(w.fills for link in self.links.values() for w in link.writes.values())
 
     def _check_liveness(self) -> None:
-        """Drop clients silent for longer than the grace period (DESIGN 7: no leaks)."""
+        """Drop clients silent for longer than the grace period (spec section 12: no leaks)."""
         if not self.config.heartbeat_ms:
             return  # heartbeats off: clients send none, so silence means nothing (spec section 5.2)
         now = time.monotonic()
         if now < self._next_liveness:
             return
         self._next_liveness = now + min(self.config.heartbeat_ms, self.config.client_grace_ms) / 1000
+        if self._agents_pending:
+            self._release_pending_agents()
         grace = self.config.client_grace_ms / 1000
         for session in [s for s in self.sessions.values() if now - s.last_seen > grace]:
             self.counters["clients_expired" if not isinstance(session, PeerSession) else "peers_expired"] += 1
@@ -348,8 +443,13 @@ class Node:
         ready = [link.next_heartbeat for link in self.links.values() if link.state == "ready" and self.config.heartbeat_ms]
         if ready:
             deadline = min(deadline or float("inf"), min(ready))
-        if self.links and any(link.writes or link.queued or link.state == "down" for link in self.links.values()):
-            deadline = min(deadline or float("inf"), time.monotonic() + _REMOTE_POLL_MS / 1000)
+        if self.links:
+            if any(link.writes or link.queued for link in self.links.values()):
+                deadline = min(deadline or float("inf"), time.monotonic() + _REMOTE_POLL_MS / 1000)
+            idle = [link.last_used for link in self.links.values() if not link.busy]
+            if idle:
+                # Wake once when the longest-idle link is due to close, no more often.
+                deadline = min(deadline or float("inf"), min(idle) + self.config.peer_idle_ms / 1000)
         if deadline is None:
             return _IDLE_POLL_MS
         return max(0, min(_IDLE_POLL_MS, int((deadline - time.monotonic()) * 1000) + 1))
@@ -360,7 +460,15 @@ class Node:
             # Ask before reading: cheaper than the exception of an empty read.
             if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
-            self._handle_frames(sock.recv_multipart(_NOBLOCK))
+            frames = sock.recv_multipart(_NOBLOCK)
+            self._answered = False
+            try:
+                self._handle_frames(frames)
+            except Exception as exc:
+                # Hello, decoding or the guard itself failed: the sender still gets an answer.
+                self._message_failed(frames, exc)
+            finally:
+                self._answering = None
             if self.transfers.inflight:
                 # Complete what finished before reading on: a first layer's completion must
                 # not wait behind the next request's submission.
@@ -382,6 +490,8 @@ class Node:
             self._refuse(identity, peek_id(payload), exc)
             return
         self._serving = msg.TAG
+        msg_id: int = getattr(msg, "id", 0)
+        self._answering = (identity, msg_id)
         if isinstance(msg, Hello):
             self._on_hello(identity, msg)
             return
@@ -400,7 +510,44 @@ class Node:
         if self.stopping and not isinstance(msg, (Release, Bye, Heartbeat, StatsRequest)):
             self._refuse(identity, getattr(msg, "id", 0), ProtocolError(ErrorCode.SHUTTING_DOWN, "the node is stopping"))
             return
-        handler(session, msg)
+        before = session.ops.get(msg_id)
+        try:
+            handler(session, msg)
+        except Exception as exc:
+            self._handler_failed(session, msg, before, exc)
+
+    def _handler_failed(self, session: ClientSession, msg: Message, before: Operation | None, exc: Exception) -> None:
+        """One message's handler raised: fail that message ``INTERNAL``, release what it set aside.
+
+        An operation it registered is broken: its items that no transfer or remote write
+        covers fail ``INTERNAL`` once nothing of it runs (spec section 5.1); without one, the
+        request gets an ``error`` reply with its id unless it was answered already.
+        """
+        self._internal_failure(msg.TAG, exc)
+        msg_id: int = getattr(msg, "id", 0)
+        reason = f"the node failed while handling {msg.TAG}: {type(exc).__name__}: {exc}"
+        op = session.ops.get(msg_id)
+        if op is not None and op is not before:
+            self._break_op(op, reason)
+        elif not self._answered:
+            self._refuse(session.identity, msg_id, ProtocolError(ErrorCode.INTERNAL, reason))
+
+    def _message_failed(self, frames: list[bytes], exc: Exception) -> None:
+        self._internal_failure("message", exc)
+        if not self._answered and frames:
+            request_id = peek_id(frames[-1]) if len(frames) == 2 else 0
+            reason = f"the node failed while handling the message: {type(exc).__name__}: {exc}"
+            try:
+                self._refuse(frames[0], request_id, ProtocolError(ErrorCode.INTERNAL, reason))
+            except Exception as again:
+                self._internal_failure("error reply", again)
+
+    def _break_op(self, op: Operation, reason: str) -> None:
+        """Fail an operation whose handling failed: stop its waits, finish it once nothing of it runs."""
+        op.broken = reason[:1024]
+        for key in list(op.waiting):
+            self._unwait(op, key)
+        self._finish_if_settled(op)
 
     def _refuse(self, identity: bytes, request_id: int, exc: ProtocolError, request: str | None = None) -> None:
         """Answer a request with ``error``; ``request`` names its type when it is not the
@@ -412,6 +559,9 @@ class Node:
         self._send(identity, Error(request_id, int(exc.code), exc.reason[:1024], exc.path[:256]), version)
 
     def _send(self, identity: bytes, msg: Message, version: int) -> None:
+        answering = self._answering
+        if answering is not None and answering[0] == identity and getattr(msg, "id", None) == answering[1]:
+            self._answered = True
         try:
             self.sock.send(identity, _NOBLOCK | _SNDMORE)
             self.sock.send(encode(msg, version), _NOBLOCK)
@@ -429,7 +579,7 @@ class Node:
     ) -> ClientSession | None:
         """Load the sender's NIXL metadata, make its session and take its regions; None after a refusal."""
         try:
-            agent = self.agent.add_remote(agent_md)
+            agent = self._add_remote(agent_md)
         except Exception as exc:
             self._refuse(identity, request_id, ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"agent metadata refused by NIXL: {exc}", "agent_md"))
             return None
@@ -437,6 +587,7 @@ class Node:
         try:
             self._add_regions(session, regions)
         except ProtocolError as exc:
+            self._release_agent(agent)
             self._refuse(identity, request_id, exc)
             return None
         self.sessions[identity] = session
@@ -485,7 +636,12 @@ class Node:
 
     def _on_regions(self, session: ClientSession, msg: RegisterRegions) -> None:
         try:
-            self.agent.add_remote(msg.agent_md)
+            agent = self._add_remote(msg.agent_md)
+            if agent != session.agent:
+                # Another agent's metadata: nothing may ever write through it; do not keep it.
+                self._release_agent(agent)
+                raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"the metadata is agent {agent!r}'s, the session's agent is "
+                                    f"{session.agent!r}", "agent_md")
             self._add_regions(session, msg.regions)
             session.agent_md = msg.agent_md
             session.regions_version += 1
@@ -545,6 +701,8 @@ class Node:
     def _on_bye(self, session: ClientSession, msg: Bye) -> None:
         self._reply(session, Ack(msg.id))
         self._close_session(session)
+        if session.ops and isinstance(session, PeerSession):
+            self.retired.append(session)  # its running writes stay answerable to probes
 
     def _on_heartbeat(self, session: ClientSession, msg: Heartbeat) -> None:
         self._reply(session, Heartbeat(msg.id))
@@ -565,15 +723,83 @@ class Node:
             self._release_handle(session, handle)
         if self.sessions.get(session.identity) is session:
             del self.sessions[session.identity]
-        self._maybe_forget_agent(session)
+        self._release_agent(session.agent)
+        if not isinstance(session, PeerSession):
+            # Sources forget it too in time (max_peer_clients); announce it afresh if it returns.
+            for link in self.links.values():
+                link.clients_sent.pop(session.agent, None)
+                for announce_id in [i for i, agent in link.announcing.items() if agent == session.agent]:
+                    del link.announcing[announce_id]
+        else:
+            # The agents its target announced go with it (spec section 5.3, bye).
+            announced = list(session.clients)
+            session.clients.clear()
+            for agent in announced:
+                self._release_agent(agent)
 
-    def _maybe_forget_agent(self, session: ClientSession) -> None:
-        if session.ops or any(s.agent == session.agent for s in self.sessions.values()):
+    # ------------------------------------------------------------------ remote agents
+
+    def _add_remote(self, metadata: bytes) -> str:
+        """Load (or refresh) a remote agent's metadata into our NIXL agent; returns its name."""
+        name = self.agent.add_remote(metadata)
+        self._remote_agents.add(name)
+        self._agents_pending.discard(name)
+        self._agents_departed.pop(name, None)
+        return name
+
+    def _agent_holder(self, name: str) -> str | None:
+        """Who still needs the remote agent ``name``: "held" (a session, a peer's client or a
+        link, each of which releases it when it goes), "running" (an operation or transfer
+        that is still running), or None."""
+        running = False
+        for session in self.sessions.values():
+            if session.agent == name:
+                return "held"
+            if isinstance(session, PeerSession):
+                if name in session.clients:
+                    return "held"
+                running = running or any(op.agent == name for op in session.ops.values())
+        if any(link.agent == name for link in self.links.values()):
+            return "held"
+        if running or any(t.agent == name for t in self.transfers.inflight):
+            return "running"
+        return None
+
+    def _release_agent(self, name: str) -> None:
+        """A holder of remote agent ``name`` let go: once nothing holds or runs on it, it joins
+        the departed agents, of which the least recently released beyond ``_DEPARTED_AGENTS``
+        are removed from NIXL."""
+        if name not in self._remote_agents or name in self._agents_departed:
             return
+        holder = self._agent_holder(name)
+        if holder is not None:
+            if holder == "running":
+                self._agents_pending.add(name)  # retried as operations finish
+            return
+        self._agents_pending.discard(name)
+        self._agents_departed[name] = None
+        while len(self._agents_departed) > _DEPARTED_AGENTS:
+            oldest, _ = self._agents_departed.popitem(last=False)
+            self._remove_remote(oldest)
+
+    def _remove_remote(self, name: str) -> None:
+        self._remote_agents.discard(name)
         try:
-            self.agent.remove_remote(session.agent)
+            self.agent.remove_remote(name)
         except Exception:
-            log.debug("removing remote agent %s failed", session.agent, exc_info=True)
+            log.debug("removing remote agent %s failed", name, exc_info=True)
+
+    def _release_pending_agents(self) -> None:
+        for name in list(self._agents_pending):
+            self._release_agent(name)
+
+    def _progress_idle(self) -> None:
+        """Progress our agent at most every ``_AGENT_PROGRESS_S``, so that connections to agents
+        that went away free their descriptors on an idle node too."""
+        now = time.monotonic()
+        if now >= self._next_progress:
+            self._next_progress = now + _AGENT_PROGRESS_S
+            self.agent.progress()
 
     # ------------------------------------------------------------------ operations
 
@@ -594,6 +820,10 @@ class Node:
         if not op.settled or op.session.ops.get(op.id) is not op:
             return
         del op.session.ops[op.id]
+        if self._agents_pending:
+            self._release_pending_agents()
+        if op.broken is not None:
+            op.fail_unresolved(ErrorCode.INTERNAL)
         results = tuple(r for r in op.results if r is not None)
         self._check_results(op.kind, results)
         for r in results:
@@ -606,7 +836,6 @@ class Node:
                 self.retired.remove(op.session)
             return
         if op.session.closing:
-            self._maybe_forget_agent(op.session)
             # A closed session's handles from this op were never handed out: release them.
             for r in results:
                 if r.handle is not None:
@@ -669,8 +898,25 @@ class Node:
 
     def _deposit_items(self, op: Operation, msg: Deposit, indices: Sequence[int]) -> None:
         """Begin storing the items ``indices`` of a deposit: check, place, and read the source."""
-        session = op.session
         fills: list[tuple[int, ObjectEntry]] = []
+        try:
+            self._begin_deposit_items(op, msg, indices, fills)
+        except BaseException:
+            # Slots set aside that no transfer took over are freed (the guard fails the items).
+            if not any(t.state == "PROC" for t in op.transfers):
+                self._abandon_fills([e for _, e in fills if self.store.lookup(e.key) is e and e.state is ObjectState.WRITING])
+            raise
+
+    def _abandon_fills(self, entries: Sequence[ObjectEntry]) -> None:
+        """Free WRITING entries that no transfer fills after all, and wake their waiters."""
+        for entry in entries:
+            self.store.abandon(entry)
+            self._wake(entry.key)
+
+    def _begin_deposit_items(
+        self, op: Operation, msg: Deposit, indices: Sequence[int], fills: list[tuple[int, ObjectEntry]]
+    ) -> None:
+        session = op.session
         moves: list[Move] = []
         for i in indices:
             item = msg.items[i]
@@ -794,7 +1040,12 @@ class Node:
                 where = f"{exc.path or f'items[{i}].spans'}: "
                 op.fail(i, exc.code, where + exc.reason)
                 continue
-            # DESIGN 4: "While any projected span is being delivered, the claim covers the
+            except Exception as exc:
+                # Before the claim: this item fails alone, the claims of the others stay owned.
+                self._internal_failure(f"{op.kind} item", exc)
+                op.fail(i, ErrorCode.INTERNAL, f"items[{i}]: the node failed: {type(exc).__name__}: {exc}")
+                continue
+            # Spec section 8: "While any projected span is being delivered, the claim covers the
             # whole object."
             self.store.claim(entry)
             self.op_claims += 1
@@ -894,7 +1145,7 @@ class Node:
             # "fetch never projects": the expected layout must be the stored one.
             op.fail(i, ErrorCode.LAYOUT_MISMATCH, f"items[{i}].layout differs from the stored layout")
         else:
-            self.store.claim(entry, accessed=True)  # DESIGN 5: a fetch claim is an LRU access
+            self.store.claim(entry, accessed=True)  # architecture §3: a fetch claim is an LRU access
             op.set(i, KeyResult(KeyStatus.OK, handle=self._new_handle(op.session, entry)))
         self._finish_if_settled(op)
 
@@ -1086,12 +1337,26 @@ class Node:
                 self.undeclared_codes[f"{request}: result {r.code}"] += 1
 
     def _table_sizes(self) -> dict[str, int]:
-        """Sizes of the node's tables that clients can grow (churn tests watch them return)."""
-        clients = [s for s in self.sessions.values() if not isinstance(s, PeerSession)]
+        """Entries in the node's per-session and per-peer tables, for soaks and operators."""
+        peers = [s for s in (*self.sessions.values(), *self.retired) if isinstance(s, PeerSession)]
+        links = self.links.values()
         return {
-            "hints": sum(len(s.hints) for s in clients),
-            "hinted_keys": sum(s.hinted_keys for s in clients),
-            "withdrawals": sum(len(s.withdrawals) for s in clients),
+            "sessions": len(self.sessions),
+            "retired_sessions": len(self.retired),
+            "handles": len(self.handles),
+            "waiters": len(self.waiters),
+            "links": len(self.links),
+            "link_sockets": len(self._link_socks),
+            "probes": sum(len(link.probes) for link in links),
+            "clients_sent": sum(len(link.clients_sent) for link in links),
+            "announcing": sum(len(link.announcing) for link in links),
+            "peer_clients": sum(len(s.clients) for s in peers),
+            "remote_agents": len(self._remote_agents),
+            "remote_agents_departed": len(self._agents_departed),
+            "remote_agents_pending": len(self._agents_pending),
+            "hints": sum(len(s.hints) for s in self.sessions.values() if not isinstance(s, PeerSession)),
+            "hinted_keys": sum(s.hinted_keys for s in self.sessions.values() if not isinstance(s, PeerSession)),
+            "withdrawals": sum(len(s.withdrawals) for s in self.sessions.values() if not isinstance(s, PeerSession)),
         }
 
     def check_invariants(self) -> list[str]:
@@ -1136,11 +1401,23 @@ class Node:
     # ---- transfers
 
     def _start(self, op: Operation, kind: str, moves: list[Move], on_done: Callable[[bool], None]) -> None:
+        def done(ok: bool) -> None:
+            # A completion that raises breaks its operation only, never the loop.
+            try:
+                on_done(ok)
+            except Exception as exc:
+                self._internal_failure(f"{op.kind} completion", exc)
+                self._break_op(op, f"the node failed while completing {op.kind}: {type(exc).__name__}: {exc}")
+
         try:
-            transfer = self.transfers.start(kind, op.agent or op.session.agent, moves, on_done)
+            transfer = self.transfers.start(kind, op.agent or op.session.agent, moves, done)
         except TransferError as exc:
             log.warning("transfer refused for %s %d: %s", op.kind, op.id, exc)
-            on_done(False)
+            done(False)
+            return
+        except Exception as exc:
+            self._internal_failure(f"{op.kind} transfer", exc)
+            done(False)
             return
         op.transfers.append(transfer)
 
@@ -1176,15 +1453,29 @@ class Node:
         return None
 
     def _remote_fetch(self, op: Operation, source: str, fills: list[tuple[int, ObjectEntry]]) -> None:
-        """Ask ``source`` to write whole objects into our WRITING slots."""
-        items = []
-        for _, entry in fills:
-            spans = []
-            for (name, pool), slot in zip(entry.layout, entry.slots, strict=True):
-                size = self.memories[pool].spec.slot_size
-                spans.append(DstSpan(name, self.pool_index[pool], slot * size, size))
-            items.append(DeliverItem(entry.key, tuple(spans)))
-        write = self._new_write(op, source, [i for i, _ in fills], tuple(items), self.agent.name, None, False)
+        """Ask ``source`` to write whole objects into our WRITING slots.
+
+        Until the write exists nothing can touch those slots: if the link cannot be opened
+        (or anything fails before), they are freed and the keys fail.
+        """
+        try:
+            link = self._link(source)
+            items = []
+            for _, entry in fills:
+                spans = []
+                for (name, pool), slot in zip(entry.layout, entry.slots, strict=True):
+                    size = self.memories[pool].spec.slot_size
+                    spans.append(DstSpan(name, self.pool_index[pool], slot * size, size))
+                items.append(DeliverItem(entry.key, tuple(spans)))
+        except LinkError as exc:
+            self._abandon_fills([entry for _, entry in fills])
+            for i, _ in fills:
+                op.fail(i, exc.code, exc.reason)
+            return
+        except BaseException:
+            self._abandon_fills([entry for _, entry in fills])
+            raise
+        write = self._new_write(op, link, [i for i, _ in fills], tuple(items), self.agent.name, None, False)
         write.fills = [entry for _, entry in fills]
         self._submit_write(write)
 
@@ -1192,7 +1483,7 @@ class Node:
         self, op: Operation, source: str, indices: list[int], items: tuple[DeliverItem, ...],
         agent: str, client: ClientSession, partial: bool,
     ) -> None:
-        """Ask ``source`` to write objects straight into the client's memory (DESIGN 7)."""
+        """Ask ``source`` to write objects straight into the client's memory (spec section 12)."""
         for i, item in zip(indices, items, strict=True):
             _, ids, offsets, lengths = zip(*item.spans, strict=True)
             if uniform_columns(client.regions, ids, offsets, lengths) is not None:
@@ -1202,17 +1493,23 @@ class Node:
             except ProtocolError as exc:
                 op.fail(i, exc.code, f"{exc.path}: {exc.reason}")
         keep = [(i, item) for i, item in zip(indices, items, strict=True) if op.results[i] is None]
+        if keep:
+            try:
+                link = self._link(source)
+            except LinkError as exc:
+                for i, _ in keep:
+                    op.fail(i, exc.code, exc.reason)
+                keep = []
         if not keep:
             self._finish_if_settled(op)
             return
-        write = self._new_write(op, source, [i for i, _ in keep], tuple(item for _, item in keep), agent, client, partial)
+        write = self._new_write(op, link, [i for i, _ in keep], tuple(item for _, item in keep), agent, client, partial)
         self._submit_write(write)
 
     def _new_write(
-        self, op: Operation, source: str, indices: list[int], items: tuple[DeliverItem, ...],
+        self, op: Operation, link: PeerLink, indices: list[int], items: tuple[DeliverItem, ...],
         agent: str, client: ClientSession | None, partial: bool,
     ) -> RemoteWrite:
-        link = self._link(source)
         write = RemoteWrite(link, self._next_write, op, indices, items, agent, client, partial, op.deadline)
         self._next_write += 1
         op.remote += 1
@@ -1228,7 +1525,7 @@ class Node:
     def _send_write(self, write: RemoteWrite) -> None:
         link = write.link
         if write.partial and link.version < PARTIAL_LAYOUT_VERSION:
-            # DESIGN 7.3: a subset to a peer that lacks partial layouts fails at once; nothing is sent.
+            # Spec section 12: a subset to a peer that lacks partial layouts fails at once; nothing is sent.
             self._end_write(write, ErrorCode.PEER_UNSUPPORTED, f"the source speaks version {link.version}, which cannot deliver a subset")
             return
         client = write.client
@@ -1258,6 +1555,8 @@ class Node:
         write.link.writes.pop(write.id, None)
         if self.withdrawing and write.client is not None:
             self._release_withdrawals()  # a held unregions may wait on this write (spec section 12)
+        write.link.probes.pop(write.probe_id, None)
+        write.link.last_used = time.monotonic()
         op = write.op
         if was_uncertain:
             self.counters["uncertain_resolved"] += 1
@@ -1286,25 +1585,83 @@ class Node:
         self._finish_if_settled(op)
 
     def _link(self, endpoint: str) -> PeerLink:
+        """The link to the source at ``endpoint``, opened if need be (spec section 12).
+
+        Raises ``LinkError`` (``BAD_ENDPOINT`` or ``PEER_UNREACHABLE``, with the reason)
+        when it cannot be opened; nothing it opened stays behind.
+        """
         link = self.links.get(endpoint)
         if link is not None:
+            link.last_used = time.monotonic()
             return link
-        sock: zmq.Socket[bytes] = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.zap is not None:
-            # Peers authenticate us by our own key pair; they serve with curve_peer_key.
-            sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve_peer)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve_public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve_secret)
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sock.connect(endpoint)
+        if not endpoint.startswith(_LINK_TRANSPORTS):
+            raise LinkError(ErrorCode.BAD_ENDPOINT, f"the source endpoint {endpoint!r} is not a tcp:// or ipc:// endpoint")
+        if len(self.links) >= self.config.max_peers:
+            self._make_room_for_link(endpoint)
+        sock: zmq.Socket[bytes] | None = None
+        monitor: zmq.Socket[bytes] | None = None
+        try:
+            sock = self.context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, _LINK_RECONNECT_MAX_MS)
+            if self.zap is not None:
+                # Peers authenticate us by our own key pair; they serve with curve_peer_key.
+                sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve_peer)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve_public)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve_secret)
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            _close_quietly(sock, monitor)
+            code = ErrorCode.BAD_ENDPOINT if exc.errno in _BAD_ENDPOINT_ERRNOS else ErrorCode.PEER_UNREACHABLE
+            self.counters["link_failures"] += 1
+            raise LinkError(code, f"cannot connect to the source {endpoint!r}: {exc.strerror}") from exc
+        except BaseException:
+            _close_quietly(sock, monitor)
+            raise
         link = PeerLink(endpoint, sock, monitor)
         self.links[endpoint] = link
         for s in link.fds:
             self._poller.register(s, zmq.POLLIN)
             self._link_socks[s] = link
-        self._peer_hello(link)
+        try:
+            self._peer_hello(link)
+        except BaseException:
+            self._close_link(link)
+            raise
         return link
+
+    def _make_room_for_link(self, endpoint: str) -> None:
+        """At ``max_peers`` links: close the least recently used idle one, or refuse (PEER_LIMIT)."""
+        idle = [link for link in self.links.values() if not link.busy]
+        if not idle:
+            self.counters["peer_limit_refusals"] += 1
+            raise LinkError(
+                ErrorCode.PEER_LIMIT,
+                f"cannot open a link to {endpoint!r}: this node holds max_peers={self.config.max_peers} links to "
+                "other sources, each with writes outstanding; retry later",
+            )
+        self.counters["links_evicted"] += 1
+        self._retire_link(min(idle, key=lambda link: link.last_used))
+
+    def _retire_link(self, link: PeerLink) -> None:
+        """Close a link that has no work left: say bye (spec section 5.3), close its sockets and
+        release the source's agent."""
+        if link.state == "ready":
+            self._link_send(link, Bye(self._write_id()))
+        log.info("closing the link to %s (%s)", link.node or link.endpoint, link.endpoint)
+        self._close_link(link, _BYE_LINGER_MS if link.state == "ready" else 0)
+        if link.agent:
+            self._release_agent(link.agent)
+
+    def _close_link(self, link: PeerLink, linger_ms: int = 0) -> None:
+        """Close a link's sockets and monitor and forget it; its poller entries go too."""
+        if self.links.get(link.endpoint) is link:
+            del self.links[link.endpoint]
+        for s in link.fds:
+            if self._link_socks.pop(s, None) is not None:
+                self._poller.unregister(s)
+        link.close(linger_ms)
 
     def _peer_hello(self, link: PeerLink) -> None:
         link.hello_id = self._write_id()
@@ -1335,14 +1692,27 @@ class Node:
                 # Back: a new connection is a new session at the peer; say hello again.
                 self._peer_hello(link)
         sock = link.sock
-        while cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+        while not link.closed and cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
             frame = sock.recv(_NOBLOCK)
             try:
                 msg = decode(frame, link.version or self.versions[-1])
             except RemoteProtocolError as exc:
                 self.protocol_errors[exc.code.name] += 1
                 continue
-            self._on_link_message(link, msg)
+            try:
+                self._on_link_message(link, msg)
+            except Exception as exc:
+                self._link_message_failed(link, msg, exc)
+
+    def _link_message_failed(self, link: PeerLink, msg: Message, exc: Exception) -> None:
+        """Handling a source's message raised: count it; the write it answers (if any) fails ``INTERNAL``."""
+        self._internal_failure(f"peer {msg.TAG}", exc)
+        write = link.writes.get(getattr(msg, "id", -1))
+        if write is not None and write.state != "done":
+            try:
+                self._end_write(write, ErrorCode.INTERNAL, f"the node failed while handling the source's {msg.TAG}")
+            except Exception as again:
+                self._internal_failure("ending a write", again)
 
     def _on_link_message(self, link: PeerLink, msg: Message) -> None:
         if isinstance(msg, PeerWelcome) and msg.id == link.hello_id:
@@ -1365,7 +1735,15 @@ class Node:
                 self.counters["peer_client_refused"] += 1
                 link.clients_sent.pop(agent, None)
                 log.warning("peer %s refused client %s: %s", link.endpoint, agent, msg.reason)
-            if write is not None:
+            if write is not None and isinstance(msg, Refuse) and self._may_retry(link, write, msg):
+                # The source forgot the client (max_peer_clients): announce it again, retry once.
+                write.retried = True
+                self.counters["writes_retried"] += 1
+                assert write.client is not None
+                link.clients_sent.pop(write.client.agent, None)
+                link.writes.pop(write.id, None)
+                self._send_write(write)
+            elif write is not None:
                 # Spec section 10.1: the codes a source refuses a write with pass on; any other
                 # (a bug or a hostile source) is a failed transfer.
                 code = ErrorCode(msg.code) if msg.code in SOURCE_CODES else ErrorCode.TRANSFER_FAILED
@@ -1380,6 +1758,17 @@ class Node:
                 self._peer_hello(link)
         elif isinstance(msg, ProbeReply):
             self._on_probe_reply(link, msg)
+
+    @staticmethod
+    def _may_retry(link: PeerLink, write: RemoteWrite, msg: Refuse) -> bool:
+        """Whether a refused write is one to send again: refused for its client's agent
+        (BAD_STATE) although that client's announcement was not refused, not yet retried,
+        and its client still there (spec section 5.3)."""
+        client = write.client
+        return (
+            msg.code == ErrorCode.BAD_STATE and write.state == "sent" and not write.retried
+            and client is not None and not client.closing and client.agent in link.clients_sent
+        )
 
     def _on_peer_welcome(self, link: PeerLink, msg: PeerWelcome) -> None:
         restarted = link.incarnation not in (0, msg.incarnation)
@@ -1396,10 +1785,14 @@ class Node:
         link.down_since = None
         link.clients_sent.clear()
         link.announcing.clear()
+        old_agent = link.agent
         try:
-            link.agent = self.agent.add_remote(msg.agent_md)
+            link.agent = self._add_remote(msg.agent_md)
         except Exception as exc:
+            link.agent = ""
             log.warning("peer %s metadata refused: %s", link.endpoint, exc)
+        if old_agent and old_agent != link.agent:
+            self._release_agent(old_agent)  # the source restarted with another agent
         queued, link.queued = link.queued, []
         for write in queued:
             if write.state == "queued":
@@ -1422,7 +1815,13 @@ class Node:
             self._end_write(write, None, "")
 
     def _check_links(self, now: float) -> None:
-        for link in self.links.values():
+        idle_s = self.config.peer_idle_ms / 1000
+        for link in list(self.links.values()):
+            if not link.busy and now - link.last_used >= idle_s:
+                # Nothing outstanding and unused for peer_idle_ms: close it (spec section 5.3).
+                self.counters["links_closed_idle"] += 1
+                self._retire_link(link)
+                continue
             if link.state == "ready" and link.next_heartbeat <= now and self.config.heartbeat_ms:
                 # The source drops sessions silent for its client grace, ours included.
                 link.next_heartbeat = now + self.config.heartbeat_ms / 1000
@@ -1441,10 +1840,14 @@ class Node:
                     # Gone for longer than peer_dead_ms: nothing of it writes any more.
                     self._end_write(write, None, "")
                 elif link.state == "ready" and write.next_probe <= now:
-                    probe_id = self._write_id()
-                    link.probes[probe_id] = write
+                    # Only the latest probe of a write is kept: an answer to an older one is
+                    # not needed (the newer asks the same, later).
+                    link.probes.pop(write.probe_id, None)
+                    write.probe_id = self._write_id()
+                    link.probes[write.probe_id] = write
                     write.next_probe = now + _PROBE_INTERVAL_S
-                    self._link_send(link, Probe(probe_id, write.id))
+                    self.counters["probes_sent"] += 1
+                    self._link_send(link, Probe(write.probe_id, write.id))
 
     def _make_uncertain(self, write: RemoteWrite) -> None:
         """The deadline passed with the write unanswered: fail the items, keep the memory."""
@@ -1487,20 +1890,39 @@ class Node:
 
     def _on_peer_client(self, peer: PeerSession, msg: PeerClient) -> None:
         try:
-            agent = self.agent.add_remote(msg.agent_md)
-            holder = ClientSession(b"", msg.agent, agent, peer.version)
-            self._add_regions(holder, msg.regions)
-        except ProtocolError as exc:
-            self._refuse(peer.identity, msg.id, exc)
-            return
+            agent = self._add_remote(msg.agent_md)
         except Exception as exc:
             self._refuse(peer.identity, msg.id, ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"agent metadata refused: {exc}", "agent_md"))
             return
+        try:
+            holder = ClientSession(b"", msg.agent, agent, peer.version)
+            self._add_regions(holder, msg.regions)
+        except ProtocolError as exc:
+            self._release_agent(agent)  # unless the peer announced it before
+            self._refuse(peer.identity, msg.id, exc)
+            return
         peer.clients[agent] = holder.regions
+        peer.clients.move_to_end(agent)
+        self._bound_peer_clients(peer)
         self._reply(peer, Ack(msg.id))
+
+    def _bound_peer_clients(self, peer: PeerSession) -> None:
+        """Forget the least recently used announced clients beyond ``max_peer_clients`` (spec
+        section 5.3), except those a running write of this peer names: that table is then
+        over the bound by at most the peer's operations in progress (``max_pending``)."""
+        excess = len(peer.clients) - self.config.max_peer_clients
+        if excess <= 0:
+            return
+        running = {op.agent for op in peer.ops.values()}
+        for agent in [a for a in peer.clients if a not in running][:excess]:
+            del peer.clients[agent]
+            self.counters["peer_clients_evicted"] += 1
+            self._release_agent(agent)
 
     def _on_write(self, peer: PeerSession, msg: WriteRequest) -> None:
         regions = peer.regions if msg.agent == peer.agent else peer.clients.get(msg.agent)
+        if regions is not None and msg.agent != peer.agent:
+            peer.clients.move_to_end(msg.agent)
         if regions is None:
             self.protocol_errors[ErrorCode.BAD_STATE.name] += 1
             self._reply(peer, Refuse(msg.id, ErrorCode.BAD_STATE, f"agent {msg.agent!r} was not announced (peer_client first)"))
@@ -1524,7 +1946,7 @@ class Node:
             self._deferred.append(lambda: self._deliver_ready(ready, op, items))
             return
         if ready:
-            # DESIGN 6: claims taken and the WRITE submitted in the turn that decoded the request.
+            # architecture §4: claims taken and the WRITE submitted in the turn that decoded the request.
             self.counters["writes_inline"] += 1
         self._deliver_ready(ready, op, items)
 

@@ -7,6 +7,7 @@ wait in the link's queue until the session is up.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,10 @@ class RemoteWrite:
     state: str = "queued"
     """queued (not sent), sent, uncertain (deadline passed, may still be written), done."""
     next_probe: float = 0.0
+    probe_id: int = 0
+    """Its latest probe (only the latest is kept in ``PeerLink.probes``)."""
+    retried: bool = False
+    """Sent a second time after the source refused it for an agent it had forgotten."""
 
 
 @dataclass(eq=False)
@@ -59,19 +64,30 @@ class PeerLink:
     """Writes sent or uncertain, by id."""
     queued: list[RemoteWrite] = field(default_factory=list)
     clients_sent: dict[str, int] = field(default_factory=dict)
-    """Client agent -> the regions version the peer has (or is being sent)."""
+    """Client agent -> the regions version the peer has (or is being sent); live clients only."""
     announcing: dict[int, str] = field(default_factory=dict)
     """peer_client messages not yet answered: id -> client agent."""
     probes: dict[int, RemoteWrite] = field(default_factory=dict)
+    """Probe id -> the uncertain write it asks about (one per write: its latest)."""
     next_heartbeat: float = 0.0
     """When to tell the peer we are alive (it drops sessions silent for its client grace)."""
+    last_used: float = field(default_factory=time.monotonic)
+    """When a write last started or ended on it (idle links close, spec section 5.3)."""
+    closed: bool = False
 
-    def close(self) -> None:
+    @property
+    def busy(self) -> bool:
+        """Whether a write is sent, queued or uncertain on it (or probed): it must stay open."""
+        return bool(self.writes or self.queued or self.probes)
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket (after up to ``linger_ms`` to deliver what was sent) and the monitor."""
+        self.closed = True
         try:
             self.sock.disable_monitor()
         except zmq.ZMQError:
             pass
-        self.sock.close(0)
+        self.sock.close(linger_ms)
         self.monitor.close(0)
 
     @property

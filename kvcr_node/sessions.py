@@ -71,7 +71,8 @@ class PeerSession(ClientSession):
     """
 
     incarnation: int = 0
-    clients: dict[str, dict[int, Region]] = field(default_factory=dict)
+    clients: collections.OrderedDict[str, dict[int, Region]] = field(default_factory=collections.OrderedDict)
+    """Announced client agent -> its regions, least recently used first (bounded by the node)."""
     done: collections.OrderedDict[int, None] = field(default_factory=collections.OrderedDict)
 
     def remember_done(self, op_id: int) -> None:
@@ -103,6 +104,9 @@ class Operation:
     """Destination names must equal the stored layout (a peer write without ``!partial``)."""
     remote: int = 0
     """Remote writes sent to peers for this operation and not yet answered."""
+    broken: str | None = None
+    """Why handling it failed unexpectedly: items no transfer or write covers then fail
+    ``INTERNAL`` with this reason once nothing of the operation runs any more."""
 
     def set(self, index: int, result: KeyResult) -> None:
         if self.results[index] is None:
@@ -113,10 +117,16 @@ class Operation:
 
     @property
     def settled(self) -> bool:
-        """Every item has a result and no transfer of this op can touch memory any more."""
+        """Every item has a result (or the op is broken) and no transfer of it can touch memory any more."""
         return (
             not self.waiting
             and not self.remote
             and all(t.state != "PROC" for t in self.transfers)
-            and all(r is not None for r in self.results)
+            and (self.broken is not None or all(r is not None for r in self.results))
         )
+
+    def fail_unresolved(self, code: int) -> None:
+        """Fail every item that has no result yet (a broken op, once nothing of it runs)."""
+        for i, result in enumerate(self.results):
+            if result is None:
+                self.fail(i, code, self.broken or "failed")

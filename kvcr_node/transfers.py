@@ -79,6 +79,8 @@ class Transfer:
 
     on_done: Callable[[bool], None]
     bytes: int
+    agent: str = ""
+    """The remote agent whose memory it touches (kept loaded while it runs)."""
     requests: list[Any] = field(default_factory=list)
     dlists: list[Any] = field(default_factory=list)
     pending: list[Any] = field(default_factory=list)
@@ -146,11 +148,12 @@ class Transfers:
                     last[3] += count
                     continue
             runs.append([local_addr, address, length, count, base + slot, pool])
-        transfer = Transfer(on_done, total)
+        transfer = Transfer(on_done, total, remote_agent)
         try:
             for (group, rkind, rdev), runs in groups.items():
                 self._post_group(transfer, op, remote_agent, group, rkind, rdev, runs)
-        except TransferError:
+        except Exception:
+            # Whatever failed, parts already posted may still touch memory.
             self._drain_then_release(transfer)
             raise
         self.posted += 1
@@ -231,6 +234,12 @@ class Transfers:
             t.pending = pending
             (still if pending else finished).append(t)
         self.inflight = still
+        failure: Exception | None = None
         for t in finished:
-            self._finish(t, ok=not t.failed)
+            try:
+                self._finish(t, ok=not t.failed)
+            except Exception as exc:  # one failing callback must not strand the others
+                failure = failure or exc
+        if failure is not None:
+            raise failure
         return len(finished)

@@ -7,6 +7,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,9 @@ class NodeProcess:
     endpoint: str
     args: list[str]
     output: list[str] = field(default_factory=list)
+    reader: threading.Thread | None = None
+    """Reads the node's output into ``output`` once it started: a node whose pipe nobody
+    reads blocks on its next log line once the pipe buffer is full."""
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         """Signal the node and wait (bounded) for it to exit; returns the exit code."""
@@ -37,10 +41,19 @@ class NodeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(STOP_TIMEOUT_S)
+        if self.reader is not None:
+            self.reader.join(STOP_TIMEOUT_S)
         if self.proc.stdout is not None and not self.proc.stdout.closed:
-            self.output.append(self.proc.stdout.read() or "")
+            if self.reader is None:
+                self.output.append(self.proc.stdout.read() or "")
             self.proc.stdout.close()
         return self.proc.returncode
+
+    def read_output(self) -> None:
+        """Collect the node's output until it exits (run in ``reader``)."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
 
     def kill(self) -> None:
         """kill -9: no cleanup at all."""
@@ -65,6 +78,8 @@ def start_node(endpoint: str, *extra: str) -> NodeProcess:
                 break
             node.output.append(line)
             if "listening on" in line:
+                node.reader = threading.Thread(target=node.read_output, name="node-output", daemon=True)
+                node.reader.start()
                 return node
         node.stop(signal.SIGKILL)
         raise RuntimeError(f"kvcr-node did not start: {''.join(node.output)}")

@@ -394,3 +394,29 @@ def test_bad_flags_name_the_field(argv: tuple[str, ...], field: str) -> None:
     with pytest.raises(ConfigError) as err:
         build_config(_args(*argv))
     assert err.value.field == field, err.value
+
+
+# --------------------------------------------------------------------------- peer links
+
+
+def test_peer_link_settings(tmp_path: Path) -> None:
+    """peer_idle_ms, max_peers and max_peer_clients: defaults, TOML, flags over the file, and
+    refusals naming the field."""
+    config = NodeConfig().validated()
+    assert (config.peer_idle_ms, config.max_peers, config.max_peer_clients) == (30_000, 64, 256)
+    path = tmp_path / "node.toml"
+    path.write_text("peer_idle_ms = 500\nmax_peers = 4\nmax_peer_clients = 3\n")
+    config = load_toml(path)
+    assert (config.peer_idle_ms, config.max_peers, config.max_peer_clients) == (500, 4, 3)
+    config = build_config(_args("--config", str(path), "--peer-idle-ms", "750", "--max-peers", "9",
+                                "--max-peer-clients", "7"))
+    assert (config.peer_idle_ms, config.max_peers, config.max_peer_clients) == (750, 9, 7)
+    for raw, field in (({"peer_idle_ms": 0}, "peer_idle_ms"), ({"max_peers": -1}, "max_peers"),
+                       ({"max_peers": "8"}, "max_peers"), ({"peer_idle_ms": True}, "peer_idle_ms"),
+                       ({"max_peer_clients": 0}, "max_peer_clients")):
+        with pytest.raises(ConfigError) as err:
+            from_mapping(raw)
+        assert err.value.field == field, err.value
+    with pytest.raises(ConfigError) as err:
+        build_config(_args("--max-peers", "0"))
+    assert err.value.field == "max_peers"
