@@ -84,10 +84,12 @@ def hinted_source(endpoint: str) -> Callable[..., str]:
 # --------------------------------------------------------------------------- endpoints
 
 
-def test_bad_endpoint_hint_does_not_stop_the_node(node_factory: Callable[..., Any]) -> None:
-    """Through the public client: a hint naming a malformed endpoint, then a deliver and a
-    fetch that would use it. Either the hint is refused when it arrives, or the keys fail
-    BAD_ENDPOINT; the node survives both and keeps nothing."""
+def test_bad_endpoint_hint_does_not_stop_the_node(node_factory: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the public client, its own endpoint check switched off (a hostile client has
+    none): a hint naming a malformed endpoint, then a deliver and a fetch that would use it.
+    Either the hint is refused when it arrives, or the keys fail BAD_ENDPOINT; the node
+    survives both and keeps nothing."""
+    monkeypatch.setattr("kvcr_client.client.endpoint_problem", lambda endpoint: None)
     node = node_factory("--pool", "kv:64KiB:32")
     with Client(node.endpoint, name="hostile") as client:
         reg = hh.Registrar(client)
