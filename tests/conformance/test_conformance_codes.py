@@ -36,9 +36,6 @@ SPEC = (ROOT / "spec" / "kvcr-protocol.md").read_text(encoding="utf-8")
 NODE_SOURCES = sorted((ROOT / "kvcr_node").glob("*.py"))
 PROTOCOL_SOURCES = [ROOT / "protocol" / "kvcr_protocol" / name for name in ("codec.py", "wire.py", "descriptors.py", "projection.py", "versions.py")]
 
-SENT_ELSEWHERE = frozenset({ErrorCode.INTERNAL, ErrorCode.PEER_LIMIT})
-"""Listed codes whose sending comes with other hardening changes (a handler that fails,
-the peer-link cap); until those are in, nothing in this tree names them."""
 CROSS_REQUEST = {("_cancel_withdrawal", ErrorCode.ABORTED): "unregions"}
 """Codes a method sends for another request than the one being handled: the refusal of
 an ``unregions`` whose withdrawal an ``abort`` cancels."""
@@ -152,7 +149,7 @@ def test_the_node_names_only_codes_it_may_send() -> None:
 def test_every_listed_code_is_sent_by_something() -> None:
     named = named_codes(NODE_SOURCES + PROTOCOL_SOURCES)
     missing = all_sent() - named
-    assert missing <= SENT_ELSEWHERE, missing - SENT_ELSEWHERE
+    assert missing == set(), missing
 
 
 NODE_CLASS = next(
