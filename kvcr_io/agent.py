@@ -8,6 +8,7 @@ that touches its memory is in flight. An ``Agent`` is not thread-safe: one threa
 
 from __future__ import annotations
 
+import enum
 import importlib
 import logging
 import os
@@ -24,6 +25,21 @@ Desc = tuple[int, int, int]
 
 _NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 _MEM = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
+
+
+class XferStatus(enum.Enum):
+    """A NIXL transfer request's state, translated from NIXL's strings once, here."""
+
+    RUNNING = "PROC"
+    DONE = "DONE"
+    FAILED = "ERR"
+
+
+def _status(state: str) -> XferStatus:
+    try:
+        return XferStatus(state)
+    except ValueError:  # anything NIXL adds later that is not "running" or "done" is a failure
+        return XferStatus.FAILED
 
 
 class TransferError(RuntimeError):
@@ -104,8 +120,8 @@ class Agent:
 
     def start(
         self, op: str, local: Any, local_idx: Sequence[int], remote: Any, remote_idx: Sequence[int]
-    ) -> tuple[Any, str]:
-        """Create and post a transfer; returns (handle, state) with state DONE, PROC or ERR."""
+    ) -> tuple[Any, XferStatus]:
+        """Create and post a transfer; returns its handle and status."""
         try:
             handle = self._nixl.make_prepped_xfer(op, local, list(local_idx), remote, list(remote_idx))
         except Exception as exc:
@@ -115,12 +131,12 @@ class Agent:
         except Exception as exc:
             self.release(handle)
             raise TransferError(f"NIXL could not post the {op}: {exc}") from exc
-        return handle, state
+        return handle, _status(state)
 
     def start_descs(
         self, op: str, local_kind: MemoryKind, local: Sequence[Desc], remote_kind: MemoryKind,
         remote: Sequence[Desc], remote_agent: str,
-    ) -> tuple[Any, str]:
+    ) -> tuple[Any, XferStatus]:
         """Create and post a transfer from explicit descriptor lists (merged spans)."""
         try:
             ldescs = self._nixl.get_xfer_descs(np.array(local, dtype=np.uint64), _MEM[local_kind])
@@ -133,15 +149,15 @@ class Agent:
         except Exception as exc:
             self.release(handle)
             raise TransferError(f"NIXL could not post the {op}: {exc}") from exc
-        return handle, state
+        return handle, _status(state)
 
-    def state(self, handle: Any) -> str:
-        """DONE, PROC or ERR; polling it also progresses the agent."""
+    def state(self, handle: Any) -> XferStatus:
+        """The request's status; polling it also progresses the agent."""
         try:
             state: str = self._nixl.check_xfer_state(handle)
         except Exception:
-            return "ERR"
-        return state
+            return XferStatus.FAILED
+        return _status(state)
 
     def release(self, handle: Any) -> None:
         try:

@@ -36,7 +36,7 @@ from kvcr_node.config import NodeConfig
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.eviction import make_policy
 from kvcr_node.memory import PoolMemory
-from kvcr_node.peers import PeerLink, RemoteWrite
+from kvcr_node.peers import LinkState, PeerLink, RemoteWrite, WriteStage
 from kvcr_node.sessions import ClientSession, Operation, PeerSession, Withdrawal
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import LocalLists, Move, Transfers, run_moves, uniform_columns
@@ -440,7 +440,7 @@ class Node:
         deadline = self._next_deadline()
         if self.sessions and self.config.heartbeat_ms:
             deadline = min(deadline or float("inf"), self._next_liveness)
-        ready = [link.next_heartbeat for link in self.links.values() if link.state == "ready" and self.config.heartbeat_ms]
+        ready = [link.next_heartbeat for link in self.links.values() if link.state is LinkState.READY and self.config.heartbeat_ms]
         if ready:
             deadline = min(deadline or float("inf"), min(ready))
         if self.links:
@@ -670,7 +670,7 @@ class Node:
         wanted = set(regions)
         for link in self.links.values():
             for write in (*link.writes.values(), *link.queued):
-                if write.client is None or write.agent != session.agent or write.state == "done":
+                if write.client is None or write.agent != session.agent or write.state is WriteStage.DONE:
                     continue
                 if any(span[1] in wanted for item in write.items for span in item.spans):
                     return True
@@ -903,7 +903,7 @@ class Node:
             self._begin_deposit_items(op, msg, indices, fills)
         except BaseException:
             # Slots set aside that no transfer took over are freed (the guard fails the items).
-            if not any(t.state == "PROC" for t in op.transfers):
+            if not any(t.running for t in op.transfers):
                 self._abandon_fills([e for _, e in fills if self.store.lookup(e.key) is e and e.state is ObjectState.WRITING])
             raise
 
@@ -1309,9 +1309,9 @@ class Node:
             },
             "peers": {
                 link.endpoint: {
-                    "node": link.node, "state": link.state, "version": link.version,
+                    "node": link.node, "state": link.state.value, "version": link.version,
                     "incarnation": link.incarnation, "writes_outstanding": len(link.writes), "queued": len(link.queued),
-                    "uncertain": sum(1 for w in link.writes.values() if w.state == "uncertain"),
+                    "uncertain": sum(1 for w in link.writes.values() if w.state is WriteStage.UNCERTAIN),
                 }
                 for link in self.links.values()
             },
@@ -1517,7 +1517,7 @@ class Node:
         return write
 
     def _submit_write(self, write: RemoteWrite) -> None:
-        if write.link.state == "ready":
+        if write.link.state is LinkState.READY:
             self._send_write(write)
         else:
             write.link.queued.append(write)
@@ -1539,7 +1539,7 @@ class Node:
         remaining_ms = max(1, int((write.deadline - time.monotonic()) * 1000))
         msg = WriteRequest(write.id, write.agent, write.items, remaining_ms, write.partial)
         if self._link_send(link, msg):
-            write.state = "sent"
+            write.state = WriteStage.SENT
             link.writes[write.id] = write
         else:
             self._end_write(write, ErrorCode.PEER_UNREACHABLE, f"cannot send to {link.endpoint}")
@@ -1550,8 +1550,8 @@ class Node:
 
     def _end_write(self, write: RemoteWrite, code: ErrorCode | None, reason: str, results: Sequence[KeyResult] = ()) -> None:
         """A write is over: no transfer of it can touch the destination any more."""
-        was_uncertain = write.state == "uncertain"
-        write.state = "done"
+        was_uncertain = write.state is WriteStage.UNCERTAIN
+        write.state = WriteStage.DONE
         write.link.writes.pop(write.id, None)
         if self.withdrawing and write.client is not None:
             self._release_withdrawals()  # a held unregions may wait on this write (spec section 12)
@@ -1647,10 +1647,10 @@ class Node:
     def _retire_link(self, link: PeerLink) -> None:
         """Close a link that has no work left: say bye (spec section 5.3), close its sockets and
         release the source's agent."""
-        if link.state == "ready":
+        if link.state is LinkState.READY:
             self._link_send(link, Bye(self._write_id()))
         log.info("closing the link to %s (%s)", link.node or link.endpoint, link.endpoint)
-        self._close_link(link, _BYE_LINGER_MS if link.state == "ready" else 0)
+        self._close_link(link, _BYE_LINGER_MS if link.state is LinkState.READY else 0)
         if link.agent:
             self._release_agent(link.agent)
 
@@ -1665,7 +1665,7 @@ class Node:
 
     def _peer_hello(self, link: PeerLink) -> None:
         link.hello_id = self._write_id()
-        link.state = "connecting"
+        link.state = LinkState.CONNECTING
         self._link_send(
             link,
             PeerHello(link.hello_id, self.versions, self.config.name, self.incarnation, self.agent.name,
@@ -1684,11 +1684,11 @@ class Node:
         while cast(int, monitor.getsockopt(_EVENTS)) & _POLLIN:
             event = recv_monitor_message(monitor, zmq.NOBLOCK)
             if event["event"] == zmq.EVENT_DISCONNECTED:
-                if link.state != "down":
-                    link.state = "down"
+                if link.state is not LinkState.DOWN:
+                    link.state = LinkState.DOWN
                     link.down_since = time.monotonic()
                     log.warning("lost peer %s (%s)", link.node or link.endpoint, link.endpoint)
-            elif event["event"] == zmq.EVENT_CONNECTED and link.state == "down":
+            elif event["event"] == zmq.EVENT_CONNECTED and link.state is LinkState.DOWN:
                 # Back: a new connection is a new session at the peer; say hello again.
                 self._peer_hello(link)
         sock = link.sock
@@ -1708,7 +1708,7 @@ class Node:
         """Handling a source's message raised: count it; the write it answers (if any) fails ``INTERNAL``."""
         self._internal_failure(f"peer {msg.TAG}", exc)
         write = link.writes.get(getattr(msg, "id", -1))
-        if write is not None and write.state != "done":
+        if write is not None and write.state is not WriteStage.DONE:
             try:
                 self._end_write(write, ErrorCode.INTERNAL, f"the node failed while handling the source's {msg.TAG}")
             except Exception as again:
@@ -1752,7 +1752,7 @@ class Node:
                 log.warning("peer %s refused our hello: %s", link.endpoint, msg.reason)
                 self._fail_queued(link, ErrorCode.PEER_UNSUPPORTED if msg.code == ErrorCode.UNSUPPORTED_VERSION else ErrorCode.PEER_UNREACHABLE,
                                   f"the source refused the peer session: {msg.reason}")
-            if isinstance(msg, Error) and msg.code == ErrorCode.BAD_STATE and link.state == "ready":
+            if isinstance(msg, Error) and msg.code == ErrorCode.BAD_STATE and link.state is LinkState.READY:
                 # The source has no session for us any more (it dropped us as silent while
                 # the connection stayed up): open a new one, or every later write fails too.
                 self._peer_hello(link)
@@ -1766,7 +1766,7 @@ class Node:
         and its client still there (spec section 5.3)."""
         client = write.client
         return (
-            msg.code == ErrorCode.BAD_STATE and write.state == "sent" and not write.retried
+            msg.code == ErrorCode.BAD_STATE and write.state is WriteStage.SENT and not write.retried
             and client is not None and not client.closing and client.agent in link.clients_sent
         )
 
@@ -1781,7 +1781,7 @@ class Node:
         link.incarnation = msg.incarnation
         link.version = msg.version
         link.node = msg.node
-        link.state = "ready"
+        link.state = LinkState.READY
         link.down_since = None
         link.clients_sent.clear()
         link.announcing.clear()
@@ -1795,10 +1795,10 @@ class Node:
             self._release_agent(old_agent)  # the source restarted with another agent
         queued, link.queued = link.queued, []
         for write in queued:
-            if write.state == "queued":
+            if write.state is WriteStage.QUEUED:
                 self._send_write(write)
         for write in list(link.writes.values()):
-            if write.state == "uncertain":
+            if write.state is WriteStage.UNCERTAIN:
                 write.next_probe = 0.0
 
     def _fail_queued(self, link: PeerLink, code: ErrorCode, reason: str) -> None:
@@ -1808,7 +1808,7 @@ class Node:
 
     def _on_probe_reply(self, link: PeerLink, msg: ProbeReply) -> None:
         write = link.probes.pop(msg.id, None)
-        if write is None or write.state != "uncertain":
+        if write is None or write.state is not WriteStage.UNCERTAIN:
             return
         if msg.incarnation != link.incarnation or msg.state in (WriteState.DONE, WriteState.UNKNOWN):
             # The source confirms no transfer of that write can still run.
@@ -1822,7 +1822,7 @@ class Node:
                 self.counters["links_closed_idle"] += 1
                 self._retire_link(link)
                 continue
-            if link.state == "ready" and link.next_heartbeat <= now and self.config.heartbeat_ms:
+            if link.state is LinkState.READY and link.next_heartbeat <= now and self.config.heartbeat_ms:
                 # The source drops sessions silent for its client grace, ours included.
                 link.next_heartbeat = now + self.config.heartbeat_ms / 1000
                 self._link_send(link, Heartbeat(self._write_id()))
@@ -1831,15 +1831,15 @@ class Node:
                     link.queued.remove(write)
                     self._end_write(write, ErrorCode.PEER_UNREACHABLE, f"no session with the source {link.endpoint} before the deadline")
             for write in list(link.writes.values()):
-                if write.state == "sent" and write.deadline <= now:
+                if write.state is WriteStage.SENT and write.deadline <= now:
                     self._make_uncertain(write)
-                if write.state != "uncertain":
+                if write.state is not WriteStage.UNCERTAIN:
                     continue
                 dead_for = now - link.down_since if link.down_since is not None else 0.0
-                if link.state == "down" and dead_for * 1000 >= self.config.peer_dead_ms:
+                if link.state is LinkState.DOWN and dead_for * 1000 >= self.config.peer_dead_ms:
                     # Gone for longer than peer_dead_ms: nothing of it writes any more.
                     self._end_write(write, None, "")
-                elif link.state == "ready" and write.next_probe <= now:
+                elif link.state is LinkState.READY and write.next_probe <= now:
                     # Only the latest probe of a write is kept: an answer to an older one is
                     # not needed (the newer asks the same, later).
                     link.probes.pop(write.probe_id, None)
@@ -1851,7 +1851,7 @@ class Node:
 
     def _make_uncertain(self, write: RemoteWrite) -> None:
         """The deadline passed with the write unanswered: fail the items, keep the memory."""
-        write.state = "uncertain"
+        write.state = WriteStage.UNCERTAIN
         self.counters["uncertain_writes"] += 1
         op = write.op
         op.remote -= 1
@@ -1959,7 +1959,7 @@ class Node:
                 continue
             op = session.ops.get(msg.op)
             if op is not None and op.kind == "write":
-                state = WriteState.IN_FLIGHT if any(t.state == "PROC" for t in op.transfers) else WriteState.WAITING
+                state = WriteState.IN_FLIGHT if any(t.running for t in op.transfers) else WriteState.WAITING
                 break
             if msg.op in session.done:
                 state = WriteState.DONE

@@ -7,6 +7,7 @@ wait in the link's queue until the session is up.
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,28 @@ import zmq
 from kvcr_node.sessions import ClientSession, Operation
 from kvcr_node.store import ObjectEntry
 from kvcr_protocol import DeliverItem
+
+
+class LinkState(enum.Enum):
+    """Where a link's peer session stands."""
+
+    CONNECTING = "connecting"
+    """``peer_hello`` sent, no ``peer_welcome`` yet."""
+    READY = "ready"
+    DOWN = "down"
+    """Disconnected since ``down_since``; ZeroMQ reconnects, and a reconnect says hello again."""
+
+
+class WriteStage(enum.Enum):
+    """Where a write request to a source stands (spec section 12)."""
+
+    QUEUED = "queued"
+    """Waiting for the link's session; not sent."""
+    SENT = "sent"
+    UNCERTAIN = "uncertain"
+    """The deadline passed unanswered: the keys failed, the destination stays reserved."""
+    DONE = "done"
+    """Over: no transfer of it can touch the destination any more."""
 
 
 @dataclass(eq=False)
@@ -36,7 +59,7 @@ class RemoteWrite:
     deadline: float
     fills: list[ObjectEntry] | None = None
     """For a fetch: the WRITING entries the source fills, one per item."""
-    state: str = "queued"
+    state: WriteStage = WriteStage.QUEUED
     """queued (not sent), sent, uncertain (deadline passed, may still be written), done."""
     next_probe: float = 0.0
     probe_id: int = 0
@@ -52,7 +75,7 @@ class PeerLink:
     endpoint: str
     sock: zmq.Socket[bytes]
     monitor: zmq.Socket[bytes]
-    state: str = "connecting"
+    state: LinkState = LinkState.CONNECTING
     """connecting (hello sent), ready, down (disconnected since ``down_since``)."""
     hello_id: int = 0
     version: int = 0

@@ -121,7 +121,7 @@ class Operation:
         return (
             not self.waiting
             and not self.remote
-            and all(t.state != "PROC" for t in self.transfers)
+            and not any(t.running for t in self.transfers)
             and (self.broken is not None or all(r is not None for r in self.results))
         )
 

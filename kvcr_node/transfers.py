@@ -9,13 +9,14 @@ are slow, and most objects land in consecutive slots.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvcr_io.agent import Agent, Desc, TransferError
+from kvcr_io.agent import Agent, Desc, TransferError, XferStatus
 from kvcr_node.memory import PoolMemory
 from kvcr_protocol import MemoryKind, Region
 
@@ -73,6 +74,14 @@ _MERGE_GAIN = 2
 """Merge only when it at least halves the descriptor count; else use the prepared lists."""
 
 
+class TransferState(enum.Enum):
+    """A logical transfer: running until every NIXL request of it is terminal."""
+
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
 @dataclass
 class Transfer:
     """One logical transfer (possibly several NIXL requests); terminal when all are."""
@@ -84,8 +93,13 @@ class Transfer:
     requests: list[Any] = field(default_factory=list)
     dlists: list[Any] = field(default_factory=list)
     pending: list[Any] = field(default_factory=list)
-    state: str = "PROC"
+    state: TransferState = TransferState.RUNNING
     failed: bool = False
+
+    @property
+    def running(self) -> bool:
+        """Whether a request of it may still touch memory."""
+        return self.state is TransferState.RUNNING
 
 
 class LocalLists:
@@ -190,15 +204,15 @@ class Transfers:
             transfer.dlists.append(rlist)
             handle, state = self.agent.start(op, self.local.lists[group], local_idx, rlist, range(len(remote_descs)))
         transfer.requests.append(handle)
-        if state == "ERR":
+        if state is XferStatus.FAILED:
             raise TransferError(f"NIXL failed to post the {op}")
-        if state == "PROC":
+        if state is XferStatus.RUNNING:
             transfer.pending.append(handle)
 
     def _drain_then_release(self, transfer: Transfer) -> None:
         # Parts already posted may still touch memory: wait for them before freeing.
         for handle in transfer.requests:
-            while self.agent.state(handle) == "PROC":
+            while self.agent.state(handle) is XferStatus.RUNNING:
                 self.agent.progress()
         self._release(transfer)
 
@@ -211,7 +225,7 @@ class Transfers:
         transfer.dlists.clear()
 
     def _finish(self, transfer: Transfer, ok: bool) -> None:
-        transfer.state = "DONE" if ok else "ERR"
+        transfer.state = TransferState.DONE if ok else TransferState.FAILED
         if not ok:
             self.failed += 1
         self._release(transfer)
@@ -227,9 +241,9 @@ class Transfers:
             pending = []
             for handle in t.pending:
                 state = self.agent.state(handle)
-                if state == "PROC":
+                if state is XferStatus.RUNNING:
                     pending.append(handle)
-                elif state == "ERR":
+                elif state is XferStatus.FAILED:
                     t.failed = True
             t.pending = pending
             (still if pending else finished).append(t)
