@@ -31,6 +31,7 @@ from kvcr_io.zmq_flags import EVENTS as _EVENTS
 from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
 from kvcr_io.zmq_flags import POLLIN as _POLLIN
 from kvcr_io.zmq_flags import SNDMORE as _SNDMORE
+from kvcr_node.agents import AgentUse, RemoteAgents
 from kvcr_node.auth import ZAP_ENDPOINT, read_allow_list, zap_reply
 from kvcr_node.config import NodeConfig
 from kvcr_node.endpoint import BoundEndpoint
@@ -108,16 +109,6 @@ _IDLE_POLL_MS = 1000
 _SHUTDOWN_DRAIN_S = 10.0
 _REMOTE_POLL_MS = 50
 _PROBE_INTERVAL_S = 0.25
-_AGENT_PROGRESS_S = 1.0
-"""With no transfer running, the NIXL agent is still progressed this often, on turns the
-loop makes anyway (the idle poll wakes at least every ``_IDLE_POLL_MS``): UCX closes the
-connection to a remote agent whose process went away only when progressed, and an idle
-node otherwise never progresses its agent (each departed client kept a descriptor)."""
-_DEPARTED_AGENTS = 64
-"""Remote agents of ended sessions kept loaded, least recently used out. Loading an agent
-opens a UCX endpoint; removing one closes it only once the agent at the other end goes,
-so an agent that opens session after session (a reconnecting client) would leave one
-descriptor per session if it were removed at each end. Kept loaded, it reuses its endpoint."""
 _FAILURE_LOG_INTERVAL_S = 10.0
 _BYE_LINGER_MS = 100
 _LINK_RECONNECT_MAX_MS = 1000
@@ -272,13 +263,7 @@ class Node:
             if extra is not None:
                 self._poller.register(extra, zmq.POLLIN)
         self._next_liveness = 0.0
-        self._remote_agents: set[str] = set()
-        """Remote agents loaded into our NIXL agent (sessions, their clients, links)."""
-        self._agents_pending: set[str] = set()
-        """Remote agents to release once no running transfer uses them."""
-        self._agents_departed: collections.OrderedDict[str, None] = collections.OrderedDict()
-        """Loaded remote agents nothing holds any more, least recently released first (``_DEPARTED_AGENTS``)."""
-        self._next_progress = 0.0
+        self.remote_agents = RemoteAgents(self.agent, self._agent_use, time.monotonic)
         self._failure_logged: dict[str, float] = {}
         """Failure kind -> when it may be logged (with a traceback) again."""
         self._answering: tuple[bytes, int] | None = None
@@ -373,7 +358,7 @@ class Node:
                     # target of that transfer and needs progress too (architecture §6).
                     self._guarded("agent progress", self.agent.progress)
                 if not self.transfers.inflight:  # polling transfers progresses the agent
-                    self._guarded("agent progress", self._progress_idle)
+                    self._guarded("agent progress", self.remote_agents.progress_idle)
                 self._guarded("transfer completion", self.transfers.poll)
                 self._guarded("deadlines", self._check_deadlines)
                 self._guarded("liveness", self._check_liveness)
@@ -424,8 +409,8 @@ class Node:
         if now < self._next_liveness:
             return
         self._next_liveness = now + min(self.config.heartbeat_ms, self.config.client_grace_ms) / 1000
-        if self._agents_pending:
-            self._release_pending_agents()
+        if self.remote_agents.pending:
+            self.remote_agents.release_pending()
         grace = self.config.client_grace_ms / 1000
         for session in [s for s in self.sessions.values() if now - s.last_seen > grace]:
             self.counters["clients_expired" if not isinstance(session, PeerSession) else "peers_expired"] += 1
@@ -579,7 +564,7 @@ class Node:
     ) -> ClientSession | None:
         """Load the sender's NIXL metadata, make its session and take its regions; None after a refusal."""
         try:
-            agent = self._add_remote(agent_md)
+            agent = self.remote_agents.add(agent_md)
         except Exception as exc:
             self._refuse(identity, request_id, ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"agent metadata refused by NIXL: {exc}", "agent_md"))
             return None
@@ -587,7 +572,7 @@ class Node:
         try:
             self._add_regions(session, regions)
         except ProtocolError as exc:
-            self._release_agent(agent)
+            self.remote_agents.release(agent)
             self._refuse(identity, request_id, exc)
             return None
         self.sessions[identity] = session
@@ -636,10 +621,10 @@ class Node:
 
     def _on_regions(self, session: ClientSession, msg: RegisterRegions) -> None:
         try:
-            agent = self._add_remote(msg.agent_md)
+            agent = self.remote_agents.add(msg.agent_md)
             if agent != session.agent:
                 # Another agent's metadata: nothing may ever write through it; do not keep it.
-                self._release_agent(agent)
+                self.remote_agents.release(agent)
                 raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"the metadata is agent {agent!r}'s, the session's agent is "
                                     f"{session.agent!r}", "agent_md")
             self._add_regions(session, msg.regions)
@@ -723,7 +708,7 @@ class Node:
             self._release_handle(session, handle)
         if self.sessions.get(session.identity) is session:
             del self.sessions[session.identity]
-        self._release_agent(session.agent)
+        self.remote_agents.release(session.agent)
         if not isinstance(session, PeerSession):
             # Sources forget it too in time (max_peer_clients); announce it afresh if it returns.
             for link in self.links.values():
@@ -735,71 +720,25 @@ class Node:
             announced = list(session.clients)
             session.clients.clear()
             for agent in announced:
-                self._release_agent(agent)
+                self.remote_agents.release(agent)
 
     # ------------------------------------------------------------------ remote agents
 
-    def _add_remote(self, metadata: bytes) -> str:
-        """Load (or refresh) a remote agent's metadata into our NIXL agent; returns its name."""
-        name = self.agent.add_remote(metadata)
-        self._remote_agents.add(name)
-        self._agents_pending.discard(name)
-        self._agents_departed.pop(name, None)
-        return name
-
-    def _agent_holder(self, name: str) -> str | None:
-        """Who still needs the remote agent ``name``: "held" (a session, a peer's client or a
-        link, each of which releases it when it goes), "running" (an operation or transfer
-        that is still running), or None."""
+    def _agent_use(self, name: str) -> AgentUse | None:
+        """Who still needs the remote agent ``name`` (``RemoteAgents`` asks before letting go)."""
         running = False
         for session in self.sessions.values():
             if session.agent == name:
-                return "held"
+                return AgentUse.HELD
             if isinstance(session, PeerSession):
                 if name in session.clients:
-                    return "held"
+                    return AgentUse.HELD
                 running = running or any(op.agent == name for op in session.ops.values())
         if any(link.agent == name for link in self.links.values()):
-            return "held"
+            return AgentUse.HELD
         if running or any(t.agent == name for t in self.transfers.inflight):
-            return "running"
+            return AgentUse.RUNNING
         return None
-
-    def _release_agent(self, name: str) -> None:
-        """A holder of remote agent ``name`` let go: once nothing holds or runs on it, it joins
-        the departed agents, of which the least recently released beyond ``_DEPARTED_AGENTS``
-        are removed from NIXL."""
-        if name not in self._remote_agents or name in self._agents_departed:
-            return
-        holder = self._agent_holder(name)
-        if holder is not None:
-            if holder == "running":
-                self._agents_pending.add(name)  # retried as operations finish
-            return
-        self._agents_pending.discard(name)
-        self._agents_departed[name] = None
-        while len(self._agents_departed) > _DEPARTED_AGENTS:
-            oldest, _ = self._agents_departed.popitem(last=False)
-            self._remove_remote(oldest)
-
-    def _remove_remote(self, name: str) -> None:
-        self._remote_agents.discard(name)
-        try:
-            self.agent.remove_remote(name)
-        except Exception:
-            log.debug("removing remote agent %s failed", name, exc_info=True)
-
-    def _release_pending_agents(self) -> None:
-        for name in list(self._agents_pending):
-            self._release_agent(name)
-
-    def _progress_idle(self) -> None:
-        """Progress our agent at most every ``_AGENT_PROGRESS_S``, so that connections to agents
-        that went away free their descriptors on an idle node too."""
-        now = time.monotonic()
-        if now >= self._next_progress:
-            self._next_progress = now + _AGENT_PROGRESS_S
-            self.agent.progress()
 
     # ------------------------------------------------------------------ operations
 
@@ -820,8 +759,8 @@ class Node:
         if not op.settled or op.session.ops.get(op.id) is not op:
             return
         del op.session.ops[op.id]
-        if self._agents_pending:
-            self._release_pending_agents()
+        if self.remote_agents.pending:
+            self.remote_agents.release_pending()
         if op.broken is not None:
             op.fail_unresolved(ErrorCode.INTERNAL)
         results = tuple(r for r in op.results if r is not None)
@@ -1351,9 +1290,7 @@ class Node:
             "clients_sent": sum(len(link.clients_sent) for link in links),
             "announcing": sum(len(link.announcing) for link in links),
             "peer_clients": sum(len(s.clients) for s in peers),
-            "remote_agents": len(self._remote_agents),
-            "remote_agents_departed": len(self._agents_departed),
-            "remote_agents_pending": len(self._agents_pending),
+            **self.remote_agents.sizes(),
             "hints": sum(len(s.hints) for s in self.sessions.values() if not isinstance(s, PeerSession)),
             "hinted_keys": sum(s.hinted_keys for s in self.sessions.values() if not isinstance(s, PeerSession)),
             "withdrawals": sum(len(s.withdrawals) for s in self.sessions.values() if not isinstance(s, PeerSession)),
@@ -1652,7 +1589,7 @@ class Node:
         log.info("closing the link to %s (%s)", link.node or link.endpoint, link.endpoint)
         self._close_link(link, _BYE_LINGER_MS if link.state is LinkState.READY else 0)
         if link.agent:
-            self._release_agent(link.agent)
+            self.remote_agents.release(link.agent)
 
     def _close_link(self, link: PeerLink, linger_ms: int = 0) -> None:
         """Close a link's sockets and monitor and forget it; its poller entries go too."""
@@ -1787,12 +1724,12 @@ class Node:
         link.announcing.clear()
         old_agent = link.agent
         try:
-            link.agent = self._add_remote(msg.agent_md)
+            link.agent = self.remote_agents.add(msg.agent_md)
         except Exception as exc:
             link.agent = ""
             log.warning("peer %s metadata refused: %s", link.endpoint, exc)
         if old_agent and old_agent != link.agent:
-            self._release_agent(old_agent)  # the source restarted with another agent
+            self.remote_agents.release(old_agent)  # the source restarted with another agent
         queued, link.queued = link.queued, []
         for write in queued:
             if write.state is WriteStage.QUEUED:
@@ -1890,7 +1827,7 @@ class Node:
 
     def _on_peer_client(self, peer: PeerSession, msg: PeerClient) -> None:
         try:
-            agent = self._add_remote(msg.agent_md)
+            agent = self.remote_agents.add(msg.agent_md)
         except Exception as exc:
             self._refuse(peer.identity, msg.id, ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"agent metadata refused: {exc}", "agent_md"))
             return
@@ -1898,7 +1835,7 @@ class Node:
             holder = ClientSession(b"", msg.agent, agent, peer.version)
             self._add_regions(holder, msg.regions)
         except ProtocolError as exc:
-            self._release_agent(agent)  # unless the peer announced it before
+            self.remote_agents.release(agent)  # unless the peer announced it before
             self._refuse(peer.identity, msg.id, exc)
             return
         peer.clients[agent] = holder.regions
@@ -1917,7 +1854,7 @@ class Node:
         for agent in [a for a in peer.clients if a not in running][:excess]:
             del peer.clients[agent]
             self.counters["peer_clients_evicted"] += 1
-            self._release_agent(agent)
+            self.remote_agents.release(agent)
 
     def _on_write(self, peer: PeerSession, msg: WriteRequest) -> None:
         regions = peer.regions if msg.agent == peer.agent else peer.clients.get(msg.agent)

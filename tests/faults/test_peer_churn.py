@@ -28,6 +28,7 @@ import pytest
 import remote_helpers  # tests/integration, on pytest's pythonpath
 
 from kvcr_client import ErrorCode
+from kvcr_node.agents import DEPARTED_AGENTS
 
 rh = remote_helpers
 RESULT_TIMEOUT_S: float = rh.RESULT_TIMEOUT_S
@@ -47,8 +48,6 @@ BUSY_DEADLINE_MS = 800
 FD_SLACK = 10
 """Descriptors the node may hold above its baseline once every link is closed."""
 SETTLE_S = 5.0
-DEPARTED_AGENTS = 64
-"""Agents of ended sessions a node keeps loaded (kvcr_node.node._DEPARTED_AGENTS)."""
 LAYOUT = rh.plain_layout(2)
 
 

@@ -28,6 +28,7 @@ import zmq
 
 from kvcr_client import Client, KeyStatus, Span
 from kvcr_io.agent import Agent
+from kvcr_node.agents import DEPARTED_AGENTS
 from kvcr_protocol import Ack, Bye, Hello, StatsReply, StatsRequest, Welcome, decode, encode, supported_up_to
 
 hh = hostile_helpers
@@ -52,8 +53,6 @@ RSS_FLAT_KIB = 256
 than this. A one-off step of the pools lands in one quarter; a leak grows every quarter:
 before the fix (a UCX endpoint per session) each quarter of 500 grew about 1.2 MiB, and
 any leak of 0.5 KiB per session or more would fail here."""
-DEPARTED_AGENTS = 64
-"""The node keeps this many agents of ended sessions loaded (kvcr_node.node._DEPARTED_AGENTS)."""
 SETTLE_S = 10.0
 RECV_TIMEOUT_MS = 5000
 

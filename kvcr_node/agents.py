@@ -1,0 +1,97 @@
+"""The remote NIXL agents a node has loaded: clients', peers' and their clients'.
+
+Loading an agent's metadata opens a UCX connection to it, and UCX closes that connection
+only when our agent is progressed after the agent at the other end went away; removing
+an agent whose process still lives leaves its connection open. So agents that nothing
+holds any more are kept loaded ("departed", least recently released first) and reused
+when they come back (a reconnecting client), and only those beyond ``DEPARTED_AGENTS``
+are removed. An idle node still progresses its agent every ``IDLE_PROGRESS_S``, so
+connections to agents that went away free their descriptors (architecture §6).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+from collections.abc import Callable
+
+from kvcr_io.agent import Agent
+
+log = logging.getLogger("kvcr.node")
+
+DEPARTED_AGENTS = 64
+"""Remote agents nothing holds that stay loaded, least recently released out first."""
+IDLE_PROGRESS_S = 1.0
+"""With no transfer running, the agent is still progressed this often (on turns the loop makes anyway)."""
+
+
+class AgentUse(enum.Enum):
+    """Why a remote agent cannot be let go yet."""
+
+    HELD = "held"
+    """A session, a peer's announced client or a link names it; each releases it when it goes."""
+    RUNNING = "running"
+    """An operation or a transfer that may touch its memory is still running."""
+
+
+class RemoteAgents:
+    """Loads, holds and removes remote agents; ``use`` says who still needs one (the node knows)."""
+
+    def __init__(self, agent: Agent, use: Callable[[str], AgentUse | None], clock: Callable[[], float]) -> None:
+        self.agent = agent
+        self.use = use
+        self.clock = clock
+        self.loaded: set[str] = set()
+        self.pending: set[str] = set()
+        """Released while still running: let go once nothing runs on them."""
+        self.departed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._next_progress = 0.0
+
+    def add(self, metadata: bytes) -> str:
+        """Load (or refresh) a remote agent's metadata; returns its name. Raises what NIXL raises."""
+        name = self.agent.add_remote(metadata)
+        self.loaded.add(name)
+        self.pending.discard(name)
+        self.departed.pop(name, None)
+        return name
+
+    def release(self, name: str) -> None:
+        """A holder of ``name`` let go: once nothing holds or runs on it, it departs."""
+        if name not in self.loaded or name in self.departed:
+            return
+        use = self.use(name)
+        if use is not None:
+            if use is AgentUse.RUNNING:
+                self.pending.add(name)  # retried by release_pending as operations finish
+            return
+        self.pending.discard(name)
+        self.departed[name] = None
+        while len(self.departed) > DEPARTED_AGENTS:
+            oldest, _ = self.departed.popitem(last=False)
+            self._remove(oldest)
+
+    def release_pending(self) -> None:
+        for name in list(self.pending):
+            self.release(name)
+
+    def progress_idle(self) -> None:
+        """Progress the agent at most every ``IDLE_PROGRESS_S``."""
+        now = self.clock()
+        if now >= self._next_progress:
+            self._next_progress = now + IDLE_PROGRESS_S
+            self.agent.progress()
+
+    def sizes(self) -> dict[str, int]:
+        return {
+            "remote_agents": len(self.loaded),
+            "remote_agents_departed": len(self.departed),
+            "remote_agents_pending": len(self.pending),
+        }
+
+    def _remove(self, name: str) -> None:
+        self.loaded.discard(name)
+        try:
+            self.agent.remove_remote(name)
+        except Exception:
+            log.debug("removing remote agent %s failed", name, exc_info=True)
