@@ -10,7 +10,6 @@ interval.
 from __future__ import annotations
 
 import collections
-import errno
 import functools
 import logging
 import secrets
@@ -36,8 +35,9 @@ from kvcr_node.auth import ZAP_ENDPOINT, read_allow_list, zap_reply
 from kvcr_node.config import NodeConfig
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.eviction import make_policy
+from kvcr_node.links import LinkError, Links
 from kvcr_node.memory import PoolMemory
-from kvcr_node.peers import LinkState, PeerLink, RemoteWrite, WriteStage
+from kvcr_node.peers import RemoteWrite, WriteStage
 from kvcr_node.sessions import ClientSession, Operation, PeerSession, Withdrawal
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import LocalLists, Move, Transfers, run_moves, uniform_columns
@@ -97,8 +97,8 @@ from kvcr_protocol import (
 )
 from kvcr_protocol import Deliver as DeliverMsg
 from kvcr_protocol.descriptors import resolve_spans
-from kvcr_protocol.operations import SOURCE_CODES, allowed_refusal, allowed_result
-from kvcr_protocol.versions import BASE_VERSION, PARTIAL_LAYOUT_VERSION
+from kvcr_protocol.operations import allowed_refusal, allowed_result
+from kvcr_protocol.versions import BASE_VERSION
 
 _FULL = Projection((), True)
 """The whole layout (its indices are never read: full deliveries take every slot in order)."""
@@ -107,41 +107,10 @@ log = logging.getLogger("kvcr.node")
 
 _IDLE_POLL_MS = 1000
 _SHUTDOWN_DRAIN_S = 10.0
-_REMOTE_POLL_MS = 50
-_PROBE_INTERVAL_S = 0.25
+_FAILED_POLL_S = 0.05
+"""After a failed poll the loop waits this long, so a failing poll cannot spin."""
 _FAILURE_LOG_INTERVAL_S = 10.0
-_BYE_LINGER_MS = 100
-_LINK_RECONNECT_MAX_MS = 1000
-"""ZeroMQ retries a link's connection at 100 ms, doubling up to this: a source that stays
-unreachable costs its link a retry a second, not ten, until the link closes idle."""
-"""How long a closed link's socket may still try to deliver its ``bye``."""
 """An internal failure of one kind is logged (with its traceback) at most this often; each is counted."""
-_LINK_TRANSPORTS = ("tcp://", "ipc://")
-"""Transports a peer link may use (spec section 12: sources are other nodes' ROUTER endpoints)."""
-_BAD_ENDPOINT_ERRNOS = frozenset({errno.EPROTONOSUPPORT, errno.EINVAL, errno.ENAMETOOLONG, errno.ENOENT, zmq.ENOCOMPATPROTO})
-"""ZeroMQ connect errors that mean the endpoint itself is wrong (others: the node cannot connect now)."""
-
-
-class LinkError(Exception):
-    """A link to a source could not be opened; the keys that needed it fail with ``code``."""
-
-    def __init__(self, code: ErrorCode, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
-
-
-def _close_quietly(sock: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | None) -> None:
-    """Close what was opened for a link that could not be made."""
-    if sock is not None:
-        if monitor is not None:
-            try:
-                sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-        sock.close(0)
-    if monitor is not None:
-        monitor.close(0)
 
 
 def _from_source(result: KeyResult) -> KeyResult:
@@ -248,13 +217,10 @@ class Node:
         )
         self.pool_index = {name: i for i, name in enumerate(self.memories)}
         self.slot_sizes = {name: mem.spec.slot_size for name, mem in self.memories.items()}
-        self.links: dict[str, PeerLink] = {}
         self.withdrawing: dict[bytes, ClientSession] = {}
         """Sessions with an ``unregions`` whose ack is held, by identity."""
         self.retired: list[ClientSession] = []
         """Closed peer sessions whose writes are still running."""
-        self._link_socks: dict[Any, PeerLink] = {}
-        self._next_write = 1
         self._deferred: list[Callable[[], None]] = []
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
@@ -264,6 +230,11 @@ class Node:
                 self._poller.register(extra, zmq.POLLIN)
         self._next_liveness = 0.0
         self.remote_agents = RemoteAgents(self.agent, self._agent_use, time.monotonic)
+        curve = (self.curve_peer, self.curve_public, self.curve_secret) if self.zap is not None else None
+        self.links = Links(
+            self, self.config, self.context, self._poller, self.remote_agents, self._peer_hello_msg, self.versions,
+            self.counters, self.protocol_errors, time.monotonic, curve,
+        )
         self._failure_logged: dict[str, float] = {}
         """Failure kind -> when it may be logged (with a traceback) again."""
         self._answering: tuple[bytes, int] | None = None
@@ -330,12 +301,12 @@ class Node:
             while not self._stop:
                 filling = False
                 try:
-                    filling = self._filling()
+                    filling = self.links.filling
                     events = self._wait_events(pacer, filling)
                 except Exception as exc:
-                    self._internal_failure("poll", exc)
+                    self.internal_failure("poll", exc)
                     events = {}
-                    time.sleep(_REMOTE_POLL_MS / 1000)  # a failing poll must not spin
+                    time.sleep(_FAILED_POLL_S)
                 if self._wakeup.read_fd in events:
                     self._guarded("wake", self._wakeup.drain)
                 if self.zap is not None and self.zap in events:
@@ -344,11 +315,11 @@ class Node:
                     self._guarded("auth monitor", self._drain_auth_monitor)
                 if self.sock in events:
                     self._guarded("receive", self._drain_messages)
-                if self._link_socks:
-                    for sock in [s for s in events if s in self._link_socks]:
-                        link = self._link_socks.get(sock)
+                if self.links.socks:
+                    for sock in [s for s in events if s in self.links.socks]:
+                        link = self.links.socks.get(sock)
                         if link is not None:  # an earlier step may have closed it
-                            self._guarded("peer link", functools.partial(self._drain_link, link))
+                            self._guarded("peer link", functools.partial(self.links.drain, link))
                 if self._deferred:
                     deferred, self._deferred = self._deferred, []
                     for submit in deferred:
@@ -384,9 +355,9 @@ class Node:
         try:
             fn()
         except Exception as exc:
-            self._internal_failure(step, exc)
+            self.internal_failure(step, exc)
 
-    def _internal_failure(self, what: str, exc: BaseException) -> None:
+    def internal_failure(self, what: str, exc: BaseException) -> None:
         """Count an unexpected failure; log it with its traceback (at most every few seconds per kind)."""
         self.counters["internal_errors"] += 1
         now = time.monotonic()
@@ -396,10 +367,6 @@ class Node:
                       exc_info=exc)
         else:
             log.debug("internal failure in %s: %r", what, exc)
-
-    def _filling(self) -> bool:
-        """Whether a peer may be writing into our pools right now."""
-        return any(w.fills for link in self.links.values() for w in link.writes.values())
 
     def _check_liveness(self) -> None:
         """Drop clients silent for longer than the grace period (spec section 12: no leaks)."""
@@ -425,16 +392,9 @@ class Node:
         deadline = self._next_deadline()
         if self.sessions and self.config.heartbeat_ms:
             deadline = min(deadline or float("inf"), self._next_liveness)
-        ready = [link.next_heartbeat for link in self.links.values() if link.state is LinkState.READY and self.config.heartbeat_ms]
-        if ready:
-            deadline = min(deadline or float("inf"), min(ready))
-        if self.links:
-            if any(link.writes or link.queued for link in self.links.values()):
-                deadline = min(deadline or float("inf"), time.monotonic() + _REMOTE_POLL_MS / 1000)
-            idle = [link.last_used for link in self.links.values() if not link.busy]
-            if idle:
-                # Wake once when the longest-idle link is due to close, no more often.
-                deadline = min(deadline or float("inf"), min(idle) + self.config.peer_idle_ms / 1000)
+        links = self.links.next_wakeup(time.monotonic())
+        if links is not None:
+            deadline = min(deadline or float("inf"), links)
         if deadline is None:
             return _IDLE_POLL_MS
         return max(0, min(_IDLE_POLL_MS, int((deadline - time.monotonic()) * 1000) + 1))
@@ -508,7 +468,7 @@ class Node:
         covers fail ``INTERNAL`` once nothing of it runs (spec section 5.1); without one, the
         request gets an ``error`` reply with its id unless it was answered already.
         """
-        self._internal_failure(msg.TAG, exc)
+        self.internal_failure(msg.TAG, exc)
         msg_id: int = getattr(msg, "id", 0)
         reason = f"the node failed while handling {msg.TAG}: {type(exc).__name__}: {exc}"
         op = session.ops.get(msg_id)
@@ -518,14 +478,14 @@ class Node:
             self._refuse(session.identity, msg_id, ProtocolError(ErrorCode.INTERNAL, reason))
 
     def _message_failed(self, frames: list[bytes], exc: Exception) -> None:
-        self._internal_failure("message", exc)
+        self.internal_failure("message", exc)
         if not self._answered and frames:
             request_id = peek_id(frames[-1]) if len(frames) == 2 else 0
             reason = f"the node failed while handling the message: {type(exc).__name__}: {exc}"
             try:
                 self._refuse(frames[0], request_id, ProtocolError(ErrorCode.INTERNAL, reason))
             except Exception as again:
-                self._internal_failure("error reply", again)
+                self.internal_failure("error reply", again)
 
     def _break_op(self, op: Operation, reason: str) -> None:
         """Fail an operation whose handling failed: stop its waits, finish it once nothing of it runs."""
@@ -653,7 +613,7 @@ class Node:
     def _regions_reserved(self, session: ClientSession, regions: Sequence[int]) -> bool:
         """Whether a remote write that is not over may still write into one of the client's ``regions``."""
         wanted = set(regions)
-        for link in self.links.values():
+        for link in self.links:
             for write in (*link.writes.values(), *link.queued):
                 if write.client is None or write.agent != session.agent or write.state is WriteStage.DONE:
                     continue
@@ -711,10 +671,7 @@ class Node:
         self.remote_agents.release(session.agent)
         if not isinstance(session, PeerSession):
             # Sources forget it too in time (max_peer_clients); announce it afresh if it returns.
-            for link in self.links.values():
-                link.clients_sent.pop(session.agent, None)
-                for announce_id in [i for i, agent in link.announcing.items() if agent == session.agent]:
-                    del link.announcing[announce_id]
+            self.links.forget_client(session.agent)
         else:
             # The agents its target announced go with it (spec section 5.3, bye).
             announced = list(session.clients)
@@ -734,7 +691,7 @@ class Node:
                 if name in session.clients:
                     return AgentUse.HELD
                 running = running or any(op.agent == name for op in session.ops.values())
-        if any(link.agent == name for link in self.links.values()):
+        if any(link.agent == name for link in self.links):
             return AgentUse.HELD
         if running or any(t.agent == name for t in self.transfers.inflight):
             return AgentUse.RUNNING
@@ -981,7 +938,7 @@ class Node:
                 continue
             except Exception as exc:
                 # Before the claim: this item fails alone, the claims of the others stay owned.
-                self._internal_failure(f"{op.kind} item", exc)
+                self.internal_failure(f"{op.kind} item", exc)
                 op.fail(i, ErrorCode.INTERNAL, f"items[{i}]: the node failed: {type(exc).__name__}: {exc}")
                 continue
             # Spec section 8: "While any projected span is being delivered, the claim covers the
@@ -1252,7 +1209,7 @@ class Node:
                     "incarnation": link.incarnation, "writes_outstanding": len(link.writes), "queued": len(link.queued),
                     "uncertain": sum(1 for w in link.writes.values() if w.state is WriteStage.UNCERTAIN),
                 }
-                for link in self.links.values()
+                for link in self.links
             },
             "peer_sessions": sum(1 for s in self.sessions.values() if isinstance(s, PeerSession)),
             "outcomes": dict(self.outcomes),
@@ -1278,14 +1235,14 @@ class Node:
     def _table_sizes(self) -> dict[str, int]:
         """Entries in the node's per-session and per-peer tables, for soaks and operators."""
         peers = [s for s in (*self.sessions.values(), *self.retired) if isinstance(s, PeerSession)]
-        links = self.links.values()
+        links = self.links
         return {
             "sessions": len(self.sessions),
             "retired_sessions": len(self.retired),
             "handles": len(self.handles),
             "waiters": len(self.waiters),
             "links": len(self.links),
-            "link_sockets": len(self._link_socks),
+            "link_sockets": len(self.links.socks),
             "probes": sum(len(link.probes) for link in links),
             "clients_sent": sum(len(link.clients_sent) for link in links),
             "announcing": sum(len(link.announcing) for link in links),
@@ -1327,7 +1284,7 @@ class Node:
 
     def _check_deadlines(self) -> None:
         if self.links:
-            self._check_links(time.monotonic())
+            self.links.check(time.monotonic())
         if not self.waiters:
             return
         now = time.monotonic()
@@ -1343,7 +1300,7 @@ class Node:
             try:
                 on_done(ok)
             except Exception as exc:
-                self._internal_failure(f"{op.kind} completion", exc)
+                self.internal_failure(f"{op.kind} completion", exc)
                 self._break_op(op, f"the node failed while completing {op.kind}: {type(exc).__name__}: {exc}")
 
         try:
@@ -1353,7 +1310,7 @@ class Node:
             done(False)
             return
         except Exception as exc:
-            self._internal_failure(f"{op.kind} transfer", exc)
+            self.internal_failure(f"{op.kind} transfer", exc)
             done(False)
             return
         op.transfers.append(transfer)
@@ -1396,7 +1353,7 @@ class Node:
         (or anything fails before), they are freed and the keys fail.
         """
         try:
-            link = self._link(source)
+            link = self.links.open(source)
             items = []
             for _, entry in fills:
                 spans = []
@@ -1412,9 +1369,10 @@ class Node:
         except BaseException:
             self._abandon_fills([entry for _, entry in fills])
             raise
-        write = self._new_write(op, link, [i for i, _ in fills], tuple(items), self.agent.name, None, False)
+        write = self.links.new_write(op, link, [i for i, _ in fills], tuple(items), self.agent.name, None, False)
         write.fills = [entry for _, entry in fills]
-        self._submit_write(write)
+        op.remote += 1
+        self.links.submit(write)
 
     def _remote_write(
         self, op: Operation, source: str, indices: list[int], items: tuple[DeliverItem, ...],
@@ -1432,7 +1390,7 @@ class Node:
         keep = [(i, item) for i, item in zip(indices, items, strict=True) if op.results[i] is None]
         if keep:
             try:
-                link = self._link(source)
+                link = self.links.open(source)
             except LinkError as exc:
                 for i, _ in keep:
                     op.fail(i, exc.code, exc.reason)
@@ -1440,60 +1398,23 @@ class Node:
         if not keep:
             self._finish_if_settled(op)
             return
-        write = self._new_write(op, link, [i for i, _ in keep], tuple(item for _, item in keep), agent, client, partial)
-        self._submit_write(write)
-
-    def _new_write(
-        self, op: Operation, link: PeerLink, indices: list[int], items: tuple[DeliverItem, ...],
-        agent: str, client: ClientSession | None, partial: bool,
-    ) -> RemoteWrite:
-        write = RemoteWrite(link, self._next_write, op, indices, items, agent, client, partial, op.deadline)
-        self._next_write += 1
+        write = self.links.new_write(op, link, [i for i, _ in keep], tuple(item for _, item in keep), agent, client, partial)
         op.remote += 1
-        self.counters["remote_writes"] += 1
-        return write
+        self.links.submit(write)
 
-    def _submit_write(self, write: RemoteWrite) -> None:
-        if write.link.state is LinkState.READY:
-            self._send_write(write)
-        else:
-            write.link.queued.append(write)
+    # ---- what the links report (LinkOwner)
 
-    def _send_write(self, write: RemoteWrite) -> None:
-        link = write.link
-        if write.partial and link.version < PARTIAL_LAYOUT_VERSION:
-            # Spec section 12: a subset to a peer that lacks partial layouts fails at once; nothing is sent.
-            self._end_write(write, ErrorCode.PEER_UNSUPPORTED, f"the source speaks version {link.version}, which cannot deliver a subset")
-            return
-        client = write.client
-        if client is not None and link.clients_sent.get(client.agent) != client.regions_version:
-            # The client's metadata reaches the source once per client and peer (and again
-            # when its regions change).
-            announce = PeerClient(self._write_id(), client.agent, client.agent_md, tuple(client.regions.values()))
-            if self._link_send(link, announce):
-                link.clients_sent[client.agent] = client.regions_version
-                link.announcing[announce.id] = client.agent
-        remaining_ms = max(1, int((write.deadline - time.monotonic()) * 1000))
-        msg = WriteRequest(write.id, write.agent, write.items, remaining_ms, write.partial)
-        if self._link_send(link, msg):
-            write.state = WriteStage.SENT
-            link.writes[write.id] = write
-        else:
-            self._end_write(write, ErrorCode.PEER_UNREACHABLE, f"cannot send to {link.endpoint}")
+    def _peer_hello_msg(self, hello_id: int) -> PeerHello:
+        """Our ``peer_hello`` (spec section 5.3): versions, identity, agent metadata, our pools as regions."""
+        return PeerHello(hello_id, self.versions, self.config.name, self.incarnation, self.agent.name,
+                         self.agent.metadata(), self.pool_regions)
 
-    def _write_id(self) -> int:
-        self._next_write += 1
-        return self._next_write - 1
-
-    def _end_write(self, write: RemoteWrite, code: ErrorCode | None, reason: str, results: Sequence[KeyResult] = ()) -> None:
+    def write_over(
+        self, write: RemoteWrite, code: ErrorCode | None, reason: str, results: Sequence[KeyResult], was_uncertain: bool
+    ) -> None:
         """A write is over: no transfer of it can touch the destination any more."""
-        was_uncertain = write.state is WriteStage.UNCERTAIN
-        write.state = WriteStage.DONE
-        write.link.writes.pop(write.id, None)
         if self.withdrawing and write.client is not None:
             self._release_withdrawals()  # a held unregions may wait on this write (spec section 12)
-        write.link.probes.pop(write.probe_id, None)
-        write.link.last_used = time.monotonic()
         op = write.op
         if was_uncertain:
             self.counters["uncertain_resolved"] += 1
@@ -1521,275 +1442,8 @@ class Node:
                 op.fail(i, code or ErrorCode.TRANSFER_FAILED, reason)
         self._finish_if_settled(op)
 
-    def _link(self, endpoint: str) -> PeerLink:
-        """The link to the source at ``endpoint``, opened if need be (spec section 12).
-
-        Raises ``LinkError`` (``BAD_ENDPOINT`` or ``PEER_UNREACHABLE``, with the reason)
-        when it cannot be opened; nothing it opened stays behind.
-        """
-        link = self.links.get(endpoint)
-        if link is not None:
-            link.last_used = time.monotonic()
-            return link
-        if not endpoint.startswith(_LINK_TRANSPORTS):
-            raise LinkError(ErrorCode.BAD_ENDPOINT, f"the source endpoint {endpoint!r} is not a tcp:// or ipc:// endpoint")
-        if len(self.links) >= self.config.max_peers:
-            self._make_room_for_link(endpoint)
-        sock: zmq.Socket[bytes] | None = None
-        monitor: zmq.Socket[bytes] | None = None
-        try:
-            sock = self.context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, _LINK_RECONNECT_MAX_MS)
-            if self.zap is not None:
-                # Peers authenticate us by our own key pair; they serve with curve_peer_key.
-                sock.setsockopt(zmq.CURVE_SERVERKEY, self.curve_peer)
-                sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve_public)
-                sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve_secret)
-            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            sock.connect(endpoint)
-        except zmq.ZMQError as exc:
-            _close_quietly(sock, monitor)
-            code = ErrorCode.BAD_ENDPOINT if exc.errno in _BAD_ENDPOINT_ERRNOS else ErrorCode.PEER_UNREACHABLE
-            self.counters["link_failures"] += 1
-            raise LinkError(code, f"cannot connect to the source {endpoint!r}: {exc.strerror}") from exc
-        except BaseException:
-            _close_quietly(sock, monitor)
-            raise
-        link = PeerLink(endpoint, sock, monitor)
-        self.links[endpoint] = link
-        for s in link.fds:
-            self._poller.register(s, zmq.POLLIN)
-            self._link_socks[s] = link
-        try:
-            self._peer_hello(link)
-        except BaseException:
-            self._close_link(link)
-            raise
-        return link
-
-    def _make_room_for_link(self, endpoint: str) -> None:
-        """At ``max_peers`` links: close the least recently used idle one, or refuse (PEER_LIMIT)."""
-        idle = [link for link in self.links.values() if not link.busy]
-        if not idle:
-            self.counters["peer_limit_refusals"] += 1
-            raise LinkError(
-                ErrorCode.PEER_LIMIT,
-                f"cannot open a link to {endpoint!r}: this node holds max_peers={self.config.max_peers} links to "
-                "other sources, each with writes outstanding; retry later",
-            )
-        self.counters["links_evicted"] += 1
-        self._retire_link(min(idle, key=lambda link: link.last_used))
-
-    def _retire_link(self, link: PeerLink) -> None:
-        """Close a link that has no work left: say bye (spec section 5.3), close its sockets and
-        release the source's agent."""
-        if link.state is LinkState.READY:
-            self._link_send(link, Bye(self._write_id()))
-        log.info("closing the link to %s (%s)", link.node or link.endpoint, link.endpoint)
-        self._close_link(link, _BYE_LINGER_MS if link.state is LinkState.READY else 0)
-        if link.agent:
-            self.remote_agents.release(link.agent)
-
-    def _close_link(self, link: PeerLink, linger_ms: int = 0) -> None:
-        """Close a link's sockets and monitor and forget it; its poller entries go too."""
-        if self.links.get(link.endpoint) is link:
-            del self.links[link.endpoint]
-        for s in link.fds:
-            if self._link_socks.pop(s, None) is not None:
-                self._poller.unregister(s)
-        link.close(linger_ms)
-
-    def _peer_hello(self, link: PeerLink) -> None:
-        link.hello_id = self._write_id()
-        link.state = LinkState.CONNECTING
-        self._link_send(
-            link,
-            PeerHello(link.hello_id, self.versions, self.config.name, self.incarnation, self.agent.name,
-                      self.agent.metadata(), self.pool_regions),
-        )
-
-    def _link_send(self, link: PeerLink, msg: Message) -> bool:
-        try:
-            link.sock.send(encode(msg, link.version or self.versions[-1]), _NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
-
-    def _drain_link(self, link: PeerLink) -> None:
-        monitor = link.monitor
-        while cast(int, monitor.getsockopt(_EVENTS)) & _POLLIN:
-            event = recv_monitor_message(monitor, zmq.NOBLOCK)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                if link.state is not LinkState.DOWN:
-                    link.state = LinkState.DOWN
-                    link.down_since = time.monotonic()
-                    log.warning("lost peer %s (%s)", link.node or link.endpoint, link.endpoint)
-            elif event["event"] == zmq.EVENT_CONNECTED and link.state is LinkState.DOWN:
-                # Back: a new connection is a new session at the peer; say hello again.
-                self._peer_hello(link)
-        sock = link.sock
-        while not link.closed and cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
-            frame = sock.recv(_NOBLOCK)
-            try:
-                msg = decode(frame, link.version or self.versions[-1])
-            except RemoteProtocolError as exc:
-                self.protocol_errors[exc.code.name] += 1
-                continue
-            try:
-                self._on_link_message(link, msg)
-            except Exception as exc:
-                self._link_message_failed(link, msg, exc)
-
-    def _link_message_failed(self, link: PeerLink, msg: Message, exc: Exception) -> None:
-        """Handling a source's message raised: count it; the write it answers (if any) fails ``INTERNAL``."""
-        self._internal_failure(f"peer {msg.TAG}", exc)
-        write = link.writes.get(getattr(msg, "id", -1))
-        if write is not None and write.state is not WriteStage.DONE:
-            try:
-                self._end_write(write, ErrorCode.INTERNAL, f"the node failed while handling the source's {msg.TAG}")
-            except Exception as again:
-                self._internal_failure("ending a write", again)
-
-    def _on_link_message(self, link: PeerLink, msg: Message) -> None:
-        if isinstance(msg, PeerWelcome) and msg.id == link.hello_id:
-            self._on_peer_welcome(link, msg)
-        elif isinstance(msg, WriteDone):
-            write = link.writes.get(msg.id)
-            if write is not None:
-                if len(msg.results) != len(write.indices):
-                    self._end_write(write, ErrorCode.TRANSFER_FAILED, "the source answered with the wrong number of results")
-                else:
-                    self._end_write(write, None, "", msg.results)
-        elif isinstance(msg, Ack):
-            link.announcing.pop(msg.id, None)
-        elif isinstance(msg, (Refuse, Error)):
-            write = link.writes.get(msg.id)
-            agent = link.announcing.pop(msg.id, None)
-            if agent is not None:
-                # The source refused a client's announcement: the writes sent after it fail
-                # there (agent not announced); announce again with the client's next write.
-                self.counters["peer_client_refused"] += 1
-                link.clients_sent.pop(agent, None)
-                log.warning("peer %s refused client %s: %s", link.endpoint, agent, msg.reason)
-            if write is not None and isinstance(msg, Refuse) and self._may_retry(link, write, msg):
-                # The source forgot the client (max_peer_clients): announce it again, retry once.
-                write.retried = True
-                self.counters["writes_retried"] += 1
-                assert write.client is not None
-                link.clients_sent.pop(write.client.agent, None)
-                link.writes.pop(write.id, None)
-                self._send_write(write)
-            elif write is not None:
-                # Spec section 10.1: the codes a source refuses a write with pass on; any other
-                # (a bug or a hostile source) is a failed transfer.
-                code = ErrorCode(msg.code) if msg.code in SOURCE_CODES else ErrorCode.TRANSFER_FAILED
-                self._end_write(write, code, f"the source refused (code {msg.code}): {msg.reason}")
-            elif msg.id == link.hello_id:
-                log.warning("peer %s refused our hello: %s", link.endpoint, msg.reason)
-                self._fail_queued(link, ErrorCode.PEER_UNSUPPORTED if msg.code == ErrorCode.UNSUPPORTED_VERSION else ErrorCode.PEER_UNREACHABLE,
-                                  f"the source refused the peer session: {msg.reason}")
-            if isinstance(msg, Error) and msg.code == ErrorCode.BAD_STATE and link.state is LinkState.READY:
-                # The source has no session for us any more (it dropped us as silent while
-                # the connection stayed up): open a new one, or every later write fails too.
-                self._peer_hello(link)
-        elif isinstance(msg, ProbeReply):
-            self._on_probe_reply(link, msg)
-
-    @staticmethod
-    def _may_retry(link: PeerLink, write: RemoteWrite, msg: Refuse) -> bool:
-        """Whether a refused write is one to send again: refused for its client's agent
-        (BAD_STATE) although that client's announcement was not refused, not yet retried,
-        and its client still there (spec section 5.3)."""
-        client = write.client
-        return (
-            msg.code == ErrorCode.BAD_STATE and write.state is WriteStage.SENT and not write.retried
-            and client is not None and not client.closing and client.agent in link.clients_sent
-        )
-
-    def _on_peer_welcome(self, link: PeerLink, msg: PeerWelcome) -> None:
-        restarted = link.incarnation not in (0, msg.incarnation)
-        if restarted:
-            # A new incarnation: its predecessor's writes are void, and whatever it was
-            # writing is over (it is gone).
-            self.counters["peer_restarts"] += 1
-            for write in list(link.writes.values()):
-                self._end_write(write, ErrorCode.PEER_RESTARTED, "the source restarted")
-        link.incarnation = msg.incarnation
-        link.version = msg.version
-        link.node = msg.node
-        link.state = LinkState.READY
-        link.down_since = None
-        link.clients_sent.clear()
-        link.announcing.clear()
-        old_agent = link.agent
-        try:
-            link.agent = self.remote_agents.add(msg.agent_md)
-        except Exception as exc:
-            link.agent = ""
-            log.warning("peer %s metadata refused: %s", link.endpoint, exc)
-        if old_agent and old_agent != link.agent:
-            self.remote_agents.release(old_agent)  # the source restarted with another agent
-        queued, link.queued = link.queued, []
-        for write in queued:
-            if write.state is WriteStage.QUEUED:
-                self._send_write(write)
-        for write in list(link.writes.values()):
-            if write.state is WriteStage.UNCERTAIN:
-                write.next_probe = 0.0
-
-    def _fail_queued(self, link: PeerLink, code: ErrorCode, reason: str) -> None:
-        queued, link.queued = link.queued, []
-        for write in queued:
-            self._end_write(write, code, reason)
-
-    def _on_probe_reply(self, link: PeerLink, msg: ProbeReply) -> None:
-        write = link.probes.pop(msg.id, None)
-        if write is None or write.state is not WriteStage.UNCERTAIN:
-            return
-        if msg.incarnation != link.incarnation or msg.state in (WriteState.DONE, WriteState.UNKNOWN):
-            # The source confirms no transfer of that write can still run.
-            self._end_write(write, None, "")
-
-    def _check_links(self, now: float) -> None:
-        idle_s = self.config.peer_idle_ms / 1000
-        for link in list(self.links.values()):
-            if not link.busy and now - link.last_used >= idle_s:
-                # Nothing outstanding and unused for peer_idle_ms: close it (spec section 5.3).
-                self.counters["links_closed_idle"] += 1
-                self._retire_link(link)
-                continue
-            if link.state is LinkState.READY and link.next_heartbeat <= now and self.config.heartbeat_ms:
-                # The source drops sessions silent for its client grace, ours included.
-                link.next_heartbeat = now + self.config.heartbeat_ms / 1000
-                self._link_send(link, Heartbeat(self._write_id()))
-            for write in list(link.queued):
-                if write.deadline <= now:
-                    link.queued.remove(write)
-                    self._end_write(write, ErrorCode.PEER_UNREACHABLE, f"no session with the source {link.endpoint} before the deadline")
-            for write in list(link.writes.values()):
-                if write.state is WriteStage.SENT and write.deadline <= now:
-                    self._make_uncertain(write)
-                if write.state is not WriteStage.UNCERTAIN:
-                    continue
-                dead_for = now - link.down_since if link.down_since is not None else 0.0
-                if link.state is LinkState.DOWN and dead_for * 1000 >= self.config.peer_dead_ms:
-                    # Gone for longer than peer_dead_ms: nothing of it writes any more.
-                    self._end_write(write, None, "")
-                elif link.state is LinkState.READY and write.next_probe <= now:
-                    # Only the latest probe of a write is kept: an answer to an older one is
-                    # not needed (the newer asks the same, later).
-                    link.probes.pop(write.probe_id, None)
-                    write.probe_id = self._write_id()
-                    link.probes[write.probe_id] = write
-                    write.next_probe = now + _PROBE_INTERVAL_S
-                    self.counters["probes_sent"] += 1
-                    self._link_send(link, Probe(write.probe_id, write.id))
-
-    def _make_uncertain(self, write: RemoteWrite) -> None:
+    def write_uncertain(self, write: RemoteWrite) -> None:
         """The deadline passed with the write unanswered: fail the items, keep the memory."""
-        write.state = WriteStage.UNCERTAIN
-        self.counters["uncertain_writes"] += 1
         op = write.op
         op.remote -= 1
         for i in write.indices:
@@ -1922,8 +1576,7 @@ class Node:
             log.error("%d transfers still in flight at exit; memory stays registered", len(self.transfers.inflight))
         else:
             self._release_memory()
-        for link in self.links.values():
-            link.close()
+        self.links.close_all()
         self._close_sockets()
         self.bound.close()
         self._wakeup.close()

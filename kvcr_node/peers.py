@@ -1,8 +1,8 @@
-"""The target side of cross-node delivery: links to source nodes and the writes sent on them.
+"""The records of cross-node delivery on the target side: a link and a write, and their states.
 
 A link is one DEALER socket from this node to a peer's ROUTER, with the peer session it
 carries (spec section 12): hello, version agreement, the peer's incarnation and agent. Writes
-wait in the link's queue until the session is up.
+wait in the link's queue until the session is up. ``kvcr_node.links`` drives them.
 """
 
 from __future__ import annotations

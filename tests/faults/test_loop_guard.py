@@ -177,7 +177,7 @@ def test_handler_exception_fails_the_message_with_internal(
         # Failures after the operation exists: remote keys of a deliver and a fetch (whose
         # slots are already set aside) fail INTERNAL, the batch's local key is still served.
         monkeypatch.setattr(node, "_hinted_source", hinted_source("ipc:///nonexistent/x.sock"))
-        monkeypatch.setattr(node, "_link", boom)
+        monkeypatch.setattr(node.links, "open", boom)
         dst = np.zeros(SPANS * SLOT, np.uint8)
         out = client.deliver({b"local": spans(reg(dst)), b"far": spans(reg(np.zeros(SPANS * SLOT, np.uint8)))},
                              request_id="r").result(RESULT_TIMEOUT_S)

@@ -1,0 +1,498 @@
+"""The target side of cross-node delivery: links to source nodes and the writes sent on them.
+
+``Links`` owns every link (one DEALER socket and its monitor per source endpoint), the
+writes queued, sent or uncertain on each, their probes, and the ids of the messages it
+sends. It opens links on demand (at most ``max_peers``, least recently used idle ones
+closed to make room), says ``peer_hello``, announces clients, sends writes, reads what
+sources answer, and on each check sends heartbeats, turns writes whose deadline passed
+uncertain, probes them, and closes links idle for ``peer_idle_ms`` (spec sections 5.3
+and 12). What a write means for its operation (results, fills, handles) is the node's:
+``Links`` reports every write that ends, or turns uncertain, to its ``LinkOwner``.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, cast
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvcr_io.zmq_flags import EVENTS as _EVENTS
+from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
+from kvcr_io.zmq_flags import POLLIN as _POLLIN
+from kvcr_node.agents import RemoteAgents
+from kvcr_node.config import NodeConfig
+from kvcr_node.peers import LinkState, PeerLink, RemoteWrite, WriteStage
+from kvcr_node.sessions import ClientSession, Operation
+from kvcr_protocol import (
+    Ack,
+    Bye,
+    DeliverItem,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    KeyResult,
+    Message,
+    PeerClient,
+    PeerHello,
+    PeerWelcome,
+    Probe,
+    ProbeReply,
+    Refuse,
+    RemoteProtocolError,
+    WriteDone,
+    WriteRequest,
+    WriteState,
+    decode,
+    encode,
+)
+from kvcr_protocol.operations import SOURCE_CODES
+from kvcr_protocol.versions import PARTIAL_LAYOUT_VERSION
+
+log = logging.getLogger("kvcr.node")
+
+PROBE_INTERVAL_S = 0.25
+"""How often an uncertain write's source is asked whether the write is over."""
+BYE_LINGER_MS = 100
+"""How long a closed link's socket may still try to deliver its ``bye``."""
+RECONNECT_MAX_MS = 1000
+"""ZeroMQ retries a link's connection at 100 ms, doubling up to this: a source that stays
+unreachable costs its link a retry a second, not ten, until the link closes idle."""
+WRITE_POLL_S = 0.05
+"""With writes outstanding, the loop wakes at least this often to look at their deadlines."""
+TRANSPORTS = ("tcp://", "ipc://")
+"""Transports a link may use (spec section 12: sources are other nodes' ROUTER endpoints)."""
+_BAD_ENDPOINT_ERRNOS = frozenset({errno.EPROTONOSUPPORT, errno.EINVAL, errno.ENAMETOOLONG, errno.ENOENT, zmq.ENOCOMPATPROTO})
+"""ZeroMQ connect errors that mean the endpoint itself is wrong (others: the node cannot connect now)."""
+
+
+class LinkError(Exception):
+    """A link to a source could not be opened; the keys that needed it fail with ``code``."""
+
+    def __init__(self, code: ErrorCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class LinkOwner(Protocol):
+    """What ``Links`` reports upward: the node owns the operations its writes serve."""
+
+    def write_over(
+        self, write: RemoteWrite, code: ErrorCode | None, reason: str, results: Sequence[KeyResult], was_uncertain: bool
+    ) -> None:
+        """No transfer of ``write`` can touch its destination any more (code None: ``results`` say how it went)."""
+
+    def write_uncertain(self, write: RemoteWrite) -> None:
+        """``write``'s deadline passed unanswered: its keys fail, its destination stays reserved."""
+
+    def internal_failure(self, what: str, exc: BaseException) -> None:
+        """Handling a source's message raised (counted and logged by the owner)."""
+
+
+def _close_quietly(sock: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | None) -> None:
+    """Close what was opened for a link that could not be made."""
+    if sock is not None:
+        if monitor is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        sock.close(0)
+    if monitor is not None:
+        monitor.close(0)
+
+
+class Links:
+    """Every link of this node to a source node (the target side of spec section 12)."""
+
+    def __init__(
+        self, owner: LinkOwner, config: NodeConfig, context: zmq.Context[Any], poller: zmq.Poller,
+        agents: RemoteAgents, hello: Callable[[int], PeerHello], versions: Sequence[int],
+        counters: Counter[str], protocol_errors: Counter[str], clock: Callable[[], float],
+        curve: tuple[bytes, bytes, bytes] | None = None,
+    ) -> None:
+        self.owner = owner
+        self.config = config
+        self.context = context
+        self.poller = poller
+        self.agents = agents
+        self.hello = hello
+        """Builds our ``peer_hello`` for a message id."""
+        self.versions = versions
+        self.counters = counters
+        self.protocol_errors = protocol_errors
+        self.clock = clock
+        self.curve = curve
+        """(the peers' server key, our public key, our secret key) when nodes use CurveZMQ."""
+        self.by_endpoint: dict[str, PeerLink] = {}
+        self.socks: dict[Any, PeerLink] = {}
+        """Each link's socket and monitor, as the poller reports them."""
+        self._ids = itertools.count(1)
+        """Ids of every message we send on links: hello, write, announce, probe, heartbeat, bye."""
+
+    def __iter__(self) -> Iterator[PeerLink]:
+        return iter(self.by_endpoint.values())
+
+    def __len__(self) -> int:
+        return len(self.by_endpoint)
+
+    # ------------------------------------------------------------------ writes
+
+    def open(self, endpoint: str) -> PeerLink:
+        """The link to the source at ``endpoint``, opened if need be.
+
+        Raises ``LinkError`` (``BAD_ENDPOINT``, ``PEER_UNREACHABLE`` or ``PEER_LIMIT``, with
+        the reason) when it cannot be opened; nothing it opened stays behind.
+        """
+        link = self.by_endpoint.get(endpoint)
+        if link is not None:
+            link.last_used = self.clock()
+            return link
+        if not endpoint.startswith(TRANSPORTS):
+            raise LinkError(ErrorCode.BAD_ENDPOINT, f"the source endpoint {endpoint!r} is not a tcp:// or ipc:// endpoint")
+        if len(self.by_endpoint) >= self.config.max_peers:
+            self._make_room(endpoint)
+        sock: zmq.Socket[bytes] | None = None
+        monitor: zmq.Socket[bytes] | None = None
+        try:
+            sock = self.context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+            if self.curve is not None:
+                # Peers authenticate us by our own key pair; they serve with curve_peer_key.
+                server, public, secret = self.curve
+                sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            _close_quietly(sock, monitor)
+            code = ErrorCode.BAD_ENDPOINT if exc.errno in _BAD_ENDPOINT_ERRNOS else ErrorCode.PEER_UNREACHABLE
+            self.counters["link_failures"] += 1
+            raise LinkError(code, f"cannot connect to the source {endpoint!r}: {exc.strerror}") from exc
+        except BaseException:
+            _close_quietly(sock, monitor)
+            raise
+        link = PeerLink(endpoint, sock, monitor, last_used=self.clock())
+        self.by_endpoint[endpoint] = link
+        for s in link.fds:
+            self.poller.register(s, zmq.POLLIN)
+            self.socks[s] = link
+        try:
+            self._say_hello(link)
+        except BaseException:
+            self._close(link)
+            raise
+        return link
+
+    def new_write(
+        self, op: Operation, link: PeerLink, indices: list[int], items: tuple[DeliverItem, ...],
+        agent: str, client: ClientSession | None, partial: bool,
+    ) -> RemoteWrite:
+        """A write on ``link`` for the items ``indices`` of ``op``; ``submit`` sends it."""
+        self.counters["remote_writes"] += 1
+        return RemoteWrite(link, next(self._ids), op, indices, items, agent, client, partial, op.deadline)
+
+    def submit(self, write: RemoteWrite) -> None:
+        """Send ``write`` now if its link's session is up, else when it is."""
+        if write.link.state is LinkState.READY:
+            self._send_write(write)
+        else:
+            write.link.queued.append(write)
+
+    def end_write(self, write: RemoteWrite, code: ErrorCode | None, reason: str, results: Sequence[KeyResult] = ()) -> None:
+        """``write`` is over: forget it here and report it to the owner."""
+        was_uncertain = write.state is WriteStage.UNCERTAIN
+        write.state = WriteStage.DONE
+        link = write.link
+        link.writes.pop(write.id, None)
+        link.probes.pop(write.probe_id, None)
+        link.last_used = self.clock()
+        self.owner.write_over(write, code, reason, results, was_uncertain)
+
+    def forget_client(self, agent: str) -> None:
+        """A client's session ended: no link announces it any more (it is announced afresh if it returns)."""
+        for link in self:
+            link.clients_sent.pop(agent, None)
+            for announce_id in [i for i, a in link.announcing.items() if a == agent]:
+                del link.announcing[announce_id]
+
+    def _send_write(self, write: RemoteWrite) -> None:
+        link = write.link
+        if write.partial and link.version < PARTIAL_LAYOUT_VERSION:
+            # Spec section 12: a subset to a peer that lacks partial layouts fails at once; nothing is sent.
+            self.end_write(write, ErrorCode.PEER_UNSUPPORTED, f"the source speaks version {link.version}, which cannot deliver a subset")
+            return
+        client = write.client
+        if client is not None and link.clients_sent.get(client.agent) != client.regions_version:
+            # The client's metadata reaches the source once per client and peer (and again
+            # when its regions change).
+            announce = PeerClient(next(self._ids), client.agent, client.agent_md, tuple(client.regions.values()))
+            if self._send(link, announce):
+                link.clients_sent[client.agent] = client.regions_version
+                link.announcing[announce.id] = client.agent
+        remaining_ms = max(1, int((write.deadline - self.clock()) * 1000))
+        msg = WriteRequest(write.id, write.agent, write.items, remaining_ms, write.partial)
+        if self._send(link, msg):
+            write.state = WriteStage.SENT
+            link.writes[write.id] = write
+        else:
+            self.end_write(write, ErrorCode.PEER_UNREACHABLE, f"cannot send to {link.endpoint}")
+
+    # ------------------------------------------------------------------ sessions with sources
+
+    def _say_hello(self, link: PeerLink) -> None:
+        link.hello_id = next(self._ids)
+        link.state = LinkState.CONNECTING
+        self._send(link, self.hello(link.hello_id))
+
+    def _send(self, link: PeerLink, msg: Message) -> bool:
+        try:
+            link.sock.send(encode(msg, link.version or self.versions[-1]), _NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def drain(self, link: PeerLink) -> None:
+        """Read the link's monitor events and every message its source sent."""
+        monitor = link.monitor
+        while cast(int, monitor.getsockopt(_EVENTS)) & _POLLIN:
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                if link.state is not LinkState.DOWN:
+                    link.state = LinkState.DOWN
+                    link.down_since = self.clock()
+                    log.warning("lost peer %s (%s)", link.node or link.endpoint, link.endpoint)
+            elif event["event"] == zmq.EVENT_CONNECTED and link.state is LinkState.DOWN:
+                # Back: a new connection is a new session at the peer; say hello again.
+                self._say_hello(link)
+        sock = link.sock
+        while not link.closed and cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
+            frame = sock.recv(_NOBLOCK)
+            try:
+                msg = decode(frame, link.version or self.versions[-1])
+            except RemoteProtocolError as exc:
+                self.protocol_errors[exc.code.name] += 1
+                continue
+            try:
+                self._on_message(link, msg)
+            except Exception as exc:
+                self._message_failed(link, msg, exc)
+
+    def _message_failed(self, link: PeerLink, msg: Message, exc: Exception) -> None:
+        """Handling a source's message raised: count it; the write it answers (if any) fails ``INTERNAL``."""
+        self.owner.internal_failure(f"peer {msg.TAG}", exc)
+        write = link.writes.get(getattr(msg, "id", -1))
+        if write is not None and write.state is not WriteStage.DONE:
+            try:
+                self.end_write(write, ErrorCode.INTERNAL, f"the node failed while handling the source's {msg.TAG}")
+            except Exception as again:
+                self.owner.internal_failure("ending a write", again)
+
+    def _on_message(self, link: PeerLink, msg: Message) -> None:
+        if isinstance(msg, PeerWelcome) and msg.id == link.hello_id:
+            self._on_welcome(link, msg)
+        elif isinstance(msg, WriteDone):
+            write = link.writes.get(msg.id)
+            if write is not None:
+                if len(msg.results) != len(write.indices):
+                    self.end_write(write, ErrorCode.TRANSFER_FAILED, "the source answered with the wrong number of results")
+                else:
+                    self.end_write(write, None, "", msg.results)
+        elif isinstance(msg, Ack):
+            link.announcing.pop(msg.id, None)
+        elif isinstance(msg, (Refuse, Error)):
+            self._on_refusal(link, msg)
+        elif isinstance(msg, ProbeReply):
+            self._on_probe_reply(link, msg)
+
+    def _on_refusal(self, link: PeerLink, msg: Refuse | Error) -> None:
+        write = link.writes.get(msg.id)
+        agent = link.announcing.pop(msg.id, None)
+        if agent is not None:
+            # The source refused a client's announcement: the writes sent after it fail
+            # there (agent not announced); announce again with the client's next write.
+            self.counters["peer_client_refused"] += 1
+            link.clients_sent.pop(agent, None)
+            log.warning("peer %s refused client %s: %s", link.endpoint, agent, msg.reason)
+        if write is not None and isinstance(msg, Refuse) and self._may_retry(link, write, msg):
+            # The source forgot the client (max_peer_clients): announce it again, retry once.
+            write.retried = True
+            self.counters["writes_retried"] += 1
+            assert write.client is not None
+            link.clients_sent.pop(write.client.agent, None)
+            link.writes.pop(write.id, None)
+            self._send_write(write)
+        elif write is not None:
+            # Spec section 10.1: the codes a source refuses a write with pass on; any other
+            # (a bug or a hostile source) is a failed transfer.
+            code = ErrorCode(msg.code) if msg.code in SOURCE_CODES else ErrorCode.TRANSFER_FAILED
+            self.end_write(write, code, f"the source refused (code {msg.code}): {msg.reason}")
+        elif msg.id == link.hello_id:
+            log.warning("peer %s refused our hello: %s", link.endpoint, msg.reason)
+            self._fail_queued(link, ErrorCode.PEER_UNSUPPORTED if msg.code == ErrorCode.UNSUPPORTED_VERSION else ErrorCode.PEER_UNREACHABLE,
+                              f"the source refused the peer session: {msg.reason}")
+        if isinstance(msg, Error) and msg.code == ErrorCode.BAD_STATE and link.state is LinkState.READY:
+            # The source has no session for us any more (it dropped us as silent while
+            # the connection stayed up): open a new one, or every later write fails too.
+            self._say_hello(link)
+
+    @staticmethod
+    def _may_retry(link: PeerLink, write: RemoteWrite, msg: Refuse) -> bool:
+        """Whether a refused write is one to send again: refused for its client's agent
+        (BAD_STATE) although that client's announcement was not refused, not yet retried,
+        and its client still there (spec section 5.3)."""
+        client = write.client
+        return (
+            msg.code == ErrorCode.BAD_STATE and write.state is WriteStage.SENT and not write.retried
+            and client is not None and not client.closing and client.agent in link.clients_sent
+        )
+
+    def _on_welcome(self, link: PeerLink, msg: PeerWelcome) -> None:
+        restarted = link.incarnation not in (0, msg.incarnation)
+        if restarted:
+            # A new incarnation: its predecessor's writes are void, and whatever it was
+            # writing is over (it is gone).
+            self.counters["peer_restarts"] += 1
+            for write in list(link.writes.values()):
+                self.end_write(write, ErrorCode.PEER_RESTARTED, "the source restarted")
+        link.incarnation = msg.incarnation
+        link.version = msg.version
+        link.node = msg.node
+        link.state = LinkState.READY
+        link.down_since = None
+        link.clients_sent.clear()
+        link.announcing.clear()
+        old_agent = link.agent
+        try:
+            link.agent = self.agents.add(msg.agent_md)
+        except Exception as exc:
+            link.agent = ""
+            log.warning("peer %s metadata refused: %s", link.endpoint, exc)
+        if old_agent and old_agent != link.agent:
+            self.agents.release(old_agent)  # the source restarted with another agent
+        queued, link.queued = link.queued, []
+        for write in queued:
+            if write.state is WriteStage.QUEUED:
+                self._send_write(write)
+        for write in list(link.writes.values()):
+            if write.state is WriteStage.UNCERTAIN:
+                write.next_probe = 0.0
+
+    def _fail_queued(self, link: PeerLink, code: ErrorCode, reason: str) -> None:
+        queued, link.queued = link.queued, []
+        for write in queued:
+            self.end_write(write, code, reason)
+
+    def _on_probe_reply(self, link: PeerLink, msg: ProbeReply) -> None:
+        write = link.probes.pop(msg.id, None)
+        if write is None or write.state is not WriteStage.UNCERTAIN:
+            return
+        if msg.incarnation != link.incarnation or msg.state in (WriteState.DONE, WriteState.UNKNOWN):
+            # The source confirms no transfer of that write can still run.
+            self.end_write(write, None, "")
+
+    # ------------------------------------------------------------------ time
+
+    def check(self, now: float) -> None:
+        """Heartbeats, write deadlines, probes of uncertain writes, idle links closed."""
+        idle_s = self.config.peer_idle_ms / 1000
+        for link in list(self):
+            if not link.busy and now - link.last_used >= idle_s:
+                # Nothing outstanding and unused for peer_idle_ms: close it (spec section 5.3).
+                self.counters["links_closed_idle"] += 1
+                self.retire(link)
+                continue
+            if link.state is LinkState.READY and link.next_heartbeat <= now and self.config.heartbeat_ms:
+                # The source drops sessions silent for its client grace, ours included.
+                link.next_heartbeat = now + self.config.heartbeat_ms / 1000
+                self._send(link, Heartbeat(next(self._ids)))
+            for write in list(link.queued):
+                if write.deadline <= now:
+                    link.queued.remove(write)
+                    self.end_write(write, ErrorCode.PEER_UNREACHABLE, f"no session with the source {link.endpoint} before the deadline")
+            for write in list(link.writes.values()):
+                if write.state is WriteStage.SENT and write.deadline <= now:
+                    write.state = WriteStage.UNCERTAIN
+                    self.counters["uncertain_writes"] += 1
+                    self.owner.write_uncertain(write)
+                if write.state is not WriteStage.UNCERTAIN:
+                    continue
+                dead_for = now - link.down_since if link.down_since is not None else 0.0
+                if link.state is LinkState.DOWN and dead_for * 1000 >= self.config.peer_dead_ms:
+                    # Gone for longer than peer_dead_ms: nothing of it writes any more.
+                    self.end_write(write, None, "")
+                elif link.state is LinkState.READY and write.next_probe <= now:
+                    # Only the latest probe of a write is kept: an answer to an older one is
+                    # not needed (the newer asks the same, later).
+                    link.probes.pop(write.probe_id, None)
+                    write.probe_id = next(self._ids)
+                    link.probes[write.probe_id] = write
+                    write.next_probe = now + PROBE_INTERVAL_S
+                    self.counters["probes_sent"] += 1
+                    self._send(link, Probe(write.probe_id, write.id))
+
+    def next_wakeup(self, now: float) -> float | None:
+        """When ``check`` has something to do next (None: nothing while no message arrives)."""
+        times: list[float] = []
+        if self.config.heartbeat_ms:
+            times.extend(link.next_heartbeat for link in self if link.state is LinkState.READY)
+        if any(link.writes or link.queued for link in self):
+            times.append(now + WRITE_POLL_S)
+        idle = [link.last_used for link in self if not link.busy]
+        if idle:
+            # Wake once when the longest-idle link is due to close, no more often.
+            times.append(min(idle) + self.config.peer_idle_ms / 1000)
+        return min(times) if times else None
+
+    @property
+    def filling(self) -> bool:
+        """Whether a source may be writing into our pools right now (a fetch)."""
+        return any(w.fills for link in self for w in link.writes.values())
+
+    # ------------------------------------------------------------------ closing
+
+    def _make_room(self, endpoint: str) -> None:
+        """At ``max_peers`` links: close the least recently used idle one, or refuse (PEER_LIMIT)."""
+        idle = [link for link in self if not link.busy]
+        if not idle:
+            self.counters["peer_limit_refusals"] += 1
+            raise LinkError(
+                ErrorCode.PEER_LIMIT,
+                f"cannot open a link to {endpoint!r}: this node holds max_peers={self.config.max_peers} links to "
+                "other sources, each with writes outstanding; retry later",
+            )
+        self.counters["links_evicted"] += 1
+        self.retire(min(idle, key=lambda link: link.last_used))
+
+    def retire(self, link: PeerLink) -> None:
+        """Close a link that has no work left: say bye (spec section 5.3), close its sockets
+        and release the source's agent."""
+        ready = link.state is LinkState.READY
+        if ready:
+            self._send(link, Bye(next(self._ids)))
+        log.info("closing the link to %s (%s)", link.node or link.endpoint, link.endpoint)
+        self._close(link, BYE_LINGER_MS if ready else 0)
+        if link.agent:
+            self.agents.release(link.agent)
+
+    def _close(self, link: PeerLink, linger_ms: int = 0) -> None:
+        """Close a link's sockets and monitor and forget it; its poller entries go too."""
+        if self.by_endpoint.get(link.endpoint) is link:
+            del self.by_endpoint[link.endpoint]
+        for s in link.fds:
+            if self.socks.pop(s, None) is not None:
+                self.poller.unregister(s)
+        link.close(linger_ms)
+
+    def close_all(self) -> None:
+        """At shutdown: close every link's sockets."""
+        for link in list(self):
+            self._close(link)
