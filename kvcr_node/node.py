@@ -19,11 +19,8 @@ from typing import Any, cast
 
 import numpy as np
 import zmq
-from zmq.utils import z85
-from zmq.utils.monitor import recv_monitor_message
 
 from kvcr_io.agent import Agent, TransferError
-from kvcr_io.keys import read_key
 from kvcr_io.pacing import Pacer
 from kvcr_io.wake import WakePipe
 from kvcr_io.zmq_flags import EVENTS as _EVENTS
@@ -31,7 +28,7 @@ from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
 from kvcr_io.zmq_flags import POLLIN as _POLLIN
 from kvcr_io.zmq_flags import SNDMORE as _SNDMORE
 from kvcr_node.agents import AgentUse, RemoteAgents
-from kvcr_node.auth import ZAP_ENDPOINT, read_allow_list, zap_reply
+from kvcr_node.auth import CurveServer
 from kvcr_node.config import NodeConfig
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.eviction import make_policy
@@ -148,19 +145,17 @@ class Node:
         self.transfers = Transfers(self.agent, self.local)
         self.projections = ProjectionCache(config.projection_cache)
 
+        self.protocol_errors: collections.Counter[str] = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
         self._own_context = context is None
         self.context = context or zmq.Context()
         self.limits = Limits(max_frame=config.max_frame)
-        self.zap: zmq.Socket[bytes] | None = None
-        self.allowed: frozenset[bytes] = frozenset()
         self.sock: zmq.Socket[bytes] = self.context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # Frames far over the limit are cut off by ZeroMQ; those a little over get TOO_LARGE.
         self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * config.max_frame)
-        self._auth_monitor: zmq.Socket[bytes] | None = None
-        if config.curve_secret_key:
-            self._setup_curve()
+        self.curve = CurveServer(self.context, self.sock, config, self.counters) if config.curve_secret_key else None
         try:
             self.bound = BoundEndpoint(self.sock, config.endpoint)
         except Exception:
@@ -178,8 +173,6 @@ class Node:
         self._stop = False
         self.stopping = False
         self.outcomes: collections.Counter[str] = collections.Counter()
-        self.protocol_errors: collections.Counter[str] = collections.Counter()
-        self.counters: collections.Counter[str] = collections.Counter()
         self.undeclared_codes: collections.Counter[str] = collections.Counter()
         """Codes sent that spec section 10.1 does not list for their request (a breach)."""
         self._serving: str | None = None
@@ -225,62 +218,19 @@ class Node:
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._poller.register(self._wakeup.read_fd, zmq.POLLIN)
-        for extra in (self.zap, self._auth_monitor):
-            if extra is not None:
-                self._poller.register(extra, zmq.POLLIN)
+        for extra in self.curve.sockets if self.curve is not None else ():
+            self._poller.register(extra, zmq.POLLIN)
         self._next_liveness = 0.0
         self.remote_agents = RemoteAgents(self.agent, self._agent_use, time.monotonic)
-        curve = (self.curve_peer, self.curve_public, self.curve_secret) if self.zap is not None else None
         self.links = Links(
             self, self.config, self.context, self._poller, self.remote_agents, self._peer_hello_msg, self.versions,
-            self.counters, self.protocol_errors, time.monotonic, curve,
+            self.counters, self.protocol_errors, time.monotonic, self.curve.peer_keys if self.curve is not None else None,
         )
         self._failure_logged: dict[str, float] = {}
         """Failure kind -> when it may be logged (with a traceback) again."""
         self._answering: tuple[bytes, int] | None = None
         """(identity, id) of the request being handled; ``_answered`` says whether it got a reply."""
         self._answered = False
-
-    def _setup_curve(self) -> None:
-        """CURVE server on the ROUTER, with the ZAP handler served from the progress loop."""
-        config = self.config
-        self.curve_secret = read_key(config.curve_secret_key)
-        self.curve_public = read_key(config.curve_public_key)
-        self.curve_peer = read_key(config.curve_peer_key) if config.curve_peer_key else self.curve_public
-        self.allowed = read_allow_list(config.curve_allow)
-        # The ZAP handler must be bound before the ROUTER accepts anyone.
-        self.zap = self.context.socket(zmq.REP)
-        self.zap.setsockopt(zmq.LINGER, 0)
-        self.zap.bind(ZAP_ENDPOINT)
-        self.sock.setsockopt(zmq.CURVE_SERVER, 1)
-        self.sock.setsockopt(zmq.CURVE_SECRETKEY, self.curve_secret)
-        self.sock.setsockopt(zmq.CURVE_PUBLICKEY, self.curve_public)
-        self.sock.setsockopt(zmq.ZAP_DOMAIN, b"kvcr")
-        # A client that does not speak CURVE never reaches ZAP: count its failed handshake.
-        self._auth_monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-        )
-
-    def _serve_zap(self) -> None:
-        assert self.zap is not None
-        while cast(int, self.zap.getsockopt(_EVENTS)) & _POLLIN:
-            request = self.zap.recv_multipart(_NOBLOCK)
-            reply, user = zap_reply(request, self.allowed)
-            if user is not None:
-                self.counters["auth_accepted"] += 1
-            else:
-                self.counters["auth_refused"] += 1
-                key = z85.encode(request[6]).decode() if len(request) > 6 and len(request[6]) == 32 else "(none)"
-                log.warning("refused a connection: CURVE key %s is not on the allow-list", key)
-            self.zap.send_multipart(reply)
-
-    def _drain_auth_monitor(self) -> None:
-        assert self._auth_monitor is not None
-        while cast(int, self._auth_monitor.getsockopt(_EVENTS)) & _POLLIN:
-            event = recv_monitor_message(self._auth_monitor, zmq.NOBLOCK)
-            if event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-                self.counters["auth_handshake_failed"] += 1
-                log.warning("refused a connection that failed the CURVE handshake")
 
     # ------------------------------------------------------------------ the loop
 
@@ -309,10 +259,8 @@ class Node:
                     time.sleep(_FAILED_POLL_S)
                 if self._wakeup.read_fd in events:
                     self._guarded("wake", self._wakeup.drain)
-                if self.zap is not None and self.zap in events:
-                    self._guarded("zap", self._serve_zap)
-                if self._auth_monitor is not None and self._auth_monitor in events:
-                    self._guarded("auth monitor", self._drain_auth_monitor)
+                if self.curve is not None:
+                    self._guarded("authentication", functools.partial(self.curve.serve, events))
                 if self.sock in events:
                     self._guarded("receive", self._drain_messages)
                 if self.links.socks:
@@ -1582,11 +1530,8 @@ class Node:
         self._wakeup.close()
 
     def _close_sockets(self) -> None:
-        if self._auth_monitor is not None:
-            self.sock.disable_monitor()
-            self._auth_monitor.close(0)
-        if self.zap is not None:
-            self.zap.close(0)
+        if self.curve is not None:
+            self.curve.close()
         self.sock.close(0)
         if self._own_context:
             self.context.term()
