@@ -452,6 +452,27 @@ class Links:
             times.append(min(idle) + self.config.peer_idle_ms / 1000)
         return min(times) if times else None
 
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per source endpoint: its node, session state, version and writes (for ``stats``)."""
+        return {
+            link.endpoint: {
+                "node": link.node, "state": link.state.value, "version": link.version,
+                "incarnation": link.incarnation, "writes_outstanding": len(link.writes), "queued": len(link.queued),
+                "uncertain": sum(1 for w in link.writes.values() if w.state is WriteStage.UNCERTAIN),
+            }
+            for link in self
+        }
+
+    def sizes(self) -> dict[str, int]:
+        """Entries in the tables links keep (soaks check they return to a bound)."""
+        return {
+            "links": len(self.by_endpoint),
+            "link_sockets": len(self.socks),
+            "probes": sum(len(link.probes) for link in self),
+            "clients_sent": sum(len(link.clients_sent) for link in self),
+            "announcing": sum(len(link.announcing) for link in self),
+        }
+
     @property
     def filling(self) -> bool:
         """Whether a source may be writing into our pools right now (a fetch)."""

@@ -1145,20 +1145,8 @@ class Node:
             },
             "clients": sum(1 for s in self.sessions.values() if not isinstance(s, PeerSession)),
             "operations_pending": sum(len(s.ops) for s in self.sessions.values()),
-            "transfers": {
-                "in_flight": len(self.transfers.inflight),
-                "posted": self.transfers.posted,
-                "failed": self.transfers.failed,
-                "bytes": self.transfers.bytes,
-            },
-            "peers": {
-                link.endpoint: {
-                    "node": link.node, "state": link.state.value, "version": link.version,
-                    "incarnation": link.incarnation, "writes_outstanding": len(link.writes), "queued": len(link.queued),
-                    "uncertain": sum(1 for w in link.writes.values() if w.state is WriteStage.UNCERTAIN),
-                }
-                for link in self.links
-            },
+            "transfers": self.transfers.stats(),
+            "peers": self.links.stats(),
             "peer_sessions": sum(1 for s in self.sessions.values() if isinstance(s, PeerSession)),
             "outcomes": dict(self.outcomes),
             "protocol_errors": dict(self.protocol_errors),
@@ -1183,17 +1171,12 @@ class Node:
     def _table_sizes(self) -> dict[str, int]:
         """Entries in the node's per-session and per-peer tables, for soaks and operators."""
         peers = [s for s in (*self.sessions.values(), *self.retired) if isinstance(s, PeerSession)]
-        links = self.links
         return {
             "sessions": len(self.sessions),
             "retired_sessions": len(self.retired),
             "handles": len(self.handles),
             "waiters": len(self.waiters),
-            "links": len(self.links),
-            "link_sockets": len(self.links.socks),
-            "probes": sum(len(link.probes) for link in links),
-            "clients_sent": sum(len(link.clients_sent) for link in links),
-            "announcing": sum(len(link.announcing) for link in links),
+            **self.links.sizes(),
             "peer_clients": sum(len(s.clients) for s in peers),
             **self.remote_agents.sizes(),
             "hints": sum(len(s.hints) for s in self.sessions.values() if not isinstance(s, PeerSession)),

@@ -231,6 +231,9 @@ class Transfers:
         self._release(transfer)
         transfer.on_done(ok)
 
+    def stats(self) -> dict[str, int]:
+        return {"in_flight": len(self.inflight), "posted": self.posted, "failed": self.failed, "bytes": self.bytes}
+
     def poll(self) -> int:
         """Check every in-flight transfer once; returns how many became terminal."""
         if not self.inflight:
