@@ -126,12 +126,7 @@ class Agent:
             handle = self._nixl.make_prepped_xfer(op, local, list(local_idx), remote, list(remote_idx))
         except Exception as exc:
             raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
-        try:
-            state: str = self._nixl.transfer(handle)
-        except Exception as exc:
-            self.release(handle)
-            raise TransferError(f"NIXL could not post the {op}: {exc}") from exc
-        return handle, _status(state)
+        return handle, self._post(op, handle)
 
     def start_descs(
         self, op: str, local_kind: MemoryKind, local: Sequence[Desc], remote_kind: MemoryKind,
@@ -144,12 +139,16 @@ class Agent:
             handle = self._nixl.initialize_xfer(op, ldescs, rdescs, remote_agent)
         except Exception as exc:
             raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
+        return handle, self._post(op, handle)
+
+    def _post(self, op: str, handle: Any) -> XferStatus:
+        """Post a created transfer; a request NIXL refuses to post is released here."""
         try:
             state: str = self._nixl.transfer(handle)
         except Exception as exc:
             self.release(handle)
             raise TransferError(f"NIXL could not post the {op}: {exc}") from exc
-        return handle, _status(state)
+        return _status(state)
 
     def state(self, handle: Any) -> XferStatus:
         """The request's status; polling it also progresses the agent."""
