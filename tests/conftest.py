@@ -1,101 +1,26 @@
-"""Shared fixtures: real kvcr-node processes on private ipc endpoints, bounded waits."""
+"""Shared fixtures: real kvcr-node processes on private ipc endpoints.
+
+The helpers themselves live in the ``kvcr_testing`` package (``tests/kvcr_testing``, on
+``sys.path`` through pytest's ``pythonpath`` setting); pytest rewrites their asserts too.
+"""
 
 from __future__ import annotations
 
-import os
-import selectors
-import signal
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 15.0
+pytest.register_assert_rewrite("kvcr_testing")
 
-
-@dataclass
-class NodeProcess:
-    """A running ``kvcr-node`` child process."""
-
-    proc: subprocess.Popen[str]
-    endpoint: str
-    args: list[str]
-    output: list[str] = field(default_factory=list)
-    reader: threading.Thread | None = None
-    """Reads the node's output into ``output`` once it started: a node whose pipe nobody
-    reads blocks on its next log line once the pipe buffer is full."""
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        """Signal the node and wait (bounded) for it to exit; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_TIMEOUT_S)
-        if self.reader is not None:
-            self.reader.join(STOP_TIMEOUT_S)
-        if self.proc.stdout is not None and not self.proc.stdout.closed:
-            if self.reader is None:
-                self.output.append(self.proc.stdout.read() or "")
-            self.proc.stdout.close()
-        return self.proc.returncode
-
-    def read_output(self) -> None:
-        """Collect the node's output until it exits (run in ``reader``)."""
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.output.append(line)
-
-    def kill(self) -> None:
-        """kill -9: no cleanup at all."""
-        self.stop(signal.SIGKILL)
-
-
-def start_node(endpoint: str, *extra: str) -> NodeProcess:
-    """Start ``kvcr-node`` and wait until it prints the endpoint it bound."""
-    args = [sys.executable, "-m", "kvcr_node.cli", "--endpoint", endpoint, "--log-level", "WARNING", *extra]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    node = NodeProcess(proc, endpoint, args)
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while time.monotonic() < deadline:
-            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                continue
-            line = proc.stdout.readline()
-            if not line:
-                break
-            node.output.append(line)
-            if "listening on" in line:
-                node.reader = threading.Thread(target=node.read_output, name="node-output", daemon=True)
-                node.reader.start()
-                return node
-        node.stop(signal.SIGKILL)
-        raise RuntimeError(f"kvcr-node did not start: {''.join(node.output)}")
-    finally:
-        sel.close()
+from kvcr_testing.nodes import NodeProcess, short_ipc_dir, start_node  # noqa: E402
 
 
 @pytest.fixture
 def ipc_dir() -> Iterator[Path]:
-    # ipc paths are limited to ~107 bytes: keep them short.
-    short = Path(f"/tmp/kvcr-test-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    short.mkdir(parents=True)
-    yield short
-    for p in short.iterdir():
-        p.unlink(missing_ok=True)
-    short.rmdir()
+    """A short private directory for the test's ipc socket files (ipc paths are limited to ~107 bytes)."""
+    with short_ipc_dir("test") as path:
+        yield path
 
 
 @pytest.fixture
@@ -112,10 +37,3 @@ def node_factory(ipc_dir: Path) -> Iterator[Callable[..., NodeProcess]]:
     yield make
     for node in nodes:
         node.stop()
-
-
-def pattern(n: int, seed: int) -> np.ndarray:
-    """Patterned, seed-dependent bytes (never zeros), so misplaced bytes show."""
-    rng = np.random.default_rng(seed)
-    data = rng.integers(1, 256, size=n, dtype=np.uint8)
-    return data

@@ -17,18 +17,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from client_measure import Snapshot
-from integration_helpers import (
-    KiB,
-    Layout,
-    Registrar,
-    assert_bytes_equal,
-    assert_clean,
-    pattern,
-    slot_accounting,
-    stats,
-    wait_until,
-)
+from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
+from kvcr_testing.layouts import Layout, Registrar
+from kvcr_testing.measure import Snapshot
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 import kvcr_client.core
 from kvcr_client import AsyncClient, Client, KeyStatus, OperationTimeout, Presence, Span

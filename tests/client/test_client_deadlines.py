@@ -18,17 +18,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from integration_helpers import (
-    KiB,
-    Layout,
-    Registrar,
-    assert_bytes_equal,
-    assert_clean,
-    pattern,
-    slot_accounting,
-    stats,
-    wait_until,
-)
+from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
+from kvcr_testing.layouts import Layout, Registrar
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 import kvcr_client.core
 from kvcr_client import ArgumentError, Client, KeyStatus, NodeLostError, OperationTimeout, Span

@@ -20,7 +20,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from integration_helpers import KiB, Layout, Registrar, assert_bytes_equal, assert_clean, pattern, wait_until
+from kvcr_testing.health import assert_clean, wait_until
+from kvcr_testing.layouts import Layout, Registrar
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 from kvcr_client import Client, KeyStatus, NodeLostError, OpHandle, Presence, Span
 

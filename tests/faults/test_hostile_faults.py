@@ -24,20 +24,11 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-from hostile_helpers import (
-    RESULT_TIMEOUT_S,
-    KiB,
-    Layout,
-    Registrar,
-    Worker,
-    assert_bytes_equal,
-    assert_clean,
-    pattern,
-    slot_accounting,
-    start_node,
-    stats,
-    wait_until,
-)
+from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
+from kvcr_testing.hostile import Worker
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar
+from kvcr_testing.nodes import start_node
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 from kvcr_client import Client, ErrorCode, KeyStatus, NodeError, NodeLostError, Span
 from kvcr_io.agent import Agent

@@ -21,20 +21,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-import remote_helpers  # tests/integration, on pytest's pythonpath
 import zmq
-from hostile_helpers import (
-    RESULT_TIMEOUT_S,
-    KiB,
-    Layout,
-    Registrar,
-    assert_bytes_equal,
-    assert_clean,
-    pattern,
-    slot_accounting,
-    stats,
-    wait_until,
-)
+from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, plain_layout
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
+from kvcr_testing.remote import Site, deliver_checked, sites_of
 
 from kvcr_client import ArgumentError, Client, ErrorCode, KeyStatus, NodeError, Presence, Span
 from kvcr_protocol import IPC_PATH_MAX, Ack, Bye, DiscardHint, Hello, Message, SubmitHint, Welcome, decode, encode
@@ -154,7 +145,7 @@ def tables(st: dict[str, Any]) -> dict[str, int]:
 
 @pytest.fixture
 def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with remote_helpers.sites_of(node_factory) as s:
+    with sites_of(node_factory) as s:
         yield s
 
 
@@ -162,15 +153,15 @@ def test_a_hint_belongs_to_the_client_that_submitted_it(sites: Any) -> None:
     """A second client sees nothing of the first one's hint under the same request id, and
     its own hint under that id steers only its own requests."""
     a, b = sites.start("a", "b")
-    src = b.deposit(b"k", remote_helpers.plain_layout(2), seed=1)
-    layout = remote_helpers.plain_layout(2)
+    src = b.deposit(b"k", plain_layout(2), seed=1)
+    layout = plain_layout(2)
     a.client.submit_hint("req", b.endpoint, [b"k"]).result(RESULT_TIMEOUT_S)
     nowhere = f"ipc://{Path(a.endpoint.removeprefix('ipc://')).parent}/nobody.sock"
     with Client(a.endpoint, name="other") as other:
-        other_site = remote_helpers.Site(a.node, other, Registrar(other))
+        other_site = Site(a.node, other, Registrar(other))
         try:
             assert other.query([b"k"], request_id="req").result(RESULT_TIMEOUT_S)[b"k"].presence is Presence.MISS
-            remote_helpers.deliver_checked(other_site, b"k", layout, None, range(2), seed=2, request_id="req",
+            deliver_checked(other_site, b"k", layout, None, range(2), seed=2, request_id="req",
                                            code=ErrorCode.NOT_FOUND)
             fetched = other.fetch({b"k": [(n, "kv") for n in layout.names]}, request_id="req").result(RESULT_TIMEOUT_S)
             assert fetched[b"k"].code == ErrorCode.NOT_FOUND, fetched[b"k"]
@@ -180,10 +171,10 @@ def test_a_hint_belongs_to_the_client_that_submitted_it(sites: Any) -> None:
             assert tables(stats(other))["hints"] == 2
             # The first client's request still goes to the source it named, byte-exact.
             assert a.client.query([b"k"], request_id="req").result(RESULT_TIMEOUT_S)[b"k"].presence is Presence.FETCHABLE
-            remote_helpers.deliver_checked(a, b"k", layout, src, range(2), seed=3, request_id="req")
+            deliver_checked(a, b"k", layout, src, range(2), seed=3, request_id="req")
             other.discard_hint("req").result(RESULT_TIMEOUT_S)
             # Discarding it is the other client's business only: the first one's hint stays.
-            remote_helpers.deliver_checked(a, b"k", layout, src, range(2), seed=4, request_id="req")
+            deliver_checked(a, b"k", layout, src, range(2), seed=4, request_id="req")
             assert nowhere not in stats(other)["peers"], "the other client's hint was never used"
         finally:
             other_site.reg.close()

@@ -26,7 +26,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hostile_helpers import NodeProcess, Worker
+from kvcr_testing.hostile import Worker
+from kvcr_testing.nodes import NodeProcess
 
 ADDR_A, ADDR_B = "10.200.0.1", "10.200.0.2"
 PORT = 5555

@@ -25,19 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import remote_helpers  # tests/integration, on pytest's pythonpath
+from kvcr_testing.health import counter, slot_accounting, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
+from kvcr_testing.remote import FAILED, OK, Dest, deliver_checked, expect, open_site, poll_stats, sites_of
 
 from kvcr_client import ErrorCode
-
-rh = remote_helpers
-RESULT_TIMEOUT_S: float = rh.RESULT_TIMEOUT_S
-FAILED = rh.FAILED
-Dest = rh.Dest
-counter = rh.counter
-deliver_checked = rh.deliver_checked
-expect = rh.expect
-poll_stats = rh.poll_stats
-wait_until = rh.wait_until
 
 MAX_PEERS = 16
 PEER_IDLE_MS = 300
@@ -49,12 +41,12 @@ FD_SLACK = 10
 SETTLE_S = 5.0
 DEPARTED_AGENTS = 64
 """Agents of ended sessions a node keeps loaded (kvcr_node.node._DEPARTED_AGENTS)."""
-LAYOUT = rh.plain_layout(2)
+LAYOUT = plain_layout(2)
 
 
 @pytest.fixture
 def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with rh.sites_of(node_factory) as s:
+    with sites_of(node_factory) as s:
         yield s
 
 
@@ -101,7 +93,7 @@ def test_links_are_capped_and_close_when_idle(sites: Any) -> None:
     here = Path(a.endpoint.removeprefix("ipc://")).parent
     dests = [Dest(a, LAYOUT, range(2), seed=10 + i) for i in range(MAX_PEERS + 1)]
     fds_before = fd_count(a)
-    slots_before = rh.integration_helpers.slot_accounting(a.stats())
+    slots_before = slot_accounting(a.stats())
 
     # Every link busy with a queued write: one more source is refused, nothing set aside.
     for i in range(MAX_PEERS + 1):
@@ -148,7 +140,7 @@ def test_links_are_capped_and_close_when_idle(sites: Any) -> None:
     assert counter(st, "internal_errors") == 0, st["counters"]
     for dst in dests:
         dst.assert_untouched()
-    assert rh.integration_helpers.slot_accounting(st) == slots_before
+    assert slot_accounting(st) == slots_before
     assert a.alive
 
 
@@ -216,21 +208,21 @@ def test_announced_client_tables_are_bounded(sites: Any) -> None:
         hint(site, "r", b.endpoint, [b"k"])
         deliver_checked(site, b"k", LAYOUT, src, range(2), seed=seed, request_id="r")
 
-    extra = [rh.open_site(a.node, f"c{i}") for i in range(3)]
+    extra = [open_site(a.node, f"c{i}") for i in range(3)]
     try:
         # Registered once: a client whose regions change is announced again anyway.
         dests = [Dest(site, LAYOUT, range(2), seed=20 + i) for i, site in enumerate(extra)]
         for site, dst in zip(extra, dests, strict=True):  # the third evicts the first at B
             hint(site, "r", b.endpoint, [b"k"])
             out = site.client.deliver({b"k": dst.spans}, request_id="r").result(RESULT_TIMEOUT_S)[b"k"]
-            expect(out, rh.OK)
+            expect(out, OK)
             dst.assert_delivered(src)
         st = b.stats()
         assert st["tables"]["peer_clients"] == 2 and counter(st, "peer_clients_evicted") == 1, (st["tables"], st["counters"])
         # The first client again, same regions: B refuses the unknown agent, A announces it again and retries.
         dests[0].buf[:] = dests[0].before
         out = extra[0].client.deliver({b"k": dests[0].spans}, request_id="r").result(RESULT_TIMEOUT_S)[b"k"]
-        expect(out, rh.OK)
+        expect(out, OK)
         dests[0].assert_delivered(src)
         assert counter(a.stats(), "writes_retried") == 1
         assert tables(a)["clients_sent"] == 3
@@ -240,7 +232,7 @@ def test_announced_client_tables_are_bounded(sites: Any) -> None:
     poll_stats(a, lambda st: st["tables"]["clients_sent"] == 0, SETTLE_S, "A forgot the closed clients")
 
     for i in range(12):
-        site = rh.open_site(a.node, f"d{i}")
+        site = open_site(a.node, f"d{i}")
         try:
             deliver_from(site, 40 + i)
         finally:

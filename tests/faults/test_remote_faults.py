@@ -28,29 +28,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import remote_helpers  # tests/integration, on pytest's pythonpath
+from kvcr_testing.health import counter, outcome_count, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
+from kvcr_testing.nodes import start_node
+from kvcr_testing.remote import FAILED, OK, POOLS, Dest, deliver_checked, expect, poll_stats, sites_of
 
 from kvcr_client import ErrorCode, NodeLostError, OperationTimeout, Presence
-
-rh = remote_helpers
-RESULT_TIMEOUT_S: float = rh.RESULT_TIMEOUT_S
-OK, FAILED = rh.OK, rh.FAILED
-Dest = rh.Dest
-counter = rh.counter
-deliver_checked = rh.deliver_checked
-expect = rh.expect
-poll_stats = rh.poll_stats
 
 DEADLINE_MS = 1500
 PEER_DEAD_MS = 500
 SLACK_S = 3.0
 """How much later than its deadline a failed operation may complete."""
-LAYOUT = rh.plain_layout(4)
+LAYOUT = plain_layout(4)
 
 
 @pytest.fixture
 def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with rh.sites_of(node_factory) as s:
+    with sites_of(node_factory) as s:
         yield s
 
 
@@ -105,7 +99,7 @@ def test_source_frozen_then_killed_deliver(sites: Any) -> None:
         assert counter(st, "uncertain_writes") == 1
         # Frozen is not dead: the link is still up, so the write stays uncertain well past
         # peer_dead_ms (A keeps probing).
-        assert not rh.wait_until(lambda: peer(a.stats(), b.endpoint)["uncertain"] == 0, 2 * PEER_DEAD_MS / 1000)
+        assert not wait_until(lambda: peer(a.stats(), b.endpoint)["uncertain"] == 0, 2 * PEER_DEAD_MS / 1000)
         kill(b.node)
     st = poll_stats(a, lambda st: peer(st, b.endpoint).get("writes_outstanding") == 0, PEER_DEAD_MS / 1000 + SLACK_S,
                     "the uncertain write resolved after the source died")
@@ -157,7 +151,7 @@ def test_source_frozen_then_killed_fetch_frees_writing_slots(sites: Any) -> None
         # A local deliver of the key waits on the WRITING entry.
         dst = Dest(a, LAYOUT, range(4), seed=20)
         waiting = a.client.deliver({b"k": dst.spans}, deadline_ms=20_000)
-        assert not rh.wait_until(waiting.done, 2 * PEER_DEAD_MS / 1000)
+        assert not wait_until(waiting.done, 2 * PEER_DEAD_MS / 1000)
         assert a.stats()["writing"] == 1
         kill(b.node)
     # Resolved: the fill is abandoned, the waiting deliver learns the key is not here.
@@ -206,7 +200,7 @@ def test_source_restart(sites: Any) -> None:
     poll_stats(a, lambda st: peer(st, endpoint)["state"] == "down", SLACK_S, "A saw the source go")
     assert not sent.done()
 
-    b2 = sites.adopt(rh.start_node(endpoint, *rh.POOLS), "b2")
+    b2 = sites.adopt(start_node(endpoint, *POOLS), "b2")
     src2 = b2.deposit(b"k", LAYOUT, seed=4)  # the same key, other bytes
     inc2 = b2.stats()["incarnation"]
     assert inc2 != inc1
@@ -316,7 +310,7 @@ def test_target_killed_mid_write(sites: Any) -> None:
         handle = a.client.deliver({b"k": dst.spans}, request_id="r", deadline_ms=DEADLINE_MS)
         poll_stats(a, lambda st: peer(st, b.endpoint)["writes_outstanding"] == 1, 10, "the write sent to B")
         kill(a.node)
-    st = poll_stats(b, lambda st: rh.outcome_count(st, "write.") == 2, 10, "B ended the orphaned write")
+    st = poll_stats(b, lambda st: outcome_count(st, "write.") == 2, 10, "B ended the orphaned write")
     assert st["claims"]["total"] == 0 and st["operations_pending"] == 0, st
     with pytest.raises((NodeLostError, OperationTimeout)):
         handle.result(DEADLINE_MS / 1000 + SLACK_S)

@@ -23,6 +23,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from kvcr_testing.health import assert_clean
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, plan_destination
+from kvcr_testing.nodes import running_node, short_ipc_dir
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern, sentinel_like
+
+from kvcr_client import ArgumentError, Client, ErrorCode, KeyStatus, RegionHandle, Span
+from kvcr_protocol import MemoryKind
 
 cupy = pytest.importorskip(
     "cupy", reason="GPU tests need CuPy (the 'gpu' extra) and a CUDA GPU: CuPy is not installed"
@@ -41,25 +48,6 @@ if DEVICES == 0:
     pytest.skip(f"GPU tests need a CUDA GPU: CuPy is installed but sees none ({_WHY})", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
-
-# The byte-check and node-health helpers of the integration tests (see their docstring).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from integration_helpers import (  # noqa: E402
-    RESULT_TIMEOUT_S,
-    KiB,
-    Layout,
-    Registrar,
-    assert_bytes_equal,
-    assert_clean,
-    pattern,
-    plan_destination,
-    running_node,
-    sentinel_like,
-    short_ipc_dir,
-)
-
-from kvcr_client import ArgumentError, Client, ErrorCode, KeyStatus, RegionHandle, Span  # noqa: E402
-from kvcr_protocol import MemoryKind  # noqa: E402
 
 POOLS = (
     "--pool", "hbmkv:64KiB:128:hbm:0",

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from remote_helpers import RESULT_TIMEOUT_S, counter, deliver_checked, plain_layout, sites_of, stats, wait_until
+from kvcr_testing.health import counter, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
+from kvcr_testing.remote import deliver_checked, sites_of
 
 from kvcr_client import Client
 

@@ -18,21 +18,10 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from integration_helpers import (
-    RESULT_TIMEOUT_S,
-    KiB,
-    Layout,
-    Registrar,
-    assert_bytes_equal,
-    assert_clean,
-    deliver_and_check,
-    pattern,
-    running_node,
-    short_ipc_dir,
-    slot_accounting,
-    stats,
-    wait_until,
-)
+from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, deliver_and_check
+from kvcr_testing.nodes import running_node, short_ipc_dir
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 from kvcr_client import (
     ArgumentError,

@@ -14,17 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration_helpers import (
-    RESULT_TIMEOUT_S,
-    KiB,
-    Layout,
-    Registrar,
-    assert_bytes_equal,
-    assert_clean,
-    pattern,
-    start_node,
-    wait_until,
-)
+from kvcr_testing.health import assert_clean, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar
+from kvcr_testing.nodes import start_node
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 from kvcr_client import Client, KeyStatus, NodeLostError, OperationTimeout, Span
 

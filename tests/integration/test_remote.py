@@ -20,24 +20,19 @@ from typing import Any
 
 import pytest
 import zmq
-from remote_helpers import (
+from kvcr_testing.health import counter, outcome_count, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, hybrid_layout, plain_layout
+from kvcr_testing.patterns import KiB
+from kvcr_testing.remote import (
     FAILED,
     OK,
-    RESULT_TIMEOUT_S,
     Dest,
-    KiB,
-    Layout,
     Sites,
     assert_site_clean,
-    counter,
     deliver_checked,
     expect,
-    hybrid_layout,
-    outcome_count,
-    plain_layout,
     poll_stats,
     sites_of,
-    wait_until,
 )
 
 from kvcr_client import ErrorCode, Presence, Span

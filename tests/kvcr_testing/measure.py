@@ -1,8 +1,4 @@
-"""Measurements of this (the client's) process for churn tests: descriptors, RSS, client tables.
-
-Imported by the tests of this folder as ``client_measure`` (pytest's ``prepend`` import
-mode puts the folder on ``sys.path``; the unusual name keeps it from colliding).
-"""
+"""Descriptors and resident memory of this (the client's) process, for the client churn tests."""
 
 from __future__ import annotations
 
@@ -12,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 FD_SLACK = 4
-"""Descriptors a churn may leave open beyond its start (ZeroMQ reaper and similar lazily made ones)."""
+"""Descriptors a client churn may leave open beyond its start (ZeroMQ reaper and similar lazily made ones)."""
 RSS_SLACK_KIB = 4096
-"""RSS growth a churn may leave (allocator arenas, caches warmed once), far below what a leak of
+"""RSS growth a client churn may leave (allocator arenas, caches warmed once), far below what a leak of
 one object per operation costs over thousands of operations."""
 
 
