@@ -1,4 +1,4 @@
-"""Shared fixtures: real kvcr-node processes on private ipc endpoints.
+"""Fixtures shared by the test folders: real kvcr-node processes on private ipc endpoints.
 
 The helpers themselves live in the ``kvcr_testing`` package (``tests/kvcr_testing``, on
 ``sys.path`` through pytest's ``pythonpath`` setting); pytest rewrites their asserts too.
@@ -13,7 +13,14 @@ import pytest
 
 pytest.register_assert_rewrite("kvcr_testing")
 
-from kvcr_testing.nodes import NodeProcess, short_ipc_dir, start_node  # noqa: E402
+from kvcr_testing.health import assert_clean  # noqa: E402
+from kvcr_testing.layouts import Registrar  # noqa: E402
+from kvcr_testing.nodes import NodeProcess, running_node, short_ipc_dir, start_node  # noqa: E402
+from kvcr_testing.remote import Sites, sites_of  # noqa: E402
+
+from kvcr_client import Client  # noqa: E402
+
+# --------------------------------------------------------------------------- nodes of one test
 
 
 @pytest.fixture
@@ -37,3 +44,60 @@ def node_factory(ipc_dir: Path) -> Iterator[Callable[..., NodeProcess]]:
     yield make
     for node in nodes:
         node.stop()
+
+
+@pytest.fixture
+def sites(node_factory: Callable[..., NodeProcess]) -> Iterator[Sites]:
+    """Nodes with a client each (``kvcr_testing.remote``); on a clean exit every surviving node must be clean."""
+    with sites_of(node_factory) as s:
+        yield s
+
+
+# --------------------------------------------------------------------------- one node for a whole module
+#
+# A module whose tests share a node overrides ``node_args`` (module scope) with the node's
+# arguments, and checks the node after every test with
+# ``pytestmark = pytest.mark.usefixtures("node_left_clean")``.
+
+
+@pytest.fixture(scope="module")
+def node_args() -> tuple[str, ...]:
+    """The arguments of the module's shared ``node``."""
+    pytest.fail("a module that uses the shared node overrides the node_args fixture with the node's arguments")
+
+
+@pytest.fixture(scope="module")
+def node(node_args: tuple[str, ...]) -> Iterator[NodeProcess]:
+    """One node for the tests of a module; it must exit cleanly (code 0) when stopped."""
+    with short_ipc_dir("mod") as d, running_node(d, "n", *node_args) as n:
+        yield n
+    assert n.proc.returncode == 0, n.output
+
+
+@pytest.fixture(scope="module")
+def client(node: NodeProcess, request: pytest.FixtureRequest) -> Iterator[Client]:
+    """A client of the module's node, named after the module (``itest-local`` for test_local.py)."""
+    module = request.module.__name__.rpartition(".")[2].removeprefix("test_")
+    with Client(node.endpoint, name=f"itest-{module}") as c:
+        yield c
+
+
+@pytest.fixture
+def node_left_clean(client: Client) -> Iterator[None]:
+    """After the test: the shared node is at rest and consistent."""
+    yield
+    assert_clean(client)
+
+
+@pytest.fixture
+def register(client: Client) -> Iterator[Registrar]:
+    """Registers buffers with the module's client; unregisters them after the test."""
+    reg = Registrar(client)
+    yield reg
+    reg.close()
+
+
+@pytest.fixture
+def key(request: pytest.FixtureRequest) -> Callable[[str], bytes]:
+    """Keys unique to the test (the shared node keeps objects between tests)."""
+    return lambda label: f"{request.node.name}/{label}".encode()

@@ -118,11 +118,8 @@ def _cases() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def node(request: pytest.FixtureRequest) -> Iterator[Any]:
-    from kvcr_testing.nodes import running_node, short_ipc_dir
-
-    with short_ipc_dir("args") as d, running_node(d, "n", *POOL) as n:
-        yield n
+def node_args() -> tuple[str, ...]:
+    return POOL
 
 
 @pytest.fixture(scope="module")

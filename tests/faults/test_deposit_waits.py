@@ -12,15 +12,13 @@ it waits fails TIMEOUT. Every delivered byte is checked; both nodes end clean.
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-import pytest
 from kvcr_testing.health import wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
 from kvcr_testing.patterns import pattern
-from kvcr_testing.remote import FAILED, OK, deliver_checked, expect, sites_of
+from kvcr_testing.remote import FAILED, OK, deliver_checked, expect
 
 from kvcr_client import Client, ErrorCode, KeyStatus
 
@@ -31,12 +29,6 @@ FETCH_DEADLINE_MS = 1500
 WAIT_S = 1.0
 """How long the test watches a deposit that must still be waiting."""
 SLACK_S = 5.0
-
-
-@pytest.fixture
-def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with sites_of(node_factory) as s:
-        yield s
 
 
 def warm_link(a: Any, b: Any, src: np.ndarray) -> None:

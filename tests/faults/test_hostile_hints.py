@@ -25,7 +25,7 @@ import zmq
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, plain_layout
 from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
-from kvcr_testing.remote import Site, deliver_checked, sites_of
+from kvcr_testing.remote import Site, deliver_checked
 
 from kvcr_client import ArgumentError, Client, ErrorCode, KeyStatus, NodeError, Presence, Span
 from kvcr_protocol import IPC_PATH_MAX, Ack, Bye, DiscardHint, Hello, Message, SubmitHint, Welcome, decode, encode
@@ -141,12 +141,6 @@ def counter(st: dict[str, Any], name: str) -> int:
 
 def tables(st: dict[str, Any]) -> dict[str, int]:
     return dict(st["tables"])
-
-
-@pytest.fixture
-def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with sites_of(node_factory) as s:
-        yield s
 
 
 def test_a_hint_belongs_to_the_client_that_submitted_it(sites: Any) -> None:

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from kvcr_testing.health import counter, slot_accounting, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
-from kvcr_testing.remote import FAILED, OK, Dest, deliver_checked, expect, open_site, poll_stats, sites_of
+from kvcr_testing.remote import FAILED, OK, Dest, deliver_checked, expect, open_site, poll_stats
 
 from kvcr_client import ErrorCode
 
@@ -42,12 +40,6 @@ SETTLE_S = 5.0
 DEPARTED_AGENTS = 64
 """Agents of ended sessions a node keeps loaded (kvcr_node.node._DEPARTED_AGENTS)."""
 LAYOUT = plain_layout(2)
-
-
-@pytest.fixture
-def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with sites_of(node_factory) as s:
-        yield s
 
 
 def fd_count(site: Any) -> int:

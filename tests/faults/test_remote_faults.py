@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ import pytest
 from kvcr_testing.health import counter, outcome_count, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
 from kvcr_testing.nodes import start_node
-from kvcr_testing.remote import FAILED, OK, POOLS, Dest, deliver_checked, expect, poll_stats, sites_of
+from kvcr_testing.remote import FAILED, OK, POOLS, Dest, deliver_checked, expect, poll_stats
 
 from kvcr_client import ErrorCode, NodeLostError, OperationTimeout, Presence
 
@@ -40,12 +39,6 @@ PEER_DEAD_MS = 500
 SLACK_S = 3.0
 """How much later than its deadline a failed operation may complete."""
 LAYOUT = plain_layout(4)
-
-
-@pytest.fixture
-def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with sites_of(node_factory) as s:
-        yield s
 
 
 def frozen(node: Any) -> Any:

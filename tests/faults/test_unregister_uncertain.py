@@ -11,7 +11,6 @@ once the reservation ends. Afterwards nothing is left: no write, no held withdra
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,7 +18,7 @@ import pytest
 from kvcr_testing.health import wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
 from kvcr_testing.patterns import KiB, assert_bytes_equal
-from kvcr_testing.remote import FAILED, OK, Dest, deliver_checked, expect, sites_of
+from kvcr_testing.remote import FAILED, OK, Dest, deliver_checked, expect
 
 from kvcr_client import ArgumentError, ErrorCode, OperationTimeout, Span
 
@@ -30,12 +29,6 @@ SHORT_TIMEOUT_S = 0.5
 WAIT_S = 1.0
 """How long the test watches an unregister that must still be waiting."""
 SLACK_S = 5.0
-
-
-@pytest.fixture
-def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with sites_of(node_factory) as s:
-        yield s
 
 
 def held(site: Any) -> int:

@@ -17,7 +17,7 @@ import importlib.util
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ DEVICES, _WHY = _device_count()
 if DEVICES == 0:
     pytest.skip(f"GPU tests need a CUDA GPU: CuPy is installed but sees none ({_WHY})", allow_module_level=True)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("node_left_clean")]
 
 POOLS = (
     "--pool", "hbmkv:64KiB:128:hbm:0",
@@ -84,34 +84,8 @@ def buffer(kind: str, host: np.ndarray) -> Any:
 
 
 @pytest.fixture(scope="module")
-def node() -> Iterator[Any]:
-    with short_ipc_dir("gpu") as d, running_node(d, "n", *POOLS) as n:
-        yield n
-    assert n.proc.returncode == 0, n.output
-
-
-@pytest.fixture(scope="module")
-def client(node: Any) -> Iterator[Client]:
-    with Client(node.endpoint, name="itest-gpu") as c:
-        yield c
-
-
-@pytest.fixture(autouse=True)
-def node_left_clean(client: Client) -> Iterator[None]:
-    yield
-    assert_clean(client)
-
-
-@pytest.fixture
-def register(client: Client) -> Iterator[Registrar]:
-    reg = Registrar(client)
-    yield reg
-    reg.close()
-
-
-@pytest.fixture
-def key(request: pytest.FixtureRequest) -> Callable[[str], bytes]:
-    return lambda label: f"{request.node.name}/{label}".encode()
+def node_args() -> tuple[str, ...]:
+    return POOLS
 
 
 # --------------------------------------------------------------------------- helpers

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -20,7 +20,6 @@ import pytest
 import zmq
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, deliver_and_check
-from kvcr_testing.nodes import running_node, short_ipc_dir
 from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 from kvcr_client import (
@@ -54,37 +53,12 @@ FAILED = KeyStatus.FAILED
 STORED = KeyStatus.STORED
 
 
-@pytest.fixture(scope="module")
-def node() -> Iterator[Any]:
-    with short_ipc_dir("local") as d, running_node(d, "n", *POOLS) as n:
-        yield n
-    assert n.proc.returncode == 0, n.output
+pytestmark = pytest.mark.usefixtures("node_left_clean")
 
 
 @pytest.fixture(scope="module")
-def client(node: Any) -> Iterator[Client]:
-    with Client(node.endpoint, name="itest-local") as c:
-        yield c
-
-
-@pytest.fixture(autouse=True)
-def shared_node_left_clean(client: Client) -> Iterator[None]:
-    """After every test: the shared node is at rest and consistent."""
-    yield
-    assert_clean(client)
-
-
-@pytest.fixture
-def register(client: Client) -> Iterator[Registrar]:
-    reg = Registrar(client)
-    yield reg
-    reg.close()
-
-
-@pytest.fixture
-def key(request: pytest.FixtureRequest) -> Callable[[str], bytes]:
-    """Keys unique to the test (the shared node keeps objects between tests)."""
-    return lambda label: f"{request.node.name}/{label}".encode()
+def node_args() -> tuple[str, ...]:
+    return POOLS
 
 
 def stored_object(

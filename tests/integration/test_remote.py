@@ -14,11 +14,9 @@ import os
 import secrets
 import signal
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import zmq
 from kvcr_testing.health import counter, outcome_count, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, hybrid_layout, plain_layout
@@ -32,7 +30,6 @@ from kvcr_testing.remote import (
     deliver_checked,
     expect,
     poll_stats,
-    sites_of,
 )
 
 from kvcr_client import ErrorCode, Presence, Span
@@ -51,12 +48,6 @@ from kvcr_protocol import (
     decode,
     encode,
 )
-
-
-@pytest.fixture
-def sites(node_factory: Callable[..., Any]) -> Iterator[Sites]:
-    with sites_of(node_factory) as s:
-        yield s
 
 
 def hinted(site: Any, request_id: str, source: Any, keys: list[bytes]) -> str:
