@@ -11,9 +11,7 @@ so an unlocked walk of a shared table is interrupted by a mutation within moment
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -22,6 +20,7 @@ from typing import Any
 import pytest
 from kvcr_testing.health import assert_clean, wait_until
 from kvcr_testing.layouts import Layout, Registrar
+from kvcr_testing.nodes import frozen
 from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 from kvcr_client import Client, KeyStatus, NodeLostError, OpHandle, Presence, Span
@@ -112,16 +111,6 @@ def _storm(client: Client, node: Any, key: bytes) -> list[OpHandle[Any]]:
     assert not any(t.is_alive() for t in [*threads, prober])
     assert errors == [], errors[:3]
     return [h for out in issued for h in out]
-
-
-@contextlib.contextmanager
-def frozen(node: Any) -> Iterator[None]:
-    """SIGSTOP ``node`` for a ``with`` block, SIGCONT after."""
-    node.proc.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        node.proc.send_signal(signal.SIGCONT)
 
 
 def test_background_thread_failure_is_logged_and_fails_fast(

@@ -18,7 +18,7 @@ import numpy as np
 from kvcr_testing.health import wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
 from kvcr_testing.patterns import pattern
-from kvcr_testing.remote import FAILED, OK, deliver_checked, expect
+from kvcr_testing.remote import FAILED, OK, deliver_checked, expect, warm_link
 
 from kvcr_client import Client, ErrorCode, KeyStatus
 
@@ -29,12 +29,6 @@ FETCH_DEADLINE_MS = 1500
 WAIT_S = 1.0
 """How long the test watches a deposit that must still be waiting."""
 SLACK_S = 5.0
-
-
-def warm_link(a: Any, b: Any, src: np.ndarray) -> None:
-    """Hint and one delivery through A, so that the peer session exists before B freezes."""
-    a.client.submit_hint("r", b.endpoint, [b"k"]).result(RESULT_TIMEOUT_S)
-    deliver_checked(a, b"k", LAYOUT, src, range(4), seed=900, request_id="r")
 
 
 def depositor(a: Any, seed: int) -> tuple[Client, Any, np.ndarray]:
@@ -48,7 +42,7 @@ def depositor(a: Any, seed: int) -> tuple[Client, Any, np.ndarray]:
 def test_deposit_stores_the_key_when_the_writer_fails(sites: Any) -> None:
     a, b = sites.start(("a", {"args": ("--peer-dead-ms", str(PEER_DEAD_MS))}), "b")
     b_src = b.deposit(b"k", LAYOUT, seed=1)
-    warm_link(a, b, b_src)
+    warm_link(a, b, b"k", LAYOUT, b_src, "r")
     client, reg, spans, mine = depositor(a, seed=2)
     try:
         b.node.proc.send_signal(signal.SIGSTOP)  # killed below; thawed in ``finally`` if a check fails first
@@ -79,7 +73,7 @@ def test_deposit_stores_the_key_when_the_writer_fails(sites: Any) -> None:
 def test_deposit_answers_duplicate_once_the_writer_commits(sites: Any) -> None:
     a, b = sites.start("a", "b")
     b_src = b.deposit(b"k", LAYOUT, seed=4)
-    warm_link(a, b, b_src)
+    warm_link(a, b, b"k", LAYOUT, b_src, "r")
     client, reg, spans, _ = depositor(a, seed=5)
     try:
         b.node.proc.send_signal(signal.SIGSTOP)

@@ -13,7 +13,6 @@ client would send them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,8 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
+from kvcr_testing.health import assert_clean, counter, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, plain_layout
+from kvcr_testing.measure import fd_count, rss_kib
 from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 from kvcr_testing.remote import Site, deliver_checked
 
@@ -133,10 +133,6 @@ def test_hint_with_a_bad_endpoint_is_refused_and_the_node_goes_on(node_factory: 
 
 
 # --------------------------------------------------------------------------- scope, limits, lifetime
-
-
-def counter(st: dict[str, Any], name: str) -> int:
-    return int(st["counters"].get(name, 0))
 
 
 def tables(st: dict[str, Any]) -> dict[str, int]:
@@ -293,21 +289,13 @@ def test_hints_vanish_at_bye_and_when_the_session_expires(node_factory: Callable
     assert node.proc.poll() is None
 
 
-def node_usage(pid: int) -> tuple[int, int]:
-    """(open descriptors, resident KiB) of a process, from /proc."""
-    fds = len(os.listdir(f"/proc/{pid}/fd"))
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
-    return fds, rss
-
-
 def test_hint_churn_soak(node_factory: Callable[..., Any]) -> None:
     """Thousands of hints submitted and discarded, and many sessions that leave theirs at
     bye: the node's descriptors, memory and hint table come back to where they were."""
     node = node_factory(*POOL)
     keys = [bytes([i]) * 32 for i in range(SOAK_KEYS)]
     with Client(node.endpoint, name="keeper") as keeper, raw_sessions(node.endpoint, keeper.core.agent) as session:
-        keeper_fds = node_usage(node.proc.pid)[0]
+        keeper_fds = fd_count(node.proc.pid)
 
         def churn(round_no: int) -> None:
             # One session: SOAK_HINTS hints, submitted and discarded in batches.
@@ -326,12 +314,12 @@ def test_hint_churn_soak(node_factory: Callable[..., Any]) -> None:
         churn(0)  # warm-up: the node's allocator reaches its working size
         assert tables(stats(keeper))["hints"] == 0
         # Connections of closed sessions are closed by ZeroMQ's I/O thread, a little later.
-        assert wait_until(lambda: node_usage(node.proc.pid)[0] <= keeper_fds, SETTLE_S)
-        fds_before, rss_before = node_usage(node.proc.pid)
+        assert wait_until(lambda: fd_count(node.proc.pid) <= keeper_fds, SETTLE_S)
+        fds_before, rss_before = fd_count(node.proc.pid), rss_kib(node.proc.pid)
         for round_no in range(1, SOAK_ROUNDS + 1):
             churn(round_no)
-        wait_until(lambda: node_usage(node.proc.pid)[0] <= fds_before + FD_SLACK, SETTLE_S)
-        fds_after, rss_after = node_usage(node.proc.pid)
+        wait_until(lambda: fd_count(node.proc.pid) <= fds_before + FD_SLACK, SETTLE_S)
+        fds_after, rss_after = fd_count(node.proc.pid), rss_kib(node.proc.pid)
         st = assert_clean(keeper)
         print(f"\nhint churn: {SOAK_ROUNDS} rounds; descriptors {fds_before} -> {fds_after}, "
               f"RSS {rss_before} -> {rss_after} KiB, tables {tables(st)}")

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
+from kvcr_testing.nodes import STOP_TIMEOUT_S
 from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 from kvcr_client import Client, ErrorCode, KeyStatus, NodeError, Span
@@ -33,7 +34,6 @@ from kvcr_node.node import Node
 from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import Query
 
-STOP_TIMEOUT_S = 15.0
 SLOT = 64 * KiB
 SPANS = 4
 BAD_ENDPOINTS = ("bogus://x", "tcp://no such host:1", "tcp://127.0.0.1:notaport", "ipc://")

@@ -18,13 +18,13 @@ outstanding write) and their tables back to a bound.
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
 from kvcr_testing.health import counter, slot_accounting, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
+from kvcr_testing.measure import fd_count
+from kvcr_testing.nodes import frozen
 from kvcr_testing.remote import FAILED, OK, Dest, deliver_checked, expect, open_site, poll_stats
 
 from kvcr_client import ErrorCode
@@ -42,10 +42,6 @@ DEPARTED_AGENTS = 64
 LAYOUT = plain_layout(2)
 
 
-def fd_count(site: Any) -> int:
-    return len(os.listdir(f"/proc/{site.node.proc.pid}/fd"))
-
-
 def tables(site: Any) -> dict[str, int]:
     return dict(site.stats()["tables"])
 
@@ -61,20 +57,6 @@ def hint(site: Any, rid: str, endpoint: str, keys: list[bytes]) -> None:
     site.client.submit_hint(rid, endpoint, keys).result(RESULT_TIMEOUT_S)
 
 
-class Frozen:
-    """SIGSTOP a node for a ``with`` block; SIGCONT afterwards."""
-
-    def __init__(self, node: Any) -> None:
-        self.node = node
-
-    def __enter__(self) -> None:
-        self.node.proc.send_signal(signal.SIGSTOP)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.node.proc.poll() is None:
-            self.node.proc.send_signal(signal.SIGCONT)
-
-
 # --------------------------------------------------------------------------- links (defect 2)
 
 
@@ -84,7 +66,7 @@ def test_links_are_capped_and_close_when_idle(sites: Any) -> None:
     (a,) = sites.start(("a", {"args": ("--max-peers", str(MAX_PEERS), "--peer-idle-ms", str(PEER_IDLE_MS))}))
     here = Path(a.endpoint.removeprefix("ipc://")).parent
     dests = [Dest(a, LAYOUT, range(2), seed=10 + i) for i in range(MAX_PEERS + 1)]
-    fds_before = fd_count(a)
+    fds_before = fd_count(a.node.proc.pid)
     slots_before = slot_accounting(a.stats())
 
     # Every link busy with a queued write: one more source is refused, nothing set aside.
@@ -120,13 +102,13 @@ def test_links_are_capped_and_close_when_idle(sites: Any) -> None:
             h.result(RESULT_TIMEOUT_S)
         t = tables(a)
         peak_links = max(peak_links, t["links"])
-        peak_fds = max(peak_fds, fd_count(a))
+        peak_fds = max(peak_fds, fd_count(a.node.proc.pid))
         assert t["links"] <= MAX_PEERS and t["link_sockets"] <= 2 * MAX_PEERS, t
 
     st = poll_stats(a, lambda st: st["tables"]["links"] == 0, SETTLE_S, "every idle link closed")
-    settled = wait_until(lambda: fd_count(a) <= fds_before + FD_SLACK, SETTLE_S, 0.05)
-    print(f"links peak {peak_links}; node fds {fds_before} -> peak {peak_fds} -> {fd_count(a)}")
-    assert settled, (fds_before, fd_count(a))
+    settled = wait_until(lambda: fd_count(a.node.proc.pid) <= fds_before + FD_SLACK, SETTLE_S, 0.05)
+    print(f"links peak {peak_links}; node fds {fds_before} -> peak {peak_fds} -> {fd_count(a.node.proc.pid)}")
+    assert settled, (fds_before, fd_count(a.node.proc.pid))
     assert st["tables"]["link_sockets"] == 0 and st["peers"] == {}, st["tables"]
     assert counter(st, "links_closed_idle") > 0 and counter(st, "links_evicted") > 0, st["counters"]
     assert counter(st, "internal_errors") == 0, st["counters"]
@@ -164,7 +146,7 @@ def test_probe_records_stay_bounded(sites: Any) -> None:
     src = b.deposit(b"k", LAYOUT, seed=5)
     hint(a, "r", b.endpoint, [b"k"])
     deliver_checked(a, b"k", LAYOUT, src, range(2), seed=6, request_id="r")
-    with Frozen(b.node):
+    with frozen(b.node):
         dst = Dest(a, LAYOUT, range(2), seed=7)
         out = a.client.deliver({b"k": dst.spans}, request_id="r", deadline_ms=300).result(RESULT_TIMEOUT_S)[b"k"]
         expect(out, FAILED, ErrorCode.DESTINATION_UNCERTAIN)

@@ -26,6 +26,7 @@ import numpy as np
 import zmq
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
+from kvcr_testing.measure import fd_count, rss_kib
 from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 from kvcr_client import Client, KeyStatus, Span
@@ -55,18 +56,6 @@ DEPARTED_AGENTS = 64
 """The node keeps this many agents of ended sessions loaded (kvcr_node.node._DEPARTED_AGENTS)."""
 SETTLE_S = 10.0
 RECV_TIMEOUT_MS = 5000
-
-
-def fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 class BareSessions:

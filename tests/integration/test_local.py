@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import zmq
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
-from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, deliver_and_check
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, deliver_and_check, hybrid_layout, plain_layout
 from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 from kvcr_client import (
@@ -75,18 +75,6 @@ def stored_object(
     res = client.deposit({key: layout.source_spans(region)}, no_evict=no_evict).result(RESULT_TIMEOUT_S)
     assert res[key].status is STORED, res[key]
     return src, res[key]
-
-
-def plain_layout(n: int, pool: str = "kv", size: int = 64 * KiB) -> Layout:
-    return Layout([(f"L{i}", pool, size) for i in range(n)])
-
-
-def hybrid_layout(layers: int) -> Layout:
-    spans: list[tuple[str, str, int]] = []
-    for i in range(layers):
-        spans += [(f"L{i}.full", "full", 64 * KiB), (f"L{i}.swa", "swa", 16 * KiB)]
-    spans.append(("state", "state", 1536 * KiB))
-    return Layout(spans)
 
 
 # --------------------------------------------------------------------------- byte-exact delivery

@@ -1,4 +1,4 @@
-"""Objects' span layouts, buffers registered with a client, and a byte-checked deliver through one node."""
+"""Objects' span layouts, buffers registered with a client, and byte-checked transfers through one node."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvcr_client import Client, RegionHandle, Span
-from kvcr_testing.patterns import KiB, assert_bytes_equal, sentinel_like
+from kvcr_client import Client, KeyStatus, RegionHandle, Span
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern, sentinel_like
 
 RESULT_TIMEOUT_S = 15.0
 """How long a test waits for the result of one operation."""
@@ -120,3 +120,17 @@ def deliver_and_check(
     outcome = res[key]
     assert outcome.status.value == "OK", (indices, outcome)
     assert_bytes_equal(dst, expected, f"deliver of spans {list(indices)}")
+
+
+def round_trip(client: Client, reg: Registrar, key: bytes, layout: Layout, seed: int) -> None:
+    """Deposit patterned bytes, deliver them into a sentinel buffer, compare every byte."""
+    src = pattern(layout.nbytes, seed)
+    region = reg(src)
+    assert client.deposit({key: layout.source_spans(region)}).result(RESULT_TIMEOUT_S)[key].status is KeyStatus.STORED
+    dst = pattern(layout.nbytes + 64, seed + 1)
+    expected = dst.copy()
+    expected[32 : 32 + layout.nbytes] = src
+    dregion = reg(dst)
+    spans = [Span(n, dregion, 32 + o, s) for (n, _, s), o in zip(layout.spans, layout.offsets, strict=True)]
+    assert client.deliver({key: spans}).result(RESULT_TIMEOUT_S)[key].status is KeyStatus.OK
+    assert_bytes_equal(dst, expected, "round trip")

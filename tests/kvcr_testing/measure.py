@@ -1,4 +1,5 @@
-"""Descriptors and resident memory of this (the client's) process, for the client churn tests."""
+"""Descriptors and resident memory of a process (this one or a node), from /proc; the client
+churn tests' snapshot of this process."""
 
 from __future__ import annotations
 
@@ -14,19 +15,21 @@ RSS_SLACK_KIB = 4096
 one object per operation costs over thousands of operations."""
 
 
-def fd_count() -> int:
-    """Open descriptors of this process."""
-    return len(os.listdir("/proc/self/fd"))
+def fd_count(pid: int | None = None) -> int:
+    """Open descriptors of process ``pid`` (None: this process)."""
+    return len(os.listdir(f"/proc/{'self' if pid is None else pid}/fd"))
 
 
-def rss_kib() -> int:
-    """Resident set size of this process (VmRSS), after a garbage collection."""
-    gc.collect()
-    with open("/proc/self/status") as f:
+def rss_kib(pid: int | None = None) -> int:
+    """Resident set size (VmRSS) of process ``pid``; of this process (None) after a garbage collection."""
+    if pid is None:
+        gc.collect()
+    path = f"/proc/{'self' if pid is None else pid}/status"
+    with open(path) as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no VmRSS in {path}")
 
 
 @dataclass(frozen=True)

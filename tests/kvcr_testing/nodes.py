@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,10 +58,19 @@ class NodeProcess:
         self.stop(signal.SIGKILL)
 
 
-def start_node(endpoint: str, *extra: str) -> NodeProcess:
-    """Start ``kvcr-node`` and wait until it prints the endpoint it bound."""
-    args = [sys.executable, "-m", "kvcr_node.cli", "--endpoint", endpoint, "--log-level", "WARNING", *extra]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start_node(
+    endpoint: str, *extra: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None
+) -> NodeProcess:
+    """Start ``kvcr-node`` and wait until it prints the endpoint it bound.
+
+    ``prefix`` runs it under another command (``ip netns exec NS``); ``env`` adds to this
+    process's environment.
+    """
+    args = [*prefix, sys.executable, "-m", "kvcr_node.cli", "--endpoint", endpoint, "--log-level", "WARNING", *extra]
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=None if env is None else {**os.environ, **env},
+    )
     node = NodeProcess(proc, endpoint, args)
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
@@ -80,7 +89,7 @@ def start_node(endpoint: str, *extra: str) -> NodeProcess:
                 node.reader.start()
                 return node
         node.stop(signal.SIGKILL)
-        raise RuntimeError(f"kvcr-node did not start: {''.join(node.output)}")
+        raise RuntimeError(f"kvcr-node did not start: {' '.join(args)}\n{''.join(node.output)}")
     finally:
         sel.close()
 
@@ -106,3 +115,14 @@ def running_node(ipc_dir: Path, name: str, *args: str) -> Iterator[NodeProcess]:
         yield node
     finally:
         node.stop()
+
+
+@contextmanager
+def frozen(node: NodeProcess) -> Iterator[None]:
+    """SIGSTOP ``node`` for a ``with`` block; SIGCONT afterwards, unless it was killed meanwhile."""
+    node.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        if node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGCONT)

@@ -233,6 +233,13 @@ def deliver_checked(
     return out
 
 
+def warm_link(a: Site, b: Site, key: bytes, layout: Layout, src: np.ndarray, rid: str) -> None:
+    """Hint ``key`` at B and deliver it once through A, so that A's peer session with B exists
+    before the test's fault."""
+    a.client.submit_hint(rid, b.endpoint, [key]).result(RESULT_TIMEOUT_S)
+    deliver_checked(a, key, layout, src, range(len(layout.spans)), seed=900, request_id=rid)
+
+
 def peer_of(site: Site, endpoint: str) -> dict[str, Any]:
     """The target-side view of the link from ``site``'s node to ``endpoint``."""
     peers: dict[str, Any] = site.stats()["peers"]
