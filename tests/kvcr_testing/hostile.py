@@ -20,7 +20,16 @@ from typing import Any
 
 import numpy as np
 
-WORKER = Path(__file__).resolve().parents[1] / "faults" / "hostile_worker.py"
+TESTS_DIR = Path(__file__).resolve().parents[1]
+WORKER = TESTS_DIR / "faults" / "hostile_worker.py"
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment plus ``extra``, with ``tests/`` first on ``PYTHONPATH`` so
+    that a worker imports ``kvcr_testing`` by name, as the tests do."""
+    env = {**os.environ, **(extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 class Worker:
@@ -30,7 +39,7 @@ class Worker:
         cmd = [*prefix, sys.executable, str(WORKER), mode, endpoint, *args]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **(env or {})},
+            env=worker_env(env),
         )
         self.lines: list[str] = []
 
