@@ -1,101 +1,32 @@
-"""Shared fixtures: real kvcr-node processes on private ipc endpoints, bounded waits."""
+"""Fixtures shared by the test folders: real kvcr-node processes on private ipc endpoints.
+
+The helpers themselves live in the ``kvcr_testing`` package (``tests/kvcr_testing``, on
+``sys.path`` through pytest's ``pythonpath`` setting); pytest rewrites their asserts too.
+"""
 
 from __future__ import annotations
 
-import os
-import selectors
-import signal
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 15.0
+pytest.register_assert_rewrite("kvcr_testing")
 
+from kvcr_client import Client  # noqa: E402
+from kvcr_testing.health import assert_clean  # noqa: E402
+from kvcr_testing.layouts import Registrar  # noqa: E402
+from kvcr_testing.nodes import NodeProcess, running_node, short_ipc_dir, start_node  # noqa: E402
+from kvcr_testing.remote import Sites, sites_of  # noqa: E402
 
-@dataclass
-class NodeProcess:
-    """A running ``kvcr-node`` child process."""
-
-    proc: subprocess.Popen[str]
-    endpoint: str
-    args: list[str]
-    output: list[str] = field(default_factory=list)
-    reader: threading.Thread | None = None
-    """Reads the node's output into ``output`` once it started: a node whose pipe nobody
-    reads blocks on its next log line once the pipe buffer is full."""
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        """Signal the node and wait (bounded) for it to exit; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_TIMEOUT_S)
-        if self.reader is not None:
-            self.reader.join(STOP_TIMEOUT_S)
-        if self.proc.stdout is not None and not self.proc.stdout.closed:
-            if self.reader is None:
-                self.output.append(self.proc.stdout.read() or "")
-            self.proc.stdout.close()
-        return self.proc.returncode
-
-    def read_output(self) -> None:
-        """Collect the node's output until it exits (run in ``reader``)."""
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.output.append(line)
-
-    def kill(self) -> None:
-        """kill -9: no cleanup at all."""
-        self.stop(signal.SIGKILL)
-
-
-def start_node(endpoint: str, *extra: str) -> NodeProcess:
-    """Start ``kvcr-node`` and wait until it prints the endpoint it bound."""
-    args = [sys.executable, "-m", "kvcr_node.cli", "--endpoint", endpoint, "--log-level", "WARNING", *extra]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    node = NodeProcess(proc, endpoint, args)
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while time.monotonic() < deadline:
-            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                continue
-            line = proc.stdout.readline()
-            if not line:
-                break
-            node.output.append(line)
-            if "listening on" in line:
-                node.reader = threading.Thread(target=node.read_output, name="node-output", daemon=True)
-                node.reader.start()
-                return node
-        node.stop(signal.SIGKILL)
-        raise RuntimeError(f"kvcr-node did not start: {''.join(node.output)}")
-    finally:
-        sel.close()
+# --------------------------------------------------------------------------- nodes of one test
 
 
 @pytest.fixture
 def ipc_dir() -> Iterator[Path]:
-    # ipc paths are limited to ~107 bytes: keep them short.
-    short = Path(f"/tmp/kvcr-test-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    short.mkdir(parents=True)
-    yield short
-    for p in short.iterdir():
-        p.unlink(missing_ok=True)
-    short.rmdir()
+    """A short private directory for the test's ipc socket files (ipc paths are limited to ~107 bytes)."""
+    with short_ipc_dir("test") as path:
+        yield path
 
 
 @pytest.fixture
@@ -114,8 +45,58 @@ def node_factory(ipc_dir: Path) -> Iterator[Callable[..., NodeProcess]]:
         node.stop()
 
 
-def pattern(n: int, seed: int) -> np.ndarray:
-    """Patterned, seed-dependent bytes (never zeros), so misplaced bytes show."""
-    rng = np.random.default_rng(seed)
-    data = rng.integers(1, 256, size=n, dtype=np.uint8)
-    return data
+@pytest.fixture
+def sites(node_factory: Callable[..., NodeProcess]) -> Iterator[Sites]:
+    """Nodes with a client each (``kvcr_testing.remote``); on a clean exit every surviving node must be clean."""
+    with sites_of(node_factory) as s:
+        yield s
+
+
+# --------------------------------------------------------------------------- one node for a whole module
+#
+# A module whose tests share a node overrides ``node_args`` (module scope) with the node's
+# arguments, and checks the node after every test with
+# ``pytestmark = pytest.mark.usefixtures("node_left_clean")``.
+
+
+@pytest.fixture(scope="module")
+def node_args() -> tuple[str, ...]:
+    """The arguments of the module's shared ``node``."""
+    pytest.fail("a module that uses the shared node overrides the node_args fixture with the node's arguments")
+
+
+@pytest.fixture(scope="module")
+def node(node_args: tuple[str, ...]) -> Iterator[NodeProcess]:
+    """One node for the tests of a module; it must exit cleanly (code 0) when stopped."""
+    with short_ipc_dir("mod") as d, running_node(d, "n", *node_args) as n:
+        yield n
+    assert n.proc.returncode == 0, n.output
+
+
+@pytest.fixture(scope="module")
+def client(node: NodeProcess, request: pytest.FixtureRequest) -> Iterator[Client]:
+    """A client of the module's node, named after the module (``itest-local`` for test_local.py)."""
+    module = request.module.__name__.rpartition(".")[2].removeprefix("test_")
+    with Client(node.endpoint, name=f"itest-{module}") as c:
+        yield c
+
+
+@pytest.fixture
+def node_left_clean(client: Client) -> Iterator[None]:
+    """After the test: the shared node is at rest and consistent."""
+    yield
+    assert_clean(client)
+
+
+@pytest.fixture
+def register(client: Client) -> Iterator[Registrar]:
+    """Registers buffers with the module's client; unregisters them after the test."""
+    reg = Registrar(client)
+    yield reg
+    reg.close()
+
+
+@pytest.fixture
+def key(request: pytest.FixtureRequest) -> Callable[[str], bytes]:
+    """Keys unique to the test (the shared node keeps objects between tests)."""
+    return lambda label: f"{request.node.name}/{label}".encode()

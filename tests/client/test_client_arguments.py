@@ -15,9 +15,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from integration_helpers import KiB, Layout, Registrar, assert_clean, pattern
 
 from kvcr_client import ArgumentError, AsyncClient, Client, KeyStatus, RegionHandle, Span
+from kvcr_testing.health import assert_clean
+from kvcr_testing.layouts import Layout, Registrar
+from kvcr_testing.patterns import KiB, pattern
 
 POOL = ("--pool", "kv:4KiB:64")
 SLOT = 4 * KiB
@@ -116,11 +118,8 @@ def _cases() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def node(request: pytest.FixtureRequest) -> Iterator[Any]:
-    from integration_helpers import running_node, short_ipc_dir
-
-    with short_ipc_dir("args") as d, running_node(d, "n", *POOL) as n:
-        yield n
+def node_args() -> tuple[str, ...]:
+    return POOL
 
 
 @pytest.fixture(scope="module")

@@ -10,28 +10,19 @@ leaked slot). Every delivered byte is compared with the source.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from client_measure import Snapshot
-from integration_helpers import (
-    KiB,
-    Layout,
-    Registrar,
-    assert_bytes_equal,
-    assert_clean,
-    pattern,
-    slot_accounting,
-    stats,
-    wait_until,
-)
 
 import kvcr_client.core
 from kvcr_client import AsyncClient, Client, KeyStatus, OperationTimeout, Presence, Span
+from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
+from kvcr_testing.layouts import Layout, Registrar
+from kvcr_testing.measure import Snapshot
+from kvcr_testing.nodes import frozen
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 SLOT = 4 * KiB
 LAYOUT = Layout([(f"L{i}", "kv", SLOT) for i in range(2)])
@@ -48,15 +39,6 @@ SESSIONS = 40
 SESSION_WARMUP = 20
 SETTLE_S = 15.0
 WARMUP = 300
-
-
-@contextlib.contextmanager
-def frozen(node: Any) -> Iterator[None]:
-    node.proc.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        node.proc.send_signal(signal.SIGCONT)
 
 
 class Fixture:

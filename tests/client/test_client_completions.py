@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from client_measure import RSS_SLACK_KIB, rss_kib
-from integration_helpers import KiB, Layout, Registrar, assert_bytes_equal, assert_clean, pattern, wait_until
-
 from kvcr_client import AsyncClient, Client, KeyStatus, OpHandle, Presence, Span
+from kvcr_testing.health import assert_clean, wait_until
+from kvcr_testing.layouts import Layout, Registrar
+from kvcr_testing.measure import RSS_SLACK_KIB, rss_kib
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 POOL = ("--pool", "kv:4KiB:64")
 LAYOUT = Layout([(f"L{i}", "kv", 4 * KiB) for i in range(2)])

@@ -12,26 +12,18 @@ reads the request, moves the bytes, and answers.
 
 from __future__ import annotations
 
-import contextlib
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-from integration_helpers import (
-    KiB,
-    Layout,
-    Registrar,
-    assert_bytes_equal,
-    assert_clean,
-    pattern,
-    slot_accounting,
-    stats,
-    wait_until,
-)
 
 import kvcr_client.core
 from kvcr_client import ArgumentError, Client, KeyStatus, NodeLostError, OperationTimeout, Span
+from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
+from kvcr_testing.layouts import Layout, Registrar
+from kvcr_testing.nodes import frozen
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 SLOT = 4 * KiB
 LAYOUT = Layout([(f"L{i}", "kv", SLOT) for i in range(4)])
@@ -43,17 +35,6 @@ SHORT_GRACE_S = 0.05
 OLD_ZERO_WAIT_S = 3.0
 """Longer than the 2 s a deadline of 0 used to mean in the client."""
 SETTLE_S = 10.0
-
-
-@contextlib.contextmanager
-def frozen(node: Any) -> Iterator[None]:
-    """SIGSTOP ``node`` for a ``with`` block, SIGCONT after (unless it was killed)."""
-    node.proc.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        if node.proc.poll() is None:
-            node.proc.send_signal(signal.SIGCONT)
 
 
 class Stored:

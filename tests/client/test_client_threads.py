@@ -11,18 +11,19 @@ so an unlocked walk of a shared table is interrupted by a mutation within moment
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from integration_helpers import KiB, Layout, Registrar, assert_bytes_equal, assert_clean, pattern, wait_until
 
 from kvcr_client import Client, KeyStatus, NodeLostError, OpHandle, Presence, Span
+from kvcr_testing.health import assert_clean, wait_until
+from kvcr_testing.layouts import Layout, Registrar
+from kvcr_testing.nodes import frozen
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 POOL = ("--pool", "kv:4KiB:64")
 LAYOUT = Layout([(f"L{i}", "kv", 4 * KiB) for i in range(2)])
@@ -110,16 +111,6 @@ def _storm(client: Client, node: Any, key: bytes) -> list[OpHandle[Any]]:
     assert not any(t.is_alive() for t in [*threads, prober])
     assert errors == [], errors[:3]
     return [h for out in issued for h in out]
-
-
-@contextlib.contextmanager
-def frozen(node: Any) -> Iterator[None]:
-    """SIGSTOP ``node`` for a ``with`` block, SIGCONT after."""
-    node.proc.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        node.proc.send_signal(signal.SIGCONT)
 
 
 def test_background_thread_failure_is_logged_and_fails_fast(

@@ -2,34 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 import kvcr_protocol as kp
+import make_vectors  # spec/make_vectors.py (pythonpath in pyproject.toml): renders the tables from the code
 
-SPEC_DIR = Path(__file__).resolve().parents[2] / "spec"
-SPEC = (SPEC_DIR / "kvcr-protocol.md").read_text(encoding="utf-8")
-
-
-def load_generator() -> ModuleType:
-    """spec/make_vectors.py as a module (it renders the field tables from the code)."""
-    name = "kvcr_spec_make_vectors"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SPEC_DIR / "make_vectors.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN = load_generator()
+SPEC = (Path(__file__).resolve().parents[2] / "spec" / "kvcr-protocol.md").read_text(encoding="utf-8")
 
 
 def test_protocol_version_line() -> None:
@@ -44,15 +25,15 @@ def test_protocol_version_line() -> None:
 @pytest.mark.parametrize("cls", kp.ALL_MESSAGES, ids=[c.TAG for c in kp.ALL_MESSAGES])
 def test_every_message_is_specified_with_its_exact_fields(cls: type[kp.Message]) -> None:
     assert f"#### `{cls.TAG}`" in SPEC
-    table = GEN.message_table(cls)
+    table = make_vectors.message_table(cls)
     section = SPEC.split(f"#### `{cls.TAG}`\n", 1)[1].split("####", 1)[0]
     assert table in section, f"the table of {cls.TAG} differs from its FIELDS"
 
 
-@pytest.mark.parametrize("cls", GEN.RECORDS, ids=[c.__name__ for c in GEN.RECORDS])
+@pytest.mark.parametrize("cls", make_vectors.RECORDS, ids=[c.__name__ for c in make_vectors.RECORDS])
 def test_every_record_is_specified_with_its_exact_fields(cls: type) -> None:
     section = SPEC.split(f"#### Record `{cls.__name__}`\n", 1)[1].split("####", 1)[0]
-    assert GEN.record_table(cls) in section
+    assert make_vectors.record_table(cls) in section
 
 
 def test_every_record_in_use_is_listed() -> None:
@@ -73,21 +54,21 @@ def test_every_record_in_use_is_listed() -> None:
     for cls in kp.ALL_MESSAGES:
         for f in cls.FIELDS:
             walk(f.type)
-    assert found == set(GEN.RECORDS)
+    assert found == set(make_vectors.RECORDS)
 
 
 def test_every_error_code_is_specified() -> None:
-    assert GEN.error_table() in SPEC
+    assert make_vectors.error_table() in SPEC
     for code in kp.ErrorCode:
         assert f"`{code.name}`" in SPEC
 
 
 def test_every_limit_is_specified() -> None:
-    assert GEN.limits_table() in SPEC
+    assert make_vectors.limits_table() in SPEC
 
 
 def test_every_enum_value_is_specified() -> None:
-    for enum_type in GEN.ENUMS:
+    for enum_type in make_vectors.ENUMS:
         for member in enum_type:
             assert f'`"{member.value}"`' in SPEC, f"{enum_type.__name__}.{member.name}"
 

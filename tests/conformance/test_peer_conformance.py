@@ -34,7 +34,6 @@ from typing import Any
 
 import msgpack
 import pytest
-import remote_helpers  # tests/integration, on pytest's pythonpath
 import zmq
 
 from kvcr_client import Client, ErrorCode
@@ -54,15 +53,11 @@ from kvcr_protocol import (
     encode,
 )
 from kvcr_protocol.versions import PARTIAL_LAYOUT_VERSION
-
-rh = remote_helpers
-RESULT_TIMEOUT_S: float = rh.RESULT_TIMEOUT_S
-OK, FAILED = rh.OK, rh.FAILED
-Dest = rh.Dest
-Site = rh.Site
-deliver_checked = rh.deliver_checked
-expect = rh.expect
-outcome_count = rh.outcome_count
+from kvcr_testing.health import outcome_count
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar
+from kvcr_testing.nodes import short_ipc_dir, start_node
+from kvcr_testing.patterns import assert_bytes_equal, pattern
+from kvcr_testing.remote import OK, Dest, Site, assert_site_clean, deliver_checked, expect, sites_of
 
 RAW_TIMEOUT_S = 10.0
 
@@ -89,7 +84,7 @@ class PeerPair:
         return self.agreed >= PARTIAL_LAYOUT_VERSION
 
     def layout(self, n: int) -> Any:
-        return rh.Layout([(f"L{i}", self.pool, self.slot) for i in range(n)])
+        return Layout([(f"L{i}", self.pool, self.slot) for i in range(n)])
 
     def key(self, label: str) -> bytes:
         return f"conf/{label}/{secrets.token_hex(4)}".encode()
@@ -102,7 +97,7 @@ class PeerPair:
     def check_clean(self) -> None:
         for site in (self.target, self.source):
             if self.exclusive:
-                rh.assert_site_clean(site)
+                assert_site_clean(site)
             else:
                 st = site.stats()
                 assert st["invariants"] == [], st["invariants"]
@@ -236,7 +231,7 @@ class PeerConformance:
             for i in written:
                 at = raw.offset + layout.offsets[i]
                 expected[at : at + layout.spans[i][2]] = layout.src_bytes(src, i)
-            rh.assert_bytes_equal(raw.buf, expected, f"raw destination ({frame})")
+            assert_bytes_equal(raw.buf, expected, f"raw destination ({frame})")
             after = pair.source.stats()
             posted = after["transfers"]["posted"] - before["transfers"]["posted"]
             assert (posted > 0) == bool(written), (posted, written)
@@ -251,7 +246,7 @@ class RawPeer:
         self.endpoint = endpoint
         self.versions = versions
         self.offset = 128
-        self.buf = rh.pattern(size, seed)
+        self.buf = pattern(size, seed)
         self.before = self.buf.copy()
         self.agent = Agent(f"conf-raw.{os.getpid()}.{secrets.token_hex(4)}")
         self.address = int(self.buf.ctypes.data)
@@ -312,17 +307,17 @@ MATRIX = [(1, 1), (1, 2), (2, 1), (2, 2)]
 def matrix_pair(request: pytest.FixtureRequest) -> Iterator[PeerPair]:
     """One pair per version pair, shared by the cases of ``TestVersionMatrix``."""
     tv, sv = request.param
-    with rh.short_ipc_dir("conf") as d:
+    with short_ipc_dir("conf") as d:
         nodes: list[Any] = []
         numbers = itertools.count()  # next() is atomic: the nodes start in parallel
 
         def factory(*args: str) -> Any:
-            node = rh.start_node(f"ipc://{d}/n{next(numbers)}.sock", *args)
+            node = start_node(f"ipc://{d}/n{next(numbers)}.sock", *args)
             nodes.append(node)
             return node
 
         try:
-            with rh.sites_of(factory, check=False) as sites:
+            with sites_of(factory, check=False) as sites:
                 target, source = sites.start(
                     ("target", {"args": ("--protocol-version", str(tv))}),
                     ("source", {"args": ("--protocol-version", str(sv))}),
@@ -371,7 +366,7 @@ class TestExternalPair(PeerConformance):
         try:
             for endpoint, name in ((target_ep, "conf-target"), (source_ep, "conf-source")):
                 client = Client(endpoint, name=name)
-                opened.append(Site(_External(endpoint), client, rh.Registrar(client)))
+                opened.append(Site(_External(endpoint), client, Registrar(client)))
             target, source = opened
             pair = PeerPair(target, source, target.client.node.version, source.client.node.version, pool, int(slot),
                             exclusive=False)

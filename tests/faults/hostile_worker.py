@@ -1,8 +1,10 @@
 """A kvcr client in a process of its own, for the fault, hostile-input and load tests.
 
-Run as ``python hostile_worker.py MODE ENDPOINT [options]``. It reports on stdout, one
-JSON object a line (``{"event": ...}``), so the test can wait for each step with a bounded
-read, then stop, freeze (SIGSTOP) or kill (SIGKILL) the process at a known point.
+Run as ``python hostile_worker.py MODE ENDPOINT [options]``, with ``tests/`` on
+``PYTHONPATH`` for the helpers it shares with the tests (``kvcr_testing.hostile.Worker``
+sees to both). It reports on stdout, one JSON object a line (``{"event": ...}``), so the
+test can wait for each step with a bounded read, then stop, freeze (SIGSTOP) or kill
+(SIGKILL) the process at a known point.
 
 Modes:
 
@@ -39,15 +41,11 @@ import numpy as np
 
 from kvcr_client import Client, ErrorCode, KeyStatus, KvcrError, Span
 from kvcr_protocol import code_of
+from kvcr_testing.patterns import pattern
 
 
 def emit(event: str, **fields: Any) -> None:
     print(json.dumps({"event": event, **fields}, default=str), flush=True)
-
-
-def pattern(n: int, seed: int) -> np.ndarray:
-    """Seed-dependent bytes, never zero (the same as the tests' ``pattern``)."""
-    return np.random.default_rng(seed).integers(1, 256, size=n, dtype=np.uint8)
 
 
 def cheap_pattern(n: int, seed: int) -> np.ndarray:

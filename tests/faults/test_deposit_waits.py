@@ -12,18 +12,17 @@ it waits fails TIMEOUT. Every delivered byte is checked; both nodes end clean.
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-import pytest
-import remote_helpers  # tests/integration, on pytest's pythonpath
 
 from kvcr_client import Client, ErrorCode, KeyStatus
+from kvcr_testing.health import wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
+from kvcr_testing.patterns import pattern
+from kvcr_testing.remote import FAILED, OK, deliver_checked, expect, warm_link
 
-rh = remote_helpers
-RESULT_TIMEOUT_S: float = rh.RESULT_TIMEOUT_S
-LAYOUT = rh.plain_layout(4)
+LAYOUT = plain_layout(4)
 FETCH_LAYOUT = {b"k": [(name, "kv") for name in LAYOUT.names]}
 PEER_DEAD_MS = 500
 FETCH_DEADLINE_MS = 1500
@@ -32,40 +31,28 @@ WAIT_S = 1.0
 SLACK_S = 5.0
 
 
-@pytest.fixture
-def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with rh.sites_of(node_factory) as s:
-        yield s
-
-
-def warm_link(a: Any, b: Any, src: np.ndarray) -> None:
-    """Hint and one delivery through A, so that the peer session exists before B freezes."""
-    a.client.submit_hint("r", b.endpoint, [b"k"]).result(RESULT_TIMEOUT_S)
-    rh.deliver_checked(a, b"k", LAYOUT, src, range(4), seed=900, request_id="r")
-
-
 def depositor(a: Any, seed: int) -> tuple[Client, Any, np.ndarray]:
     """A second client of A with its own patterned bytes for ``k``."""
     client = Client(a.endpoint, name=f"depositor{seed}")
-    reg = rh.Registrar(client)
-    src = rh.pattern(LAYOUT.nbytes, seed)
+    reg = Registrar(client)
+    src = pattern(LAYOUT.nbytes, seed)
     return client, reg, LAYOUT.source_spans(reg(src)), src
 
 
 def test_deposit_stores_the_key_when_the_writer_fails(sites: Any) -> None:
     a, b = sites.start(("a", {"args": ("--peer-dead-ms", str(PEER_DEAD_MS))}), "b")
     b_src = b.deposit(b"k", LAYOUT, seed=1)
-    warm_link(a, b, b_src)
+    warm_link(a, b, b"k", LAYOUT, b_src, "r")
     client, reg, spans, mine = depositor(a, seed=2)
     try:
         b.node.proc.send_signal(signal.SIGSTOP)  # killed below; thawed in ``finally`` if a check fails first
         fetch = a.client.fetch(FETCH_LAYOUT, request_id="r", deadline_ms=FETCH_DEADLINE_MS)
-        assert rh.wait_until(lambda: a.stats()["writing"] == 1, SLACK_S)
+        assert wait_until(lambda: a.stats()["writing"] == 1, SLACK_S)
         deposit = client.deposit({b"k": spans}, deadline_ms=30_000)
-        assert not rh.wait_until(deposit.done, WAIT_S), deposit.result(0)
+        assert not wait_until(deposit.done, WAIT_S), deposit.result(0)
         # The fetch gives up; its slots stay reserved (B may still write them), and so the
         # deposit goes on waiting.
-        rh.expect(fetch.result(FETCH_DEADLINE_MS / 1000 + SLACK_S)[b"k"], rh.FAILED, ErrorCode.DESTINATION_UNCERTAIN)
+        expect(fetch.result(FETCH_DEADLINE_MS / 1000 + SLACK_S)[b"k"], FAILED, ErrorCode.DESTINATION_UNCERTAIN)
         assert not deposit.done()
         b.node.proc.send_signal(signal.SIGKILL)
         b.node.proc.wait(SLACK_S)
@@ -73,7 +60,7 @@ def test_deposit_stores_the_key_when_the_writer_fails(sites: Any) -> None:
         out = deposit.result(PEER_DEAD_MS / 1000 + SLACK_S)[b"k"]
         assert out.status is KeyStatus.STORED, out
         a.resident[b"k"] = tuple(pool for _, pool, _ in LAYOUT.spans)
-        rh.deliver_checked(a, b"k", LAYOUT, mine, range(4), seed=3)
+        deliver_checked(a, b"k", LAYOUT, mine, range(4), seed=3)
         st = a.stats()
         assert st["outcomes"].get("deposit.STORED") == 1, st["outcomes"]
     finally:
@@ -86,28 +73,28 @@ def test_deposit_stores_the_key_when_the_writer_fails(sites: Any) -> None:
 def test_deposit_answers_duplicate_once_the_writer_commits(sites: Any) -> None:
     a, b = sites.start("a", "b")
     b_src = b.deposit(b"k", LAYOUT, seed=4)
-    warm_link(a, b, b_src)
+    warm_link(a, b, b"k", LAYOUT, b_src, "r")
     client, reg, spans, _ = depositor(a, seed=5)
     try:
         b.node.proc.send_signal(signal.SIGSTOP)
         try:
             fetch = a.client.fetch(FETCH_LAYOUT, request_id="r", deadline_ms=30_000)
-            assert rh.wait_until(lambda: a.stats()["writing"] == 1, SLACK_S)
+            assert wait_until(lambda: a.stats()["writing"] == 1, SLACK_S)
             # A deposit whose deadline passes while it waits fails TIMEOUT; nothing of it stays.
             short = client.deposit({b"k": spans}, deadline_ms=300).result(SLACK_S)[b"k"]
-            rh.expect(short, rh.FAILED, ErrorCode.TIMEOUT)
+            expect(short, FAILED, ErrorCode.TIMEOUT)
             deposit = client.deposit({b"k": spans}, deadline_ms=30_000)
-            assert not rh.wait_until(deposit.done, WAIT_S), deposit.result(0)
+            assert not wait_until(deposit.done, WAIT_S), deposit.result(0)
         finally:
             b.node.proc.send_signal(signal.SIGCONT)
         # B serves the write: the fetch commits the key, and only then is the deposit a duplicate.
         fetched = fetch.result(SLACK_S)[b"k"]
-        rh.expect(fetched, rh.OK)
+        expect(fetched, OK)
         out = deposit.result(SLACK_S)[b"k"]
         assert out.status is KeyStatus.DUPLICATE, out
         a.resident[b"k"] = tuple(pool for _, pool, _ in LAYOUT.spans)
         a.client.release([fetched.handle]).result(RESULT_TIMEOUT_S)
-        rh.deliver_checked(a, b"k", LAYOUT, b_src, range(4), seed=6)  # B's bytes, not the depositor's
+        deliver_checked(a, b"k", LAYOUT, b_src, range(4), seed=6)  # B's bytes, not the depositor's
         st = a.stats()
         assert st["outcomes"].get("deposit.FAILED.TIMEOUT") == 1, st["outcomes"]
         assert st["outcomes"].get("deposit.DUPLICATE") == 1, st["outcomes"]

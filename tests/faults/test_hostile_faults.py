@@ -24,24 +24,16 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-from hostile_helpers import (
-    RESULT_TIMEOUT_S,
-    KiB,
-    Layout,
-    Registrar,
-    Worker,
-    assert_bytes_equal,
-    assert_clean,
-    pattern,
-    slot_accounting,
-    start_node,
-    stats,
-    wait_until,
-)
 
 from kvcr_client import Client, ErrorCode, KeyStatus, NodeError, NodeLostError, Span
 from kvcr_io.agent import Agent
 from kvcr_protocol import Deposit, DepositItem, Hello, Query, SrcSpan, StatsRequest, Welcome, decode, encode
+from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
+from kvcr_testing.hostile import Worker
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, round_trip
+from kvcr_testing.measure import rss_kib
+from kvcr_testing.nodes import start_node
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 SLOT = 4 * KiB
 POOL = ("--pool", "kv:4KiB:64")
@@ -50,20 +42,6 @@ BIG_SLOT = 256 * KiB
 BIG_SPANS = 128
 """A 32 MiB object: over TCP, a transfer of it into a client that stopped progressing stalls."""
 LIVENESS = ("--heartbeat-ms", "500", "--client-grace-ms", "1500")
-
-
-def round_trip(client: Client, reg: Registrar, key: bytes, seed: int) -> None:
-    """Deposit patterned bytes, deliver them into a sentinel buffer, compare every byte."""
-    src = pattern(LAYOUT.nbytes, seed)
-    region = reg(src)
-    assert client.deposit({key: LAYOUT.source_spans(region)}).result(RESULT_TIMEOUT_S)[key].status is KeyStatus.STORED
-    dst = pattern(LAYOUT.nbytes + 64, seed + 1)
-    expected = dst.copy()
-    expected[32 : 32 + LAYOUT.nbytes] = src
-    dregion = reg(dst)
-    spans = [Span(n, dregion, 32 + o, s) for (n, _, s), o in zip(LAYOUT.spans, LAYOUT.offsets, strict=True)]
-    assert client.deliver({key: spans}).result(RESULT_TIMEOUT_S)[key].status is KeyStatus.OK
-    assert_bytes_equal(dst, expected, "round trip")
 
 
 def dst_spans(region: Any, n: int = 4, slot: int = SLOT) -> list[Span]:
@@ -235,7 +213,7 @@ def test_source_nobody_listens_at(where: str, node_factory: Callable[..., Any], 
         assert peer["state"] == "connecting" and peer["writes_outstanding"] == 0 and peer["queued"] == 0, peer
         assert st["outcomes"].get("deliver.FAILED.PEER_UNREACHABLE") == 1, st["outcomes"]
         assert st["outcomes"].get("fetch.FAILED.PEER_UNREACHABLE") == 1, st["outcomes"]
-        round_trip(client, reg, b"local", 9)  # the node is unaffected
+        round_trip(client, reg, b"local", LAYOUT, 9)  # the node is unaffected
         assert_clean(client)
         reg.close()
 
@@ -271,7 +249,7 @@ def test_busy_when_too_many_operations_are_pending(node_factory: Callable[..., A
         st = assert_clean(client)
         assert st["protocol_errors"].get("BUSY") == 4, st["protocol_errors"]
         # Back-pressure is over once the operations are: new work is served.
-        round_trip(client, reg, b"after", 3)
+        round_trip(client, reg, b"after", LAYOUT, 3)
         assert_clean(client)
         reg.close()
 
@@ -292,7 +270,7 @@ def test_too_many_clients(node_factory: Callable[..., Any]) -> None:
             assert wait_until(lambda: stats(second)["clients"] == 1, 5)
             with Client(node.endpoint, name="third") as third:
                 reg = Registrar(third)
-                round_trip(third, reg, b"third", 4)
+                round_trip(third, reg, b"third", LAYOUT, 4)
                 reg.close()
             assert_clean(second)
     finally:
@@ -309,7 +287,7 @@ def test_node_restarted_under_its_clients(ipc_dir: Path) -> None:
     try:
         with Client(endpoint, name="restart") as client:
             reg = Registrar(client)
-            round_trip(client, reg, b"before", 1)
+            round_trip(client, reg, b"before", LAYOUT, 1)
             first = client.node
             assert first is not None
             src = pattern(SLOT, 2)
@@ -348,7 +326,7 @@ def test_node_restarted_under_its_clients(ipc_dir: Path) -> None:
             res = client.release([held.handle]).result(5)
             assert res[held.handle.to_bytes(8, "big")].code == ErrorCode.UNKNOWN_HANDLE
             assert client.query([b"before"]).result(5)[b"before"].presence.value == "MISS"
-            round_trip(client, reg, b"after", 5)  # regions registered before are announced again
+            round_trip(client, reg, b"after", LAYOUT, 5)  # regions registered before are announced again
             assert_clean(client)
             reg.close()
     finally:
@@ -358,13 +336,6 @@ def test_node_restarted_under_its_clients(ipc_dir: Path) -> None:
 
 
 # --------------------------------------------------------------------------- a client that stops reading
-
-
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def test_client_that_stops_reading(node_factory: Callable[..., Any]) -> None:
@@ -377,12 +348,12 @@ def test_client_that_stops_reading(node_factory: Callable[..., Any]) -> None:
     try:
         with Client(node.endpoint, name="responsive") as client:
             reg = Registrar(client)
-            round_trip(client, reg, b"k", 1)
+            round_trip(client, reg, b"k", LAYOUT, 1)
             raw.connect(node.endpoint)
             raw.send(encode(Hello(1, (1, 2), "slow", agent.name, agent.metadata(), ()), 1))
             assert raw.poll(10_000)
             assert isinstance(decode(raw.recv()), Welcome)
-            rss_before = _rss_kib(node.proc.pid)
+            rss_before = rss_kib(node.proc.pid)
             keys = tuple(f"k{i}".encode() * 8 for i in range(32))
             bad_deposit = (DepositItem(b"x", (SrcSpan("L0", "kv", 7, 0, SLOT),)),)  # region 7 was never announced
             worst = 0.0
@@ -403,12 +374,12 @@ def test_client_that_stops_reading(node_factory: Callable[..., Any]) -> None:
                     worst = max(worst, time.monotonic() - t0)
                     assert st["operations_pending"] == 0, st["operations_pending"]
             t0 = time.monotonic()
-            round_trip(client, reg, b"k2", 2)
+            round_trip(client, reg, b"k2", LAYOUT, 2)
             worst = max(worst, time.monotonic() - t0)
             assert worst < 5.0, worst  # generous: the machine is shared
             st = stats(client)
             assert st["clients"] == 2 and st["operations_pending"] == 0, st
-            growth = _rss_kib(node.proc.pid) - rss_before
+            growth = rss_kib(node.proc.pid) - rss_before
             assert growth < 256 * 1024, f"the node grew by {growth} KiB for a client that does not read"
             print(f"\nslow reader: {sent} requests unread; worst stats/round trip {worst * 1000:.0f} ms; node RSS +{growth} KiB")
             raw.close(0)

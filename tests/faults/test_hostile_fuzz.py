@@ -37,7 +37,6 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from hostile_helpers import Worker, assert_clean, short_ipc_dir, start_node, stats
 
 from kvcr_client import Client, KeyStatus, Span
 from kvcr_io.agent import Agent
@@ -59,6 +58,9 @@ from kvcr_protocol import (
     encode,
     peek_id,
 )
+from kvcr_testing.health import assert_clean, stats
+from kvcr_testing.hostile import Worker
+from kvcr_testing.nodes import short_ipc_dir, start_node
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_FRAME = 256 << 10

@@ -13,7 +13,6 @@ client would send them.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,23 +20,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-import remote_helpers  # tests/integration, on pytest's pythonpath
 import zmq
-from hostile_helpers import (
-    RESULT_TIMEOUT_S,
-    KiB,
-    Layout,
-    Registrar,
-    assert_bytes_equal,
-    assert_clean,
-    pattern,
-    slot_accounting,
-    stats,
-    wait_until,
-)
 
 from kvcr_client import ArgumentError, Client, ErrorCode, KeyStatus, NodeError, Presence, Span
 from kvcr_protocol import IPC_PATH_MAX, Ack, Bye, DiscardHint, Hello, Message, SubmitHint, Welcome, decode, encode
+from kvcr_testing.health import assert_clean, counter, slot_accounting, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, plain_layout
+from kvcr_testing.measure import fd_count, rss_kib
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
+from kvcr_testing.remote import Site, deliver_checked
 
 SLOT = 4 * KiB
 POOL = ("--pool", "kv:4KiB:64")
@@ -144,33 +135,23 @@ def test_hint_with_a_bad_endpoint_is_refused_and_the_node_goes_on(node_factory: 
 # --------------------------------------------------------------------------- scope, limits, lifetime
 
 
-def counter(st: dict[str, Any], name: str) -> int:
-    return int(st["counters"].get(name, 0))
-
-
 def tables(st: dict[str, Any]) -> dict[str, int]:
     return dict(st["tables"])
-
-
-@pytest.fixture
-def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with remote_helpers.sites_of(node_factory) as s:
-        yield s
 
 
 def test_a_hint_belongs_to_the_client_that_submitted_it(sites: Any) -> None:
     """A second client sees nothing of the first one's hint under the same request id, and
     its own hint under that id steers only its own requests."""
     a, b = sites.start("a", "b")
-    src = b.deposit(b"k", remote_helpers.plain_layout(2), seed=1)
-    layout = remote_helpers.plain_layout(2)
+    src = b.deposit(b"k", plain_layout(2), seed=1)
+    layout = plain_layout(2)
     a.client.submit_hint("req", b.endpoint, [b"k"]).result(RESULT_TIMEOUT_S)
     nowhere = f"ipc://{Path(a.endpoint.removeprefix('ipc://')).parent}/nobody.sock"
     with Client(a.endpoint, name="other") as other:
-        other_site = remote_helpers.Site(a.node, other, Registrar(other))
+        other_site = Site(a.node, other, Registrar(other))
         try:
             assert other.query([b"k"], request_id="req").result(RESULT_TIMEOUT_S)[b"k"].presence is Presence.MISS
-            remote_helpers.deliver_checked(other_site, b"k", layout, None, range(2), seed=2, request_id="req",
+            deliver_checked(other_site, b"k", layout, None, range(2), seed=2, request_id="req",
                                            code=ErrorCode.NOT_FOUND)
             fetched = other.fetch({b"k": [(n, "kv") for n in layout.names]}, request_id="req").result(RESULT_TIMEOUT_S)
             assert fetched[b"k"].code == ErrorCode.NOT_FOUND, fetched[b"k"]
@@ -180,10 +161,10 @@ def test_a_hint_belongs_to_the_client_that_submitted_it(sites: Any) -> None:
             assert tables(stats(other))["hints"] == 2
             # The first client's request still goes to the source it named, byte-exact.
             assert a.client.query([b"k"], request_id="req").result(RESULT_TIMEOUT_S)[b"k"].presence is Presence.FETCHABLE
-            remote_helpers.deliver_checked(a, b"k", layout, src, range(2), seed=3, request_id="req")
+            deliver_checked(a, b"k", layout, src, range(2), seed=3, request_id="req")
             other.discard_hint("req").result(RESULT_TIMEOUT_S)
             # Discarding it is the other client's business only: the first one's hint stays.
-            remote_helpers.deliver_checked(a, b"k", layout, src, range(2), seed=4, request_id="req")
+            deliver_checked(a, b"k", layout, src, range(2), seed=4, request_id="req")
             assert nowhere not in stats(other)["peers"], "the other client's hint was never used"
         finally:
             other_site.reg.close()
@@ -308,21 +289,13 @@ def test_hints_vanish_at_bye_and_when_the_session_expires(node_factory: Callable
     assert node.proc.poll() is None
 
 
-def node_usage(pid: int) -> tuple[int, int]:
-    """(open descriptors, resident KiB) of a process, from /proc."""
-    fds = len(os.listdir(f"/proc/{pid}/fd"))
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
-    return fds, rss
-
-
 def test_hint_churn_soak(node_factory: Callable[..., Any]) -> None:
     """Thousands of hints submitted and discarded, and many sessions that leave theirs at
     bye: the node's descriptors, memory and hint table come back to where they were."""
     node = node_factory(*POOL)
     keys = [bytes([i]) * 32 for i in range(SOAK_KEYS)]
     with Client(node.endpoint, name="keeper") as keeper, raw_sessions(node.endpoint, keeper.core.agent) as session:
-        keeper_fds = node_usage(node.proc.pid)[0]
+        keeper_fds = fd_count(node.proc.pid)
 
         def churn(round_no: int) -> None:
             # One session: SOAK_HINTS hints, submitted and discarded in batches.
@@ -341,12 +314,12 @@ def test_hint_churn_soak(node_factory: Callable[..., Any]) -> None:
         churn(0)  # warm-up: the node's allocator reaches its working size
         assert tables(stats(keeper))["hints"] == 0
         # Connections of closed sessions are closed by ZeroMQ's I/O thread, a little later.
-        assert wait_until(lambda: node_usage(node.proc.pid)[0] <= keeper_fds, SETTLE_S)
-        fds_before, rss_before = node_usage(node.proc.pid)
+        assert wait_until(lambda: fd_count(node.proc.pid) <= keeper_fds, SETTLE_S)
+        fds_before, rss_before = fd_count(node.proc.pid), rss_kib(node.proc.pid)
         for round_no in range(1, SOAK_ROUNDS + 1):
             churn(round_no)
-        wait_until(lambda: node_usage(node.proc.pid)[0] <= fds_before + FD_SLACK, SETTLE_S)
-        fds_after, rss_after = node_usage(node.proc.pid)
+        wait_until(lambda: fd_count(node.proc.pid) <= fds_before + FD_SLACK, SETTLE_S)
+        fds_after, rss_after = fd_count(node.proc.pid), rss_kib(node.proc.pid)
         st = assert_clean(keeper)
         print(f"\nhint churn: {SOAK_ROUNDS} rounds; descriptors {fds_before} -> {fds_after}, "
               f"RSS {rss_before} -> {rss_after} KiB, tables {tables(st)}")

@@ -17,16 +17,16 @@ peer session as silent and B must notice and open a new one.
 from __future__ import annotations
 
 import os
-import selectors
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hostile_helpers import NodeProcess, Worker
+
+from kvcr_testing.hostile import Worker
+from kvcr_testing.nodes import start_node
 
 ADDR_A, ADDR_B = "10.200.0.1", "10.200.0.2"
 PORT = 5555
@@ -85,38 +85,14 @@ def netns() -> Iterator[tuple[str, str, str, str]]:
         ip("link", "del", veth_a, check=False)  # in case it never left the root namespace
 
 
-def start_node_in(ns: str, endpoint: str, *extra: str) -> NodeProcess:
-    args = ["ip", "netns", "exec", ns, sys.executable, "-m", "kvcr_node.cli", "--endpoint", endpoint,
-            "--log-level", "WARNING", *extra]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **UCX})
-    node = NodeProcess(proc, endpoint, args)
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + 30
-    try:
-        while time.monotonic() < deadline:
-            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                continue
-            line = proc.stdout.readline()
-            if not line:
-                break
-            node.output.append(line)
-            if "listening on" in line:
-                return node
-        node.kill()
-        raise RuntimeError(f"kvcr-node did not start in {ns}: {''.join(node.output)}")
-    finally:
-        sel.close()
-
-
 class Site:
     """A node in a namespace, with a long-lived statistics client next to it."""
 
     def __init__(self, ns: str, addr: str, *args: str) -> None:
         self.ns = ns
         self.endpoint = f"tcp://{addr}:{PORT}"
-        self.node = start_node_in(ns, self.endpoint, *POOL, "--peer-dead-ms", "2000", *args)
+        self.node = start_node(self.endpoint, *POOL, "--peer-dead-ms", "2000", *args,
+                               prefix=("ip", "netns", "exec", ns), env=UCX)
         self.workers: list[Worker] = []
         self.monitor = self.worker("statsloop")
         self.monitor.expect("ready", 60)

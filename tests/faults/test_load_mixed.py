@@ -18,9 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hostile_helpers import Worker, assert_clean, percentile
 
 from kvcr_client import Client
+from kvcr_testing.health import assert_clean
+from kvcr_testing.hostile import Worker, percentile
 
 PROCESSES = 4
 CLIENTS_PER_PROCESS = 4

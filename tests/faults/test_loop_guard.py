@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import hostile_helpers  # tests/faults, on pytest's pythonpath
 import numpy as np
 import pytest
 
@@ -30,11 +29,11 @@ from kvcr_node.config import NodeConfig
 from kvcr_node.node import Node
 from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import Query
+from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
+from kvcr_testing.nodes import STOP_TIMEOUT_S
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
-hh = hostile_helpers
-KiB = hh.KiB
-RESULT_TIMEOUT_S = hh.RESULT_TIMEOUT_S
-STOP_TIMEOUT_S = 15.0
 SLOT = 64 * KiB
 SPANS = 4
 BAD_ENDPOINTS = ("bogus://x", "tcp://no such host:1", "tcp://127.0.0.1:notaport", "ipc://")
@@ -65,12 +64,12 @@ def layout() -> list[tuple[str, str]]:
 
 
 def tables(client: Client) -> dict[str, int]:
-    st = hh.stats(client)
+    st = stats(client)
     return dict(st.get("tables", {}))
 
 
 def assert_node_clean(client: Client, slots: dict[str, tuple[int, int]]) -> dict[str, Any]:
-    st = hh.assert_clean(client, slots_before=slots)
+    st = assert_clean(client, slots_before=slots)
     assert st["peers"] == {}, st["peers"]
     assert st["tables"]["links"] == 0 and st["tables"]["link_sockets"] == 0, st["tables"]
     return st
@@ -92,10 +91,10 @@ def test_bad_endpoint_hint_does_not_stop_the_node(node_factory: Callable[..., An
     monkeypatch.setattr("kvcr_client.client.endpoint_problem", lambda endpoint: None)
     node = node_factory("--pool", "kv:64KiB:32")
     with Client(node.endpoint, name="hostile") as client:
-        reg = hh.Registrar(client)
+        reg = Registrar(client)
         dst = np.zeros(SPANS * SLOT, np.uint8)
         region = reg(dst)
-        slots = hh.slot_accounting(hh.stats(client))
+        slots = slot_accounting(stats(client))
         for n, endpoint in enumerate(BAD_ENDPOINTS):
             rid = f"r{n}"
             try:
@@ -121,11 +120,11 @@ def test_link_failure_fails_only_its_keys(ipc_dir: Path, monkeypatch: pytest.Mon
     slots set aside are freed, no link or socket stays behind, and local keys of the same
     batch are served."""
     with inprocess_node(ipc_dir) as (node, thread), Client(node.endpoint, name="c") as client:
-        reg = hh.Registrar(client)
-        src = hh.pattern(SPANS * SLOT, 1)
+        reg = Registrar(client)
+        src = pattern(SPANS * SLOT, 1)
         res = client.deposit({b"local": spans(reg(src), "kv")}).result(RESULT_TIMEOUT_S)
         assert res[b"local"].status is KeyStatus.STORED
-        slots = hh.slot_accounting(hh.stats(client))
+        slots = slot_accounting(stats(client))
         for endpoint in BAD_ENDPOINTS:
             monkeypatch.setattr(node, "_hinted_source", hinted_source(endpoint))
             dst_local = np.zeros(SPANS * SLOT, np.uint8)
@@ -133,7 +132,7 @@ def test_link_failure_fails_only_its_keys(ipc_dir: Path, monkeypatch: pytest.Mon
             out = client.deliver({b"local": spans(reg(dst_local)), b"far": spans(reg(dst_remote))},
                                  request_id="r", deadline_ms=2000).result(RESULT_TIMEOUT_S)
             assert out[b"local"].status is KeyStatus.OK, out[b"local"]
-            hh.assert_bytes_equal(dst_local, src, "the local key of the batch")
+            assert_bytes_equal(dst_local, src, "the local key of the batch")
             assert out[b"far"].status is KeyStatus.FAILED and out[b"far"].code is ErrorCode.BAD_ENDPOINT, out[b"far"]
             assert endpoint in out[b"far"].reason, out[b"far"]
             assert (dst_remote == 0).all()
@@ -142,7 +141,7 @@ def test_link_failure_fails_only_its_keys(ipc_dir: Path, monkeypatch: pytest.Mon
             assert thread.is_alive()
             monkeypatch.undo()
             assert_node_clean(client, slots)
-        assert hh.stats(client)["counters"].get("internal_errors", 0) == 0
+        assert stats(client)["counters"].get("internal_errors", 0) == 0
         reg.close()
 
 
@@ -161,10 +160,10 @@ def test_handler_exception_fails_the_message_with_internal(
         raise RuntimeError("injected failure")
 
     with inprocess_node(ipc_dir) as (node, thread), Client(node.endpoint, name="c") as client:
-        reg = hh.Registrar(client)
-        src = hh.pattern(SPANS * SLOT, 2)
+        reg = Registrar(client)
+        src = pattern(SPANS * SLOT, 2)
         assert client.deposit({b"local": spans(reg(src), "kv")}).result(RESULT_TIMEOUT_S)[b"local"].status is KeyStatus.STORED
-        slots = hh.slot_accounting(hh.stats(client))
+        slots = slot_accounting(stats(client))
         caplog.set_level(logging.ERROR, logger="kvcr.node")
 
         # A whole request fails: the error reply echoes its id.
@@ -183,7 +182,7 @@ def test_handler_exception_fails_the_message_with_internal(
                              request_id="r").result(RESULT_TIMEOUT_S)
         assert out[b"far"].status is KeyStatus.FAILED and out[b"far"].code is ErrorCode.INTERNAL, out[b"far"]
         assert out[b"local"].status is KeyStatus.OK, out[b"local"]
-        hh.assert_bytes_equal(dst, src, "the local key of the batch")
+        assert_bytes_equal(dst, src, "the local key of the batch")
         got = client.fetch({b"far": layout()}, request_id="r").result(RESULT_TIMEOUT_S)[b"far"]
         assert got.status is KeyStatus.FAILED and got.code is ErrorCode.INTERNAL, got
         monkeypatch.undo()
@@ -196,7 +195,7 @@ def test_handler_exception_fails_the_message_with_internal(
         # Still serving, byte-exact.
         again = np.zeros(SPANS * SLOT, np.uint8)
         assert client.deliver({b"local": spans(reg(again))}).result(RESULT_TIMEOUT_S)[b"local"].status is KeyStatus.OK
-        hh.assert_bytes_equal(again, src, "a deliver after the failures")
+        assert_bytes_equal(again, src, "a deliver after the failures")
         reg.close()
 
 
@@ -206,10 +205,10 @@ def test_loop_step_and_completion_failures_do_not_stop_the_loop(ipc_dir: Path, m
     on request."""
     calls = {"flush": 0, "done": 0}
     with inprocess_node(ipc_dir) as (node, thread), Client(node.endpoint, name="c") as client:
-        reg = hh.Registrar(client)
-        src = hh.pattern(SPANS * SLOT, 3)
+        reg = Registrar(client)
+        src = pattern(SPANS * SLOT, 3)
         assert client.deposit({b"k": spans(reg(src), "kv")}).result(RESULT_TIMEOUT_S)[b"k"].status is KeyStatus.STORED
-        slots = hh.slot_accounting(hh.stats(client))
+        slots = slot_accounting(stats(client))
         flush, deliver_done = node._flush_capacity_events, node._deliver_done
 
         def failing_flush() -> None:
@@ -228,8 +227,8 @@ def test_loop_step_and_completion_failures_do_not_stop_the_loop(ipc_dir: Path, m
         for seed in range(3):
             dst = np.zeros(SPANS * SLOT, np.uint8)
             assert client.deliver({b"k": spans(reg(dst))}).result(RESULT_TIMEOUT_S)[b"k"].status is KeyStatus.OK
-            hh.assert_bytes_equal(dst, src, f"deliver {seed}")
-        assert hh.wait_until(lambda: calls["flush"] > 3, RESULT_TIMEOUT_S)
+            assert_bytes_equal(dst, src, f"deliver {seed}")
+        assert wait_until(lambda: calls["flush"] > 3, RESULT_TIMEOUT_S)
         monkeypatch.undo()
         assert thread.is_alive()
         st = assert_node_clean(client, slots)

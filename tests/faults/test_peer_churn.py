@@ -18,27 +18,16 @@ outstanding write) and their tables back to a bound.
 
 from __future__ import annotations
 
-import os
-import signal
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-import remote_helpers  # tests/integration, on pytest's pythonpath
-
 from kvcr_client import ErrorCode
 from kvcr_node.agents import DEPARTED_AGENTS
-
-rh = remote_helpers
-RESULT_TIMEOUT_S: float = rh.RESULT_TIMEOUT_S
-FAILED = rh.FAILED
-Dest = rh.Dest
-counter = rh.counter
-deliver_checked = rh.deliver_checked
-expect = rh.expect
-poll_stats = rh.poll_stats
-wait_until = rh.wait_until
+from kvcr_testing.health import counter, slot_accounting, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
+from kvcr_testing.measure import fd_count
+from kvcr_testing.nodes import frozen
+from kvcr_testing.remote import FAILED, OK, Dest, deliver_checked, expect, open_site, poll_stats
 
 MAX_PEERS = 16
 PEER_IDLE_MS = 300
@@ -48,17 +37,7 @@ BUSY_DEADLINE_MS = 800
 FD_SLACK = 10
 """Descriptors the node may hold above its baseline once every link is closed."""
 SETTLE_S = 5.0
-LAYOUT = rh.plain_layout(2)
-
-
-@pytest.fixture
-def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with rh.sites_of(node_factory) as s:
-        yield s
-
-
-def fd_count(site: Any) -> int:
-    return len(os.listdir(f"/proc/{site.node.proc.pid}/fd"))
+LAYOUT = plain_layout(2)
 
 
 def tables(site: Any) -> dict[str, int]:
@@ -76,20 +55,6 @@ def hint(site: Any, rid: str, endpoint: str, keys: list[bytes]) -> None:
     site.client.submit_hint(rid, endpoint, keys).result(RESULT_TIMEOUT_S)
 
 
-class Frozen:
-    """SIGSTOP a node for a ``with`` block; SIGCONT afterwards."""
-
-    def __init__(self, node: Any) -> None:
-        self.node = node
-
-    def __enter__(self) -> None:
-        self.node.proc.send_signal(signal.SIGSTOP)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.node.proc.poll() is None:
-            self.node.proc.send_signal(signal.SIGCONT)
-
-
 # --------------------------------------------------------------------------- links (defect 2)
 
 
@@ -99,8 +64,8 @@ def test_links_are_capped_and_close_when_idle(sites: Any) -> None:
     (a,) = sites.start(("a", {"args": ("--max-peers", str(MAX_PEERS), "--peer-idle-ms", str(PEER_IDLE_MS))}))
     here = Path(a.endpoint.removeprefix("ipc://")).parent
     dests = [Dest(a, LAYOUT, range(2), seed=10 + i) for i in range(MAX_PEERS + 1)]
-    fds_before = fd_count(a)
-    slots_before = rh.integration_helpers.slot_accounting(a.stats())
+    fds_before = fd_count(a.node.proc.pid)
+    slots_before = slot_accounting(a.stats())
 
     # Every link busy with a queued write: one more source is refused, nothing set aside.
     for i in range(MAX_PEERS + 1):
@@ -135,19 +100,19 @@ def test_links_are_capped_and_close_when_idle(sites: Any) -> None:
             h.result(RESULT_TIMEOUT_S)
         t = tables(a)
         peak_links = max(peak_links, t["links"])
-        peak_fds = max(peak_fds, fd_count(a))
+        peak_fds = max(peak_fds, fd_count(a.node.proc.pid))
         assert t["links"] <= MAX_PEERS and t["link_sockets"] <= 2 * MAX_PEERS, t
 
     st = poll_stats(a, lambda st: st["tables"]["links"] == 0, SETTLE_S, "every idle link closed")
-    settled = wait_until(lambda: fd_count(a) <= fds_before + FD_SLACK, SETTLE_S, 0.05)
-    print(f"links peak {peak_links}; node fds {fds_before} -> peak {peak_fds} -> {fd_count(a)}")
-    assert settled, (fds_before, fd_count(a))
+    settled = wait_until(lambda: fd_count(a.node.proc.pid) <= fds_before + FD_SLACK, SETTLE_S, 0.05)
+    print(f"links peak {peak_links}; node fds {fds_before} -> peak {peak_fds} -> {fd_count(a.node.proc.pid)}")
+    assert settled, (fds_before, fd_count(a.node.proc.pid))
     assert st["tables"]["link_sockets"] == 0 and st["peers"] == {}, st["tables"]
     assert counter(st, "links_closed_idle") > 0 and counter(st, "links_evicted") > 0, st["counters"]
     assert counter(st, "internal_errors") == 0, st["counters"]
     for dst in dests:
         dst.assert_untouched()
-    assert rh.integration_helpers.slot_accounting(st) == slots_before
+    assert slot_accounting(st) == slots_before
     assert a.alive
 
 
@@ -179,7 +144,7 @@ def test_probe_records_stay_bounded(sites: Any) -> None:
     src = b.deposit(b"k", LAYOUT, seed=5)
     hint(a, "r", b.endpoint, [b"k"])
     deliver_checked(a, b"k", LAYOUT, src, range(2), seed=6, request_id="r")
-    with Frozen(b.node):
+    with frozen(b.node):
         dst = Dest(a, LAYOUT, range(2), seed=7)
         out = a.client.deliver({b"k": dst.spans}, request_id="r", deadline_ms=300).result(RESULT_TIMEOUT_S)[b"k"]
         expect(out, FAILED, ErrorCode.DESTINATION_UNCERTAIN)
@@ -215,21 +180,21 @@ def test_announced_client_tables_are_bounded(sites: Any) -> None:
         hint(site, "r", b.endpoint, [b"k"])
         deliver_checked(site, b"k", LAYOUT, src, range(2), seed=seed, request_id="r")
 
-    extra = [rh.open_site(a.node, f"c{i}") for i in range(3)]
+    extra = [open_site(a.node, f"c{i}") for i in range(3)]
     try:
         # Registered once: a client whose regions change is announced again anyway.
         dests = [Dest(site, LAYOUT, range(2), seed=20 + i) for i, site in enumerate(extra)]
         for site, dst in zip(extra, dests, strict=True):  # the third evicts the first at B
             hint(site, "r", b.endpoint, [b"k"])
             out = site.client.deliver({b"k": dst.spans}, request_id="r").result(RESULT_TIMEOUT_S)[b"k"]
-            expect(out, rh.OK)
+            expect(out, OK)
             dst.assert_delivered(src)
         st = b.stats()
         assert st["tables"]["peer_clients"] == 2 and counter(st, "peer_clients_evicted") == 1, (st["tables"], st["counters"])
         # The first client again, same regions: B refuses the unknown agent, A announces it again and retries.
         dests[0].buf[:] = dests[0].before
         out = extra[0].client.deliver({b"k": dests[0].spans}, request_id="r").result(RESULT_TIMEOUT_S)[b"k"]
-        expect(out, rh.OK)
+        expect(out, OK)
         dests[0].assert_delivered(src)
         assert counter(a.stats(), "writes_retried") == 1
         assert tables(a)["clients_sent"] == 3
@@ -239,7 +204,7 @@ def test_announced_client_tables_are_bounded(sites: Any) -> None:
     poll_stats(a, lambda st: st["tables"]["clients_sent"] == 0, SETTLE_S, "A forgot the closed clients")
 
     for i in range(12):
-        site = rh.open_site(a.node, f"d{i}")
+        site = open_site(a.node, f"d{i}")
         try:
             deliver_from(site, 40 + i)
         finally:

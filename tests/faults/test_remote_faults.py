@@ -23,49 +23,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import remote_helpers  # tests/integration, on pytest's pythonpath
 
 from kvcr_client import ErrorCode, NodeLostError, OperationTimeout, Presence
-
-rh = remote_helpers
-RESULT_TIMEOUT_S: float = rh.RESULT_TIMEOUT_S
-OK, FAILED = rh.OK, rh.FAILED
-Dest = rh.Dest
-counter = rh.counter
-deliver_checked = rh.deliver_checked
-expect = rh.expect
-poll_stats = rh.poll_stats
+from kvcr_testing.health import counter, outcome_count, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
+from kvcr_testing.nodes import frozen, start_node
+from kvcr_testing.remote import FAILED, OK, POOLS, Dest, deliver_checked, expect, poll_stats, warm_link
 
 DEADLINE_MS = 1500
 PEER_DEAD_MS = 500
 SLACK_S = 3.0
 """How much later than its deadline a failed operation may complete."""
-LAYOUT = rh.plain_layout(4)
-
-
-@pytest.fixture
-def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with rh.sites_of(node_factory) as s:
-        yield s
-
-
-def frozen(node: Any) -> Any:
-    """SIGSTOP ``node`` for a ``with`` block; SIGCONT afterwards unless it was killed."""
-
-    class _Frozen:
-        def __enter__(self) -> None:
-            node.proc.send_signal(signal.SIGSTOP)
-
-        def __exit__(self, *exc: object) -> None:
-            if node.proc.poll() is None:
-                node.proc.send_signal(signal.SIGCONT)
-
-    return _Frozen()
+LAYOUT = plain_layout(4)
 
 
 def kill(node: Any) -> None:
@@ -77,19 +50,13 @@ def peer(st: dict[str, Any], endpoint: str) -> dict[str, Any]:
     return dict(st["peers"].get(endpoint, {}))
 
 
-def warm_link(a: Any, b: Any, key: bytes, src: Any, rid: str) -> None:
-    """One delivery from B through A, so that the peer session exists before the fault."""
-    a.client.submit_hint(rid, b.endpoint, [key]).result(RESULT_TIMEOUT_S)
-    deliver_checked(a, key, LAYOUT, src, range(4), seed=900, request_id=rid)
-
-
 # --------------------------------------------------------------------------- a source that dies
 
 
 def test_source_frozen_then_killed_deliver(sites: Any) -> None:
     a, b = sites.start(("a", {"args": ("--peer-dead-ms", str(PEER_DEAD_MS))}), "b")
     src = b.deposit(b"k", LAYOUT, seed=1)
-    warm_link(a, b, b"k", src, "r")
+    warm_link(a, b, b"k", LAYOUT, src, "r")
 
     with frozen(b.node):
         dst = Dest(a, LAYOUT, range(4), seed=10)
@@ -105,7 +72,7 @@ def test_source_frozen_then_killed_deliver(sites: Any) -> None:
         assert counter(st, "uncertain_writes") == 1
         # Frozen is not dead: the link is still up, so the write stays uncertain well past
         # peer_dead_ms (A keeps probing).
-        assert not rh.wait_until(lambda: peer(a.stats(), b.endpoint)["uncertain"] == 0, 2 * PEER_DEAD_MS / 1000)
+        assert not wait_until(lambda: peer(a.stats(), b.endpoint)["uncertain"] == 0, 2 * PEER_DEAD_MS / 1000)
         kill(b.node)
     st = poll_stats(a, lambda st: peer(st, b.endpoint).get("writes_outstanding") == 0, PEER_DEAD_MS / 1000 + SLACK_S,
                     "the uncertain write resolved after the source died")
@@ -122,7 +89,7 @@ def test_source_that_answers_late_resolves_the_uncertain_write(sites: Any) -> No
     passed while it was frozen), and its answer resolves A's uncertain write."""
     a, b = sites.start(("a", {"args": ("--peer-dead-ms", "60000")}), "b")
     src = b.deposit(b"k", LAYOUT, seed=7)
-    warm_link(a, b, b"k", src, "r")
+    warm_link(a, b, b"k", LAYOUT, src, "r")
     with frozen(b.node):
         dst = Dest(a, LAYOUT, range(4), seed=70)
         out = a.client.deliver({b"k": dst.spans}, request_id="r", deadline_ms=DEADLINE_MS)
@@ -141,7 +108,7 @@ def test_source_that_answers_late_resolves_the_uncertain_write(sites: Any) -> No
 def test_source_frozen_then_killed_fetch_frees_writing_slots(sites: Any) -> None:
     a, b = sites.start(("a", {"args": ("--peer-dead-ms", str(PEER_DEAD_MS))}), "b")
     src = b.deposit(b"k", LAYOUT, seed=2)
-    warm_link(a, b, b"k", src, "r")
+    warm_link(a, b, b"k", LAYOUT, src, "r")
     free_before = a.stats()["pools"]["kv"]["free"]
     expected_layout = {b"k": [(name, "kv") for name in LAYOUT.names]}
 
@@ -157,7 +124,7 @@ def test_source_frozen_then_killed_fetch_frees_writing_slots(sites: Any) -> None
         # A local deliver of the key waits on the WRITING entry.
         dst = Dest(a, LAYOUT, range(4), seed=20)
         waiting = a.client.deliver({b"k": dst.spans}, deadline_ms=20_000)
-        assert not rh.wait_until(waiting.done, 2 * PEER_DEAD_MS / 1000)
+        assert not wait_until(waiting.done, 2 * PEER_DEAD_MS / 1000)
         assert a.stats()["writing"] == 1
         kill(b.node)
     # Resolved: the fill is abandoned, the waiting deliver learns the key is not here.
@@ -191,7 +158,7 @@ def test_source_restart(sites: Any) -> None:
     b1 = sites("b1")
     endpoint = b1.endpoint
     src1 = b1.deposit(b"k", LAYOUT, seed=3)
-    warm_link(a, b1, b"k", src1, "r")
+    warm_link(a, b1, b"k", LAYOUT, src1, "r")
     inc1 = a.stats()["peers"][endpoint]["incarnation"]
 
     with frozen(b1.node):
@@ -206,7 +173,7 @@ def test_source_restart(sites: Any) -> None:
     poll_stats(a, lambda st: peer(st, endpoint)["state"] == "down", SLACK_S, "A saw the source go")
     assert not sent.done()
 
-    b2 = sites.adopt(rh.start_node(endpoint, *rh.POOLS), "b2")
+    b2 = sites.adopt(start_node(endpoint, *POOLS), "b2")
     src2 = b2.deposit(b"k", LAYOUT, seed=4)  # the same key, other bytes
     inc2 = b2.stats()["incarnation"]
     assert inc2 != inc1
@@ -282,7 +249,7 @@ def test_client_killed_mid_remote_deliver(sites: Any, known: bool) -> None:
     either way the write ends, B's claim drops, and A settles the dead client's op."""
     a, b = sites.start("a", "b")
     src = b.deposit(b"k", LAYOUT, seed=5)
-    warm_link(a, b, b"k", src, "r")
+    warm_link(a, b, b"k", LAYOUT, src, "r")
     doomed = DoomedClient(a, b, b"k", warm=known)
     try:
         if known:
@@ -310,13 +277,13 @@ def test_target_killed_mid_write(sites: Any) -> None:
     the transfer and drops its claim; the client's operation fails (its node is gone)."""
     a, b = sites.start("a", "b")
     src = b.deposit(b"k", LAYOUT, seed=6)
-    warm_link(a, b, b"k", src, "r")
+    warm_link(a, b, b"k", LAYOUT, src, "r")
     with frozen(b.node):
         dst = Dest(a, LAYOUT, range(4), seed=60)
         handle = a.client.deliver({b"k": dst.spans}, request_id="r", deadline_ms=DEADLINE_MS)
         poll_stats(a, lambda st: peer(st, b.endpoint)["writes_outstanding"] == 1, 10, "the write sent to B")
         kill(a.node)
-    st = poll_stats(b, lambda st: rh.outcome_count(st, "write.") == 2, 10, "B ended the orphaned write")
+    st = poll_stats(b, lambda st: outcome_count(st, "write.") == 2, 10, "B ended the orphaned write")
     assert st["claims"]["total"] == 0 and st["operations_pending"] == 0, st
     with pytest.raises((NodeLostError, OperationTimeout)):
         handle.result(DEADLINE_MS / 1000 + SLACK_S)
@@ -335,7 +302,7 @@ def test_target_stalled_past_the_source_grace_reconnects(sites: Any) -> None:
     runs again, its session with B must come back (a new hello), not fail every write."""
     a, b = sites.start("a", ("b", {"args": ("--client-grace-ms", "600", "--heartbeat-ms", "150")}))
     src = b.deposit(b"k", LAYOUT, seed=8)
-    warm_link(a, b, b"k", src, "r")
+    warm_link(a, b, b"k", LAYOUT, src, "r")
     with frozen(a.node):
         poll_stats(b, lambda st: counter(st, "peers_expired") == 1, 10, "B dropped A's silent peer session")
     poll_stats(a, lambda st: peer(st, b.endpoint).get("state") == "ready", SLACK_S, "A's link usable")

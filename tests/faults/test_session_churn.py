@@ -22,7 +22,6 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-import hostile_helpers  # tests/faults, on pytest's pythonpath
 import numpy as np
 import zmq
 
@@ -30,10 +29,11 @@ from kvcr_client import Client, KeyStatus, Span
 from kvcr_io.agent import Agent
 from kvcr_node.agents import DEPARTED_AGENTS
 from kvcr_protocol import Ack, Bye, Hello, StatsReply, StatsRequest, Welcome, decode, encode, supported_up_to
+from kvcr_testing.health import assert_clean, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
+from kvcr_testing.measure import fd_count, rss_kib
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
-hh = hostile_helpers
-KiB = hh.KiB
-RESULT_TIMEOUT_S = hh.RESULT_TIMEOUT_S
 SLOT = 64 * KiB
 BARE_SESSIONS = 2000
 REAL_SESSIONS = 12
@@ -55,18 +55,6 @@ before the fix (a UCX endpoint per session) each quarter of 500 grew about 1.2 M
 any leak of 0.5 KiB per session or more would fail here."""
 SETTLE_S = 10.0
 RECV_TIMEOUT_MS = 5000
-
-
-def fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 class BareSessions:
@@ -108,8 +96,8 @@ class BareSessions:
 def real_session(endpoint: str, n: int) -> None:
     """A client that registers, deposits its own key, delivers it back byte-exact and leaves."""
     with Client(endpoint, name=f"real{n}") as client:
-        reg = hh.Registrar(client)
-        src = hh.pattern(2 * SLOT, 100 + n)
+        reg = Registrar(client)
+        src = pattern(2 * SLOT, 100 + n)
         dst = np.zeros(2 * SLOT, np.uint8)
         key = f"real{n}".encode()
         src_region, dst_region = reg(src), reg(dst)
@@ -117,7 +105,7 @@ def real_session(endpoint: str, n: int) -> None:
         assert stored.result(RESULT_TIMEOUT_S)[key].status is KeyStatus.STORED
         out = client.deliver({key: [Span(f"L{i}", dst_region, i * SLOT, SLOT) for i in range(2)]})
         assert out.result(RESULT_TIMEOUT_S)[key].status is KeyStatus.OK
-        hh.assert_bytes_equal(dst, src, f"session {n}")
+        assert_bytes_equal(dst, src, f"session {n}")
         reg.close()
 
 
@@ -132,7 +120,7 @@ def test_session_churn_returns_descriptors_memory_and_tables(node_factory: Calla
             real_session(node.endpoint, 0)
             bare.agent = None
             fds_before, rss_before = fd_count(pid), rss_kib(pid)
-            tables_before = hh.stats(observer)["tables"]
+            tables_before = stats(observer)["tables"]
 
             rss_quarters = [rss_before]
             for _ in range(QUARTERS):
@@ -142,13 +130,13 @@ def test_session_churn_returns_descriptors_memory_and_tables(node_factory: Calla
             growth = [b - a for a, b in itertools.pairwise(rss_quarters)]
             bare.agent = None
             # Nothing moves any byte: only the node's own progress can close these connections.
-            settled = hh.wait_until(lambda: fd_count(pid) <= fds_before + FD_SLACK, SETTLE_S, 0.05)
+            settled = wait_until(lambda: fd_count(pid) <= fds_before + FD_SLACK, SETTLE_S, 0.05)
             fds_bare = fd_count(pid)
             assert settled, f"node descriptors grew from {fds_before} to {fds_bare} over {BARE_SESSIONS} bare sessions"
             for n in range(1, REAL_SESSIONS + 1):
                 real_session(node.endpoint, n)
 
-            settled = hh.wait_until(lambda: fd_count(pid) <= fds_before + FD_SLACK, SETTLE_S, 0.05)
+            settled = wait_until(lambda: fd_count(pid) <= fds_before + FD_SLACK, SETTLE_S, 0.05)
             fds_after, rss_after = fd_count(pid), rss_kib(pid)
             print(f"node fds {fds_before} -> {fds_bare} (bare) -> {fds_after}, RSS {rss_before} -> {rss_after} KiB, "
                   f"growth per quarter of the bare sessions {growth} KiB, after {BARE_SESSIONS} bare and "
@@ -156,7 +144,7 @@ def test_session_churn_returns_descriptors_memory_and_tables(node_factory: Calla
             assert settled, f"node descriptors grew from {fds_before} to {fds_after} over the sessions"
             assert min(growth[1:]) <= RSS_FLAT_KIB, growth
             assert rss_after - rss_before <= RSS_GROWTH_KIB, (rss_before, rss_after)
-            st = hh.assert_clean(observer)
+            st = assert_clean(observer)
             assert st["clients"] == 1, st["clients"]
             tables = st["tables"]
             assert tables["sessions"] == tables_before["sessions"] == 1, (tables_before, tables)

@@ -11,30 +11,24 @@ once the reservation ends. Afterwards nothing is left: no write, no held withdra
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-import remote_helpers  # tests/integration, on pytest's pythonpath
 
 from kvcr_client import ArgumentError, ErrorCode, OperationTimeout, Span
+from kvcr_testing.health import wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
+from kvcr_testing.patterns import KiB, assert_bytes_equal
+from kvcr_testing.remote import FAILED, OK, Dest, deliver_checked, expect
 
-rh = remote_helpers
-RESULT_TIMEOUT_S: float = rh.RESULT_TIMEOUT_S
-LAYOUT = rh.plain_layout(4)
+LAYOUT = plain_layout(4)
 DEADLINE_MS = 1000
 PEER_DEAD_MS = 500
 SHORT_TIMEOUT_S = 0.5
 WAIT_S = 1.0
 """How long the test watches an unregister that must still be waiting."""
 SLACK_S = 5.0
-
-
-@pytest.fixture
-def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with rh.sites_of(node_factory) as s:
-        yield s
 
 
 def held(site: Any) -> int:
@@ -45,9 +39,9 @@ def test_unregister_waits_while_a_source_may_still_write(sites: Any) -> None:
     a, b = sites.start(("a", {"args": ("--peer-dead-ms", str(PEER_DEAD_MS))}), "b")
     src = b.deposit(b"k", LAYOUT, seed=1)
     a.client.submit_hint("r", b.endpoint, [b"k"]).result(RESULT_TIMEOUT_S)
-    rh.deliver_checked(a, b"k", LAYOUT, src, range(4), seed=2, request_id="r")  # the peer session is up
-    local = a.deposit(b"local", rh.plain_layout(1), seed=3)
-    dst = rh.Dest(a, LAYOUT, range(4), seed=4)
+    deliver_checked(a, b"k", LAYOUT, src, range(4), seed=2, request_id="r")  # the peer session is up
+    local = a.deposit(b"local", plain_layout(1), seed=3)
+    dst = Dest(a, LAYOUT, range(4), seed=4)
     a.reg.regions.remove(dst.region)  # this test unregisters it itself
     with pytest.raises(ArgumentError):
         a.client.unregister(dst.region, timeout=-1)
@@ -55,24 +49,24 @@ def test_unregister_waits_while_a_source_may_still_write(sites: Any) -> None:
     b.node.proc.send_signal(signal.SIGSTOP)  # killed below; thawed in ``finally`` if a check fails first
     try:
         out = a.client.deliver({b"k": dst.spans}, request_id="r", deadline_ms=DEADLINE_MS).result(DEADLINE_MS / 1000 + SLACK_S)
-        rh.expect(out[b"k"], rh.FAILED, ErrorCode.DESTINATION_UNCERTAIN)
+        expect(out[b"k"], FAILED, ErrorCode.DESTINATION_UNCERTAIN)
 
         # Past its timeout, unregister gives up: the region stays registered and announced.
         with pytest.raises(OperationTimeout, match="stays registered"):
             a.client.unregister(dst.region, timeout=SHORT_TIMEOUT_S)
         assert held(a) == 0, "the node gave the withdrawal up"
-        into = [Span("L0", dst.region, 0, 64 * rh.KiB)]
-        assert a.client.deliver({b"local": into}).result(RESULT_TIMEOUT_S)[b"local"].status is rh.OK
-        rh.assert_bytes_equal(dst.buf[: 64 * rh.KiB], local, "deliver into the region that stayed announced")
+        into = [Span("L0", dst.region, 0, 64 * KiB)]
+        assert a.client.deliver({b"local": into}).result(RESULT_TIMEOUT_S)[b"local"].status is OK
+        assert_bytes_equal(dst.buf[: 64 * KiB], local, "deliver into the region that stayed announced")
 
         # Without a timeout it waits as long as the source may still write.
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(a.client.unregister, dst.region)
-            assert rh.wait_until(lambda: held(a) == 1, SLACK_S)
-            assert not rh.wait_until(waiting.done, WAIT_S), waiting.result(0)
+            assert wait_until(lambda: held(a) == 1, SLACK_S)
+            assert not wait_until(waiting.done, WAIT_S), waiting.result(0)
             # Meanwhile the withdrawn region takes no new work.
             refused = a.client.deliver({b"local": into}).result(RESULT_TIMEOUT_S)[b"local"]
-            rh.expect(refused, rh.FAILED, ErrorCode.BAD_DESCRIPTOR)
+            expect(refused, FAILED, ErrorCode.BAD_DESCRIPTOR)
             b.node.proc.send_signal(signal.SIGKILL)
             b.node.proc.wait(SLACK_S)
             # B is known gone after peer_dead_ms: the reservation ends, the ack comes, the memory goes.

@@ -17,12 +17,19 @@ import importlib.util
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+
+from kvcr_client import ArgumentError, Client, ErrorCode, KeyStatus, RegionHandle, Span
+from kvcr_protocol import MemoryKind
+from kvcr_testing.health import assert_clean
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, plan_destination
+from kvcr_testing.nodes import running_node, short_ipc_dir
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern, sentinel_like
 
 cupy = pytest.importorskip(
     "cupy", reason="GPU tests need CuPy (the 'gpu' extra) and a CUDA GPU: CuPy is not installed"
@@ -40,26 +47,7 @@ DEVICES, _WHY = _device_count()
 if DEVICES == 0:
     pytest.skip(f"GPU tests need a CUDA GPU: CuPy is installed but sees none ({_WHY})", allow_module_level=True)
 
-pytestmark = pytest.mark.gpu
-
-# The byte-check and node-health helpers of the integration tests (see their docstring).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from integration_helpers import (  # noqa: E402
-    RESULT_TIMEOUT_S,
-    KiB,
-    Layout,
-    Registrar,
-    assert_bytes_equal,
-    assert_clean,
-    pattern,
-    plan_destination,
-    running_node,
-    sentinel_like,
-    short_ipc_dir,
-)
-
-from kvcr_client import ArgumentError, Client, ErrorCode, KeyStatus, RegionHandle, Span  # noqa: E402
-from kvcr_protocol import MemoryKind  # noqa: E402
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("node_left_clean")]
 
 POOLS = (
     "--pool", "hbmkv:64KiB:128:hbm:0",
@@ -96,34 +84,8 @@ def buffer(kind: str, host: np.ndarray) -> Any:
 
 
 @pytest.fixture(scope="module")
-def node() -> Iterator[Any]:
-    with short_ipc_dir("gpu") as d, running_node(d, "n", *POOLS) as n:
-        yield n
-    assert n.proc.returncode == 0, n.output
-
-
-@pytest.fixture(scope="module")
-def client(node: Any) -> Iterator[Client]:
-    with Client(node.endpoint, name="itest-gpu") as c:
-        yield c
-
-
-@pytest.fixture(autouse=True)
-def node_left_clean(client: Client) -> Iterator[None]:
-    yield
-    assert_clean(client)
-
-
-@pytest.fixture
-def register(client: Client) -> Iterator[Registrar]:
-    reg = Registrar(client)
-    yield reg
-    reg.close()
-
-
-@pytest.fixture
-def key(request: pytest.FixtureRequest) -> Callable[[str], bytes]:
-    return lambda label: f"{request.node.name}/{label}".encode()
+def node_args() -> tuple[str, ...]:
+    return POOLS
 
 
 # --------------------------------------------------------------------------- helpers

@@ -19,19 +19,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from integration_helpers import (
-    RESULT_TIMEOUT_S,
-    KiB,
-    Layout,
-    Registrar,
-    assert_bytes_equal,
-    assert_clean,
-    pattern,
-    stats,
-    wait_until,
-)
 
 from kvcr_client import Client, CurveKeys, ErrorCode, KeyStatus, NodeError, Span
+from kvcr_testing.health import assert_clean, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 POOL = ("--pool", "kv:4KiB:64")
 SLOT = 4 * KiB

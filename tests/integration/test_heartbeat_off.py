@@ -8,14 +8,13 @@ spin sending heartbeats to its peers.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-from remote_helpers import RESULT_TIMEOUT_S, counter, deliver_checked, plain_layout, sites_of, stats, wait_until
-
 from kvcr_client import Client
+from kvcr_testing.health import counter, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
+from kvcr_testing.remote import deliver_checked
 
 GRACE_MS = 300
 """A grace period the idle client outlives many times over."""
@@ -24,12 +23,6 @@ IDLE_S = 1.5
 IDLE_CPU_S = 0.5
 """CPU seconds a node may spend over ``IDLE_S`` idle; a loop spinning on heartbeats takes them all."""
 LAYOUT = plain_layout(2)
-
-
-@pytest.fixture
-def sites(node_factory: Callable[..., Any]) -> Iterator[Any]:
-    with sites_of(node_factory) as s:
-        yield s
 
 
 def cpu_seconds(pid: int) -> float:

@@ -11,28 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
-from integration_helpers import (
-    RESULT_TIMEOUT_S,
-    KiB,
-    Layout,
-    Registrar,
-    assert_bytes_equal,
-    assert_clean,
-    deliver_and_check,
-    pattern,
-    running_node,
-    short_ipc_dir,
-    slot_accounting,
-    stats,
-    wait_until,
-)
 
 from kvcr_client import (
     ArgumentError,
@@ -46,6 +31,9 @@ from kvcr_client import (
     Span,
 )
 from kvcr_protocol import Abort, Deliver, DeliverItem, Deposit, DepositItem, DstSpan, Error, SrcSpan, decode
+from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, deliver_and_check, hybrid_layout, plain_layout
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 # One node for the module: a plain pool, the three pools of a hybrid model, a small-slot pool.
 POOLS = (
@@ -65,37 +53,12 @@ FAILED = KeyStatus.FAILED
 STORED = KeyStatus.STORED
 
 
-@pytest.fixture(scope="module")
-def node() -> Iterator[Any]:
-    with short_ipc_dir("local") as d, running_node(d, "n", *POOLS) as n:
-        yield n
-    assert n.proc.returncode == 0, n.output
+pytestmark = pytest.mark.usefixtures("node_left_clean")
 
 
 @pytest.fixture(scope="module")
-def client(node: Any) -> Iterator[Client]:
-    with Client(node.endpoint, name="itest-local") as c:
-        yield c
-
-
-@pytest.fixture(autouse=True)
-def shared_node_left_clean(client: Client) -> Iterator[None]:
-    """After every test: the shared node is at rest and consistent."""
-    yield
-    assert_clean(client)
-
-
-@pytest.fixture
-def register(client: Client) -> Iterator[Registrar]:
-    reg = Registrar(client)
-    yield reg
-    reg.close()
-
-
-@pytest.fixture
-def key(request: pytest.FixtureRequest) -> Callable[[str], bytes]:
-    """Keys unique to the test (the shared node keeps objects between tests)."""
-    return lambda label: f"{request.node.name}/{label}".encode()
+def node_args() -> tuple[str, ...]:
+    return POOLS
 
 
 def stored_object(
@@ -112,18 +75,6 @@ def stored_object(
     res = client.deposit({key: layout.source_spans(region)}, no_evict=no_evict).result(RESULT_TIMEOUT_S)
     assert res[key].status is STORED, res[key]
     return src, res[key]
-
-
-def plain_layout(n: int, pool: str = "kv", size: int = 64 * KiB) -> Layout:
-    return Layout([(f"L{i}", pool, size) for i in range(n)])
-
-
-def hybrid_layout(layers: int) -> Layout:
-    spans: list[tuple[str, str, int]] = []
-    for i in range(layers):
-        spans += [(f"L{i}.full", "full", 64 * KiB), (f"L{i}.swa", "swa", 16 * KiB)]
-    spans.append(("state", "state", 1536 * KiB))
-    return Layout(spans)
 
 
 # --------------------------------------------------------------------------- byte-exact delivery

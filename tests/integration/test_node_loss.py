@@ -14,37 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration_helpers import (
-    RESULT_TIMEOUT_S,
-    KiB,
-    Layout,
-    Registrar,
-    assert_bytes_equal,
-    assert_clean,
-    pattern,
-    start_node,
-    wait_until,
-)
 
-from kvcr_client import Client, KeyStatus, NodeLostError, OperationTimeout, Span
+from kvcr_client import Client, NodeLostError, OperationTimeout, Span
+from kvcr_testing.health import assert_clean, wait_until
+from kvcr_testing.layouts import Layout, Registrar, round_trip
+from kvcr_testing.nodes import start_node
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 SLOT = 4 * KiB
 POOL = ("--pool", "kv:4KiB:64")
 LAYOUT = Layout([(f"L{i}", "kv", SLOT) for i in range(4)])
-
-
-def _round_trip(client: Client, reg: Registrar, key: bytes, seed: int) -> None:
-    """Deposit patterned bytes, deliver them into a sentinel buffer, compare every byte."""
-    src = pattern(LAYOUT.nbytes, seed)
-    region = reg(src)
-    assert client.deposit({key: LAYOUT.source_spans(region)}).result(RESULT_TIMEOUT_S)[key].status is KeyStatus.STORED
-    dst = pattern(LAYOUT.nbytes + 64, seed + 1)
-    expected = dst.copy()
-    expected[32 : 32 + LAYOUT.nbytes] = src
-    dregion = reg(dst)
-    spans = [Span(n, dregion, 32 + o, s) for (n, _, s), o in zip(LAYOUT.spans, LAYOUT.offsets, strict=True)]
-    assert client.deliver({key: spans}).result(RESULT_TIMEOUT_S)[key].status is KeyStatus.OK
-    assert_bytes_equal(dst, expected, "round trip")
 
 
 def test_sigkill_fails_pending_operations_then_reconnect(node_factory: Callable[..., Any]) -> None:
@@ -53,7 +32,7 @@ def test_sigkill_fails_pending_operations_then_reconnect(node_factory: Callable[
     deadline_ms = 2000
     with Client(endpoint, name="itest-loss") as client:
         reg = Registrar(client)
-        _round_trip(client, reg, b"before", 1)
+        round_trip(client, reg, b"before", LAYOUT, 1)
         first = client.node
         assert first is not None
 
@@ -97,7 +76,7 @@ def test_sigkill_fails_pending_operations_then_reconnect(node_factory: Callable[
             assert not client.core.lost
             # The new node holds nothing of the old one's.
             assert client.query([b"before"]).result(5)[b"before"].presence.value == "MISS"
-            _round_trip(client, reg, b"after", 5)  # regions registered before are re-announced
+            round_trip(client, reg, b"after", LAYOUT, 5)  # regions registered before are re-announced
             assert_clean(client)
             reg.close()
         finally:
@@ -113,7 +92,7 @@ def test_sigterm_is_a_clean_shutdown(ipc_dir: Path) -> None:
         assert sock.exists()
         with Client(endpoint) as client:
             reg = Registrar(client)
-            _round_trip(client, reg, b"k", 7)
+            round_trip(client, reg, b"k", LAYOUT, 7)
             assert_clean(client)
             reg.close()
     finally:

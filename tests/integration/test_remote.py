@@ -14,31 +14,10 @@ import os
 import secrets
 import signal
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import zmq
-from remote_helpers import (
-    FAILED,
-    OK,
-    RESULT_TIMEOUT_S,
-    Dest,
-    KiB,
-    Layout,
-    Sites,
-    assert_site_clean,
-    counter,
-    deliver_checked,
-    expect,
-    hybrid_layout,
-    outcome_count,
-    plain_layout,
-    poll_stats,
-    sites_of,
-    wait_until,
-)
 
 from kvcr_client import ErrorCode, Presence, Span
 from kvcr_io.agent import Agent
@@ -56,12 +35,19 @@ from kvcr_protocol import (
     decode,
     encode,
 )
-
-
-@pytest.fixture
-def sites(node_factory: Callable[..., Any]) -> Iterator[Sites]:
-    with sites_of(node_factory) as s:
-        yield s
+from kvcr_testing.health import counter, outcome_count, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, hybrid_layout, plain_layout
+from kvcr_testing.patterns import KiB
+from kvcr_testing.remote import (
+    FAILED,
+    OK,
+    Dest,
+    Sites,
+    assert_site_clean,
+    deliver_checked,
+    expect,
+    poll_stats,
+)
 
 
 def hinted(site: Any, request_id: str, source: Any, keys: list[bytes]) -> str:

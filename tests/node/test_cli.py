@@ -149,7 +149,7 @@ def test_stale_ipc_socket_of_a_dead_node_is_recovered(ipc_dir: Path, node_factor
     dead.kill()
     path = Path(dead.endpoint.removeprefix("ipc://"))
     assert path.exists()
-    from integration_helpers import running_node
+    from kvcr_testing.nodes import running_node
 
     with running_node(ipc_dir, "n0", "--pool", "kv:4KiB:8", "--name", "again") as again:
         assert again.endpoint == dead.endpoint

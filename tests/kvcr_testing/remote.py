@@ -1,13 +1,10 @@
-"""Helpers for the cross-node tests (spec section 12): nodes with a client each, checked deliveries.
-
-Used by ``tests/integration/test_remote.py``, ``tests/conformance/test_peer_conformance.py``
-and ``tests/faults/test_remote_faults.py``. The last two load this module by path
-(``load_remote_helpers``), since pytest puts only the test file's own folder on ``sys.path``.
+"""Two or more nodes with a client each (spec section 12: cross-node delivery), checked deliveries.
 
 A ``Site`` is one node process and a client connected to it. It remembers what it put in
 its node (``resident``: key -> pool of each span), so ``assert_site_clean`` can check the
 node's slot accounting exactly: every allocated slot belongs to a key the test knows of,
-and no object is left half written.
+and no object is left half written. The ``sites`` fixture (tests/conftest.py) gives a test
+its ``Sites``.
 """
 
 from __future__ import annotations
@@ -16,33 +13,15 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import integration_helpers  # tests/integration, on pytest's pythonpath
 import numpy as np
 
 from kvcr_client import Client, ErrorCode, KeyOutcome, KeyStatus, Presence, Span
 from kvcr_protocol import CURRENT_VERSION
-
-_HERE = Path(__file__).resolve().parent
-
-
-_ih = integration_helpers
-KiB: int = _ih.KiB
-RESULT_TIMEOUT_S: float = _ih.RESULT_TIMEOUT_S
-Layout = _ih.Layout
-Registrar = _ih.Registrar
-NodeProcess = _ih.NodeProcess
-assert_bytes_equal: Callable[..., None] = _ih.assert_bytes_equal
-assert_clean: Callable[..., dict[str, Any]] = _ih.assert_clean
-pattern: Callable[[int, int], np.ndarray] = _ih.pattern
-plan_destination: Callable[..., tuple[int, list[int]]] = _ih.plan_destination
-sentinel_like: Callable[[int, int], np.ndarray] = _ih.sentinel_like
-start_node: Callable[..., Any] = _ih.start_node
-stats: Callable[[Client], dict[str, Any]] = _ih.stats
-wait_until: Callable[..., bool] = _ih.wait_until
-short_ipc_dir = _ih.short_ipc_dir
+from kvcr_testing.health import assert_clean, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, plan_destination
+from kvcr_testing.patterns import assert_bytes_equal, pattern, sentinel_like
 
 OK = KeyStatus.OK
 FAILED = KeyStatus.FAILED
@@ -50,18 +29,6 @@ STORED = KeyStatus.STORED
 
 # The pools every node of these tests has: a plain one, and the three of a hybrid model.
 POOLS = ("--pool", "kv:64KiB:64", "--pool", "full:64KiB:32", "--pool", "swa:16KiB:32", "--pool", "state:1536KiB:4")
-
-
-def plain_layout(n: int, pool: str = "kv", size: int = 64 * KiB) -> Any:
-    return Layout([(f"L{i}", pool, size) for i in range(n)])
-
-
-def hybrid_layout(layers: int) -> Any:
-    spans: list[tuple[str, str, int]] = []
-    for i in range(layers):
-        spans += [(f"L{i}.full", "full", 64 * KiB), (f"L{i}.swa", "swa", 16 * KiB)]
-    spans.append(("state", "state", 1536 * KiB))
-    return Layout(spans)
 
 
 # --------------------------------------------------------------------------- sites
@@ -73,7 +40,7 @@ class Site:
 
     node: Any
     client: Client
-    reg: Any
+    reg: Registrar
     resident: dict[bytes, tuple[str, ...]] = field(default_factory=dict)
     """Keys this test put in the node (deposit or fetch): the pool of each span."""
 
@@ -88,7 +55,7 @@ class Site:
     def stats(self) -> dict[str, Any]:
         return stats(self.client)
 
-    def deposit(self, key: bytes, layout: Any, seed: int) -> np.ndarray:
+    def deposit(self, key: bytes, layout: Layout, seed: int) -> np.ndarray:
         """Deposit patterned bytes under ``key``; returns the source bytes (kept registered)."""
         src = pattern(layout.nbytes, seed)
         region = self.reg(src)
@@ -210,7 +177,7 @@ def sites_of(node_factory: Callable[..., Any], check: bool = True) -> Iterator[S
 class Dest:
     """A sentinel-filled destination for spans ``indices`` of one object, registered with a site."""
 
-    def __init__(self, site: Site, layout: Any, indices: Sequence[int], seed: int, gap: int = 64,
+    def __init__(self, site: Site, layout: Layout, indices: Sequence[int], seed: int, gap: int = 64,
                  reverse: bool = False) -> None:
         self.layout = layout
         self.indices = list(indices)
@@ -244,7 +211,7 @@ def expect(outcome: KeyOutcome, status: KeyStatus, code: ErrorCode | None = None
 
 
 def deliver_checked(
-    site: Site, key: bytes, layout: Any, src: np.ndarray | None, indices: Sequence[int], *, seed: int,
+    site: Site, key: bytes, layout: Layout, src: np.ndarray | None, indices: Sequence[int], *, seed: int,
     request_id: str | None = None, partial: bool = False, code: ErrorCode | None = None,
     deadline_ms: int = 30_000, reverse: bool = False,
 ) -> KeyOutcome:
@@ -266,19 +233,17 @@ def deliver_checked(
     return out
 
 
+def warm_link(a: Site, b: Site, key: bytes, layout: Layout, src: np.ndarray, rid: str) -> None:
+    """Hint ``key`` at B and deliver it once through A, so that A's peer session with B exists
+    before the test's fault."""
+    a.client.submit_hint(rid, b.endpoint, [key]).result(RESULT_TIMEOUT_S)
+    deliver_checked(a, key, layout, src, range(len(layout.spans)), seed=900, request_id=rid)
+
+
 def peer_of(site: Site, endpoint: str) -> dict[str, Any]:
     """The target-side view of the link from ``site``'s node to ``endpoint``."""
     peers: dict[str, Any] = site.stats()["peers"]
     return dict(peers.get(endpoint, {}))
-
-
-def counter(st: dict[str, Any], name: str) -> int:
-    return int(st["counters"].get(name, 0))
-
-
-def outcome_count(st: dict[str, Any], prefix: str) -> int:
-    """Outcomes whose label starts with ``prefix`` (``write.`` counts every peer write)."""
-    return sum(n for label, n in st["outcomes"].items() if label.startswith(prefix))
 
 
 def poll_stats(site: Site, predicate: Callable[[dict[str, Any]], bool], timeout_s: float, what: str) -> dict[str, Any]:

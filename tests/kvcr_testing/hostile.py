@@ -1,9 +1,8 @@
-"""Helpers of the fault, hostile-input and load tests (``tests/faults/test_hostile_*``, ``test_load_*``).
+"""Clients in processes of their own, for the fault, hostile-input and load tests.
 
-Loads ``tests/integration/integration_helpers.py`` by path (pytest puts only the test
-file's own folder on ``sys.path``) and re-exports what these tests use. ``Worker`` runs
-``hostile_worker.py`` (a kvcr client in a process of its own) and reads its JSON reports
-with bounded waits.
+``Worker`` runs ``tests/faults/hostile_worker.py`` (a kvcr client in a process of its own,
+which the test can stop, freeze or kill at a known point) and reads its JSON reports with
+bounded waits.
 """
 
 from __future__ import annotations
@@ -15,33 +14,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import integration_helpers  # tests/integration, on pytest's pythonpath
 import numpy as np
 
-from kvcr_client import Client
-
-_HERE = Path(__file__).resolve().parent
-WORKER = _HERE / "hostile_worker.py"
+TESTS_DIR = Path(__file__).resolve().parents[1]
+WORKER = TESTS_DIR / "faults" / "hostile_worker.py"
 
 
-_ih = integration_helpers
-KiB: int = _ih.KiB
-RESULT_TIMEOUT_S: float = _ih.RESULT_TIMEOUT_S
-Layout = _ih.Layout
-Registrar = _ih.Registrar
-NodeProcess = _ih.NodeProcess
-assert_bytes_equal: Callable[..., None] = _ih.assert_bytes_equal
-assert_clean: Callable[..., dict[str, Any]] = _ih.assert_clean
-pattern: Callable[[int, int], np.ndarray] = _ih.pattern
-start_node: Callable[..., Any] = _ih.start_node
-stats: Callable[[Client], dict[str, Any]] = _ih.stats
-slot_accounting: Callable[[dict[str, Any]], dict[str, tuple[int, int]]] = _ih.slot_accounting
-wait_until: Callable[..., bool] = _ih.wait_until
-short_ipc_dir = _ih.short_ipc_dir
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment plus ``extra``, with ``tests/`` first on ``PYTHONPATH`` so
+    that a worker imports ``kvcr_testing`` by name, as the tests do."""
+    env = {**os.environ, **(extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 class Worker:
@@ -51,7 +39,7 @@ class Worker:
         cmd = [*prefix, sys.executable, str(WORKER), mode, endpoint, *args]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **(env or {})},
+            env=worker_env(env),
         )
         self.lines: list[str] = []
 
@@ -115,13 +103,6 @@ class Worker:
                         pipe.close()
                     except OSError:
                         pass
-
-
-def node_stats_ok(client: Client) -> dict[str, Any]:
-    """Stats with no invariant breach (the node may be busy)."""
-    st = stats(client)
-    assert st["invariants"] == [], st["invariants"]
-    return st
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -1,8 +1,5 @@
-"""Measurements of this (the client's) process for churn tests: descriptors, RSS, client tables.
-
-Imported by the tests of this folder as ``client_measure`` (pytest's ``prepend`` import
-mode puts the folder on ``sys.path``; the unusual name keeps it from colliding).
-"""
+"""Descriptors and resident memory of a process (this one or a node), from /proc; the client
+churn tests' snapshot of this process."""
 
 from __future__ import annotations
 
@@ -12,25 +9,27 @@ from dataclasses import dataclass
 from typing import Any
 
 FD_SLACK = 4
-"""Descriptors a churn may leave open beyond its start (ZeroMQ reaper and similar lazily made ones)."""
+"""Descriptors a client churn may leave open beyond its start (ZeroMQ reaper and similar lazily made ones)."""
 RSS_SLACK_KIB = 4096
-"""RSS growth a churn may leave (allocator arenas, caches warmed once), far below what a leak of
+"""RSS growth a client churn may leave (allocator arenas, caches warmed once), far below what a leak of
 one object per operation costs over thousands of operations."""
 
 
-def fd_count() -> int:
-    """Open descriptors of this process."""
-    return len(os.listdir("/proc/self/fd"))
+def fd_count(pid: int | None = None) -> int:
+    """Open descriptors of process ``pid`` (None: this process)."""
+    return len(os.listdir(f"/proc/{'self' if pid is None else pid}/fd"))
 
 
-def rss_kib() -> int:
-    """Resident set size of this process (VmRSS), after a garbage collection."""
-    gc.collect()
-    with open("/proc/self/status") as f:
+def rss_kib(pid: int | None = None) -> int:
+    """Resident set size (VmRSS) of process ``pid``; of this process (None) after a garbage collection."""
+    if pid is None:
+        gc.collect()
+    path = f"/proc/{'self' if pid is None else pid}/status"
+    with open(path) as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no VmRSS in {path}")
 
 
 @dataclass(frozen=True)
