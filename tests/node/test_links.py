@@ -1,0 +1,300 @@
+"""The target side of cross-node delivery (``kvcr_node.links``) in process, with a fake clock.
+
+A scripted source is a plain ROUTER socket of the test on an ipc endpoint: it reads the
+link's frames and answers what the test says. No node process and no NIXL transfer run,
+so deadlines, probes, the ``max_peers`` cap and the idle close are driven by the clock
+alone and checked deterministically (spec sections 5.3 and 12).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from kvcr_node.agents import AgentUse, RemoteAgents
+from kvcr_node.config import NodeConfig
+from kvcr_node.links import PROBE_INTERVAL_S, LinkError, Links
+from kvcr_node.peers import LinkState, RemoteWrite, WriteStage
+from kvcr_node.sessions import ClientSession, Operation
+from kvcr_protocol import (
+    SUPPORTED_VERSIONS,
+    DeliverItem,
+    DstSpan,
+    ErrorCode,
+    KeyResult,
+    KeyStatus,
+    Message,
+    PeerHello,
+    PeerWelcome,
+    Probe,
+    ProbeReply,
+    WriteDone,
+    WriteRequest,
+    WriteState,
+    decode,
+    encode,
+)
+
+RECV_TIMEOUT_MS = 5000
+"""A frame reaches the other side within this (bounded waits; never a sleep)."""
+POLL_SLICE_MS = 50
+VERSION = max(SUPPORTED_VERSIONS)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeAgent:
+    """What RemoteAgents asks of NIXL: metadata is the agent's name."""
+
+    def add_remote(self, metadata: bytes) -> str:
+        return metadata.decode()
+
+    def remove_remote(self, name: str) -> None:
+        pass
+
+    def progress(self) -> None:
+        pass
+
+
+@dataclass
+class Owner:
+    """Records what Links reports upward."""
+
+    over: list[tuple[RemoteWrite, ErrorCode | None, tuple[KeyResult, ...], bool]] = field(default_factory=list)
+    uncertain: list[RemoteWrite] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def write_over(
+        self, write: RemoteWrite, code: ErrorCode | None, reason: str, results: Sequence[KeyResult], was_uncertain: bool
+    ) -> None:
+        self.over.append((write, code, tuple(results), was_uncertain))
+
+    def write_uncertain(self, write: RemoteWrite) -> None:
+        self.uncertain.append(write)
+
+    def internal_failure(self, what: str, exc: BaseException) -> None:
+        self.failures.append(f"{what}: {exc!r}")
+
+
+class Source:
+    """A scripted source node: a ROUTER that reads what the link sends and answers."""
+
+    def __init__(self, context: zmq.Context[Any], endpoint: str) -> None:
+        self.sock: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, RECV_TIMEOUT_MS)
+        self.sock.bind(endpoint)
+        self.endpoint = endpoint
+        self.peer = b""
+
+    def recv(self) -> Message:
+        self.peer, frame = self.sock.recv_multipart()
+        return decode(frame, VERSION)
+
+    def send(self, msg: Message) -> None:
+        self.sock.send_multipart([self.peer, encode(msg, VERSION)])
+
+
+@dataclass
+class World:
+    links: Links
+    owner: Owner
+    clock: Clock
+    context: zmq.Context[Any]
+    ipc: Path
+    counters: collections.Counter[str]
+
+    def endpoint(self, name: str) -> str:
+        return f"ipc://{self.ipc}/{name}.sock"
+
+    def source(self, name: str) -> Source:
+        return Source(self.context, self.endpoint(name))
+
+    def drain_until(self, done: Callable[[], bool]) -> None:
+        """Read what the sources and monitors report until ``done`` holds (bounded: fails after
+        ``RECV_TIMEOUT_MS``; each poll returns as soon as something arrives)."""
+        deadline = time.monotonic() + RECV_TIMEOUT_MS / 1000
+        while not done():
+            assert time.monotonic() < deadline, "the link never saw the answer"
+            for sock in dict(self.links.poller.poll(POLL_SLICE_MS)):
+                link = self.links.socks.get(sock)
+                if link is not None:
+                    self.links.drain(link)
+
+
+CONFIG = NodeConfig(max_peers=2, peer_idle_ms=1_000, peer_dead_ms=500, heartbeat_ms=0).validated()
+
+
+@pytest.fixture
+def world(ipc_dir: Path) -> Iterator[World]:
+    context: zmq.Context[Any] = zmq.Context()
+    poller = zmq.Poller()
+    clock = Clock()
+    owner = Owner()
+    agents = RemoteAgents(FakeAgent(), lambda name: AgentUse.HELD, clock)  # type: ignore[arg-type]
+    counters: collections.Counter[str] = collections.Counter()
+    links = Links(
+        owner, CONFIG, context, poller, agents,
+        lambda i: PeerHello(i, SUPPORTED_VERSIONS, "target", 7, "target-agent", b"target-agent"),
+        SUPPORTED_VERSIONS, counters, collections.Counter(), clock,
+    )
+    yield World(links, owner, clock, context, ipc_dir, counters)
+    links.close_all()
+    context.destroy(linger=0)
+
+
+def operation(clock: Clock, deadline_s: float, keys: int = 1) -> Operation:
+    session = ClientSession(b"client", "engine", "client-agent", VERSION)
+    return Operation(session, 1, "deliver", clock.now + deadline_s, [None] * keys)
+
+
+def items(n: int = 1) -> tuple[DeliverItem, ...]:
+    return tuple(DeliverItem(f"k{i}".encode(), (DstSpan("L0", 1, 0, 4096),)) for i in range(n))
+
+
+def ready_link(world: World, source: Source) -> Any:
+    """Open a link to ``source`` and answer its hello: the link's session is up."""
+    link = world.links.open(source.endpoint)
+    hello = source.recv()
+    assert isinstance(hello, PeerHello) and hello.versions == SUPPORTED_VERSIONS
+    source.send(PeerWelcome(hello.id, VERSION, "source", 42, "source-agent", b"source-agent"))
+    world.drain_until(lambda: link.state is LinkState.READY)
+    assert link.incarnation == 42
+    return link
+
+
+def sent_write(world: World, source: Source, link: Any, deadline_s: float) -> RemoteWrite:
+    op = operation(world.clock, deadline_s)
+    write = world.links.new_write(op, link, [0], items(), "target-agent", None, False)
+    world.links.submit(write)
+    msg = source.recv()
+    assert isinstance(msg, WriteRequest) and msg.id == write.id
+    assert write.state is WriteStage.SENT
+    return write
+
+
+def test_a_write_answered_by_its_source_ends_with_the_sources_results(world: World) -> None:
+    source = world.source("s")
+    link = ready_link(world, source)
+    write = sent_write(world, source, link, deadline_s=5)
+    source.send(WriteDone(write.id, (KeyResult(KeyStatus.OK),)))
+    world.drain_until(lambda: bool(world.owner.over))
+    assert world.owner.over == [(write, None, (KeyResult(KeyStatus.OK),), False)]
+    assert write.state is WriteStage.DONE and not link.writes and not link.busy
+
+
+def test_deadline_makes_a_write_uncertain_and_a_probe_confirms_it_over(world: World) -> None:
+    source = world.source("s")
+    link = ready_link(world, source)
+    write = sent_write(world, source, link, deadline_s=1)
+    world.links.check(world.clock.now)
+    assert world.owner.uncertain == [] and write.state is WriteStage.SENT  # not yet
+    world.clock.now += 1
+    world.links.check(world.clock.now)
+    assert world.owner.uncertain == [write] and write.state is WriteStage.UNCERTAIN
+    probe = source.recv()
+    assert isinstance(probe, Probe) and probe.op == write.id
+    # Probes are paced by the clock, and only the latest is kept.
+    world.links.check(world.clock.now)
+    assert len(link.probes) == 1
+    world.clock.now += PROBE_INTERVAL_S
+    world.links.check(world.clock.now)
+    second = source.recv()
+    assert isinstance(second, Probe) and second.id != probe.id and list(link.probes) == [second.id]
+    # An answer to the older probe is not taken; then the latest says the write still runs.
+    # Both come on one connection, in order: once the latest is read, so was the older.
+    source.send(ProbeReply(probe.id, write.id, WriteState.DONE, 42))
+    source.send(ProbeReply(second.id, write.id, WriteState.IN_FLIGHT, 42))
+    world.drain_until(lambda: not link.probes)
+    assert world.owner.over == [] and write.state is WriteStage.UNCERTAIN
+    world.clock.now += PROBE_INTERVAL_S
+    world.links.check(world.clock.now)
+    third = source.recv()
+    assert isinstance(third, Probe)
+    source.send(ProbeReply(third.id, write.id, WriteState.DONE, 42))
+    world.drain_until(lambda: bool(world.owner.over))
+    assert world.owner.over == [(write, None, (), True)]
+    assert not link.probes and not link.writes and not link.busy
+
+
+def test_an_uncertain_write_to_a_source_gone_past_peer_dead_ms_is_over(world: World) -> None:
+    source = world.source("s")
+    link = ready_link(world, source)
+    write = sent_write(world, source, link, deadline_s=1)
+    world.clock.now += 1
+    world.links.check(world.clock.now)
+    assert write.state is WriteStage.UNCERTAIN
+    source.sock.close(0)  # the source dies
+    world.drain_until(lambda: link.state is LinkState.DOWN)  # the monitor reports the disconnect
+    world.clock.now += CONFIG.peer_dead_ms / 1000 - 0.001
+    world.links.check(world.clock.now)
+    assert world.owner.over == []
+    world.clock.now += 0.001
+    world.links.check(world.clock.now)
+    assert world.owner.over == [(write, None, (), True)]
+
+
+def test_a_queued_write_fails_at_its_deadline_when_the_session_never_opens(world: World) -> None:
+    link = world.links.open(world.endpoint("nobody"))
+    write = world.links.new_write(operation(world.clock, 1), link, [0], items(), "target-agent", None, False)
+    world.links.submit(write)
+    assert link.queued == [write] and link.state is LinkState.CONNECTING
+    world.clock.now += 1
+    world.links.check(world.clock.now)
+    assert [(w, code) for w, code, _, _ in world.owner.over] == [(write, ErrorCode.PEER_UNREACHABLE)]
+    assert not link.busy
+
+
+def test_links_are_capped_and_idle_ones_close(world: World) -> None:
+    first = world.links.open(world.endpoint("a"))
+    world.clock.now += 0.1
+    second = world.links.open(world.endpoint("b"))
+    sockets = len(world.links.socks)
+    # At max_peers=2, a third closes the least recently used idle link.
+    world.clock.now += 0.1
+    third = world.links.open(world.endpoint("c"))
+    assert [link.endpoint for link in world.links] == [second.endpoint, third.endpoint]
+    assert first.closed and len(world.links.socks) == sockets
+    assert world.counters["links_evicted"] == 1
+    # With a write queued on each, a third endpoint is refused PEER_LIMIT.
+    for link in (second, third):
+        world.links.submit(world.links.new_write(operation(world.clock, 60), link, [0], items(), "a", None, False))
+    with pytest.raises(LinkError) as refused:
+        world.links.open(world.endpoint("d"))
+    assert refused.value.code is ErrorCode.PEER_LIMIT and "max_peers=2" in refused.value.reason
+    # Idle links close after peer_idle_ms without work; busy ones stay.
+    idle = world.links.open(world.endpoint("b"))
+    idle.queued.clear()
+    world.clock.now += CONFIG.peer_idle_ms / 1000
+    world.links.check(world.clock.now)
+    assert [link.endpoint for link in world.links] == [third.endpoint]
+    assert idle.closed and world.counters["links_closed_idle"] == 1
+    assert world.links.next_wakeup(world.clock.now) is not None  # the busy link's write deadline
+
+
+def test_a_restarted_source_voids_the_writes_of_its_predecessor(world: World) -> None:
+    source = world.source("s")
+    link = ready_link(world, source)
+    write = sent_write(world, source, link, deadline_s=5)
+    # The connection drops and comes back (what the link's monitor reports): hello again.
+    link.state = LinkState.DOWN
+    world.links._say_hello(link)
+    hello = source.recv()
+    assert isinstance(hello, PeerHello)
+    source.send(PeerWelcome(hello.id, VERSION, "source", 43, "source-agent-2", b"source-agent-2"))
+    world.drain_until(lambda: link.incarnation == 43)
+    assert [(w, code) for w, code, _, _ in world.owner.over] == [(write, ErrorCode.PEER_RESTARTED)]
+    assert link.incarnation == 43 and link.agent == "source-agent-2"
