@@ -124,8 +124,12 @@ def _from_source(result: KeyResult) -> KeyResult:
 class Node:
     """A kvcr node. ``run()`` is the progress loop; ``request_stop()`` ends it cleanly."""
 
-    def __init__(self, config: NodeConfig, context: zmq.Context[Any] | None = None) -> None:
+    def __init__(
+        self, config: NodeConfig, context: zmq.Context[Any] | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config.validated()
+        self.clock = clock
+        """Protocol time (deadlines, liveness, links); tests pass a fake one. Shutdown waits in real time."""
         self.versions = supported_up_to(config.protocol_version)
         self.incarnation = secrets.randbits(63) | 1
         self.store = Store(config.pools, make_policy(config.policy), config.low_watermark)
@@ -221,10 +225,10 @@ class Node:
         for extra in self.curve.sockets if self.curve is not None else ():
             self._poller.register(extra, zmq.POLLIN)
         self._next_liveness = 0.0
-        self.remote_agents = RemoteAgents(self.agent, self._agent_use, time.monotonic)
+        self.remote_agents = RemoteAgents(self.agent, self._agent_use, self.clock)
         self.links = Links(
             self, self.config, self.context, self._poller, self.remote_agents, self._peer_hello_msg, self.versions,
-            self.counters, self.protocol_errors, time.monotonic, self.curve.peer_keys if self.curve is not None else None,
+            self.counters, self.protocol_errors, self.clock, self.curve.peer_keys if self.curve is not None else None,
         )
         self._failure_logged: dict[str, float] = {}
         """Failure kind -> when it may be logged (with a traceback) again."""
@@ -308,7 +312,7 @@ class Node:
     def internal_failure(self, what: str, exc: BaseException) -> None:
         """Count an unexpected failure; log it with its traceback (at most every few seconds per kind)."""
         self.counters["internal_errors"] += 1
-        now = time.monotonic()
+        now = self.clock()
         if now >= self._failure_logged.get(what, 0.0):
             self._failure_logged[what] = now + _FAILURE_LOG_INTERVAL_S
             log.error("internal failure in %s (counted; the node goes on): %s: %s", what, type(exc).__name__, exc,
@@ -320,7 +324,7 @@ class Node:
         """Drop clients silent for longer than the grace period (spec section 12: no leaks)."""
         if not self.config.heartbeat_ms:
             return  # heartbeats off: clients send none, so silence means nothing (spec section 5.2)
-        now = time.monotonic()
+        now = self.clock()
         if now < self._next_liveness:
             return
         self._next_liveness = now + min(self.config.heartbeat_ms, self.config.client_grace_ms) / 1000
@@ -340,12 +344,12 @@ class Node:
         deadline = self._next_deadline()
         if self.sessions and self.config.heartbeat_ms:
             deadline = min(deadline or float("inf"), self._next_liveness)
-        links = self.links.next_wakeup(time.monotonic())
+        links = self.links.next_wakeup(self.clock())
         if links is not None:
             deadline = min(deadline or float("inf"), links)
         if deadline is None:
             return _IDLE_POLL_MS
-        return max(0, min(_IDLE_POLL_MS, int((deadline - time.monotonic()) * 1000) + 1))
+        return max(0, min(_IDLE_POLL_MS, int((deadline - self.clock()) * 1000) + 1))
 
     def _drain_messages(self) -> None:
         sock = self.sock
@@ -376,7 +380,7 @@ class Node:
         payload = frames[1]
         session = self.sessions.get(identity)
         if session is not None:
-            session.last_seen = time.monotonic()
+            session.last_seen = self.clock()
         try:
             msg = decode(payload, session.version if session else self.versions[-1], self.limits)
         except RemoteProtocolError as exc:
@@ -477,6 +481,7 @@ class Node:
             self._refuse(identity, request_id, ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"agent metadata refused by NIXL: {exc}", "agent_md"))
             return None
         session = make(agent)
+        session.last_seen = self.clock()
         try:
             self._add_regions(session, regions)
         except ProtocolError as exc:
@@ -656,7 +661,7 @@ class Node:
             self._refuse(session.identity, msg_id, ProtocolError(ErrorCode.BUSY, f"{len(session.ops)} operations in progress; retry later"))
             return None
         ms = deadline_ms or self.config.deadline_ms
-        op = Operation(session, msg_id, kind, time.monotonic() + ms / 1000, [None] * n)
+        op = Operation(session, msg_id, kind, self.clock() + ms / 1000, [None] * n)
         session.ops[msg_id] = op
         return op
 
@@ -1215,10 +1220,10 @@ class Node:
 
     def _check_deadlines(self) -> None:
         if self.links:
-            self.links.check(time.monotonic())
+            self.links.check(self.clock())
         if not self.waiters:
             return
-        now = time.monotonic()
+        now = self.clock()
         expired = {id(op): op for ops in self.waiters.values() for op in ops if op.deadline <= now}
         for op in expired.values():
             self._abort_op(op, ErrorCode.TIMEOUT, "the deadline passed while the object was still being written")

@@ -31,7 +31,7 @@ from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import Query
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
-from kvcr_testing.nodes import STOP_TIMEOUT_S
+from kvcr_testing.nodes import inprocess_node
 from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 SLOT = 64 * KiB
@@ -40,19 +40,12 @@ BAD_ENDPOINTS = ("bogus://x", "tcp://no such host:1", "tcp://127.0.0.1:notaport"
 
 
 @contextmanager
-def inprocess_node(ipc_dir: Path, name: str = "inproc") -> Iterator[tuple[Node, threading.Thread]]:
+def node_in_thread(ipc_dir: Path, name: str = "inproc") -> Iterator[tuple[Node, threading.Thread]]:
     """A node whose progress loop runs in a thread of this process; stopped (bounded) on exit."""
     config = NodeConfig(endpoint=f"ipc://{ipc_dir}/{name}.sock", name=name, pools=(PoolSpec("kv", SLOT, 32, "dram"),),
                         log_level="WARNING")
-    node = Node(config)
-    thread = threading.Thread(target=node.run, name=f"node-{name}", daemon=True)
-    thread.start()
-    try:
-        yield node, thread
-    finally:
-        node.request_stop()
-        thread.join(STOP_TIMEOUT_S)
-        assert not thread.is_alive(), "the node did not stop"
+    with inprocess_node(config) as running:
+        yield running
 
 
 def spans(region: Any, pool: str = "") -> list[Span]:
@@ -119,7 +112,7 @@ def test_link_failure_fails_only_its_keys(ipc_dir: Path, monkeypatch: pytest.Mon
     directly. The keys fail BAD_ENDPOINT with a reason naming the endpoint, a fetch's
     slots set aside are freed, no link or socket stays behind, and local keys of the same
     batch are served."""
-    with inprocess_node(ipc_dir) as (node, thread), Client(node.endpoint, name="c") as client:
+    with node_in_thread(ipc_dir) as (node, thread), Client(node.endpoint, name="c") as client:
         reg = Registrar(client)
         src = pattern(SPANS * SLOT, 1)
         res = client.deposit({b"local": spans(reg(src), "kv")}).result(RESULT_TIMEOUT_S)
@@ -159,7 +152,7 @@ def test_handler_exception_fails_the_message_with_internal(
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("injected failure")
 
-    with inprocess_node(ipc_dir) as (node, thread), Client(node.endpoint, name="c") as client:
+    with node_in_thread(ipc_dir) as (node, thread), Client(node.endpoint, name="c") as client:
         reg = Registrar(client)
         src = pattern(SPANS * SLOT, 2)
         assert client.deposit({b"local": spans(reg(src), "kv")}).result(RESULT_TIMEOUT_S)[b"local"].status is KeyStatus.STORED
@@ -204,7 +197,7 @@ def test_loop_step_and_completion_failures_do_not_stop_the_loop(ipc_dir: Path, m
     raises after doing its work: both are counted, the loop goes on, and it still stops
     on request."""
     calls = {"flush": 0, "done": 0}
-    with inprocess_node(ipc_dir) as (node, thread), Client(node.endpoint, name="c") as client:
+    with node_in_thread(ipc_dir) as (node, thread), Client(node.endpoint, name="c") as client:
         reg = Registrar(client)
         src = pattern(SPANS * SLOT, 3)
         assert client.deposit({b"k": spans(reg(src), "kv")}).result(RESULT_TIMEOUT_S)[b"k"].status is KeyStatus.STORED

@@ -9,10 +9,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvcr_node.config import NodeConfig
+from kvcr_node.node import Node
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
@@ -126,3 +129,18 @@ def frozen(node: NodeProcess) -> Iterator[None]:
     finally:
         if node.proc.poll() is None:
             node.proc.send_signal(signal.SIGCONT)
+
+
+@contextmanager
+def inprocess_node(config: NodeConfig, clock: Callable[[], float] = time.monotonic) -> Iterator[tuple[Node, threading.Thread]]:
+    """A node whose progress loop runs in a thread of this process, with the clock given
+    (tests pass a fake one); stopped (bounded) on exit."""
+    node = Node(config, clock=clock)
+    thread = threading.Thread(target=node.run, name=f"node-{config.name}", daemon=True)
+    thread.start()
+    try:
+        yield node, thread
+    finally:
+        node.request_stop()
+        thread.join(STOP_TIMEOUT_S)
+        assert not thread.is_alive(), "the node did not stop"
