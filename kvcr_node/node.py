@@ -179,8 +179,6 @@ class Node:
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.undeclared_codes: collections.Counter[str] = collections.Counter()
         """Codes sent that spec section 10.1 does not list for their request (a breach)."""
-        self._serving: str | None = None
-        """The type of the request being handled (None while it is not decoded yet)."""
         self._handlers: dict[type[Message], Callable[[ClientSession, Any], None]] = {
             RegisterRegions: self._on_regions,
             UnregisterRegions: self._on_unregions,
@@ -232,8 +230,9 @@ class Node:
         )
         self._failure_logged: dict[str, float] = {}
         """Failure kind -> when it may be logged (with a traceback) again."""
-        self._answering: tuple[bytes, int] | None = None
-        """(identity, id) of the request being handled; ``_answered`` says whether it got a reply."""
+        self._request: tuple[bytes, int, str] | None = None
+        """(identity, id, type tag) of the request being handled, once decoded; ``_answered``
+        says whether it got a reply (the guard answers one that did not)."""
         self._answered = False
 
     # ------------------------------------------------------------------ the loop
@@ -365,14 +364,13 @@ class Node:
                 # Hello, decoding or the guard itself failed: the sender still gets an answer.
                 self._message_failed(frames, exc)
             finally:
-                self._answering = None
+                self._request = None
             if self.transfers.inflight:
                 # Complete what finished before reading on: a first layer's completion must
                 # not wait behind the next request's submission.
                 self.transfers.poll()
 
     def _handle_frames(self, frames: list[bytes]) -> None:
-        self._serving = None
         identity = frames[0]
         if len(frames) != 2:
             self._refuse(identity, 0, ProtocolError(ErrorCode.MALFORMED, f"expected 1 payload frame, got {len(frames) - 1}"))
@@ -386,9 +384,8 @@ class Node:
         except RemoteProtocolError as exc:
             self._refuse(identity, peek_id(payload), exc)
             return
-        self._serving = msg.TAG
         msg_id: int = getattr(msg, "id", 0)
-        self._answering = (identity, msg_id)
+        self._request = (identity, msg_id, msg.TAG)
         if isinstance(msg, Hello):
             self._on_hello(identity, msg)
             return
@@ -449,15 +446,15 @@ class Node:
     def _refuse(self, identity: bytes, request_id: int, exc: ProtocolError, request: str | None = None) -> None:
         """Answer a request with ``error``; ``request`` names its type when it is not the
         message being handled (the codes a node may send per request: spec section 10.1)."""
-        self._check_refusal(request or self._serving, exc.code)
+        self._check_refusal(request or (self._request[2] if self._request is not None else None), exc.code)
         self.protocol_errors[exc.code.name] += 1
         session = self.sessions.get(identity)
         version = session.version if session else BASE_VERSION
         self._send(identity, Error(request_id, int(exc.code), exc.reason[:1024], exc.path[:256]), version)
 
     def _send(self, identity: bytes, msg: Message, version: int) -> None:
-        answering = self._answering
-        if answering is not None and answering[0] == identity and getattr(msg, "id", None) == answering[1]:
+        current = self._request
+        if current is not None and current[0] == identity and getattr(msg, "id", None) == current[1]:
             self._answered = True
         try:
             self.sock.send(identity, _NOBLOCK | _SNDMORE)
