@@ -163,7 +163,6 @@ class ClientCore:
         """Memory-touching requests the client stopped waiting for, until the node answers (lock held)."""
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wakeup = WakePipe()
-        self._wake_r = self._wakeup.read_fd
         self._closed = False
         self.connected = False
         self.lost = False
@@ -348,7 +347,7 @@ class ClientCore:
         self._sock = sock
         self._fds = (int(sock.getsockopt(zmq.FD)), int(self._monitor.getsockopt(zmq.FD)))
         self._poller = zmq.Poller()
-        for item in (sock, self._monitor, self._wake_r):
+        for item in (sock, self._monitor, self._wakeup.read_fd):
             self._poller.register(item, zmq.POLLIN)
         self.lost = False
         self._wake()  # the background thread must select on the new descriptors
@@ -450,10 +449,6 @@ class ClientCore:
         """Whether requests that may touch client memory are pending (safe without the lock)."""
         return self._touching > 0
 
-    def pending_count(self) -> int:
-        """Requests sent and not answered yet."""
-        return len(self._pending)
-
     def tables(self) -> dict[str, int]:
         """Sizes of the core's tables: requests pending, timed out awaiting the node, handed to a driver."""
         return {"pending": len(self._pending), "timed_out": len(self._timed_out), "commands": len(self._commands)}
@@ -470,10 +465,10 @@ class ClientCore:
             self._drain_socket()  # the descriptors below only signal new input once drained
             if timeout_s >= _POLL_MIN_S:
                 ready = dict(self._poller.poll(int(timeout_s * 1000)))
-                woken = self._wake_r in ready
+                woken = self._wakeup.read_fd in ready
             else:
-                readable, _, _ = select.select((*self._fds, self._wake_r), (), (), timeout_s)
-                woken = self._wake_r in readable
+                readable, _, _ = select.select((*self._fds, self._wakeup.read_fd), (), (), timeout_s)
+                woken = self._wakeup.read_fd in readable
             if woken:
                 self._wakeup.drain()
             while self._commands:
@@ -527,7 +522,7 @@ class ClientCore:
                 else:
                     pacer.reset()
                     timeout = self._idle_timeout()
-                fds = (*self._fds, self._wake_r)
+                fds = (*self._fds, self._wakeup.read_fd)
                 self._selecting = True
                 if self._drivers:  # a caller began driving meanwhile (see wait)
                     self._selecting = False
@@ -537,7 +532,7 @@ class ClientCore:
                 except (OSError, ValueError):  # a descriptor closed under us: re-read them
                     readable = []
                 self._selecting = False
-                if self._wake_r in readable:
+                if self._wakeup.read_fd in readable:
                     self._wakeup.drain()
                 if self._closed:
                     break
