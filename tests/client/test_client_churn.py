@@ -19,7 +19,7 @@ import pytest
 import kvcr_client.core
 from kvcr_client import AsyncClient, Client, KeyStatus, OperationTimeout, Presence, Span
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
-from kvcr_testing.layouts import Layout, Registrar
+from kvcr_testing.layouts import Layout, Registrar, StoredObject
 from kvcr_testing.measure import Snapshot
 from kvcr_testing.nodes import frozen
 from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
@@ -41,17 +41,11 @@ SETTLE_S = 15.0
 WARMUP = 300
 
 
-class Fixture:
-    """A client with a stored object and a destination region, for deliver churn."""
+class Fixture(StoredObject):
+    """A stored object with its destination, also prepared once (``dest``), for deliver churn."""
 
     def __init__(self, client: Client, reg: Registrar, key: bytes) -> None:
-        self.key = key
-        self.src = pattern(LAYOUT.nbytes, 21)
-        region = reg(self.src)
-        assert client.deposit({key: LAYOUT.source_spans(region)}).result(10)[key].status is KeyStatus.STORED
-        self.dst = pattern(LAYOUT.nbytes, 22)
-        self.dst_region = reg(self.dst)
-        self.spans = [Span(n, self.dst_region, o, s) for (n, _, s), o in zip(LAYOUT.spans, LAYOUT.offsets, strict=True)]
+        super().__init__(client, reg, key, LAYOUT, 21)
         self.dest = client.destination(self.spans)
 
 

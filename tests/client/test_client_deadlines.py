@@ -21,7 +21,7 @@ import pytest
 import kvcr_client.core
 from kvcr_client import ArgumentError, Client, KeyStatus, NodeLostError, OperationTimeout, Span
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
-from kvcr_testing.layouts import Layout, Registrar
+from kvcr_testing.layouts import Layout, Registrar, StoredObject
 from kvcr_testing.nodes import frozen
 from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
@@ -37,25 +37,11 @@ OLD_ZERO_WAIT_S = 3.0
 SETTLE_S = 10.0
 
 
-class Stored:
-    """A client with a stored object, its source region and a sentinel-filled destination."""
-
-    def __init__(self, client: Client, reg: Registrar, key: bytes) -> None:
-        self.key = key
-        self.src = pattern(LAYOUT.nbytes, 11)
-        self.src_region = reg(self.src)
-        assert client.deposit({key: LAYOUT.source_spans(self.src_region)}).result(10)[key].status is KeyStatus.STORED
-        self.dst = pattern(LAYOUT.nbytes, 12)
-        self.sentinel = self.dst.copy()
-        self.dst_region = reg(self.dst)
-        self.spans = [Span(n, self.dst_region, o, s) for (n, _, s), o in zip(LAYOUT.spans, LAYOUT.offsets, strict=True)]
-
-
 def test_zero_deadline_waits_for_the_nodes_default(node_factory: Callable[..., Any]) -> None:
     node = node_factory(*NODE_ARGS)
     with Client(node.endpoint, name="zero") as client:
         reg = Registrar(client)
-        s = Stored(client, reg, b"zero/obj")
+        s = StoredObject(client, reg, b"zero/obj", LAYOUT, 11)
         before = slot_accounting(stats(client))
         with frozen(node):
             handle = client.deliver({s.key: s.spans}, deadline_ms=0)
@@ -75,7 +61,7 @@ def test_timed_out_operations_keep_their_regions_until_the_node_answers(
     monkeypatch.setattr(kvcr_client.core, "_GRACE_S", SHORT_GRACE_S)
     with Client(node.endpoint, name="late") as client:
         reg = Registrar(client)
-        s = Stored(client, reg, b"late/obj")
+        s = StoredObject(client, reg, b"late/obj", LAYOUT, 11)
         src2 = pattern(LAYOUT.nbytes, 13)
         src2_region = reg(src2)
         before = slot_accounting(stats(client))
@@ -119,7 +105,7 @@ def test_node_lost_ends_the_session_and_releases_its_regions(
     monkeypatch.setattr(kvcr_client.core, "_GRACE_S", SHORT_GRACE_S)
     with Client(node.endpoint, name="lost") as client:
         reg = Registrar(client)
-        s = Stored(client, reg, b"lost/obj")
+        s = StoredObject(client, reg, b"lost/obj", LAYOUT, 11)
         with frozen(node):
             late = client.deliver({s.key: s.spans}, deadline_ms=SHORT_DEADLINE_MS)
             with pytest.raises(OperationTimeout):

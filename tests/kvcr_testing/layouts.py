@@ -134,3 +134,19 @@ def round_trip(client: Client, reg: Registrar, key: bytes, layout: Layout, seed:
     spans = [Span(n, dregion, 32 + o, s) for (n, _, s), o in zip(layout.spans, layout.offsets, strict=True)]
     assert client.deliver({key: spans}).result(RESULT_TIMEOUT_S)[key].status is KeyStatus.OK
     assert_bytes_equal(dst, expected, "round trip")
+
+
+class StoredObject:
+    """An object deposited from a patterned source, and a destination of its whole layout
+    in a buffer of its own, pre-filled with another pattern (``sentinel`` keeps a copy)."""
+
+    def __init__(self, client: Client, reg: Registrar, key: bytes, layout: Layout, seed: int) -> None:
+        self.key = key
+        self.src = pattern(layout.nbytes, seed)
+        self.src_region = reg(self.src)
+        stored = client.deposit({key: layout.source_spans(self.src_region)}).result(RESULT_TIMEOUT_S)[key]
+        assert stored.status is KeyStatus.STORED, stored
+        self.dst = pattern(layout.nbytes, seed + 1)
+        self.sentinel = self.dst.copy()
+        self.dst_region = reg(self.dst)
+        self.spans = [Span(n, self.dst_region, o, s) for (n, _, s), o in zip(layout.spans, layout.offsets, strict=True)]
