@@ -30,20 +30,7 @@ import msgpack
 
 import kvcr_protocol as kp
 from kvcr_protocol import messages as m
-from kvcr_protocol.wire import (
-    U64_MAX,
-    AnyMap,
-    Bool,
-    Bytes,
-    EnumStr,
-    Opt,
-    Record,
-    RecordType,
-    Seq,
-    Str,
-    UInt,
-    WireType,
-)
+from kvcr_protocol.wire import U64_MAX, AnyMap, Bool, Bytes, EnumStr, Opt, Record, RecordType, Seq, Str, UInt, WireType
 
 HERE = Path(__file__).resolve().parent
 VECTORS = HERE / "vectors"
@@ -218,6 +205,11 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
+INC_A = 0x1D2C3B4A59687766
+"""Node A's incarnation."""
+INC_B = 0x0BADC0DE00000001
+"""Node B's incarnation; ``INC_B + 1`` after a restart."""
+
 R_DRAM = m.Region(1, m.MemoryKind.DRAM, 0, 0x7F3A_2C00_0000, 256 * MiB)
 R_VRAM = m.Region(2, m.MemoryKind.VRAM, 3, 0x7F00_0000_0000, 4 * GiB)
 
@@ -263,6 +255,15 @@ def dst_layout(region: int, base: int, names: tuple[str, ...] = ("L0", "L1", "L2
         out.append(m.DstSpan(n, region, off, sizes[n]))
         off += sizes[n]
     return tuple(out)
+
+
+OK = m.KeyResult(m.KeyStatus.OK)
+E = kp.ErrorCode
+
+
+def failed(code: kp.ErrorCode, reason: str = "") -> m.KeyResult:
+    """A ``FAILED`` key result."""
+    return m.KeyResult(m.KeyStatus.FAILED, code, reason)
 
 
 LAYOUT = (m.LayoutSpan("L0", "full"), m.LayoutSpan("L1", "full"), m.LayoutSpan("L2", "swa"), m.LayoutSpan("S", "state"))
@@ -371,6 +372,12 @@ def accept_partial_false(message: m.Message, version: int) -> list[tuple[str, by
 
 def valid_instances() -> list[Valid]:
     """Realistic instances of every message."""
+    subsets = m.Deliver(
+        32,
+        (m.DeliverItem(K1, dst_layout(2, 0, ("L0", "L2"))), m.DeliverItem(K2, dst_layout(2, 80 * KiB, ("S",)))),
+        request_id="req-7f3a9c",
+        deadline_ms=250,
+    )
     return [
         # ---- client <-> node
         Valid(
@@ -396,7 +403,7 @@ def valid_instances() -> list[Valid]:
                 1,
                 2,
                 "node-a",
-                0x1D2C3B4A59687766,
+                INC_A,
                 "kvcr-node-a",
                 POOLS_A,
                 1000,
@@ -407,17 +414,12 @@ def valid_instances() -> list[Valid]:
         Valid(
             "welcome-v1",
             m.Welcome(
-                1, 1, "node-a", 0x1D2C3B4A59687766, "kvcr-node-a", (m.PoolInfo("full", 64 * KiB, 16384, "dram"),)
+                1, 1, "node-a", INC_A, "kvcr-node-a", (m.PoolInfo("full", 64 * KiB, 16384, "dram"),)
             ),
             versions=(1,),
             description="welcome agreeing on version 1; heartbeat_ms defaulted",
         ),
-        Valid(
-            "welcome-minimal",
-            m.Welcome(1, 1, "n", 1, "a"),
-            omit_defaults=True,
-            description="welcome with no pools and no heartbeat",
-        ),
+        Valid("welcome-minimal", m.Welcome(1, 1, "n", 1, "a"), omit_defaults=True, description="welcome with no pools and no heartbeat"),
         Valid(
             "regions",
             m.RegisterRegions(2, MD_CLIENT + b"\x02", (R_VRAM,)),
@@ -474,12 +476,7 @@ def valid_instances() -> list[Valid]:
             accept=accept_short_records,
             description="every presence value",
         ),
-        Valid(
-            "deliver-whole",
-            m.Deliver(30, (m.DeliverItem(K1, dst_layout(2, 0)),)),
-            omit_defaults=True,
-            description="the whole layout into VRAM",
-        ),
+        Valid("deliver-whole", m.Deliver(30, (m.DeliverItem(K1, dst_layout(2, 0)),)), omit_defaults=True, description="the whole layout into VRAM"),
         Valid(
             "deliver-subset",
             m.Deliver(
@@ -496,13 +493,7 @@ def valid_instances() -> list[Valid]:
         ),
         Valid(
             "deliver-partial",
-            m.Deliver(
-                32,
-                (m.DeliverItem(K1, dst_layout(2, 0, ("L0", "L2"))), m.DeliverItem(K2, dst_layout(2, 80 * KiB, ("S",)))),
-                request_id="req-7f3a9c",
-                deadline_ms=250,
-                partial=True,
-            ),
+            dataclasses.replace(subsets, partial=True),
             versions=(2,),
             accept=accept_variants,
             description=(
@@ -512,12 +503,7 @@ def valid_instances() -> list[Valid]:
         ),
         Valid(
             "deliver-no-partial",
-            m.Deliver(
-                32,
-                (m.DeliverItem(K1, dst_layout(2, 0, ("L0", "L2"))), m.DeliverItem(K2, dst_layout(2, 80 * KiB, ("S",)))),
-                request_id="req-7f3a9c",
-                deadline_ms=250,
-            ),
+            subsets,
             versions=(1,),
             accept=accept_v1_ignores_partial,
             description=(
@@ -571,8 +557,8 @@ def valid_instances() -> list[Valid]:
                     m.KeyResult(m.KeyStatus.STORED, handle=9001),
                     m.KeyResult(m.KeyStatus.DUPLICATE),
                     m.KeyResult(m.KeyStatus.DROPPED),
-                    m.KeyResult(m.KeyStatus.FAILED, kp.ErrorCode.CAPACITY, "pool state: 0 of 512 slots reclaimable"),
-                    m.KeyResult(m.KeyStatus.ABORTED, kp.ErrorCode.ABORTED),
+                    failed(E.CAPACITY, "pool state: 0 of 512 slots reclaimable"),
+                    m.KeyResult(m.KeyStatus.ABORTED, E.ABORTED),
                 ),
             ),
             accept=accept_short_records,
@@ -580,15 +566,7 @@ def valid_instances() -> list[Valid]:
         ),
         Valid(
             "complete-deliver",
-            m.Completion(
-                31,
-                (
-                    m.KeyResult(m.KeyStatus.OK),
-                    m.KeyResult(
-                        m.KeyStatus.FAILED, kp.ErrorCode.LAYOUT_SUBSET_INVALID, "span 'L2' breaks the stored order"
-                    ),
-                ),
-            ),
+            m.Completion(31, (OK, failed(E.LAYOUT_SUBSET_INVALID, "span 'L2' breaks the stored order"))),
             description="a deliver with one key delivered and one refused",
         ),
         Valid("complete-empty", m.Completion(23, ()), description="completion of an empty batch"),
@@ -610,7 +588,7 @@ def valid_instances() -> list[Valid]:
         # ---- node <-> node
         Valid(
             "peer-hello",
-            m.PeerHello(1, (1, 2), "node-a", 0x1D2C3B4A59687766, "kvcr-node-a", MD_NODE_A, POOL_REGIONS_A),
+            m.PeerHello(1, (1, 2), "node-a", INC_A, "kvcr-node-a", MD_NODE_A, POOL_REGIONS_A),
             accept=accept_hello_newer,
             description=(
                 "node A opens a session with node B, announcing its pools (full, swa, state in welcome order) "
@@ -625,13 +603,13 @@ def valid_instances() -> list[Valid]:
         ),
         Valid(
             "peer-welcome",
-            m.PeerWelcome(1, 2, "node-b", 0x0BADC0DE00000001, "kvcr-node-b", MD_NODE_B),
+            m.PeerWelcome(1, 2, "node-b", INC_B, "kvcr-node-b", MD_NODE_B),
             versions=(2,),
             description="node B agrees on version 2",
         ),
         Valid(
             "peer-welcome-v1",
-            m.PeerWelcome(1, 1, "node-b", 0x0BADC0DE00000001, "kvcr-node-b", MD_NODE_B),
+            m.PeerWelcome(1, 1, "node-b", INC_B, "kvcr-node-b", MD_NODE_B),
             versions=(1,),
             description="node B agrees on version 1",
         ),
@@ -665,49 +643,29 @@ def valid_instances() -> list[Valid]:
         ),
         Valid(
             "write-done",
-            m.WriteDone(
-                100,
-                (
-                    m.KeyResult(m.KeyStatus.OK),
-                    m.KeyResult(m.KeyStatus.FAILED, kp.ErrorCode.NOT_FOUND, "not held"),
-                    m.KeyResult(m.KeyStatus.FAILED, kp.ErrorCode.TRANSFER_FAILED, "NIXL_ERR_BACKEND"),
-                ),
-            ),
+            m.WriteDone(100, (OK, failed(E.NOT_FOUND, "not held"), failed(E.TRANSFER_FAILED, "NIXL_ERR_BACKEND"))),
             accept=accept_short_records,
             description="per-key outcome of a write",
         ),
-        Valid(
-            "refuse",
-            m.Refuse(102, kp.ErrorCode.BUSY, "512 writes pending"),
-            description="a write refused whole; nothing moved",
-        ),
-        Valid(
-            "refuse-minimal",
-            m.Refuse(103, kp.ErrorCode.SHUTTING_DOWN),
-            omit_defaults=True,
-            description="refused without a reason",
-        ),
+        Valid("refuse", m.Refuse(102, kp.ErrorCode.BUSY, "512 writes pending"), description="a write refused whole; nothing moved"),
+        Valid("refuse-minimal", m.Refuse(103, kp.ErrorCode.SHUTTING_DOWN), omit_defaults=True, description="refused without a reason"),
         Valid("probe", m.Probe(7, 100), description="what became of write 100?"),
         Valid(
             "probe-reply-in-flight",
-            m.ProbeReply(7, 100, m.WriteState.IN_FLIGHT, 0x0BADC0DE00000001),
+            m.ProbeReply(7, 100, m.WriteState.IN_FLIGHT, INC_B),
             description="a transfer may still write the destination",
         ),
         Valid(
             "probe-reply-done",
-            m.ProbeReply(8, 100, m.WriteState.DONE, 0x0BADC0DE00000001),
+            m.ProbeReply(8, 100, m.WriteState.DONE, INC_B),
             description="terminal: nothing of write 100 can touch the destination now",
         ),
         Valid(
             "probe-reply-unknown",
-            m.ProbeReply(9, 555, m.WriteState.UNKNOWN, 0x0BADC0DE00000002),
+            m.ProbeReply(9, 555, m.WriteState.UNKNOWN, INC_B + 1),
             description="never seen by this incarnation (B restarted)",
         ),
-        Valid(
-            "probe-reply-waiting",
-            m.ProbeReply(10, 101, m.WriteState.WAITING, 0x0BADC0DE00000001),
-            description="accepted, waiting on an object still WRITING",
-        ),
+        Valid("probe-reply-waiting", m.ProbeReply(10, 101, m.WriteState.WAITING, INC_B), description="accepted, waiting on an object still WRITING"),
     ]
 
 
@@ -779,73 +737,19 @@ def invalid_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     yield ("truncated-last-byte", hb[:-1], 2, "MALFORMED", "a heartbeat missing its last byte")
     yield ("truncated-mid-str", dep[: len(dep) // 2], 2, "MALFORMED", "a deposit cut in the middle")
     yield ("truncated-map-header", b"\x83", 2, "MALFORMED", "a map header announcing 3 pairs and nothing else")
-    yield (
-        "truncated-array",
-        _fix(4, _kv("v", 1) + _kv("t", "release") + _kv("id", 1) + _pack("handles") + b"\x93\x01"),
-        2,
-        "MALFORMED",
-        "an array announcing 3 items holding 1",
-    )
-    yield (
-        "truncated-bin-length",
-        _fix(4, _kv("v", 1) + _kv("t", "query") + _kv("id", 1) + _pack("keys") + b"\x91\xc6\xff\xff\xff\xff"),
-        2,
-        "MALFORMED",
-        "a bin32 claiming 4 GiB",
-    )
+    yield ("truncated-array", _fix(4, _kv("v", 1) + _kv("t", "release") + _kv("id", 1) + _pack("handles") + b"\x93\x01"), 2, "MALFORMED", "an array announcing 3 items holding 1")
+    yield ("truncated-bin-length", _fix(4, _kv("v", 1) + _kv("t", "query") + _kv("id", 1) + _pack("keys") + b"\x91\xc6\xff\xff\xff\xff"), 2, "MALFORMED", "a bin32 claiming 4 GiB")
     yield ("reserved-byte", b"\xc1", 2, "MALFORMED", "0xc1 is never used in msgpack")
     yield ("json-not-msgpack", b'{"v":1,"t":"heartbeat","id":1}', 2, "MALFORMED", "JSON text, not msgpack")
     yield ("trailing-bytes", hb + b"\x00", 2, "MALFORMED", "a valid heartbeat followed by one more byte")
     yield ("two-frames", hb + hb, 2, "MALFORMED", "two heartbeats in one frame")
-    yield (
-        "invalid-utf8",
-        _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + _pack("id"))[:] + b"\xa3\xff\xfe\xfd",
-        2,
-        "MALFORMED",
-        "a str that is not UTF-8",
-    )
-    yield (
-        "ext-fixext1",
-        _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + _pack("id") + b"\xd4\x01\x00"),
-        2,
-        "MALFORMED",
-        "an extension type (fixext 1) as the id",
-    )
-    yield (
-        "ext-empty",
-        _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + _pack("id") + b"\xc7\x00\x05"),
-        2,
-        "MALFORMED",
-        "a zero-length extension type (ext 8) as the id",
-    )
-    yield (
-        "ext-timestamp",
-        _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + _pack("id") + b"\xd6\xff\x00\x00\x00\x01"),
-        2,
-        "MALFORMED",
-        "a msgpack timestamp as the id",
-    )
-    yield (
-        "duplicate-key",
-        _fix(4, _kv("v", 1) + _kv("t", "heartbeat") + _kv("id", 1) + _kv("id", 2)),
-        2,
-        "MALFORMED",
-        "the key id twice in one map",
-    )
-    yield (
-        "duplicate-v",
-        _fix(4, _kv("v", 1) + _kv("t", "heartbeat") + _kv("id", 1) + _kv("v", 2)),
-        2,
-        "MALFORMED",
-        "the key v twice, with different versions",
-    )
-    yield (
-        "list-map-key",
-        _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + b"\x91\x01\x01"),
-        2,
-        "MALFORMED",
-        "an array as a map key",
-    )
+    yield ("invalid-utf8", _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + _pack("id"))[:] + b"\xa3\xff\xfe\xfd", 2, "MALFORMED", "a str that is not UTF-8")
+    yield ("ext-fixext1", _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + _pack("id") + b"\xd4\x01\x00"), 2, "MALFORMED", "an extension type (fixext 1) as the id")
+    yield ("ext-empty", _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + _pack("id") + b"\xc7\x00\x05"), 2, "MALFORMED", "a zero-length extension type (ext 8) as the id")
+    yield ("ext-timestamp", _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + _pack("id") + b"\xd6\xff\x00\x00\x00\x01"), 2, "MALFORMED", "a msgpack timestamp as the id")
+    yield ("duplicate-key", _fix(4, _kv("v", 1) + _kv("t", "heartbeat") + _kv("id", 1) + _kv("id", 2)), 2, "MALFORMED", "the key id twice in one map")
+    yield ("duplicate-v", _fix(4, _kv("v", 1) + _kv("t", "heartbeat") + _kv("id", 1) + _kv("v", 2)), 2, "MALFORMED", "the key v twice, with different versions")
+    yield ("list-map-key", _fix(3, _kv("v", 1) + _kv("t", "heartbeat") + b"\x91\x01\x01"), 2, "MALFORMED", "an array as a map key")
     yield (
         "too-deep",
         _fix(
@@ -877,47 +781,17 @@ def invalid_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     yield ("bin-t", _pack({"v": 1, "t": b"heartbeat", "id": 1}), 2, "WRONG_TYPE", "type tag as bin")
     yield ("unknown-tag", _pack({"v": 1, "t": "teleport", "id": 1}), 2, "UNKNOWN_TYPE", "no message has this tag")
     yield ("tag-case", _pack({"v": 1, "t": "Heartbeat", "id": 1}), 2, "UNKNOWN_TYPE", "tags are case-sensitive")
-    yield (
-        "unknown-tag-v99",
-        _pack({"v": 99, "t": "teleport", "id": 1}),
-        2,
-        "UNKNOWN_TYPE",
-        "the tag is checked before the version",
-    )
-    yield (
-        "version-0",
-        _pack({"v": 0, "t": "heartbeat", "id": 1}),
-        2,
-        "UNSUPPORTED_VERSION",
-        "version 0 does not exist",
-    )
+    yield ("unknown-tag-v99", _pack({"v": 99, "t": "teleport", "id": 1}), 2, "UNKNOWN_TYPE", "the tag is checked before the version")
+    yield ("version-0", _pack({"v": 0, "t": "heartbeat", "id": 1}), 2, "UNSUPPORTED_VERSION", "version 0 does not exist")
     yield ("version-negative", _pack({"v": -1, "t": "heartbeat", "id": 1}), 2, "UNSUPPORTED_VERSION", "version -1")
     yield ("version-3", _pack({"v": 3, "t": "heartbeat", "id": 1}), 2, "UNSUPPORTED_VERSION", "version 3 is not spoken")
     yield ("version-99", _pack({"v": 99, "t": "query", "id": 1, "keys": []}), 2, "UNSUPPORTED_VERSION", "version 99")
-    yield (
-        "version-2-at-1",
-        _pack({"v": 2, "t": "query", "id": 1, "keys": []}),
-        1,
-        "UNSUPPORTED_VERSION",
-        "a version-2 query reaching an endpoint that speaks version 1 only",
-    )
-    yield (
-        "welcome-version-3",
-        _pack({"v": 3, "t": "welcome", "id": 1, "version": 3, "node": "n", "incarnation": 1, "agent": "a"}),
-        2,
-        "UNSUPPORTED_VERSION",
-        "only hello and peer_hello tolerate any v",
-    )
+    yield ("version-2-at-1", _pack({"v": 2, "t": "query", "id": 1, "keys": []}), 1, "UNSUPPORTED_VERSION", "a version-2 query reaching an endpoint that speaks version 1 only")
+    yield ("welcome-version-3", _pack({"v": 3, "t": "welcome", "id": 1, "version": 3, "node": "n", "incarnation": 1, "agent": "a"}), 2, "UNSUPPORTED_VERSION", "only hello and peer_hello tolerate any v")
     # -- fields
     yield ("missing-id", _pack({"v": 1, "t": "heartbeat"}), 2, "MISSING_FIELD", "no request id")
     yield ("missing-items", without(dep_obj, "items"), 2, "MISSING_FIELD", "a deposit without items")
-    yield (
-        "hello-v5-missing-client",
-        _pack({"v": 5, "t": "hello", "id": 1, "versions": [1, 5], "agent": "a", "agent_md": b""}),
-        2,
-        "MISSING_FIELD",
-        "a hello from a newer version is still validated at version 1",
-    )
+    yield ("hello-v5-missing-client", _pack({"v": 5, "t": "hello", "id": 1, "versions": [1, 5], "agent": "a", "agent_md": b""}), 2, "MISSING_FIELD", "a hello from a newer version is still validated at version 1")
     yield ("str-id", _pack({"v": 1, "t": "heartbeat", "id": "1"}), 2, "WRONG_TYPE", "id as a str")
     yield ("negative-id", _pack({"v": 1, "t": "heartbeat", "id": -1}), 2, "OUT_OF_RANGE", "a negative id")
     yield ("float-id", _pack({"v": 1, "t": "heartbeat", "id": 1.0}), 2, "WRONG_TYPE", "id as a float")
@@ -926,236 +800,44 @@ def invalid_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     yield ("str-key", q1(keys=["3f9a0c11"]), 2, "WRONG_TYPE", "a block key as str instead of bin")
     yield ("empty-key", q1(keys=[b""]), 2, "OUT_OF_RANGE", "a zero-length block key")
     yield ("key-257", q1(keys=[b"\x01" * 257]), 2, "TOO_LARGE", "a block key of 257 bytes (limit 256)")
-    yield (
-        "keys-4097",
-        q1(keys=[bytes([i % 251 + 1]) for i in range(4097)]),
-        2,
-        "TOO_MANY",
-        "4097 keys in one query (limit 4096)",
-    )
+    yield ("keys-4097", q1(keys=[bytes([i % 251 + 1]) for i in range(4097)]), 2, "TOO_MANY", "4097 keys in one query (limit 4096)")
     yield ("keys-not-array", q1(keys=b"\x01\x02"), 2, "WRONG_TYPE", "keys as one bin")
     yield ("request-id-int", q1(keys=[], request_id=7), 2, "WRONG_TYPE", "request_id as an integer")
-    yield (
-        "name-129",
-        _pack({**dep_obj, "items": [[K1, [["L" * 129, "full", 1, 0, 65536]]]]}),
-        2,
-        "TOO_LARGE",
-        "a span name of 129 bytes (limit 128)",
-    )
-    yield (
-        "name-129-utf8",
-        _pack({**dep_obj, "items": [[K1, [["€" * 43, "full", 1, 0, 65536]]]]}),
-        2,
-        "TOO_LARGE",
-        "a span name of 43 characters but 129 UTF-8 bytes",
-    )
+    yield ("name-129", _pack({**dep_obj, "items": [[K1, [["L" * 129, "full", 1, 0, 65536]]]]}), 2, "TOO_LARGE", "a span name of 129 bytes (limit 128)")
+    yield ("name-129-utf8", _pack({**dep_obj, "items": [[K1, [["€" * 43, "full", 1, 0, 65536]]]]}), 2, "TOO_LARGE", "a span name of 43 characters but 129 UTF-8 bytes")
     yield ("deadline-over-u32", with_(dep_obj, deadline_ms=1 << 32), 2, "OUT_OF_RANGE", "deadline_ms above 2^32-1")
-    yield (
-        "region-over-u32",
-        _pack({**dep_obj, "items": [[K1, [["L0", "full", 1 << 32, 0, 65536]]]]}),
-        2,
-        "OUT_OF_RANGE",
-        "a region id above 2^32-1",
-    )
-    yield (
-        "negative-offset",
-        _pack({**dep_obj, "items": [[K1, [["L0", "full", 1, -64, 65536]]]]}),
-        2,
-        "OUT_OF_RANGE",
-        "a negative span offset",
-    )
-    yield (
-        "error-code-65536",
-        _pack({"v": 1, "t": "error", "id": 1, "code": 65536}),
-        2,
-        "OUT_OF_RANGE",
-        "an error code above 65535",
-    )
-    yield (
-        "welcome-version-65536",
-        _pack({"v": 1, "t": "welcome", "id": 1, "version": 65536, "node": "n", "incarnation": 1, "agent": "a"}),
-        2,
-        "OUT_OF_RANGE",
-        "an agreed version above 65535",
-    )
-    yield (
-        "unknown-memory-kind",
-        _pack({"v": 1, "t": "regions", "id": 1, "agent_md": b"", "regions": [[1, "hbm", 0, 4096, 4096]]}),
-        2,
-        "OUT_OF_RANGE",
-        "memory kind hbm is not dram or vram",
-    )
-    yield (
-        "unknown-status",
-        _pack({"v": 1, "t": "complete", "id": 1, "results": [["MAYBE"]]}),
-        2,
-        "OUT_OF_RANGE",
-        "a key status that does not exist",
-    )
-    yield (
-        "presence-lowercase",
-        _pack({"v": 1, "t": "query_reply", "id": 1, "results": [["hit", "dram"]]}),
-        2,
-        "OUT_OF_RANGE",
-        "presence values are upper case",
-    )
-    yield (
-        "unknown-write-state",
-        _pack({"v": 1, "t": "probe_reply", "id": 1, "op": 1, "state": "GONE", "incarnation": 1}),
-        2,
-        "OUT_OF_RANGE",
-        "a write state that does not exist",
-    )
+    yield ("region-over-u32", _pack({**dep_obj, "items": [[K1, [["L0", "full", 1 << 32, 0, 65536]]]]}), 2, "OUT_OF_RANGE", "a region id above 2^32-1")
+    yield ("negative-offset", _pack({**dep_obj, "items": [[K1, [["L0", "full", 1, -64, 65536]]]]}), 2, "OUT_OF_RANGE", "a negative span offset")
+    yield ("error-code-65536", _pack({"v": 1, "t": "error", "id": 1, "code": 65536}), 2, "OUT_OF_RANGE", "an error code above 65535")
+    yield ("welcome-version-65536", _pack({"v": 1, "t": "welcome", "id": 1, "version": 65536, "node": "n", "incarnation": 1, "agent": "a"}), 2, "OUT_OF_RANGE", "an agreed version above 65535")
+    yield ("unknown-memory-kind", _pack({"v": 1, "t": "regions", "id": 1, "agent_md": b"", "regions": [[1, "hbm", 0, 4096, 4096]]}), 2, "OUT_OF_RANGE", "memory kind hbm is not dram or vram")
+    yield ("unknown-status", _pack({"v": 1, "t": "complete", "id": 1, "results": [["MAYBE"]]}), 2, "OUT_OF_RANGE", "a key status that does not exist")
+    yield ("presence-lowercase", _pack({"v": 1, "t": "query_reply", "id": 1, "results": [["hit", "dram"]]}), 2, "OUT_OF_RANGE", "presence values are upper case")
+    yield ("unknown-write-state", _pack({"v": 1, "t": "probe_reply", "id": 1, "op": 1, "state": "GONE", "incarnation": 1}), 2, "OUT_OF_RANGE", "a write state that does not exist")
     yield ("empty-spans", _pack({**dep_obj, "items": [[K1, []]]}), 2, "OUT_OF_RANGE", "a deposit item with no span")
-    yield (
-        "empty-layout",
-        _pack({"v": 1, "t": "fetch", "id": 1, "items": [[K1, []]]}),
-        2,
-        "OUT_OF_RANGE",
-        "a fetch item with an empty layout",
-    )
-    yield (
-        "empty-versions",
-        _pack({"v": 1, "t": "hello", "id": 1, "versions": [], "client": "c", "agent": "a", "agent_md": b""}),
-        2,
-        "OUT_OF_RANGE",
-        "a hello offering no version",
-    )
-    yield (
-        "agent-md-str",
-        _pack({"v": 1, "t": "regions", "id": 1, "agent_md": "md", "regions": []}),
-        2,
-        "WRONG_TYPE",
-        "agent metadata as str instead of bin",
-    )
-    yield (
-        "record-too-short",
-        _pack({**dep_obj, "items": [[K1, [["L0", "full", 1, 0]]]]}),
-        2,
-        "MISSING_FIELD",
-        "a source span with 4 of its 5 items",
-    )
+    yield ("empty-layout", _pack({"v": 1, "t": "fetch", "id": 1, "items": [[K1, []]]}), 2, "OUT_OF_RANGE", "a fetch item with an empty layout")
+    yield ("empty-versions", _pack({"v": 1, "t": "hello", "id": 1, "versions": [], "client": "c", "agent": "a", "agent_md": b""}), 2, "OUT_OF_RANGE", "a hello offering no version")
+    yield ("agent-md-str", _pack({"v": 1, "t": "regions", "id": 1, "agent_md": "md", "regions": []}), 2, "WRONG_TYPE", "agent metadata as str instead of bin")
+    yield ("record-too-short", _pack({**dep_obj, "items": [[K1, [["L0", "full", 1, 0]]]]}), 2, "MISSING_FIELD", "a source span with 4 of its 5 items")
     yield ("item-too-short", _pack({**dep_obj, "items": [[K1]]}), 2, "MISSING_FIELD", "a deposit item without spans")
-    yield (
-        "key-result-empty",
-        _pack({"v": 1, "t": "complete", "id": 1, "results": [[]]}),
-        2,
-        "MISSING_FIELD",
-        "a key result with no status",
-    )
-    yield (
-        "record-as-map",
-        _pack({**dep_obj, "items": [{"key": K1, "spans": []}]}),
-        2,
-        "WRONG_TYPE",
-        "a record as a map instead of an array",
-    )
-    yield (
-        "regions-as-map",
-        _pack({"v": 1, "t": "regions", "id": 1, "agent_md": b"", "regions": {}}),
-        2,
-        "WRONG_TYPE",
-        "regions as a map",
-    )
-    yield (
-        "stats-not-map",
-        _pack({"v": 1, "t": "stats_reply", "id": 1, "stats": [1, 2]}),
-        2,
-        "WRONG_TYPE",
-        "statistics as an array",
-    )
-    yield (
-        "stats-int-key",
-        _pack({"v": 1, "t": "stats_reply", "id": 1, "stats": {1: 2}}),
-        2,
-        "WRONG_TYPE",
-        "statistics with an integer key",
-    )
-    yield (
-        "int-map-key",
-        _fix(4, _kv("v", 1) + _kv("t", "heartbeat") + _kv("id", 1) + _pack(5) + _pack(1)),
-        2,
-        "WRONG_TYPE",
-        "an integer key in the envelope",
-    )
-    yield (
-        "bin-map-key",
-        _fix(4, _kv("v", 1) + _kv("t", "heartbeat") + _kv("id", 1) + _pack(b"x") + _pack(1)),
-        2,
-        "WRONG_TYPE",
-        "a bin key in the envelope",
-    )
+    yield ("key-result-empty", _pack({"v": 1, "t": "complete", "id": 1, "results": [[]]}), 2, "MISSING_FIELD", "a key result with no status")
+    yield ("record-as-map", _pack({**dep_obj, "items": [{"key": K1, "spans": []}]}), 2, "WRONG_TYPE", "a record as a map instead of an array")
+    yield ("regions-as-map", _pack({"v": 1, "t": "regions", "id": 1, "agent_md": b"", "regions": {}}), 2, "WRONG_TYPE", "regions as a map")
+    yield ("stats-not-map", _pack({"v": 1, "t": "stats_reply", "id": 1, "stats": [1, 2]}), 2, "WRONG_TYPE", "statistics as an array")
+    yield ("stats-int-key", _pack({"v": 1, "t": "stats_reply", "id": 1, "stats": {1: 2}}), 2, "WRONG_TYPE", "statistics with an integer key")
+    yield ("int-map-key", _fix(4, _kv("v", 1) + _kv("t", "heartbeat") + _kv("id", 1) + _pack(5) + _pack(1)), 2, "WRONG_TYPE", "an integer key in the envelope")
+    yield ("bin-map-key", _fix(4, _kv("v", 1) + _kv("t", "heartbeat") + _kv("id", 1) + _pack(b"x") + _pack(1)), 2, "WRONG_TYPE", "a bin key in the envelope")
     # -- versions and must-understand
-    yield (
-        "partial-in-v1-at-1",
-        with_(write1, _bang_partial=True),
-        1,
-        "MUST_UNDERSTAND",
-        "a v=1 write carrying !partial, read by a version-1 endpoint",
-    )
-    yield (
-        "partial-in-v1-at-2",
-        with_(write1, _bang_partial=True),
-        2,
-        "MUST_UNDERSTAND",
-        "a v=1 write carrying !partial: version 1 has no such field, whoever reads it",
-    )
-    yield (
-        "partial-v2-at-1",
-        _pack(write2),
-        1,
-        "UNSUPPORTED_VERSION",
-        "a v=2 partial write reaching a version-1 endpoint",
-    )
-    yield (
-        "partial-on-deliver",
-        _pack({"v": 2, "t": "deliver", "id": 1, "items": [], "!partial": True}),
-        2,
-        "MUST_UNDERSTAND",
-        "!partial exists on write only; deliver's flag is the optional partial",
-    )
-    yield (
-        "deliver-partial-not-bool",
-        with_(deliver2, partial=1),
-        2,
-        "WRONG_TYPE",
-        "deliver's partial as the integer 1",
-    )
-    yield (
-        "deliver-partial-str",
-        with_(deliver2, partial="true"),
-        2,
-        "WRONG_TYPE",
-        "deliver's partial as a str",
-    )
-    yield (
-        "deliver-partial-nil",
-        with_(deliver2, partial=None),
-        2,
-        "WRONG_TYPE",
-        "deliver's partial nil: not a bool, and not the same as absent",
-    )
-    yield (
-        "deliver-partial-v2-at-1",
-        _pack(deliver2),
-        1,
-        "UNSUPPORTED_VERSION",
-        "a v=2 partial deliver reaching a node that speaks version 1 only",
-    )
-    yield (
-        "unknown-bang-v2",
-        _pack({"v": 2, "t": "deliver", "id": 1, "items": [], "!priority": 1}),
-        2,
-        "MUST_UNDERSTAND",
-        "an unknown must-understand field on a version-2 message",
-    )
-    yield (
-        "unknown-bang-heartbeat",
-        _pack({"v": 2, "t": "heartbeat", "id": 1, "!x": None}),
-        2,
-        "MUST_UNDERSTAND",
-        "an unknown must-understand field, even nil",
-    )
+    yield ("partial-in-v1-at-1", with_(write1, _bang_partial=True), 1, "MUST_UNDERSTAND", "a v=1 write carrying !partial, read by a version-1 endpoint")
+    yield ("partial-in-v1-at-2", with_(write1, _bang_partial=True), 2, "MUST_UNDERSTAND", "a v=1 write carrying !partial: version 1 has no such field, whoever reads it")
+    yield ("partial-v2-at-1", _pack(write2), 1, "UNSUPPORTED_VERSION", "a v=2 partial write reaching a version-1 endpoint")
+    yield ("partial-on-deliver", _pack({"v": 2, "t": "deliver", "id": 1, "items": [], "!partial": True}), 2, "MUST_UNDERSTAND", "!partial exists on write only; deliver's flag is the optional partial")
+    yield ("deliver-partial-not-bool", with_(deliver2, partial=1), 2, "WRONG_TYPE", "deliver's partial as the integer 1")
+    yield ("deliver-partial-str", with_(deliver2, partial="true"), 2, "WRONG_TYPE", "deliver's partial as a str")
+    yield ("deliver-partial-nil", with_(deliver2, partial=None), 2, "WRONG_TYPE", "deliver's partial nil: not a bool, and not the same as absent")
+    yield ("deliver-partial-v2-at-1", _pack(deliver2), 1, "UNSUPPORTED_VERSION", "a v=2 partial deliver reaching a node that speaks version 1 only")
+    yield ("unknown-bang-v2", _pack({"v": 2, "t": "deliver", "id": 1, "items": [], "!priority": 1}), 2, "MUST_UNDERSTAND", "an unknown must-understand field on a version-2 message")
+    yield ("unknown-bang-heartbeat", _pack({"v": 2, "t": "heartbeat", "id": 1, "!x": None}), 2, "MUST_UNDERSTAND", "an unknown must-understand field, even nil")
     yield (
         "unknown-bang-hello",
         _pack(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from kvcr_protocol.errors import ErrorCode, ProtocolError
 from kvcr_protocol.messages import Region
@@ -18,22 +19,27 @@ class Extent:
     device: int
 
 
+def _refuse(reg: Region | None, region: int, offset: int, length: int, path: str) -> NoReturn:
+    """Raise the ``BAD_DESCRIPTOR`` of a span that fails ``resolve_span``'s rules, naming the field."""
+    if reg is None:
+        raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"region {region} was not announced", f"{path}.region")
+    if length == 0:
+        raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, "a span has length 0", f"{path}.length")
+    raise ProtocolError(
+        ErrorCode.BAD_DESCRIPTOR,
+        f"[{offset}, {offset + length}) lies outside region {region} of {reg.length} bytes",
+        f"{path}.offset",
+    )
+
+
 def resolve_span(
     regions: Mapping[int, Region], region: int, offset: int, length: int, path: str
 ) -> tuple[Region, Extent]:
     """Resolve a span against announced regions; it must lie wholly inside its region."""
     reg = regions.get(region)
-    if reg is None:
-        raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"region {region} was not announced", f"{path}.region")
-    if length == 0:
-        raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, "a span has length 0", f"{path}.length")
     # offset + length <= region length, written so that no sum can overflow the check.
-    if offset > reg.length or length > reg.length - offset:
-        raise ProtocolError(
-            ErrorCode.BAD_DESCRIPTOR,
-            f"[{offset}, {offset + length}) lies outside region {region} of {reg.length} bytes",
-            f"{path}.offset",
-        )
+    if reg is None or length == 0 or offset > reg.length or length > reg.length - offset:
+        _refuse(reg, region, offset, length, path)
     return reg, Extent(reg.address + offset, length, reg.device)
 
 
@@ -68,15 +74,7 @@ def resolve_spans(
         if region != last_id:
             reg = regions.get(region)
             last_id = region
-        if reg is None:
-            raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"region {region} was not announced", f"{path}[{j}].region")
-        if length == 0:
-            raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, "a span has length 0", f"{path}[{j}].length")
-        if offset > reg.length or length > reg.length - offset:
-            raise ProtocolError(
-                ErrorCode.BAD_DESCRIPTOR,
-                f"[{offset}, {offset + length}) lies outside region {region} of {reg.length} bytes",
-                f"{path}[{j}].offset",
-            )
+        if reg is None or length == 0 or offset > reg.length or length > reg.length - offset:
+            _refuse(reg, region, offset, length, f"{path}[{j}]")
         out.append((reg.address + offset, length, reg))
     return out

@@ -12,22 +12,11 @@ is must-understand: a receiver that does not know it refuses the message.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeVar, dataclass_transform
 
-from kvcr_protocol.wire import (
-    AnyMap,
-    Bool,
-    Bytes,
-    EnumStr,
-    Field,
-    Opt,
-    Record,
-    RecordType,
-    Seq,
-    Str,
-    UInt,
-)
+from kvcr_protocol.wire import AnyMap, Bool, Bytes, EnumStr, Field, Opt, Record, RecordType, Seq, Str, UInt
 
 # --------------------------------------------------------------------------- enums
 
@@ -232,36 +221,92 @@ class Message:
     """True for messages that answer a request (their ``id`` echoes it)."""
 
 
+M = TypeVar("M", bound=Message)
+
+
+@dataclass_transform(frozen_default=True)
+def message(tag: str, reply: bool = False) -> Callable[[type[M]], type[M]]:
+    """Declare a message: a frozen, slotted dataclass with wire tag ``tag``.
+
+    ``reply`` marks messages that answer a request (their ``id`` echoes it).
+    """
+
+    def declare(cls: type[M]) -> type[M]:
+        out = dataclass(frozen=True, slots=True)(cls)
+        out.TAG = tag
+        out.REPLY = reply
+        return out
+
+    return declare
+
+
 def _fields(*fields: Field) -> tuple[Field, ...]:
     return (Field("id", _ID), *fields)
+
+
+# Fields that several messages share, declared once.
+_F_VERSIONS = Field("versions", _VERSIONS)
+_F_INCARNATION = Field("incarnation", UInt())
+_F_AGENT = Field("agent", _NAME)
+_F_AGENT_MD = Field("agent_md", Bytes("max_metadata"))
+_F_REGIONS = Field("regions", _REGIONS)
+_F_REGIONS_OPT = Field("regions", _REGIONS, ())
+_F_AGREED = Field("version", UInt(0xFFFF))
+_F_NODE = Field("node", _NAME)
+_F_REQUEST_ID = Field("request_id", Opt(_TEXT), None)
+_F_DEADLINE = Field("deadline_ms", UInt(_U32), 0)
+_F_CODE = Field("code", UInt(0xFFFF))
+_F_REASON = Field("reason", _TEXT, "")
+_F_OP = Field("op", UInt())
+
+
+@dataclass(frozen=True, slots=True)
+class _IdOnly(Message):
+    """A message whose only field is its ``id``."""
+
+    id: int
+    FIELDS: ClassVar[tuple[Field, ...]] = _fields()
+
+
+@dataclass(frozen=True, slots=True)
+class _OpRef(Message):
+    """A request about an earlier operation ``op``."""
+
+    id: int
+    op: int
+    FIELDS: ClassVar[tuple[Field, ...]] = _fields(_F_OP)
+
+
+@dataclass(frozen=True, slots=True)
+class _KeyResults(Message):
+    """A reply with one ``KeyResult`` per item of its request, in order."""
+
+    REPLY: ClassVar[bool] = True
+    id: int
+    results: tuple[KeyResult, ...]
+    FIELDS: ClassVar[tuple[Field, ...]] = _fields(Field("results", Seq(RecordType(KeyResult), "max_keys")))
 
 
 # ---- client <-> node
 
 
-@dataclass(frozen=True, slots=True)
+@message("hello")
 class Hello(Message):
     """Client -> node: open a session. Always encoded at version 1 (``v`` = 1)."""
 
-    TAG: ClassVar[str] = "hello"
     id: int
     versions: tuple[int, ...]
     client: str
     agent: str
     agent_md: bytes
     regions: tuple[Region, ...] = ()
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
-        Field("versions", _VERSIONS), Field("client", _NAME), Field("agent", _NAME),
-        Field("agent_md", Bytes("max_metadata")), Field("regions", _REGIONS, ()),
-    )
+    FIELDS = _fields(_F_VERSIONS, Field("client", _NAME), _F_AGENT, _F_AGENT_MD, _F_REGIONS_OPT)
 
 
-@dataclass(frozen=True, slots=True)
+@message("welcome", reply=True)
 class Welcome(Message):
     """Node -> client: the agreed version, the node's identity and its pools."""
 
-    TAG: ClassVar[str] = "welcome"
-    REPLY: ClassVar[bool] = True
     id: int
     version: int
     node: str
@@ -269,75 +314,66 @@ class Welcome(Message):
     agent: str
     pools: tuple[PoolInfo, ...] = ()
     heartbeat_ms: int = 0
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
-        Field("version", UInt(0xFFFF)), Field("node", _NAME), Field("incarnation", UInt()),
-        Field("agent", _NAME), Field("pools", Seq(RecordType(PoolInfo), "max_regions"), ()),
-        Field("heartbeat_ms", UInt(_U32), 0),
+    FIELDS = _fields(
+        _F_AGREED, _F_NODE, _F_INCARNATION, _F_AGENT,
+        Field("pools", Seq(RecordType(PoolInfo), "max_regions"), ()), Field("heartbeat_ms", UInt(_U32), 0),
     )
 
 
-@dataclass(frozen=True, slots=True)
+@message("regions")
 class RegisterRegions(Message):
     """Client -> node: new regions, with the agent metadata that now covers them."""
 
-    TAG: ClassVar[str] = "regions"
     id: int
     agent_md: bytes
     regions: tuple[Region, ...]
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
-        Field("agent_md", Bytes("max_metadata")), Field("regions", _REGIONS),
-    )
+    FIELDS = _fields(_F_AGENT_MD, _F_REGIONS)
 
 
-@dataclass(frozen=True, slots=True)
+@message("unregions")
 class UnregisterRegions(Message):
     """Client -> node: regions the client will deregister; the node stops using them."""
 
-    TAG: ClassVar[str] = "unregions"
     id: int
     regions: tuple[int, ...]
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(Field("regions", Seq(UInt(_U32), "max_regions")))
+    FIELDS = _fields(Field("regions", Seq(UInt(_U32), "max_regions")))
 
 
-@dataclass(frozen=True, slots=True)
+@message("deposit")
 class Deposit(Message):
     """Client -> node: store objects, reading their bytes from client memory."""
 
-    TAG: ClassVar[str] = "deposit"
     id: int
     items: tuple[DepositItem, ...]
     no_evict: bool = False
     optional: bool = False
     deadline_ms: int = 0
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
+    FIELDS = _fields(
         Field("items", Seq(RecordType(DepositItem), "max_keys")), Field("no_evict", Bool(), False),
-        Field("optional", Bool(), False), Field("deadline_ms", UInt(_U32), 0),
+        Field("optional", Bool(), False), _F_DEADLINE,
     )
 
 
-@dataclass(frozen=True, slots=True)
+@message("query")
 class Query(Message):
     """Client -> node: where are these keys (advisory)."""
 
-    TAG: ClassVar[str] = "query"
     id: int
     keys: tuple[bytes, ...]
     request_id: str | None = None
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
-        Field("keys", _KEYS), Field("request_id", Opt(_TEXT), None),
-    )
+    FIELDS = _fields(Field("keys", _KEYS), _F_REQUEST_ID)
 
 
-@dataclass(frozen=True, slots=True)
+@message("query_reply", reply=True)
 class QueryReply(Message):
-    TAG: ClassVar[str] = "query_reply"
-    REPLY: ClassVar[bool] = True
+    """Node -> client: one result per key of the query, in order."""
+
     id: int
     results: tuple[QueryResult, ...]
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(Field("results", Seq(RecordType(QueryResult), "max_keys")))
+    FIELDS = _fields(Field("results", Seq(RecordType(QueryResult), "max_keys")))
 
 
-@dataclass(frozen=True, slots=True)
+@message("deliver")
 class Deliver(Message):
     """Client -> node: put objects' bytes (whole or a named subset) into client memory.
 
@@ -347,168 +383,136 @@ class Deliver(Message):
     peer can serve one.
     """
 
-    TAG: ClassVar[str] = "deliver"
     id: int
     items: tuple[DeliverItem, ...]
     request_id: str | None = None
     deadline_ms: int = 0
     partial: bool = False
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
-        Field("items", Seq(RecordType(DeliverItem), "max_keys")),
-        Field("request_id", Opt(_TEXT), None), Field("deadline_ms", UInt(_U32), 0),
+    FIELDS = _fields(
+        Field("items", Seq(RecordType(DeliverItem), "max_keys")), _F_REQUEST_ID, _F_DEADLINE,
         Field("partial", Bool(), False, since=2),
     )
 
 
-@dataclass(frozen=True, slots=True)
+@message("fetch")
 class Fetch(Message):
     """Client -> node: make objects resident in the node (whole layouts only)."""
 
-    TAG: ClassVar[str] = "fetch"
     id: int
     items: tuple[FetchItem, ...]
     request_id: str | None = None
     deadline_ms: int = 0
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
-        Field("items", Seq(RecordType(FetchItem), "max_keys")),
-        Field("request_id", Opt(_TEXT), None), Field("deadline_ms", UInt(_U32), 0),
+    FIELDS = _fields(
+        Field("items", Seq(RecordType(FetchItem), "max_keys")), _F_REQUEST_ID, _F_DEADLINE,
     )
 
 
-@dataclass(frozen=True, slots=True)
+@message("release")
 class Release(Message):
     """Client -> node: drop handle claims (from fetch or no_evict deposits)."""
 
-    TAG: ClassVar[str] = "release"
     id: int
     handles: tuple[int, ...]
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(Field("handles", Seq(UInt(), "max_keys")))
+    FIELDS = _fields(Field("handles", Seq(UInt(), "max_keys")))
 
 
-@dataclass(frozen=True, slots=True)
-class Abort(Message):
+@message("abort")
+class Abort(_OpRef):
     """Client -> node: abort operation ``op`` (best effort)."""
 
-    TAG: ClassVar[str] = "abort"
-    id: int
-    op: int
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(Field("op", UInt()))
 
 
-@dataclass(frozen=True, slots=True)
+@message("hint")
 class SubmitHint(Message):
     """Client -> node: for ``request_id``, ``keys`` may be held by the node at ``endpoint``."""
 
-    TAG: ClassVar[str] = "hint"
     id: int
     request_id: str
     endpoint: str
     keys: tuple[bytes, ...]
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
+    FIELDS = _fields(
         Field("request_id", _TEXT), Field("endpoint", _TEXT), Field("keys", _KEYS),
     )
 
 
-@dataclass(frozen=True, slots=True)
+@message("unhint")
 class DiscardHint(Message):
-    TAG: ClassVar[str] = "unhint"
+    """Client -> node: forget the hints of ``request_id``."""
+
     id: int
     request_id: str
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(Field("request_id", _TEXT))
+    FIELDS = _fields(Field("request_id", _TEXT))
 
 
-@dataclass(frozen=True, slots=True)
-class StatsRequest(Message):
-    TAG: ClassVar[str] = "stats"
-    id: int
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields()
+@message("stats")
+class StatsRequest(_IdOnly):
+    """Client -> node: ask for statistics."""
 
 
-@dataclass(frozen=True, slots=True)
+@message("stats_reply", reply=True)
 class StatsReply(Message):
-    TAG: ClassVar[str] = "stats_reply"
-    REPLY: ClassVar[bool] = True
+    """Node -> client: statistics (free-form, not part of the protocol)."""
+
     id: int
     stats: dict[str, Any]
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(Field("stats", AnyMap()))
+    FIELDS = _fields(Field("stats", AnyMap()))
 
 
-@dataclass(frozen=True, slots=True)
-class Completion(Message):
-    """Node -> client (or source -> target as write_done): one result per item, in order."""
-
-    TAG: ClassVar[str] = "complete"
-    REPLY: ClassVar[bool] = True
-    id: int
-    results: tuple[KeyResult, ...]
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(Field("results", Seq(RecordType(KeyResult), "max_keys")))
+@message("complete")
+class Completion(_KeyResults):
+    """Node -> client: one result per item of a deposit, deliver, fetch or release, in order."""
 
 
-@dataclass(frozen=True, slots=True)
-class Ack(Message):
+
+@message("ack", reply=True)
+class Ack(_IdOnly):
     """A request without per-key results was accepted and done."""
 
-    TAG: ClassVar[str] = "ack"
-    REPLY: ClassVar[bool] = True
-    id: int
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields()
 
 
-@dataclass(frozen=True, slots=True)
+@message("error", reply=True)
 class Error(Message):
     """A request was refused whole. ``id`` is 0 when the request id could not be read."""
 
-    TAG: ClassVar[str] = "error"
-    REPLY: ClassVar[bool] = True
     id: int
     code: int
     reason: str = ""
     path: str = ""
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
-        Field("code", UInt(0xFFFF)), Field("reason", _TEXT, ""), Field("path", _TEXT, ""),
-    )
+    FIELDS = _fields(_F_CODE, _F_REASON, Field("path", _TEXT, ""))
 
 
-@dataclass(frozen=True, slots=True)
+@message("capacity")
 class CapacityEvent(Message):
     """Node -> clients: a pool's reclaimable slots fell under its low watermark."""
 
-    TAG: ClassVar[str] = "capacity"
     id: int
     pool: str
     reclaimable: int
     total: int
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
+    FIELDS = _fields(
         Field("pool", _NAME), Field("reclaimable", UInt()), Field("total", UInt()),
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Heartbeat(Message):
+@message("heartbeat")
+class Heartbeat(_IdOnly):
     """Either direction: I am alive. ``id`` counts heartbeats."""
 
-    TAG: ClassVar[str] = "heartbeat"
-    id: int
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields()
 
 
-@dataclass(frozen=True, slots=True)
-class Bye(Message):
+@message("bye")
+class Bye(_IdOnly):
     """Client -> node: closing; drop this client's handles and regions."""
 
-    TAG: ClassVar[str] = "bye"
-    id: int
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields()
 
 
 # ---- node <-> node
 
 
-@dataclass(frozen=True, slots=True)
+@message("peer_hello")
 class PeerHello(Message):
     """Target node -> source node: open a peer session. Always encoded at version 1."""
 
-    TAG: ClassVar[str] = "peer_hello"
     id: int
     versions: tuple[int, ...]
     node: str
@@ -516,43 +520,36 @@ class PeerHello(Message):
     agent: str
     agent_md: bytes
     regions: tuple[Region, ...] = ()
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
-        Field("versions", _VERSIONS), Field("node", _NAME), Field("incarnation", UInt()),
-        Field("agent", _NAME), Field("agent_md", Bytes("max_metadata")), Field("regions", _REGIONS, ()),
+    FIELDS = _fields(
+        _F_VERSIONS, _F_NODE, _F_INCARNATION, _F_AGENT, _F_AGENT_MD, _F_REGIONS_OPT,
     )
 
 
-@dataclass(frozen=True, slots=True)
+@message("peer_welcome", reply=True)
 class PeerWelcome(Message):
-    TAG: ClassVar[str] = "peer_welcome"
-    REPLY: ClassVar[bool] = True
+    """Source -> target: the agreed version and the source's identity."""
+
     id: int
     version: int
     node: str
     incarnation: int
     agent: str
     agent_md: bytes
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
-        Field("version", UInt(0xFFFF)), Field("node", _NAME), Field("incarnation", UInt()),
-        Field("agent", _NAME), Field("agent_md", Bytes("max_metadata")),
-    )
+    FIELDS = _fields(_F_AGREED, _F_NODE, _F_INCARNATION, _F_AGENT, _F_AGENT_MD)
 
 
-@dataclass(frozen=True, slots=True)
+@message("peer_client")
 class PeerClient(Message):
     """Target -> source: a client's agent metadata and regions, so the source can write to it."""
 
-    TAG: ClassVar[str] = "peer_client"
     id: int
     agent: str
     agent_md: bytes
     regions: tuple[Region, ...]
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
-        Field("agent", _NAME), Field("agent_md", Bytes("max_metadata")), Field("regions", _REGIONS),
-    )
+    FIELDS = _fields(_F_AGENT, _F_AGENT_MD, _F_REGIONS)
 
 
-@dataclass(frozen=True, slots=True)
+@message("write")
 class WriteRequest(Message):
     """Target -> source: write these keys from your pool into ``agent``'s memory.
 
@@ -560,63 +557,48 @@ class WriteRequest(Message):
     subset of each stored layout; it is must-understand.
     """
 
-    TAG: ClassVar[str] = "write"
     id: int
     agent: str
     items: tuple[DeliverItem, ...]
     deadline_ms: int = 0
     partial: bool = False
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
-        Field("agent", _NAME), Field("items", Seq(RecordType(DeliverItem), "max_keys")),
-        Field("deadline_ms", UInt(_U32), 0),
+    FIELDS = _fields(
+        _F_AGENT, Field("items", Seq(RecordType(DeliverItem), "max_keys")), _F_DEADLINE,
         Field("partial", Bool(), False, since=2, must_understand=True),
     )
 
 
-@dataclass(frozen=True, slots=True)
-class WriteDone(Message):
+@message("write_done")
+class WriteDone(_KeyResults):
     """Source -> target: the write's outcome per key; no transfer of it can touch the destination now."""
 
-    TAG: ClassVar[str] = "write_done"
-    REPLY: ClassVar[bool] = True
-    id: int
-    results: tuple[KeyResult, ...]
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(Field("results", Seq(RecordType(KeyResult), "max_keys")))
 
 
-@dataclass(frozen=True, slots=True)
+@message("refuse", reply=True)
 class Refuse(Message):
     """Source -> target: the write request was refused whole; nothing moved."""
 
-    TAG: ClassVar[str] = "refuse"
-    REPLY: ClassVar[bool] = True
     id: int
     code: int
     reason: str = ""
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(Field("code", UInt(0xFFFF)), Field("reason", _TEXT, ""))
+    FIELDS = _fields(_F_CODE, _F_REASON)
 
 
-@dataclass(frozen=True, slots=True)
-class Probe(Message):
+@message("probe")
+class Probe(_OpRef):
     """Target -> source: what is the state of write ``op``?"""
 
-    TAG: ClassVar[str] = "probe"
-    id: int
-    op: int
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(Field("op", UInt()))
 
 
-@dataclass(frozen=True, slots=True)
+@message("probe_reply", reply=True)
 class ProbeReply(Message):
-    TAG: ClassVar[str] = "probe_reply"
-    REPLY: ClassVar[bool] = True
+    """Source -> target: the state of write ``op`` and the source's incarnation."""
+
     id: int
     op: int
     state: WriteState
     incarnation: int
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(
-        Field("op", UInt()), Field("state", EnumStr(WriteState)), Field("incarnation", UInt()),
-    )
+    FIELDS = _fields(_F_OP, Field("state", EnumStr(WriteState)), _F_INCARNATION)
 
 
 CLIENT_MESSAGES: tuple[type[Message], ...] = (

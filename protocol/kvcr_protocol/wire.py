@@ -38,6 +38,14 @@ def _fail(code: ErrorCode, reason: str, path: str) -> RemoteProtocolError:
     return RemoteProtocolError(code, reason, path)
 
 
+def _check_count(count: int, maximum: int, minimum: int, unit: str, over: ErrorCode, path: str) -> None:
+    """A size between ``minimum`` and ``maximum``: above it ``over``, below it ``OUT_OF_RANGE``."""
+    if count > maximum:
+        raise _fail(over, f"{count} {unit}, limit {maximum}", path)
+    if count < minimum:
+        raise _fail(ErrorCode.OUT_OF_RANGE, f"{count} {unit}, at least {minimum} needed", path)
+
+
 class UInt(WireType[int]):
     """An unsigned integer no larger than ``maximum``."""
 
@@ -71,11 +79,7 @@ class Bytes(WireType[bytes]):
     def load(self, value: Any, path: str, limits: Limits) -> bytes:
         if type(value) is not bytes:
             raise _fail(ErrorCode.WRONG_TYPE, f"expected bin, got {_tname(value)}", path)
-        maximum: int = getattr(limits, self.limit)
-        if len(value) > maximum:
-            raise _fail(ErrorCode.TOO_LARGE, f"{len(value)} bytes, limit {maximum}", path)
-        if len(value) < self.minimum:
-            raise _fail(ErrorCode.OUT_OF_RANGE, f"{len(value)} bytes, at least {self.minimum} needed", path)
+        _check_count(len(value), getattr(limits, self.limit), self.minimum, "bytes", ErrorCode.TOO_LARGE, path)
         return value
 
 
@@ -145,11 +149,7 @@ class Seq(WireType[tuple[T, ...]]):
     def load(self, value: Any, path: str, limits: Limits) -> tuple[T, ...]:
         if type(value) is not list:
             raise _fail(ErrorCode.WRONG_TYPE, f"expected array, got {_tname(value)}", path)
-        maximum: int = getattr(limits, self.limit)
-        if len(value) > maximum:
-            raise _fail(ErrorCode.TOO_MANY, f"{len(value)} items, limit {maximum}", path)
-        if len(value) < self.minimum:
-            raise _fail(ErrorCode.OUT_OF_RANGE, f"{len(value)} items, at least {self.minimum} needed", path)
+        _check_count(len(value), getattr(limits, self.limit), self.minimum, "items", ErrorCode.TOO_MANY, path)
         load_many = self.load_many
         if load_many is not None:
             loaded = load_many(value, limits)

@@ -11,19 +11,7 @@ import pytest
 
 import kvcr_protocol as kp
 from kvcr_protocol.messages import BASE_ENCODED, Deliver, Message, WriteRequest
-from kvcr_protocol.wire import (
-    AnyMap,
-    Bool,
-    Bytes,
-    EnumStr,
-    Opt,
-    Record,
-    RecordType,
-    Seq,
-    Str,
-    UInt,
-    WireType,
-)
+from kvcr_protocol.wire import AnyMap, Bool, Bytes, EnumStr, Opt, Record, RecordType, Seq, Str, UInt, WireType
 
 VECTORS = Path(__file__).resolve().parents[2] / "spec" / "vectors"
 VALID: list[dict[str, Any]] = json.loads((VECTORS / "valid.json").read_text(encoding="utf-8"))["vectors"]

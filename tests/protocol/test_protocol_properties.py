@@ -15,19 +15,7 @@ from hypothesis import strategies as st
 import kvcr_protocol as kp
 from kvcr_protocol import DEFAULT_LIMITS, RemoteProtocolError
 from kvcr_protocol.messages import BASE_ENCODED, Message
-from kvcr_protocol.wire import (
-    AnyMap,
-    Bool,
-    Bytes,
-    EnumStr,
-    Field,
-    Opt,
-    RecordType,
-    Seq,
-    Str,
-    UInt,
-    WireType,
-)
+from kvcr_protocol.wire import AnyMap, Bool, Bytes, EnumStr, Field, Opt, RecordType, Seq, Str, UInt, WireType
 
 SMALL = 3  # at most this many items per array: keeps examples small and fast
 SETTINGS = settings(deadline=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])

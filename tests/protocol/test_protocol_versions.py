@@ -28,6 +28,13 @@ def unpack(frame: bytes) -> dict[str, Any]:
     return obj
 
 
+def refused(frame: bytes, max_version: int) -> RemoteProtocolError:
+    """The error that decoding ``frame`` at ``max_version`` raises."""
+    with pytest.raises(RemoteProtocolError) as info:
+        kp.decode(frame, max_version)
+    return info.value
+
+
 # ---------------------------------------------------------------- negotiation
 
 
@@ -100,19 +107,15 @@ def test_partial_write_cannot_be_encoded_at_version_1() -> None:
 
 
 def test_version_2_partial_write_reaching_a_version_1_endpoint() -> None:
-    with pytest.raises(RemoteProtocolError) as info:
-        kp.decode(kp.encode(PARTIAL, 2), 1)
-    assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
+    assert refused(kp.encode(PARTIAL, 2), 1).code is ErrorCode.UNSUPPORTED_VERSION
 
 
 @pytest.mark.parametrize("max_version", [1, 2])
 def test_version_1_frame_carrying_partial_is_refused(max_version: int) -> None:
     obj = unpack(kp.encode(WHOLE, 1))
     obj["!partial"] = True
-    with pytest.raises(RemoteProtocolError) as info:
-        kp.decode(pack(obj), max_version)
-    assert info.value.code is ErrorCode.MUST_UNDERSTAND
-    assert info.value.path == "!partial"
+    error = refused(pack(obj), max_version)
+    assert (error.code, error.path) == (ErrorCode.MUST_UNDERSTAND, "!partial")
 
 
 def test_unbanged_partial_is_an_ignored_optional_field() -> None:
@@ -156,19 +159,15 @@ def test_version_1_deliver_ignores_a_partial_key(max_version: int, value: object
 
 
 def test_partial_deliver_reaching_a_version_1_node() -> None:
-    with pytest.raises(RemoteProtocolError) as info:
-        kp.decode(kp.encode(DELIVER_PARTIAL, 2), 1)
-    assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
+    assert refused(kp.encode(DELIVER_PARTIAL, 2), 1).code is ErrorCode.UNSUPPORTED_VERSION
 
 
 @pytest.mark.parametrize("value", [1, 0, "true", None, [True]])
 def test_partial_deliver_flag_must_be_a_bool(value: object) -> None:
     obj = unpack(kp.encode(DELIVER_PARTIAL, 2))
     obj["partial"] = value
-    with pytest.raises(RemoteProtocolError) as info:
-        kp.decode(pack(obj), 2)
-    assert info.value.code is ErrorCode.WRONG_TYPE
-    assert info.value.path == "partial"
+    error = refused(pack(obj), 2)
+    assert (error.code, error.path) == (ErrorCode.WRONG_TYPE, "partial")
 
 
 def test_partial_deliver_flag_absent_means_false() -> None:
@@ -180,10 +179,8 @@ def test_partial_deliver_flag_absent_means_false() -> None:
 def test_bang_partial_on_deliver_is_refused() -> None:
     obj = unpack(kp.encode(DELIVER, 2))
     obj["!partial"] = True
-    with pytest.raises(RemoteProtocolError) as info:
-        kp.decode(pack(obj), 2)
-    assert info.value.code is ErrorCode.MUST_UNDERSTAND
-    assert info.value.path == "!partial"
+    error = refused(pack(obj), 2)
+    assert (error.code, error.path) == (ErrorCode.MUST_UNDERSTAND, "!partial")
 
 
 def test_unknown_optional_fields_are_ignored() -> None:
@@ -198,9 +195,7 @@ def test_unknown_optional_fields_are_ignored() -> None:
 def test_unknown_must_understand_field_is_refused(key: str) -> None:
     obj = unpack(kp.encode(Query(3, (b"k",)), 2))
     obj[key] = False
-    with pytest.raises(RemoteProtocolError) as info:
-        kp.decode(pack(obj), 2)
-    assert info.value.code is ErrorCode.MUST_UNDERSTAND
+    assert refused(pack(obj), 2).code is ErrorCode.MUST_UNDERSTAND
 
 
 def test_every_must_understand_field_is_banged_and_versioned() -> None:
