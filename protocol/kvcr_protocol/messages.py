@@ -11,203 +11,29 @@ is must-understand: a receiver that does not know it refuses the message.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, TypeVar, dataclass_transform
+from typing import Any, ClassVar, TypeVar, dataclass_transform
 
-from kvcr_protocol.wire import AnyMap, Bool, Bytes, EnumStr, Field, Opt, Record, RecordType, Seq, Str, UInt
-
-# --------------------------------------------------------------------------- enums
-
-
-class MemoryKind(enum.Enum):
-    """Where a region or pool lives."""
-
-    DRAM = "dram"
-    VRAM = "vram"
-
-
-class KeyStatus(enum.Enum):
-    """Per-key outcome of an operation."""
-
-    STORED = "STORED"
-    """deposit: the object is READY in the node."""
-    DUPLICATE = "DUPLICATE"
-    """deposit: already READY with the same layout (a writer still WRITING it was waited for); no second transfer."""
-    DROPPED = "DROPPED"
-    """deposit: the admission policy declined an optional deposit."""
-    OK = "OK"
-    """deliver/fetch/release: done."""
-    FAILED = "FAILED"
-    """failed; the code says why."""
-    ABORTED = "ABORTED"
-    """aborted before it finished."""
-
-
-class Presence(enum.Enum):
-    """Per-key answer of a query."""
-
-    HIT = "HIT"
-    FETCHING = "FETCHING"
-    FETCHABLE = "FETCHABLE"
-    MISS = "MISS"
-
-
-class WriteState(enum.Enum):
-    """What a source node knows of a peer write (probe reply)."""
-
-    UNKNOWN = "UNKNOWN"
-    """Never seen, or from another incarnation."""
-    WAITING = "WAITING"
-    """Accepted, waiting on objects still WRITING; nothing moved yet."""
-    IN_FLIGHT = "IN_FLIGHT"
-    """A transfer may be writing the destination."""
-    DONE = "DONE"
-    """Terminal: no transfer of this operation can touch the destination any more."""
-
-
-# ------------------------------------------------------------------------- records
-
-
-@dataclass(frozen=True, slots=True)
-class Region(Record):
-    """A memory region a client (or node) registered with NIXL and announces."""
-
-    region: int
-    kind: MemoryKind
-    device: int
-    address: int
-    length: int
-    FIELDS: ClassVar[tuple[Field, ...]] = ()
-
-
-class _SrcSpanFields(NamedTuple):
-    name: str
-    pool: str
-    region: int
-    offset: int
-    length: int
-
-
-class SrcSpan(_SrcSpanFields, Record):
-    """A deposit's span: its name and pool, and where its bytes are in client memory."""
-
-    __slots__ = ()
-
-
-class _DstSpanFields(NamedTuple):
-    name: str
-    region: int
-    offset: int
-    length: int
-
-
-class DstSpan(_DstSpanFields, Record):
-    """A deliver's span: the stored span it names and where its bytes must land."""
-
-    __slots__ = ()
-
-
-class _LayoutSpanFields(NamedTuple):
-    name: str
-    pool: str
-
-
-class LayoutSpan(_LayoutSpanFields, Record):
-    """One span of a layout: name and pool."""
-
-    __slots__ = ()
-
-
-@dataclass(frozen=True, slots=True)
-class DepositItem(Record):
-    key: bytes
-    spans: tuple[SrcSpan, ...]
-    FIELDS: ClassVar[tuple[Field, ...]] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class DeliverItem(Record):
-    key: bytes
-    spans: tuple[DstSpan, ...]
-    FIELDS: ClassVar[tuple[Field, ...]] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class FetchItem(Record):
-    key: bytes
-    layout: tuple[LayoutSpan, ...]
-    FIELDS: ClassVar[tuple[Field, ...]] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PoolInfo(Record):
-    """A node pool as announced in welcome."""
-
-    name: str
-    slot_size: int
-    slot_count: int
-    memory: str
-    FIELDS: ClassVar[tuple[Field, ...]] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class KeyResult(Record):
-    """The outcome for one key: status, error code (0 = none), reason, release handle."""
-
-    status: KeyStatus
-    code: int = 0
-    reason: str = ""
-    handle: int | None = None
-    FIELDS: ClassVar[tuple[Field, ...]] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class QueryResult(Record):
-    """The answer for one key: presence and tier (``dram``, ``hbm:N``, ``remote``, or empty)."""
-
-    presence: Presence
-    tier: str = ""
-    FIELDS: ClassVar[tuple[Field, ...]] = ()
-
-
-_U32 = (1 << 32) - 1
-_ID = UInt()
-_NAME = Str("max_name")
-_TEXT = Str("max_text")
-_KEY = Bytes("max_key", minimum=1)
-_KEYS = Seq(_KEY, "max_keys")
-_VERSIONS = Seq(UInt(0xFFFF), "max_regions", minimum=1)
-
-Region.FIELDS = (
-    Field("region", UInt(_U32)),
-    Field("kind", EnumStr(MemoryKind)),
-    Field("device", UInt(0xFFFF)),
-    Field("address", UInt()),
-    Field("length", UInt()),
+from kvcr_protocol.records import *  # noqa: F403 - messages re-export the records they carry
+from kvcr_protocol.records import ID as _ID
+from kvcr_protocol.records import KEYS as _KEYS
+from kvcr_protocol.records import NAME as _NAME
+from kvcr_protocol.records import REGIONS as _REGIONS
+from kvcr_protocol.records import TEXT as _TEXT
+from kvcr_protocol.records import U32_MAX as _U32
+from kvcr_protocol.records import VERSIONS as _VERSIONS
+from kvcr_protocol.records import (
+    DeliverItem,
+    DepositItem,
+    FetchItem,
+    KeyResult,
+    PoolInfo,
+    QueryResult,
+    Region,
+    WriteState,
 )
-SrcSpan.FIELDS = (
-    Field("name", _NAME), Field("pool", _NAME), Field("region", UInt(_U32)),
-    Field("offset", UInt()), Field("length", UInt()),
-)
-DstSpan.FIELDS = (
-    Field("name", _NAME), Field("region", UInt(_U32)), Field("offset", UInt()), Field("length", UInt()),
-)
-LayoutSpan.FIELDS = (Field("name", _NAME), Field("pool", _NAME))
-DepositItem.FIELDS = (Field("key", _KEY), Field("spans", Seq(RecordType(SrcSpan), "max_spans", minimum=1)))
-DeliverItem.FIELDS = (Field("key", _KEY), Field("spans", Seq(RecordType(DstSpan), "max_spans", minimum=1)))
-FetchItem.FIELDS = (Field("key", _KEY), Field("layout", Seq(RecordType(LayoutSpan), "max_spans", minimum=1)))
-PoolInfo.FIELDS = (
-    Field("name", _NAME), Field("slot_size", UInt()), Field("slot_count", UInt()), Field("memory", _NAME),
-)
-KeyResult.FIELDS = (
-    Field("status", EnumStr(KeyStatus)), Field("code", UInt(0xFFFF), 0),
-    Field("reason", _TEXT, ""), Field("handle", Opt(UInt()), None),
-)
-QueryResult.FIELDS = (Field("presence", EnumStr(Presence)), Field("tier", _NAME, ""))
-
-_REGIONS = Seq(RecordType(Region), "max_regions")
+from kvcr_protocol.wire import AnyMap, Bool, Bytes, EnumStr, Field, Opt, RecordType, Seq, UInt
 
 # ------------------------------------------------------------------------ messages
 
