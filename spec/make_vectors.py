@@ -30,7 +30,36 @@ import msgpack
 
 import kvcr_protocol as kp
 from kvcr_protocol import messages as m
-from kvcr_protocol.wire import U64_MAX, AnyMap, Bool, Bytes, EnumStr, Opt, Record, RecordType, Seq, Str, UInt, WireType
+from kvcr_protocol.columns import (
+    PREFIX_ALL,
+    U16,
+    U32,
+    U64,
+    DeliverColumns,
+    DepositColumns,
+    QueryColumns,
+    pack,
+    prefix_mask,
+)
+from kvcr_protocol.notify import Notification, WriteNotify, decode_notification, encode_notification
+from kvcr_protocol.wire import (
+    NUL,
+    U64_MAX,
+    AnyMap,
+    Bool,
+    Bytes,
+    EnumStr,
+    Joined,
+    Opt,
+    Packed,
+    Record,
+    RecordType,
+    Seq,
+    Str,
+    UInt,
+    UIntOrPacked,
+    WireType,
+)
 
 HERE = Path(__file__).resolve().parent
 VECTORS = HERE / "vectors"
@@ -38,31 +67,36 @@ VECTORS = HERE / "vectors"
 # --------------------------------------------------------------------- field tables
 
 
+def _str_text(wt: Str) -> str:
+    text = f"str (0..`{wt.limit}` bytes)"
+    if wt.choices is not None:
+        text += ", one of " + ", ".join(f'`"{c}"`' for c in sorted(wt.choices))
+    return text
+
+
+_UINT_NAMES = {U64_MAX: "uint64", (1 << 32) - 1: "uint32", 0xFFFF: "uint16", 0xFF: "uint8"}
+_NOTATION: dict[type[Any], Callable[[Any], str]] = {
+    UInt: lambda wt: _UINT_NAMES.get(wt.maximum, f"uint (0..{wt.maximum})"),
+    Bool: lambda wt: "bool",
+    Bytes: lambda wt: f"bin ({wt.minimum}..`{wt.limit}` bytes)",
+    Str: _str_text,
+    EnumStr: lambda wt: f"`{wt.enum_type.__name__}`",
+    Opt: lambda wt: f"nil or {type_text(wt.inner)}",
+    Seq: lambda wt: f"array ({wt.minimum}..`{wt.limit}`) of {type_text(wt.item)}",
+    RecordType: lambda wt: f"`{wt.cls.__name__}`",
+    AnyMap: lambda wt: "map (str keys, any values)",
+    Packed: lambda wt: f"packed u{8 * wt.width} (0..`{wt.limit}`)",
+    UIntOrPacked: lambda wt: f"{type_text(wt.uint)} or {type_text(wt.packed)}",
+    Joined: lambda wt: f"joined names (1..`max_spans`, each 0..`{wt.limit}` bytes)",
+}
+
+
 def type_text(wt: WireType[Any]) -> str:
     """The spec's notation for a wire type (section 6.1 of the spec)."""
-    if isinstance(wt, UInt):
-        named = {U64_MAX: "uint64", (1 << 32) - 1: "uint32", 0xFFFF: "uint16"}
-        return named.get(wt.maximum, f"uint (0..{wt.maximum})")
-    if isinstance(wt, Bool):
-        return "bool"
-    if isinstance(wt, Bytes):
-        return f"bin ({wt.minimum}..`{wt.limit}` bytes)"
-    if isinstance(wt, Str):
-        text = f"str (0..`{wt.limit}` bytes)"
-        if wt.choices is not None:
-            text += ", one of " + ", ".join(f'`"{c}"`' for c in sorted(wt.choices))
-        return text
-    if isinstance(wt, EnumStr):
-        return f"`{wt.enum_type.__name__}`"
-    if isinstance(wt, Opt):
-        return f"nil or {type_text(wt.inner)}"
-    if isinstance(wt, Seq):
-        return f"array ({wt.minimum}..`{wt.limit}`) of {type_text(wt.item)}"
-    if isinstance(wt, RecordType):
-        return f"`{wt.cls.__name__}`"
-    if isinstance(wt, AnyMap):
-        return "map (str keys, any values)"
-    raise TypeError(f"no notation for {type(wt).__name__}")
+    notation = _NOTATION.get(type(wt))
+    if notation is None:
+        raise TypeError(f"no notation for {type(wt).__name__}")
+    return notation(wt)
 
 
 def default_text(value: Any) -> str:
@@ -75,6 +109,8 @@ def default_text(value: Any) -> str:
         return "`[]`"
     if isinstance(value, str):
         return f'`"{value}"`'
+    if isinstance(value, bytes):
+        return "empty"
     return f"`{value}`"
 
 
@@ -83,7 +119,7 @@ def message_table(cls: type[m.Message]) -> str:
     rows = ["| Key | Type | Default | Since |", "|---|---|---|---|"]
     for f in cls.FIELDS:
         default = "required" if f.required else default_text(f.default)
-        rows.append(f"| `{f.key}` | {type_text(f.type)} | {default} | {f.since} |")
+        rows.append(f"| `{f.key}` | {type_text(f.type)} | {default} | {max(f.since, cls.SINCE)} |")
     return "\n".join(rows)
 
 
@@ -107,6 +143,10 @@ RECORDS: tuple[type[Record], ...] = (
     m.PoolInfo,
     m.KeyResult,
     m.QueryResult,
+    DepositColumns,
+    DeliverColumns,
+    QueryColumns,
+    WriteNotify,
 )
 ENUMS: tuple[type[enum.Enum], ...] = (m.MemoryKind, m.KeyStatus, m.Presence, m.WriteState)
 
@@ -169,7 +209,7 @@ def all_tables() -> str:
 
 def value_json(wt: WireType[Any], value: Any, omit_defaults: bool) -> Any:
     """The JSON form of one field value."""
-    if isinstance(wt, Bytes):
+    if isinstance(wt, (Bytes, Packed)) or (isinstance(wt, UIntOrPacked) and isinstance(value, bytes)):
         return {"hex": value.hex()}
     if isinstance(wt, EnumStr):
         return value.value
@@ -182,11 +222,17 @@ def value_json(wt: WireType[Any], value: Any, omit_defaults: bool) -> Any:
     return value
 
 
-def fields_json(obj: m.Message | Record, omit_defaults: bool = False) -> dict[str, Any]:
-    """The JSON form of a message or record: field names to values, in declared order."""
+def fields_json(obj: m.Message | Record, omit_defaults: bool = False, version: int = kp.LATEST_VERSION) -> dict[str, Any]:
+    """The JSON form of a message or record: field names to values, in declared order.
+
+    A field of version 3 or later that the vector's ``version`` lacks is left out (it holds
+    its default); the vectors of versions 1 and 2 list every field they always listed.
+    """
     out: dict[str, Any] = {}
     for f in type(obj).FIELDS:
         value = getattr(obj, f.name)
+        if f.since > version and f.since >= kp.COLUMNS_VERSION:
+            continue
         if omit_defaults and not f.required and value == f.default:
             continue
         out[f.name] = value_json(f.type, value, omit_defaults)
@@ -669,10 +715,148 @@ def valid_instances() -> list[Valid]:
     ]
 
 
-def build_valid() -> list[dict[str, Any]]:
-    """Every valid vector, checked against the codec."""
+def v3_instances() -> list[Valid]:
+    """Version 3: every message of versions 1 and 2 again at version 3, then what version 3 adds."""
+    again = [
+        dataclasses.replace(inst, versions=(3,))
+        for inst in valid_instances()
+        if kp.PARTIAL_LAYOUT_VERSION in inst.versions
+    ]
+    names4 = NUL.join(("L0", "L1", "L2", "S"))
+    sizes4 = pack((64 * KiB, 64 * KiB, 16 * KiB, 1536 * KiB), U64)
+    whole = DeliverColumns((K1, K2), names4, 2, pack((0, 64 * KiB, 128 * KiB, 144 * KiB, 2 * MiB, 2 * MiB + 64 * KiB, 2 * MiB + 128 * KiB, 2 * MiB + 144 * KiB), U64), sizes4)
+    layers = tuple(f"layer.{i}" for i in range(8))
+    planned = DeliverColumns(
+        (K1,), NUL.join(layers), 2, pack(range(0, 8 * 256 * KiB, 256 * KiB), U64), 256 * KiB, pack((0, 0, 1, 1, 2, 2, 3, 3), U16)
+    )
+    per_layer = DeliverColumns(
+        (K1, K2, K3), NUL.join(layers[:4]), pack((10, 11, 12, 13), U32),
+        pack((0, 0, 0, 0, 4 * MiB, 4 * MiB, 4 * MiB, 4 * MiB, 8 * MiB, 8 * MiB, 8 * MiB, 8 * MiB), U64), 4 * MiB,
+        pack((0, 1, 2, 3), U16),
+    )
+    scattered = DeliverColumns(
+        (K1, K2), NUL.join(("L0", "L1")), pack((1, 2, 2, 1), U32), pack((0, 65536, 131072, 196608), U64), 64 * KiB
+    )
+    fetch_into_a = DeliverColumns(
+        (K2,), names4, pack((0, 0, 1, 2), U32), pack((5 * 64 * KiB, 6 * 64 * KiB, 3 * 16 * KiB, 2 * 1536 * KiB), U64), sizes4
+    )
+    deposit = DepositColumns(
+        (K1, K2), names4, 1, pack((0, 64 * KiB, 128 * KiB, 144 * KiB, 2 * MiB, 2 * MiB + 64 * KiB, 2 * MiB + 128 * KiB, 2 * MiB + 144 * KiB), U64),
+        sizes4, NUL.join(("full", "full", "swa", "state")),
+    )
+    results = (
+        m.QueryResult(m.Presence.HIT, "dram"), m.QueryResult(m.Presence.HIT, "hbm:0"),
+        m.QueryResult(m.Presence.FETCHING, "dram"), m.QueryResult(m.Presence.FETCHABLE, "remote"),
+        m.QueryResult(m.Presence.MISS), m.QueryResult(m.Presence.HIT, "dram"),
+    )
+    return [
+        *again,
+        Valid("welcome-agreed-3", m.Welcome(1, 3, "node-a", INC_A, "kvcr-node-a", POOLS_A, 1000), versions=(3,), description="welcome agreeing on version 3"),
+        Valid("peer-welcome-agreed-3", m.PeerWelcome(1, 3, "node-b", INC_B, "kvcr-node-b", MD_NODE_B), versions=(3,), description="node B agrees on version 3"),
+        Valid(
+            "deposit-columns",
+            m.Deposit(13, (), no_evict=True, deadline_ms=5000, columns=(deposit,)),
+            versions=(3,),
+            description="deposit-hybrid as columns: names and pools once, one region, offsets packed, a length per span",
+        ),
+        Valid(
+            "deliver-columns",
+            m.Deliver(33, (), "req-7f3a9c", 250, columns=(whole,)),
+            versions=(3,),
+            accept=accept_short_columns,
+            description="two keys of the hybrid layout as one block of columns: one region, a length per span, no plan",
+        ),
+        Valid(
+            "deliver-plan",
+            m.Deliver(34, (), "req-7f3a9c", 250, partial=True, columns=(planned,), notify=0x5EED0001),
+            versions=(3,),
+            description=(
+                "one key of 8 layers of 256 KiB in 4 groups of two layers (a layer plan), one length for all, "
+                "with NIXL notifications under token 0x5eed0001"
+            ),
+        ),
+        Valid(
+            "deliver-plan-per-layer-regions",
+            m.Deliver(35, (), deadline_ms=250, columns=(per_layer,)),
+            versions=(3,),
+            description="three keys whose layer i lives in region 10 + i (one region per span), one group per layer",
+        ),
+        Valid(
+            "deliver-columns-scattered",
+            m.Deliver(36, (), columns=(scattered,)),
+            versions=(3,),
+            description="a region per entry: span L0 of K1 in region 1, span L1 of K1 and L0 of K2 in region 2, ...",
+        ),
+        Valid(
+            "write-columns",
+            m.WriteRequest(
+                104, "kvcr-client-4712", (), 900, partial=True, columns=(planned,),
+                notify=WriteNotify(0x5EED0001, 34, pack((0,), U32)),
+            ),
+            versions=(3,),
+            description=(
+                "the target forwards deliver-plan's block to the source as it came, with what the source needs "
+                "to notify the client (token, the client's request id, the deliver's item index per write item)"
+            ),
+        ),
+        Valid(
+            "write-columns-fetch",
+            m.WriteRequest(105, "kvcr-node-a", (), columns=(fetch_into_a,)),
+            versions=(3,),
+            description="write-minimal as columns: a fetch into node A's pools (a region per span: the pool index)",
+        ),
+        Valid(
+            "complete-plan",
+            m.Completion(34, (OK, failed(E.TRANSFER_FAILED, "group 1: NIXL_ERR_BACKEND")), pack((4, 1), U32)),
+            versions=(3,),
+            description="a planned deliver of two keys: K1 whole (4 groups), K2 failed in group 1 (group 0 stays delivered)",
+        ),
+        Valid(
+            "write-done-plan",
+            m.WriteDone(104, (failed(E.TRANSFER_FAILED, "NIXL_ERR_REMOTE_DISCONNECT"),), pack((2,), U32)),
+            versions=(3,),
+            description="the source's result for a planned key: groups 0 and 1 landed, group 2 failed",
+        ),
+        Valid(
+            "progress",
+            m.Progress(34, pack((0, 1), U32), pack((2, 1), U32)),
+            versions=(3,),
+            description="groups landed so far: 2 of key 0, 1 of key 1 (not a reply: the deliver goes on)",
+        ),
+        Valid("query-prefix", m.Query(24, (K1, K2, K3), prefix=prefix_mask(m.Presence.HIT)), versions=(3,), description="how many keys in a row, from K1, this node holds"),
+        Valid(
+            "query-prefix-any",
+            m.Query(25, (K1, K2, K3), "req-7f3a9c", prefix=PREFIX_ALL),
+            versions=(3,),
+            description="how many keys in a row are held, being filled, or hinted",
+        ),
+        Valid(
+            "query-reply-columns",
+            m.QueryReply(20, (), QueryColumns.from_results(results)),
+            versions=(3,),
+            description="every presence as one byte per key, tiers through a table",
+        ),
+        Valid(
+            "query-reply-prefix",
+            m.QueryReply(24, (), QueryColumns.from_results(results[:2])),
+            versions=(3,),
+            description="the answer to query-prefix: the first two keys are held, the third is not (so 2 answers)",
+        ),
+        Valid("query-reply-columns-empty", m.QueryReply(26, (), QueryColumns(b"", b"", ())), versions=(3,), description="a prefix query whose first key is missing"),
+    ]
+
+
+def accept_short_columns(message: m.Message, version: int) -> list[tuple[str, bytes]]:
+    """A block of columns without its trailing (empty) groups column."""
+    obj = _wire(message, version)
+    obj["!columns"] = [block[:-1] for block in obj["!columns"]]
+    return [("trailing empty groups column omitted", _pack(obj))]
+
+
+def build_valid(instances: list[Valid]) -> list[dict[str, Any]]:
+    """Every valid vector of ``instances``, checked against the codec."""
     out = []
-    for inst in valid_instances():
+    for inst in instances:
         for version in inst.versions:
             msg = inst.message
             frame = kp.encode(msg, version)
@@ -684,7 +868,7 @@ def build_valid() -> list[dict[str, Any]]:
                 "wire_version": wire_version,
                 "tag": type(msg).TAG,
                 "description": inst.description,
-                "fields": fields_json(msg, inst.omit_defaults),
+                "fields": fields_json(msg, inst.omit_defaults, version),
                 "hex": frame.hex(),
             }
             if inst.accept is not None:
@@ -859,11 +1043,11 @@ def invalid_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     yield ("partial-not-bool", with_(write2, _bang_partial=1), 2, "WRONG_TYPE", "!partial as an integer")
 
 
-def build_invalid() -> list[dict[str, Any]]:
-    """Every invalid vector, checked against the codec."""
+def build_invalid(inputs: Iterator[tuple[str, bytes, int, str, str]]) -> list[dict[str, Any]]:
+    """Every invalid vector of ``inputs``, checked against the codec."""
     out = []
     names = set()
-    for name, frame, max_version, code, description in invalid_inputs():
+    for name, frame, max_version, code, description in inputs:
         assert name not in names, name
         names.add(name)
         try:
@@ -886,6 +1070,141 @@ def build_invalid() -> list[dict[str, Any]]:
     return out
 
 
+def invalid_v3_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
+    """Version 3's invalid frames: (name, frame, max_version, expected code name, description)."""
+    block = [[K1, K2], NUL.join(("L0", "L1")), 2, pack(range(0, 4 * 65536, 65536), U64), 65536, b""]
+    deliver = {"v": 3, "t": "deliver", "id": 40, "items": [], "request_id": None, "deadline_ms": 0, "partial": False}
+    deposit = {"v": 3, "t": "deposit", "id": 41, "items": [], "no_evict": False, "optional": False, "deadline_ms": 0}
+    write = {"v": 3, "t": "write", "id": 42, "agent": "c", "items": [], "deadline_ms": 0}
+    reply = {"v": 3, "t": "query_reply", "id": 43, "results": []}
+
+    def cols(**changes: Any) -> bytes:
+        """A deliver whose one block has ``changes`` (by column name) applied."""
+        fields = ["keys", "names", "regions", "offsets", "lengths", "groups"]
+        changed = list(block)
+        for name, value in changes.items():
+            changed[fields.index(name)] = value
+        return _pack({**deliver, "!columns": [changed]})
+
+    def answers(presence: bytes, tier: bytes, tiers: list[str]) -> bytes:
+        return _pack({**reply, "!columns": [presence, tier, tiers]})
+
+    # -- versions and must-understand
+    yield ("columns-v3-at-2", cols(), 2, "UNSUPPORTED_VERSION", "a version-3 deliver of columns reaching a node that speaks up to 2")
+    yield ("columns-in-v2-frame", _pack({**deliver, "v": 2, "!columns": [block]}), 3, "MUST_UNDERSTAND", "!columns in a v=2 frame: version 2 has no such field")
+    yield ("notify-in-v2-frame", _pack({**deliver, "v": 2, "!notify": 7}), 3, "MUST_UNDERSTAND", "!notify in a v=2 frame")
+    yield ("prefix-in-v2-frame", _pack({"v": 2, "t": "query", "id": 5, "keys": [K1], "!prefix": 2}), 3, "MUST_UNDERSTAND", "!prefix in a v=2 query")
+    yield ("progress-in-v2-frame", _pack({"v": 2, "t": "progress", "id": 34, "items": b"", "done": b""}), 3, "UNKNOWN_TYPE", "progress does not exist at version 2")
+    yield ("progress-at-2", _pack({"v": 3, "t": "progress", "id": 34, "items": b"", "done": b""}), 2, "UNKNOWN_TYPE", "an endpoint that speaks up to 2 knows no progress message")
+    yield ("unknown-bang-v3", _pack({**deliver, "!columns": [block], "!priority": 1}), 3, "MUST_UNDERSTAND", "an unknown must-understand field on a version-3 message")
+    # -- span columns
+    yield ("columns-and-items", _pack({**deliver, "items": [[K3, [["L0", 2, 0, 65536]]]], "!columns": [block]}), 3, "OUT_OF_RANGE", "items as records and as columns in one message")
+    yield ("columns-as-map", _pack({**deliver, "!columns": [{"keys": [K1]}]}), 3, "WRONG_TYPE", "a block of columns as a map")
+    yield ("columns-too-short", _pack({**deliver, "!columns": [block[:4]]}), 3, "MISSING_FIELD", "a block without its lengths column")
+    yield ("columns-no-key", cols(keys=[], offsets=b""), 3, "OUT_OF_RANGE", "a block of no key")
+    yield ("columns-key-str", cols(keys=["k1", K2]), 3, "WRONG_TYPE", "a key as str")
+    yield ("columns-names-array", cols(names=["L0", "L1"]), 3, "WRONG_TYPE", "names as an array, not one NUL-joined str")
+    yield ("columns-name-129", cols(names="L0" + NUL + "L" * 129), 3, "TOO_LARGE", "the second name is 129 bytes (limit 128)")
+    yield ("offsets-short", cols(offsets=pack(range(3), U64)), 3, "OUT_OF_RANGE", "3 offsets for 2 keys of 2 spans")
+    yield ("offsets-long", cols(offsets=pack(range(5), U64)), 3, "OUT_OF_RANGE", "5 offsets for 2 keys of 2 spans")
+    yield ("offsets-ragged", cols(offsets=pack(range(4), U64)[:-1]), 3, "OUT_OF_RANGE", "31 bytes: not a whole number of u64")
+    yield ("offsets-array", cols(offsets=[0, 65536, 131072, 196608]), 3, "WRONG_TYPE", "offsets as an array of integers, not packed")
+    yield ("regions-count", cols(regions=pack((1, 2, 3), U32)), 3, "OUT_OF_RANGE", "3 regions: neither one per span (2) nor one per entry (4)")
+    yield ("columns-region-over-u32", cols(regions=1 << 32), 3, "OUT_OF_RANGE", "a region id above 2^32-1")
+    yield ("region-negative", cols(regions=-1), 3, "OUT_OF_RANGE", "a negative region id")
+    yield ("regions-str", cols(regions="2"), 3, "WRONG_TYPE", "a region as str")
+    yield ("lengths-count", cols(lengths=pack((65536,), U64)), 3, "OUT_OF_RANGE", "one length for 2 spans (a uniform length is an integer)")
+    yield ("length-negative", cols(lengths=-65536), 3, "OUT_OF_RANGE", "a negative length")
+    yield ("groups-count", cols(groups=pack((0, 0, 1), U16)), 3, "OUT_OF_RANGE", "a plan naming 3 spans of a 2-span layout")
+    yield ("groups-short", cols(groups=pack((0,), U16)), 3, "OUT_OF_RANGE", "a plan leaving a span out")
+    yield ("groups-gap", cols(groups=pack((0, 2), U16)), 3, "OUT_OF_RANGE", "group 1 has no span")
+    yield ("groups-ragged", cols(groups=b"\x00\x00\x01"), 3, "OUT_OF_RANGE", "3 bytes: not a whole number of u16")
+    yield ("pools-count", _pack({**deposit, "!columns": [[[K1], NUL.join(("L0", "L1")), 1, pack((0, 65536), U64), 65536, "full"]]}), 3, "OUT_OF_RANGE", "one pool for 2 spans")
+    yield ("pools-missing", _pack({**deposit, "!columns": [[[K1], "L0", 1, pack((0,), U64), 65536]]}), 3, "MISSING_FIELD", "a deposit block without pools")
+    yield (
+        "columns-spans-65538",
+        cols(names=NUL.join(["x"] * 32769), offsets=b""),
+        3,
+        "TOO_MANY",
+        "2 keys of 32769 spans: 65538 spans in one block (limit 65536)",
+    )
+    wide = [[bytes([1 + i % 250, i // 250]) for i in range(2049)], "L0", 2, pack(range(2049), U64), 65536, b""]
+    yield ("columns-keys-4098", _pack({**deliver, "!columns": [wide, wide]}), 3, "TOO_MANY", "two blocks of 2049 keys: 4098 keys (limit 4096)")
+    # -- layer plans, progress, notifications
+    yield ("notify-over-u32", _pack({**deliver, "!columns": [block], "!notify": 1 << 32}), 3, "OUT_OF_RANGE", "a notification token above 2^32-1")
+    yield ("write-notify-token-0", _pack({**write, "!columns": [block], "!notify": [0, 40, pack((0, 1), U32)]}), 3, "OUT_OF_RANGE", "token 0 (no notification is sent by leaving !notify out)")
+    yield ("write-notify-items", _pack({**write, "!columns": [block], "!notify": [7, 40, pack((0,), U32)]}), 3, "OUT_OF_RANGE", "one deliver item index for a write of 2 items")
+    yield ("done-count", _pack({"v": 3, "t": "complete", "id": 34, "results": [["OK"], ["OK"]], "done": pack((4,), U32)}), 3, "OUT_OF_RANGE", "one group count for 2 results")
+    yield ("progress-count", _pack({"v": 3, "t": "progress", "id": 34, "items": pack((0, 1), U32), "done": pack((1,), U32)}), 3, "OUT_OF_RANGE", "two items, one count")
+    yield ("progress-missing-done", _pack({"v": 3, "t": "progress", "id": 34, "items": pack((0,), U32)}), 3, "MISSING_FIELD", "progress without its counts")
+    # -- query columns and prefix queries
+    yield ("prefix-miss-bit", _pack({"v": 3, "t": "query", "id": 5, "keys": [K1], "!prefix": 1}), 3, "OUT_OF_RANGE", "a prefix counting misses")
+    yield ("prefix-over-u8", _pack({"v": 3, "t": "query", "id": 5, "keys": [K1], "!prefix": 256}), 3, "OUT_OF_RANGE", "a prefix mask above 255")
+    yield ("prefix-bool", _pack({"v": 3, "t": "query", "id": 5, "keys": [K1], "!prefix": True}), 3, "WRONG_TYPE", "a prefix mask as a bool")
+    yield ("answers-unknown-presence", answers(b"\x01\x00\x04", b"\x00\x01\x01", ["dram", ""]), 3, "OUT_OF_RANGE", "presence code 4 does not exist")
+    yield ("answers-tier-outside", answers(b"\x01\x01", b"\x00\x02", ["dram", "hbm:0"]), 3, "OUT_OF_RANGE", "tier index 2 of a table of 2")
+    yield ("answers-length-mismatch", answers(b"\x01\x01\x00", b"\x00\x00", ["dram", ""]), 3, "OUT_OF_RANGE", "3 presence codes, 2 tier indices")
+    yield ("answers-and-results", _pack({**reply, "results": [["HIT", "dram"]], "!columns": [b"\x01", b"\x00", ["dram"]]}), 3, "OUT_OF_RANGE", "answers as records and as columns")
+    yield ("answers-4097", answers(bytes(4097), bytes(4097), [""]), 3, "TOO_MANY", "4097 answers (limit 4096)")
+    yield ("answers-tiers-257", answers(b"\x00", b"\x00", [f"t{i}" for i in range(257)]), 3, "TOO_MANY", "a tier table of 257 entries (an index is one byte)")
+    yield ("answers-presence-array", answers([1, 0], b"\x00\x00", [""]), 3, "WRONG_TYPE", "presence as an array, not packed")
+
+
+def notify_vectors() -> dict[str, Any]:
+    """NIXL notification payloads (spec section 6.9): valid ones with their fields, invalid ones with their error."""
+    valid = [
+        ("one-key", Notification(0x5EED0001, 34, 0, 0), "group 0 of item 0 of request 34"),
+        ("group-3", Notification(0x5EED0001, 34, 1, 3), "group 3 of item 1"),
+        ("batch", Notification(0xFFFFFFFF, (1 << 64) - 1, 100, 65535, 64), "group 65535 of items 100..163, largest token and id"),
+    ]
+    good = encode_notification(valid[0][1])
+    invalid = [
+        ("short", good[:-1], "MALFORMED", "notification", "23 bytes"),
+        ("long", good + b"\x00", "MALFORMED", "notification", "25 bytes"),
+        ("magic", b"KW" + good[2:], "MALFORMED", "notification.magic", "another magic: not a kvcr notification"),
+        ("version-2", good[:2] + b"\x02" + good[3:], "UNSUPPORTED_VERSION", "notification.version", "layout version 2"),
+        ("kind-0", good[:3] + b"\x00" + good[4:], "OUT_OF_RANGE", "notification.kind", "kind 0 is unknown"),
+        ("token-0", good[:4] + bytes(4) + good[8:], "OUT_OF_RANGE", "notification.token", "token 0 is never sent"),
+        ("count-0", good[:20] + bytes(2) + good[22:], "OUT_OF_RANGE", "notification.count", "a notification of no item"),
+    ]
+    vectors: list[dict[str, Any]] = []
+    for name, note, description in valid:
+        payload = encode_notification(note)
+        assert decode_notification(payload) == note
+        fields = {"token": note.token, "request": note.request, "key": note.key, "count": note.count, "group": note.group}
+        vectors.append({"name": f"notify-{name}", "description": description, "fields": fields, "hex": payload.hex()})
+    refused: list[dict[str, Any]] = []
+    for name, payload, code, path, description in invalid:
+        try:
+            decode_notification(payload)
+        except kp.RemoteProtocolError as exc:
+            assert (exc.code.name, exc.path) == (code, path), (name, exc)
+        else:
+            raise AssertionError(f"{name}: decoded")
+        refused.append({"name": f"notify-{name}", "error": code, "path": path, "description": description, "hex": payload.hex()})
+    return {
+        "protocol_version": kp.COLUMNS_VERSION,
+        "about": (
+            "NIXL notification payloads. decode_notification(hex) == fields for valid[]; it raises "
+            "RemoteProtocolError with code error at path for invalid[]."
+        ),
+        "valid": vectors,
+        "invalid": refused,
+    }
+
+
+VALID_ABOUT = (
+    "Valid frames. For each vector: encode(message from fields, version) == hex; "
+    "decode(hex, max_version=version) == that message; every accept[].hex decodes to it too. "
+    'In fields, bin is {"hex": ...}, enums are their values, records are objects, '
+    "and a field left out holds its default."
+)
+INVALID_ABOUT = (
+    "Invalid frames. decode(hex, max_version) raises RemoteProtocolError with code error "
+    "(an ErrorCode name) at path."
+)
+
+
 def write_json(path: Path, doc: dict[str, Any]) -> None:
     text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
     path.write_text(text, encoding="utf-8")
@@ -899,30 +1218,19 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(all_tables())
         return 0
     VECTORS.mkdir(exist_ok=True)
-    write_json(
-        VECTORS / "valid.json",
-        {
-            "protocol_version": kp.CURRENT_VERSION,
-            "about": (
-                "Valid frames. For each vector: encode(message from fields, version) == hex; "
-                "decode(hex, max_version=version) == that message; every accept[].hex decodes to it too. "
-                'In fields, bin is {"hex": ...}, enums are their values, records are objects, '
-                "and a field left out holds its default."
-            ),
-            "vectors": build_valid(),
-        },
-    )
-    write_json(
-        VECTORS / "invalid.json",
-        {
-            "protocol_version": kp.CURRENT_VERSION,
-            "about": (
-                "Invalid frames. decode(hex, max_version) raises RemoteProtocolError with code error "
-                "(an ErrorCode name) at path."
-            ),
-            "vectors": build_invalid(),
-        },
-    )
+    files: list[tuple[str, int, str, Callable[[], list[dict[str, Any]]]]] = [
+        ("valid.json", kp.PARTIAL_LAYOUT_VERSION, VALID_ABOUT, lambda: build_valid(valid_instances())),
+        ("invalid.json", kp.PARTIAL_LAYOUT_VERSION, INVALID_ABOUT, lambda: build_invalid(invalid_inputs())),
+        ("valid-v3.json", kp.COLUMNS_VERSION, VALID_ABOUT, lambda: build_valid(v3_instances())),
+        ("invalid-v3.json", kp.COLUMNS_VERSION, INVALID_ABOUT, lambda: build_invalid(invalid_v3_inputs())),
+    ]
+    names: set[str] = set()
+    for name, version, about, build in files:
+        vectors = build()
+        assert names.isdisjoint(v["name"] for v in vectors), name
+        names.update(v["name"] for v in vectors)
+        write_json(VECTORS / name, {"protocol_version": version, "about": about, "vectors": vectors})
+    write_json(VECTORS / "notify.json", notify_vectors())
     return 0
 
 

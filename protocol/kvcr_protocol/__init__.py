@@ -1,24 +1,50 @@
 """kvcr_protocol: the pure, sans-I/O control protocol of kvcr.
 
 Importing this package imports no sockets, NIXL, threads or asyncio. Messages are typed
-frozen dataclasses (``messages``); ``codec`` turns them into msgpack frames and back,
-validating every field; ``versions`` negotiates; ``projection`` maps named span subsets
-onto stored layouts; ``descriptors`` checks spans against announced regions.
+frozen dataclasses (``messages``, carrying the ``records``); ``codec`` turns them into
+msgpack frames and back, validating every field; ``versions`` negotiates; ``columns``
+holds version 3's column encodings (span columns with layer plans, query columns);
+``notify`` the NIXL notification payload; ``projection`` maps named span subsets onto
+stored layouts; ``descriptors`` checks spans against announced regions.
 """
 
 from kvcr_protocol.codec import decode, encode, peek_id
-from kvcr_protocol.descriptors import Extent, check_span_sizes, resolve_span
+from kvcr_protocol.columns import (
+    PREFIX_ALL,
+    PRESENCE_BY_CODE,
+    PRESENCE_CODE,
+    DeliverColumns,
+    DepositColumns,
+    QueryColumns,
+    SpanColumns,
+    deliver_columns,
+    deposit_columns,
+    prefix_mask,
+)
+from kvcr_protocol.descriptors import Extent, check_span_sizes, resolve_columns, resolve_span
 from kvcr_protocol.endpoints import IPC_PATH_MAX, endpoint_problem
 from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, code_of
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
 from kvcr_protocol.messages import *  # noqa: F403 - the message catalogue is the API
-from kvcr_protocol.messages import ALL_MESSAGES, MESSAGE_BY_TAG
+from kvcr_protocol.messages import ALL_MESSAGES, MESSAGE_BY_TAG, item_count, record_items
+from kvcr_protocol.notify import (
+    NOTIFICATION_SIZE,
+    Notification,
+    NotifyKind,
+    WriteNotify,
+    decode_notification,
+    encode_notification,
+    is_notification,
+)
 from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, RequestCodes
 from kvcr_protocol.projection import Projection, ProjectionCache, compute_projection
 from kvcr_protocol.versions import (
     BASE_VERSION,
+    COLUMNS_VERSION,
     CURRENT_VERSION,
+    LATEST_VERSION,
     PARTIAL_LAYOUT_VERSION,
+    PROTOCOL_VERSIONS,
     SUPPORTED_VERSIONS,
     negotiate,
     supported_up_to,
@@ -28,30 +54,53 @@ __all__ = [
     "ALL_MESSAGES",
     "ANY_REQUEST",
     "BASE_VERSION",
+    "COLUMNS_VERSION",
     "CURRENT_VERSION",
     "DEFAULT_LIMITS",
     "IPC_PATH_MAX",
+    "LATEST_VERSION",
     "MESSAGE_BY_TAG",
+    "NOTIFICATION_SIZE",
     "PARTIAL_LAYOUT_VERSION",
+    "PREFIX_ALL",
+    "PRESENCE_BY_CODE",
+    "PRESENCE_CODE",
+    "PROTOCOL_VERSIONS",
     "REQUEST_CODES",
     "SUPPORTED_VERSIONS",
+    "DeliverColumns",
+    "DepositColumns",
     "ErrorCode",
     "Extent",
     "Limits",
     "LocalProtocolError",
+    "Notification",
+    "NotifyKind",
     "Projection",
     "ProjectionCache",
     "ProtocolError",
+    "QueryColumns",
     "RemoteProtocolError",
     "RequestCodes",
+    "SpanColumns",
+    "WriteNotify",
     "check_span_sizes",
     "code_of",
     "compute_projection",
     "decode",
+    "decode_notification",
+    "deliver_columns",
+    "deposit_columns",
     "encode",
+    "encode_notification",
     "endpoint_problem",
+    "is_notification",
+    "item_count",
     "negotiate",
     "peek_id",
+    "prefix_mask",
+    "record_items",
+    "resolve_columns",
     "resolve_span",
     "supported_up_to",
 ]

@@ -13,15 +13,9 @@ import msgpack
 
 from kvcr_protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
-from kvcr_protocol.messages import (
-    BASE_ENCODED,
-    MESSAGE_BY_TAG,
-    DeliverItem,
-    DepositItem,
-    FetchItem,
-    Message,
-)
-from kvcr_protocol.versions import BASE_VERSION, CURRENT_VERSION, SUPPORTED_VERSIONS
+from kvcr_protocol.messages import BASE_ENCODED, MESSAGE_BY_TAG, Message
+from kvcr_protocol.versions import BASE_VERSION, CURRENT_VERSION, PROTOCOL_VERSIONS
+from kvcr_protocol.wire import Record
 
 _VERSION_KEY = "v"
 _TAG_KEY = "t"
@@ -36,10 +30,13 @@ def encode(message: Message, version: int = CURRENT_VERSION) -> bytes:
     cls = type(message)
     if getattr(cls, "TAG", None) not in MESSAGE_BY_TAG:
         raise LocalProtocolError(ErrorCode.UNKNOWN_TYPE, f"{cls.__name__} is not a protocol message", "t")
-    if version not in SUPPORTED_VERSIONS:
+    if version not in PROTOCOL_VERSIONS:
         raise LocalProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"cannot encode at version {version}", "v")
     if cls in BASE_ENCODED:
         version = BASE_VERSION
+    if cls.SINCE > version:
+        raise LocalProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"{cls.TAG} needs version {cls.SINCE}, encoding at {version}", "t")
+    _check_local(message)
     out: dict[str, Any] = {_VERSION_KEY: version, _TAG_KEY: cls.TAG}
     for f in cls.FIELDS:
         value = getattr(message, f.name)
@@ -65,6 +62,20 @@ def encode(message: Message, version: int = CURRENT_VERSION) -> bytes:
         # A value msgpack cannot carry (an int beyond 64 bits, an arbitrary object).
         raise LocalProtocolError(ErrorCode.WRONG_TYPE, f"cannot encode: {exc}", "") from exc
     return frame
+
+
+def _check_local(message: Message) -> None:
+    """The checks a receiver makes across fields, made before sending: a message this side
+    built wrongly is a ``LocalProtocolError``, not a refusal from the peer."""
+    try:
+        for f in type(message).FIELDS:
+            value = getattr(message, f.name)
+            for record in value if type(value) is tuple else (value,):
+                if isinstance(record, Record) and record.CHECKED:
+                    record.check(DEFAULT_LIMITS)
+        message.check(DEFAULT_LIMITS)
+    except RemoteProtocolError as exc:
+        raise LocalProtocolError(exc.code, exc.reason, exc.path) from None
 
 
 def _no_ext(code: int, data: bytes) -> Any:
@@ -140,14 +151,16 @@ def decode(frame: bytes, max_version: int = CURRENT_VERSION, limits: Limits = DE
             "the type tag must be a str", _TAG_KEY,
         )
     cls = MESSAGE_BY_TAG.get(tag)
-    if cls is None:
+    if cls is None or cls.SINCE > max_version:
         raise RemoteProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown type {tag[:64]!r}", _TAG_KEY)
-    if version < BASE_VERSION or version > max_version or version not in SUPPORTED_VERSIONS:
+    if version < BASE_VERSION or version > max_version or version not in PROTOCOL_VERSIONS:
         if cls not in BASE_ENCODED:
             raise RemoteProtocolError(
                 ErrorCode.UNSUPPORTED_VERSION, f"version {version} (this side speaks up to {max_version})", _VERSION_KEY
             )
         version = BASE_VERSION
+    if cls.SINCE > version:
+        raise RemoteProtocolError(ErrorCode.UNKNOWN_TYPE, f"{tag} does not exist at version {version}", _TAG_KEY)
     return _load_fields(cls, obj, version, limits)
 
 
@@ -194,21 +207,6 @@ def _load_fields(cls: type[Message], obj: dict[Any, Any], version: int, limits: 
                     ErrorCode.MUST_UNDERSTAND, f"{cls.TAG} at version {version} does not know {key!r}", key[:64]
                 )
             # Unknown optional fields are ignored (tolerance of newer senders).
-    if "items" in args:
-        _check_totals(cls, args, limits)
-    return cls(**args)
-
-
-def _check_totals(cls: type[Message], args: dict[str, Any], limits: Limits) -> None:
-    """Limits that span items: total spans in one message."""
-    items = args.get("items")
-    if not items:
-        return
-    total = 0
-    for item in items:
-        if isinstance(item, (DepositItem, DeliverItem)):
-            total += len(item.spans)
-        elif isinstance(item, FetchItem):
-            total += len(item.layout)
-    if total > limits.max_spans:
-        raise RemoteProtocolError(ErrorCode.TOO_MANY, f"{total} spans in one message, limit {limits.max_spans}", "items")
+    message = cls(**args)
+    message.check(limits)
+    return message

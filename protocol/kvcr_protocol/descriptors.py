@@ -1,4 +1,4 @@
-"""Descriptor checks: spans must lie inside announced regions and match slot sizes."""
+"""Descriptor checks: spans (records or columns) must lie inside announced regions and match slot sizes."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from kvcr_protocol.columns import SpanColumns
 from kvcr_protocol.errors import ErrorCode, ProtocolError
-from kvcr_protocol.messages import Region
+from kvcr_protocol.records import MemoryKind, Region
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,3 +79,66 @@ def resolve_spans(
             _refuse(reg, region, offset, length, f"{path}[{j}]")
         out.append((reg.address + offset, length, reg))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnExtents:
+    """A block of span columns resolved against announced regions (``resolve_columns``)."""
+
+    addresses: list[int]
+    """The absolute address of every entry, key-major (0 for the entries of a failed key)."""
+    regions: list[Region]
+    """The region of every entry, key-major."""
+    failures: dict[int, ProtocolError]
+    """Block-relative key index -> the error of its first bad span; the other keys go on."""
+
+
+def resolve_columns(regions: Mapping[int, Region], block: SpanColumns, path: str) -> ColumnExtents:
+    """Resolve every entry of a block by ``resolve_span``'s rules, keys failing alone.
+
+    With one region for the block (the common case) the bounds are checked with one
+    ``max`` over the offset column; other forms check entry by entry. Errors name the
+    column: ``{path}.regions[i]``, ``{path}.lengths[j]`` or ``{path}.offsets[e]``.
+    """
+    n, k = block.span_count, block.key_count
+    offsets = block.offset_column()
+    lengths = block.length_column()
+    failures: dict[int, ProtocolError] = {}
+    if isinstance(block.regions, int) and isinstance(block.lengths, int):
+        reg = regions.get(block.regions)
+        length = block.lengths
+        if reg is not None and 0 < length <= reg.length and max(offsets) <= reg.length - length:
+            base = reg.address
+            return ColumnExtents([base + o for o in offsets], [reg] * (n * k), failures)
+    region_ids = block.region_column()
+    per_span = isinstance(block.regions, bytes) and len(block.regions) == 4 * n
+    addresses: list[int] = []
+    entry_regions: list[Region] = []
+    for e, (rid, offset) in enumerate(zip(region_ids, offsets, strict=True)):
+        j = e % n
+        length = lengths[j]
+        reg = regions.get(rid)
+        problem = None
+        if reg is None:
+            where = "" if isinstance(block.regions, int) else f"[{j if per_span else e}]"
+            problem = ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"region {rid} was not announced", f"{path}.regions{where}")
+        elif length == 0:
+            where = "" if isinstance(block.lengths, int) else f"[{j}]"
+            problem = ProtocolError(ErrorCode.BAD_DESCRIPTOR, "a span has length 0", f"{path}.lengths{where}")
+        elif offset > reg.length or length > reg.length - offset:
+            problem = ProtocolError(
+                ErrorCode.BAD_DESCRIPTOR,
+                f"[{offset}, {offset + length}) lies outside region {rid} of {reg.length} bytes",
+                f"{path}.offsets[{e}]",
+            )
+        if problem is not None:
+            failures.setdefault(e // n, problem)
+        addresses.append(0 if reg is None else reg.address + offset)
+        entry_regions.append(reg if reg is not None else _NO_REGION)
+    for i in failures:
+        addresses[i * n : (i + 1) * n] = [0] * n
+    return ColumnExtents(addresses, entry_regions, failures)
+
+
+_NO_REGION = Region(0, MemoryKind.DRAM, 0, 0, 0)
+"""Stands for an unannounced region in ``ColumnExtents.regions`` (its key has failed)."""

@@ -25,6 +25,8 @@ class Limits:
     """Bytes of NIXL agent metadata in one message."""
     max_text: int = 4096
     """Bytes in an endpoint, request id, reason or path."""
+    max_tiers: int = 256
+    """Entries in a query reply's tier table (version 3; a tier index is one byte)."""
 
 
 DEFAULT_LIMITS = Limits()

@@ -11,10 +11,23 @@ is must-understand: a receiver that does not know it refuses the message.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, dataclass_transform
 
+from kvcr_protocol.columns import (
+    PREFIX_ALL,
+    U32,
+    DeliverColumns,
+    DepositColumns,
+    QueryColumns,
+    SpanColumns,
+    unpack,
+)
+from kvcr_protocol.errors import ErrorCode, RemoteProtocolError
+from kvcr_protocol.limits import Limits
+from kvcr_protocol.notify import WriteNotify
 from kvcr_protocol.records import *  # noqa: F403 - messages re-export the records they carry
 from kvcr_protocol.records import ID as _ID
 from kvcr_protocol.records import KEYS as _KEYS
@@ -33,7 +46,7 @@ from kvcr_protocol.records import (
     Region,
     WriteState,
 )
-from kvcr_protocol.wire import AnyMap, Bool, Bytes, EnumStr, Field, Opt, RecordType, Seq, UInt
+from kvcr_protocol.wire import AnyMap, Bool, Bytes, EnumStr, Field, Opt, Packed, RecordType, Seq, UInt
 
 # ------------------------------------------------------------------------ messages
 
@@ -45,22 +58,30 @@ class Message:
     FIELDS: ClassVar[tuple[Field, ...]] = ()
     REPLY: ClassVar[bool] = False
     """True for messages that answer a request (their ``id`` echoes it)."""
+    SINCE: ClassVar[int] = 1
+    """The version that introduced the message; a frame of an earlier version cannot carry it."""
+
+    def check(self, limits: Limits) -> None:
+        """Raise ``RemoteProtocolError`` when fields disagree with each other (spec section
+        4.3, step 10); single fields are checked by their wire types."""
 
 
 M = TypeVar("M", bound=Message)
 
 
 @dataclass_transform(frozen_default=True)
-def message(tag: str, reply: bool = False) -> Callable[[type[M]], type[M]]:
+def message(tag: str, reply: bool = False, since: int = 1) -> Callable[[type[M]], type[M]]:
     """Declare a message: a frozen, slotted dataclass with wire tag ``tag``.
 
-    ``reply`` marks messages that answer a request (their ``id`` echoes it).
+    ``reply`` marks messages that answer a request (their ``id`` echoes it); ``since`` is
+    the version that introduced the message.
     """
 
     def declare(cls: type[M]) -> type[M]:
         out = dataclass(frozen=True, slots=True)(cls)
         out.TAG = tag
         out.REPLY = reply
+        out.SINCE = since
         return out
 
     return declare
@@ -84,6 +105,31 @@ _F_DEADLINE = Field("deadline_ms", UInt(_U32), 0)
 _F_CODE = Field("code", UInt(0xFFFF))
 _F_REASON = Field("reason", _TEXT, "")
 _F_OP = Field("op", UInt())
+_F_DONE = Field("done", Packed(4, "max_keys"), b"", since=3)
+
+
+def _spans_of(item: DepositItem | DeliverItem | FetchItem) -> int:
+    return len(item.layout) if isinstance(item, FetchItem) else len(item.spans)
+
+
+def _check_items(
+    items: Sequence[DepositItem | DeliverItem | FetchItem], columns: Sequence[SpanColumns], limits: Limits
+) -> None:
+    """Limits that span a message's items (spec section 4.3, step 10): its items travel as
+    records or as columns, not both, and their keys and spans fit the limits."""
+    if columns and items:
+        raise RemoteProtocolError(ErrorCode.OUT_OF_RANGE, "items travel as records or as columns, not both", "columns")
+    if columns:
+        keys = sum(len(block.keys) for block in columns)
+        if keys > limits.max_keys:
+            raise RemoteProtocolError(ErrorCode.TOO_MANY, f"{keys} keys in one message, limit {limits.max_keys}", "columns")
+        spans = sum(block.entry_count for block in columns)
+        path = "columns"
+    else:
+        spans = sum(map(_spans_of, items))
+        path = "items"
+    if spans > limits.max_spans:
+        raise RemoteProtocolError(ErrorCode.TOO_MANY, f"{spans} spans in one message, limit {limits.max_spans}", path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,12 +151,27 @@ class _OpRef(Message):
 
 @dataclass(frozen=True, slots=True)
 class _KeyResults(Message):
-    """A reply with one ``KeyResult`` per item of its request, in order."""
+    """A reply with one ``KeyResult`` per item of its request, in order.
+
+    ``done`` (version 3) is empty, or a packed u32 column with, per item, how many groups
+    of its layer plan were delivered in a row from the first (spec section 6.8).
+    """
 
     REPLY: ClassVar[bool] = True
     id: int
     results: tuple[KeyResult, ...]
-    FIELDS: ClassVar[tuple[Field, ...]] = _fields(Field("results", Seq(RecordType(KeyResult), "max_keys")))
+    done: bytes = b""
+    FIELDS: ClassVar[tuple[Field, ...]] = _fields(Field("results", Seq(RecordType(KeyResult), "max_keys")), _F_DONE)
+
+    def check(self, limits: Limits) -> None:
+        if self.done and len(self.done) != 4 * len(self.results):
+            raise RemoteProtocolError(
+                ErrorCode.OUT_OF_RANGE, f"{len(self.done) // 4} group counts for {len(self.results)} results", "done"
+            )
+
+    def done_counts(self) -> array[int]:
+        """Per item, the groups delivered in a row (empty when the reply carries none)."""
+        return unpack(self.done, U32)
 
 
 # ---- client <-> node
@@ -174,10 +235,15 @@ class Deposit(Message):
     no_evict: bool = False
     optional: bool = False
     deadline_ms: int = 0
+    columns: tuple[DepositColumns, ...] = ()
     FIELDS = _fields(
         Field("items", Seq(RecordType(DepositItem), "max_keys")), Field("no_evict", Bool(), False),
         Field("optional", Bool(), False), _F_DEADLINE,
+        Field("columns", Seq(RecordType(DepositColumns), "max_keys"), (), since=3, must_understand=True),
     )
+
+    def check(self, limits: Limits) -> None:
+        _check_items(self.items, self.columns, limits)
 
 
 @message("query")
@@ -187,16 +253,36 @@ class Query(Message):
     id: int
     keys: tuple[bytes, ...]
     request_id: str | None = None
-    FIELDS = _fields(Field("keys", _KEYS), _F_REQUEST_ID)
+    prefix: int = 0
+    FIELDS = _fields(Field("keys", _KEYS), _F_REQUEST_ID, Field("prefix", UInt(0xFF), 0, since=3, must_understand=True))
+
+    def check(self, limits: Limits) -> None:
+        if self.prefix & ~PREFIX_ALL:
+            raise RemoteProtocolError(
+                ErrorCode.OUT_OF_RANGE, f"prefix mask {self.prefix:#x} sets a bit outside {PREFIX_ALL:#x}", "prefix"
+            )
 
 
 @message("query_reply", reply=True)
 class QueryReply(Message):
-    """Node -> client: one result per key of the query, in order."""
+    """Node -> client: one result per key of the query, in order, as records or (version 3)
+    as ``columns``; for a prefix query, one per counted key."""
 
     id: int
     results: tuple[QueryResult, ...]
-    FIELDS = _fields(Field("results", Seq(RecordType(QueryResult), "max_keys")))
+    columns: QueryColumns | None = None
+    FIELDS = _fields(
+        Field("results", Seq(RecordType(QueryResult), "max_keys")),
+        Field("columns", Opt(RecordType(QueryColumns)), None, since=3, must_understand=True),
+    )
+
+    def check(self, limits: Limits) -> None:
+        if self.columns is not None and self.results:
+            raise RemoteProtocolError(ErrorCode.OUT_OF_RANGE, "results travel as records or as columns, not both", "columns")
+
+    def view(self) -> QueryColumns:
+        """The answers as columns, whichever form they travel in."""
+        return self.columns if self.columns is not None else QueryColumns.from_results(self.results)
 
 
 @message("deliver")
@@ -214,10 +300,17 @@ class Deliver(Message):
     request_id: str | None = None
     deadline_ms: int = 0
     partial: bool = False
+    columns: tuple[DeliverColumns, ...] = ()
+    notify: int = 0
     FIELDS = _fields(
         Field("items", Seq(RecordType(DeliverItem), "max_keys")), _F_REQUEST_ID, _F_DEADLINE,
         Field("partial", Bool(), False, since=2),
+        Field("columns", Seq(RecordType(DeliverColumns), "max_keys"), (), since=3, must_understand=True),
+        Field("notify", UInt(_U32), 0, since=3, must_understand=True),
     )
+
+    def check(self, limits: Limits) -> None:
+        _check_items(self.items, self.columns, limits)
 
 
 @message("fetch")
@@ -228,9 +321,10 @@ class Fetch(Message):
     items: tuple[FetchItem, ...]
     request_id: str | None = None
     deadline_ms: int = 0
-    FIELDS = _fields(
-        Field("items", Seq(RecordType(FetchItem), "max_keys")), _F_REQUEST_ID, _F_DEADLINE,
-    )
+    FIELDS = _fields(Field("items", Seq(RecordType(FetchItem), "max_keys")), _F_REQUEST_ID, _F_DEADLINE)
+
+    def check(self, limits: Limits) -> None:
+        _check_items(self.items, (), limits)
 
 
 @message("release")
@@ -388,10 +482,23 @@ class WriteRequest(Message):
     items: tuple[DeliverItem, ...]
     deadline_ms: int = 0
     partial: bool = False
+    columns: tuple[DeliverColumns, ...] = ()
+    notify: WriteNotify | None = None
     FIELDS = _fields(
         _F_AGENT, Field("items", Seq(RecordType(DeliverItem), "max_keys")), _F_DEADLINE,
         Field("partial", Bool(), False, since=2, must_understand=True),
+        Field("columns", Seq(RecordType(DeliverColumns), "max_keys"), (), since=3, must_understand=True),
+        Field("notify", Opt(RecordType(WriteNotify)), None, since=3, must_understand=True),
     )
+
+    def check(self, limits: Limits) -> None:
+        _check_items(self.items, self.columns, limits)
+        if self.notify is not None and len(self.notify.items) != 4 * item_count(self):
+            raise RemoteProtocolError(
+                ErrorCode.OUT_OF_RANGE,
+                f"{len(self.notify.items) // 4} deliver item indices for {item_count(self)} items",
+                "notify.items",
+            )
 
 
 @message("write_done")
@@ -427,10 +534,50 @@ class ProbeReply(Message):
     FIELDS = _fields(_F_OP, Field("state", EnumStr(WriteState)), _F_INCARNATION)
 
 
+# ---- version 3, both sessions
+
+
+@message("progress", since=3)
+class Progress(Message):
+    """Node -> client (or source -> target): layer-plan groups delivered so far.
+
+    Not a reply: ``id`` is the id of the deliver (or write) it reports on, which goes on.
+    For each listed item, ``done`` says how many groups of its plan, from the first, have
+    landed (spec section 6.8). Counts only grow; a repeated or lower count changes nothing.
+    """
+
+    id: int
+    items: bytes
+    done: bytes
+    FIELDS = _fields(Field("items", Packed(4, "max_keys")), Field("done", Packed(4, "max_keys")))
+
+    def check(self, limits: Limits) -> None:
+        if len(self.done) != len(self.items):
+            raise RemoteProtocolError(
+                ErrorCode.OUT_OF_RANGE, f"{len(self.done) // 4} counts for {len(self.items) // 4} items", "done"
+            )
+
+    def pairs(self) -> Iterator[tuple[int, int]]:
+        """``(item index, groups done)`` per listed item."""
+        return zip(unpack(self.items, U32), unpack(self.done, U32), strict=True)
+
+
+def item_count(msg: Deposit | Deliver | WriteRequest) -> int:
+    """How many items (keys) a message carries, as records or as columns."""
+    return len(msg.items) + sum(len(block.keys) for block in msg.columns)
+
+
+def record_items(msg: Deposit | Deliver | WriteRequest) -> tuple[DepositItem | DeliverItem, ...]:
+    """A message's items in record form, whichever form they travel in (for older peers)."""
+    if not msg.columns:
+        return msg.items
+    return tuple(item for block in msg.columns for item in block.to_items())
+
+
 CLIENT_MESSAGES: tuple[type[Message], ...] = (
     Hello, Welcome, RegisterRegions, UnregisterRegions, Deposit, Query, QueryReply, Deliver,
     Fetch, Release, Abort, SubmitHint, DiscardHint, StatsRequest, StatsReply, Completion, Ack,
-    Error, CapacityEvent, Heartbeat, Bye,
+    Error, CapacityEvent, Heartbeat, Bye, Progress,
 )
 PEER_MESSAGES: tuple[type[Message], ...] = (
     PeerHello, PeerWelcome, PeerClient, WriteRequest, WriteDone, Refuse, Probe, ProbeReply,

@@ -1,7 +1,13 @@
-"""Protocol versions and their negotiation.
+"""Protocol versions and their negotiation (spec section 7).
 
 Version 1 is the base protocol. Version 2 adds the must-understand partial-layout flag
-(``!partial``) on peer write requests.
+(``!partial``) on peer write requests. Version 3 adds span columns, layer plans with
+per-group progress, NIXL completion notifications, query columns and prefix queries.
+
+This package encodes and decodes every version in ``PROTOCOL_VERSIONS``. What an endpoint
+offers is its own choice: the reference node and client speak ``SUPPORTED_VERSIONS``
+(up to ``CURRENT_VERSION``) until they implement version 3, so that nothing changes on
+their wire before then.
 """
 
 from __future__ import annotations
@@ -11,20 +17,28 @@ from collections.abc import Iterable
 from kvcr_protocol.errors import ErrorCode, ProtocolError
 
 BASE_VERSION = 1
-CURRENT_VERSION = 2
-SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
-
 PARTIAL_LAYOUT_VERSION = 2
 """The first version whose peer write requests may name a subset of a layout."""
+COLUMNS_VERSION = 3
+"""The first version with span columns, layer plans, progress, notifications, query
+columns and prefix queries."""
+
+PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2, 3)
+"""Every version this package can encode and decode."""
+LATEST_VERSION = PROTOCOL_VERSIONS[-1]
+"""The newest version the written protocol defines."""
+
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
+"""The versions the reference node and client speak today; they add 3 when they adopt it."""
+CURRENT_VERSION = SUPPORTED_VERSIONS[-1]
+"""What the reference endpoints offer by default: the highest of ``SUPPORTED_VERSIONS``."""
 
 
 def supported_up_to(max_version: int) -> tuple[int, ...]:
     """The versions an endpoint told to speak at most ``max_version`` supports."""
-    if max_version not in SUPPORTED_VERSIONS:
-        raise ValueError(
-            f"max_version: {max_version} is not one of {list(SUPPORTED_VERSIONS)}"
-        )
-    return tuple(v for v in SUPPORTED_VERSIONS if v <= max_version)
+    if max_version not in PROTOCOL_VERSIONS:
+        raise ValueError(f"max_version: {max_version} is not one of {list(PROTOCOL_VERSIONS)}")
+    return tuple(v for v in PROTOCOL_VERSIONS if v <= max_version)
 
 
 def negotiate(ours: Iterable[int], theirs: Iterable[int]) -> int:

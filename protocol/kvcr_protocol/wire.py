@@ -59,6 +59,14 @@ class UInt(WireType[int]):
             raise _fail(ErrorCode.OUT_OF_RANGE, f"{value} is outside 0..{self.maximum}", path)
         return value
 
+    def load_many(self, values: list[Any], limits: Limits) -> tuple[int, ...] | None:
+        """A whole array in a few C-level passes; None when one item fails (the caller names it)."""
+        if not values:
+            return ()
+        if set(map(type, values)) == {int} and min(values) >= 0 and max(values) <= self.maximum:
+            return tuple(values)
+        return None
+
 
 class Bool(WireType[bool]):
     """A msgpack boolean (not an integer)."""
@@ -81,6 +89,17 @@ class Bytes(WireType[bytes]):
             raise _fail(ErrorCode.WRONG_TYPE, f"expected bin, got {_tname(value)}", path)
         _check_count(len(value), getattr(limits, self.limit), self.minimum, "bytes", ErrorCode.TOO_LARGE, path)
         return value
+
+    def load_many(self, values: list[Any], limits: Limits) -> tuple[bytes, ...] | None:
+        """A whole array of bins (keys) in a few C-level passes; None when one item fails."""
+        if not values:
+            return ()
+        if set(map(type, values)) != {bytes}:
+            return None
+        sizes = list(map(len, values))
+        if min(sizes) < self.minimum or max(sizes) > getattr(limits, self.limit):
+            return None
+        return tuple(values)
 
 
 class Str(WireType[str]):
@@ -173,6 +192,89 @@ class Seq(WireType[tuple[T, ...]]):
         return [dump(v) for v in value]
 
 
+class Packed(WireType[bytes]):
+    """A msgpack bin of little-endian unsigned integers, ``width`` bytes each (a column).
+
+    At most ``limit`` (a field of ``Limits``) integers. It loads as the bytes themselves:
+    a column costs one C call to read, whatever its length (spec section 6.7).
+    """
+
+    def __init__(self, width: int, limit: str) -> None:
+        self.width = width
+        self.limit = limit
+
+    def load(self, value: Any, path: str, limits: Limits) -> bytes:
+        if type(value) is not bytes:
+            raise _fail(ErrorCode.WRONG_TYPE, f"expected bin, got {_tname(value)}", path)
+        count, rest = divmod(len(value), self.width)
+        if rest:
+            raise _fail(ErrorCode.OUT_OF_RANGE, f"{len(value)} bytes is not a whole number of {self.width}-byte integers", path)
+        _check_count(count, getattr(limits, self.limit), 0, "integers", ErrorCode.TOO_MANY, path)
+        return value
+
+
+class UIntOrPacked(WireType["int | bytes"]):
+    """One unsigned integer for every entry (at most ``maximum``), or a ``Packed`` column of them."""
+
+    def __init__(self, maximum: int, width: int, limit: str) -> None:
+        self.uint = UInt(maximum)
+        self.packed = Packed(width, limit)
+
+    def load(self, value: Any, path: str, limits: Limits) -> int | bytes:
+        if type(value) is bytes:
+            return self.packed.load(value, path, limits)
+        if type(value) is not int:
+            raise _fail(ErrorCode.WRONG_TYPE, f"expected an unsigned integer or bin, got {_tname(value)}", path)
+        return self.uint.load(value, path, limits)
+
+
+NUL = "\0"
+"""The separator of a ``Joined`` column; no name in one may contain it."""
+
+_JOINED_MEMO_SIZE = 64
+"""Joined columns remembered as validated (a deployment has few layouts)."""
+
+
+class Joined(WireType[str]):
+    """A msgpack str holding names joined by NUL (U+0000): n names, n - 1 separators.
+
+    Each name is at most ``limit`` UTF-8 bytes (a field of ``Limits``), and there are at
+    most ``max_spans`` names. The column of one layout repeats in every message that
+    names it, so the validated split is remembered (bounded): a repeat costs one lookup.
+    """
+
+    def __init__(self, limit: str) -> None:
+        self.limit = limit
+        self._memo: dict[tuple[str, int], tuple[str, ...]] = {}
+
+    def load(self, value: Any, path: str, limits: Limits) -> str:
+        if type(value) is not str:
+            raise _fail(ErrorCode.WRONG_TYPE, f"expected str, got {_tname(value)}", path)
+        self.split(value, path, limits)
+        return value
+
+    def split(self, value: str, path: str, limits: Limits) -> tuple[str, ...]:
+        """The names of a column, checked against ``limits``."""
+        maximum: int = getattr(limits, self.limit)
+        memo_key = (value, maximum)
+        names = self._memo.get(memo_key)
+        if names is not None:
+            return names
+        names = tuple(value.split(NUL))
+        _check_count(len(names), limits.max_spans, 1, "names", ErrorCode.TOO_MANY, path)
+        for i, name in enumerate(names):
+            if len(name) * 4 > maximum and len(name.encode("utf-8", "surrogatepass")) > maximum:
+                raise _fail(ErrorCode.TOO_LARGE, f"name {i} is longer than {maximum} bytes", f"{path}[{i}]")
+        if len(self._memo) >= _JOINED_MEMO_SIZE:
+            self._memo.clear()
+        self._memo[memo_key] = names
+        return names
+
+    def count(self, value: str) -> int:
+        """How many names a column holds, without splitting it."""
+        return value.count(NUL) + 1
+
+
 class AnyMap(WireType[dict[str, Any]]):
     """A map with str keys and arbitrary msgpack values (statistics)."""
 
@@ -214,6 +316,11 @@ class Record:
 
     __slots__ = ()
     FIELDS: ClassVar[tuple[Field, ...]] = ()
+    CHECKED: ClassVar[bool] = False
+    """True for records whose fields must agree with each other (``check`` runs after loading)."""
+
+    def check(self, limits: Limits) -> None:
+        """Raise ``RemoteProtocolError`` (path relative to the record) if the fields disagree."""
 
 
 R = TypeVar("R", bound=Record)
@@ -295,7 +402,8 @@ class RecordType(WireType[R]):
         self.fields = cls.FIELDS
         self.n_required = sum(1 for f in self.fields if f.required)
         self.tuple_based = issubclass(cls, tuple)
-        loaders = _fast_loaders(cls, self.fields)
+        # A record whose fields must agree is always loaded field by field, then checked.
+        loaders = None if cls.CHECKED else _fast_loaders(cls, self.fields)
         self.load_one: _FastLoad | None = loaders[0] if loaders else None
         self.load_many: _FastLoad | None = loaders[1] if loaders else None
         self.plain = loaders[2] if loaders else False
@@ -320,7 +428,13 @@ class RecordType(WireType[R]):
         except RemoteProtocolError as exc:
             raise RemoteProtocolError(exc.code, exc.reason, f"{path}.{f.name}{exc.path}") from None
         # Items beyond the known fields come from a newer version: ignored.
-        return self.cls(*args)
+        record = self.cls(*args)
+        if self.cls.CHECKED:
+            try:
+                record.check(limits)
+            except RemoteProtocolError as exc:
+                raise RemoteProtocolError(exc.code, exc.reason, f"{path}{exc.path}") from None
+        return record
 
     def dump(self, value: R) -> Any:
         if self.plain:

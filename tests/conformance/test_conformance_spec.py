@@ -18,7 +18,7 @@ def test_protocol_version_line() -> None:
     assert len(lines) == 1
     match = re.fullmatch(r"Protocol-Version: (\d+)", lines[0])
     assert match is not None
-    assert int(match.group(1)) == kp.CURRENT_VERSION
+    assert int(match.group(1)) == kp.LATEST_VERSION
     assert SPEC.index(lines[0]) < 200, "the version line belongs near the top"
 
 
@@ -114,6 +114,23 @@ def test_peer_session_specifies_write_done_and_probe_states() -> None:
 def test_versions_section_names_every_later_field() -> None:
     versions = section("## 7. Versions and negotiation")
     for cls in kp.ALL_MESSAGES:
+        if cls.SINCE > kp.BASE_VERSION:
+            assert f"the message `{cls.TAG}`" in versions, cls.TAG
         for f in cls.FIELDS:
             if f.since > kp.BASE_VERSION:
                 assert f"`{f.key}` on `{cls.TAG}`" in versions, (cls.TAG, f.key)
+
+
+def test_version_3_sections_are_specified() -> None:
+    columns = section("### 6.7 Span columns")
+    for needle in ("`OUT_OF_RANGE`", "`TOO_MANY`", "key-major", "NUL", "`BAD_DESCRIPTOR`"):
+        assert needle in columns, needle
+    plans = section("### 6.8 Layer plans and progress")
+    for needle in ("fails every later group", "Earlier groups stay delivered", "`done`", "`progress`"):
+        assert needle in plans, needle
+    prefix = section("### 6.9 Query columns and prefix queries")
+    for code, presence in enumerate(("MISS", "HIT", "FETCHING", "FETCHABLE")):
+        assert f"{code} `{presence}`" in prefix
+    notify = section("### 6.10 NIXL notifications")
+    for needle in ("| 0 | 2 | magic |", "| 22 | 2 | group |", "`DESTINATION_UNCERTAIN`", "deadline"):
+        assert needle in notify, needle

@@ -10,34 +10,43 @@ import msgpack
 import pytest
 
 import kvcr_protocol as kp
+from kvcr_protocol import wire
 from kvcr_protocol.messages import BASE_ENCODED, Deliver, Message, WriteRequest
-from kvcr_protocol.wire import AnyMap, Bool, Bytes, EnumStr, Opt, Record, RecordType, Seq, Str, UInt, WireType
 
 VECTORS = Path(__file__).resolve().parents[2] / "spec" / "vectors"
-VALID: list[dict[str, Any]] = json.loads((VECTORS / "valid.json").read_text(encoding="utf-8"))["vectors"]
-INVALID: list[dict[str, Any]] = json.loads((VECTORS / "invalid.json").read_text(encoding="utf-8"))["vectors"]
 
 
-def value_from_json(wt: WireType[Any], value: Any) -> Any:
+def load(name: str) -> list[dict[str, Any]]:
+    vectors: list[dict[str, Any]] = json.loads((VECTORS / name).read_text(encoding="utf-8"))["vectors"]
+    return vectors
+
+
+VALID_V12 = load("valid.json")
+VALID = VALID_V12 + load("valid-v3.json")
+INVALID = load("invalid.json") + load("invalid-v3.json")
+NOTIFY: dict[str, Any] = json.loads((VECTORS / "notify.json").read_text(encoding="utf-8"))
+
+
+def value_from_json(wt: wire.WireType[Any], value: Any) -> Any:
     """One field value from its JSON form."""
-    if isinstance(wt, Bytes):
+    if isinstance(wt, (wire.Bytes, wire.Packed)) or (isinstance(wt, wire.UIntOrPacked) and isinstance(value, dict)):
         assert set(value) == {"hex"}
         return bytes.fromhex(value["hex"])
-    if isinstance(wt, EnumStr):
+    if isinstance(wt, wire.EnumStr):
         return wt.enum_type(value)
-    if isinstance(wt, Opt):
+    if isinstance(wt, wire.Opt):
         return None if value is None else value_from_json(wt.inner, value)
-    if isinstance(wt, Seq):
+    if isinstance(wt, wire.Seq):
         assert isinstance(value, list)
         return tuple(value_from_json(wt.item, v) for v in value)
-    if isinstance(wt, RecordType):
+    if isinstance(wt, wire.RecordType):
         return object_from_json(wt.cls, value)
-    if isinstance(wt, (UInt, Bool, Str, AnyMap)):
+    if isinstance(wt, (wire.UInt, wire.Bool, wire.Str, wire.AnyMap, wire.Joined, wire.UIntOrPacked)):
         return value
     raise TypeError(type(wt).__name__)
 
 
-def object_from_json(cls: type[Message] | type[Record], obj: dict[str, Any]) -> Any:
+def object_from_json(cls: type[Message] | type[wire.Record], obj: dict[str, Any]) -> Any:
     """A message or record from its JSON form; absent fields take their defaults."""
     known = {f.name for f in cls.FIELDS}
     assert set(obj) <= known, f"unknown fields {set(obj) - known} for {cls.__name__}"
@@ -62,7 +71,7 @@ def test_vector_files_are_well_formed() -> None:
     assert len(names) == len(set(names)), "vector names repeat"
     for vec in VALID:
         assert {"name", "version", "wire_version", "tag", "fields", "hex"} <= set(vec)
-        assert vec["version"] in kp.SUPPORTED_VERSIONS
+        assert vec["version"] in kp.PROTOCOL_VERSIONS
     for vec in INVALID:
         assert {"name", "max_version", "error", "path", "description", "hex"} <= set(vec)
         assert vec["error"] in kp.ErrorCode.__members__
@@ -74,8 +83,8 @@ def test_valid_vector(vec: dict[str, Any]) -> None:
     frame = bytes.fromhex(vec["hex"])
     assert kp.encode(msg, vec["version"]) == frame
     assert kp.decode(frame, vec["version"]) == msg
-    # A version-1 frame stays readable by an endpoint that speaks more.
-    assert kp.decode(frame, kp.CURRENT_VERSION) == msg
+    # A frame stays readable by an endpoint that speaks more.
+    assert kp.decode(frame, kp.LATEST_VERSION) == msg
     assert frame[1:3] == b"\xa1v" and frame[3] == vec["wire_version"]
     for alt in vec.get("accept", []):
         assert kp.decode(bytes.fromhex(alt["hex"]), vec["version"]) == msg, alt["description"]
@@ -90,32 +99,81 @@ def test_invalid_vector(vec: dict[str, Any]) -> None:
 
 
 def test_every_message_has_a_vector_at_every_version() -> None:
-    # Every message is expressible at every version; only a partial write or deliver needs version 2.
+    # Every message is expressible at every version from the one that introduced it.
     have: dict[str, set[int]] = {}
     for vec in VALID:
         have.setdefault(vec["tag"], set()).add(vec["version"])
     for cls in kp.ALL_MESSAGES:
-        assert have.get(cls.TAG, set()) >= set(kp.SUPPORTED_VERSIONS), cls.TAG
+        assert have.get(cls.TAG, set()) == {v for v in kp.PROTOCOL_VERSIONS if v >= cls.SINCE}, cls.TAG
     assert set(have) == {cls.TAG for cls in kp.ALL_MESSAGES}
 
 
-def test_partial_write_vectors_are_version_2_only() -> None:
+def test_version_1_and_2_files_hold_no_later_vector() -> None:
+    assert {v["version"] for v in VALID_V12} == {1, 2}
+    assert all(v["version"] == kp.COLUMNS_VERSION for v in load("valid-v3.json"))
+    assert all(v["max_version"] <= kp.PARTIAL_LAYOUT_VERSION for v in load("invalid.json"))
+
+
+def test_version_3_vectors_cover_what_it_adds() -> None:
+    v3 = [message_of(v) for v in load("valid-v3.json")]
+    assert any(isinstance(msg, kp.Deposit) and msg.columns for msg in v3)
+    blocks = [b for msg in v3 if isinstance(msg, (kp.Deliver, WriteRequest)) for b in msg.columns]
+    assert any(b.groups for b in blocks) and any(not b.groups for b in blocks)
+    assert {type(b.regions) for b in blocks} == {int, bytes}
+    assert {type(b.lengths) for b in blocks} == {int, bytes}
+    region_forms = {len(b.regions) // 4 == b.span_count for b in blocks if isinstance(b.regions, bytes)}
+    assert region_forms == {True, False}, "per span and per entry regions"
+    assert any(isinstance(msg, Deliver) and msg.notify for msg in v3)
+    assert any(isinstance(msg, WriteRequest) and msg.notify is not None for msg in v3)
+    assert any(isinstance(msg, kp.Completion) and msg.done for msg in v3)
+    assert any(isinstance(msg, kp.WriteDone) and msg.done for msg in v3)
+    assert any(isinstance(msg, kp.Query) and msg.prefix for msg in v3)
+    assert any(isinstance(msg, kp.QueryReply) and msg.columns is not None for msg in v3)
+
+
+def test_version_3_column_blocks_equal_their_record_form() -> None:
+    for vec in load("valid-v3.json"):
+        msg = message_of(vec)
+        if isinstance(msg, (Deliver, WriteRequest, kp.Deposit)) and msg.columns:
+            records = kp.record_items(msg)
+            assert len(records) == kp.item_count(msg)
+            rebuilt = type(msg.columns[0]).to_items(msg.columns[0])
+            assert rebuilt == records[: len(rebuilt)]
+
+
+@pytest.mark.parametrize("vec", NOTIFY["valid"], ids=[v["name"] for v in NOTIFY["valid"]])
+def test_valid_notification(vec: dict[str, Any]) -> None:
+    note = kp.Notification(**vec["fields"])
+    payload = bytes.fromhex(vec["hex"])
+    assert kp.encode_notification(note) == payload
+    assert kp.decode_notification(payload) == note
+    assert kp.is_notification(payload) and len(payload) == kp.NOTIFICATION_SIZE
+
+
+@pytest.mark.parametrize("vec", NOTIFY["invalid"], ids=[v["name"] for v in NOTIFY["invalid"]])
+def test_invalid_notification(vec: dict[str, Any]) -> None:
+    with pytest.raises(kp.RemoteProtocolError) as info:
+        kp.decode_notification(bytes.fromhex(vec["hex"]))
+    assert (info.value.code.name, info.value.path) == (vec["error"], vec["path"])
+
+
+def test_partial_write_vectors_need_version_2() -> None:
     partial = [v for v in VALID if v["tag"] == WriteRequest.TAG and v["fields"].get("partial")]
     assert partial, "no vector for a partial write"
-    assert all(v["version"] == kp.PARTIAL_LAYOUT_VERSION for v in partial)
+    assert all(v["version"] >= kp.PARTIAL_LAYOUT_VERSION for v in partial)
     whole = [v for v in VALID if v["tag"] == WriteRequest.TAG and not v["fields"].get("partial")]
-    assert {v["version"] for v in whole} == set(kp.SUPPORTED_VERSIONS)
+    assert {v["version"] for v in whole} == set(kp.PROTOCOL_VERSIONS)
 
 
-def test_partial_deliver_vectors_are_version_2_only() -> None:
+def test_partial_deliver_vectors_need_version_2() -> None:
     partial = [v for v in VALID if v["tag"] == Deliver.TAG and v["fields"].get("partial")]
     assert partial, "no vector for a partial deliver"
-    assert all(v["version"] == kp.PARTIAL_LAYOUT_VERSION for v in partial)
+    assert all(v["version"] >= kp.PARTIAL_LAYOUT_VERSION for v in partial)
     for vec in partial:
         obj = msgpack.unpackb(bytes.fromhex(vec["hex"]), raw=False)
         assert obj["partial"] is True and "!partial" not in obj
     plain = [v for v in VALID if v["tag"] == Deliver.TAG and not v["fields"].get("partial")]
-    assert {v["version"] for v in plain} == set(kp.SUPPORTED_VERSIONS)
+    assert {v["version"] for v in plain} == set(kp.PROTOCOL_VERSIONS)
     for vec in plain:
         obj = msgpack.unpackb(bytes.fromhex(vec["hex"]), raw=False)
         assert obj.get("partial", False) is False

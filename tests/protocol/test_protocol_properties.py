@@ -6,6 +6,7 @@ is covered without editing this file.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
@@ -14,8 +15,24 @@ from hypothesis import strategies as st
 
 import kvcr_protocol as kp
 from kvcr_protocol import DEFAULT_LIMITS, RemoteProtocolError
+from kvcr_protocol.columns import U16, U32, U64, DeliverColumns, DepositColumns, QueryColumns, SpanColumns, pack
 from kvcr_protocol.messages import BASE_ENCODED, Message
-from kvcr_protocol.wire import AnyMap, Bool, Bytes, EnumStr, Field, Opt, RecordType, Seq, Str, UInt, WireType
+from kvcr_protocol.notify import WriteNotify
+from kvcr_protocol.wire import (
+    NUL,
+    AnyMap,
+    Bool,
+    Bytes,
+    EnumStr,
+    Field,
+    Opt,
+    Packed,
+    RecordType,
+    Seq,
+    Str,
+    UInt,
+    WireType,
+)
 
 SMALL = 3  # at most this many items per array: keeps examples small and fast
 SETTINGS = settings(deadline=None, max_examples=400, suppress_health_check=[HealthCheck.too_slow])
@@ -37,8 +54,70 @@ JSONISH = st.recursive(
 )
 
 
+_NAMES = st.lists(st.text(max_size=6).filter(lambda s: NUL not in s), min_size=1, max_size=4)
+
+
+@st.composite
+def span_columns(draw: st.DrawFn, cls: type[SpanColumns]) -> SpanColumns:
+    """A coherent block of columns: k keys of n spans, every column form drawn."""
+    names = draw(_NAMES)
+    n, k = len(names), draw(st.integers(1, 3))
+    keys = tuple(draw(st.lists(st.binary(min_size=1, max_size=8), min_size=k, max_size=k)))
+    u32, u64 = st.integers(0, (1 << 32) - 1), st.integers(0, (1 << 64) - 1)
+    regions = draw(u32 | st.lists(u32, min_size=n, max_size=n).map(lambda v: pack(v, U32))
+                   | st.lists(u32, min_size=n * k, max_size=n * k).map(lambda v: pack(v, U32)))
+    offsets = pack(draw(st.lists(u64, min_size=n * k, max_size=n * k)), U64)
+    lengths = draw(u64 | st.lists(u64, min_size=n, max_size=n).map(lambda v: pack(v, U64)))
+    if cls is DepositColumns:
+        pools = NUL.join(draw(st.lists(st.sampled_from(["full", "swa", "state"]), min_size=n, max_size=n)))
+        return DepositColumns(keys, NUL.join(names), regions, offsets, lengths, pools)
+    groups = b""
+    if draw(st.booleans()):
+        drawn = draw(st.lists(st.integers(0, n - 1), min_size=n, max_size=n))
+        dense = {g: i for i, g in enumerate(sorted(set(drawn)))}
+        groups = pack([dense[g] for g in drawn], U16)
+    return DeliverColumns(keys, NUL.join(names), regions, offsets, lengths, groups)
+
+
+COLUMN_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
+    DeliverColumns: span_columns(DeliverColumns),
+    DepositColumns: span_columns(DepositColumns),
+    QueryColumns: st.lists(
+        st.builds(kp.QueryResult, st.sampled_from(list(kp.Presence)), st.sampled_from(["", "dram", "hbm:0", "remote"])),
+        max_size=SMALL,
+    ).map(QueryColumns.from_results),
+    WriteNotify: st.builds(WriteNotify, st.integers(1, (1 << 32) - 1), st.integers(0, (1 << 64) - 1), st.just(b"")),
+}
+
+
+def coherent(msg: Message) -> Message:
+    """The message with the fields that must agree made to agree (what a sender guarantees)."""
+    changes: dict[str, Any] = {}
+    if getattr(msg, "columns", None) and getattr(msg, "items", None):
+        changes["columns"] = ()
+    if isinstance(msg, (kp.Completion, kp.WriteDone)) and msg.done:
+        changes["done"] = pack(range(len(msg.results)), U32)
+    if isinstance(msg, kp.Progress):
+        changes["done"] = pack(range(len(msg.items) // 4), U32)
+    if isinstance(msg, kp.Query):
+        changes["prefix"] = msg.prefix & kp.PREFIX_ALL
+    if isinstance(msg, kp.QueryReply) and msg.columns is not None and msg.results:
+        changes["results"] = ()
+    msg = dataclasses.replace(msg, **changes) if changes else msg  # type: ignore[type-var]
+    if isinstance(msg, kp.WriteRequest) and msg.notify is not None:
+        items = pack(range(kp.item_count(msg)), U32)
+        msg = dataclasses.replace(msg, notify=dataclasses.replace(msg.notify, items=items))
+    return msg
+
+
 def strategy_for(wt: WireType[Any]) -> st.SearchStrategy[Any]:
     """Values that are valid for a wire type under the default limits."""
+    if isinstance(wt, RecordType) and wt.cls in COLUMN_STRATEGIES:
+        return COLUMN_STRATEGIES[wt.cls]
+    if isinstance(wt, Packed):
+        return st.lists(st.integers(0, (1 << (8 * wt.width)) - 1), max_size=SMALL).map(
+            lambda v: pack(v, {1: "B", 2: U16, 4: U32, 8: U64}[wt.width])
+        )
     if isinstance(wt, UInt):
         return st.integers(0, wt.maximum)
     if isinstance(wt, Bool):
@@ -73,11 +152,14 @@ def field_strategy(f: Field, version: int) -> st.SearchStrategy[Any]:
 def message_strategy(cls: type[Message], version: int) -> st.SearchStrategy[Message]:
     if cls in BASE_ENCODED:
         version = kp.BASE_VERSION
-    return st.builds(cls, **{f.name: field_strategy(f, version) for f in cls.FIELDS})
+    return st.builds(cls, **{f.name: field_strategy(f, version) for f in cls.FIELDS}).map(coherent)
 
 
-VERSIONED = st.sampled_from(kp.SUPPORTED_VERSIONS).flatmap(
-    lambda v: st.tuples(st.just(v), st.sampled_from(kp.ALL_MESSAGES).flatmap(lambda c: message_strategy(c, v)))
+VERSIONED = st.sampled_from(kp.PROTOCOL_VERSIONS).flatmap(
+    lambda v: st.tuples(
+        st.just(v),
+        st.sampled_from([c for c in kp.ALL_MESSAGES if c.SINCE <= v]).flatmap(lambda c: message_strategy(c, v)),
+    )
 )
 
 
@@ -87,7 +169,7 @@ def test_round_trip_of_every_message(pair: tuple[int, Message]) -> None:
     version, msg = pair
     frame = kp.encode(msg, version)
     assert kp.decode(frame, version) == msg
-    assert kp.decode(frame, kp.CURRENT_VERSION) == msg
+    assert kp.decode(frame, kp.LATEST_VERSION) == msg
     assert kp.encode(kp.decode(frame, version), version) == frame  # canonical: re-encoding is stable
     obj = msgpack.unpackb(frame, raw=False)
     assert list(obj)[:2] == ["v", "t"]
@@ -95,7 +177,7 @@ def test_round_trip_of_every_message(pair: tuple[int, Message]) -> None:
 
 
 def test_every_message_type_has_a_strategy() -> None:
-    for version in kp.SUPPORTED_VERSIONS:
+    for version in kp.PROTOCOL_VERSIONS:
         for cls in kp.ALL_MESSAGES:
             assert message_strategy(cls, version) is not None
 
@@ -111,7 +193,7 @@ def _decode_or_refuse(frame: bytes, max_version: int) -> None:
 
 
 @SETTINGS
-@given(st.binary(max_size=64), st.sampled_from(kp.SUPPORTED_VERSIONS))
+@given(st.binary(max_size=64), st.sampled_from(kp.PROTOCOL_VERSIONS))
 def test_random_bytes_only_raise_remote_errors(frame: bytes, max_version: int) -> None:
     _decode_or_refuse(frame, max_version)
 
@@ -138,7 +220,7 @@ def mutated_frames(draw: st.DrawFn) -> tuple[bytes, int]:
         else:
             j = draw(st.integers(i, len(frame)))
             frame[j:j] = frame[i:j]
-    return bytes(frame), draw(st.sampled_from(kp.SUPPORTED_VERSIONS))
+    return bytes(frame), draw(st.sampled_from(kp.PROTOCOL_VERSIONS))
 
 
 @SETTINGS
@@ -162,7 +244,7 @@ def hostile_maps(draw: st.DrawFn) -> bytes:
 
 
 @SETTINGS
-@given(hostile_maps(), st.sampled_from(kp.SUPPORTED_VERSIONS))
+@given(hostile_maps(), st.sampled_from(kp.PROTOCOL_VERSIONS))
 def test_hostile_maps_only_raise_remote_errors(frame: bytes, max_version: int) -> None:
     _decode_or_refuse(frame, max_version)
 
