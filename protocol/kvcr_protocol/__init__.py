@@ -4,7 +4,7 @@ Importing this package imports no sockets, NIXL, threads or asyncio. Messages ar
 frozen dataclasses (``messages``, carrying the ``records``); ``codec`` turns them into
 msgpack frames and back, validating every field; ``versions`` negotiates; ``columns``
 holds version 3's column encodings (span columns with layer plans, query columns);
-``notify`` the NIXL notification payload; ``projection`` maps named span subsets onto
+``notify`` the NIXL notification payload; ``plans`` a client's per-group completion; ``projection`` maps named span subsets onto
 stored layouts; ``descriptors`` checks spans against announced regions.
 """
 
@@ -37,6 +37,7 @@ from kvcr_protocol.notify import (
     is_notification,
 )
 from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, RequestCodes
+from kvcr_protocol.plans import GroupEvent, GroupState, PlanProgress
 from kvcr_protocol.projection import Projection, ProjectionCache, compute_projection
 from kvcr_protocol.versions import (
     BASE_VERSION,
@@ -72,10 +73,13 @@ __all__ = [
     "DepositColumns",
     "ErrorCode",
     "Extent",
+    "GroupEvent",
+    "GroupState",
     "Limits",
     "LocalProtocolError",
     "Notification",
     "NotifyKind",
+    "PlanProgress",
     "Projection",
     "ProjectionCache",
     "ProtocolError",

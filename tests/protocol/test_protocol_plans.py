@@ -1,0 +1,138 @@
+"""A client's per-group completion (spec sections 6.8 and 6.10), as a pure state machine."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvcr_protocol as kp
+from kvcr_protocol import (
+    Completion,
+    ErrorCode,
+    GroupEvent,
+    GroupState,
+    KeyResult,
+    KeyStatus,
+    Notification,
+    PlanProgress,
+    Progress,
+)
+from kvcr_protocol.columns import U32, pack
+
+TOKEN, REQUEST = 0x5EED0001, 34
+OK = KeyResult(KeyStatus.OK)
+DELIVERED, FAILED, PENDING = GroupState.DELIVERED, GroupState.FAILED, GroupState.PENDING
+
+
+def note(key: int, group: int, count: int = 1, token: int = TOKEN, request: int = REQUEST) -> Notification:
+    return Notification(token, request, key, group, count)
+
+
+def progress(*pairs: tuple[int, int]) -> Progress:
+    return Progress(REQUEST, pack([k for k, _ in pairs], U32), pack([d for _, d in pairs], U32))
+
+
+def reply(*results: KeyResult, done: tuple[int, ...] = ()) -> Completion:
+    return Completion(REQUEST, results, pack(done, U32) if done else b"")
+
+
+def failed(code: ErrorCode) -> KeyResult:
+    return KeyResult(KeyStatus.FAILED, code)
+
+
+def test_groups_are_delivered_in_order_whatever_order_notifications_come_in() -> None:
+    plan = PlanProgress(REQUEST, [4], TOKEN)
+    assert plan.on_notification(note(0, 2)) == []  # group 2 landed, but 0 and 1 not yet
+    assert plan.state(0, 2) is PENDING
+    assert plan.on_notification(note(0, 0)) == [GroupEvent(0, 0, DELIVERED)]
+    assert plan.on_notification(note(0, 1)) == [GroupEvent(0, 1, DELIVERED), GroupEvent(0, 2, DELIVERED)]
+    assert plan.delivered(0) == 3
+    assert plan.on_reply(reply(OK, done=(4,))) == [GroupEvent(0, 3, DELIVERED)]
+    assert plan.finished and plan.disagreements == 0
+
+
+def test_progress_alone_delivers_and_repeats_change_nothing() -> None:
+    plan = PlanProgress(REQUEST, [3, 2])
+    assert plan.on_progress(progress((0, 2), (1, 1))) == [
+        GroupEvent(0, 0, DELIVERED), GroupEvent(0, 1, DELIVERED), GroupEvent(1, 0, DELIVERED),
+    ]
+    assert plan.on_progress(progress((0, 1), (1, 1))) == []
+    assert plan.on_reply(reply(OK, OK, done=(3, 2))) == [GroupEvent(0, 2, DELIVERED), GroupEvent(1, 1, DELIVERED)]
+
+
+def test_a_failed_group_fails_the_later_ones_and_earlier_ones_stay_delivered() -> None:
+    plan = PlanProgress(REQUEST, [4, 1], TOKEN)
+    plan.on_notification(note(0, 0))
+    events = plan.on_reply(reply(failed(ErrorCode.TRANSFER_FAILED), OK, done=(2, 1)))
+    code = int(ErrorCode.TRANSFER_FAILED)
+    assert events == [
+        GroupEvent(0, 1, DELIVERED), GroupEvent(0, 2, FAILED, code), GroupEvent(0, 3, FAILED, code),
+        GroupEvent(1, 0, DELIVERED),
+    ]
+    assert [plan.state(0, g) for g in range(4)] == [DELIVERED, DELIVERED, FAILED, FAILED]
+
+
+def test_a_reply_that_contradicts_notifications_keeps_what_was_proved() -> None:
+    plan = PlanProgress(REQUEST, [3], TOKEN)
+    plan.on_notification(note(0, 0))
+    plan.on_notification(note(0, 1))
+    events = plan.on_reply(reply(failed(ErrorCode.TRANSFER_FAILED), done=(0,)))
+    assert events == [GroupEvent(0, 2, FAILED, int(ErrorCode.TRANSFER_FAILED))]
+    assert plan.delivered(0) == 2 and plan.disagreements == 1
+
+
+def test_no_notification_and_no_reply_by_the_deadline() -> None:
+    plan = PlanProgress(REQUEST, [2, 2], TOKEN, deadline=10.0)
+    plan.on_notification(note(1, 0))
+    assert plan.expire(9.9) == []
+    timeout = int(ErrorCode.TIMEOUT)
+    assert plan.expire(10.0) == [
+        GroupEvent(0, 0, FAILED, timeout), GroupEvent(0, 1, FAILED, timeout), GroupEvent(1, 1, FAILED, timeout),
+    ]
+    # Late messages change nothing for the caller: it already heard the failure.
+    assert plan.on_notification(note(0, 0)) == [] and plan.on_reply(reply(OK, OK)) == []
+    assert plan.state(1, 0) is DELIVERED
+
+
+def test_one_notification_covers_a_run_of_items() -> None:
+    plan = PlanProgress(REQUEST, [2, 2, 2], TOKEN)
+    assert plan.on_notification(note(1, 0, count=2)) == [GroupEvent(1, 0, DELIVERED), GroupEvent(2, 0, DELIVERED)]
+
+
+def test_notifications_that_match_nothing_are_counted_and_ignored() -> None:
+    plan = PlanProgress(REQUEST, [2, 1], TOKEN)
+    for stray in (note(0, 0, token=TOKEN + 1), note(0, 0, request=REQUEST + 1), note(1, 1), note(1, 0, count=2), note(5, 0)):
+        assert plan.on_notification(stray) == []
+    assert plan.ignored == 5
+    assert PlanProgress(REQUEST, [1]).on_notification(note(0, 0)) == []  # no token asked: nothing matches
+    assert plan.on_progress(Progress(REQUEST + 1, pack([0], U32), pack([1], U32))) == [] and plan.ignored == 6
+
+
+def test_a_reply_without_done_fails_every_group_of_a_failed_key() -> None:
+    plan = PlanProgress(REQUEST, [2])
+    assert plan.on_reply(reply(failed(ErrorCode.NOT_FOUND))) == [
+        GroupEvent(0, 0, FAILED, int(ErrorCode.NOT_FOUND)), GroupEvent(0, 1, FAILED, int(ErrorCode.NOT_FOUND)),
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.data())
+def test_every_group_ends_delivered_or_failed_and_delivered_ones_form_a_prefix(groups: list[int], data: st.DataObject) -> None:
+    plan = PlanProgress(REQUEST, groups, TOKEN)
+    landed = [data.draw(st.integers(0, g)) for g in groups]  # what really landed, per item
+    seen: dict[tuple[int, int], GroupState] = {}
+    notes = [note(k, g) for k, n in enumerate(landed) for g in range(n)]
+    for n in data.draw(st.permutations(notes)):
+        if data.draw(st.booleans()):
+            for event in plan.on_notification(n):
+                seen[event.item, event.group] = event.state
+    ok = [n == g for n, g in zip(landed, groups, strict=True)]
+    results = [OK if good else failed(ErrorCode.TRANSFER_FAILED) for good in ok]
+    for event in plan.on_reply(reply(*results, done=tuple(landed))):
+        assert (event.item, event.group) not in seen
+        seen[event.item, event.group] = event.state
+    for k, g in enumerate(groups):
+        states = [plan.state(k, i) for i in range(g)]
+        assert states == [DELIVERED] * landed[k] + [FAILED] * (g - landed[k])
+        assert all(seen[k, i] is states[i] for i in range(g))
+    assert plan.disagreements == 0 and kp.PlanProgress is PlanProgress
