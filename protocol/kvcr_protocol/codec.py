@@ -15,7 +15,7 @@ from kvcr_protocol.errors import ErrorCode, LocalProtocolError, RemoteProtocolEr
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
 from kvcr_protocol.messages import BASE_ENCODED, MESSAGE_BY_TAG, Message
 from kvcr_protocol.versions import BASE_VERSION, CURRENT_VERSION, PROTOCOL_VERSIONS
-from kvcr_protocol.wire import Record
+from kvcr_protocol.wire import Opt, RecordType, Seq, WireType
 
 _VERSION_KEY = "v"
 _TAG_KEY = "t"
@@ -64,14 +64,32 @@ def encode(message: Message, version: int = CURRENT_VERSION) -> bytes:
     return frame
 
 
+_CHECKED_FIELDS: dict[type[Message], tuple[str, ...]] = {}
+
+
+def _checked_fields(cls: type[Message]) -> tuple[str, ...]:
+    """The fields of ``cls`` that hold records whose fields must agree (computed once)."""
+    names = _CHECKED_FIELDS.get(cls)
+    if names is None:
+        names = tuple(f.name for f in cls.FIELDS if _holds_checked(f.type))
+        _CHECKED_FIELDS[cls] = names
+    return names
+
+
+def _holds_checked(wt: WireType[Any]) -> bool:
+    if isinstance(wt, (Seq, Opt)):
+        return _holds_checked(wt.item if isinstance(wt, Seq) else wt.inner)
+    return isinstance(wt, RecordType) and wt.cls.CHECKED
+
+
 def _check_local(message: Message) -> None:
     """The checks a receiver makes across fields, made before sending: a message this side
     built wrongly is a ``LocalProtocolError``, not a refusal from the peer."""
     try:
-        for f in type(message).FIELDS:
-            value = getattr(message, f.name)
+        for name in _checked_fields(type(message)):
+            value = getattr(message, name)
             for record in value if type(value) is tuple else (value,):
-                if isinstance(record, Record) and record.CHECKED:
+                if record is not None:
                     record.check(DEFAULT_LIMITS)
         message.check(DEFAULT_LIMITS)
     except RemoteProtocolError as exc:
