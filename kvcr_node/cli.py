@@ -45,7 +45,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-public-key", help="file with the node's CurveZMQ public key")
     p.add_argument("--curve-allow", help="file of allowed client and peer public keys, one per line")
     p.add_argument("--curve-peer-key", help="file with the public key peer nodes serve with")
-    p.add_argument("--defer-writes", action="store_true", default=None, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ...")
     p.add_argument("--version", action="version", version=f"kvcr-node {package_version()}")
     return p
@@ -56,7 +55,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
     config = load_toml(args.config) if args.config else NodeConfig()
     changes: dict[str, Any] = {}
     for attr in ("endpoint", "name", "policy", "low_watermark", "protocol_version", "deadline_ms", "log_level",
-                 "peer_dead_ms", "peer_idle_ms", "max_peers", "max_peer_clients", "defer_writes", "client_grace_ms",
+                 "peer_dead_ms", "peer_idle_ms", "max_peers", "max_peer_clients", "client_grace_ms",
                  "heartbeat_ms", "max_clients", "max_pending", "max_hints_per_session", "max_hinted_keys_per_session",
                  "curve_secret_key", "curve_public_key", "curve_allow", "curve_peer_key"):
         value = getattr(args, attr)

@@ -40,6 +40,13 @@ from kvcr_protocol import (
 
 log = logging.getLogger("kvcr.node")
 
+SUBMIT_WRITES_NEXT_TURN = False
+"""Measurement hook, never set by the product: a node whose process sets it submits a peer
+write's READY keys a loop turn after decoding the request, as a second queue would, instead
+of in the decoding turn. Only ``bench/deferred_source.py`` sets it, in a node it starts
+itself, to compare the two (``bench/remote.py``)."""
+
+
 class Source:
     """Peer sessions' requests: hello, announced clients, writes and probes."""
 
@@ -63,7 +70,7 @@ class Source:
         self.metadata = metadata
         """Our agent's NIXL metadata (sent in ``peer_welcome``)."""
         self.next_turn: list[Callable[[], None]] = []
-        """Submissions held for the next loop turn (only with ``defer_writes``)."""
+        """Submissions held for the next loop turn (only with ``SUBMIT_WRITES_NEXT_TURN``)."""
 
     def on_peer_hello(self, identity: bytes, msg: PeerHello) -> None:
         try:
@@ -134,8 +141,7 @@ class Source:
         op.resume = resume
         # A source never forwards: request_id None names no hint.
         ready, _ = self.operations.sort_items(op, [item.key for item in items], None)
-        if ready and self.config.defer_writes:
-            # Measuring switch only: submit on a later turn, as a second queue would.
+        if ready and SUBMIT_WRITES_NEXT_TURN:
             self.counters["writes_deferred"] += 1
             self.next_turn.append(lambda: self.deliveries.deliver_ready(ready, op, items))
             return

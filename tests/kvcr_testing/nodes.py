@@ -61,15 +61,21 @@ class NodeProcess:
         self.stop(signal.SIGKILL)
 
 
+NODE_LAUNCHER = ("-m", "kvcr_node.cli")
+"""How ``python`` starts a node: ``kvcr-node`` itself."""
+
+
 def start_node(
-    endpoint: str, *extra: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None
+    endpoint: str, *extra: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None,
+    launcher: Sequence[str] = NODE_LAUNCHER,
 ) -> NodeProcess:
     """Start ``kvcr-node`` and wait until it prints the endpoint it bound.
 
     ``prefix`` runs it under another command (``ip netns exec NS``); ``env`` adds to this
-    process's environment.
+    process's environment; ``launcher`` is what ``python`` runs instead of ``kvcr-node``
+    (a script that takes the same flags, such as ``bench/deferred_source.py``).
     """
-    args = [*prefix, sys.executable, "-m", "kvcr_node.cli", "--endpoint", endpoint, "--log-level", "WARNING", *extra]
+    args = [*prefix, sys.executable, *launcher, "--endpoint", endpoint, "--log-level", "WARNING", *extra]
     proc = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=None if env is None else {**os.environ, **env},
