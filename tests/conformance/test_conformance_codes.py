@@ -37,9 +37,8 @@ SPEC = (ROOT / "spec" / "kvcr-protocol.md").read_text(encoding="utf-8")
 NODE_SOURCES = sorted((ROOT / "kvcr_node").rglob("*.py"))
 REQUEST_SOURCES = [
     ROOT / "kvcr_node" / f"{name}.py"
-    for name in ("node", "router", "outbox", "sessions", "operations", "target", "source", "stats",
-                 "ops/deposit", "ops/deliver", "ops/fetch", "ops/query")
-]
+    for name in ("node", "router", "outbox", "sessions", "operations", "target", "source", "stats")
+] + sorted((ROOT / "kvcr_node" / "ops").glob("*.py"))
 """The modules a request runs through, from the loop to its handler and back (architecture §1)."""
 PROTOCOL_SOURCES = [ROOT / "protocol" / "kvcr_protocol" / name for name in ("codec.py", "wire.py", "descriptors.py", "projection.py", "versions.py")]
 
@@ -207,7 +206,8 @@ def handlers() -> dict[str, str]:
     for n in ast.walk(ROUTER_INIT):
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "add" and len(n.args) == 2:
             key, value = n.args
-            if isinstance(key, ast.Name) and isinstance(value, ast.Attribute) and value.attr in METHODS:
+            if isinstance(key, ast.Name) and isinstance(value, ast.Attribute):
+                assert value.attr in METHODS, f"the handler {value.attr} is in none of REQUEST_SOURCES"
                 out[getattr(router_module, key.id).TAG] = value.attr
     assert {"hello", "peer_hello"} <= set(out), out
     return out
