@@ -86,7 +86,12 @@ class Router:
         self.stopping = False
         """Set at shutdown: new sessions and new work are refused SHUTTING_DOWN."""
         self.hellos = Handlers[bytes]().add(Hello, sessions.on_hello).add(PeerHello, source.on_peer_hello)
-        self.client_handlers = (
+
+        def either(table: Handlers[S]) -> Handlers[S]:
+            """What clients and peers alike may send."""
+            return table.add(StatsRequest, stats.on_stats).add(Heartbeat, sessions.on_heartbeat).add(Bye, sessions.on_bye)
+
+        self.client_handlers = either(
             Handlers[ClientSession]()
             .add(RegisterRegions, sessions.on_regions)
             .add(UnregisterRegions, sessions.on_unregions)
@@ -98,18 +103,12 @@ class Router:
             .add(Abort, sessions.on_abort)
             .add(SubmitHint, sessions.on_hint)
             .add(DiscardHint, sessions.on_unhint)
-            .add(StatsRequest, stats.on_stats)
-            .add(Heartbeat, sessions.on_heartbeat)
-            .add(Bye, sessions.on_bye)
         )
-        self.peer_handlers = (
+        self.peer_handlers = either(
             Handlers[PeerSession]()
             .add(PeerClient, source.on_peer_client)
             .add(WriteRequest, source.on_write)
             .add(Probe, source.on_probe)
-            .add(StatsRequest, stats.on_stats)
-            .add(Heartbeat, sessions.on_heartbeat)
-            .add(Bye, sessions.on_bye)
         )
 
     def receive(self, frames: list[bytes]) -> None:
