@@ -7,8 +7,8 @@ Measured in one run:
    of one span from a bare NIXL process plus one raw ZeroMQ round trip;
 2. remote deliver throughput (1024 spans of 64 KiB, 64 MiB) against raw NIXL WRITE of
    the same descriptors;
-3. inline against deferred submission on the source (a source node started with the
-   measuring-only ``--defer-writes`` switch).
+3. inline against deferred submission on the source (a source node started through
+   ``deferred_source.py``, which submits peer writes a loop turn late).
 
 Run: ``python bench/remote.py`` (under a minute). Ratios matter, not absolute times.
 """
@@ -146,11 +146,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
-    node = ["-m", "kvcr_node.cli", "--pool", f"kv:64KiB:{SPANS + 2 * LAYERS}", "--log-level", "WARNING"]
+    flags = ["--pool", f"kv:64KiB:{SPANS + 2 * LAYERS}", "--log-level", "WARNING"]
     with process_group("rbench") as (run, procs):
-        for extra in (("--endpoint", f"ipc://{run}/a.sock"), ("--endpoint", f"ipc://{run}/b.sock"),
-                      ("--endpoint", f"ipc://{run}/bd.sock", "--defer-writes")):
-            procs.append(spawn(*node, *extra))
+        for name in ("a", "b"):
+            procs.append(spawn("-m", "kvcr_node.cli", *flags, "--endpoint", f"ipc://{run}/{name}.sock"))
+        deferred = str(Path(__file__).resolve().parent / "deferred_source.py")
+        procs.append(spawn(deferred, *flags, "--endpoint", f"ipc://{run}/bd.sock"))
         procs.append(spawn(str(Path(__file__).resolve().parent / "local.py"), "--raw-writer", f"ipc://{run}/raw.sock"))
         k = bench_kvcr(f"ipc://{run}/a.sock", f"ipc://{run}/b.sock", f"ipc://{run}/bd.sock", args.reps)
         r = raw_anchor(f"ipc://{run}/raw.sock", args.reps)

@@ -14,6 +14,30 @@ from kvcr_io import package_version
 from kvcr_io.endpoints import default_endpoint
 from kvcr_node.config import ConfigError, NodeConfig, load_toml, pool_from_flag
 
+SETTINGS: tuple[tuple[str, type, str], ...] = (
+    ("name", str, "node name shown to clients and peers"),
+    ("policy", str, "eviction policy: fifo, lru (default) or module:Class for a plug-in"),
+    ("low_watermark", float, "capacity event threshold, fraction of a pool's slots"),
+    ("protocol_version", int, "speak protocol versions up to N only"),
+    ("deadline_ms", int, "deadline of operations that name none"),
+    ("peer_dead_ms", int, "a peer disconnected this long is taken as gone"),
+    ("peer_idle_ms", int, "a link to a source with no work, unused this long, is closed"),
+    ("max_peers", int, "links to source nodes at once (PEER_LIMIT past it when all are busy)"),
+    ("max_peer_clients", int, "client agents each target node may have announced here (LRU)"),
+    ("client_grace_ms", int, "a client silent this long is dropped, its handles released"),
+    ("heartbeat_ms", int, "how often clients must say they are alive"),
+    ("max_clients", int, "client sessions at once"),
+    ("max_pending", int, "operations in progress per client before BUSY"),
+    ("max_hints_per_session", int, "hints one client may hold before HINT_LIMIT"),
+    ("max_hinted_keys_per_session", int, "keys over one client's hints before HINT_LIMIT"),
+    ("curve_secret_key", str, "file with the node's CurveZMQ secret key (enables authentication)"),
+    ("curve_public_key", str, "file with the node's CurveZMQ public key"),
+    ("curve_allow", str, "file of allowed client and peer public keys, one per line"),
+    ("curve_peer_key", str, "file with the public key peer nodes serve with"),
+    ("log_level", str, "DEBUG, INFO, WARNING, ..."),
+)
+"""``NodeConfig`` fields a flag of the same name sets (``--max-peers`` sets ``max_peers``): (field, type, help)."""
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -22,31 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", type=Path, help="TOML file; flags given here override it")
     p.add_argument("--endpoint", help=f"ZeroMQ endpoint to bind (default {default_endpoint()})")
-    p.add_argument("--name", help="node name shown to clients and peers")
     p.add_argument(
         "--pool", action="append", metavar="NAME:SLOT_SIZE:SLOT_COUNT[:MEMORY]",
         help="declare a pool, e.g. kv:64KiB:4096:dram or full:64KiB:1024:hbm:0 (repeatable; replaces the config's pools)",
     )
-    p.add_argument("--policy", help="eviction policy: fifo, lru (default) or module:Class for a plug-in")
-    p.add_argument("--low-watermark", type=float, help="capacity event threshold, fraction of a pool's slots")
-    p.add_argument("--protocol-version", type=int, help="speak protocol versions up to N only")
-    p.add_argument("--deadline-ms", type=int, help="deadline of operations that name none")
-    p.add_argument("--peer-dead-ms", type=int, help="a peer disconnected this long is taken as gone")
-    p.add_argument("--peer-idle-ms", type=int, help="a link to a source with no work, unused this long, is closed")
-    p.add_argument("--max-peers", type=int, help="links to source nodes at once (PEER_LIMIT past it when all are busy)")
-    p.add_argument("--max-peer-clients", type=int, help="client agents each target node may have announced here (LRU)")
-    p.add_argument("--client-grace-ms", type=int, help="a client silent this long is dropped, its handles released")
-    p.add_argument("--heartbeat-ms", type=int, help="how often clients must say they are alive")
-    p.add_argument("--max-clients", type=int, help="client sessions at once")
-    p.add_argument("--max-pending", type=int, help="operations in progress per client before BUSY")
-    p.add_argument("--max-hints-per-session", type=int, help="hints one client may hold before HINT_LIMIT")
-    p.add_argument("--max-hinted-keys-per-session", type=int, help="keys over one client's hints before HINT_LIMIT")
-    p.add_argument("--curve-secret-key", help="file with the node's CurveZMQ secret key (enables authentication)")
-    p.add_argument("--curve-public-key", help="file with the node's CurveZMQ public key")
-    p.add_argument("--curve-allow", help="file of allowed client and peer public keys, one per line")
-    p.add_argument("--curve-peer-key", help="file with the public key peer nodes serve with")
-    p.add_argument("--defer-writes", action="store_true", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING, ...")
+    for field, kind, text in SETTINGS:
+        p.add_argument("--" + field.replace("_", "-"), type=kind, help=text)
     p.add_argument("--version", action="version", version=f"kvcr-node {package_version()}")
     return p
 
@@ -55,10 +60,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
     """Defaults, then the TOML file, then flags."""
     config = load_toml(args.config) if args.config else NodeConfig()
     changes: dict[str, Any] = {}
-    for attr in ("endpoint", "name", "policy", "low_watermark", "protocol_version", "deadline_ms", "log_level",
-                 "peer_dead_ms", "peer_idle_ms", "max_peers", "max_peer_clients", "defer_writes", "client_grace_ms",
-                 "heartbeat_ms", "max_clients", "max_pending", "max_hints_per_session", "max_hinted_keys_per_session",
-                 "curve_secret_key", "curve_public_key", "curve_allow", "curve_peer_key"):
+    for attr in ("endpoint", *(field for field, _, _ in SETTINGS)):
         value = getattr(args, attr)
         if value is not None:
             changes[attr] = value

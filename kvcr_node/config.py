@@ -125,8 +125,6 @@ class NodeConfig:
     """Client agents a target's peer session may have announced here; the least recently
     used beyond are forgotten (their NIXL agents released), and announced again by the
     target when it next needs them (spec section 5.3)."""
-    defer_writes: bool = False
-    """Measuring only: submit peer writes a turn later instead of in the decoding turn."""
     log_level: str = "INFO"
 
     def validated(self) -> NodeConfig:
@@ -218,7 +216,7 @@ def pool_from_flag(text: str) -> PoolSpec:
 _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "endpoint": str, "name": str, "policy": str, "low_watermark": (int, float), "protocol_version": int,
     "deadline_ms": int, "heartbeat_ms": int, "batch": int, "projection_cache": int, "log_level": str,
-    "peer_dead_ms": int, "defer_writes": bool, "client_grace_ms": int, "max_clients": int, "max_pending": int,
+    "peer_dead_ms": int, "client_grace_ms": int, "max_clients": int, "max_pending": int,
     "max_frame": int, "max_hints_per_session": int, "max_hinted_keys_per_session": int, "curve_secret_key": str,
     "curve_public_key": str, "curve_allow": str, "curve_peer_key": str,
     "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int,

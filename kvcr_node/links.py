@@ -28,7 +28,7 @@ from kvcr_io.zmq_flags import POLLIN as _POLLIN
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.peers import LinkState, PeerLink, RemoteWrite, WriteStage
-from kvcr_node.sessions import ClientSession, Operation
+from kvcr_node.records import ClientSession, Operation
 from kvcr_protocol import (
     Ack,
     Bye,

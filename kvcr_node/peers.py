@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from kvcr_node.sessions import ClientSession, Operation
+from kvcr_node.records import ClientSession, Operation
 from kvcr_node.store import ObjectEntry
 from kvcr_protocol import DeliverItem
 

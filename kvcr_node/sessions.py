@@ -1,132 +1,325 @@
-"""Per-connection state on a node: client and peer sessions, and operations in progress."""
+"""The node's sessions: who said hello, what each announced, and how long it stays.
+
+A client session starts with ``hello`` (a peer session with ``peer_hello``, in
+``kvcr_node.source``), holds the client's NIXL agent, regions and hints (spec section 5.2),
+and ends with ``bye``, a new hello from the same identity, or silence longer than
+``client_grace_ms`` (liveness). Ending a session aborts what it still waits for and
+releases its handles; a closed peer session whose writes still run is ``retired``: it
+stays answerable to probes until they end.
+"""
 
 from __future__ import annotations
 
 import collections
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import logging
+from collections.abc import Callable, Iterator, Sequence
 
-from kvcr_node.transfers import Transfer
-from kvcr_protocol import KeyResult, KeyStatus, Region
+from kvcr_node.agents import AgentUse, RemoteAgents
+from kvcr_node.config import NodeConfig
+from kvcr_node.operations import Operations
+from kvcr_node.outbox import Outbox
+from kvcr_node.records import ClientSession, PeerSession
+from kvcr_node.store import Store
+from kvcr_node.target import Target
+from kvcr_node.transfers import Transfers
+from kvcr_protocol import (
+    Abort,
+    Ack,
+    Bye,
+    CapacityEvent,
+    DiscardHint,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    PoolInfo,
+    ProtocolError,
+    Region,
+    RegisterRegions,
+    SubmitHint,
+    UnregisterRegions,
+    Welcome,
+    endpoint_problem,
+    negotiate,
+)
 
-Hint = tuple[str, frozenset[bytes]]
-"""A hint: the source endpoint, and the keys it may hold."""
+log = logging.getLogger("kvcr.node")
 
-RECENT_WRITES = 4096
-"""Completed peer writes a source remembers, to answer probes with DONE."""
-
-
-@dataclass
-class Withdrawal:
-    """An ``unregions`` whose ack waits: a source may still write into its regions.
-
-    The regions are withdrawn at once (new spans in them fail), and put back if the
-    client aborts the request.
-    """
-
-    regions: tuple[int, ...]
-    """The region ids the request names."""
-    records: dict[int, Region]
-    """Those the session had announced, as they were."""
-
-
-@dataclass
-class ClientSession:
-    """One client that said hello on the node's ROUTER socket."""
-
-    identity: bytes
-    name: str
-    agent: str
-    version: int
-    agent_md: bytes = b""
-    regions: dict[int, Region] = field(default_factory=dict)
-    regions_version: int = 0
-    """Bumped whenever ``regions`` or ``agent_md`` change, so peers get them again."""
-    handles: set[int] = field(default_factory=set)
-    ops: dict[int, Operation] = field(default_factory=dict)
-    closing: bool = False
-    last_seen: float = field(default_factory=time.monotonic)
-    events: int = 0
-    """Capacity events sent in this session (their ids count from 1)."""
-    withdrawals: dict[int, Withdrawal] = field(default_factory=dict)
-    """``unregions`` requests whose ack is held, by request id (spec section 5.2)."""
-    hints: dict[str, Hint] = field(default_factory=dict)
-    """This session's hints by request id (spec section 5.2): no other session sees them."""
-    hinted_keys: int = 0
-    """Keys summed over ``hints`` (bounded by the node's ``max_hinted_keys_per_session``)."""
-
-    def forget_hints(self) -> None:
-        """Drop every hint (bye or expiry: hints end with their session)."""
-        self.hints.clear()
-        self.hinted_keys = 0
+MAX_ADDRESS = 1 << 64
+"""Regions end at or below the top of a 64-bit address space."""
 
 
-@dataclass
-class PeerSession(ClientSession):
-    """A target node that opened a peer session with this (source) node.
-
-    ``regions`` are the target's pools; ``clients`` the regions of the target's clients
-    that this node may write into, by their agent name.
-    """
-
-    incarnation: int = 0
-    clients: collections.OrderedDict[str, dict[int, Region]] = field(default_factory=collections.OrderedDict)
-    """Announced client agent -> its regions, least recently used first (bounded by the node)."""
-    done: collections.OrderedDict[int, None] = field(default_factory=collections.OrderedDict)
-
-    def remember_done(self, op_id: int) -> None:
-        self.done[op_id] = None
-        while len(self.done) > RECENT_WRITES:
-            self.done.popitem(last=False)
+def checked_regions(regions: Sequence[Region]) -> dict[int, Region]:
+    """Announced regions by id; raises ``ProtocolError`` naming the first bad one."""
+    for i, region in enumerate(regions):
+        if region.length == 0 or region.address == 0:
+            raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, "a region needs an address and a length", f"regions[{i}]")
+        if region.address + region.length > MAX_ADDRESS:
+            raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, "the region wraps around the address space", f"regions[{i}].length")
+    by_id = {r.region: r for r in regions}
+    if len(by_id) != len(regions):
+        raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, "a region id is announced twice", "regions")
+    return by_id
 
 
-@dataclass
-class Operation:
-    """One batch request in progress: a result slot per item, transfers, waits."""
+class Sessions:
+    """Every open session by identity, the retired peer sessions, and liveness."""
 
-    session: ClientSession
-    id: int
-    kind: str
-    deadline: float
-    results: list[KeyResult | None]
-    transfers: list[Transfer] = field(default_factory=list)
-    waiting: dict[bytes, list[int]] = field(default_factory=dict)
-    """Keys still WRITING that items wait on (key -> item indices)."""
-    resume: Callable[[int], None] | None = None
-    """Continues one waiting item once its key is READY (or gone)."""
-    aborted: bool = False
-    agent: str = ""
-    """The agent whose memory the transfers touch (the client's, or a peer write's target)."""
-    regions: dict[int, Region] = field(default_factory=dict)
-    """The regions destination spans are checked against."""
-    exact: bool = False
-    """Destination names must equal the stored layout (a peer write without ``!partial``)."""
-    remote: int = 0
-    """Remote writes sent to peers for this operation and not yet answered."""
-    broken: str | None = None
-    """Why handling it failed unexpectedly: items no transfer or write covers then fail
-    ``INTERNAL`` with this reason once nothing of the operation runs any more."""
+    def __init__(
+        self, config: NodeConfig, store: Store, operations: Operations, target: Target, agents: RemoteAgents,
+        transfers: Transfers, outbox: Outbox, counters: collections.Counter[str], clock: Callable[[], float],
+        versions: Sequence[int], incarnation: int, agent_name: str, pool_info: tuple[PoolInfo, ...],
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.operations = operations
+        self.target = target
+        self.agents = agents
+        self.transfers = transfers
+        self.outbox = outbox
+        self.counters = counters
+        self.clock = clock
+        self.versions = versions
+        self.incarnation = incarnation
+        self.agent_name = agent_name
+        self.pool_info = pool_info
+        self.table: dict[bytes, ClientSession] = {}
+        """Open sessions by ROUTER identity."""
+        self.retired: list[ClientSession] = []
+        """Closed peer sessions whose writes are still running."""
+        self._next_liveness = 0.0
 
-    def set(self, index: int, result: KeyResult) -> None:
-        if self.results[index] is None:
-            self.results[index] = result
+    def __len__(self) -> int:
+        return len(self.table)
 
-    def fail(self, index: int, code: int, reason: str) -> None:
-        self.set(index, KeyResult(KeyStatus.FAILED, code, reason))
+    def __iter__(self) -> Iterator[ClientSession]:
+        return iter(self.table.values())
 
-    @property
-    def settled(self) -> bool:
-        """Every item has a result (or the op is broken) and no transfer of it can touch memory any more."""
-        return (
-            not self.waiting
-            and not self.remote
-            and not any(t.running for t in self.transfers)
-            and (self.broken is not None or all(r is not None for r in self.results))
+    def get(self, identity: bytes) -> ClientSession | None:
+        return self.table.get(identity)
+
+    def addressee(self, identity: bytes) -> ClientSession | bytes:
+        """Whom a refusal to ``identity`` goes to: its session (at its version), else the bare identity."""
+        return self.table.get(identity) or identity
+
+    def clients(self) -> list[ClientSession]:
+        return [s for s in self.table.values() if not isinstance(s, PeerSession)]
+
+    # ------------------------------------------------------------------ opening
+
+    def announce(
+        self, to: ClientSession | bytes, request_id: int, agent_md: bytes, regions: Sequence[Region], expect: str = "",
+    ) -> tuple[str, dict[int, Region]] | None:
+        """Load an announced NIXL agent and check its regions; None after refusing the request.
+
+        ``expect`` names the agent the metadata must be (a session's own, for ``regions``).
+        A refused announcement keeps no agent it loaded (unless something else holds it).
+        """
+        try:
+            agent = self.agents.add(agent_md)
+        except Exception as exc:
+            self.outbox.refuse(to, request_id, ProtocolError(
+                ErrorCode.BAD_DESCRIPTOR, f"agent metadata refused by NIXL: {exc}", "agent_md"))
+            return None
+        try:
+            if expect and agent != expect:
+                # Another agent's metadata: nothing may ever write through it.
+                raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, f"the metadata is agent {agent!r}'s, the session's agent is "
+                                    f"{expect!r}", "agent_md")
+            return agent, checked_regions(regions)
+        except ProtocolError as exc:
+            self.agents.release(agent)
+            self.outbox.refuse(to, request_id, exc)
+            return None
+
+    def open_session(
+        self, identity: bytes, request_id: int, agent_md: bytes, regions: Sequence[Region],
+        make: Callable[[str], ClientSession],
+    ) -> ClientSession | None:
+        """Load the sender's NIXL metadata, make its session and take its regions; None after a refusal."""
+        announced = self.announce(self.addressee(identity), request_id, agent_md, regions)
+        if announced is None:
+            return None
+        session = make(announced[0])
+        session.last_seen = self.clock()
+        session.regions.update(announced[1])
+        self.table[identity] = session
+        return session
+
+    def on_hello(self, identity: bytes, msg: Hello) -> None:
+        try:
+            version = negotiate(self.versions, msg.versions)
+        except ProtocolError as exc:
+            self.outbox.refuse(self.addressee(identity), msg.id, exc)
+            return
+        old = self.table.get(identity)
+        if old is not None:
+            self.close(old)
+        if len(self.clients()) >= self.config.max_clients:
+            self.outbox.refuse(self.addressee(identity), msg.id, ProtocolError(
+                ErrorCode.TOO_MANY_CLIENTS, f"this node serves at most {self.config.max_clients} clients"))
+            return
+        session = self.open_session(
+            identity, msg.id, msg.agent_md, msg.regions,
+            lambda agent: ClientSession(identity, msg.client, agent, version, msg.agent_md),
         )
+        if session is None:
+            return
+        self.counters["hellos"] += 1
+        log.info("client %s (agent %s) joined at version %d", msg.client, session.agent, version)
+        self.outbox.reply(session, Welcome(
+            msg.id, version, self.config.name, self.incarnation, self.agent_name, self.pool_info, self.config.heartbeat_ms))
 
-    def fail_unresolved(self, code: int) -> None:
-        """Fail every item that has no result yet (a broken op, once nothing of it runs)."""
-        for i, result in enumerate(self.results):
-            if result is None:
-                self.fail(i, code, self.broken or "failed")
+    # ------------------------------------------------------------------ regions
+
+    def on_regions(self, session: ClientSession, msg: RegisterRegions) -> None:
+        announced = self.announce(session, msg.id, msg.agent_md, msg.regions, expect=session.agent)
+        if announced is None:
+            return
+        session.regions.update(announced[1])
+        session.agent_md = msg.agent_md
+        session.regions_version += 1
+        self.outbox.reply(session, Ack(msg.id))
+
+    def on_unregions(self, session: ClientSession, msg: UnregisterRegions) -> None:
+        records = {rid: region for rid in msg.regions if (region := session.regions.pop(rid, None)) is not None}
+        session.regions_version += 1
+        if self.target.hold(session, msg.id, msg.regions, records):
+            # Spec section 12: a source may still write there (DESTINATION_UNCERTAIN); the
+            # ack waits until it cannot. The regions take no new work meanwhile.
+            return
+        self.outbox.reply(session, Ack(msg.id))
+
+    def on_abort(self, session: ClientSession, msg: Abort) -> None:
+        op = session.ops.get(msg.op)
+        if op is None and msg.op in session.withdrawals:
+            self.outbox.reply(session, Ack(msg.id))
+            self.target.cancel_withdrawal(session, msg.op)
+            return
+        if op is None:
+            self.outbox.refuse(session, msg.id, ProtocolError(ErrorCode.UNKNOWN_OP, f"operation {msg.op} is not in progress", "op"))
+            return
+        self.outbox.reply(session, Ack(msg.id))
+        self.operations.abort(op)
+
+    # ------------------------------------------------------------------ hints
+
+    def on_hint(self, session: ClientSession, msg: SubmitHint) -> None:
+        problem = endpoint_problem(msg.endpoint)
+        if problem is not None:
+            # Spec section 5.2: only endpoints this node can dial are kept, so that no
+            # deliver or fetch ever hands a socket an address it cannot connect to.
+            self.outbox.refuse(session, msg.id, ProtocolError(ErrorCode.BAD_ENDPOINT, problem, "endpoint"))
+            return
+        keys = frozenset(msg.keys)
+        old = session.hints.get(msg.request_id)
+        limit = self.config.max_hints_per_session
+        if old is None and len(session.hints) >= limit:
+            # Spec section 5.2: hints are bounded per session; a replacement is not one more.
+            self.outbox.refuse(session, msg.id, ProtocolError(
+                ErrorCode.HINT_LIMIT,
+                f"this session holds {len(session.hints)} hints, the most the node allows (max_hints_per_session); "
+                "discard some first", "request_id"))
+            return
+        total = session.hinted_keys - (len(old[1]) if old is not None else 0) + len(keys)
+        if total > self.config.max_hinted_keys_per_session:
+            self.outbox.refuse(session, msg.id, ProtocolError(
+                ErrorCode.HINT_LIMIT,
+                f"this hint would bring the session's hinted keys to {total}, over the "
+                f"{self.config.max_hinted_keys_per_session} the node allows (max_hinted_keys_per_session); "
+                "discard some first", "keys"))
+            return
+        session.hints[msg.request_id] = (msg.endpoint, keys)
+        session.hinted_keys = total
+        self.outbox.reply(session, Ack(msg.id))
+
+    def on_unhint(self, session: ClientSession, msg: DiscardHint) -> None:
+        old = session.hints.pop(msg.request_id, None)
+        if old is not None:
+            session.hinted_keys -= len(old[1])
+        self.outbox.reply(session, Ack(msg.id))
+
+    # ------------------------------------------------------------------ liveness and the end
+
+    def on_heartbeat(self, session: ClientSession, msg: Heartbeat) -> None:
+        self.outbox.reply(session, Heartbeat(msg.id))
+
+    def on_bye(self, session: ClientSession, msg: Bye) -> None:
+        self.outbox.reply(session, Ack(msg.id))
+        self.end(session)
+
+    def end(self, session: ClientSession) -> None:
+        """Close a session that ends (bye, silence); a peer's running writes stay answerable to probes."""
+        self.close(session)
+        if session.ops and isinstance(session, PeerSession):
+            # Only peer sessions retire (probes look there); a client's ops hold their session.
+            self.retired.append(session)
+
+    def close(self, session: ClientSession) -> None:
+        """Abort what can be aborted and release the session's handle claims and agents.
+
+        Operations with a transfer in flight keep their claims until it is terminal.
+        """
+        session.closing = True
+        session.forget_hints()  # spec section 5.2: hints end with their session
+        self.target.drop_withdrawals(session)  # held unregions end unanswered with the session
+        self.operations.end_session(session)
+        if self.table.get(session.identity) is session:
+            del self.table[session.identity]
+        self.agents.release(session.agent)
+        if not isinstance(session, PeerSession):
+            # Sources forget it too in time (max_peer_clients); announce it afresh if it returns.
+            self.target.links.forget_client(session.agent)
+        else:
+            # The agents its target announced go with it (spec section 5.3, bye).
+            announced = list(session.clients)
+            session.clients.clear()
+            for agent in announced:
+                self.agents.release(agent)
+
+    def check_liveness(self, now: float) -> None:
+        """Drop sessions silent for longer than the grace period (spec section 12: no leaks)."""
+        if not self.config.heartbeat_ms:
+            return  # heartbeats off: clients send none, so silence means nothing (spec section 5.2)
+        if now < self._next_liveness:
+            return
+        self._next_liveness = now + min(self.config.heartbeat_ms, self.config.client_grace_ms) / 1000
+        if self.agents.pending:
+            self.agents.release_pending()
+        grace = self.config.client_grace_ms / 1000
+        for session in [s for s in self.table.values() if now - s.last_seen > grace]:
+            peer = isinstance(session, PeerSession)
+            self.counters["peers_expired" if peer else "clients_expired"] += 1
+            log.warning("%s %s silent for %.1f s: dropping its session", "peer" if peer else "client",
+                        session.name, now - session.last_seen)
+            self.end(session)
+
+    def next_wakeup(self) -> float | None:
+        """When ``check_liveness`` has something to do next (None: never while nobody is here)."""
+        return self._next_liveness if self.table and self.config.heartbeat_ms else None
+
+    def flush_capacity_events(self) -> None:
+        """Tell every client about each pool whose reclaimable slots fell under the low watermark."""
+        for pool in self.store.take_capacity_events():
+            stats = self.store.pool_stats()[pool]
+            self.counters["capacity_events"] += 1
+            for session in self.clients():
+                session.events += 1
+                self.outbox.reply(session, CapacityEvent(session.events, pool, stats["free"] + stats["evictable"], stats["total"]))
+
+    # ------------------------------------------------------------------ remote agents
+
+    def agent_use(self, name: str) -> AgentUse | None:
+        """Who still needs the remote agent ``name`` (``RemoteAgents`` asks before letting go)."""
+        running = False
+        for session in self.table.values():
+            if session.agent == name:
+                return AgentUse.HELD
+            if isinstance(session, PeerSession):
+                if name in session.clients:
+                    return AgentUse.HELD
+                running = running or any(op.agent == name for op in session.ops.values())
+        if any(link.agent == name for link in self.target.links):
+            return AgentUse.HELD
+        if running or any(t.agent == name for t in self.transfers.inflight):
+            return AgentUse.RUNNING
+        return None

@@ -266,8 +266,7 @@ class Store:
         entry.state = _READY
         self._writing -= 1
         self._ready += 1
-        self._tick += 1
-        entry.last_access = self._tick
+        self._access(entry)
         if claim:
             entry.claims = 1
             self._claims += 1
@@ -297,8 +296,7 @@ class Store:
         if entry.state is not _READY:
             raise StoreError(f"claim of {entry.key!r}: it is {entry.state.name}, not READY")
         if accessed:
-            self._tick += 1
-            entry.last_access = self._tick
+            self._access(entry)
         if entry.claims == 0:
             # architecture §3: "Claims, releases, removals and evictions update both."
             self._index.remove(entry)
@@ -318,11 +316,15 @@ class Store:
         entry.claims -= 1
         self._claims -= 1
         if accessed:
-            self._tick += 1
-            entry.last_access = self._tick
+            self._access(entry)
         if entry.claims == 0:
             self._index.add(entry)
             self._check_pressure(entry.info)
+
+    def _access(self, entry: ObjectEntry) -> None:
+        """Record an access to ``entry`` now: what LRU scores (architecture §3)."""
+        self._tick += 1
+        entry.last_access = self._tick
 
     # -- removal ----------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
-"""Imports run one way: protocol <- io <- node, client; node and client never import each other."""
+"""Imports run one way: protocol <- io <- node, client; node and client never import each other;
+and inside the node, no module imports one that imports it back (architecture §1)."""
 
 from __future__ import annotations
 
 import ast
+import graphlib
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,25 @@ def test_imports_run_one_way(package: str) -> None:
         for path in sorted(PACKAGES[package].rglob("*.py"))
     }
     assert {k: v for k, v in breaches.items() if v} == {}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_the_node_parts_import_one_way() -> None:
+    """The node's parts report upward through callbacks, never by importing the part above."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGES["kvcr_node"].rglob("*.py")):
+        deps = graph.setdefault(module_name(path), set())
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvcr_node"):
+                deps.add(node.module)
+            elif isinstance(node, ast.Import):
+                deps.update(alias.name for alias in node.names if alias.name.startswith("kvcr_node"))
+    try:
+        order = list(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"an import cycle inside kvcr_node: {exc.args[1]}")
+    assert order.index("kvcr_node.records") < order.index("kvcr_node.operations") < order.index("kvcr_node.node")

@@ -23,20 +23,26 @@ from pathlib import Path
 
 import pytest
 
-import kvcr_node.node as node_module
+import kvcr_node.router as router_module
 import kvcr_protocol as kp
 from kvcr_node.config import NodeConfig
-from kvcr_node.node import Node, _from_source
+from kvcr_node.node import Node
 from kvcr_node.poolspec import PoolSpec
+from kvcr_node.target import from_source
 from kvcr_protocol import ErrorCode, KeyResult, KeyStatus
 from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, SOURCE_CODES, allowed_result
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = (ROOT / "spec" / "kvcr-protocol.md").read_text(encoding="utf-8")
-NODE_SOURCES = sorted((ROOT / "kvcr_node").glob("*.py"))
+NODE_SOURCES = sorted((ROOT / "kvcr_node").rglob("*.py"))
+REQUEST_SOURCES = [
+    ROOT / "kvcr_node" / f"{name}.py"
+    for name in ("node", "router", "outbox", "sessions", "operations", "target", "source", "stats")
+] + sorted((ROOT / "kvcr_node" / "ops").glob("*.py"))
+"""The modules a request runs through, from the loop to its handler and back (architecture §1)."""
 PROTOCOL_SOURCES = [ROOT / "protocol" / "kvcr_protocol" / name for name in ("codec.py", "wire.py", "descriptors.py", "projection.py", "versions.py")]
 
-CROSS_REQUEST = {("_cancel_withdrawal", ErrorCode.ABORTED): "unregions"}
+CROSS_REQUEST = {("cancel_withdrawal", ErrorCode.ABORTED): "unregions"}
 """Codes a method sends for another request than the one being handled: the refusal of
 an ``unregions`` whose withdrawal an ``abort`` cancels."""
 
@@ -152,34 +158,58 @@ def test_every_listed_code_is_sent_by_something() -> None:
     assert missing == set(), missing
 
 
-NODE_CLASS = next(
-    n for n in ast.parse(Path(node_module.__file__).read_text()).body if isinstance(n, ast.ClassDef) and n.name == "Node"
+def functions(paths: list[Path]) -> dict[str, list[ast.FunctionDef]]:
+    """Name -> the functions and methods of that name in ``paths`` (a name may be defined in
+    more than one part only to hand a call on: ``Node.snapshot`` to ``Stats.snapshot``)."""
+    out: dict[str, list[ast.FunctionDef]] = {}
+    for path in paths:
+        for n in ast.parse(path.read_text()).body:
+            for f in n.body if isinstance(n, ast.ClassDef) else [n]:
+                if isinstance(f, ast.FunctionDef) and f.name != "__init__":
+                    out.setdefault(f.name, []).append(f)
+    return out
+
+
+METHODS = functions(REQUEST_SOURCES)
+ROUTER_INIT = next(
+    f for n in ast.parse(Path(router_module.__file__).read_text()).body if isinstance(n, ast.ClassDef) and n.name == "Router"
+    for f in n.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"
 )
-METHODS = {f.name: f for f in NODE_CLASS.body if isinstance(f, ast.FunctionDef)}
 
 
-def called_names(func: ast.AST) -> set[str]:
-    return {n.func.id for n in ast.walk(func) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+def called_names(funcs: list[ast.FunctionDef]) -> set[str]:
+    return {n.func.id for func in funcs for n in ast.walk(func) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
 
 
-def method_refs(func: ast.AST) -> set[str]:
-    """Node methods ``func`` calls or passes on (``self._x``, lambdas included)."""
-    return {
-        n.attr for n in ast.walk(func)
-        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" and n.attr in METHODS
-    }
+def method_refs(funcs: list[ast.FunctionDef]) -> set[str]:
+    """Functions of the request modules that ``funcs`` call or pass on: by attribute
+    (``self.operations.settle``, lambdas included) or by name (a module's own function)."""
+    refs = set()
+    for func in funcs:
+        for n in ast.walk(func):
+            if isinstance(n, ast.Attribute) and n.attr in METHODS:
+                refs.add(n.attr)
+            elif isinstance(n, ast.Name) and n.id in METHODS:
+                refs.add(n.id)
+    return refs
+
+
+def test_the_request_modules_define_each_name_once() -> None:
+    """The scan follows calls by name: each name is one function, or a hand-on to it."""
+    handed_on = {"snapshot", "check_invariants", "internal_failure"}
+    assert {name for name, funcs in METHODS.items() if len(funcs) > 1} <= handed_on
 
 
 def handlers() -> dict[str, str]:
-    """Request tag -> the Node method that handles it (the dispatch tables, plus the hellos)."""
-    out = {"hello": "_on_hello", "peer_hello": "_on_peer_hello"}
-    for n in ast.walk(METHODS["__init__"]):
-        if isinstance(n, ast.Dict):
-            for key, value in zip(n.keys, n.values, strict=True):
-                if isinstance(key, ast.Name) and isinstance(value, ast.Attribute) and value.attr in METHODS:
-                    out[getattr(node_module, key.id).TAG] = value.attr
-    for method in ("_on_hello", "_on_peer_hello"):
-        assert method in method_refs(METHODS["_handle_frames"])
+    """Request tag -> the method that handles it (the router's handler tables, hellos included)."""
+    out = {}
+    for n in ast.walk(ROUTER_INIT):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "add" and len(n.args) == 2:
+            key, value = n.args
+            if isinstance(key, ast.Name) and isinstance(value, ast.Attribute):
+                assert value.attr in METHODS, f"the handler {value.attr} is in none of REQUEST_SOURCES"
+                out[getattr(router_module, key.id).TAG] = value.attr
+    assert {"hello", "peer_hello"} <= set(out), out
     return out
 
 
@@ -209,7 +239,7 @@ def test_handlers_name_only_the_codes_of_their_request() -> None:
     for name, tags in reached_by.items():
         if name in loop:
             continue
-        for _, code in error_code_names(METHODS[name]):
+        for _, code in (found for func in METHODS[name] for found in error_code_names(func)):
             if (name, code) in CROSS_REQUEST:
                 assert code in REQUEST_CODES[CROSS_REQUEST[(name, code)]].refusals
                 continue
@@ -228,11 +258,11 @@ def test_a_code_out_of_place_is_a_breach_of_the_invariants(tmp_path: Path) -> No
     node = Node(config)
     try:
         assert node.check_invariants() == []
-        node._check_results("deposit", [KeyResult(KeyStatus.FAILED, ErrorCode.CAPACITY, "fine")])
-        node._check_refusal("hint", ErrorCode.HINT_LIMIT)
+        node.outbox.check_results("deposit", [KeyResult(KeyStatus.FAILED, ErrorCode.CAPACITY, "fine")])
+        node.outbox.check_refusal("hint", ErrorCode.HINT_LIMIT)
         assert node.check_invariants() == []
-        node._check_results("deposit", [KeyResult(KeyStatus.FAILED, ErrorCode.NOT_FOUND, "out of place")])
-        node._check_refusal("stats", ErrorCode.BUSY)
+        node.outbox.check_results("deposit", [KeyResult(KeyStatus.FAILED, ErrorCode.NOT_FOUND, "out of place")])
+        node.outbox.check_refusal("stats", ErrorCode.BUSY)
         breaches = node.check_invariants()
         assert len(breaches) == 2 and all("section 10.1" in b for b in breaches), breaches
     finally:
@@ -255,7 +285,7 @@ def test_a_code_out_of_place_is_a_breach_of_the_invariants(tmp_path: Path) -> No
     ],
 )
 def test_a_source_result_is_passed_on_only_when_a_source_may_send_it(result: KeyResult, passed_on: KeyResult | None) -> None:
-    out = _from_source(result)
+    out = from_source(result)
     if passed_on is None:
         assert (out.status, out.code) == (KeyStatus.FAILED, ErrorCode.TRANSFER_FAILED), out
     else:

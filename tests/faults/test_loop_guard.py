@@ -119,7 +119,7 @@ def test_link_failure_fails_only_its_keys(ipc_dir: Path, monkeypatch: pytest.Mon
         assert res[b"local"].status is KeyStatus.STORED
         slots = slot_accounting(stats(client))
         for endpoint in BAD_ENDPOINTS:
-            monkeypatch.setattr(node, "_hinted_source", hinted_source(endpoint))
+            monkeypatch.setattr(node.operations, "hinted_source", hinted_source(endpoint))
             dst_local = np.zeros(SPANS * SLOT, np.uint8)
             dst_remote = np.zeros(SPANS * SLOT, np.uint8)
             out = client.deliver({b"local": spans(reg(dst_local)), b"far": spans(reg(dst_remote))},
@@ -160,7 +160,7 @@ def test_handler_exception_fails_the_message_with_internal(
         caplog.set_level(logging.ERROR, logger="kvcr.node")
 
         # A whole request fails: the error reply echoes its id.
-        monkeypatch.setitem(node._handlers, Query, boom)
+        monkeypatch.setitem(node.router.client_handlers, Query, boom)
         with pytest.raises(NodeError) as err:
             client.query([b"local"]).result(RESULT_TIMEOUT_S)
         assert err.value.code is ErrorCode.INTERNAL, err.value
@@ -168,7 +168,7 @@ def test_handler_exception_fails_the_message_with_internal(
 
         # Failures after the operation exists: remote keys of a deliver and a fetch (whose
         # slots are already set aside) fail INTERNAL, the batch's local key is still served.
-        monkeypatch.setattr(node, "_hinted_source", hinted_source("ipc:///nonexistent/x.sock"))
+        monkeypatch.setattr(node.operations, "hinted_source", hinted_source("ipc:///nonexistent/x.sock"))
         monkeypatch.setattr(node.links, "open", boom)
         dst = np.zeros(SPANS * SLOT, np.uint8)
         out = client.deliver({b"local": spans(reg(dst)), b"far": spans(reg(np.zeros(SPANS * SLOT, np.uint8)))},
@@ -202,7 +202,7 @@ def test_loop_step_and_completion_failures_do_not_stop_the_loop(ipc_dir: Path, m
         src = pattern(SPANS * SLOT, 3)
         assert client.deposit({b"k": spans(reg(src), "kv")}).result(RESULT_TIMEOUT_S)[b"k"].status is KeyStatus.STORED
         slots = slot_accounting(stats(client))
-        flush, deliver_done = node._flush_capacity_events, node._deliver_done
+        flush, deliver_done = node.sessions.flush_capacity_events, node.deliveries.deliver_done
 
         def failing_flush() -> None:
             calls["flush"] += 1
@@ -215,8 +215,8 @@ def test_loop_step_and_completion_failures_do_not_stop_the_loop(ipc_dir: Path, m
             calls["done"] += 1
             raise RuntimeError("injected completion failure")
 
-        monkeypatch.setattr(node, "_flush_capacity_events", failing_flush)
-        monkeypatch.setattr(node, "_deliver_done", failing_done)
+        monkeypatch.setattr(node.sessions, "flush_capacity_events", failing_flush)
+        monkeypatch.setattr(node.deliveries, "deliver_done", failing_done)
         for seed in range(3):
             dst = np.zeros(SPANS * SLOT, np.uint8)
             assert client.deliver({b"k": spans(reg(dst))}).result(RESULT_TIMEOUT_S)[b"k"].status is KeyStatus.OK

@@ -37,10 +37,12 @@ from kvcr_protocol import (
 )
 from kvcr_testing.health import counter, outcome_count, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, hybrid_layout, plain_layout
+from kvcr_testing.nodes import start_node
 from kvcr_testing.patterns import KiB
 from kvcr_testing.remote import (
     FAILED,
     OK,
+    POOLS,
     Dest,
     Sites,
     assert_site_clean,
@@ -48,6 +50,9 @@ from kvcr_testing.remote import (
     expect,
     poll_stats,
 )
+
+DEFERRED_SOURCE = Path(__file__).resolve().parents[2] / "bench" / "deferred_source.py"
+"""The benchmark's launcher of a source node that submits peer writes a loop turn late."""
 
 
 def hinted(site: Any, request_id: str, source: Any, keys: list[bytes]) -> str:
@@ -387,8 +392,12 @@ def test_write_is_submitted_in_the_decoding_turn(sites: Sites) -> None:
         assert counter(st, "writes_deferred") == 0, st["counters"]
 
 
-def test_defer_writes_switch(sites: Sites) -> None:
-    a, b = sites.start("a", ("b", {"args": ("--defer-writes",)}))
+def test_deferred_source_launcher(sites: Sites, ipc_dir: Path) -> None:
+    """The benchmark's source node that submits writes a turn late (bench/deferred_source.py):
+    the same bytes arrive, and it counts every write deferred, none inline."""
+    a = sites("a")
+    launcher = (str(DEFERRED_SOURCE),)
+    b = sites.adopt(start_node(f"ipc://{ipc_dir}/deferred.sock", *POOLS, launcher=launcher), "b")
     layout = plain_layout(4)
     src = b.deposit(b"k", layout, seed=14)
     rid = hinted(a, "rd", b, [b"k"])

@@ -5,7 +5,8 @@
 starts with a script of its own (``tests/faults/hostile_worker.py``) gets ``tests/`` on its
 ``PYTHONPATH`` from the test (``kvcr_testing.hostile.Worker``).
 
-- ``nodes``: ``kvcr-node`` processes, short ipc directories, freezing a node.
+- ``nodes``: ``kvcr-node`` processes, short ipc directories, freezing a node; a node in a thread
+  of the test; a node driven message by message with a fake clock (``NodeDriver``).
 - ``health``: a node's stats, and the checks that it is at rest and consistent.
 - ``patterns``: patterned bytes and byte-exact comparison.
 - ``layouts``: objects' span layouts, registered buffers, checked round trips through one node.

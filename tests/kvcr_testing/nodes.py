@@ -1,4 +1,6 @@
-"""``kvcr-node`` child processes on private endpoints, with bounded starts and stops."""
+"""Nodes for tests: ``kvcr-node`` child processes on private endpoints, with bounded starts
+and stops; a node whose loop runs in a thread of the test; and a node whose loop never runs,
+driven message by message (``NodeDriver``)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,19 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+
+from kvcr_io.agent import Agent
 from kvcr_node.config import NodeConfig
 from kvcr_node.node import Node
+from kvcr_protocol import CURRENT_VERSION, Hello, MemoryKind, Message, Region, Welcome, decode, encode
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 15.0
+TRANSFER_TIMEOUT_S = 10.0
+"""A driven node's transfers end within this (bounded wait, never a sleep)."""
 
 
 @dataclass
@@ -61,15 +70,21 @@ class NodeProcess:
         self.stop(signal.SIGKILL)
 
 
+NODE_LAUNCHER = ("-m", "kvcr_node.cli")
+"""How ``python`` starts a node: ``kvcr-node`` itself."""
+
+
 def start_node(
-    endpoint: str, *extra: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None
+    endpoint: str, *extra: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None,
+    launcher: Sequence[str] = NODE_LAUNCHER,
 ) -> NodeProcess:
     """Start ``kvcr-node`` and wait until it prints the endpoint it bound.
 
     ``prefix`` runs it under another command (``ip netns exec NS``); ``env`` adds to this
-    process's environment.
+    process's environment; ``launcher`` is what ``python`` runs instead of ``kvcr-node``
+    (a script that takes the same flags, such as ``bench/deferred_source.py``).
     """
-    args = [*prefix, sys.executable, "-m", "kvcr_node.cli", "--endpoint", endpoint, "--log-level", "WARNING", *extra]
+    args = [*prefix, sys.executable, *launcher, "--endpoint", endpoint, "--log-level", "WARNING", *extra]
     proc = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=None if env is None else {**os.environ, **env},
@@ -144,3 +159,109 @@ def inprocess_node(config: NodeConfig, clock: Callable[[], float] = time.monoton
         node.request_stop()
         thread.join(STOP_TIMEOUT_S)
         assert not thread.is_alive(), "the node did not stop"
+
+
+# --------------------------------------------------------------------------- a node driven by the test
+
+
+class FakeClock:
+    """Protocol time the test moves by hand (a node's thread may read it: hence the lock)."""
+
+    def __init__(self, start: float = 5000.0) -> None:
+        self._now = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now += seconds
+
+
+class ClientAgent:
+    """A NIXL agent of the test with registered buffers, announced to a node as regions 1, 2, ..."""
+
+    def __init__(self, name: str, *buffers: np.ndarray) -> None:
+        self.agent = Agent(name)
+        self.name = name
+        self.buffers = buffers
+        self._regs = [self.agent.register(MemoryKind.DRAM, b.ctypes.data, b.nbytes, 0) for b in buffers]
+        self.metadata = self.agent.metadata()
+        self.regions = tuple(Region(i + 1, MemoryKind.DRAM, 0, b.ctypes.data, b.nbytes) for i, b in enumerate(buffers))
+
+    def close(self) -> None:
+        for reg in self._regs:
+            self.agent.deregister(reg)
+        self._regs.clear()
+
+
+class NodeDriver:
+    """A node whose loop never runs: the test hands its router one message at a time, reads
+    what the node would send (its outbox), moves its clock and runs its timed steps.
+
+    Nothing here waits or races: the node's whole request path runs in the test's thread
+    (architecture §1, sans-I/O). Only NIXL transfers, where a test starts them, are waited
+    for (``finish_transfers``), bounded.
+    """
+
+    def __init__(self, node: Node, clock: FakeClock) -> None:
+        self.node = node
+        self.clock = clock
+        self._sent: dict[bytes, list[bytes]] = {}
+
+    def receive(self, identity: bytes, msg: Message, version: int = CURRENT_VERSION) -> list[Message]:
+        """Hand the node ``msg`` from ``identity``; returns what it sent to ``identity`` meanwhile."""
+        self.node.router.receive([identity, encode(msg, version)])
+        return self.sent(identity, version)
+
+    def receive_frames(self, frames: list[bytes]) -> None:
+        """Hand the node raw frames (malformed ones included)."""
+        self.node.router.receive(frames)
+
+    def sent(self, identity: bytes, version: int = CURRENT_VERSION) -> list[Message]:
+        """What the node sent to ``identity`` since last asked, decoded, in order."""
+        for to, payload in self.node.outbox.take():
+            self._sent.setdefault(to, []).append(payload)
+        return [decode(payload, version) for payload in self._sent.pop(identity, [])]
+
+    def tick(self, seconds: float = 0.0) -> None:
+        """Move the clock, then run the node's timed steps once, as a loop turn would."""
+        self.clock.advance(seconds)
+        now = self.clock()
+        self.node.links.check(now)
+        self.node.operations.check_deadlines(now)
+        self.node.sessions.check_liveness(now)
+        self.node.sessions.flush_capacity_events()
+
+    def finish_transfers(self, *agents: ClientAgent) -> None:
+        """Poll the node's transfers (progressing the test's agents too) until none runs."""
+        deadline = time.monotonic() + TRANSFER_TIMEOUT_S
+        while self.node.transfers.inflight:
+            assert time.monotonic() < deadline, "the node's transfers did not end"
+            self.node.transfers.poll()
+            for agent in agents:
+                agent.agent.progress()
+
+    def hello(self, identity: bytes, agent: ClientAgent, request_id: int = 1) -> Welcome:
+        """Open a client session for ``agent`` with its regions; returns the welcome."""
+        replies = self.receive(identity, Hello(request_id, (CURRENT_VERSION,), agent.name, agent.name, agent.metadata,
+                                               agent.regions))
+        assert len(replies) == 1 and isinstance(replies[0], Welcome), replies
+        return replies[0]
+
+    def stats(self) -> dict[str, Any]:
+        return self.node.snapshot()
+
+
+@contextmanager
+def node_driver(config: NodeConfig, clock: FakeClock | None = None) -> Iterator[NodeDriver]:
+    """A ``NodeDriver`` over a node built from ``config``; shut down (without its loop) on exit."""
+    clock = clock or FakeClock()
+    node = Node(config, clock=clock)
+    try:
+        yield NodeDriver(node, clock)
+    finally:
+        node.request_stop()
+        node.run()  # the loop sees the stop at once and shuts the node down

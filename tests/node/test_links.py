@@ -22,7 +22,7 @@ from kvcr_node.agents import AgentUse, RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.links import PROBE_INTERVAL_S, LinkError, Links
 from kvcr_node.peers import LinkState, RemoteWrite, WriteStage
-from kvcr_node.sessions import ClientSession, Operation
+from kvcr_node.records import ClientSession, Operation
 from kvcr_protocol import (
     SUPPORTED_VERSIONS,
     DeliverItem,

@@ -1,0 +1,299 @@
+"""Operations in progress and the handles they hand out.
+
+An operation is one batch request with a result slot per item (spec section 5.1):
+``admit`` makes it (or refuses the request: a repeated id, ``max_pending``), ``sort_items``
+splits its keys into those READY here, those still WRITING here (the operation waits on
+them, ``wait``/``wake``, bounded by its deadline) and those a hint sends to another node.
+Its transfers start through ``start``; it settles once every item has a result and
+nothing of it can touch memory any more, and ``settle`` then sends its results once.
+Operation claims (counted here) and handle claims (the ``handles`` table) are the two
+kinds of claims architecture §2 names.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Sequence
+
+from kvcr_io.agent import TransferError
+from kvcr_node.agents import RemoteAgents
+from kvcr_node.config import NodeConfig
+from kvcr_node.outbox import REASON_MAX, Outbox
+from kvcr_node.records import ClientSession, Operation
+from kvcr_node.store import ObjectEntry, ObjectState, Store
+from kvcr_node.transfers import Move, Transfers
+from kvcr_protocol import Completion, ErrorCode, KeyResult, KeyStatus, ProtocolError, Release
+
+log = logging.getLogger("kvcr.node")
+
+Failure = Callable[[str, BaseException], None]
+"""Counts and logs an unexpected failure (the node's ``internal_failure``)."""
+
+
+class Operations:
+    """Every operation in progress: admission, waits, deadlines, abort, settling; and handles."""
+
+    def __init__(
+        self, config: NodeConfig, store: Store, transfers: Transfers, agents: RemoteAgents, outbox: Outbox,
+        clock: Callable[[], float], endpoint: str, failure: Failure,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.transfers = transfers
+        self.agents = agents
+        self.outbox = outbox
+        self.clock = clock
+        self.endpoint = endpoint
+        """This node's own endpoint: a hint naming it sends nothing anywhere."""
+        self.failure = failure
+        self.waiters: dict[bytes, list[Operation]] = {}
+        """WRITING key -> the operations waiting on it."""
+        self.handles: dict[int, tuple[ClientSession, ObjectEntry]] = {}
+        self._next_handle = 1
+        self.claims = 0
+        """Claims held by operations in progress (the others are ``handles``)."""
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        """Per-key results sent, by request, status and code."""
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(self, session: ClientSession, msg_id: int, kind: str, n: int, deadline_ms: int) -> Operation | None:
+        """A new operation of ``n`` items, or None after refusing the request."""
+        if msg_id in session.ops:
+            self.outbox.refuse(session, msg_id, ProtocolError(ErrorCode.BAD_STATE, f"operation {msg_id} is already in progress", "id"))
+            return None
+        if len(session.ops) >= self.config.max_pending:
+            # Back-pressure: refuse rather than queue without bound.
+            self.outbox.refuse(session, msg_id, ProtocolError(ErrorCode.BUSY, f"{len(session.ops)} operations in progress; retry later"))
+            return None
+        ms = deadline_ms or self.config.deadline_ms
+        op = Operation(session, msg_id, kind, self.clock() + ms / 1000, [None] * n)
+        session.ops[msg_id] = op
+        return op
+
+    @staticmethod
+    def unique_keys(op: Operation, keys: Sequence[bytes]) -> list[bool]:
+        """Which items carry a key not seen earlier in the batch (the others fail DUPLICATE_KEY)."""
+        seen: set[bytes] = set()
+        ok = []
+        for i, key in enumerate(keys):
+            if key in seen:
+                op.fail(i, ErrorCode.DUPLICATE_KEY, f"items[{i}].key appears twice in this batch")
+                ok.append(False)
+            else:
+                seen.add(key)
+                ok.append(True)
+        return ok
+
+    def sort_items(
+        self, op: Operation, keys: Sequence[bytes], request_id: str | None
+    ) -> tuple[list[int], dict[str, list[int]]]:
+        """Split a batch: keys READY here, and keys a hint sends to another node.
+
+        The operation waits on keys still WRITING here; keys neither here nor hinted
+        fail NOT_FOUND, repeated keys DUPLICATE_KEY.
+        """
+        unique = self.unique_keys(op, keys)
+        ready: list[int] = []
+        remote: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            if not unique[i]:
+                continue
+            entry = self.store.lookup(key)
+            if entry is None:
+                source = self.hinted_source(op.session, request_id, key)
+                if source is None:
+                    op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node"
+                            + (" and no hint names a source" if request_id is not None else ""))
+                else:
+                    remote.setdefault(source, []).append(i)
+            elif entry.state is ObjectState.WRITING:
+                self.wait(op, key, i)
+            else:
+                ready.append(i)
+        return ready, remote
+
+    def hinted_source(self, session: ClientSession, request_id: str | None, key: bytes) -> str | None:
+        """The endpoint ``session``'s hint for a request names for ``key`` (never this node itself).
+
+        Only the session's own hints count (spec section 5.2): another client's hint under
+        the same request id can neither be seen nor steer this request.
+        """
+        if request_id is None:
+            return None
+        hint = session.hints.get(request_id)
+        if hint is None or key not in hint[1] or hint[0] == self.endpoint:
+            return None
+        return hint[0]
+
+    # ------------------------------------------------------------------ waiting on WRITING objects
+
+    def wait(self, op: Operation, key: bytes, index: int) -> None:
+        """Item ``index`` of ``op`` waits for the writer of ``key`` (architecture §2)."""
+        op.waiting.setdefault(key, []).append(index)
+        self.waiters.setdefault(key, []).append(op)
+
+    def wake(self, key: bytes) -> None:
+        """The writer of ``key`` is done (READY or gone): the items waiting on it go on."""
+        for op in self.waiters.pop(key, ()):
+            indices = op.waiting.pop(key, [])
+            if op.resume is not None:
+                for i in indices:
+                    op.resume(i)
+            self.settle(op)
+
+    def unwait(self, op: Operation, key: bytes) -> list[int]:
+        """Stop ``op`` waiting on ``key``; returns the items that waited."""
+        ops = self.waiters.get(key)
+        if ops is not None:
+            if op in ops:
+                ops.remove(op)
+            if not ops:
+                del self.waiters[key]
+        return op.waiting.pop(key, [])
+
+    def abandon_fills(self, entries: Sequence[ObjectEntry]) -> None:
+        """Free WRITING entries that no transfer fills after all, and wake their waiters."""
+        for entry in entries:
+            self.store.abandon(entry)
+            self.wake(entry.key)
+
+    # ------------------------------------------------------------------ deadlines, abort, settling
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of an operation that waits (the others end with their transfers)."""
+        deadlines = [op.deadline for ops in self.waiters.values() for op in ops]
+        return min(deadlines) if deadlines else None
+
+    def check_deadlines(self, now: float) -> None:
+        """Fail the waits of operations whose deadline passed (TIMEOUT)."""
+        if not self.waiters:
+            return
+        expired = {id(op): op for ops in self.waiters.values() for op in ops if op.deadline <= now}
+        for op in expired.values():
+            self.abort(op, ErrorCode.TIMEOUT, "the deadline passed while the object was still being written")
+
+    def abort(self, op: Operation, code: ErrorCode = ErrorCode.ABORTED, reason: str = "aborted") -> None:
+        """Best effort: items not yet moving end now; items in flight end when their transfer does."""
+        op.aborted = code is ErrorCode.ABORTED or op.aborted
+        for key in list(op.waiting):
+            for i in self.unwait(op, key):
+                if code is ErrorCode.ABORTED:
+                    op.set(i, KeyResult(KeyStatus.ABORTED, code, reason))
+                else:
+                    op.fail(i, code, reason)
+        self.settle(op)
+
+    def break_op(self, op: Operation, reason: str) -> None:
+        """Fail an operation whose handling failed: stop its waits, finish it once nothing of it runs."""
+        op.broken = reason[:REASON_MAX]
+        for key in list(op.waiting):
+            self.unwait(op, key)
+        self.settle(op)
+
+    def settle(self, op: Operation) -> None:
+        """Once ``op`` is settled: forget it and send its results (once)."""
+        if not op.settled or op.session.ops.get(op.id) is not op:
+            return
+        del op.session.ops[op.id]
+        if self.agents.pending:
+            self.agents.release_pending()
+        if op.broken is not None:
+            op.fail_unresolved(ErrorCode.INTERNAL)
+        results = tuple(r for r in op.results if r is not None)
+        self.outbox.check_results(op.kind, results)
+        for r in results:
+            self.outcomes[f"{op.kind}.{r.status.value}" + (f".{ErrorCode(r.code).name}" if r.code else "")] += 1
+        if op.report is not None:
+            op.report(results)
+        elif op.session.closing:
+            # A closed session's handles from this op were never handed out: release them.
+            for r in results:
+                if r.handle is not None:
+                    self.release_handle(op.session, r.handle)
+        else:
+            self.outbox.reply(op.session, Completion(op.id, results))
+
+    def end_session(self, session: ClientSession) -> None:
+        """The session closed: abort what can be aborted, release its handle claims.
+
+        Operations with a transfer in flight keep their claims until it is terminal.
+        """
+        for op in list(session.ops.values()):
+            self.abort(op)
+        for handle in list(session.handles):
+            self.release_handle(session, handle)
+
+    # ------------------------------------------------------------------ transfers and claims
+
+    def start(self, op: Operation, kind: str, moves: list[Move], on_done: Callable[[bool], None]) -> None:
+        """Submit one NIXL transfer for ``op``; ``on_done`` runs when it is terminal (or refused)."""
+        def done(ok: bool) -> None:
+            # A completion that raises breaks its operation only, never the loop.
+            try:
+                on_done(ok)
+            except Exception as exc:
+                self.failure(f"{op.kind} completion", exc)
+                self.break_op(op, f"the node failed while completing {op.kind}: {type(exc).__name__}: {exc}")
+
+        try:
+            transfer = self.transfers.start(kind, op.agent or op.session.agent, moves, done)
+        except TransferError as exc:
+            log.warning("transfer refused for %s %d: %s", op.kind, op.id, exc)
+            done(False)
+            return
+        except Exception as exc:
+            self.failure(f"{op.kind} transfer", exc)
+            done(False)
+            return
+        op.transfers.append(transfer)
+
+    def claim(self, entry: ObjectEntry) -> None:
+        """An operation claim: the object stays until the transfer that reads it is terminal."""
+        self.store.claim(entry)
+        self.claims += 1
+
+    def unclaim(self, entry: ObjectEntry, accessed: bool) -> None:
+        self.store.unclaim(entry, accessed=accessed)
+        self.claims -= 1
+
+    # ------------------------------------------------------------------ handles
+
+    def new_handle(self, session: ClientSession, entry: ObjectEntry) -> int:
+        """A handle claim on ``entry`` for ``session`` (a fetch, a ``no_evict`` deposit)."""
+        handle = self._next_handle
+        self._next_handle += 1
+        self.handles[handle] = (session, entry)
+        session.handles.add(handle)
+        return handle
+
+    def release_handle(self, session: ClientSession, handle: int) -> bool:
+        held = self.handles.get(handle)
+        if held is None or held[0] is not session:
+            return False
+        del self.handles[handle]
+        session.handles.discard(handle)
+        self.store.unclaim(held[1], accessed=False)
+        return True
+
+    def on_release(self, session: ClientSession, msg: Release) -> None:
+        results = []
+        for i, handle in enumerate(msg.handles):
+            if self.release_handle(session, handle):
+                results.append(KeyResult(KeyStatus.OK))
+            else:
+                results.append(KeyResult(KeyStatus.FAILED, ErrorCode.UNKNOWN_HANDLE, f"handles[{i}] is not held by this client"))
+        self.outbox.check_results("release", results)
+        self.outbox.reply(session, Completion(msg.id, tuple(results)))
+
+    def check_invariants(self) -> list[str]:
+        """Claims match handles plus operation claims; every handle is in its session."""
+        breaches = []
+        claims = self.store.stats()["claims"]
+        if claims != len(self.handles) + self.claims:
+            breaches.append(f"claims {claims} != handles {len(self.handles)} + operation claims {self.claims}")
+        for handle, (session, _) in self.handles.items():
+            if handle not in session.handles:
+                breaches.append(f"handle {handle} is not in its session")
+        return breaches

@@ -1,0 +1,180 @@
+"""The source side of cross-node delivery (spec sections 5.3 and 12): what a target node asks of us.
+
+A target opens a peer session (``peer_hello``), announces the clients it writes for
+(``peer_client``, bounded by ``max_peer_clients``), asks for writes of objects stored here
+into a client's memory or its own pools (``write``, served by ``kvcr_node.ops.deliver``),
+and asks whether a write whose deadline passed is over (``probe``). A write whose objects
+are all READY is claimed and its WRITE submitted in the turn that decoded it
+(architecture §4); ``write_done`` goes back when the transfer is terminal.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Sequence
+
+from kvcr_node.agents import RemoteAgents
+from kvcr_node.config import NodeConfig
+from kvcr_node.operations import Operations
+from kvcr_node.ops.deliver import Deliveries
+from kvcr_node.outbox import Outbox
+from kvcr_node.records import Operation, PeerSession
+from kvcr_node.sessions import Sessions
+from kvcr_protocol import (
+    Ack,
+    ErrorCode,
+    KeyResult,
+    PeerClient,
+    PeerHello,
+    PeerWelcome,
+    Probe,
+    ProbeReply,
+    ProtocolError,
+    Refuse,
+    WriteDone,
+    WriteRequest,
+    WriteState,
+    negotiate,
+)
+
+log = logging.getLogger("kvcr.node")
+
+SUBMIT_WRITES_NEXT_TURN = False
+"""Measurement hook, never set by the product: a node whose process sets it submits a peer
+write's READY keys a loop turn after decoding the request, as a second queue would, instead
+of in the decoding turn. Only ``bench/deferred_source.py`` sets it, in a node it starts
+itself, to compare the two (``bench/remote.py``)."""
+
+
+class Source:
+    """Peer sessions' requests: hello, announced clients, writes and probes."""
+
+    def __init__(
+        self, config: NodeConfig, sessions: Sessions, operations: Operations, deliveries: Deliveries,
+        agents: RemoteAgents, outbox: Outbox, counters: collections.Counter[str],
+        protocol_errors: collections.Counter[str], versions: Sequence[int], incarnation: int,
+        agent_name: str, metadata: Callable[[], bytes],
+    ) -> None:
+        self.config = config
+        self.sessions = sessions
+        self.operations = operations
+        self.deliveries = deliveries
+        self.agents = agents
+        self.outbox = outbox
+        self.counters = counters
+        self.protocol_errors = protocol_errors
+        self.versions = versions
+        self.incarnation = incarnation
+        self.agent_name = agent_name
+        self.metadata = metadata
+        """Our agent's NIXL metadata (sent in ``peer_welcome``)."""
+        self.next_turn: list[Callable[[], None]] = []
+        """Submissions held for the next loop turn (only with ``SUBMIT_WRITES_NEXT_TURN``)."""
+
+    def on_peer_hello(self, identity: bytes, msg: PeerHello) -> None:
+        try:
+            version = negotiate(self.versions, msg.versions)
+        except ProtocolError as exc:
+            self.outbox.refuse(self.sessions.addressee(identity), msg.id, exc)
+            return
+        # A reconnecting target opens a new session (a new identity); its old sessions
+        # retire: their writes run to the end and stay answerable to probes.
+        for old in [s for s in self.sessions
+                    if s.identity == identity or (isinstance(s, PeerSession) and s.incarnation == msg.incarnation)]:
+            self.sessions.close(old)
+            if old.ops:
+                self.sessions.retired.append(old)
+        session = self.sessions.open_session(
+            identity, msg.id, msg.agent_md, msg.regions,
+            lambda agent: PeerSession(identity, msg.node, agent, version, msg.agent_md, incarnation=msg.incarnation),
+        )
+        if session is None:
+            return
+        self.counters["peer_hellos"] += 1
+        log.info("peer %s (incarnation %x) joined at version %d", msg.node, msg.incarnation, version)
+        self.outbox.reply(session, PeerWelcome(
+            msg.id, version, self.config.name, self.incarnation, self.agent_name, self.metadata()))
+
+    def on_peer_client(self, peer: PeerSession, msg: PeerClient) -> None:
+        announced = self.sessions.announce(peer, msg.id, msg.agent_md, msg.regions)
+        if announced is None:
+            return
+        agent, regions = announced
+        peer.clients[agent] = regions
+        peer.clients.move_to_end(agent)
+        self._bound_peer_clients(peer)
+        self.outbox.reply(peer, Ack(msg.id))
+
+    def _bound_peer_clients(self, peer: PeerSession) -> None:
+        """Forget the least recently used announced clients beyond ``max_peer_clients`` (spec
+        section 5.3), except those a running write of this peer names: that table is then
+        over the bound by at most the peer's operations in progress (``max_pending``)."""
+        excess = len(peer.clients) - self.config.max_peer_clients
+        if excess <= 0:
+            return
+        running = {op.agent for op in peer.ops.values()}
+        for agent in [a for a in peer.clients if a not in running][:excess]:
+            del peer.clients[agent]
+            self.counters["peer_clients_evicted"] += 1
+            self.agents.release(agent)
+
+    def on_write(self, peer: PeerSession, msg: WriteRequest) -> None:
+        regions = peer.regions if msg.agent == peer.agent else peer.clients.get(msg.agent)
+        if regions is not None and msg.agent != peer.agent:
+            peer.clients.move_to_end(msg.agent)
+        if regions is None:
+            self.protocol_errors[ErrorCode.BAD_STATE.name] += 1
+            self.outbox.reply(peer, Refuse(msg.id, ErrorCode.BAD_STATE, f"agent {msg.agent!r} was not announced (peer_client first)"))
+            return
+        op = self.operations.admit(peer, msg.id, "write", len(msg.items), msg.deadline_ms)
+        if op is None:
+            return
+        op.agent, op.regions, op.exact = msg.agent, regions, not msg.partial
+        op.report = lambda results: self.write_settled(peer, op, results)
+        items = msg.items
+
+        def resume(i: int) -> None:
+            self.counters["writes_deferred"] += 1
+            self.deliveries.deliver_ready([i], op, items)
+
+        op.resume = resume
+        # A source never forwards: request_id None names no hint.
+        ready, _ = self.operations.sort_items(op, [item.key for item in items], None)
+        if ready and SUBMIT_WRITES_NEXT_TURN:
+            self.counters["writes_deferred"] += 1
+            self.next_turn.append(lambda: self.deliveries.deliver_ready(ready, op, items))
+            return
+        if ready:
+            # architecture §4: claims taken and the WRITE submitted in the turn that decoded the request.
+            self.counters["writes_inline"] += 1
+        self.deliveries.deliver_ready(ready, op, items)
+
+    def submit_held(self) -> list[Callable[[], None]]:
+        """The submissions held for this turn (the loop runs each, guarded)."""
+        held, self.next_turn = self.next_turn, []
+        return held
+
+    def write_settled(self, peer: PeerSession, op: Operation, results: tuple[KeyResult, ...]) -> None:
+        """A write is over here: remember it for probes, and answer ``write_done`` while the session lasts."""
+        peer.remember_done(op.id)
+        if not peer.closing:
+            self.outbox.reply(peer, WriteDone(op.id, results))
+        elif not peer.ops and peer in self.sessions.retired:
+            self.sessions.retired.remove(peer)
+
+    def on_probe(self, peer: PeerSession, msg: Probe) -> None:
+        # Write ids are unique per target incarnation: look through every session of it,
+        # retired ones included (a write from before a reconnect may still be running).
+        state = WriteState.UNKNOWN
+        for session in [*self.sessions, *self.sessions.retired]:
+            if not isinstance(session, PeerSession) or session.incarnation != peer.incarnation:
+                continue
+            op = session.ops.get(msg.op)
+            if op is not None and op.kind == "write":
+                state = WriteState.IN_FLIGHT if any(t.running for t in op.transfers) else WriteState.WAITING
+                break
+            if msg.op in session.done:
+                state = WriteState.DONE
+                break
+        self.outbox.reply(peer, ProbeReply(msg.id, msg.op, state, self.incarnation))

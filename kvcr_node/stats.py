@@ -1,0 +1,109 @@
+"""What a node reports about itself: statistics, table sizes and the accounting check.
+
+Read-only over the other parts: ``snapshot`` is what ``stats`` answers (and what
+operators and soaks read); ``check_invariants`` is the store's invariants plus the
+node's (claims match handles and operations; no code sent out of place, spec section 10.1).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+from kvcr_node.agents import RemoteAgents
+from kvcr_node.config import NodeConfig
+from kvcr_node.operations import Operations
+from kvcr_node.outbox import Outbox
+from kvcr_node.records import ClientSession, PeerSession
+from kvcr_node.sessions import Sessions
+from kvcr_node.store import Store
+from kvcr_node.target import Target
+from kvcr_node.transfers import Transfers
+from kvcr_protocol import ProjectionCache, StatsReply, StatsRequest
+
+
+class Stats:
+    """The ``stats`` handler, ``snapshot`` and ``check_invariants``."""
+
+    def __init__(
+        self, config: NodeConfig, incarnation: int, versions: Sequence[int], store: Store, sessions: Sessions,
+        operations: Operations, target: Target, transfers: Transfers, agents: RemoteAgents,
+        projections: ProjectionCache, outbox: Outbox, counters: collections.Counter[str],
+        protocol_errors: collections.Counter[str],
+    ) -> None:
+        self.config = config
+        self.incarnation = incarnation
+        self.versions = versions
+        self.store = store
+        self.sessions = sessions
+        self.operations = operations
+        self.target = target
+        self.transfers = transfers
+        self.agents = agents
+        self.projections = projections
+        self.outbox = outbox
+        self.counters = counters
+        self.protocol_errors = protocol_errors
+
+    def on_stats(self, session: ClientSession, msg: StatsRequest) -> None:
+        self.outbox.reply(session, StatsReply(msg.id, self.snapshot()))
+
+    def snapshot(self) -> dict[str, Any]:
+        """Statistics and the result of the accounting check (O(objects))."""
+        store = self.store.stats()
+        policy = self.store.policy
+        sessions = list(self.sessions)
+        return {
+            "node": self.config.name,
+            "incarnation": self.incarnation,
+            "protocol_version": self.versions[-1],
+            "pools": self.store.pool_stats(),
+            "objects": store["objects"],
+            "ready": store["ready"],
+            "writing": store["writing"],
+            "evictions": store["evictions"],
+            "claims": {
+                "total": store["claims"],
+                "handles": len(self.operations.handles),
+                "operations": self.operations.claims,
+            },
+            "clients": sum(1 for s in sessions if not isinstance(s, PeerSession)),
+            "operations_pending": sum(len(s.ops) for s in sessions),
+            "transfers": self.transfers.stats(),
+            "peers": self.target.links.stats(),
+            "peer_sessions": sum(1 for s in sessions if isinstance(s, PeerSession)),
+            "outcomes": dict(self.operations.outcomes),
+            "protocol_errors": dict(self.protocol_errors),
+            "counters": dict(self.counters),
+            "projection_cache": {"size": len(self.projections), "hits": self.projections.hits, "misses": self.projections.misses},
+            "policy": {"name": policy.name, "failures": getattr(policy, "failures", 0)},
+            "tables": self.table_sizes(),
+            "invariants": self.check_invariants(),
+        }
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries in the node's per-session and per-peer tables, for soaks and operators."""
+        sessions = self.sessions
+        peers = [s for s in (*sessions, *sessions.retired) if isinstance(s, PeerSession)]
+        clients = sessions.clients()
+        return {
+            "sessions": len(sessions),
+            "retired_sessions": len(sessions.retired),
+            "handles": len(self.operations.handles),
+            "waiters": len(self.operations.waiters),
+            **self.target.links.sizes(),
+            "peer_clients": sum(len(s.clients) for s in peers),
+            **self.agents.sizes(),
+            "hints": sum(len(s.hints) for s in clients),
+            "hinted_keys": sum(s.hinted_keys for s in clients),
+            "withdrawals": sum(len(s.withdrawals) for s in clients),
+        }
+
+    def check_invariants(self) -> list[str]:
+        """The store's invariants plus the node's: claims match handles and live operations."""
+        breaches = self.store.check_invariants()
+        breaches.extend(self.operations.check_invariants())
+        for what, n in self.outbox.undeclared_codes.items():
+            breaches.append(f"sent a code spec section 10.1 does not list ({what}) {n} times")
+        return breaches

@@ -1,0 +1,217 @@
+"""The source side of cross-node delivery in process (``kvcr_node.source``), with a fake clock.
+
+The test plays the target node: it opens a peer session on a node whose loop never runs
+(``kvcr_testing.nodes.NodeDriver``), announces clients, asks for writes and probes them
+(spec sections 5.3 and 12). Writes that move bytes run real NIXL transfers into the test's
+own buffers, compared byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvcr_node.source
+from kvcr_node.config import NodeConfig
+from kvcr_node.poolspec import PoolSpec
+from kvcr_node.store import DepositOutcome
+from kvcr_protocol import (
+    CURRENT_VERSION,
+    Ack,
+    Completion,
+    DeliverItem,
+    Deposit,
+    DepositItem,
+    DstSpan,
+    Error,
+    ErrorCode,
+    KeyStatus,
+    Message,
+    PeerClient,
+    PeerHello,
+    PeerWelcome,
+    Probe,
+    ProbeReply,
+    Query,
+    Refuse,
+    SrcSpan,
+    WriteDone,
+    WriteRequest,
+    WriteState,
+)
+from kvcr_testing.nodes import ClientAgent, NodeDriver, node_driver
+from kvcr_testing.patterns import assert_bytes_equal, pattern
+
+SLOT = 4096
+SPANS = 2
+LAYOUT = tuple((f"L{i}", "kv") for i in range(SPANS))
+INCARNATION = 7
+"""The incarnation of the target node the test plays."""
+
+
+def config(ipc_dir: Path, **changes: Any) -> NodeConfig:
+    base = NodeConfig(endpoint=f"ipc://{ipc_dir}/source.sock", name="source", pools=(PoolSpec("kv", SLOT, 8, "dram"),),
+                      log_level="WARNING", client_grace_ms=600_000, heartbeat_ms=2_000)
+    return NodeConfig(**{**base.__dict__, **changes}).validated()
+
+
+@pytest.fixture(scope="module")
+def target() -> Iterator[ClientAgent]:
+    """The agent of the target node the test plays (its pools are region 1)."""
+    a = ClientAgent("test-target", np.zeros(SPANS * SLOT, np.uint8))
+    yield a
+    a.close()
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[ClientAgent]:
+    """A client of that target: region 1 holds source bytes, region 2 is where a write lands."""
+    a = ClientAgent("test-target-client", pattern(SPANS * SLOT, 21), np.zeros(SPANS * SLOT, np.uint8))
+    yield a
+    a.close()
+
+
+def peer_hello(d: NodeDriver, identity: bytes, target: ClientAgent, request_id: int = 1) -> None:
+    hello = PeerHello(request_id, (CURRENT_VERSION,), "target", INCARNATION, target.name, target.metadata, target.regions)
+    replies = d.receive(identity, hello)
+    assert len(replies) == 1 and isinstance(replies[0], PeerWelcome), replies
+    assert replies[0].incarnation == d.node.incarnation
+
+
+def announce(d: NodeDriver, identity: bytes, client: ClientAgent, request_id: int) -> None:
+    assert d.receive(identity, PeerClient(request_id, client.name, client.metadata, client.regions)) == [Ack(request_id)]
+
+
+def write(op: int, agent: str, key: bytes = b"k", deadline_ms: int = 5_000) -> WriteRequest:
+    item = DeliverItem(key, tuple(DstSpan(name, 2, i * SLOT, SLOT) for i, (name, _) in enumerate(LAYOUT)))
+    return WriteRequest(op, agent, (item,), deadline_ms)
+
+
+def probe(d: NodeDriver, identity: bytes, request_id: int, op: int) -> WriteState:
+    replies = d.receive(identity, Probe(request_id, op))
+    assert len(replies) == 1 and isinstance(replies[0], ProbeReply) and replies[0].op == op, replies
+    assert replies[0].incarnation == d.node.incarnation
+    state: WriteState = replies[0].state
+    return state
+
+
+def only(replies: list[Message], kind: type[Message]) -> Any:
+    assert len(replies) == 1 and isinstance(replies[0], kind), replies
+    return replies[0]
+
+
+def assert_at_rest(d: NodeDriver) -> None:
+    st = d.stats()
+    assert st["invariants"] == [] and st["claims"]["total"] == 0 and st["operations_pending"] == 0, st
+    assert st["tables"]["retired_sessions"] == 0 and st["tables"]["waiters"] == 0, st["tables"]
+
+
+def test_peer_and_client_requests_do_not_mix(ipc_dir: Path, target: ClientAgent, client: ClientAgent) -> None:
+    with node_driver(config(ipc_dir)) as d:
+        peer_hello(d, b"p", target)
+        refused = only(d.receive(b"p", write(2, client.name)), Refuse)
+        assert refused.code == ErrorCode.BAD_STATE and client.name in refused.reason  # not announced
+        assert only(d.receive(b"p", Query(3, (b"k",))), Error).code == ErrorCode.BAD_STATE
+        d.hello(b"c", client)
+        assert only(d.receive(b"c", write(4, client.name)), Error).code == ErrorCode.BAD_STATE
+        assert d.stats()["peer_sessions"] == 1 and d.stats()["clients"] == 1
+        assert_at_rest(d)
+
+
+def test_a_probe_follows_a_write_until_it_is_over(ipc_dir: Path, target: ClientAgent, client: ClientAgent) -> None:
+    with node_driver(config(ipc_dir)) as d:
+        peer_hello(d, b"p", target)
+        announce(d, b"p", client, 2)
+        outcome, entry = d.node.store.begin_deposit(b"k", LAYOUT)  # still being written here
+        assert outcome is DepositOutcome.NEW and entry is not None
+        assert d.receive(b"p", write(3, client.name, deadline_ms=1_000)) == []
+        assert probe(d, b"p", 4, 3) is WriteState.WAITING
+        assert probe(d, b"p", 5, 99) is WriteState.UNKNOWN
+        d.tick(1.1)
+        done = only(d.sent(b"p"), WriteDone)
+        assert done.id == 3 and (done.results[0].status, done.results[0].code) == (KeyStatus.FAILED, ErrorCode.TIMEOUT)
+        assert probe(d, b"p", 6, 3) is WriteState.DONE
+        d.node.store.abandon(entry)
+        d.node.operations.wake(b"k")
+        assert_at_rest(d)
+
+
+def test_a_reconnecting_target_ends_its_old_session(ipc_dir: Path, target: ClientAgent, client: ClientAgent) -> None:
+    """A new peer session of the same incarnation closes the old one: its waiting write is
+    aborted (nothing of it ran), so a probe of it finds nothing that can still write."""
+    with node_driver(config(ipc_dir)) as d:
+        peer_hello(d, b"old", target)
+        announce(d, b"old", client, 2)
+        outcome, entry = d.node.store.begin_deposit(b"k", LAYOUT)
+        assert outcome is DepositOutcome.NEW and entry is not None
+        assert d.receive(b"old", write(3, client.name)) == []
+        peer_hello(d, b"new", target)
+        assert [s.identity for s in d.node.sessions] == [b"new"]
+        assert d.sent(b"old") == []  # a closed session gets no write_done
+        assert probe(d, b"new", 4, 3) is WriteState.UNKNOWN
+        assert d.stats()["tables"]["peer_clients"] == 0  # its announced clients went with it
+        d.node.store.abandon(entry)
+        d.node.operations.wake(b"k")
+        assert_at_rest(d)
+
+
+def test_announced_clients_are_bounded(ipc_dir: Path, target: ClientAgent, client: ClientAgent) -> None:
+    other = ClientAgent("test-target-client-2", np.zeros(SPANS * SLOT, np.uint8), np.zeros(SPANS * SLOT, np.uint8))
+    try:
+        with node_driver(config(ipc_dir, max_peer_clients=1)) as d:
+            peer_hello(d, b"p", target)
+            announce(d, b"p", client, 2)
+            announce(d, b"p", other, 3)
+            st = d.stats()
+            assert st["counters"]["peer_clients_evicted"] == 1 and st["tables"]["peer_clients"] == 1
+            # The forgotten client's write is refused: the target announces it again first.
+            assert only(d.receive(b"p", write(4, client.name)), Refuse).code == ErrorCode.BAD_STATE
+            assert_at_rest(d)
+    finally:
+        other.close()
+
+
+def store_object(d: NodeDriver, client: ClientAgent) -> np.ndarray:
+    """Deposit region 1 of ``client`` under ``k`` through a client session of its own."""
+    d.hello(b"owner", client)
+    spans = tuple(SrcSpan(name, pool, 1, i * SLOT, SLOT) for i, (name, pool) in enumerate(LAYOUT))
+    replies = d.receive(b"owner", Deposit(9, (DepositItem(b"k", spans),)))
+    d.finish_transfers(client)
+    stored = only(replies + d.sent(b"owner"), Completion)
+    assert stored.results[0].status is KeyStatus.STORED
+    src: np.ndarray = client.buffers[0]
+    return src
+
+
+@pytest.mark.parametrize("next_turn", [False, True], ids=["inline", "next-turn"])
+def test_a_write_lands_every_byte_in_the_client_memory(
+    ipc_dir: Path, target: ClientAgent, client: ClientAgent, monkeypatch: pytest.MonkeyPatch, next_turn: bool
+) -> None:
+    """A READY object is claimed and written in the turn that decoded the request; with the
+    benchmark's hook set, a turn later (bench/deferred_source.py). The same bytes land."""
+    monkeypatch.setattr(kvcr_node.source, "SUBMIT_WRITES_NEXT_TURN", next_turn)
+    dst = client.buffers[1]
+    dst[:] = 0
+    with node_driver(config(ipc_dir)) as d:
+        src = store_object(d, client)
+        peer_hello(d, b"p", target)
+        announce(d, b"p", client, 2)
+        replies = d.receive(b"p", write(3, client.name))
+        if next_turn:
+            assert replies == [] and d.stats()["transfers"]["in_flight"] == 0
+            for submit in d.node.source.submit_held():
+                submit()
+            replies = d.sent(b"p")
+        d.finish_transfers(client)
+        done = only(replies + d.sent(b"p"), WriteDone)
+        assert done.id == 3 and done.results[0].status is KeyStatus.OK
+        assert_bytes_equal(dst, src, "the written object")
+        counters = d.stats()["counters"]
+        assert counters.get("writes_deferred", 0) == int(next_turn)
+        assert counters.get("writes_inline", 0) == int(not next_turn)
+        assert probe(d, b"p", 4, 3) is WriteState.DONE
+        assert_at_rest(d)
