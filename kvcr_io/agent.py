@@ -16,8 +16,6 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
 from kvcr_protocol import MemoryKind
 
 Desc = tuple[int, int, int]
@@ -105,7 +103,7 @@ class Agent:
     # -- transfers
 
     def prep_local(self, kind: MemoryKind, descs: Sequence[Desc]) -> Any:
-        """Prepare a local descriptor list once; transfers then select entries by index."""
+        """Prepare a local descriptor list; transfers select entries by index."""
         return self._nixl.prep_xfer_dlist("NIXL_INIT_AGENT", list(descs), _MEM[kind])
 
     def prep_remote(self, agent: str, kind: MemoryKind, descs: Sequence[Desc]) -> Any:
@@ -124,19 +122,6 @@ class Agent:
         """Create and post a transfer; returns its handle and status."""
         try:
             handle = self._nixl.make_prepped_xfer(op, local, list(local_idx), remote, list(remote_idx))
-        except Exception as exc:
-            raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
-        return handle, self._post(op, handle)
-
-    def start_descs(
-        self, op: str, local_kind: MemoryKind, local: Sequence[Desc], remote_kind: MemoryKind,
-        remote: Sequence[Desc], remote_agent: str,
-    ) -> tuple[Any, XferStatus]:
-        """Create and post a transfer from explicit descriptor lists (merged spans)."""
-        try:
-            ldescs = self._nixl.get_xfer_descs(np.array(local, dtype=np.uint64), _MEM[local_kind])
-            rdescs = self._nixl.get_xfer_descs(np.array(remote, dtype=np.uint64), _MEM[remote_kind])
-            handle = self._nixl.initialize_xfer(op, ldescs, rdescs, remote_agent)
         except Exception as exc:
             raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
         return handle, self._post(op, handle)

@@ -3,8 +3,13 @@
 Each pool memory (one per memory kind and device) gets one descriptor list prepared at
 start, one descriptor per slot, so a transfer selects slots by index (architecture §6). When
 consecutive spans are contiguous on both sides (consecutive slots of one pool into
-consecutive client bytes) they are merged into one descriptor first: small descriptors
-are slow, and most objects land in consecutive slots.
+consecutive bytes of one remote region) they are merged into one descriptor first: small
+descriptors are slow, and most objects land in consecutive slots.
+
+The remote side is always a prepared list in which each region's descriptors follow the
+whole region, regions highest first (``anchored``): NIXL keeps every registration a remote
+agent's metadata ever carried and looks a descriptor up next to its neighbours only, so
+without that anchor an older or smaller registration inside the region hides it.
 """
 
 from __future__ import annotations
@@ -68,6 +73,37 @@ def uniform_columns(
     if int(array.max()) > region.length - length:
         return None
     return region, array
+
+
+def anchored(
+    blocks: Mapping[tuple[int, int], tuple[list[int], list[Desc]]], device: int,
+) -> tuple[list[int], list[Desc], list[int]]:
+    """The remote descriptor list of a transfer, and which local and remote entries it moves.
+
+    ``blocks`` maps each remote region (address, length) to its local indices and remote
+    descriptors, pairwise. Every block is preceded by its region's own descriptor, regions
+    highest first (NIXL's order: address, then length). NIXL finds a descriptor's
+    registration by binary search and then looks at that entry and the one before only,
+    while it goes on with the entry it found as long as that entry covers the next
+    descriptor. The remote agent's metadata keeps every registration it ever carried (NIXL
+    drops them only with the whole agent), so a registration that starts inside the region
+    (an earlier buffer whose memory was reused, or a smaller live one) made the lookup of a
+    descriptor past it fail or pick that registration. The region's own descriptor is found
+    exactly, covers every descriptor of its block, and is lower than the block before it, so
+    each region is looked up afresh and by its own registration (architecture §6). The
+    anchors themselves are never moved: returns (local indices, remote list, remote indices).
+    """
+    local_idx: list[int] = []
+    remote: list[Desc] = []
+    remote_idx: list[int] = []
+    for address, length in sorted(blocks, reverse=True):
+        idx, descs = blocks[(address, length)]
+        remote.append((address, length, device))
+        first = len(remote)
+        remote.extend(descs)
+        remote_idx.extend(range(first, len(remote)))
+        local_idx.extend(idx)
+    return local_idx, remote, remote_idx
 
 
 _MERGE_GAIN = 2
@@ -156,12 +192,13 @@ class Transfers:
             local_addr = pool_addr + slot * size
             if runs:
                 last = runs[-1]
-                # Only consecutive slots of one pool: pools may sit back to back in memory.
-                if last[5] == pool and last[0] + last[2] == local_addr and last[1] + last[2] == address:
+                # Only consecutive slots of one pool into one region: pools (and regions) may
+                # sit back to back in memory, and a descriptor must lie in one registration.
+                if last[5] == pool and last[6] is region and last[0] + last[2] == local_addr and last[1] + last[2] == address:
                     last[2] += length
                     last[3] += count
                     continue
-            runs.append([local_addr, address, length, count, base + slot, pool])
+            runs.append([local_addr, address, length, count, base + slot, pool, region])
         transfer = Transfer(on_done, total, remote_agent)
         try:
             for (group, rkind, rdev), runs in groups.items():
@@ -183,26 +220,32 @@ class Transfers:
         rkind: MemoryKind, rdev: int, runs: list[list[Any]],
     ) -> None:
         spans = sum(r[3] for r in runs)
+        blocks: dict[tuple[int, int], tuple[list[int], list[Desc]]] = {}
         if len(runs) * _MERGE_GAIN <= spans:
+            # Merged runs: a local list of this transfer's own.
             self.merged += 1
-            local = [(r[0], r[2], group[1]) for r in runs]
-            remote = [(r[1], r[2], rdev) for r in runs]
-            handle, state = self.agent.start_descs(op, group[0], local, rkind, remote, remote_agent)
+            local = self.agent.prep_local(group[0], [(r[0], r[2], group[1]) for r in runs])
+            transfer.dlists.append(local)
+            for i, (_, address, length, _, _, _, region) in enumerate(runs):
+                idx, descs = blocks.setdefault((region.address, region.length), ([], []))
+                idx.append(i)
+                descs.append((address, length, rdev))
         else:
-            local_idx: list[int] = []
-            remote_descs: list[Desc] = []
-            for _, address, length, count, first, _ in runs:
+            local = self.local.lists[group]
+            for _, address, length, count, first, _, region in runs:
+                idx, descs = blocks.setdefault((region.address, region.length), ([], []))
                 if count == 1:
-                    local_idx.append(first)
-                    remote_descs.append((address, length, rdev))
+                    idx.append(first)
+                    descs.append((address, length, rdev))
                     continue
                 size = length // count
                 for k in range(count):
-                    local_idx.append(first + k)
-                    remote_descs.append((address + k * size, size, rdev))
-            rlist = self.agent.prep_remote(remote_agent, rkind, remote_descs)
-            transfer.dlists.append(rlist)
-            handle, state = self.agent.start(op, self.local.lists[group], local_idx, rlist, range(len(remote_descs)))
+                    idx.append(first + k)
+                    descs.append((address + k * size, size, rdev))
+        local_idx, remote_descs, remote_idx = anchored(blocks, rdev)
+        rlist = self.agent.prep_remote(remote_agent, rkind, remote_descs)
+        transfer.dlists.append(rlist)
+        handle, state = self.agent.start(op, local, local_idx, rlist, remote_idx)
         transfer.requests.append(handle)
         if state is XferStatus.FAILED:
             raise TransferError(f"NIXL failed to post the {op}")

@@ -33,6 +33,7 @@ from kvcr_client import (
 from kvcr_protocol import Abort, Deliver, DeliverItem, Deposit, DepositItem, DstSpan, Error, SrcSpan, decode
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, deliver_and_check, hybrid_layout, plain_layout
+from kvcr_testing.nodes import NodeProcess
 from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 # One node for the module: a plain pool, the three pools of a hybrid model, a small-slot pool.
@@ -977,6 +978,51 @@ def test_node_rechecks_many_span_deposits(client: Client, register: Registrar, k
         assert raw(k, spans).status is STORED, label
         expected = np.concatenate([buffers[s.region][s.offset : s.offset + slot] for s in spans])
         deliver_and_check(client, register, k, layout, expected, range(n), seed=170)
+
+
+def test_region_over_memory_registered_before(node: NodeProcess, key: Callable[[str], bytes]) -> None:
+    """A region over memory part of which is or was another region: the node still finds it.
+
+    NIXL keeps every registration a client's metadata ever carried until the whole agent is
+    removed, and looks a descriptor up next to its neighbours only, so a smaller region inside
+    a larger one (live, or withdrawn and its memory reused) hid the larger one from transfers
+    starting past it (architecture §6). A client of its own: only its regions are in that view.
+    """
+    slot = 4 * KiB
+    n = 8
+    layout = plain_layout(n, "small", slot)
+    past = 5 * slot
+    with Client(node.endpoint, name="itest-reregistered") as c:
+        reg = Registrar(c)
+        try:
+            k = key("obj")
+            src, _ = stored_object(c, reg, k, layout, seed=181)
+            buf = pattern(past + n * slot, 182)
+            inner = c.register(buf[2 * slot : 4 * slot])
+            region = reg(buf)
+            forward = [Span(f"L{i}", region, past + i * slot, slot) for i in range(n)]
+            backwards = [Span(f"L{i}", region, past + (n - 1 - i) * slot, slot) for i in range(n)]
+            for state in ("live", "withdrawn"):
+                if state == "withdrawn":
+                    c.unregister(inner)
+                for label, spans in (("forward", forward), ("backwards", backwards)):
+                    buf[:] = pattern(buf.size, 183)
+                    expected = buf.copy()
+                    for i, span in enumerate(spans):
+                        expected[span.offset : span.offset + slot] = layout.src_bytes(src, i)
+                    out = c.deliver({k: spans}).result(RESULT_TIMEOUT_S)[k]
+                    assert out.status is OK, (label, state, out)
+                    assert_bytes_equal(buf, expected, f"{label} delivery, inner region {state}")
+            # Deposits read such a region: store it in either order, deliver it back.
+            for label, spans in (("forward", forward), ("backwards", backwards)):
+                stored = key(f"deposit {label}")
+                sources = [Span(span.name, region, span.offset, slot, "small") for span in spans]
+                assert c.deposit({stored: sources}).result(RESULT_TIMEOUT_S)[stored].status is STORED, label
+                expected = np.concatenate([buf[span.offset : span.offset + slot] for span in spans])
+                deliver_and_check(c, reg, stored, layout, expected, range(n), seed=184)
+            assert_clean(c)
+        finally:
+            reg.close()
 
 
 def test_node_rechecks_what_the_client_checks(client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:

@@ -1,0 +1,135 @@
+"""The remote descriptor lists of transfers, against a model of how NIXL resolves them.
+
+``Registrations`` resolves a list the way NIXL 1.5.1 does (architecture §6): registrations
+sorted by (device, address, length); a descriptor keeps the entry that resolved the one
+before it while that entry covers it, else it is looked up by binary search and only the
+entry found and the one before it are tried (the next ones, when the list goes up). The
+byte-checked test against real NIXL is ``test_region_over_memory_registered_before`` in
+tests/integration/test_local.py.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import random
+
+from kvcr_io.agent import Desc
+from kvcr_node.transfers import anchored
+
+DEV = 0
+SLOT = 4096
+
+
+def covers(entry: Desc, desc: Desc) -> bool:
+    return entry[2] == desc[2] and entry[0] <= desc[0] and entry[0] + entry[1] >= desc[0] + desc[1]
+
+
+def order(desc: Desc) -> tuple[int, int, int]:
+    return desc[2], desc[0], desc[1]
+
+
+class Registrations:
+    """A remote agent's registrations as NIXL holds them: everything its metadata ever carried."""
+
+    def __init__(self, regs: list[Desc]) -> None:
+        self.regs = sorted(regs, key=order)
+        self.keys = [order(r) for r in self.regs]
+
+    def _lookup(self, desc: Desc) -> int | None:
+        i = bisect.bisect_left(self.keys, order(desc))
+        if i < len(self.regs) and covers(self.regs[i], desc):
+            return i
+        if i > 0 and covers(self.regs[i - 1], desc):
+            return i - 1
+        return None
+
+    def resolve(self, descs: list[Desc]) -> list[Desc] | None:
+        """The registration each descriptor resolves to; None where NIXL refuses the list."""
+        at = self._lookup(descs[0])
+        if at is None:
+            return None
+        out = [self.regs[at]]
+        for prev, desc in itertools.pairwise(descs):
+            if not covers(self.regs[at], desc):
+                if order(desc) < order(prev):
+                    at = self._lookup(desc)
+                    if at is None:
+                        return None
+                else:
+                    at = next((j for j in range(at, len(self.regs)) if covers(self.regs[j], desc)), None)
+                    if at is None:
+                        return None
+            out.append(self.regs[at])
+        return out
+
+
+def region(slot: int, slots: int) -> Desc:
+    return (slot * SLOT, slots * SLOT, DEV)
+
+
+def spans(reg: Desc, slots: list[int]) -> list[Desc]:
+    return [(reg[0] + s * SLOT, SLOT, DEV) for s in slots]
+
+
+def blocks_of(pairs: list[tuple[Desc, list[Desc]]]) -> dict[tuple[int, int], tuple[list[int], list[Desc]]]:
+    out: dict[tuple[int, int], tuple[list[int], list[Desc]]] = {}
+    n = 0
+    for reg, descs in pairs:
+        idx, ds = out.setdefault((reg[0], reg[1]), ([], []))
+        for d in descs:
+            idx.append(n)
+            ds.append(d)
+            n += 1
+    return out
+
+
+def check(nixl: Registrations, pairs: list[tuple[Desc, list[Desc]]]) -> None:
+    """The anchored list moves each descriptor once, paired with its local index, and
+    resolves it to its own region (or a live region that holds it: regions may overlap)."""
+    flat = [(d, reg) for reg, descs in pairs for d in descs]  # local index -> (descriptor, region)
+    local_idx, remote, remote_idx = anchored(blocks_of(pairs), DEV)
+    resolved = nixl.resolve(remote)
+    assert resolved is not None, remote
+    assert sorted(local_idx) == list(range(len(flat)))
+    live = {reg for reg, _ in pairs}
+    for i, j in zip(local_idx, remote_idx, strict=True):
+        desc, own = flat[i]
+        assert remote[j] == desc
+        assert resolved[j] == own or (resolved[j] in live and covers(resolved[j], desc)), (desc, resolved[j], own)
+
+
+def test_an_older_registration_inside_the_region_no_longer_hides_it() -> None:
+    live = region(100, 13)
+    stale = region(102, 2)  # registered earlier, withdrawn, its memory now part of ``live``
+    nixl = Registrations([live, stale])
+    forward = spans(live, list(range(5, 13)))
+    backwards = forward[::-1]
+    # Without the anchor: the lookup lands next to the stale registration and fails.
+    assert nixl.resolve(forward) is None
+    assert nixl.resolve(backwards) is None
+    for descs in (forward, backwards, [(live[0] + 5 * SLOT, 8 * SLOT, DEV)]):
+        check(nixl, [(live, descs)])
+
+
+def test_an_older_registration_around_the_region_is_not_used() -> None:
+    a, b = region(100, 4), region(120, 4)
+    stale = region(110, 20)  # covers all of ``b``: unanchored, an upward list resolved ``b`` to it
+    nixl = Registrations([a, b, stale])
+    unanchored = nixl.resolve([*spans(a, [0, 1]), *spans(b, [0, 1])])
+    assert unanchored is not None and unanchored[-1] == stale
+    check(nixl, [(a, spans(a, [0, 1])), (b, spans(b, [0, 1]))])
+
+
+def test_random_layouts_of_live_and_withdrawn_registrations() -> None:
+    rng = random.Random(20261201)
+    for _ in range(300):
+        regs = list({region(rng.randrange(0, 200), rng.randrange(1, 30)) for _ in range(rng.randrange(1, 8))})
+        live = rng.sample(regs, rng.randrange(1, len(regs) + 1))
+        nixl = Registrations(regs)
+        pairs = []
+        for reg in live:
+            slots = rng.sample(range(reg[1] // SLOT), rng.randrange(1, reg[1] // SLOT + 1))
+            pairs.append((reg, spans(reg, slots)))
+        rng.shuffle(pairs)
+        check(nixl, pairs)
