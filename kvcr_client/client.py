@@ -269,7 +269,7 @@ class _Base:
         """Completions dropped from the full ``poll_completed`` queue (``max_completed``)."""
 
     def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
-        handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait, self.core.poll)
+        handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait, self.core.poll, self.core.wait_async)
         fut.add_done_callback(lambda _: self._queue_completed(handle))
         return handle
 
@@ -751,7 +751,7 @@ class AsyncClient(_Base):
         timeout = _timeout(timeout)
         client = cls(endpoint, name, max_version, curve, max_completed)
         try:
-            await asyncio.wrap_future(client._hello(timeout))
+            await client.core.wait_async(client._hello(timeout))
         except BaseException:
             await asyncio.to_thread(client.core.close)
             raise
@@ -759,7 +759,7 @@ class AsyncClient(_Base):
 
     async def __aenter__(self) -> AsyncClient:
         if self.core.welcome is None:
-            await asyncio.wrap_future(self._hello(CONNECT_TIMEOUT_S))
+            await self.core.wait_async(self._hello(CONNECT_TIMEOUT_S))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -769,7 +769,7 @@ class AsyncClient(_Base):
         handle = self._describe(buffer)
         await asyncio.wrap_future(self.core.call(lambda: self._register_on_io(handle, True)))
         try:
-            await asyncio.wrap_future(self._announce(handle)[1])
+            await self.core.wait_async(self._announce(handle)[1])
         except BaseException:
             await asyncio.wrap_future(self.core.call(lambda: self._unregister_on_io(handle)))
             raise
@@ -789,7 +789,7 @@ class AsyncClient(_Base):
 
     async def reconnect(self, timeout: float = CONNECT_TIMEOUT_S) -> Welcome:
         timeout = _timeout(timeout)
-        result: Welcome = await asyncio.wrap_future(self._hello(timeout))
+        result: Welcome = await self.core.wait_async(self._hello(timeout))
         return result
 
     async def close(self) -> None:
