@@ -213,6 +213,21 @@ def _key(key: Any, path: str) -> bytes:
     return key
 
 
+def _keys(items: Iterable[bytes], what: str) -> tuple[bytes, ...]:
+    """A call's keys, checked in one pass; a failure names the first bad key (paths are built only then)."""
+    seq: Sequence[Any]
+    if type(items) in (list, tuple) and 0 < len(cast(Sequence[Any], items)) <= DEFAULT_LIMITS.max_keys:
+        seq = cast(Sequence[Any], items)
+    else:
+        seq = _batch(items, what)
+    most = DEFAULT_LIMITS.max_key
+    for key in seq:
+        if type(key) is not bytes or not 0 < len(key) <= most:
+            # The detailed check: names the key, and takes bytes subclasses.
+            return tuple(_key(k, f"{what}[{i}]") for i, k in enumerate(seq))
+    return tuple(seq)
+
+
 def _span_total(items: Sequence[Any], attr: str, what: str) -> None:
     """One message carries at most ``max_spans`` spans over all its keys: refuse more before sending."""
     total = sum(len(getattr(item, attr)) for item in items)
@@ -555,15 +570,15 @@ class _Base:
 
     def query(self, keys: Iterable[bytes], request_id: str | None = None) -> OpHandle[Results[KeyPresence]]:
         """Where are these keys? Advisory: a HIT may be evicted before the next call."""
-        request_id = _optional_request_id(request_id)
-        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(_batch(keys, "keys"))]
-        frozen = tuple(ks)
+        if request_id is not None:
+            request_id = _request_id(request_id)
+        ks = _keys(keys, "keys")
 
         def convert(msg: Message) -> Results[KeyPresence]:
             assert isinstance(msg, QueryReply)
             return Results([(k, KeyPresence(r.presence, r.tier)) for k, r in zip(ks, msg.results, strict=True)])
 
-        op_id, fut = self.core.request(lambda i: Query(i, frozen, request_id), convert, CONTROL_TIMEOUT_S)
+        op_id, fut = self.core.request(lambda i: Query(i, ks, request_id), convert, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "query", fut)
 
     def submit_hint(self, request_id: str, source_endpoint: str, keys: Iterable[bytes]) -> OpHandle[None]:
@@ -573,7 +588,7 @@ class _Base:
         problem = endpoint_problem(source_endpoint)  # the node's own check (spec section 5.2)
         if problem is not None:
             raise ArgumentError("source_endpoint", problem)
-        ks = tuple(_key(k, f"keys[{i}]") for i, k in enumerate(_batch(keys, "keys")))
+        ks = _keys(keys, "keys")
         op_id, fut = self.core.request(lambda i: SubmitHint(i, request_id, source_endpoint, ks), _ack, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "hint", fut)
 

@@ -54,7 +54,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, cast
 
 import zmq
@@ -114,15 +113,42 @@ def _agent_name(client: str) -> str:
     return client.encode()[:room].decode(errors="ignore") + suffix
 
 
-@dataclass(slots=True)
-class _Pending:
-    future: Future[Any]
-    deadline: float
-    """When the client stops waiting (monotonic); infinite for a deadline left to the node."""
-    touches_memory: bool
-    convert: Callable[[Message], Any]
-    on_settled: Callable[[], None] | None = None
-    """Called once, lock held, when the node can no longer touch memory for this request."""
+_SOCKET_READY = 1
+_MONITOR_READY = 2
+"""What ``select`` found readable: the socket's descriptor, the monitor's."""
+_RUNNING = "RUNNING"
+_FINISHED = "FINISHED"
+_SETTLED = frozenset({"CANCELLED", "CANCELLED_AND_NOTIFIED", _FINISHED})
+"""``concurrent.futures.Future``'s state names."""
+
+
+class _Request(Future[Any]):
+    """A request's future, carrying what the pending table keeps for it.
+
+    It runs from the moment it is made (``cancel`` refuses it: abort the operation instead).
+    ``done`` and the result of a finished request are read without the future's lock: its
+    state only moves forward, and a finished future never changes again.
+    """
+
+    def __init__(
+        self, convert: Callable[[Message], Any], touches_memory: bool, on_settled: Callable[[], None] | None
+    ) -> None:
+        super().__init__()
+        self._state = _RUNNING  # nobody else holds it yet: no lock needed
+        self.convert = convert
+        self.touches_memory = touches_memory
+        self.on_settled = on_settled
+        """Called once, lock held, when the node can no longer touch memory for this request."""
+        self.deadline = math.inf
+        """When the client stops waiting (monotonic); infinite for a deadline left to the node."""
+
+    def done(self) -> bool:
+        return self._state in _SETTLED
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._state == _FINISHED and self._exception is None:
+            return self._result
+        return super().result(timeout)
 
 
 class _Follower:
@@ -225,12 +251,12 @@ class ClientCore:
         self._watch: tuple[int, ...] = (self._wakeup.read_fd,)
         self._bg_watch: tuple[int, ...] = (self._bg_wakeup.read_fd,)
         self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, _Request] = {}
         self._touching = 0
         """Pending requests that may touch client memory (changed with the lock held, read without)."""
         self._nearest = math.inf
         """No pending deadline is earlier (monotonic; may be early, never late; changed with the lock held)."""
-        self._timed_out: dict[int, _Pending] = {}
+        self._timed_out: dict[int, _Request] = {}
         """Memory-touching requests the client stopped waiting for, until the node answers (lock held)."""
         self._closed = False
         self.connected = False
@@ -284,16 +310,14 @@ class ClientCore:
         """
         if op_id is None:
             op_id = next(self._ids)
-        fut: Future[Any] = Future()
+        fut = _Request(convert, touches_memory, on_settled)
         if self._closed:
             fut.set_exception(ClientClosed("the client is closed"))
-            if on_settled is not None:
-                on_settled()
+            self._settle(fut)
             return op_id, fut
-        pending = _Pending(fut, math.inf, touches_memory, convert, on_settled)
         # Every holder keeps the lock only for a short turn: wait for it.
         with self._io:
-            self._send_request(op_id, build, timeout_s, pending)
+            self._send_request(op_id, build, timeout_s, fut)
             if not self._reading:  # from a callback inside a read: that read goes on after it
                 self._drain_socket()
         if self._parked and not (self._waiters or self._loop_waiting) and self._last_sent - self._waited_at > _PARK_S:
@@ -321,7 +345,9 @@ class ClientCore:
                 follower = _Follower(future)
                 self._followers.append(follower)
             else:
-                self._lead_as(future)
+                self._leading = True
+                self._leader_future = future
+                self._leader_thread = threading.get_ident()
             selecting = self._selecting
         if selecting:
             self._bg_wakeup.wake()  # move the background thread off the socket's descriptor
@@ -399,12 +425,16 @@ class ClientCore:
             else:
                 if pacer is not None:
                     pacer.reset()
-                wait_s = self._idle_timeout()
+                # Until the next deadline or heartbeat (``_idle_timeout``, inline: once per reply).
+                due = self._nearest if self._nearest < self._next_heartbeat else self._next_heartbeat
+                if self._timed_out:
+                    due = min(due, now + _LATE_PROGRESS_S)
+                wait_s = None if due == math.inf else min(max(0.0, due - now), _IDLE_S if self._pending else math.inf)
             if end is not None and (wait_s is None or end - now < wait_s):
                 wait_s = end - now
-            monitor = self._select(self._watch, wait_s, self._wakeup)
+            ready = self._select(self._watch, wait_s, self._wakeup)
             with self._io:
-                self._turn(monitor)
+                self._turn(ready)
 
     def _drive_nested(self, future: Future[Any], end: float | None) -> Any:
         """Wait from a callback that runs inside this thread's read (lock held): read on, nested."""
@@ -453,7 +483,7 @@ class ClientCore:
             # Not from inside a read (a done-callback that looks at another handle): that
             # read goes on after the callback, and reading again there would nest dispatches.
             if not self._reading:
-                self._turn(True)
+                self._turn(_MONITOR_READY)
         finally:
             self._io.release()
 
@@ -573,7 +603,7 @@ class ClientCore:
         """The socket (or its monitor) is readable in a loop with awaiters: read, in the loop's thread."""
         with self._io:
             if not self._reading and self._sock is not None:
-                self._turn(monitor)
+                self._turn(_MONITOR_READY if monitor else _SOCKET_READY)
 
     def _rewatch_loops(self) -> None:
         """I/O lock held, a new socket: each loop that reads watches it from now on."""
@@ -639,7 +669,6 @@ class ClientCore:
 
     def hello(self, regions: tuple[Region, ...], timeout_s: float) -> Future[Any]:
         """Open the session: version agreement, our metadata and regions."""
-        future: Future[Any] = Future()
 
         def on_welcome(msg: Message) -> Welcome:
             if not isinstance(msg, Welcome):
@@ -658,19 +687,16 @@ class ClientCore:
                 self._thread.start()
             op_id = self.next_id()
             hello = Hello(op_id, self.versions, self.name, self.agent.name, self.agent.metadata(), regions)
-            self._send_request(op_id, lambda _: hello, timeout_s, _Pending(future, math.inf, False, on_welcome))
+            future = _Request(on_welcome, False, None)
+            self._send_request(op_id, lambda _: hello, timeout_s, future)
             self._drain_socket()
         return future
 
-    def _send_request(self, op_id: int, build: Callable[[int], Message], timeout_s: float, pending: _Pending) -> None:
+    def _send_request(self, op_id: int, build: Callable[[int], Message], timeout_s: float, pending: _Request) -> None:
         """Lock held: encode and send; a request that is not sent settles at once."""
-        fut = pending.future
         sock = self._sock
         error: Exception | None = None
         frame = b""
-        if not fut.set_running_or_notify_cancel():
-            self._settle(pending)
-            return
         if self._closed:
             error = ClientClosed("the client is closed")
         elif sock is None or self.lost:
@@ -681,7 +707,7 @@ class ClientCore:
             except LocalProtocolError as exc:
                 error = exc
         if error is not None or sock is None:
-            fut.set_exception(error or NodeLostError(f"not connected to {self.endpoint}"))
+            pending.set_exception(error or NodeLostError(f"not connected to {self.endpoint}"))
             self._settle(pending)
             return
         now = time.monotonic()
@@ -692,11 +718,11 @@ class ClientCore:
             self._last_sent = now
         except zmq.Again:
             self._pop_pending(op_id)
-            fut.set_exception(NodeLostError(f"the node at {self.endpoint} is not reachable"))
+            pending.set_exception(NodeLostError(f"the node at {self.endpoint} is not reachable"))
             self._settle(pending)
 
     @staticmethod
-    def _settle(pending: _Pending) -> None:
+    def _settle(pending: _Request) -> None:
         """The node can no longer touch memory for this request: run its callback, once."""
         callback, pending.on_settled = pending.on_settled, None
         if callback is not None:
@@ -705,7 +731,7 @@ class ClientCore:
             except Exception:
                 log.exception("a settle callback failed")
 
-    def _add_pending(self, op_id: int, pending: _Pending) -> None:
+    def _add_pending(self, op_id: int, pending: _Request) -> None:
         """Lock held: the one place requests enter the pending table."""
         self._pending[op_id] = pending
         if pending.deadline < self._nearest:
@@ -722,7 +748,7 @@ class ClientCore:
         if self._loop_waiting:
             self._resume.set()  # event loops cannot pace: the background thread does
 
-    def _pop_pending(self, op_id: int) -> _Pending | None:
+    def _pop_pending(self, op_id: int) -> _Request | None:
         """Lock held: the one place a request leaves the pending table (``_fail_all`` empties it)."""
         pending = self._pending.pop(op_id, None)
         if pending is not None and pending.touches_memory:
@@ -741,24 +767,27 @@ class ClientCore:
         """Ids of memory-touching requests the client stopped waiting for and the node has not answered."""
         return frozenset(list(self._timed_out))
 
-    def _select(self, watch: tuple[int, ...], wait_s: float | None, wakeup: WakePipe) -> bool:
-        """Block in select on ``watch`` (no lock held) up to ``wait_s`` (None: until readable); whether the
-        monitor is readable."""
+    def _select(self, watch: tuple[int, ...], wait_s: float | None, wakeup: WakePipe) -> int:
+        """Block in select on ``watch`` (no lock held) up to ``wait_s`` (None: until readable); what
+        is readable (``_SOCKET_READY``, ``_MONITOR_READY``)."""
         try:
             readable = select.select(watch, (), (), wait_s)[0]
         except (OSError, ValueError):  # a descriptor closed under us (reconnect, close): look again
-            return False
+            return 0
         if not readable:
-            return False
+            return 0
         if wakeup.read_fd in readable:
             wakeup.drain()
-        return self._monitor_fd in readable
+        fds = self._fds
+        if not fds:
+            return 0
+        return (_SOCKET_READY if fds[0] in readable else 0) | (_MONITOR_READY if fds[1] in readable else 0)
 
-    def _turn(self, monitor: bool = False) -> None:
+    def _turn(self, ready: int = 0) -> None:
         """One turn with the lock held: read what arrived, progress the agent while needed, timers."""
-        if monitor:
+        if ready & _MONITOR_READY:
             self._drain_monitor()
-        self._drain_socket()
+        self._drain_socket(ready & _SOCKET_READY)
         if self._touching or self._timed_out:
             # Progress our agent: the node's transfer into or out of our memory
             # completes only when both ends are progressed.
@@ -830,14 +859,14 @@ class ClientCore:
                 else:
                     pacer.reset()
                     wait_s = self._idle_timeout()
-                monitor = self._select(self._bg_watch, wait_s, self._bg_wakeup)
+                ready = self._select(self._bg_watch, wait_s, self._bg_wakeup)
                 self._selecting = False
                 if self._closed:
                     break
                 if self._waiters:
                     continue  # a caller leads now: its turns read (the monitor too)
                 with self._io:
-                    self._turn(monitor)
+                    self._turn(ready)
         except Exception as exc:  # the background thread must not die silently
             self._selecting = False
             log.exception("kvcr client background thread failed; the session is lost until reconnect()")
@@ -881,26 +910,40 @@ class ClientCore:
                 # The node refused us (CurveZMQ keys, or a plain client at a CURVE node).
                 self._fail_all(NodeError(ErrorCode.UNAUTHORIZED, f"the node at {self.endpoint} refused the connection handshake"))
 
-    def _drain_socket(self) -> None:
+    def _drain_socket(self, readable: int = 0) -> None:
+        """Read until ZeroMQ reports no input: that re-arms the socket's descriptor.
+
+        ``readable``: select saw the descriptor readable, so a frame is most likely in:
+        receive at once (a receive looks at ZeroMQ's commands itself) and ask after it.
+        """
         sock = self._sock
         if sock is None:
             return
-        # Read until ZeroMQ reports no input: that re-arms the socket's descriptor.
         self._reading += 1
         try:
-            while sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
-                frame = sock.recv(_NOBLOCK)
-                self._last_heard = time.monotonic()
+            if readable:
                 try:
-                    msg = decode(frame, self.version or self.versions[-1])
-                except RemoteProtocolError as exc:
-                    log.warning("undecodable frame from the node: %s", exc)
-                    continue
-                self._dispatch(msg)
+                    frame = sock.recv(_NOBLOCK)
+                except zmq.Again:
+                    pass
+                else:
+                    self._receive(frame)
+            while sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+                self._receive(sock.recv(_NOBLOCK))
         finally:
             self._reading -= 1
 
+    def _receive(self, frame: bytes) -> None:
+        self._last_heard = time.monotonic()
+        try:
+            msg = decode(frame, self.version or self.versions[-1])
+        except RemoteProtocolError as exc:
+            log.warning("undecodable frame from the node: %s", exc)
+            return
+        self._dispatch(msg)
+
     def _dispatch(self, msg: Message) -> None:
+        cls = type(msg)
         if isinstance(msg, CapacityEvent):
             self.capacity_events.append(msg)
             if self.on_capacity is not None:
@@ -909,11 +952,13 @@ class ClientCore:
                 except Exception:
                     log.exception("capacity callback failed")
             return
-        if isinstance(msg, Heartbeat):
+        if cls is Heartbeat:
             return  # its id counts heartbeats, not requests
         op_id = getattr(msg, "id", 0)
-        pending = self._pop_pending(op_id)
-        if pending is None:
+        pending = self._pending.pop(op_id, None)
+        if pending is not None and pending.touches_memory:
+            self._touching -= 1
+        elif pending is None:
             late = self._timed_out.pop(op_id, None)
             if late is not None:
                 # The answer the client stopped waiting for: the node is done with our memory.
@@ -922,8 +967,9 @@ class ClientCore:
             else:
                 log.debug("reply for no pending request: %s", msg.TAG)
             return
-        self._settle(pending)
-        future = pending.future
+        if pending.on_settled is not None:
+            self._settle(pending)
+        future = pending
         if isinstance(msg, Error):
             future.set_exception(NodeError(msg.code, msg.reason, msg.path))
         else:
@@ -935,8 +981,8 @@ class ClientCore:
                 )
             else:
                 future.set_result(result)
-        if future is self._leader_future:
-            self._wake_leader()
+        if future is self._leader_future and self._leader_thread != threading.get_ident():
+            self._wakeup.wake()  # another thread read the leader's result: the leader may be in select
 
     def _wake_leader(self) -> None:
         """The leader's result came in: wake it if another thread read it (the leader may be in select)."""
@@ -952,10 +998,10 @@ class ClientCore:
                 self._timed_out[op_id] = pending
             else:
                 self._settle(pending)
-            pending.future.set_exception(
+            pending.set_exception(
                 OperationTimeout(f"operation {op_id}: no answer from {self.endpoint} within its deadline")
             )
-            if pending.future is self._leader_future:
+            if pending is self._leader_future:
                 self._wake_leader()
         self._nearest = min((p.deadline for p in self._pending.values()), default=math.inf)
 
@@ -969,8 +1015,8 @@ class ClientCore:
             self._settle(p)
         for p in pending.values():
             self._settle(p)
-            if not p.future.done():
-                p.future.set_exception(exc)
+            if not p.done():
+                p.set_exception(exc)
         leader = self._leader_future
         if leader is not None and leader.done():
             self._wake_leader()
