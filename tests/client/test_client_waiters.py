@@ -224,3 +224,30 @@ async def _until(predicate: Callable[[], bool]) -> bool:
             return False
         await asyncio.sleep(POLL_S)
     return True
+
+
+BURST = 8000
+"""Queries sent at once to a frozen node: beyond ZeroMQ's default high-water mark (1000) plus what the
+kernel's socket buffer holds, so a socket with a mark would refuse some of them."""
+
+
+def test_burst_beyond_a_high_water_mark_completes(node_factory: Callable[..., Any]) -> None:
+    """A burst of requests to a node that reads none of them queues in the client instead of failing,
+    and every reply comes back once the node reads (none is dropped at the node's ROUTER)."""
+    node = node_factory(*POOL)
+    with Client(node.endpoint, name="burst") as client:
+        reg = Registrar(client)
+        key = b"burst/obj"
+        _stored(client, reg, key, 3)
+        with frozen(node):
+            handles = [client.query([key]) for _ in range(BURST)]
+            failed = [h for h in handles if h.future.done()]
+            assert failed == [], failed[0].future.exception()
+        assert wait_until(lambda: all(h.future.done() for h in handles), SETTLE_S * 3), (
+            f"{sum(not h.future.done() for h in handles)} of {BURST} queries never completed"
+        )
+        assert all(h.result(0)[key].presence is Presence.HIT for h in handles)
+        st = assert_clean(client)
+        assert st["counters"].get("send_dropped", 0) == 0, st["counters"]
+        _at_rest(client.core)
+        reg.close()
