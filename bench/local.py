@@ -11,14 +11,14 @@ anchor's, so that both see the same machine (other work on it shifts both):
    ``Client`` and with ``AsyncClient``; 1,000 keys (half of them stored) against an echo of
    the same request and reply sizes; and 5,000 one-key queries in flight from one client;
 4. admission into a full pool as evictable objects in an unrelated pool grow 1k..100k;
-5. the CPU use of the node and of this client process while idle with a client connected,
-   and index memory per stored object at 100,000 objects.
+5. the CPU use of the node and of an idle client process while it is connected, and
+   index memory per stored object at 100,000 objects.
 
 Run: ``python bench/local.py`` (under a minute; ``--quick``: about 15 s). Ratios matter,
 not absolute times. With ``--json`` the report goes to stderr and stdout carries one JSON
 object: ``query_ratio`` and ``query_ratio_async`` (query p50 / echo p50), ``deliver_ratio``
 (raw NIXL WRITE p50 / kvcr deliver p50, list of spans), ``deposit_ratio`` (raw NIXL READ p50
-/ kvcr deposit p50), ``idle_cpu_percent`` (node and client process together, % of a core),
+/ kvcr deposit p50), ``idle_cpu_percent`` (node and idle client process together, % of a core),
 ``query_1000_us``, ``query_1000_ratio`` and ``pipelined_queries_per_s``.
 """
 
@@ -29,7 +29,6 @@ import asyncio
 import json
 import logging
 import mmap
-import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -58,6 +57,9 @@ QUERY_KEYS = 1000
 SMALL = 4 << 10
 PIPELINED = 5000
 """One-key queries in flight at once from one client."""
+IDLE_CLIENT_S = 3600.0
+"""How long the idle client process waits to be stopped (it always is, long before)."""
+IDLE_SETTLE_S = 0.2
 WARMUP = 200
 """Round trips run before the timed ones (allocator, caches, socket buffers)."""
 
@@ -227,7 +229,7 @@ def bench_queries(client: Client, endpoint: str, peer: Peer, n: int, n_large: in
     return out
 
 
-def bench_kvcr(endpoint: str, node_pid: int, peer: Peer, reps: int, queries: int, idle_s: float) -> dict[str, Any]:
+def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int) -> dict[str, Any]:
     """Every kvcr measurement; each transfer is followed by its raw anchor's, so both see the same machine."""
     raw = RawNixl(peer)
     src = (np.arange(OBJECT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
@@ -268,15 +270,28 @@ def bench_kvcr(endpoint: str, node_pid: int, peer: Peer, reps: int, queries: int
         assert client.deliver({last: spans}).result(30)[last].ok
         if not np.array_equal(src, dst):
             raise AssertionError("a deposit's bytes differ when delivered back")
-        # Idle: a client connected, nothing in flight; the node and this process over the same interval.
-        node0, self0, t0 = cpu_seconds(node_pid), cpu_seconds(os.getpid()), time.monotonic()
-        time.sleep(idle_s)
-        elapsed = time.monotonic() - t0
-        idle, client_idle = (cpu_seconds(node_pid) - node0) / elapsed, (cpu_seconds(os.getpid()) - self0) / elapsed
         stats = client.stats().result(5)
         assert stats["invariants"] == [], stats["invariants"]
     return {**result, "deliver": summary(times["list"]), "deliver_prepared": summary(times["prepared"]),
-            "deposit": summary(deposits), "idle_cpu": idle, "client_idle_cpu": client_idle, "raw": raw.summaries()}
+            "deposit": summary(deposits), "raw": raw.summaries()}
+
+
+def idle_client(endpoint: str) -> None:
+    """A client process of its own, connected and idle after one query, until stopped."""
+    with Client(endpoint, name="bench-idle") as client:
+        client.query([b"obj"]).result(5)
+        print("ready", flush=True)
+        time.sleep(IDLE_CLIENT_S)
+
+
+def bench_idle(node_pid: int, client_pid: int, idle_s: float) -> dict[str, float]:
+    """CPU use of the node and of an idle client process over the same interval (fractions of a core)."""
+    time.sleep(IDLE_SETTLE_S)  # the client's start-up is over
+    node0, client0, t0 = cpu_seconds(node_pid), cpu_seconds(client_pid), time.monotonic()
+    time.sleep(idle_s)
+    elapsed = time.monotonic() - t0
+    return {"idle_cpu": (cpu_seconds(node_pid) - node0) / elapsed,
+            "client_idle_cpu": (cpu_seconds(client_pid) - client0) / elapsed}
 
 
 def report(k: dict[str, Any], quick: bool, out: TextIO) -> dict[str, float]:
@@ -330,7 +345,7 @@ def report(k: dict[str, Any], quick: bool, out: TextIO) -> dict[str, float]:
         say(f"  {n:>7,} evictable objects in unrelated pool A: median {m['median_s'] * 1e6:6.2f} us/admission, "
             f"{int(m['visits'])} candidates visited for 64 admissions")
     say(f"  ratio {sweep[-1] // 1000}k/1k: {adm[sweep[-1]]['median_s'] / adm[1_000]['median_s']:.2f} (goal <= 1.5)")
-    say(f"CPU while idle with a client connected: node {k['idle_cpu'] * 100:.2f}%, client process "
+    say(f"CPU while idle with a client connected: node {k['idle_cpu'] * 100:.2f}%, idle client process "
         f"{k['client_idle_cpu'] * 100:.2f}% of a core (goal: together < 1%)")
     n_index = 10_000 if quick else 100_000
     say(f"index memory per stored object at {n_index:,} objects: 1 span {index_bytes_per_object(n_index, 1):.0f} B, "
@@ -341,6 +356,7 @@ def report(k: dict[str, Any], quick: bool, out: TextIO) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--raw-writer", help=argparse.SUPPRESS)
+    parser.add_argument("--idle-client", help=argparse.SUPPRESS)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--queries", type=int, default=2000, help="timed one-key query round trips per client")
     parser.add_argument("--idle-seconds", type=float, default=5.0)
@@ -349,6 +365,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.raw_writer:
         raw_writer(args.raw_writer)
+        return 0
+    if args.idle_client:
+        idle_client(args.idle_client)
         return 0
     reps = 8 if args.quick else args.reps
     queries = 1000 if args.quick else args.queries
@@ -359,9 +378,12 @@ def main() -> int:
         procs.append(spawn(__file__, "--raw-writer", f"ipc://{run}/raw.sock"))
         peer = Peer(f"ipc://{run}/raw.sock")
         try:
-            k = bench_kvcr(f"ipc://{run}/node.sock", node.pid, peer, reps, queries, 1.0 if args.quick else args.idle_seconds)
+            k = bench_kvcr(f"ipc://{run}/node.sock", peer, reps, queries)
         finally:
             peer.close()
+        # Idle: a client of its own connected, nothing in flight (this process holds more than a client).
+        procs.append(idle := spawn(__file__, "--idle-client", f"ipc://{run}/node.sock"))
+        k.update(bench_idle(node.pid, idle.pid, 1.0 if args.quick else args.idle_seconds))
     figures = report(k, args.quick, sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({name: round(value, 4) for name, value in figures.items()}))
