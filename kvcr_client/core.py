@@ -94,7 +94,8 @@ looks at deadlines and heartbeats again."""
 _LATE_PROGRESS_S = 0.01
 """How often the agent is progressed while only timed-out memory-touching operations remain."""
 _PARK_S = 0.005
-"""How long the background thread stays off the socket after callers stopped waiting."""
+"""How long the background thread stays off the socket after callers stopped waiting (and an
+event loop keeps watching it after its last awaiter)."""
 _PARK_MAX_S = 0.02
 """Its longest park while callers keep waiting: each park that finds them still at it doubles. A
 request sent within ``_PARK_S`` of a caller's wait that nobody waits on is read within this."""
@@ -174,7 +175,7 @@ class _LoopReader:
     watching a number that now names something else.
     """
 
-    __slots__ = ("awaiters", "fds", "generation", "loop", "thread")
+    __slots__ = ("awaiters", "fds", "generation", "idle_since", "loop", "release_due", "thread")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, generation: int, fds: tuple[int, ...]) -> None:
         self.loop = loop
@@ -182,6 +183,10 @@ class _LoopReader:
         self.generation = generation
         self.fds = fds
         self.awaiters = 0
+        self.idle_since = 0.0
+        """When its last awaiter ended (monotonic)."""
+        self.release_due = False
+        """Whether a timer will look whether the loop may let go of the socket."""
 
 
 def _copy_outcome(source: Future[Any], target: asyncio.Future[Any]) -> None:
@@ -560,20 +565,33 @@ class ClientCore:
         reader.awaiters -= 1
         if reader.awaiters:
             return
+        now = time.monotonic()
         with self._state:
             self._loop_waiting -= 1
             alone = not self._waiters and not self._loop_waiting
             if alone:
-                self._waited_at = time.monotonic()
+                self._waited_at = now
         if alone and self._pending:
             self._orphan()
-        # Not at once: an awaiter usually follows in this same step (the next request's).
-        reader.loop.call_soon(self._release_idle_reader, reader)
+        # Not at once: an awaiter usually follows soon (the next request's). One timer looks
+        # after a while, however many awaiters come and go meanwhile.
+        reader.idle_since = now
+        if not reader.release_due:
+            reader.release_due = True
+            reader.loop.call_later(_PARK_S, self._release_idle_reader, reader)
 
     def _release_idle_reader(self, reader: _LoopReader) -> None:
-        if reader.awaiters == 0:
-            with self._io:
-                self._release_reader(reader)
+        """In the loop's thread: let go of the socket once the loop has had no awaiter for a while."""
+        reader.release_due = False
+        if reader.awaiters:
+            return  # the next detach looks again
+        later = reader.idle_since + _PARK_S - time.monotonic()
+        if later > 0:
+            reader.release_due = True
+            reader.loop.call_later(later, self._release_idle_reader, reader)
+            return
+        with self._io:
+            self._release_reader(reader)
 
     def _release_reader(self, reader: _LoopReader) -> None:
         """I/O lock held: the loop stops watching; from another thread, in the loop's thread soon."""
