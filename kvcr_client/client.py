@@ -12,7 +12,7 @@ import logging
 import math
 import operator
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -431,6 +431,25 @@ class _Base:
                 raise ArgumentError(path, f"region {region.region} of this Destination is no longer registered")
         return dest.wire, set(dest.regions)
 
+    def _span_items(
+        self, objects: Mapping[bytes, Any], item: Callable[[bytes, tuple[Any, ...]], Any], deposit: bool
+    ) -> tuple[tuple[Any, ...], list[bytes], set[RegionHandle]]:
+        """A deposit's or deliver's wire items (each key's checked spans; a deliver may name a
+        prepared ``Destination``), their keys, and the regions they use."""
+        items, keys, regions = [], [], set()
+        for key, spans in _batch(objects, "objects", mapping=True):
+            path = f"objects[{key!r}]"
+            _key(key, path)
+            if not deposit and type(spans) is Destination:
+                wire, used = self._destination(spans, f"{path}.spans")
+            else:
+                wire, used = self._spans(key, spans, f"{path}.spans", deposit=deposit)
+            items.append(item(key, wire))
+            keys.append(key)
+            regions |= used
+        _span_total(items, "spans", "objects")
+        return tuple(items), keys, regions
+
     # -- operations
 
     def _op(self, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool, regions: set[RegionHandle]) -> OpHandle[Any]:
@@ -483,16 +502,7 @@ class _Base:
         no_evict = _flag(no_evict, "no_evict")
         optional = _flag(optional, "optional")
         deadline_ms = _deadline(deadline_ms)
-        items, keys, regions = [], [], set()
-        for key, spans in _batch(objects, "objects", mapping=True):
-            path = f"objects[{key!r}]"
-            _key(key, path)
-            wire, used = self._spans(key, spans, f"{path}.spans", deposit=True)
-            items.append(DepositItem(key, wire))
-            keys.append(key)
-            regions |= used
-        _span_total(items, "spans", "objects")
-        frozen = tuple(items)
+        frozen, keys, regions = self._span_items(objects, DepositItem, deposit=True)
         return self._op("deposit", keys, lambda i: Deposit(i, frozen, no_evict, optional, deadline_ms), deadline_ms, True, regions)
 
     def deliver(
@@ -509,19 +519,7 @@ class _Base:
         request_id = _optional_request_id(request_id)
         deadline_ms = _deadline(deadline_ms)
         partial = _flag(partial, "partial")
-        items, keys, regions = [], [], set()
-        for key, spans in _batch(objects, "objects", mapping=True):
-            path = f"objects[{key!r}]"
-            _key(key, path)
-            if type(spans) is Destination:
-                wire, used = self._destination(spans, f"{path}.spans")
-            else:
-                wire, used = self._spans(key, spans, f"{path}.spans", deposit=False)
-            items.append(DeliverItem(key, wire))
-            keys.append(key)
-            regions |= used
-        _span_total(items, "spans", "objects")
-        frozen = tuple(items)
+        frozen, keys, regions = self._span_items(objects, DeliverItem, deposit=False)
         # Version 1 sessions cannot carry the flag; their remote deliveries name whole layouts.
         flag = partial and self.core.version >= 2
         return self._op(
