@@ -107,15 +107,6 @@ _UNBOUNDED = 0
 """A ZeroMQ high-water mark of 0: no limit."""
 _SILENCE_SLACK_S = 1.0
 """Beyond three heartbeat intervals of silence, how much longer before the node counts as lost."""
-
-
-def _agent_name(client: str) -> str:
-    """A unique NIXL agent name within the protocol's name limit: the client's name cut to fit."""
-    suffix = f".{os.getpid()}.{secrets.token_hex(4)}"
-    room = DEFAULT_LIMITS.max_name - len(suffix)
-    return client.encode()[:room].decode(errors="ignore") + suffix
-
-
 _SOCKET_READY = 1
 _MONITOR_READY = 2
 """What ``select`` found readable: the socket's descriptor, the monitor's."""
@@ -123,6 +114,13 @@ _RUNNING = "RUNNING"
 _FINISHED = "FINISHED"
 _SETTLED = frozenset({"CANCELLED", "CANCELLED_AND_NOTIFIED", _FINISHED})
 """``concurrent.futures.Future``'s state names."""
+
+
+def _agent_name(client: str) -> str:
+    """A unique NIXL agent name within the protocol's name limit: the client's name cut to fit."""
+    suffix = f".{os.getpid()}.{secrets.token_hex(4)}"
+    room = DEFAULT_LIMITS.max_name - len(suffix)
+    return client.encode()[:room].decode(errors="ignore") + suffix
 
 
 class _Request(Future[Any]):
