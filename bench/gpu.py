@@ -29,12 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
-import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from anchors import Peer, serve
 from procs import stop
 from stats import fmt_gbps, summary
 
@@ -108,40 +107,32 @@ def raw_writer(endpoint: str) -> None:
         agent.register_memory([(base, OBJECT, dev, "")], kind)
         local[kind] = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base + i * SPAN, SPAN, dev) for i in range(SPANS)], kind)
         whole[kind] = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base, OBJECT, dev)], kind)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.bind(endpoint)
-    remote = remote_whole = None
-    print("ready", flush=True)
-    while True:
-        ident, frame = sock.recv_multipart()
-        msg = msgpack.unpackb(frame)
-        if msg["t"] == "setup":
-            name = agent.add_remote_agent(msg["md"])
-            addr, dev = msg["addr"], msg["dev"]
-            remote = agent.prep_xfer_dlist(name, [(addr + i * SPAN, SPAN, dev) for i in range(SPANS)], "VRAM")
-            remote_whole = agent.prep_xfer_dlist(name, [(addr, OBJECT, dev)], "VRAM")
-            sock.send_multipart([ident, msgpack.packb({"t": "ok"})])
-        elif msg["t"] == "write":
-            one = msg["one"]
-            src, dst = (whole, remote_whole) if one else (local, remote)
-            idx = [0] if one else list(range(SPANS))
-            t0 = time.perf_counter()
-            handle = agent.make_prepped_xfer("WRITE", src[msg["kind"]], idx, dst, idx)
-            state = agent.transfer(handle)
-            while state == "PROC":
-                state = agent.check_xfer_state(handle)
-                if time.perf_counter() - t0 > WRITE_TIMEOUT_S:
-                    state = "TIMEOUT"  # the request stays posted; the run is failing anyway
-                    break
-            else:
-                agent.release_xfer_handle(handle)
-            sock.send_multipart([ident, msgpack.packb({"t": "done", "s": time.perf_counter() - t0, "state": state})])
-        elif msg["t"] == "quit":
-            sock.send_multipart([ident, msgpack.packb({"t": "bye"})])
-            break
-    sock.close(0)
-    ctx.term()
+    peer: dict[str, Any] = {}
+
+    def setup(msg: dict[str, Any]) -> dict[str, Any]:
+        name = agent.add_remote_agent(msg["md"])
+        addr, dev = msg["addr"], msg["dev"]
+        peer["spans"] = agent.prep_xfer_dlist(name, [(addr + i * SPAN, SPAN, dev) for i in range(SPANS)], "VRAM")
+        peer["whole"] = agent.prep_xfer_dlist(name, [(addr, OBJECT, dev)], "VRAM")
+        return {"t": "ok"}
+
+    def write(msg: dict[str, Any]) -> dict[str, Any]:
+        one = msg["one"]
+        src, dst = (whole, peer["whole"]) if one else (local, peer["spans"])
+        idx = [0] if one else list(range(SPANS))
+        t0 = time.perf_counter()
+        handle = agent.make_prepped_xfer("WRITE", src[msg["kind"]], idx, dst, idx)
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+            if time.perf_counter() - t0 > WRITE_TIMEOUT_S:
+                state = "TIMEOUT"  # the request stays posted; the run is failing anyway
+                break
+        else:
+            agent.release_xfer_handle(handle)
+        return {"t": "done", "s": time.perf_counter() - t0, "state": state}
+
+    serve(endpoint, {"setup": setup, "write": write})
 
 
 def bench_raw(cupy: Any, endpoint: str, reps: int, warmup: int) -> dict[str, Any]:
@@ -151,11 +142,8 @@ def bench_raw(cupy: Any, endpoint: str, reps: int, warmup: int) -> dict[str, Any
     expected = source_bytes()
     dst = on_device(cupy, np.zeros(OBJECT, dtype=np.uint8))
     agent.register_memory([(int(dst.data.ptr), OBJECT, DEVICE, "")], "VRAM")
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(endpoint)
-    sock.send(msgpack.packb({"t": "setup", "md": agent.get_agent_metadata(), "addr": int(dst.data.ptr), "dev": DEVICE}))
-    assert msgpack.unpackb(sock.recv())["t"] == "ok"
+    peer = Peer(endpoint)
+    assert peer.call({"t": "setup", "md": agent.get_agent_metadata(), "addr": int(dst.data.ptr), "dev": DEVICE})["t"] == "ok"
     out: dict[str, Any] = {}
     for kind in KINDS:
         for one in (False, True):
@@ -163,11 +151,7 @@ def bench_raw(cupy: Any, endpoint: str, reps: int, warmup: int) -> dict[str, Any
             in_writer, end_to_end = [], []
             for rep in range(warmup + reps):
                 t0 = time.perf_counter()
-                sock.send(msgpack.packb({"t": "write", "kind": kind, "one": one}))
-                # The target side needs progress too (architecture §6): progress while waiting.
-                while not sock.poll(0):
-                    agent.get_new_notifs()
-                reply = msgpack.unpackb(sock.recv())
+                reply = peer.call({"t": "write", "kind": kind, "one": one}, agent.get_new_notifs)
                 elapsed = time.perf_counter() - t0
                 assert reply["state"] == "DONE", reply
                 if rep >= warmup:
@@ -177,10 +161,7 @@ def bench_raw(cupy: Any, endpoint: str, reps: int, warmup: int) -> dict[str, Any
             tag = f"{kind}{'-one' if one else ''}"
             out[tag] = summary(in_writer)
             out[f"{tag}-e2e"] = summary(end_to_end)
-    sock.send(msgpack.packb({"t": "quit"}))
-    sock.recv()
-    sock.close(0)
-    ctx.term()
+    peer.close()
     return out
 
 

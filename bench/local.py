@@ -1,51 +1,74 @@
 """Local benchmark: a kvcr node and a client on one host, each against its raw anchor.
 
-Measured in one run, in one process tree:
+Measured in one run, in one process tree, each kvcr measurement followed by its raw
+anchor's, so that both see the same machine (other work on it shifts both):
 
 1. deliver of a 64 MiB object of 64 KiB spans through the node, against a raw NIXL WRITE
    of the same descriptors from a bare NIXL process into the same kind of client buffer
    (timed in the writer, and end to end with a raw ZeroMQ trigger);
-2. query round trip against a raw ZeroMQ DEALER/ROUTER msgpack echo, and deposit of the
-   same object under new keys against a raw NIXL READ of the same descriptors;
-3. admission into a full pool as evictable objects in an unrelated pool grow 1k..100k;
-4. the node's CPU use while idle, and index memory per stored object at 100,000 objects.
+2. deposit of the same object under new keys against a raw NIXL READ of the same descriptors;
+3. query round trips against a raw ZeroMQ DEALER/ROUTER msgpack echo: one key with the blocking
+   ``Client`` and with ``AsyncClient``; 1,000 keys (half of them stored) against an echo of
+   the same request and reply sizes; and 5,000 one-key queries in flight from one client;
+4. admission into a full pool as evictable objects in an unrelated pool grow 1k..100k;
+5. the CPU use of the node and of an idle client process while it is connected, and
+   index memory per stored object at 100,000 objects.
 
-Run: ``python bench/local.py`` (about a minute). Ratios matter, not absolute times.
+Run: ``python bench/local.py`` (under a minute; ``--quick``: about 15 s). Ratios matter,
+not absolute times. With ``--json`` the report goes to stderr and stdout carries one JSON
+object: ``query_ratio`` and ``query_ratio_async`` (query p50 / echo p50), ``deliver_ratio``
+(raw NIXL WRITE p50 / kvcr deliver p50, list of spans), ``deposit_ratio`` (raw NIXL READ p50
+/ kvcr deposit p50), ``idle_cpu_percent`` (node and idle client process together, % of a core),
+``query_1000_us``, ``query_1000_ratio`` and ``pipelined_queries_per_s``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import logging
 import mmap
-import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import msgpack
 import numpy as np
-import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from admission import index_bytes_per_object, measure_admission
+from anchors import Peer, echo, serve
 from procs import process_group, spawn
 from stats import fmt_gbps, fmt_us, summary
 
-from kvcr_client import Client, Span
+from kvcr_client import AsyncClient, Client, Span
 from kvcr_io.agent import load_nixl
+from kvcr_protocol import Query, QueryReply, QueryResult, encode
 
 SPAN = 64 << 10
 SPANS = 1024
 OBJECT = SPAN * SPANS  # 64 MiB
+QUERY_KEYS = 1000
+"""Keys in the large query; every other one is stored (small objects in their own pool)."""
+SMALL = 4 << 10
+PIPELINED = 5000
+"""One-key queries in flight at once from one client."""
+IDLE_CLIENT_S = 3600.0
+"""How long the idle client process waits to be stopped (it always is, long before)."""
+IDLE_SETTLE_S = 0.2
+WARMUP = 200
+"""Round trips run before the timed ones (allocator, caches, socket buffers)."""
 
 
 # --------------------------------------------------------------------------- raw anchors
 
 
 def raw_writer(endpoint: str) -> None:
-    """A bare NIXL process: a page-aligned pool registered once, WRITEs on request."""
+    """A bare NIXL process: a page-aligned pool registered once, WRITEs on request, and the echo."""
     nixl = load_nixl()
     agent = nixl.nixl_agent("raw-writer", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     buf = mmap.mmap(-1, OBJECT, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -54,106 +77,161 @@ def raw_writer(endpoint: str) -> None:
     base = pool.ctypes.data
     agent.register_memory([(base, OBJECT, 0, "")], "DRAM")
     local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.bind(endpoint)
-    remote = None
-    remote_name, msg_addr = "", 0
-    print("ready", flush=True)
-    while True:
-        ident, frame = sock.recv_multipart()
-        msg = msgpack.unpackb(frame)
-        if msg["t"] == "setup":
-            remote_name = agent.add_remote_agent(msg["md"])
-            msg_addr = msg["addr"]
-            remote = agent.prep_xfer_dlist(remote_name, [(msg_addr + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
-            sock.send_multipart([ident, msgpack.packb({"t": "ok"})])
-        elif msg["t"] == "write":
-            # The first ``n`` descriptors (all by default), one NIXL request.
-            n = msg.get("n", SPANS)
-            t0 = time.perf_counter()
-            if msg.get("merged"):
-                # The same bytes as one descriptor each side, built per request (what kvcr
-                # posts after merging contiguous spans).
-                ldesc = agent.get_xfer_descs(np.array([(base, n * SPAN, 0)], dtype=np.uint64), "DRAM")
-                rdesc = agent.get_xfer_descs(np.array([(msg_addr, n * SPAN, 0)], dtype=np.uint64), "DRAM")
-                handle = agent.initialize_xfer("WRITE", ldesc, rdesc, remote_name)
-            else:
-                # READ pulls the client's bytes into the pool (what a deposit does).
-                op = "READ" if msg.get("read") else "WRITE"
-                handle = agent.make_prepped_xfer(op, local, list(range(n)), remote, list(range(n)))
-            state = agent.transfer(handle)
-            while state == "PROC":
-                state = agent.check_xfer_state(handle)
-            agent.release_xfer_handle(handle)
-            sock.send_multipart([ident, msgpack.packb({"t": "done", "s": time.perf_counter() - t0, "state": state})])
-        elif msg["t"] == "echo":
-            sock.send_multipart([ident, msgpack.packb({"t": "echo", "id": msg["id"], "v": 2})])
-        elif msg["t"] == "quit":
-            sock.send_multipart([ident, msgpack.packb({"t": "bye"})])
-            break
-    sock.close(0)
-    ctx.term()
+    peer: dict[str, Any] = {}
 
+    def setup(msg: dict[str, Any]) -> dict[str, Any]:
+        peer["name"] = agent.add_remote_agent(msg["md"])
+        peer["addr"] = msg["addr"]
+        peer["dlist"] = agent.prep_xfer_dlist(peer["name"], [(msg["addr"] + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
+        return {"t": "ok"}
 
-def bench_raw(endpoint: str, reps: int) -> dict[str, Any]:
-    """Raw NIXL WRITE of 1024 x 64 KiB into a buffer of this process, and a raw ZeroMQ echo."""
-    nixl = load_nixl()
-    agent = nixl.nixl_agent("raw-client", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    dst = np.zeros(OBJECT, dtype=np.uint8)
-    agent.register_memory([(dst.ctypes.data, OBJECT, 0, "")], "DRAM")
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(endpoint)
-    sock.send(msgpack.packb({"t": "setup", "md": agent.get_agent_metadata(), "addr": dst.ctypes.data}))
-    assert msgpack.unpackb(sock.recv())["t"] == "ok"
-    in_writer, end_to_end, merged = [], [], []
-    for i in range(2 * reps):
+    def write(msg: dict[str, Any]) -> dict[str, Any]:
+        # The first ``n`` descriptors (all by default), one NIXL request.
+        n = msg.get("n", SPANS)
         t0 = time.perf_counter()
-        sock.send(msgpack.packb({"t": "write", "merged": i % 2 == 1}))
-        # The target side needs progress too (architecture §6): progress while waiting.
-        while not sock.poll(0):
-            agent.get_new_notifs()
-        reply = msgpack.unpackb(sock.recv())
-        assert reply["state"] == "DONE", reply
-        if i % 2:
-            merged.append(reply["s"])
+        if msg.get("merged"):
+            # The same bytes as one descriptor each side, built per request (what kvcr
+            # posts after merging contiguous spans).
+            ldesc = agent.get_xfer_descs(np.array([(base, n * SPAN, 0)], dtype=np.uint64), "DRAM")
+            rdesc = agent.get_xfer_descs(np.array([(peer["addr"], n * SPAN, 0)], dtype=np.uint64), "DRAM")
+            handle = agent.initialize_xfer("WRITE", ldesc, rdesc, peer["name"])
         else:
-            end_to_end.append(time.perf_counter() - t0)
-            in_writer.append(reply["s"])
-    reads = []
-    for _ in range(reps):
-        sock.send(msgpack.packb({"t": "write", "read": True}))
-        while not sock.poll(0):
-            agent.get_new_notifs()
-        reply = msgpack.unpackb(sock.recv())
-        assert reply["state"] == "DONE", reply
-        reads.append(reply["s"])
-    echo = []
-    for i in range(2000):
+            # READ pulls the client's bytes into the pool (what a deposit does).
+            op = "READ" if msg.get("read") else "WRITE"
+            handle = agent.make_prepped_xfer(op, local, list(range(n)), peer["dlist"], list(range(n)))
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        agent.release_xfer_handle(handle)
+        return {"t": "done", "s": time.perf_counter() - t0, "state": state}
+
+    serve(endpoint, {"setup": setup, "write": write, "echo": echo})
+
+
+class RawNixl:
+    """This process's side of the raw NIXL anchors: a bare agent and a 64 MiB buffer the raw writer
+    WRITEs into and READs from, 1024 x 64 KiB per request, timed in the writer."""
+
+    def __init__(self, peer: Peer) -> None:
+        nixl = load_nixl()
+        logging.getLogger("nixl").setLevel(logging.WARNING)  # its start-up lines at INFO
+        self.peer = peer
+        self.agent = nixl.nixl_agent("raw-client", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.dst = np.zeros(OBJECT, dtype=np.uint8)
+        self.agent.register_memory([(self.dst.ctypes.data, OBJECT, 0, "")], "DRAM")
+        assert peer.call({"t": "setup", "md": self.agent.get_agent_metadata(), "addr": self.dst.ctypes.data})["t"] == "ok"
+        self.runs: dict[str, list[float]] = {"write": [], "write_e2e": [], "write_merged": [], "read": []}
+
+    def run(self, kind: str) -> None:
+        """One timed request: ``write``, ``write_merged`` or ``read``."""
         t0 = time.perf_counter()
-        sock.send(msgpack.packb({"v": 2, "t": "echo", "id": i, "keys": [b"k" * 32]}))
-        reply = msgpack.unpackb(sock.recv())
-        echo.append(time.perf_counter() - t0)
-        assert reply["id"] == i
-    sock.send(msgpack.packb({"t": "quit"}))
-    sock.recv()
-    sock.close(0)
-    ctx.term()
-    return {"write": summary(in_writer), "write_e2e": summary(end_to_end), "write_merged": summary(merged),
-            "read": summary(reads),
-            "echo": summary(echo[200:]), "dst": dst}
+        reply = self.peer.call({"t": "write", "merged": kind == "write_merged", "read": kind == "read"},
+                               self.agent.get_new_notifs)
+        assert reply["state"] == "DONE", reply
+        self.runs[kind].append(reply["s"])
+        if kind == "write":
+            self.runs["write_e2e"].append(time.perf_counter() - t0)
+
+    def summaries(self) -> dict[str, dict[str, float]]:
+        return {name: summary(samples) for name, samples in self.runs.items()}
 
 
 # --------------------------------------------------------------------------- kvcr
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of every thread of process ``pid`` so far, in ns resolution (``schedstat``, not clock ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
 
 
-def bench_kvcr(endpoint: str, node_pid: int, reps: int, idle_s: float) -> dict[str, Any]:
+def paired(kvcr: Callable[[int], object], raw: Callable[[int], object], n: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Alternate one kvcr call and one raw call ``n`` times after a warm-up; both summaries."""
+    ours, theirs = [], []
+    clock = time.perf_counter
+    for i in range(WARMUP + n):
+        t0 = clock()
+        kvcr(i)
+        t1 = clock()
+        raw(i)
+        t2 = clock()
+        if i >= WARMUP:
+            ours.append(t1 - t0)
+            theirs.append(t2 - t1)
+    return summary(ours), summary(theirs)
+
+
+async def paired_async(kvcr: Callable[[int], Awaitable[object]], raw: Callable[[int], object], n: int) -> dict[str, float]:
+    """As ``paired``, with an awaited kvcr call; the summary of the kvcr side."""
+    ours = []
+    clock = time.perf_counter
+    for i in range(WARMUP + n):
+        t0 = clock()
+        await kvcr(i)
+        t1 = clock()
+        raw(i)
+        if i >= WARMUP:
+            ours.append(t1 - t0)
+    return summary(ours)
+
+
+def small_echo(peer: Peer) -> Callable[[int], object]:
+    return lambda i: peer.call({"v": 2, "t": "echo", "id": i, "keys": [b"k" * 32]})
+
+
+def bench_queries(client: Client, endpoint: str, peer: Peer, n: int, n_large: int) -> dict[str, Any]:
+    """Query round trips against the raw echo, one after the other (see the module's point 3)."""
+    out: dict[str, Any] = {}
+    key = [b"obj"]
+    out["query"], out["echo"] = paired(lambda i: client.query(key).result(5), small_echo(peer), n)
+
+    async def run_async() -> dict[str, float]:
+        async with await AsyncClient.connect(endpoint, name="bench-async") as aclient:
+            return await paired_async(lambda i: aclient.query(key), small_echo(peer), n)
+
+    out["query_async"] = asyncio.run(run_async())
+
+    # 1,000 keys, every other one stored; the echo carries a request and a reply of the same sizes.
+    src = np.full(SMALL, 7, dtype=np.uint8)
+    region = client.register(src)
+    stored = [b"small/%028d" % i for i in range(QUERY_KEYS // 2)]
+    assert client.deposit({k: [Span("L0", region, 0, SMALL, "q")] for k in stored}).result(30).all_ok
+    keys = [k for s in stored for k in (s, s.replace(b"small", b"never"))]
+    results = client.query(keys).result(5)
+    assert sum(r.presence.name == "HIT" for r in results.values()) == len(stored), "half the keys are stored"
+    version = client.node.version if client.node else 1
+    request_size = len(encode(Query(1, tuple(keys), None), version))
+    reply_size = len(encode(QueryReply(1, tuple(QueryResult(r.presence, r.tier) for r in results.values())), version))
+    # The padded echo reply: the bare reply, the key "r" (2 bytes) and a bin16 header (3 bytes).
+    pad = max(0, reply_size - len(msgpack.packb(echo({"id": n_large + WARMUP}))) - 5)
+
+    def raw_large(i: int) -> object:
+        return peer.call({"v": 2, "t": "echo", "id": i, "keys": keys, "pad": pad})
+
+    out["query_1000"], out["echo_1000"] = paired(lambda i: client.query(keys).result(5), raw_large, n_large)
+    out["sizes_1000"] = (request_size, reply_size)
+
+    # Many one-key queries in flight from one client: all sent, then all waited on.
+    rates = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        handles = [client.query(key) for _ in range(PIPELINED)]
+        for h in handles:
+            h.result(30)
+        rates.append(PIPELINED / (time.perf_counter() - t0))
+    out["pipelined"] = sorted(rates)[1]
+    client.unregister(region)
+    return out
+
+
+def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int) -> dict[str, Any]:
+    """Every kvcr measurement; each transfer is followed by its raw anchor's, so both see the same machine."""
+    raw = RawNixl(peer)
     src = (np.arange(OBJECT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
     dst = np.zeros(OBJECT, dtype=np.uint8)
     with Client(endpoint, name="bench") as client:
@@ -175,11 +253,9 @@ def bench_kvcr(endpoint: str, node_pid: int, reps: int, idle_s: float) -> dict[s
                 res = client.deliver(dest).result(30)
                 times[how].append(time.perf_counter() - t0)
                 assert res[b"obj"].ok, res
-        queries = []
-        for _ in range(2000):
-            t0 = time.perf_counter()
-            client.query([b"obj"]).result(5)
-            queries.append(time.perf_counter() - t0)
+            raw.run("write")
+            raw.run("write_merged")
+        result = bench_queries(client, endpoint, peer, queries, max(50, queries // 10))
         # Deposits of the same 64 MiB under new keys: each evicts the oldest object (FIFO).
         sources = [Span(f"L{i}", rs, i * SPAN, SPAN, "kv") for i in range(SPANS)]
         deposits = []
@@ -188,71 +264,129 @@ def bench_kvcr(endpoint: str, node_pid: int, reps: int, idle_s: float) -> dict[s
             res = client.deposit({f"dep{i}".encode(): sources}).result(30)
             deposits.append(time.perf_counter() - t0)
             assert res.all_ok, res
+            raw.run("read")
         dst[:] = 0
         last = f"dep{reps - 1}".encode()
         assert client.deliver({last: spans}).result(30)[last].ok
         if not np.array_equal(src, dst):
             raise AssertionError("a deposit's bytes differ when delivered back")
-        # Idle: a client connected, nothing in flight.
-        c0, t0 = cpu_seconds(node_pid), time.monotonic()
-        time.sleep(idle_s)
-        idle = (cpu_seconds(node_pid) - c0) / (time.monotonic() - t0)
-        client_cpu0, t1 = cpu_seconds(os.getpid()), time.monotonic()
-        time.sleep(1.0)
-        client_idle = (cpu_seconds(os.getpid()) - client_cpu0) / (time.monotonic() - t1)
         stats = client.stats().result(5)
         assert stats["invariants"] == [], stats["invariants"]
-    return {"deliver": summary(times["list"]), "deliver_prepared": summary(times["prepared"]),
-            "deposit": summary(deposits), "query": summary(queries[200:]), "idle_cpu": idle, "client_idle_cpu": client_idle}
+    return {**result, "deliver": summary(times["list"]), "deliver_prepared": summary(times["prepared"]),
+            "deposit": summary(deposits), "raw": raw.summaries()}
+
+
+def idle_client(endpoint: str) -> None:
+    """A client process of its own, connected and idle after one query, until stopped."""
+    with Client(endpoint, name="bench-idle") as client:
+        client.query([b"obj"]).result(5)
+        print("ready", flush=True)
+        time.sleep(IDLE_CLIENT_S)
+
+
+def bench_idle(node_pid: int, client_pid: int, idle_s: float) -> dict[str, float]:
+    """CPU use of the node and of an idle client process over the same interval (fractions of a core)."""
+    time.sleep(IDLE_SETTLE_S)  # the client's start-up is over
+    node0, client0, t0 = cpu_seconds(node_pid), cpu_seconds(client_pid), time.monotonic()
+    time.sleep(idle_s)
+    elapsed = time.monotonic() - t0
+    return {"idle_cpu": (cpu_seconds(node_pid) - node0) / elapsed,
+            "client_idle_cpu": (cpu_seconds(client_pid) - client0) / elapsed}
+
+
+def report(k: dict[str, Any], quick: bool, out: TextIO) -> dict[str, float]:
+    """Print the human-readable report to ``out``; the figures of ``--json``."""
+    r = k["raw"]
+    figures = {
+        "query_ratio": k["query"]["median"] / k["echo"]["median"],
+        "query_ratio_async": k["query_async"]["median"] / k["echo"]["median"],
+        "deliver_ratio": r["write"]["median"] / k["deliver"]["median"],
+        "deposit_ratio": r["read"]["median"] / k["deposit"]["median"],
+        "idle_cpu_percent": (k["idle_cpu"] + k["client_idle_cpu"]) * 100,
+        "query_1000_us": k["query_1000"]["median"] * 1e6,
+        "query_1000_ratio": k["query_1000"]["median"] / k["echo_1000"]["median"],
+        "pipelined_queries_per_s": k["pipelined"],
+    }
+
+    def say(line: str) -> None:
+        print(line, file=out)
+
+    say(f"load average at the end: {Path('/proc/loadavg').read_text().strip()}")
+    say(f"deliver of a {OBJECT >> 20} MiB object, {SPANS} spans of {SPAN >> 10} KiB, DRAM -> DRAM, separate processes")
+    say(f"  kvcr deliver, list of spans      {fmt_gbps(OBJECT, k['deliver'])}")
+    say(f"  kvcr deliver, prepared dest.     {fmt_gbps(OBJECT, k['deliver_prepared'])}")
+    say(f"  raw NIXL WRITE (in the writer)   {fmt_gbps(OBJECT, r['write'])}")
+    say(f"  raw NIXL WRITE + ZeroMQ trigger  {fmt_gbps(OBJECT, r['write_e2e'])}")
+    say(f"  raw NIXL WRITE, one merged desc  {fmt_gbps(OBJECT, r['write_merged'])}")
+    for label, name in (("list of spans", "deliver"), ("prepared destination", "deliver_prepared")):
+        ratio = r["write"]["median"] / k[name]["median"]
+        ratio_e2e = r["write_e2e"]["median"] / k[name]["median"]
+        say(f"  ratio kvcr / raw NIXL, {label}: {ratio:.2f} (goal >= 0.9); against raw NIXL + trigger: {ratio_e2e:.2f}")
+    say("deposit of the same object under a new key (evicting one), against raw NIXL READ")
+    say(f"  kvcr deposit, list of spans      {fmt_gbps(OBJECT, k['deposit'])}")
+    say(f"  raw NIXL READ (in the reader)    {fmt_gbps(OBJECT, r['read'])}")
+    say(f"  ratio kvcr / raw NIXL: {figures['deposit_ratio']:.2f} (goal >= 0.85)")
+    say("query round trip, each kvcr query followed by one raw echo")
+    say(f"  kvcr query, Client         {fmt_us(k['query'])}")
+    say(f"  kvcr query, AsyncClient    {fmt_us(k['query_async'])}")
+    say(f"  raw ZeroMQ msgpack echo    {fmt_us(k['echo'])}")
+    say(f"  ratio kvcr / raw echo p50: Client {figures['query_ratio']:.2f} (goal <= 1.5), "
+        f"AsyncClient {figures['query_ratio_async']:.2f} (goal <= 2.0)")
+    request_size, reply_size = k["sizes_1000"]
+    say(f"query of {QUERY_KEYS} keys, half of them stored ({request_size} B request, {reply_size} B reply)")
+    say(f"  kvcr query                 {fmt_us(k['query_1000'])}")
+    say(f"  raw echo, same sizes       {fmt_us(k['echo_1000'])}")
+    say(f"  ratio kvcr / raw echo p50: {figures['query_1000_ratio']:.2f} (goal <= 2.0)")
+    say(f"{PIPELINED} one-key queries in flight from one client: {k['pipelined']:,.0f} queries/s, median of 3 (goal >= 20,000)")
+    say("admission into a full pool B, evicting one object of B each (FIFO)")
+    sweep = (1_000, 10_000) if quick else (1_000, 10_000, 100_000)
+    adm = {n: measure_admission(n) for n in sweep}
+    for n, m in adm.items():
+        say(f"  {n:>7,} evictable objects in unrelated pool A: median {m['median_s'] * 1e6:6.2f} us/admission, "
+            f"{int(m['visits'])} candidates visited for 64 admissions")
+    say(f"  ratio {sweep[-1] // 1000}k/1k: {adm[sweep[-1]]['median_s'] / adm[1_000]['median_s']:.2f} (goal <= 1.5)")
+    say(f"CPU while idle with a client connected: node {k['idle_cpu'] * 100:.2f}%, idle client process "
+        f"{k['client_idle_cpu'] * 100:.2f}% of a core (goal: together < 1%)")
+    n_index = 10_000 if quick else 100_000
+    say(f"index memory per stored object at {n_index:,} objects: 1 span {index_bytes_per_object(n_index, 1):.0f} B, "
+        f"64 spans {index_bytes_per_object(n_index, 64):.0f} B (goal < 1024 B)")
+    return figures
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--raw-writer", help=argparse.SUPPRESS)
+    parser.add_argument("--idle-client", help=argparse.SUPPRESS)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--queries", type=int, default=2000, help="timed one-key query round trips per client")
     parser.add_argument("--idle-seconds", type=float, default=5.0)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller admission sweep")
+    parser.add_argument("--json", action="store_true", help="the report to stderr, one JSON object to stdout")
     args = parser.parse_args()
     if args.raw_writer:
         raw_writer(args.raw_writer)
         return 0
+    if args.idle_client:
+        idle_client(args.idle_client)
+        return 0
     reps = 8 if args.quick else args.reps
+    queries = 1000 if args.quick else args.queries
     with process_group("bench") as (run, procs):
         procs.append(node := spawn("-m", "kvcr_node.cli", "--endpoint", f"ipc://{run}/node.sock",
-                                   "--pool", f"kv:64KiB:{2 * SPANS}", "--log-level", "WARNING"))
+                                   "--pool", f"kv:64KiB:{2 * SPANS}", "--pool", f"q:4KiB:{QUERY_KEYS}",
+                                   "--log-level", "WARNING"))
         procs.append(spawn(__file__, "--raw-writer", f"ipc://{run}/raw.sock"))
-        k = bench_kvcr(f"ipc://{run}/node.sock", node.pid, reps, 1.0 if args.quick else args.idle_seconds)
-        r = bench_raw(f"ipc://{run}/raw.sock", reps)
-
-    print(f"deliver of a {OBJECT >> 20} MiB object, {SPANS} spans of {SPAN >> 10} KiB, DRAM -> DRAM, separate processes")
-    print(f"  kvcr deliver, list of spans      {fmt_gbps(OBJECT, k['deliver'])}")
-    print(f"  kvcr deliver, prepared dest.     {fmt_gbps(OBJECT, k['deliver_prepared'])}")
-    print(f"  raw NIXL WRITE (in the writer)   {fmt_gbps(OBJECT, r['write'])}")
-    print(f"  raw NIXL WRITE + ZeroMQ trigger  {fmt_gbps(OBJECT, r['write_e2e'])}")
-    print(f"  raw NIXL WRITE, one merged desc  {fmt_gbps(OBJECT, r['write_merged'])}")
-    for label, name in (("list of spans", "deliver"), ("prepared destination", "deliver_prepared")):
-        ratio = r["write"]["median"] / k[name]["median"]
-        ratio_e2e = r["write_e2e"]["median"] / k[name]["median"]
-        print(f"  ratio kvcr / raw NIXL, {label}: {ratio:.2f} (goal >= 0.85); against raw NIXL + trigger: {ratio_e2e:.2f}")
-    print("deposit of the same object under a new key (evicting one), against raw NIXL READ")
-    print(f"  kvcr deposit, list of spans      {fmt_gbps(OBJECT, k['deposit'])}")
-    print(f"  raw NIXL READ (in the reader)    {fmt_gbps(OBJECT, r['read'])}")
-    print(f"  ratio kvcr / raw NIXL: {r['read']['median'] / k['deposit']['median']:.2f}")
-    print("query round trip")
-    print(f"  kvcr query        {fmt_us(k['query'])}")
-    print(f"  raw ZeroMQ echo   {fmt_us(r['echo'])}")
-    print(f"  ratio kvcr / raw echo p50: {k['query']['median'] / r['echo']['median']:.2f} (goal <= 1.3)")
-    print("admission into a full pool B, evicting one object of B each (FIFO)")
-    sweep = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
-    adm = {n: measure_admission(n) for n in sweep}
-    for n, m in adm.items():
-        print(f"  {n:>7,} evictable objects in unrelated pool A: median {m['median_s'] * 1e6:6.2f} us/admission, {int(m['visits'])} candidates visited for 64 admissions")
-    print(f"  ratio {sweep[-1] // 1000}k/1k: {adm[sweep[-1]]['median_s'] / adm[1_000]['median_s']:.2f} (goal <= 1.5)")
-    print(f"node CPU while idle with a client connected: {k['idle_cpu'] * 100:.2f}% of a core (goal < 1%)")
-    print(f"client process CPU while idle: {k['client_idle_cpu'] * 100:.2f}% of a core")
-    n_index = 10_000 if args.quick else 100_000
-    print(f"index memory per stored object at {n_index:,} objects: 1 span {index_bytes_per_object(n_index, 1):.0f} B, "
-          f"64 spans {index_bytes_per_object(n_index, 64):.0f} B (goal < 1024 B)")
+        peer = Peer(f"ipc://{run}/raw.sock")
+        try:
+            k = bench_kvcr(f"ipc://{run}/node.sock", peer, reps, queries)
+        finally:
+            peer.close()
+        # Idle: a client of its own connected, nothing in flight (this process holds more than a client).
+        procs.append(idle := spawn(__file__, "--idle-client", f"ipc://{run}/node.sock"))
+        k.update(bench_idle(node.pid, idle.pid, 1.0 if args.quick else args.idle_seconds))
+    figures = report(k, args.quick, sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps({name: round(value, 4) for name, value in figures.items()}))
     return 0
 
 

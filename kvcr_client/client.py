@@ -12,7 +12,7 @@ import logging
 import math
 import operator
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -213,6 +213,21 @@ def _key(key: Any, path: str) -> bytes:
     return key
 
 
+def _keys(items: Iterable[bytes], what: str) -> tuple[bytes, ...]:
+    """A call's keys, checked in one pass; a failure names the first bad key (paths are built only then)."""
+    seq: Sequence[Any]
+    if type(items) in (list, tuple) and 0 < len(cast(Sequence[Any], items)) <= DEFAULT_LIMITS.max_keys:
+        seq = cast(Sequence[Any], items)
+    else:
+        seq = _batch(items, what)
+    most = DEFAULT_LIMITS.max_key
+    for key in seq:
+        if type(key) is not bytes or not 0 < len(key) <= most:
+            # The detailed check: names the key, and takes bytes subclasses.
+            return tuple(_key(k, f"{what}[{i}]") for i, k in enumerate(seq))
+    return tuple(seq)
+
+
 def _span_total(items: Sequence[Any], attr: str, what: str) -> None:
     """One message carries at most ``max_spans`` spans over all its keys: refuse more before sending."""
     total = sum(len(getattr(item, attr)) for item in items)
@@ -269,7 +284,7 @@ class _Base:
         """Completions dropped from the full ``poll_completed`` queue (``max_completed``)."""
 
     def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
-        handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait, self.core.poll)
+        handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait, self.core.poll, self.core.wait_async)
         fut.add_done_callback(lambda _: self._queue_completed(handle))
         return handle
 
@@ -416,6 +431,25 @@ class _Base:
                 raise ArgumentError(path, f"region {region.region} of this Destination is no longer registered")
         return dest.wire, set(dest.regions)
 
+    def _span_items(
+        self, objects: Mapping[bytes, Any], item: Callable[[bytes, tuple[Any, ...]], Any], deposit: bool
+    ) -> tuple[tuple[Any, ...], list[bytes], set[RegionHandle]]:
+        """A deposit's or deliver's wire items (each key's checked spans; a deliver may name a
+        prepared ``Destination``), their keys, and the regions they use."""
+        items, keys, regions = [], [], set()
+        for key, spans in _batch(objects, "objects", mapping=True):
+            path = f"objects[{key!r}]"
+            _key(key, path)
+            if not deposit and type(spans) is Destination:
+                wire, used = self._destination(spans, f"{path}.spans")
+            else:
+                wire, used = self._spans(key, spans, f"{path}.spans", deposit=deposit)
+            items.append(item(key, wire))
+            keys.append(key)
+            regions |= used
+        _span_total(items, "spans", "objects")
+        return tuple(items), keys, regions
+
     # -- operations
 
     def _op(self, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool, regions: set[RegionHandle]) -> OpHandle[Any]:
@@ -468,16 +502,7 @@ class _Base:
         no_evict = _flag(no_evict, "no_evict")
         optional = _flag(optional, "optional")
         deadline_ms = _deadline(deadline_ms)
-        items, keys, regions = [], [], set()
-        for key, spans in _batch(objects, "objects", mapping=True):
-            path = f"objects[{key!r}]"
-            _key(key, path)
-            wire, used = self._spans(key, spans, f"{path}.spans", deposit=True)
-            items.append(DepositItem(key, wire))
-            keys.append(key)
-            regions |= used
-        _span_total(items, "spans", "objects")
-        frozen = tuple(items)
+        frozen, keys, regions = self._span_items(objects, DepositItem, deposit=True)
         return self._op("deposit", keys, lambda i: Deposit(i, frozen, no_evict, optional, deadline_ms), deadline_ms, True, regions)
 
     def deliver(
@@ -494,19 +519,7 @@ class _Base:
         request_id = _optional_request_id(request_id)
         deadline_ms = _deadline(deadline_ms)
         partial = _flag(partial, "partial")
-        items, keys, regions = [], [], set()
-        for key, spans in _batch(objects, "objects", mapping=True):
-            path = f"objects[{key!r}]"
-            _key(key, path)
-            if type(spans) is Destination:
-                wire, used = self._destination(spans, f"{path}.spans")
-            else:
-                wire, used = self._spans(key, spans, f"{path}.spans", deposit=False)
-            items.append(DeliverItem(key, wire))
-            keys.append(key)
-            regions |= used
-        _span_total(items, "spans", "objects")
-        frozen = tuple(items)
+        frozen, keys, regions = self._span_items(objects, DeliverItem, deposit=False)
         # Version 1 sessions cannot carry the flag; their remote deliveries name whole layouts.
         flag = partial and self.core.version >= 2
         return self._op(
@@ -555,15 +568,15 @@ class _Base:
 
     def query(self, keys: Iterable[bytes], request_id: str | None = None) -> OpHandle[Results[KeyPresence]]:
         """Where are these keys? Advisory: a HIT may be evicted before the next call."""
-        request_id = _optional_request_id(request_id)
-        ks = [_key(k, f"keys[{i}]") for i, k in enumerate(_batch(keys, "keys"))]
-        frozen = tuple(ks)
+        if request_id is not None:
+            request_id = _request_id(request_id)
+        ks = _keys(keys, "keys")
 
         def convert(msg: Message) -> Results[KeyPresence]:
             assert isinstance(msg, QueryReply)
             return Results([(k, KeyPresence(r.presence, r.tier)) for k, r in zip(ks, msg.results, strict=True)])
 
-        op_id, fut = self.core.request(lambda i: Query(i, frozen, request_id), convert, CONTROL_TIMEOUT_S)
+        op_id, fut = self.core.request(lambda i: Query(i, ks, request_id), convert, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "query", fut)
 
     def submit_hint(self, request_id: str, source_endpoint: str, keys: Iterable[bytes]) -> OpHandle[None]:
@@ -573,7 +586,7 @@ class _Base:
         problem = endpoint_problem(source_endpoint)  # the node's own check (spec section 5.2)
         if problem is not None:
             raise ArgumentError("source_endpoint", problem)
-        ks = tuple(_key(k, f"keys[{i}]") for i, k in enumerate(_batch(keys, "keys")))
+        ks = _keys(keys, "keys")
         op_id, fut = self.core.request(lambda i: SubmitHint(i, request_id, source_endpoint, ks), _ack, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "hint", fut)
 
@@ -751,7 +764,7 @@ class AsyncClient(_Base):
         timeout = _timeout(timeout)
         client = cls(endpoint, name, max_version, curve, max_completed)
         try:
-            await asyncio.wrap_future(client._hello(timeout))
+            await client.core.wait_async(client._hello(timeout))
         except BaseException:
             await asyncio.to_thread(client.core.close)
             raise
@@ -759,7 +772,7 @@ class AsyncClient(_Base):
 
     async def __aenter__(self) -> AsyncClient:
         if self.core.welcome is None:
-            await asyncio.wrap_future(self._hello(CONNECT_TIMEOUT_S))
+            await self.core.wait_async(self._hello(CONNECT_TIMEOUT_S))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -769,7 +782,7 @@ class AsyncClient(_Base):
         handle = self._describe(buffer)
         await asyncio.wrap_future(self.core.call(lambda: self._register_on_io(handle, True)))
         try:
-            await asyncio.wrap_future(self._announce(handle)[1])
+            await self.core.wait_async(self._announce(handle)[1])
         except BaseException:
             await asyncio.wrap_future(self.core.call(lambda: self._unregister_on_io(handle)))
             raise
@@ -789,7 +802,7 @@ class AsyncClient(_Base):
 
     async def reconnect(self, timeout: float = CONNECT_TIMEOUT_S) -> Welcome:
         timeout = _timeout(timeout)
-        result: Welcome = await asyncio.wrap_future(self._hello(timeout))
+        result: Welcome = await self.core.wait_async(self._hello(timeout))
         return result
 
     async def close(self) -> None:

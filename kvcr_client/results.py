@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -70,6 +70,7 @@ class OpHandle(Generic[T]):
         abort: Callable[[int], Any] | None = None,
         waiter: Callable[[Future[T], float | None], T] | None = None,
         poll: Callable[[], None] | None = None,
+        awaiter: Callable[[Future[T]], Awaitable[T]] | None = None,
     ) -> None:
         self.op_id = op_id
         self.kind = kind
@@ -77,6 +78,7 @@ class OpHandle(Generic[T]):
         self._abort = abort
         self._waiter = waiter
         self._poll = poll
+        self._awaiter = awaiter
         self.waited = False
         """Someone waited on (``result``) or awaited this handle: ``poll_completed`` skips it."""
 
@@ -98,7 +100,11 @@ class OpHandle(Generic[T]):
         return self.future.result(timeout)
 
     def __await__(self) -> Generator[Any, None, T]:
+        """Await the operation; the awaiting event loop reads the client's socket meanwhile, so the
+        reply resolves the awaiter in the loop's own thread."""
         self.waited = True
+        if self._awaiter is not None:
+            return self._awaiter(self.future).__await__()
         return asyncio.wrap_future(self.future).__await__()
 
     def abort(self) -> None:

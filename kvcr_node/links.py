@@ -441,6 +441,8 @@ class Links:
 
     def next_wakeup(self, now: float) -> float | None:
         """When ``check`` has something to do next (None: nothing while no message arrives)."""
+        if not self.by_endpoint:
+            return None  # asked once per loop turn: no link, no walk
         times: list[float] = []
         if self.config.heartbeat_ms:
             times.extend(link.next_heartbeat for link in self if link.state is LinkState.READY)
@@ -476,7 +478,7 @@ class Links:
     @property
     def filling(self) -> bool:
         """Whether a source may be writing into our pools right now (a fetch)."""
-        return any(w.fills for link in self for w in link.writes.values())
+        return bool(self.by_endpoint) and any(w.fills for link in self for w in link.writes.values())
 
     # ------------------------------------------------------------------ closing
 

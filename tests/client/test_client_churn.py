@@ -1,7 +1,7 @@
 """Client churn soaks (issue #10): thousands of operations, nothing grows in the client.
 
 Each test measures this process's descriptors (/proc/self/fd), RSS (VmRSS) and the
-client's table sizes (``Client.tables()``: pending, timed out, commands, completed,
+client's table sizes (``Client.tables()``: pending, timed out, event loops reading, completed,
 regions) before and after thousands of operations, and asserts they come back within a
 small bound; the node ends clean (no invariant breach, claim, pending operation, or
 leaked slot). Every delivered byte is compared with the source.
