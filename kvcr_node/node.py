@@ -150,7 +150,7 @@ class Node:
         self.router = Router(
             self.sessions, self.operations, Deposits(self.store, self.memories, self.operations), self.deliveries,
             Fetches(self.store, self.memories, self.operations, self.target),
-            Queries(self.store, self.memories, self.outbox), self.source, self.stats, self.outbox, self.versions,
+            Queries(self.store, self.outbox), self.source, self.stats, self.outbox, self.versions,
             Limits(max_frame=config.max_frame), self.clock, failure,
         )
 
