@@ -99,6 +99,10 @@ _CLOSE_TIMEOUT_S = 5.0
 """How long ``close`` waits for the node to acknowledge ``bye`` and for the thread to end."""
 _GRACE_S = 2.0
 """How long after an operation's deadline the client still waits for the node's answer."""
+_QUEUE_MESSAGES = 1 << 17
+"""Frames ZeroMQ may queue each way between the client and its node (its high-water marks):
+thousands of small requests in flight must queue here, not fail, while the node reads them
+a batch at a time, and their replies must find room even when the caller reads them late."""
 
 
 def _agent_name(client: str) -> str:
@@ -334,6 +338,8 @@ class ClientCore:
         self._close_socket()
         sock: zmq.Socket[bytes] = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, _QUEUE_MESSAGES)
+        sock.setsockopt(zmq.RCVHWM, _QUEUE_MESSAGES)
         if self.curve is not None:
             server, public, secret = self.curve
             sock.setsockopt(zmq.CURVE_SERVERKEY, server)
