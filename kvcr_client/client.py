@@ -26,6 +26,7 @@ from kvcr_protocol import (
     COLUMNS_VERSION,
     CURRENT_VERSION,
     DEFAULT_LIMITS,
+    PRESENCE_CODE,
     Abort,
     Ack,
     Completion,
@@ -42,6 +43,7 @@ from kvcr_protocol import (
     PoolInfo,
     Presence,
     Query,
+    QueryColumns,
     QueryReply,
     Region,
     RegisterRegions,
@@ -593,7 +595,7 @@ class _Base:
         def convert(msg: Message) -> Presences:
             if not isinstance(msg, QueryReply):
                 raise ValueError(f"expected query_reply, got {msg.TAG}")
-            return Presences(ks, msg.view())
+            return Presences(ks, msg.columns if msg.columns is not None else msg.results)
 
         op_id, fut = self.core.request(lambda i: Query(i, ks, request_id), convert, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "query", fut)
@@ -618,10 +620,15 @@ class _Base:
         def convert(msg: Message) -> int:
             if not isinstance(msg, QueryReply):
                 raise ValueError(f"expected query_reply, got {msg.TAG}")
-            view = msg.view()
-            if len(view) > len(ks):
-                raise ValueError(f"{len(view)} answers for {len(ks)} keys")
-            return view.prefix_length(mask)
+            answers = msg.columns if msg.columns is not None else msg.results
+            if len(answers) > len(ks):
+                raise ValueError(f"{len(answers)} answers for {len(ks)} keys")
+            if isinstance(answers, QueryColumns):
+                return answers.prefix_length(mask)
+            count = 0  # the record form of a whole query: count here, up to the first that does not count
+            while count < len(answers) and mask >> PRESENCE_CODE[answers[count].presence] & 1:
+                count += 1
+            return count
 
         op_id, fut = self.core.request(build, convert, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "query_prefix", fut)

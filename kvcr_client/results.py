@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kvcr_protocol import PRESENCE_BY_CODE, ErrorCode, KeyStatus, Presence, QueryColumns
+from kvcr_protocol import PRESENCE_BY_CODE, ErrorCode, KeyStatus, Presence, QueryColumns, QueryResult
 
 T = TypeVar("T")
 
@@ -39,28 +39,35 @@ class Presences(Mapping[bytes, KeyPresence]):
     """A query's answers, one per key in request order, each decoded when it is read.
 
     Reads like ``Results``: ``answers[key]``, iteration over the keys, ``len``. It holds the
-    reply's columns (spec section 6.9; a record-form reply is turned into columns), so a
-    thousand-key answer costs nothing per key until a key is read. A key asked twice
-    reads its last answer.
+    reply's columns (spec section 6.9), or its records in a session below version 3, so a
+    thousand-key answer costs nothing per key until a key is read. A key asked twice reads
+    its last answer.
     """
 
-    __slots__ = ("_columns", "_index", "_keys", "_made")
+    __slots__ = ("_answers", "_index", "_keys", "_made")
 
-    def __init__(self, keys: tuple[bytes, ...], columns: QueryColumns) -> None:
-        if len(columns) != len(keys):
-            raise ValueError(f"{len(columns)} answers for {len(keys)} keys")
+    def __init__(self, keys: tuple[bytes, ...], answers: QueryColumns | Sequence[QueryResult]) -> None:
+        if len(answers) != len(keys):
+            raise ValueError(f"{len(answers)} answers for {len(keys)} keys")
         self._keys = keys
-        self._columns = columns
+        self._answers = answers
         self._index: dict[bytes, int] | None = None
-        self._made: dict[int, KeyPresence] = {}
+        self._made: dict[object, KeyPresence] = {}
+        """Each distinct answer, made once: a presence code and tier index, or a record."""
 
     def at(self, i: int) -> KeyPresence:
         """The answer for the ``i``-th key asked."""
-        columns = self._columns
-        code = columns.presence[i] << 8 | columns.tier[i]
-        made = self._made.get(code)
+        answers = self._answers
+        if isinstance(answers, QueryColumns):
+            code = answers.presence[i] << 8 | answers.tier[i]
+            made = self._made.get(code)
+            if made is None:
+                made = self._made[code] = KeyPresence(PRESENCE_BY_CODE[code >> 8], answers.tiers[code & 0xFF])
+            return made
+        record = answers[i]
+        made = self._made.get(record)
         if made is None:
-            made = self._made[code] = KeyPresence(PRESENCE_BY_CODE[code >> 8], columns.tiers[code & 0xFF])
+            made = self._made[record] = KeyPresence(record.presence, record.tier)
         return made
 
     def __getitem__(self, key: bytes) -> KeyPresence:
