@@ -13,11 +13,11 @@ from kvcr_client.errors import (
     NodeLostError,
     OperationTimeout,
 )
-from kvcr_client.results import KeyOutcome, KeyPresence, OpHandle, Results
+from kvcr_client.results import KeyOutcome, KeyPresence, OpHandle, Presences, Results
 from kvcr_protocol import ErrorCode, KeyStatus, Presence
 
 __all__ = [
     "ArgumentError", "AsyncClient", "Client", "ClientClosed", "CurveKeys", "Destination", "ErrorCode", "KeyOutcome", "KeyPresence",
-    "KeyStatus", "KvcrError", "NodeError", "NodeLostError", "OpHandle", "OperationTimeout", "Presence",
+    "KeyStatus", "KvcrError", "NodeError", "NodeLostError", "OpHandle", "OperationTimeout", "Presence", "Presences",
     "RegionHandle", "Results", "Span",
 ]

@@ -21,10 +21,12 @@ from typing import Any, cast
 from kvcr_client.buffers import BufferError, describe
 from kvcr_client.core import ClientCore
 from kvcr_client.errors import ArgumentError, KvcrError, NodeError, NodeLostError, OperationTimeout
-from kvcr_client.results import KeyOutcome, KeyPresence, OpHandle, Results
+from kvcr_client.results import KeyOutcome, OpHandle, Presences, Results
 from kvcr_protocol import (
+    COLUMNS_VERSION,
     CURRENT_VERSION,
     DEFAULT_LIMITS,
+    PRESENCE_CODE,
     Abort,
     Ack,
     Completion,
@@ -39,7 +41,9 @@ from kvcr_protocol import (
     LayoutSpan,
     Message,
     PoolInfo,
+    Presence,
     Query,
+    QueryColumns,
     QueryReply,
     Region,
     RegisterRegions,
@@ -52,6 +56,7 @@ from kvcr_protocol import (
     Welcome,
     code_of,
     endpoint_problem,
+    prefix_mask,
     supported_up_to,
 )
 from kvcr_protocol import Deliver as DeliverMsg
@@ -214,18 +219,29 @@ def _key(key: Any, path: str) -> bytes:
 
 
 def _keys(items: Iterable[bytes], what: str) -> tuple[bytes, ...]:
-    """A call's keys, checked in one pass; a failure names the first bad key (paths are built only then)."""
-    seq: Sequence[Any]
-    if type(items) in (list, tuple) and 0 < len(cast(Sequence[Any], items)) <= DEFAULT_LIMITS.max_keys:
-        seq = cast(Sequence[Any], items)
-    else:
-        seq = _batch(items, what)
-    most = DEFAULT_LIMITS.max_key
-    for key in seq:
-        if type(key) is not bytes or not 0 < len(key) <= most:
-            # The detailed check: names the key, and takes bytes subclasses.
-            return tuple(_key(k, f"{what}[{i}]") for i, k in enumerate(seq))
-    return tuple(seq)
+    """A batch of keys (``_batch``), each checked as ``_key`` checks it: in a few C-level
+    passes when all are good, key by key (naming the bad one) otherwise."""
+    seq = _batch(items, what)
+    if set(map(type, seq)) == {bytes}:
+        sizes = set(map(len, seq))
+        if min(sizes) >= 1 and max(sizes) <= DEFAULT_LIMITS.max_key:
+            return tuple(seq)
+    return tuple(_key(k, f"{what}[{i}]") for i, k in enumerate(seq))
+
+
+def _prefix_mask(presences: Any) -> int:
+    """The prefix mask (spec section 6.9) of the presences a prefix query counts."""
+    if isinstance(presences, (str, bytes, Presence)) or not isinstance(presences, Iterable):
+        raise ArgumentError("presences", f"expected an iterable of Presence, got {type(presences).__name__}")
+    counted = list(presences)
+    for i, presence in enumerate(counted):
+        if not isinstance(presence, Presence):
+            raise ArgumentError(f"presences[{i}]", f"expected a Presence, got {type(presence).__name__}")
+        if presence is Presence.MISS:
+            raise ArgumentError(f"presences[{i}]", "a prefix counts HIT, FETCHING or FETCHABLE keys, never MISS")
+    if not counted:
+        raise ArgumentError("presences", "count at least one of HIT, FETCHING and FETCHABLE")
+    return prefix_mask(*counted)
 
 
 def _span_total(items: Sequence[Any], attr: str, what: str) -> None:
@@ -566,18 +582,54 @@ class _Base:
         frozen = tuple(hs)
         return self._op("release", keys, lambda i: Release(i, frozen), RELEASE_DEADLINE_MS, False, set())
 
-    def query(self, keys: Iterable[bytes], request_id: str | None = None) -> OpHandle[Results[KeyPresence]]:
-        """Where are these keys? Advisory: a HIT may be evicted before the next call."""
-        if request_id is not None:
-            request_id = _request_id(request_id)
+    def query(self, keys: Iterable[bytes], request_id: str | None = None) -> OpHandle[Presences]:
+        """Where are these keys? Advisory: a HIT may be evicted before the next call.
+
+        The answers (``Presences``) map each key to its ``KeyPresence``, decoded when read.
+        """
+        request_id = _optional_request_id(request_id)
         ks = _keys(keys, "keys")
 
-        def convert(msg: Message) -> Results[KeyPresence]:
-            assert isinstance(msg, QueryReply)
-            return Results([(k, KeyPresence(r.presence, r.tier)) for k, r in zip(ks, msg.results, strict=True)])
+        def convert(msg: Message) -> Presences:
+            if not isinstance(msg, QueryReply):
+                raise ValueError(f"expected query_reply, got {msg.TAG}")
+            return Presences(ks, msg.columns if msg.columns is not None else msg.results)
 
         op_id, fut = self.core.request(lambda i: Query(i, ks, request_id), convert, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "query", fut)
+
+    def query_prefix(
+        self, keys: Iterable[bytes], request_id: str | None = None, presences: Iterable[Presence] = (Presence.HIT,),
+    ) -> OpHandle[int]:
+        """How many keys in a row, from the first, have one of ``presences`` (HIT by default).
+
+        What an engine asks of its next request's blocks: the node stops looking at the
+        first key that does not count (a prefix query, spec section 6.9). A session below
+        version 3 asks a whole query and counts the same prefix here.
+        """
+        request_id = _optional_request_id(request_id)
+        ks = _keys(keys, "keys")
+        mask = _prefix_mask(presences)
+        core = self.core
+
+        def build(i: int) -> Query:
+            return Query(i, ks, request_id, mask if core.version >= COLUMNS_VERSION else 0)
+
+        def convert(msg: Message) -> int:
+            if not isinstance(msg, QueryReply):
+                raise ValueError(f"expected query_reply, got {msg.TAG}")
+            answers = msg.columns if msg.columns is not None else msg.results
+            if len(answers) > len(ks):
+                raise ValueError(f"{len(answers)} answers for {len(ks)} keys")
+            if isinstance(answers, QueryColumns):
+                return answers.prefix_length(mask)
+            count = 0  # the record form of a whole query: count here, up to the first that does not count
+            while count < len(answers) and mask >> PRESENCE_CODE[answers[count].presence] & 1:
+                count += 1
+            return count
+
+        op_id, fut = self.core.request(build, convert, CONTROL_TIMEOUT_S)
+        return self._handle(op_id, "query_prefix", fut)
 
     def submit_hint(self, request_id: str, source_endpoint: str, keys: Iterable[bytes]) -> OpHandle[None]:
         """Tell the node that, for ``request_id``, ``keys`` may be held by the node at ``source_endpoint``."""

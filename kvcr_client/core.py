@@ -103,8 +103,10 @@ _CLOSE_TIMEOUT_S = 5.0
 """How long ``close`` waits for the node to acknowledge ``bye`` and for the thread to end."""
 _GRACE_S = 2.0
 """How long after an operation's deadline the client still waits for the node's answer."""
-_UNBOUNDED = 0
-"""A ZeroMQ high-water mark of 0: no limit."""
+_QUEUE_MESSAGES = 1 << 17
+"""Frames ZeroMQ may queue each way between the client and its node (its high-water marks):
+thousands of small requests in flight must queue here, not fail, while the node reads them
+a batch at a time, and their replies must find room even when the caller reads them late."""
 _SILENCE_SLACK_S = 1.0
 """Beyond three heartbeat intervals of silence, how much longer before the node counts as lost."""
 _SOCKET_READY = 1
@@ -648,11 +650,10 @@ class ClientCore:
         self._close_socket()
         sock: zmq.Socket[bytes] = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        # No high-water marks: a burst of requests queues instead of failing at the 1001st,
-        # and replies queue here instead of backing up into the node's ROUTER, which drops
-        # what is over its mark (spec section 14). Both are bounded by the requests in flight.
-        sock.setsockopt(zmq.SNDHWM, _UNBOUNDED)
-        sock.setsockopt(zmq.RCVHWM, _UNBOUNDED)
+        # Replies queue here instead of backing up into the node's ROUTER, which drops what is
+        # over its mark (spec section 14); both ways are bounded by the requests in flight.
+        sock.setsockopt(zmq.SNDHWM, _QUEUE_MESSAGES)
+        sock.setsockopt(zmq.RCVHWM, _QUEUE_MESSAGES)
         if self.curve is not None:
             server, public, secret = self.curve
             sock.setsockopt(zmq.CURVE_SERVERKEY, server)

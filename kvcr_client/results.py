@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kvcr_protocol import ErrorCode, KeyStatus, Presence
+from kvcr_protocol import PRESENCE_BY_CODE, ErrorCode, KeyStatus, Presence, QueryColumns, QueryResult
 
 T = TypeVar("T")
 
@@ -33,6 +33,69 @@ class KeyPresence:
 
     presence: Presence
     tier: str = ""
+
+
+class Presences(Mapping[bytes, KeyPresence]):
+    """A query's answers, one per key in request order, each decoded when it is read.
+
+    Reads like ``Results``: ``answers[key]``, iteration over the keys, ``len``. It holds the
+    reply's columns (spec section 6.9), or its records in a session below version 3, so a
+    thousand-key answer costs nothing per key until a key is read. A key asked twice reads
+    its last answer.
+    """
+
+    __slots__ = ("_answers", "_index", "_keys", "_made")
+
+    def __init__(self, keys: tuple[bytes, ...], answers: QueryColumns | Sequence[QueryResult]) -> None:
+        if len(answers) != len(keys):
+            raise ValueError(f"{len(answers)} answers for {len(keys)} keys")
+        self._keys = keys
+        self._answers = answers
+        self._index: dict[bytes, int] | None = None
+        self._made: dict[object, KeyPresence] = {}
+        """Each distinct answer, made once: a presence code and tier index, or a record."""
+
+    def at(self, i: int) -> KeyPresence:
+        """The answer for the ``i``-th key asked."""
+        answers = self._answers
+        if isinstance(answers, QueryColumns):
+            code = answers.presence[i] << 8 | answers.tier[i]
+            made = self._made.get(code)
+            if made is None:
+                made = self._made[code] = KeyPresence(PRESENCE_BY_CODE[code >> 8], answers.tiers[code & 0xFF])
+            return made
+        record = answers[i]
+        made = self._made.get(record)
+        if made is None:
+            made = self._made[record] = KeyPresence(record.presence, record.tier)
+        return made
+
+    def __getitem__(self, key: bytes) -> KeyPresence:
+        index = self._index
+        if index is None:
+            index = self._index = dict(zip(self._keys, range(len(self._keys)), strict=True))
+        return self.at(index[key])
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self[key]  # type: ignore[index]
+        except (KeyError, TypeError):
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __repr__(self) -> str:
+        return f"Presences({dict(self.items())!r})"
+
+    @property
+    def all_ok(self) -> bool:
+        """Always true, as ``Results.all_ok`` is for answers: a query fails whole (it raises) or not at all."""
+        return True
 
 
 class Results(Mapping[bytes, T]):

@@ -150,7 +150,7 @@ class Node:
         self.router = Router(
             self.sessions, self.operations, Deposits(self.store, self.memories, self.operations), self.deliveries,
             Fetches(self.store, self.memories, self.operations, self.target),
-            Queries(self.store, self.memories, self.outbox), self.source, self.stats, self.outbox, self.versions,
+            Queries(self.store, self.outbox), self.source, self.stats, self.outbox, self.versions,
             Limits(max_frame=config.max_frame), self.clock, failure,
         )
 
@@ -270,18 +270,24 @@ class Node:
         return max(0, min(_IDLE_POLL_MS, int((min(wakeups) - now) * 1000) + 1))
 
     def _drain_messages(self) -> None:
+        """Handle what has arrived, at most ``batch`` messages, then send their replies together.
+
+        Many small requests in flight from one client are answered in a batch of replies
+        (one wake-up of each side's I/O for many frames); a lone request is answered as
+        soon as it is handled, since nothing more is there to read (architecture §4).
+        """
         sock = self.sock
         for _ in range(self.config.batch):
             # Ask before reading: cheaper than the exception of an empty read.
             if not cast(int, sock.getsockopt(_EVENTS)) & _POLLIN:
-                return
+                break
             self.router.receive(sock.recv_multipart(_NOBLOCK))
-            self._send_out()
             if self.transfers.inflight:
                 # Complete what finished before reading on: a first layer's completion must
                 # not wait behind the next request's submission.
                 self.transfers.poll()
                 self._send_out()
+        self._send_out()
 
     def _send_out(self) -> None:
         """Send what the parts put in the outbox, in order (a full peer queue drops, counted)."""

@@ -23,6 +23,7 @@ from kvcr_node.poolspec import PoolSpec
 from kvcr_node.slots import SlotAllocator
 
 __all__ = [
+    "LOOKUP_ABSENT",
     "DepositOutcome",
     "ObjectEntry",
     "ObjectState",
@@ -63,6 +64,20 @@ class DepositOutcome(enum.Enum):
 _WRITING = ObjectState.WRITING
 _READY = ObjectState.READY
 
+LOOKUP_ABSENT = 0
+"""``Store.lookup_codes``' code of a key the store does not hold."""
+MAX_TIERS = 126
+"""Distinct pool memories (tiers) a store may have: each tier takes two lookup codes of one byte."""
+
+
+def lookup_code(tier: int, state: ObjectState) -> int:
+    """The lookup code of an object in tier ``tier`` (an index into ``Store.tiers``) in ``state``.
+
+    Codes start at 2 (0 is ``LOOKUP_ABSENT``, 1 is left to callers), two per tier: WRITING,
+    then READY. One byte per key lets a batch lookup fill a column (spec section 6.9).
+    """
+    return 2 + 2 * tier + (state is _READY)
+
 
 class ObjectEntry:
     """One stored object: its key, layout, slots, state, claims and last access.
@@ -73,7 +88,7 @@ class ObjectEntry:
     packed as 32-bit integers. Treat every field as read-only: the store writes them.
     """
 
-    __slots__ = ("_slots", "claims", "index_seq", "info", "key", "last_access", "state")
+    __slots__ = ("_slots", "claims", "index_seq", "info", "key", "last_access", "lookup", "state")
 
     key: bytes
     info: LayoutInfo
@@ -82,8 +97,10 @@ class ObjectEntry:
     claims: int
     last_access: int
     index_seq: int
+    lookup: int
+    """The object's lookup code (``lookup_code``): its tier and state in one byte."""
 
-    def __init__(self, key: bytes, info: LayoutInfo, slots: bytes) -> None:
+    def __init__(self, key: bytes, info: LayoutInfo, slots: bytes, tier: int = 0) -> None:
         self.key = key
         self.info = info
         self._slots = slots
@@ -91,6 +108,7 @@ class ObjectEntry:
         self.claims = 0
         self.last_access = 0
         self.index_seq = 0
+        self.lookup = lookup_code(tier, _WRITING)
 
     @property
     def layout(self) -> Layout:
@@ -139,6 +157,11 @@ class Store:
             if spec.name in self._pools:
                 raise ValueError(f"pool {spec.name!r} is defined twice")
             self._pools[spec.name] = spec
+        self.tiers: tuple[str, ...] = tuple(dict.fromkeys(spec.memory for spec in pools))
+        """The distinct memories of the pools, in pool order: an object's tier is its first span's pool's."""
+        if len(self.tiers) > MAX_TIERS:
+            raise ValueError(f"{len(self.tiers)} distinct pool memories, at most {MAX_TIERS}")
+        self._tier_of = {spec.name: self.tiers.index(spec.memory) for spec in pools}
         self._alloc = {name: SlotAllocator(spec.slot_count) for name, spec in self._pools.items()}
         self._policy = policy
         self._index: EvictionIndex[ObjectEntry] = EvictionIndex(policy)
@@ -187,6 +210,15 @@ class Store:
     def lookup(self, key: bytes) -> ObjectEntry | None:
         """The entry stored under ``key``, WRITING or READY, or None. Not an access."""
         return self._objects.get(key)
+
+    def lookup_codes(self, keys: Sequence[bytes]) -> bytes:
+        """One byte per key, in order: its object's lookup code, or ``LOOKUP_ABSENT``. Not an access.
+
+        A batch lookup with no object made per key: what a query turns into its answer
+        columns with two table translations (spec section 6.9).
+        """
+        get = self._objects.get
+        return bytes([LOOKUP_ABSENT if (entry := get(key)) is None else entry.lookup for key in keys])
 
     # -- deposit ----------------------------------------------------------------------
 
@@ -246,7 +278,7 @@ class Store:
         if info.users == 0:
             self._layouts[info.layout] = info
         info.users += 1
-        entry = ObjectEntry(key, info, packed)
+        entry = ObjectEntry(key, info, packed, self._tier_of[info.layout[0][1]])
         self._objects[key] = entry
         self._writing += 1
         for pool, _ in info.need:
@@ -264,6 +296,7 @@ class Store:
         if entry.state is not _WRITING:
             raise StoreError(f"commit of {entry.key!r}: it is {entry.state.name}, not WRITING")
         entry.state = _READY
+        entry.lookup += 1  # lookup_code: READY follows WRITING
         self._writing -= 1
         self._ready += 1
         self._access(entry)
@@ -449,6 +482,8 @@ class Store:
                     expected.add(id(entry))
             claims += entry.claims
             info = entry.info
+            if entry.lookup != lookup_code(self._tier_of[info.layout[0][1]], entry.state):
+                breaches.append(f"{key!r}: lookup code {entry.lookup} does not say its tier and {entry.state.name}")
             users[id(info)] = users.get(id(info), 0) + 1
             if self._layouts.get(info.layout) is not info:
                 breaches.append(f"{key!r}: its layout is not the shared one")

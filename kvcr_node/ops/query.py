@@ -1,40 +1,90 @@
-"""``query``: where each key is, without claiming anything (spec section 5.2)."""
+"""``query``: where each key is, without claiming anything (spec sections 5.2 and 6.9).
+
+The store looks the keys up in one batch (``Store.lookup_codes``: one byte per key), and
+two table translations turn those bytes into the reply's presence and tier columns, so a
+query of a thousand keys makes no object per key. A version-3 session gets the columns
+(``!columns``); older sessions get the same answers as records, byte for byte as before.
+A prefix query (``!prefix``) looks the keys up in runs that double in length and stops
+after the run that holds the first key its mask does not count.
+"""
 
 from __future__ import annotations
 
-from kvcr_node.memory import PoolMemory
+from collections.abc import Sequence
+
 from kvcr_node.outbox import Outbox
 from kvcr_node.records import ClientSession
-from kvcr_node.store import ObjectEntry, ObjectState, Store
-from kvcr_protocol import Presence, Query, QueryReply, QueryResult
+from kvcr_node.store import LOOKUP_ABSENT, ObjectState, Store, lookup_code
+from kvcr_protocol import COLUMNS_VERSION, PRESENCE_BY_CODE, PRESENCE_CODE, Presence, Query, QueryColumns, QueryReply
 
 REMOTE_TIER = "remote"
 """The tier a key only a hinted source holds is reported in."""
+HINTED = 1
+"""The lookup code of a key the store lacks and the session's hint names (the store's codes
+leave 1 free)."""
+FIRST_RUN = 16
+"""Keys a prefix query looks up first; each further run is twice as long (spec section 6.9)."""
+_CODES = 256
 
 
 class Queries:
-    """The ``query`` handler."""
+    """The ``query`` handler; its tier table is the node's: no tier, remote, then the store's tiers."""
 
-    def __init__(self, store: Store, memories: dict[str, PoolMemory], outbox: Outbox) -> None:
+    def __init__(self, store: Store, outbox: Outbox) -> None:
         self.store = store
-        self.memories = memories
         self.outbox = outbox
-
-    def tier(self, entry: ObjectEntry) -> str:
-        """The memory kind of the pool holding the object's first span."""
-        return self.memories[entry.layout[0][1]].spec.memory
+        self.tiers: tuple[str, ...] = ("", REMOTE_TIER, *store.tiers)
+        presence = bytearray(_CODES)
+        tier = bytearray(_CODES)
+        presence[LOOKUP_ABSENT] = PRESENCE_CODE[Presence.MISS]
+        presence[HINTED], tier[HINTED] = PRESENCE_CODE[Presence.FETCHABLE], 1
+        for index in range(len(store.tiers)):
+            for state, answer in ((ObjectState.WRITING, Presence.FETCHING), (ObjectState.READY, Presence.HIT)):
+                code = lookup_code(index, state)
+                presence[code], tier[code] = PRESENCE_CODE[answer], 2 + index
+        self._presence = bytes(presence)
+        """Lookup code -> presence code."""
+        self._tier = bytes(tier)
+        """Lookup code -> index into ``tiers``."""
 
     def on_query(self, session: ClientSession, msg: Query) -> None:
         hint = session.hints.get(msg.request_id) if msg.request_id is not None else None
-        results = []
-        for key in msg.keys:
-            entry = self.store.lookup(key)
-            if entry is not None and entry.state is ObjectState.READY:
-                results.append(QueryResult(Presence.HIT, self.tier(entry)))
-            elif entry is not None:
-                results.append(QueryResult(Presence.FETCHING, self.tier(entry)))
-            elif hint is not None and key in hint[1]:
-                results.append(QueryResult(Presence.FETCHABLE, REMOTE_TIER))
-            else:
-                results.append(QueryResult(Presence.MISS))
-        self.outbox.reply(session, QueryReply(msg.id, tuple(results)))
+        hinted = hint[1] if hint is not None else None
+        if msg.prefix:
+            codes = self._prefix(msg.keys, hinted, msg.prefix)
+        else:
+            codes = self._codes(msg.keys, hinted)
+        columns = QueryColumns(codes.translate(self._presence), codes.translate(self._tier), self.tiers)
+        if session.version >= COLUMNS_VERSION:
+            self.outbox.reply(session, QueryReply(msg.id, (), columns))
+        else:
+            self.outbox.reply(session, QueryReply(msg.id, columns.results()))
+
+    def _codes(self, keys: Sequence[bytes], hinted: frozenset[bytes] | None) -> bytes:
+        """The lookup code of each key; a key the store lacks and ``hinted`` names is ``HINTED``."""
+        codes = self.store.lookup_codes(keys)
+        if hinted and LOOKUP_ABSENT in codes:
+            codes = bytes([
+                HINTED if code == LOOKUP_ABSENT and key in hinted else code for code, key in zip(codes, keys, strict=True)
+            ])
+        return codes
+
+    def _prefix(self, keys: Sequence[bytes], hinted: frozenset[bytes] | None, mask: int) -> bytes:
+        """The lookup codes of the keys in a row, from the first, whose presence ``mask`` counts.
+
+        Runs of ``FIRST_RUN``, then twice as many keys each: no key is looked up past the
+        run that holds the first uncounted one.
+        """
+        counted = bytes(code for code in range(len(PRESENCE_BY_CODE)) if mask >> code & 1)
+        parts: list[bytes] = []
+        start, run = 0, FIRST_RUN
+        while start < len(keys):
+            codes = self._codes(keys[start:start + run], hinted)
+            presence = codes.translate(self._presence)
+            count = len(presence) - len(presence.lstrip(counted))
+            parts.append(codes[:count])
+            if count < len(codes):
+                break
+            start += count
+            run *= 2
+        return b"".join(parts)

@@ -91,12 +91,18 @@ class Bytes(WireType[bytes]):
         return value
 
     def load_many(self, values: list[Any], limits: Limits) -> tuple[bytes, ...] | None:
-        """A whole array of bins (keys) in a few C-level passes; None when one item fails."""
+        """A whole array of bins (keys) in a few C-level passes; None when one item fails.
+
+        ``values`` come from msgpack, whose only bytes-like objects are bins (bytes): joining
+        them checks every item's type in one C call.
+        """
         if not values:
             return ()
-        if set(map(type, values)) != {bytes}:
+        try:
+            b"".join(values)
+        except TypeError:
             return None
-        sizes = list(map(len, values))
+        sizes = set(map(len, values))
         if min(sizes) < self.minimum or max(sizes) > getattr(limits, self.limit):
             return None
         return tuple(values)
@@ -118,6 +124,18 @@ class Str(WireType[str]):
         if self.choices is not None and value not in self.choices:
             raise _fail(ErrorCode.OUT_OF_RANGE, f"{value!r} is not one of {sorted(self.choices)}", path)
         return value
+
+    def load_many(self, values: list[Any], limits: Limits) -> tuple[str, ...] | None:
+        """A whole array of short strs (a tier table) in a few C-level passes; None when one
+        item might fail (the caller then checks them one by one, naming the bad one)."""
+        if not values:
+            return ()
+        if self.choices is not None or set(map(type, values)) != {str}:
+            return None
+        # At most 4 UTF-8 bytes a character: no str this short can be too long.
+        if max(map(len, values)) * 4 > getattr(limits, self.limit):
+            return None
+        return tuple(values)
 
 
 E = TypeVar("E", bound=enum.Enum)
@@ -164,6 +182,8 @@ class Seq(WireType[tuple[T, ...]]):
         self.minimum = minimum
         # Records of plain fields load a whole array in one generated loop.
         self.load_many: Callable[[Any, Limits], Any] | None = getattr(item, "load_many", None)
+        # Items that dump as themselves (keys, ints, strs): the array dumps as itself.
+        self.plain = type(item).dump is WireType.dump
 
     def load(self, value: Any, path: str, limits: Limits) -> tuple[T, ...]:
         if type(value) is not list:
@@ -188,6 +208,8 @@ class Seq(WireType[tuple[T, ...]]):
         return tuple(out)
 
     def dump(self, value: tuple[T, ...]) -> Any:
+        if self.plain:
+            return value
         dump = self.item.dump
         return [dump(v) for v in value]
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcr_client import ArgumentError, AsyncClient, Client, KeyStatus, RegionHandle, Span
+from kvcr_client import ArgumentError, AsyncClient, Client, KeyStatus, Presence, RegionHandle, Span
 from kvcr_testing.health import assert_clean
 from kvcr_testing.layouts import Layout, Registrar
 from kvcr_testing.patterns import KiB, pattern
@@ -74,6 +74,7 @@ def _cases() -> Iterator[Any]:
         yield case(f"deliver-request_id-{what}", lambda e, b=bad: e.client.deliver({KEY: e.deliver_spans}, request_id=b), "request_id")
         yield case(f"fetch-request_id-{what}", lambda e, b=bad: e.client.fetch({KEY: [("L0", "kv")]}, request_id=b), "request_id")
         yield case(f"query-request_id-{what}", lambda e, b=bad: e.client.query([KEY], request_id=b), "request_id")
+        yield case(f"query_prefix-request_id-{what}", lambda e, b=bad: e.client.query_prefix([KEY], request_id=b), "request_id")
         yield case(f"submit_hint-request_id-{what}", lambda e, b=bad: e.client.submit_hint(b, "tcp://127.0.0.1:1", [KEY]), "request_id")
         yield case(f"discard_hint-request_id-{what}", lambda e, b=bad: e.client.discard_hint(b), "request_id")
     for what, bad in [("None", None)]:
@@ -88,10 +89,21 @@ def _cases() -> Iterator[Any]:
     # Batches of keys: not an iterable of bytes keys.
     for what, bad in [("None", None), ("int", 5), ("bytes", b"abc"), ("str", "abc"), ("empty", [])]:
         yield case(f"query-keys-{what}", lambda e, b=bad: e.client.query(b), "keys")
+        yield case(f"query_prefix-keys-{what}", lambda e, b=bad: e.client.query_prefix(b), "keys")
         yield case(f"submit_hint-keys-{what}", lambda e, b=bad: e.client.submit_hint("r", "tcp://127.0.0.1:1", b), "keys")
     yield case("query-key-str", lambda e: e.client.query(["k"]), "keys[0]")
     yield case("query-key-empty", lambda e: e.client.query([b""]), "keys[0]")
     yield case("query-key-long", lambda e: e.client.query([b"k" * 257]), "keys[0]")
+    yield case("query-key-bytearray", lambda e: e.client.query([KEY, bytearray(b"k")]), "keys[1]")
+    yield case("query-keys-too-many", lambda e: e.client.query([KEY] * 4097), "keys")
+    yield case("query_prefix-key-long", lambda e: e.client.query_prefix([KEY, b"k" * 257]), "keys[1]")
+    yield case("query_prefix-key-str", lambda e: e.client.query_prefix([KEY, KEY, "k"]), "keys[2]")
+    yield case("query_prefix-keys-too-many", lambda e: e.client.query_prefix([KEY] * 4097), "keys")
+    # What a prefix counts: HIT, FETCHING or FETCHABLE, never MISS.
+    for what, bad, path in [("None", None, "presences"), ("empty", [], "presences"), ("str", "HIT", "presences"),
+                            ("one presence", Presence.HIT, "presences"), ("miss", [Presence.HIT, Presence.MISS], "presences[1]"),
+                            ("str item", ["HIT"], "presences[0]"), ("int item", [1], "presences[0]")]:
+        yield case(f"query_prefix-presences-{what}", lambda e, b=bad: e.client.query_prefix([KEY], presences=b), path)
     yield case("submit_hint-key-int", lambda e: e.client.submit_hint("r", "tcp://127.0.0.1:1", [KEY, 5]), "keys[1]")
     # Objects: a mapping of key -> spans.
     for what, bad in [("None", None), ("list", [(KEY, [])]), ("empty", {})]:
@@ -183,6 +195,8 @@ async def test_async_client_checks_the_same(node: Any) -> None:
             (lambda: c.deliver({KEY: spans}, deadline_ms=-1), "deadline_ms"),
             (lambda: c.deliver({KEY: spans}, deadline_ms="5"), "deadline_ms"),
             (lambda: c.query([KEY], request_id=7), "request_id"),
+            (lambda: c.query_prefix([KEY], presences=[Presence.MISS]), "presences[0]"),
+            (lambda: c.query_prefix([b""]), "keys[0]"),
             (lambda: c.discard_hint(None), "request_id"),  # type: ignore[arg-type]
             (lambda: c.release([2**70]), "handles[0]"),
         ]:

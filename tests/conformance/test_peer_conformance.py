@@ -2,7 +2,7 @@
 
 ``PeerConformance`` holds the cases; a subclass supplies the ``pair`` fixture (a target
 node with a client, a source node with a client). ``TestVersionMatrix`` runs them on
-local nodes for every (target version, source version) in {1, 2}²; ``TestExternalPair``
+local nodes for every (target version, source version) in {1, 2, 3}²; ``TestExternalPair``
 points them at nodes already running elsewhere:
 
     KVCR_PEER_TARGET=ipc:///tmp/a.sock KVCR_PEER_SOURCE=ipc:///tmp/b.sock \\
@@ -12,7 +12,9 @@ points them at nodes already running elsewhere:
 The expected outcome of each case follows from the versions the two nodes speak:
 
 - whole deliveries and fetches work at every pair;
-- a subset sent with ``partial`` works only when both speak version 2. A version-2
+- a query (and a prefix query) at the target is answered by the target alone, the same at
+  every pair;
+- a subset sent with ``partial`` works only when both speak version 2 or later. A version-2
   target that knows its source speaks version 1 fails it with ``PEER_UNSUPPORTED`` and
   sends nothing; a version-1 target cannot carry the flag (its client drops it), so the
   source gets a whole-layout request and refuses the subset with ``LAYOUT_SUBSET_INVALID``;
@@ -36,7 +38,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvcr_client import Client, ErrorCode
+from kvcr_client import Client, ErrorCode, Presence
 from kvcr_io.agent import Agent
 from kvcr_protocol import (
     Bye,
@@ -191,6 +193,29 @@ class PeerConformance:
         assert out.handle is not None
         pair.target.client.release([out.handle]).result(RESULT_TIMEOUT_S)
 
+    def test_query_at_the_target(self, pair: PeerPair) -> None:
+        """A query is answered by the target alone, at any pair of versions: what it holds,
+        and what the session's hint names (spec section 5.2); a prefix query counts the same
+        answers in a row (spec section 6.9, or the client's own count below version 3)."""
+        here, there, nowhere = pair.key("q-here"), pair.key("q-there"), pair.key("q-nowhere")
+        layout = pair.layout(1)
+        pair.target.deposit(here, layout, seed=70)
+        pair.source.deposit(there, layout, seed=71)
+        rid = pair.hint([there])
+        client = pair.target.client
+        answers = client.query([here, there, nowhere], request_id=rid).result(RESULT_TIMEOUT_S)
+        tier = client.pools[pair.pool].memory
+        assert [(a.presence, a.tier) for a in answers.values()] == [
+            (Presence.HIT, tier), (Presence.FETCHABLE, "remote"), (Presence.MISS, "")]
+        assert client.query([there]).result(RESULT_TIMEOUT_S)[there].presence is Presence.MISS  # no hint named
+        keys = [here, there, nowhere]
+        counts = [client.query_prefix(keys, rid, presences=counted).result(RESULT_TIMEOUT_S) for counted in (
+            [Presence.HIT], [Presence.HIT, Presence.FETCHABLE], [Presence.FETCHABLE])]
+        assert counts == [1, 2, 0]
+        assert client.query_prefix([there, here], rid, [Presence.FETCHABLE, Presence.HIT]).result(RESULT_TIMEOUT_S) == 2
+        # The source was not asked: a query reserves nothing and moves nothing.
+        assert pair.target.stats()["peers"].get(pair.source.endpoint, {}).get("writes_outstanding", 0) == 0
+
     @pytest.mark.parametrize("frame", ["v1+!partial", "v1-control", "v2+!partial"])
     def test_raw_write_frames(self, pair: PeerPair, frame: str) -> None:
         """Hand-built peer frames to the source: the must-understand rule (spec section 7)."""
@@ -300,7 +325,7 @@ class RawPeer:
 # --------------------------------------------------------------------------- where the cases run
 
 
-MATRIX = [(1, 1), (1, 2), (2, 1), (2, 2)]
+MATRIX = [(t, s) for t in (1, 2, 3) for s in (1, 2, 3)]
 
 
 @pytest.fixture(scope="module", params=MATRIX, ids=[f"target{t}-source{s}" for t, s in MATRIX])

@@ -6,11 +6,14 @@ messages of every type, wrong versions, unknown types, bad fields, multi-frame m
 and frames over the node's ``max_frame``. Meanwhile a well-behaved client in a process of
 its own deposits and delivers patterned objects, every byte checked.
 
-The expected answer to every frame is computed locally with ``kvcr_protocol.decode`` and
-the node's limits: a frame that fails to decode gets ``error`` with that code and the id
-``peek_id`` reads; a frame that decodes fine is sent only on a connection without a
-session (where every message but ``hello``/``peer_hello`` is refused ``BAD_STATE``; the
-events ``heartbeat``/``bye`` are left out, see the note below). Each connection's replies
+The expected answer to every frame is computed locally with ``kvcr_protocol.decode``, the
+node's limits and the version the node reads it at (its highest on a connection without a
+session, the session's on the others: one session agreed on version 2, one on 3): a
+frame that fails to decode gets ``error`` with that code and the id ``peek_id`` reads; a
+frame that decodes fine is sent only on a connection without a session (where every
+message but ``hello``/``peer_hello`` is refused ``BAD_STATE``; the events
+``heartbeat``/``bye`` are left out, see the note below). The corpus holds real messages
+of every version, version 3's included. Each connection's replies
 arrive in order, so every reply is matched to its frame, and the node's
 ``protocol_errors`` counters must grow by exactly the expected amounts.
 
@@ -41,6 +44,7 @@ import zmq
 from kvcr_client import Client, KeyStatus, Span
 from kvcr_io.agent import Agent
 from kvcr_protocol import (
+    CURRENT_VERSION,
     Ack,
     Bye,
     Error,
@@ -57,6 +61,7 @@ from kvcr_protocol import (
     decode,
     encode,
     peek_id,
+    supported_up_to,
 )
 from kvcr_testing.health import assert_clean, stats
 from kvcr_testing.hostile import Worker
@@ -68,6 +73,8 @@ LIMITS = Limits(max_frame=MAX_FRAME)
 TOTAL_FRAMES = 52_000
 SESSIONLESS = 3
 HELLOED = 2
+SESSION_VERSIONS = (2, 3)
+"""The version each hello'd connection agrees on."""
 WINDOW = 200
 """Frames in flight per connection: well under the default high-water marks (1000)."""
 STALL_S = 30.0
@@ -83,19 +90,21 @@ SEED = int(os.environ.get("KVCR_FUZZ_SEED", "20240611"))
 # --------------------------------------------------------------------------- frame corpus
 
 
+def vectors(*names: str) -> list[dict[str, Any]]:
+    return [v for name in names for v in json.loads((ROOT / "spec" / "vectors" / name).read_text())["vectors"]]
+
+
 def real_frames() -> list[bytes]:
-    """``encode`` of real messages of every type (the spec's valid vectors, decoded)."""
-    vectors = json.loads((ROOT / "spec" / "vectors" / "valid.json").read_text())["vectors"]
+    """``encode`` of real messages of every type and version (the spec's valid vectors, decoded)."""
     frames = []
-    for v in vectors:
+    for v in vectors("valid.json", "valid-v3.json"):
         msg = decode(bytes.fromhex(v["hex"]), max_version=v["version"])
         frames.append(encode(msg, v["version"]))
     return frames
 
 
 def invalid_frames() -> list[bytes]:
-    vectors = json.loads((ROOT / "spec" / "vectors" / "invalid.json").read_text())["vectors"]
-    return [bytes.fromhex(v["hex"]) for v in vectors if len(v["hex"]) // 2 <= MAX_FRAME]
+    return [bytes.fromhex(v["hex"]) for v in vectors("invalid.json", "invalid-v3.json") if len(v["hex"]) // 2 <= MAX_FRAME]
 
 
 _INTERESTING = [0x00, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xC0, 0xC1, 0xC2, 0xC3, 0xC4, 0xCC, 0xCF, 0xD0, 0xD3,
@@ -204,10 +213,11 @@ def one_frame(rng: random.Random, real: list[bytes], invalid: list[bytes], large
     return rng.choice(large)
 
 
-def expect(frame: bytes) -> tuple[Message | None, int, int]:
-    """(decoded message or None, error code the node must answer, id of the reply)."""
+def expect(frame: bytes, version: int) -> tuple[Message | None, int, int]:
+    """(decoded message or None, error code the node must answer, id of the reply) for a
+    receiver that reads ``frame`` at ``version``."""
     try:
-        msg = decode(frame, max_version=2, limits=LIMITS)
+        msg = decode(frame, max_version=version, limits=LIMITS)
     except RemoteProtocolError as exc:
         return None, int(exc.code), peek_id(frame)
     return msg, int(ErrorCode.BAD_STATE), msg.id
@@ -228,6 +238,8 @@ class Sent:
 class Conn:
     name: str
     sock: zmq.Socket[bytes]
+    version: int
+    """The version the node reads this connection's frames at."""
     plan: list[Sent] = field(default_factory=list)
     next: int = 0
     received: int = 0
@@ -255,13 +267,15 @@ def build_plans(conns: list[Conn], seed: int) -> collections.Counter[str]:
     total = 0
     while total < TOTAL_FRAMES:
         frame = one_frame(rng, real, invalid, large)
-        msg, code, rid = expect(frame)
-        if msg is not None:
-            if isinstance(msg, SKIP_SESSIONLESS):
-                continue  # would open a session (or is a session-less event, see the module note)
-            conn = rng.choice(sessionless)
-        else:
-            conn = rng.choice(sessionless + helloed)
+        outcome = {c.version: expect(frame, c.version) for c in conns}
+        msg, code, rid = outcome[sessionless[0].version]
+        if msg is not None and isinstance(msg, SKIP_SESSIONLESS):
+            continue  # would open a session (or is a session-less event, see the module note)
+        # A frame a session would act on goes only where there is none; a session whose
+        # version refuses it may get it too.
+        conn = rng.choice(sessionless + [c for c in helloed if outcome[c.version][0] is None])
+        if conn in helloed:
+            _, code, rid = outcome[conn.version]
         parts = [frame]
         if rng.random() < 0.01:
             parts = [frame, rng.randbytes(rng.randint(0, 8))]  # two payload frames: refused whole
@@ -271,13 +285,13 @@ def build_plans(conns: list[Conn], seed: int) -> collections.Counter[str]:
         total += 1
         if conn in helloed and len(conn.plan) % PROBE_EVERY == 0:
             probe_id += 1
-            conn.plan.append(Sent([encode(Query(probe_id, (b"probe",)), 2)], 0, probe_id))
+            conn.plan.append(Sent([encode(Query(probe_id, (b"probe",)), conn.version)], 0, probe_id))
     return expected
 
 
 def check_reply(conn: Conn, frame: bytes) -> None:
     try:
-        msg = decode(frame, max_version=2)
+        msg = decode(frame, max_version=CURRENT_VERSION)
     except RemoteProtocolError as exc:
         conn.mismatches.append(f"{conn.name}: undecodable reply: {exc}")
         return
@@ -289,7 +303,7 @@ def check_reply(conn: Conn, frame: bytes) -> None:
     sent = conn.plan[conn.received]
     conn.received += 1
     if sent.code == 0:
-        ok = isinstance(msg, QueryReply) and msg.id == sent.rid and len(msg.results) == 1
+        ok = isinstance(msg, QueryReply) and msg.id == sent.rid and len(msg.view()) == 1
     else:
         ok = isinstance(msg, Error) and (msg.code, msg.id) == (sent.code, sent.rid)
     if not ok and len(conn.mismatches) < 20:
@@ -337,7 +351,7 @@ def raw_request(sock: zmq.Socket[bytes], frame: bytes, timeout_s: float = 10.0) 
         left = deadline - time.monotonic()
         if left <= 0 or not sock.poll(int(left * 1000)):
             raise AssertionError("no reply from the node")
-        msg = decode(sock.recv(), max_version=2)
+        msg = decode(sock.recv(), max_version=CURRENT_VERSION)
         if msg.TAG != "capacity":
             return msg
 
@@ -374,16 +388,17 @@ def test_fuzzed_frames_are_refused_exactly_and_disturb_no_one(fuzz_node: Any) ->
             worker.expect("ready", 60)
 
             for i in range(SESSIONLESS):
-                conns.append(Conn(f"anon{i}", ctx.socket(zmq.DEALER)))
+                conns.append(Conn(f"anon{i}", ctx.socket(zmq.DEALER), CURRENT_VERSION))
             for i in range(HELLOED):
-                conns.append(Conn(f"hello{i}", ctx.socket(zmq.DEALER)))
+                conns.append(Conn(f"hello{i}", ctx.socket(zmq.DEALER), SESSION_VERSIONS[i]))
             for c in conns:
                 c.sock.setsockopt(zmq.LINGER, 0)
                 c.sock.connect(endpoint)
             for i, c in enumerate(conns[SESSIONLESS:]):
                 agent = agents[i]
-                welcome = raw_request(c.sock, encode(Hello(1, (1, 2), c.name, agent.name, agent.metadata(), ()), 1))
-                assert isinstance(welcome, Welcome) and welcome.version == 2, welcome
+                offer = supported_up_to(c.version)
+                welcome = raw_request(c.sock, encode(Hello(1, offer, c.name, agent.name, agent.metadata(), ()), 1))
+                assert isinstance(welcome, Welcome) and welcome.version == c.version, welcome
 
             gen_start = time.monotonic()
             expected = build_plans(conns, seed=SEED)
@@ -404,7 +419,7 @@ def test_fuzzed_frames_are_refused_exactly_and_disturb_no_one(fuzz_node: Any) ->
             mismatches = [m for c in conns for m in c.mismatches]
             assert not mismatches, f"seed {SEED}:\n" + "\n".join(mismatches)
             for c in conns[SESSIONLESS:]:
-                assert isinstance(raw_request(c.sock, encode(Bye(99), 2)), Ack)
+                assert isinstance(raw_request(c.sock, encode(Bye(99), c.version)), Ack)
             worker.say("stop")
             summary = worker.expect("summary", 60)
             assert summary["errors"] == [], summary["errors"]

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvcr_node.eviction import EvictionEntry, EvictionPolicy, Layout, make_policy
 from kvcr_node.poolspec import PoolSpec
-from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store, StoreError
+from kvcr_node.store import LOOKUP_ABSENT, DepositOutcome, ObjectEntry, ObjectState, Store, StoreError, lookup_code
 
 KiB = 1024
 NEW = DepositOutcome.NEW
@@ -63,6 +63,27 @@ def test_deposit_commit_lifecycle() -> None:
     assert (entry.state, entry in store.index) == (ObjectState.READY, True)
     assert entry.last_access == store.tick == 1
     assert store.lookup(b"k") is entry and b"k" in store and len(store) == 1
+    ok(store)
+
+
+def test_lookup_codes_say_each_keys_tier_and_state() -> None:
+    """One byte per key (spec section 6.9): absent, or the tier of its first span's pool and its state."""
+    specs = [PoolSpec("H1", 4 * KiB, 4, "hbm:1"), PoolSpec("D", 4 * KiB, 4), PoolSpec("H1b", 4 * KiB, 4, "hbm:1")]
+    store = Store(specs, make_policy("fifo"))
+    assert store.tiers == ("hbm:1", "dram")
+    writing = put(store, b"w", (("a", "D"), ("b", "H1")), commit=False)
+    put(store, b"r", (("a", "H1b"),))
+    put(store, b"d", span("D"))
+    codes = store.lookup_codes([b"r", b"w", b"none", b"d", b"r"])
+    assert codes == bytes([
+        lookup_code(0, ObjectState.READY), lookup_code(1, ObjectState.WRITING), LOOKUP_ABSENT,
+        lookup_code(1, ObjectState.READY), lookup_code(0, ObjectState.READY),
+    ])
+    assert LOOKUP_ABSENT == 0 and 1 not in codes  # codes start at 2: callers may use 1
+    store.commit(writing)
+    assert store.lookup_codes([b"w"]) == bytes([lookup_code(1, ObjectState.READY)]) and store.lookup_codes([]) == b""
+    ok(store)
+    assert store.remove(b"d") and store.lookup_codes([b"d"]) == bytes([LOOKUP_ABSENT])
     ok(store)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -106,3 +107,44 @@ def test_keys_of_a_large_query_load_in_one_pass() -> None:
     with pytest.raises(kp.RemoteProtocolError) as info:
         kp.decode(kp.encode(kp.Query(1, tuple(bad)), 3), 3)
     assert (info.value.code, info.value.path) == (ErrorCode.OUT_OF_RANGE, "keys[4000]")
+
+
+@pytest.mark.parametrize(
+    ("bad", "code"),
+    [("text", ErrorCode.WRONG_TYPE), (7, ErrorCode.WRONG_TYPE), (b"", ErrorCode.OUT_OF_RANGE),
+     (b"x" * 257, ErrorCode.TOO_LARGE), (None, ErrorCode.WRONG_TYPE), ([b"k"], ErrorCode.WRONG_TYPE)],
+    ids=["str", "int", "empty", "too-long", "nil", "array"],
+)
+def test_one_bad_key_among_many_is_named(bad: object, code: ErrorCode) -> None:
+    """The one-pass check of a key list falls back to naming the first key that fails."""
+    frame = msgpack.packb({"v": 3, "t": "query", "id": 1, "keys": [b"a", b"b", bad, b"c"]}, use_bin_type=True)
+    with pytest.raises(kp.RemoteProtocolError) as info:
+        kp.decode(frame, 3)
+    assert (info.value.code, info.value.path) == (code, "keys[2]")
+
+
+@pytest.mark.parametrize(
+    ("bad", "code"),
+    [(5, ErrorCode.WRONG_TYPE), (b"dram", ErrorCode.WRONG_TYPE), ("h" * 129, ErrorCode.TOO_LARGE),
+     ("\u00e9" * 65, ErrorCode.TOO_LARGE)],
+    ids=["int", "bin", "too-long", "too-long-in-utf8"],
+)
+def test_one_bad_tier_is_named(bad: object, code: ErrorCode) -> None:
+    obj = {"v": 3, "t": "query_reply", "id": 1, "results": [], "!columns": [b"\x01\x01", b"\x00\x01", ["dram", bad]]}
+    with pytest.raises(kp.RemoteProtocolError) as info:
+        kp.decode(msgpack.packb(obj, use_bin_type=True), 3)
+    assert (info.value.code, info.value.path) == (code, "columns.tiers[1]")
+
+
+def test_the_longest_tier_names_pass() -> None:
+    tiers = ("h" * 128, "\u00e9" * 64, "")
+    reply = kp.QueryReply(1, (), kp.QueryColumns(b"\x01\x01\x00", b"\x00\x01\x02", tiers))
+    assert kp.decode(kp.encode(reply, 3), 3) == reply
+
+
+def test_plain_arrays_encode_as_they_are() -> None:
+    """Keys (and other arrays of plain values) dump without a call per item: the same bytes."""
+    keys = tuple(i.to_bytes(8, "big") for i in range(300))
+    frame = kp.encode(kp.Query(1, keys, "r"), 3)
+    assert frame == msgpack.packb({"v": 3, "t": "query", "id": 1, "keys": list(keys), "request_id": "r"}, use_bin_type=True)
+    assert kp.decode(frame, 3) == kp.Query(1, keys, "r")
