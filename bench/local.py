@@ -8,8 +8,8 @@ anchor's, so that both see the same machine (other work on it shifts both):
    (timed in the writer, and end to end with a raw ZeroMQ trigger);
 2. deposit of the same object under new keys against a raw NIXL READ of the same descriptors;
 3. query round trips against a raw ZeroMQ DEALER/ROUTER msgpack echo: one key with the blocking
-   ``Client`` and with ``AsyncClient``; 1,000 keys (half of them stored) against an echo of
-   the same request and reply sizes; and 5,000 one-key queries in flight from one client;
+   ``Client`` and with ``AsyncClient``; then ``bench/lookups.py``'s lookups at engine scale
+   (1,000 keys against an echo of the same sizes, a prefix query, 5,000 queries in flight);
 4. admission into a full pool as evictable objects in an unrelated pool grow 1k..100k;
 5. the CPU use of the node and of an idle client process while it is connected, and
    index memory per stored object at 100,000 objects.
@@ -19,7 +19,8 @@ not absolute times. With ``--json`` the report goes to stderr and stdout carries
 object: ``query_ratio`` and ``query_ratio_async`` (query p50 / echo p50), ``deliver_ratio``
 (raw NIXL WRITE p50 / kvcr deliver p50, list of spans), ``deposit_ratio`` (raw NIXL READ p50
 / kvcr deposit p50), ``idle_cpu_percent`` (node and idle client process together, % of a core),
-``query_1000_us``, ``query_1000_ratio`` and ``pipelined_queries_per_s``.
+``query_1000_us``, ``query_1000_ratio``, ``prefix_1000_us`` and ``pipelined_queries_per_s``
+(from ``bench/lookups.py``).
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-import msgpack
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import lookups
 from admission import index_bytes_per_object, measure_admission
 from anchors import Peer, echo, serve
 from procs import process_group, spawn
@@ -47,16 +48,11 @@ from stats import fmt_gbps, fmt_us, summary
 
 from kvcr_client import AsyncClient, Client, Span
 from kvcr_io.agent import load_nixl
-from kvcr_protocol import Query, QueryReply, QueryResult, encode
+from kvcr_protocol import CURRENT_VERSION
 
 SPAN = 64 << 10
 SPANS = 1024
 OBJECT = SPAN * SPANS  # 64 MiB
-QUERY_KEYS = 1000
-"""Keys in the large query; every other one is stored (small objects in their own pool)."""
-SMALL = 4 << 10
-PIPELINED = 5000
-"""One-key queries in flight at once from one client."""
 IDLE_CLIENT_S = 3600.0
 """How long the idle client process waits to be stopped (it always is, long before)."""
 IDLE_SETTLE_S = 0.2
@@ -184,8 +180,8 @@ def small_echo(peer: Peer) -> Callable[[int], object]:
     return lambda i: peer.call({"v": 2, "t": "echo", "id": i, "keys": [b"k" * 32]})
 
 
-def bench_queries(client: Client, endpoint: str, peer: Peer, n: int, n_large: int) -> dict[str, Any]:
-    """Query round trips against the raw echo, one after the other (see the module's point 3)."""
+def bench_queries(client: Client, endpoint: str, peer: Peer, n: int) -> dict[str, Any]:
+    """One-key query round trips against the raw echo, one after the other (see the module's point 3)."""
     out: dict[str, Any] = {}
     key = [b"obj"]
     out["query"], out["echo"] = paired(lambda i: client.query(key).result(5), small_echo(peer), n)
@@ -196,36 +192,6 @@ def bench_queries(client: Client, endpoint: str, peer: Peer, n: int, n_large: in
 
     out["query_async"] = asyncio.run(run_async())
 
-    # 1,000 keys, every other one stored; the echo carries a request and a reply of the same sizes.
-    src = np.full(SMALL, 7, dtype=np.uint8)
-    region = client.register(src)
-    stored = [b"small/%028d" % i for i in range(QUERY_KEYS // 2)]
-    assert client.deposit({k: [Span("L0", region, 0, SMALL, "q")] for k in stored}).result(30).all_ok
-    keys = [k for s in stored for k in (s, s.replace(b"small", b"never"))]
-    results = client.query(keys).result(5)
-    assert sum(r.presence.name == "HIT" for r in results.values()) == len(stored), "half the keys are stored"
-    version = client.node.version if client.node else 1
-    request_size = len(encode(Query(1, tuple(keys), None), version))
-    reply_size = len(encode(QueryReply(1, tuple(QueryResult(r.presence, r.tier) for r in results.values())), version))
-    # The padded echo reply: the bare reply, the key "r" (2 bytes) and a bin16 header (3 bytes).
-    pad = max(0, reply_size - len(msgpack.packb(echo({"id": n_large + WARMUP}))) - 5)
-
-    def raw_large(i: int) -> object:
-        return peer.call({"v": 2, "t": "echo", "id": i, "keys": keys, "pad": pad})
-
-    out["query_1000"], out["echo_1000"] = paired(lambda i: client.query(keys).result(5), raw_large, n_large)
-    out["sizes_1000"] = (request_size, reply_size)
-
-    # Many one-key queries in flight from one client: all sent, then all waited on.
-    rates = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        handles = [client.query(key) for _ in range(PIPELINED)]
-        for h in handles:
-            h.result(30)
-        rates.append(PIPELINED / (time.perf_counter() - t0))
-    out["pipelined"] = sorted(rates)[1]
-    client.unregister(region)
     return out
 
 
@@ -255,7 +221,7 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int) -> dict[str, 
                 assert res[b"obj"].ok, res
             raw.run("write")
             raw.run("write_merged")
-        result = bench_queries(client, endpoint, peer, queries, max(50, queries // 10))
+        result = bench_queries(client, endpoint, peer, queries)
         # Deposits of the same 64 MiB under new keys: each evicts the oldest object (FIFO).
         sources = [Span(f"L{i}", rs, i * SPAN, SPAN, "kv") for i in range(SPANS)]
         deposits = []
@@ -303,9 +269,7 @@ def report(k: dict[str, Any], quick: bool, out: TextIO) -> dict[str, float]:
         "deliver_ratio": r["write"]["median"] / k["deliver"]["median"],
         "deposit_ratio": r["read"]["median"] / k["deposit"]["median"],
         "idle_cpu_percent": (k["idle_cpu"] + k["client_idle_cpu"]) * 100,
-        "query_1000_us": k["query_1000"]["median"] * 1e6,
-        "query_1000_ratio": k["query_1000"]["median"] / k["echo_1000"]["median"],
-        "pipelined_queries_per_s": k["pipelined"],
+        **lookups.figures(k["lookups"]),
     }
 
     def say(line: str) -> None:
@@ -332,12 +296,7 @@ def report(k: dict[str, Any], quick: bool, out: TextIO) -> dict[str, float]:
     say(f"  raw ZeroMQ msgpack echo    {fmt_us(k['echo'])}")
     say(f"  ratio kvcr / raw echo p50: Client {figures['query_ratio']:.2f} (goal <= 1.5), "
         f"AsyncClient {figures['query_ratio_async']:.2f} (goal <= 2.0)")
-    request_size, reply_size = k["sizes_1000"]
-    say(f"query of {QUERY_KEYS} keys, half of them stored ({request_size} B request, {reply_size} B reply)")
-    say(f"  kvcr query                 {fmt_us(k['query_1000'])}")
-    say(f"  raw echo, same sizes       {fmt_us(k['echo_1000'])}")
-    say(f"  ratio kvcr / raw echo p50: {figures['query_1000_ratio']:.2f} (goal <= 2.0)")
-    say(f"{PIPELINED} one-key queries in flight from one client: {k['pipelined']:,.0f} queries/s, median of 3 (goal >= 20,000)")
+    lookups.report(k["lookups"], out)
     say("admission into a full pool B, evicting one object of B each (FIFO)")
     sweep = (1_000, 10_000) if quick else (1_000, 10_000, 100_000)
     adm = {n: measure_admission(n) for n in sweep}
@@ -373,7 +332,7 @@ def main() -> int:
     queries = 1000 if args.quick else args.queries
     with process_group("bench") as (run, procs):
         procs.append(node := spawn("-m", "kvcr_node.cli", "--endpoint", f"ipc://{run}/node.sock",
-                                   "--pool", f"kv:64KiB:{2 * SPANS}", "--pool", f"q:4KiB:{QUERY_KEYS}",
+                                   "--pool", f"kv:64KiB:{2 * SPANS}",
                                    "--log-level", "WARNING"))
         procs.append(spawn(__file__, "--raw-writer", f"ipc://{run}/raw.sock"))
         peer = Peer(f"ipc://{run}/raw.sock")
@@ -383,6 +342,7 @@ def main() -> int:
             peer.close()
         # Idle: a client of its own connected, nothing in flight (this process holds more than a client).
         procs.append(idle := spawn(__file__, "--idle-client", f"ipc://{run}/node.sock"))
+        k["lookups"] = lookups.measure(run, procs, CURRENT_VERSION)
         k.update(bench_idle(node.pid, idle.pid, 1.0 if args.quick else args.idle_seconds))
     figures = report(k, args.quick, sys.stderr if args.json else sys.stdout)
     if args.json:

@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import msgpack
 import numpy as np
@@ -171,42 +171,57 @@ def bench_kvcr(endpoint: str, echo_endpoint: str, max_version: int) -> dict[str,
     return out
 
 
+def measure(run: Path, procs: list[Any], max_version: int) -> dict[str, Any]:
+    """Start a node and the raw echo in ``run`` (stopped with ``procs``), measure, return the samples."""
+    procs.append(spawn(__file__, "--raw-echo", f"ipc://{run}/lookups-echo.sock"))
+    procs.append(spawn("-m", "kvcr_node.cli", "--endpoint", f"ipc://{run}/lookups-node.sock",
+                       "--pool", f"kv:{SLOT}:{2 * KEYS}", "--log-level", "WARNING"))
+    return bench_kvcr(f"ipc://{run}/lookups-node.sock", f"ipc://{run}/lookups-echo.sock", max_version)
+
+
+def figures(k: dict[str, Any]) -> dict[str, float]:
+    """The named figures of ``--json`` (issue-level names, also printed by ``bench/local.py``)."""
+    return {
+        "query_1000_us": k["query_1000"]["median"] * 1e6,
+        "query_1000_ratio": k["query_1000"]["median"] / k["echo_1000"]["median"],
+        "prefix_1000_us": k["prefix_1000"]["median"] * 1e6,
+        "pipelined_queries_per_s": k["pipelined"]["median"],
+    }
+
+
+def report(k: dict[str, Any], out: TextIO) -> None:
+    """The human-readable lines, with medians and spread."""
+    f = figures(k)
+    one = k["query_1"]["median"] * 1e6
+
+    def say(line: str) -> None:
+        print(line, file=out)
+
+    say(f"lookups at protocol version {k['version']} ({KEYS} keys of {KEY_BYTES} bytes, every other one held)")
+    say(f"  query, 1 key               {fmt_us(k['query_1'])}")
+    say(f"  query, {KEYS} keys          {fmt_us(k['query_1000'])}")
+    say(f"  raw ZeroMQ echo, same size {fmt_us(k['echo_1000'])}  ({k['request_bytes']} B out, {k['reply_bytes']} B back)")
+    say(f"  ratio query / echo p50: {f['query_1000_ratio']:.2f} (goal <= 2.0)")
+    say(f"  query_prefix, {KEYS} keys, first misses {fmt_us(k['prefix_1000'])}"
+        f" (goal <= 1-key p50 + 100 us = {one + 100:.0f} us)")
+    say(f"  {PIPELINED} one-key queries in flight: {f['pipelined_queries_per_s']:,.0f} queries/s, "
+        f"median of {ROUNDS['pipelined']} (p10 {k['pipelined']['p10']:,.0f}, p90 {k['pipelined']['p90']:,.0f}; goal >= 20,000)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--raw-echo", help=argparse.SUPPRESS)
     parser.add_argument("--max-version", type=int, default=kp.CURRENT_VERSION, help="the client's highest protocol version")
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--json", action="store_true", help="the report to stderr, one JSON object to stdout")
     args = parser.parse_args()
     if args.raw_echo:
         raw_echo(args.raw_echo)
         return 0
     with process_group("lookups") as (run, procs):
-        procs.append(spawn("-m", "kvcr_node.cli", "--endpoint", f"ipc://{run}/node.sock",
-                           "--pool", f"kv:{SLOT}:{2 * KEYS}", "--log-level", "WARNING"))
-        procs.append(spawn(__file__, "--raw-echo", f"ipc://{run}/echo.sock"))
-        k = bench_kvcr(f"ipc://{run}/node.sock", f"ipc://{run}/echo.sock", args.max_version)
-
-    echo = k["echo_1000"]
-    out = {
-        "version": k["version"],
-        "query_1_us": k["query_1"]["median"] * 1e6,
-        "query_1000_us": k["query_1000"]["median"] * 1e6,
-        "echo_1000_us": echo["median"] * 1e6,
-        "query_1000_ratio": k["query_1000"]["median"] / echo["median"],
-        "prefix_1000_us": k["prefix_1000"]["median"] * 1e6,
-        "pipelined_queries_per_s": k["pipelined"]["median"],
-        "query_1000_request_bytes": k["request_bytes"],
-        "query_1000_reply_bytes": k["reply_bytes"],
-    }
-    print(f"lookups at protocol version {k['version']} ({KEYS} keys of {KEY_BYTES} bytes, every other one held)")
-    print(f"  query, 1 key              {fmt_us(k['query_1'])}")
-    print(f"  query, {KEYS} keys         {fmt_us(k['query_1000'])}")
-    print(f"  raw ZeroMQ echo, same size {fmt_us(echo)}  ({k['request_bytes']} B out, {k['reply_bytes']} B back)")
-    print(f"  ratio query / echo p50: {out['query_1000_ratio']:.2f} (goal <= 2.0)")
-    print(f"  query_prefix, {KEYS} keys, first misses {fmt_us(k['prefix_1000'])}"
-          f" (goal <= 1-key p50 + 100 us = {out['query_1_us'] + 100:.0f} us)")
-    print(f"  {PIPELINED} one-key queries in flight: {out['pipelined_queries_per_s']:,.0f} queries/s (goal >= 20,000)")
+        k = measure(run, procs, args.max_version)
+    report(k, sys.stderr if args.json else sys.stdout)
     if args.json:
+        out = {"version": k["version"], "query_1_us": k["query_1"]["median"] * 1e6, **figures(k)}
         print(json.dumps({name: round(value, 3) if isinstance(value, float) else value for name, value in out.items()}))
     return 0
 
