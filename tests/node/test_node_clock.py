@@ -7,7 +7,6 @@ remote-write deadlines are checked without waiting for them in real time.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,27 +15,11 @@ from kvcr_client import Client, ErrorCode, KeyStatus, Span
 from kvcr_node.config import NodeConfig
 from kvcr_node.poolspec import PoolSpec
 from kvcr_testing.health import wait_until
-from kvcr_testing.nodes import inprocess_node
+from kvcr_testing.nodes import FakeClock, inprocess_node
 
 SLOT = 4096
 WAIT_S = 10.0
 """Bounded waits for the node's next loop turns (it wakes at least once a second)."""
-
-
-class Clock:
-    """A clock the test moves; read by the node's thread."""
-
-    def __init__(self) -> None:
-        self._now = 5000.0
-        self._lock = threading.Lock()
-
-    def __call__(self) -> float:
-        with self._lock:
-            return self._now
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self._now += seconds
 
 
 def config(ipc_dir: Path, **changes: object) -> NodeConfig:
@@ -46,7 +29,7 @@ def config(ipc_dir: Path, **changes: object) -> NodeConfig:
 
 
 def test_a_silent_client_expires_when_the_clock_passes_its_grace(ipc_dir: Path) -> None:
-    clock = Clock()
+    clock = FakeClock()
     with inprocess_node(config(ipc_dir), clock) as (node, _), Client(node.endpoint, name="quiet") as client:
         client.submit_hint("r", "ipc:///nowhere/n.sock", [b"k"]).result(WAIT_S)
         assert len(node.sessions) == 1 and node.snapshot()["tables"]["hints"] == 1
@@ -62,7 +45,7 @@ def test_a_silent_client_expires_when_the_clock_passes_its_grace(ipc_dir: Path) 
 def test_a_remote_write_with_no_session_fails_at_its_deadline_in_node_time(ipc_dir: Path) -> None:
     """A deliver hinted to a source nobody serves waits for the link's session until its
     deadline: 60 s in node time, reached by moving the clock, not by waiting a minute."""
-    clock = Clock()
+    clock = FakeClock()
     # A grace longer than the jump in time: the client itself must not expire meanwhile.
     with inprocess_node(config(ipc_dir, client_grace_ms=600_000), clock) as (node, _), \
             Client(node.endpoint, name="far") as client:
