@@ -220,6 +220,8 @@ class Node:
         if not self.transfers.inflight:  # polling transfers progresses the agent
             self._guarded("agent progress", self.remote_agents.progress_idle)
         self._guarded("transfer completion", self.transfers.poll)
+        if self.operations.progressing:
+            self._guarded("progress", self.operations.flush_progress)
         now = self.clock()
         if self.links:
             # Heartbeats to sources, write deadlines and probes, idle links closed.
@@ -281,6 +283,7 @@ class Node:
                 # Complete what finished before reading on: a first layer's completion must
                 # not wait behind the next request's submission.
                 self.transfers.poll()
+                self.operations.flush_progress()
                 self._send_out()
 
     def _send_out(self) -> None:

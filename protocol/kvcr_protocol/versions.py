@@ -6,8 +6,7 @@ per-group progress, NIXL completion notifications, query columns and prefix quer
 
 This package encodes and decodes every version in ``PROTOCOL_VERSIONS``. What an endpoint
 offers is its own choice: the reference node and client speak ``SUPPORTED_VERSIONS``
-(up to ``CURRENT_VERSION``) until they implement version 3, so that nothing changes on
-their wire before then.
+(up to ``CURRENT_VERSION``), every version the protocol defines.
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2, 3)
 LATEST_VERSION = PROTOCOL_VERSIONS[-1]
 """The newest version the written protocol defines."""
 
-SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
-"""The versions the reference node and client speak today; they add 3 when they adopt it."""
+SUPPORTED_VERSIONS: tuple[int, ...] = PROTOCOL_VERSIONS
+"""The versions the reference node and client speak."""
 CURRENT_VERSION = SUPPORTED_VERSIONS[-1]
 """What the reference endpoints offer by default: the highest of ``SUPPORTED_VERSIONS``."""
 

@@ -22,6 +22,7 @@ import zmq
 from kvcr_client import ErrorCode, Presence, Span
 from kvcr_io.agent import Agent
 from kvcr_protocol import (
+    CURRENT_VERSION,
     Deliver,
     DeliverItem,
     DstSpan,
@@ -106,7 +107,7 @@ def test_remote_whole_and_progressive_subsets(sites: Sites) -> None:
     assert counter(sb, "writes_inline") == outcome_count(sb, "write."), sb["counters"]
     assert counter(sb, "writes_deferred") == 0, sb["counters"]
     assert sa["peers"][b.endpoint]["state"] == "ready"
-    assert sa["peers"][b.endpoint]["version"] == 2
+    assert sa["peers"][b.endpoint]["version"] == CURRENT_VERSION
     assert sa["peers"][b.endpoint]["incarnation"] == sb["incarnation"]
 
 

@@ -63,8 +63,9 @@ def test_no_common_version(ours: tuple[int, ...], theirs: tuple[int, ...]) -> No
 
 
 def test_negotiation_ignores_unknown_newer_versions() -> None:
-    assert kp.negotiate(kp.SUPPORTED_VERSIONS, (1, 2, 3, 17)) == 2
-    assert kp.negotiate(kp.PROTOCOL_VERSIONS, (1, 2, 3, 17)) == 3
+    assert kp.negotiate((1, 2), (1, 2, 3, 17)) == 2
+    assert kp.negotiate(kp.SUPPORTED_VERSIONS, (1, 2, 3, 17)) == 3
+    assert kp.SUPPORTED_VERSIONS == kp.PROTOCOL_VERSIONS
 
 
 def test_supported_up_to() -> None:
@@ -84,8 +85,8 @@ def test_supported_up_to_refuses_unknown_caps(cap: int) -> None:
 def test_version_constants() -> None:
     assert kp.BASE_VERSION == 1
     assert kp.PROTOCOL_VERSIONS == (1, 2, 3) and kp.LATEST_VERSION == kp.COLUMNS_VERSION == 3
-    # The reference node and client keep offering 1 and 2 until they implement version 3.
-    assert kp.CURRENT_VERSION == max(kp.SUPPORTED_VERSIONS) == 2
+    # The reference node and client offer every version the protocol defines.
+    assert kp.CURRENT_VERSION == max(kp.SUPPORTED_VERSIONS) == 3
     assert kp.PARTIAL_LAYOUT_VERSION in kp.SUPPORTED_VERSIONS
     assert set(kp.SUPPORTED_VERSIONS) <= set(kp.PROTOCOL_VERSIONS)
 
