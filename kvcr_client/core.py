@@ -69,12 +69,16 @@ from kvcr_protocol import (
     Hello,
     LocalProtocolError,
     Message,
+    Notification,
+    Progress,
     ProtocolError,
     Region,
     RemoteProtocolError,
     Welcome,
     decode,
+    decode_notification,
     encode,
+    is_notification,
     supported_up_to,
 )
 
@@ -117,6 +121,9 @@ class _Pending:
     convert: Callable[[Message], Any]
     on_settled: Callable[[], None] | None = None
     """Called once, lock held, when the node can no longer touch memory for this request."""
+    observer: Callable[[Progress | Notification], None] | None = None
+    """Called, lock held, with each ``progress`` event and each NIXL notification for this
+    request while it is pending (spec sections 6.8 and 6.10)."""
 
 
 class ClientCore:
@@ -171,6 +178,11 @@ class ClientCore:
         self._last_sent = 0.0
         self._last_heard = 0.0
         self._heartbeats = 0
+        self.notifications: collections.Counter[str] = collections.Counter()
+        """NIXL notifications drained from our agent: matched to a pending request, ignored, dropped."""
+        self.drop_notifications = False
+        """Test hook: drop every notification unread, as if none had come (spec section 6.10:
+        the control messages alone must then complete every group)."""
         self.capacity_events: collections.deque[CapacityEvent] = collections.deque(maxlen=1024)
         self.on_capacity: Callable[[CapacityEvent], None] | None = None
         self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
@@ -201,6 +213,7 @@ class ClientCore:
         touches_memory: bool = False,
         op_id: int | None = None,
         on_settled: Callable[[], None] | None = None,
+        observer: Callable[[Progress | Notification], None] | None = None,
     ) -> tuple[int, Future[Any]]:
         """Send a request built for ``op_id`` (a fresh id by default); the reply passes through ``convert``.
 
@@ -209,6 +222,7 @@ class ClientCore:
         (with the I/O lock held, so it must be quick and take no other lock than a leaf
         one) when the request can no longer touch client memory: answered, never sent,
         or the session over; for a memory-touching request, not when it merely timed out.
+        ``observer`` sees the request's ``progress`` events and notifications (lock held).
         """
         if op_id is None:
             op_id = self.next_id()
@@ -218,7 +232,7 @@ class ClientCore:
             if on_settled is not None:
                 on_settled()
             return op_id, fut
-        pending = _Pending(fut, math.inf, touches_memory, convert, on_settled)
+        pending = _Pending(fut, math.inf, touches_memory, convert, on_settled, observer)
         oid = op_id
 
         def send() -> None:
@@ -478,9 +492,30 @@ class ClientCore:
         if self._busy() or self._timed_out:
             # Progress our agent: the node's transfer into or out of our memory
             # completes only when both ends are progressed.
-            self.agent.progress()
+            self._drain_notifications()
         self._expire()
         self._heartbeat()
+
+    def _drain_notifications(self) -> None:
+        """Lock held: progress the agent and hand each kvcr notification that arrived to the
+        pending request it names (spec section 6.10); others are counted and left alone."""
+        for payload in self.agent.progress():
+            if not is_notification(payload):
+                continue
+            if self.drop_notifications:
+                self.notifications["dropped"] += 1
+                continue
+            try:
+                note = decode_notification(payload)
+            except RemoteProtocolError:
+                self.notifications["malformed"] += 1
+                continue
+            pending = self._pending.get(note.request)
+            if pending is None or pending.observer is None:
+                self.notifications["ignored"] += 1
+                continue
+            self.notifications["matched"] += 1
+            pending.observer(note)
 
     def _heartbeat_s(self) -> float:
         welcome = self.welcome
@@ -610,6 +645,12 @@ class ClientCore:
             return
         if isinstance(msg, Heartbeat):
             return  # its id counts heartbeats, not requests
+        if isinstance(msg, Progress):
+            # Not a reply: the request goes on (spec section 5.1).
+            observed = self._pending.get(msg.id)
+            if observed is not None and observed.observer is not None:
+                observed.observer(msg)
+            return
         op_id = getattr(msg, "id", 0)
         pending = self._pop_pending(op_id)
         if pending is None:
