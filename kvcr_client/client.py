@@ -273,6 +273,8 @@ class _Base:
         self._completed: collections.deque[OpHandle[Any] | GroupDone] = collections.deque(maxlen=max_completed)
         self._token = _new_token()
         """This session's notification token (spec section 6.10): a new one per session."""
+        self._lingering: dict[int, set[RegionHandle]] = {}
+        """Planned delivers answered ``DESTINATION_UNCERTAIN`` -> their regions not yet unregistered (lock held)."""
         self._polling = False
         """Whether the engine polls (it called ``poll_completed``): only then are completions queued."""
         self.completed_dropped = 0
@@ -583,6 +585,11 @@ class _Base:
         def reply(msg: Message) -> None:
             assert isinstance(msg, Completion)
             handle.apply(handle.progress.on_reply(msg))
+            if token and regions and any(r.code == ErrorCode.DESTINATION_UNCERTAIN for r in msg.results):
+                # A source may still write (and notify) into these regions: keep our agent
+                # progressed until they are unregistered (spec section 12).
+                self._lingering[op_id] = set(regions)
+                self.core.lingering.add(op_id)
 
         fut = self._send_op(op_id, "deliver", keys, build, deadline_ms, True, regions, reply, handle.observe)
         handle.future = fut
@@ -718,6 +725,11 @@ class _Base:
         )
 
     def _unregister_on_io(self, region: RegionHandle) -> None:
+        for op_id, held in list(self._lingering.items()):
+            held.discard(region)
+            if not held:
+                del self._lingering[op_id]
+                self.core.lingering.discard(op_id)
         self._regions.pop(region.region, None)
         if region.registration is not None:
             self.core.agent.deregister(region.registration)

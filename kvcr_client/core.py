@@ -167,6 +167,10 @@ class ClientCore:
         self._nearest = math.inf
         """No pending deadline is earlier (monotonic; may be early, never late; changed with the lock held)."""
         self._timed_out: dict[int, _Pending] = {}
+        self.lingering: set[int] = set()
+        """Answered operations whose writes may still land with notifications (a key failed
+        ``DESTINATION_UNCERTAIN``): a source's notifying WRITE completes only while our agent
+        is progressed, so it is, at the late interval, until the client lets them go (lock held)."""
         """Memory-touching requests the client stopped waiting for, until the node answers (lock held)."""
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wakeup = WakePipe()
@@ -489,7 +493,7 @@ class ClientCore:
                 self._commands.popleft()()
         self._drain_monitor()
         self._drain_socket()
-        if self._busy() or self._timed_out:
+        if self._busy() or self._timed_out or self.lingering:
             # Progress our agent: the node's transfer into or out of our memory
             # completes only when both ends are progressed.
             self._drain_notifications()
@@ -589,7 +593,8 @@ class ClientCore:
                 self._fail_all(NodeLostError(f"the client background thread failed: {exc!r}; call reconnect()"))
 
     def _idle_timeout(self) -> float:
-        late = _LATE_PROGRESS_S if self._timed_out else math.inf  # their transfers need our agent's progress
+        # Their transfers need our agent's progress.
+        late = _LATE_PROGRESS_S if self._timed_out or self.lingering else math.inf
         interval = self._heartbeat_s()
         if interval and self.connected:
             return min(interval / 2, _IDLE_S, late) if self._pending else min(interval / 2, late)
@@ -696,6 +701,7 @@ class ClientCore:
         """The session is over (closed, or the node lost): every request fails and settles."""
         pending, self._pending = self._pending, {}
         late, self._timed_out = self._timed_out, {}
+        self.lingering.clear()
         self._touching = 0
         self._nearest = math.inf
         for p in late.values():

@@ -196,6 +196,8 @@ class Target:
                         self.agents.agent.notify(write.client.agent, payload)
                     except TransferError:
                         self.counters["notify_failed"] += 1
+                    else:
+                        self.counters["notified_for_source"] += 1
 
     def write_progress(self, write: RemoteWrite, msg: Progress) -> None:
         """A version-3 source reports groups delivered (spec section 6.8): pass them on under the client's item indices."""

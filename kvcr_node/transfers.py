@@ -135,6 +135,8 @@ class Transfers:
         self.failed = 0
         self.bytes = 0
         self.notify_failed = 0
+        self.notified = 0
+        """Notifications attached to transfers or sent on their own (spec section 6.10)."""
 
     def start(
         self, op: str, remote_agent: str, moves: Sequence[Move], on_done: Callable[[bool], None],
@@ -176,6 +178,7 @@ class Transfers:
         attach = b""
         if len(notifs) == 1 and len(groups) == 1:
             attach = notifs[0]
+            self.notified += 1
         else:
             transfer.notifs = tuple(notifs)
         try:
@@ -256,9 +259,12 @@ class Transfers:
                 self.agent.notify(agent, payload)
             except TransferError:
                 self.notify_failed += 1
+            else:
+                self.notified += 1
 
     def stats(self) -> dict[str, int]:
-        return {"in_flight": len(self.inflight), "posted": self.posted, "failed": self.failed, "bytes": self.bytes}
+        return {"in_flight": len(self.inflight), "posted": self.posted, "failed": self.failed, "bytes": self.bytes,
+                "notified": self.notified, "notify_failed": self.notify_failed}
 
     def poll(self) -> int:
         """Check every in-flight transfer once; returns how many became terminal."""
