@@ -183,8 +183,14 @@ class Node:
         """
         pacer = Pacer()
         events: dict[Any, int] = {}
+        posted = self.transfers.posted
         try:
             while not self._stop:
+                if self.transfers.posted != posted:
+                    # A new transfer (the next group of a plan): look at it at the spin rate
+                    # again, as at the start of a transfer (architecture §4).
+                    posted = self.transfers.posted
+                    pacer.reset()
                 filling = False
                 try:
                     filling = self.links.filling

@@ -37,6 +37,23 @@ from kvcr_protocol.descriptors import resolve_spans
 _FULL = Projection((), True)
 """The whole layout (its indices are never read: full deliveries take every slot in order)."""
 
+GROUP_WINDOW = 2
+"""Groups of one batch in flight at once after the first (which goes alone): enough to keep
+the link busy across a loop turn, few enough that each group lands soon after its turn."""
+
+
+class _GroupRun:
+    """The claimed keys of one batch and how far their groups have been submitted."""
+
+    __slots__ = ("claimed", "deepest", "next", "running")
+
+    def __init__(self, claimed: list[tuple[int, ObjectEntry, GroupMoves]]) -> None:
+        self.claimed = claimed
+        self.deepest = max(len(groups) for _, _, groups in claimed)
+        self.next = 0
+        self.running = 0
+
+
 class Deliveries:
     """The ``deliver`` handler, and the WRITEs of delivers and peer writes."""
 
@@ -106,40 +123,52 @@ class Deliveries:
 
     def _submit(self, op: Operation, claimed: list[tuple[int, ObjectEntry, GroupMoves]]) -> None:
         """One WRITE per group number, in group order (spec section 6.8): group g of every
-        claimed key goes before group g + 1 of any; a key whose group failed to start
-        submits none of its later groups."""
+        claimed key goes before group g + 1 of any. Group 0 goes alone, so that it gets the
+        whole bandwidth and lands first; after it ``GROUP_WINDOW`` groups are in flight, so
+        that the link never waits for a loop turn between groups. A key whose group failed,
+        or an aborted operation, submits no later group."""
         plan = op.plan
         assert plan is not None
         for i, _, groups in claimed:
             plan.outstanding[i] = len(groups)
-        deepest = max(len(groups) for _, _, groups in claimed)
-        for g in range(deepest):
+        self._pump(op, _GroupRun(claimed))
+
+    def _pump(self, op: Operation, run: _GroupRun) -> None:
+        """Submit the next groups of ``run`` while fewer than its window are in flight."""
+        plan = op.plan
+        assert plan is not None
+        while run.next < run.deepest and run.running < (GROUP_WINDOW if run.next else 1):
+            g = run.next
+            run.next += 1
             members: list[tuple[int, ObjectEntry]] = []
             moves: list[Move] = []
-            for i, entry, groups in claimed:
+            for i, entry, groups in run.claimed:
                 if g >= len(groups) or i not in plan.outstanding:
                     continue
-                if i in plan.failed_from:
-                    # An earlier group failed: the later ones are never submitted.
+                if i in plan.failed_from or op.aborted:
+                    # An earlier group failed (or the client aborted): the later ones are never submitted.
                     self._finish_item(op, i, entry, len(groups) - g)
                     continue
                 members.append((i, entry))
                 moves.extend(groups[g])
             if members:
+                run.running += 1
                 notifs = plan.payloads(g, [i for i, _ in members])
-                self.operations.start(op, "WRITE", moves, functools.partial(self.group_done, op, g, members), notifs)
+                self.operations.start(op, "WRITE", moves, functools.partial(self.group_done, op, run, g, members), notifs)
 
-    def group_done(self, op: Operation, group: int, members: list[tuple[int, ObjectEntry]], ok: bool) -> None:
+    def group_done(self, op: Operation, run: _GroupRun, group: int, members: list[tuple[int, ObjectEntry]], ok: bool) -> None:
         """Group ``group``'s WRITE is terminal: its keys advance (or fail from it on); a key's
-        claim drops and its result is set with its last transfer."""
+        claim drops and its result is set with its last transfer; the next group starts."""
         plan = op.plan
         assert plan is not None
+        run.running -= 1
         for i, entry in members:
             if ok:
                 plan.land(i, group)
             else:
                 plan.fail(i, group)
             self._finish_item(op, i, entry, 1)
+        self._pump(op, run)
         self.operations.note_progress(op)
         self.operations.settle(op)
 
