@@ -41,6 +41,7 @@ import zmq
 from kvcr_client import Client, KeyStatus, Span
 from kvcr_io.agent import Agent
 from kvcr_protocol import (
+    CURRENT_VERSION,
     Ack,
     Bye,
     Error,
@@ -207,7 +208,7 @@ def one_frame(rng: random.Random, real: list[bytes], invalid: list[bytes], large
 def expect(frame: bytes) -> tuple[Message | None, int, int]:
     """(decoded message or None, error code the node must answer, id of the reply)."""
     try:
-        msg = decode(frame, max_version=2, limits=LIMITS)
+        msg = decode(frame, max_version=CURRENT_VERSION, limits=LIMITS)
     except RemoteProtocolError as exc:
         return None, int(exc.code), peek_id(frame)
     return msg, int(ErrorCode.BAD_STATE), msg.id
@@ -277,7 +278,7 @@ def build_plans(conns: list[Conn], seed: int) -> collections.Counter[str]:
 
 def check_reply(conn: Conn, frame: bytes) -> None:
     try:
-        msg = decode(frame, max_version=2)
+        msg = decode(frame, max_version=CURRENT_VERSION)
     except RemoteProtocolError as exc:
         conn.mismatches.append(f"{conn.name}: undecodable reply: {exc}")
         return
@@ -337,7 +338,7 @@ def raw_request(sock: zmq.Socket[bytes], frame: bytes, timeout_s: float = 10.0) 
         left = deadline - time.monotonic()
         if left <= 0 or not sock.poll(int(left * 1000)):
             raise AssertionError("no reply from the node")
-        msg = decode(sock.recv(), max_version=2)
+        msg = decode(sock.recv(), max_version=CURRENT_VERSION)
         if msg.TAG != "capacity":
             return msg
 
