@@ -1,21 +1,27 @@
-"""Remote benchmark: a client on node A receives an object held by node B (two processes).
+"""Remote benchmark: a client on node A receives objects held by node B (two processes).
 
 Measured in one run:
 
-1. time to first layer: a deliver of the first of 32 spans of 64 KiB (``partial``), then
-   the rest, against a whole-object delivery, and against the anchor: a raw NIXL WRITE
-   of one span from a bare NIXL process plus one raw ZeroMQ round trip;
+1. time to first layer: an object of 32 layers of 1 MiB (256 tokens x 8 KV heads x 128 x
+   K and V x 2 bytes) delivered with a layer plan of one group per layer; the first layer
+   has landed when ``handle.wait(0)`` returns (a NIXL notification from B's agent, or B's
+   progress passed on by A). Against the anchor: a raw NIXL WRITE of one 1 MiB span from
+   a bare NIXL process plus one raw ZeroMQ round trip; and against the whole object;
 2. remote deliver throughput (1024 spans of 64 KiB, 64 MiB) against raw NIXL WRITE of
    the same descriptors;
-3. inline against deferred submission on the source (a source node started through
-   ``deferred_source.py``, which submits peer writes a loop turn late).
+3. inline against deferred submission on the source (first layer; a source node started
+   through ``deferred_source.py``, which submits peer writes a loop turn late).
 
-Run: ``python bench/remote.py`` (under a minute). Ratios matter, not absolute times.
+Run: ``python bench/remote.py`` (under a minute); ``--json`` adds one line with
+``ttfl_ratio``, ``first_layer_fraction`` and ``remote_deliver_ratio``. Ratios matter, not
+absolute times.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,6 +41,15 @@ from kvcr_client import Client, Span
 from kvcr_io.agent import load_nixl
 
 LAYERS = 32
+LAYER = 256 * 8 * 128 * 2 * 2
+"""One layer of the object: 256 tokens x 8 KV heads x head size 128 x K and V x 2 bytes (1 MiB)."""
+assert LAYER == 1 << 20
+LAYER_PLAN = [[f"L{i}"] for i in range(LAYERS)]
+"""One group per layer."""
+
+
+def node_flags() -> list[str]:
+    return ["--pool", f"kv:64KiB:{SPANS + 8}", "--pool", f"layer:1MiB:{LAYERS + 4}", "--log-level", "WARNING"]
 
 
 def raw_anchor(endpoint: str, reps: int) -> dict[str, Any]:
@@ -49,16 +64,16 @@ def raw_anchor(endpoint: str, reps: int) -> dict[str, Any]:
     sock.send(msgpack.packb({"t": "setup", "md": agent.get_agent_metadata(), "addr": dst.ctypes.data}))
     assert msgpack.unpackb(sock.recv())["t"] == "ok"
 
-    def write(n: int) -> tuple[float, float]:
+    def write(n: int, merged: bool = False) -> tuple[float, float]:
         t0 = time.perf_counter()
-        sock.send(msgpack.packb({"t": "write", "n": n}))
+        sock.send(msgpack.packb({"t": "write", "n": n, "merged": merged}))
         while not sock.poll(0):
             agent.get_new_notifs()
         reply = msgpack.unpackb(sock.recv())
         assert reply["state"] == "DONE", reply
         return time.perf_counter() - t0, reply["s"]
 
-    one = [write(1) for _ in range(reps * 4)]
+    one = [write(LAYER // SPAN, merged=True) for _ in range(reps * 4)]  # one descriptor of 1 MiB
     whole = [write(SPANS) for _ in range(reps)]
     rtt = []
     for i in range(500):
@@ -79,74 +94,77 @@ def raw_anchor(endpoint: str, reps: int) -> dict[str, Any]:
 
 
 def bench_kvcr(a: str, b: str, b_defer: str, reps: int) -> dict[str, Any]:
-    small = (np.arange(LAYERS * SPAN, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
+    layered = (np.arange(LAYERS * LAYER, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
     big = (np.arange(SPANS * SPAN, dtype=np.uint64) * 40503 >> 7).astype(np.uint8) | 1
     out: dict[str, Any] = {}
     with Client(b, name="owner") as owner, Client(b_defer, name="owner-deferred") as owner2, Client(a, name="engine") as eng:
         for client in (owner, owner2):
-            rs, rb = client.register(small), client.register(big)
+            rs, rb = client.register(layered), client.register(big)
             res = client.deposit({
-                b"small": [Span(f"L{i}", rs, i * SPAN, SPAN, "kv") for i in range(LAYERS)],
+                b"layers": [Span(f"L{i}", rs, i * LAYER, LAYER, "layer") for i in range(LAYERS)],
                 b"big": [Span(f"L{i}", rb, i * SPAN, SPAN, "kv") for i in range(SPANS)],
             }).result(30)
             assert res.all_ok, res
+        dst_layers = np.zeros(LAYERS * LAYER, dtype=np.uint8)
         dst = np.zeros(SPANS * SPAN, dtype=np.uint8)
-        rd = eng.register(dst)
-        eng.submit_hint("bench", b, [b"small", b"big"]).result(5)
-        eng.submit_hint("bench-deferred", b_defer, [b"small", b"big"]).result(5)
-        layers = [Span(f"L{i}", rd, i * SPAN, SPAN) for i in range(LAYERS)]
+        rl, rd = eng.register(dst_layers), eng.register(dst)
+        eng.submit_hint("bench", b, [b"layers", b"big"]).result(5)
+        eng.submit_hint("bench-deferred", b_defer, [b"layers", b"big"]).result(5)
+        layers = eng.destination([Span(f"L{i}", rl, i * LAYER, LAYER) for i in range(LAYERS)])
 
-        def first_then_rest(request_id: str) -> tuple[float, float]:
+        def planned(request_id: str) -> tuple[float, float]:
+            """(first layer landed, every layer landed), from the call."""
             t0 = time.perf_counter()
-            first = eng.deliver({b"small": layers[:1]}, request_id=request_id, partial=True)
-            rest = eng.deliver({b"small": layers[1:]}, request_id=request_id, partial=True)
-            assert first.result(10)[b"small"].ok
+            handle = eng.deliver({b"layers": layers}, request_id=request_id, plan=LAYER_PLAN)
+            handle.wait(0, 10)
             t_first = time.perf_counter() - t0
-            assert rest.result(10)[b"small"].ok
+            assert handle.result(10)[b"layers"].ok
             return t_first, time.perf_counter() - t0
 
-        def whole(key: bytes, spans: list[Span], request_id: str = "bench") -> float:
+        def whole(key: bytes, spans: Any, request_id: str = "bench") -> float:
             t0 = time.perf_counter()
             res = eng.deliver({key: spans}, request_id=request_id).result(30)
             assert res[key].ok, res
             return time.perf_counter() - t0
 
         for _ in range(5):  # warm the peer session and both paths
-            first_then_rest("bench")
-            first_then_rest("bench-deferred")
-        runs = [first_then_rest("bench") for _ in range(reps * 4)]
-        deferred = [first_then_rest("bench-deferred") for _ in range(reps * 4)]
-        whole_small = [whole(b"small", layers) for _ in range(reps * 4)]
-        if not np.array_equal(dst[: LAYERS * SPAN], small):
-            raise AssertionError("delivered bytes differ (small object)")
+            planned("bench")
+            planned("bench-deferred")
+        runs, deferred = [], []
+        for _ in range(reps * 2):  # interleaved: both see the same machine load
+            runs.append(planned("bench"))
+            deferred.append(planned("bench-deferred"))
+        if not np.array_equal(dst_layers, layered):
+            raise AssertionError("delivered bytes differ (layered object)")
+        whole_layers = [whole(b"layers", layers) for _ in range(reps * 2)]
         big_spans = [Span(f"L{i}", rd, i * SPAN, SPAN) for i in range(SPANS)]
         prepared = eng.destination(big_spans)
         whole_big, whole_big_prepared = [], []
         for _ in range(reps):
             whole_big.append(whole(b"big", big_spans))
-            t0 = time.perf_counter()
-            res = eng.deliver({b"big": prepared}, request_id="bench").result(30)
-            assert res[b"big"].ok, res
-            whole_big_prepared.append(time.perf_counter() - t0)
+            whole_big_prepared.append(whole(b"big", prepared))
         if not np.array_equal(dst, big):
             raise AssertionError("delivered bytes differ (big object)")
         stats_b = owner.stats().result(5)
         assert stats_b["invariants"] == [] and stats_b["claims"]["total"] == 0, stats_b
         out["first"] = summary([f for f, _ in runs])
-        out["first_rest"] = summary([t for _, t in runs])
+        out["planned_all"] = summary([t for _, t in runs])
         out["first_deferred"] = summary([f for f, _ in deferred])
-        out["whole_small"] = summary(whole_small)
+        out["whole_layers"] = summary(whole_layers)
         out["whole_big"] = summary(whole_big)
         out["whole_big_prepared"] = summary(whole_big_prepared)
         out["inline_writes"] = stats_b["counters"].get("writes_inline", 0)
+        out["notified"] = stats_b["transfers"].get("notified", 0)
+        out["matched"] = eng.core.notifications["matched"]
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--json", action="store_true", help="also print one JSON object of the ratios")
     args = parser.parse_args()
-    flags = ["--pool", f"kv:64KiB:{SPANS + 2 * LAYERS}", "--log-level", "WARNING"]
+    flags = node_flags()
     with process_group("rbench") as (run, procs):
         for name in ("a", "b"):
             procs.append(spawn("-m", "kvcr_node.cli", *flags, "--endpoint", f"ipc://{run}/{name}.sock"))
@@ -156,26 +174,34 @@ def main() -> int:
         k = bench_kvcr(f"ipc://{run}/a.sock", f"ipc://{run}/b.sock", f"ipc://{run}/bd.sock", args.reps)
         r = raw_anchor(f"ipc://{run}/raw.sock", args.reps)
     anchor = r["one_span_xfer"]["median"] + r["rtt"]["median"]
-    print(f"time to first layer: object of {LAYERS} spans of {SPAN >> 10} KiB on node B, client on node A")
-    print(f"  kvcr first span (partial deliver)      {fmt_us(k['first'])}")
-    print(f"  kvcr first span, then the rest         {fmt_us(k['first_rest'])}")
-    print(f"  kvcr whole object                      {fmt_us(k['whole_small'])}")
-    print(f"  raw NIXL one span (in the writer)      {fmt_us(r['one_span_xfer'])}")
+    ttfl_ratio = k["first"]["median"] / anchor
+    fraction = k["first"]["median"] / k["planned_all"]["median"]
+    deliver_ratio = r["whole_xfer"]["median"] / k["whole_big"]["median"]
+    print(f"load average {os.getloadavg()[0]:.2f} (cores {os.cpu_count()})")
+    print(f"time to first layer: {LAYERS} layers of {LAYER >> 20} MiB on node B, client on node A, one group per layer")
+    print(f"  kvcr first layer landed (wait(0))      {fmt_us(k['first'])}")
+    print(f"  kvcr every layer landed (same deliver) {fmt_us(k['planned_all'])}")
+    print(f"  kvcr whole object, no plan             {fmt_us(k['whole_layers'])}")
+    print(f"  raw NIXL one 1 MiB span (in writer)    {fmt_us(r['one_span_xfer'])}")
     print(f"  raw ZeroMQ round trip                  {fmt_us(r['rtt'])}")
     print(f"  raw NIXL one span + ZeroMQ trigger     {fmt_us(r['one_span_e2e'])}")
-    print(f"  ratio first layer / whole object: {k['first']['median'] / k['whole_small']['median']:.2f}")
-    print(f"  ratio first layer / (raw one span + raw round trip): {k['first']['median'] / anchor:.2f}")
+    print(f"  notifications: B attached {k['notified']}, the client matched {k['matched']}")
+    print(f"  ttfl_ratio first layer / (raw 1 MiB write + raw round trip): {ttfl_ratio:.2f}")
+    print(f"  first_layer_fraction first layer / whole object: {fraction:.2f}")
     print(f"remote deliver throughput, {SPANS} spans of {SPAN >> 10} KiB ({SPANS * SPAN >> 20} MiB)")
     print(f"  kvcr remote deliver, list of spans     {fmt_gbps(SPANS * SPAN, k['whole_big'])}")
     print(f"  kvcr remote deliver, prepared dest.    {fmt_gbps(SPANS * SPAN, k['whole_big_prepared'])}")
     print(f"  raw NIXL WRITE, same descriptors       {fmt_gbps(SPANS * SPAN, r['whole_xfer'])}")
-    print(f"  ratio kvcr / raw NIXL: list of spans {r['whole_xfer']['median'] / k['whole_big']['median']:.2f}, "
+    print(f"  ratio kvcr / raw NIXL: list of spans {deliver_ratio:.2f}, "
           f"prepared destination {r['whole_xfer']['median'] / k['whole_big_prepared']['median']:.2f}")
-    print("inline against deferred submission on the source (first span)")
+    print("inline against deferred submission on the source (first layer of a planned deliver)")
     print(f"  inline    {fmt_us(k['first'])}")
     print(f"  deferred  {fmt_us(k['first_deferred'])}")
     print(f"  ratio deferred / inline: {k['first_deferred']['median'] / k['first']['median']:.2f}  "
           f"(source counted {k['inline_writes']} inline submissions)")
+    if args.json:
+        print(json.dumps({"ttfl_ratio": round(ttfl_ratio, 3), "first_layer_fraction": round(fraction, 3),
+                          "remote_deliver_ratio": round(deliver_ratio, 3)}))
     return 0
 
 

@@ -8,16 +8,27 @@ from kvcr_client.client import AsyncClient, Client, CurveKeys, Destination, Regi
 from kvcr_client.errors import (
     ArgumentError,
     ClientClosed,
+    GroupFailed,
     KvcrError,
     NodeError,
     NodeLostError,
     OperationTimeout,
 )
-from kvcr_client.results import KeyOutcome, KeyPresence, OpHandle, Presences, Results
-from kvcr_protocol import ErrorCode, KeyStatus, Presence
+from kvcr_client.results import (
+    DeliverHandle,
+    GroupDone,
+    GroupFuture,
+    KeyOutcome,
+    KeyPresence,
+    OpHandle,
+    Presences,
+    Results,
+)
+from kvcr_protocol import ErrorCode, GroupState, KeyStatus, Presence
 
 __all__ = [
-    "ArgumentError", "AsyncClient", "Client", "ClientClosed", "CurveKeys", "Destination", "ErrorCode", "KeyOutcome", "KeyPresence",
+    "ArgumentError", "AsyncClient", "Client", "ClientClosed", "CurveKeys", "DeliverHandle", "Destination", "ErrorCode",
+    "GroupDone", "GroupFailed", "GroupFuture", "GroupState", "KeyOutcome", "KeyPresence",
     "KeyStatus", "KvcrError", "NodeError", "NodeLostError", "OpHandle", "OperationTimeout", "Presence", "Presences",
     "RegionHandle", "Results", "Span",
 ]

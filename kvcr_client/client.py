@@ -11,17 +11,18 @@ import collections
 import logging
 import math
 import operator
+import secrets
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, cast, overload
 
 from kvcr_client.buffers import BufferError, describe
 from kvcr_client.core import ClientCore
-from kvcr_client.errors import ArgumentError, KvcrError, NodeError, NodeLostError, OperationTimeout
-from kvcr_client.results import KeyOutcome, OpHandle, Presences, Results
+from kvcr_client.errors import ArgumentError, ClientClosed, KvcrError, NodeError, NodeLostError, OperationTimeout
+from kvcr_client.results import DeliverHandle, GroupDone, KeyOutcome, OpHandle, Presences, Results
 from kvcr_protocol import (
     COLUMNS_VERSION,
     CURRENT_VERSION,
@@ -30,8 +31,10 @@ from kvcr_protocol import (
     Abort,
     Ack,
     Completion,
+    DeliverColumns,
     DeliverItem,
     Deposit,
+    DepositColumns,
     DepositItem,
     DiscardHint,
     DstSpan,
@@ -55,11 +58,15 @@ from kvcr_protocol import (
     UnregisterRegions,
     Welcome,
     code_of,
+    deliver_columns,
+    deposit_columns,
     endpoint_problem,
     prefix_mask,
     supported_up_to,
 )
 from kvcr_protocol import Deliver as DeliverMsg
+from kvcr_protocol.columns import MAX_GROUPS
+from kvcr_protocol.wire import NUL
 
 log = logging.getLogger("kvcr.client")
 
@@ -293,7 +300,11 @@ class _Base:
         self._use_lock = threading.Lock()
         """Guards ``RegionHandle.users`` (a leaf lock: taken with or without the core's I/O lock)."""
         self._next_region = 1
-        self._completed: collections.deque[OpHandle[Any]] = collections.deque(maxlen=max_completed)
+        self._completed: collections.deque[OpHandle[Any] | GroupDone] = collections.deque(maxlen=max_completed)
+        self._token = _new_token()
+        """This session's notification token (spec section 6.10): a new one per session."""
+        self._lingering: dict[int, set[RegionHandle]] = {}
+        """Planned delivers answered ``DESTINATION_UNCERTAIN`` -> their regions not yet unregistered (lock held)."""
         self._polling = False
         """Whether the engine polls (it called ``poll_completed``): only then are completions queued."""
         self.completed_dropped = 0
@@ -304,9 +315,10 @@ class _Base:
         fut.add_done_callback(lambda _: self._queue_completed(handle))
         return handle
 
-    def _queue_completed(self, handle: OpHandle[Any]) -> None:
-        """Queue a completion for ``poll_completed``: only for a polling engine, only if nobody waited."""
-        if not self._polling or handle.waited:
+    def _queue_completed(self, handle: OpHandle[Any] | GroupDone) -> None:
+        """Queue a completion (or a layer group's end) for ``poll_completed``: only for a
+        polling engine, only if nobody waited on the operation."""
+        if not self._polling or (handle.handle if isinstance(handle, GroupDone) else handle).waited:
             return
         queue = self._completed
         if len(queue) == queue.maxlen:
@@ -315,8 +327,11 @@ class _Base:
                 log.warning("poll_completed queue full (%d): dropping the oldest completions", queue.maxlen)
         queue.append(handle)  # a full deque drops its oldest entry
 
-    def poll_completed(self) -> list[OpHandle[Any]]:
+    def poll_completed(self) -> list[OpHandle[Any] | GroupDone]:
         """The operations that completed since the last call, for engines that poll once per step.
+
+        A deliver with a layer plan also reports each group as it ends for every key
+        (``GroupDone``: delivered or failed), in group order, before its handle.
 
         The first call says that the engine polls: completions are queued from then on,
         only for handles nobody waited on (``result``) or awaited, and at most
@@ -469,13 +484,23 @@ class _Base:
     # -- operations
 
     def _op(self, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool, regions: set[RegionHandle]) -> OpHandle[Any]:
+        """Send one operation; its handle resolves to per-key results (``_send_op``)."""
+        op_id = self.core.next_id()
+        fut = self._send_op(op_id, kind, keys, build, deadline_ms, touches, regions)
+        return self._handle(op_id, kind, fut, self._abort)
+
+    def _send_op(
+        self, op_id: int, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool,
+        regions: set[RegionHandle], on_reply: Callable[[Message], None] | None = None,
+        observer: Callable[[Any], None] | None = None,
+    ) -> Future[Any]:
         """Send one operation. Its regions stay in use until the node can no longer touch them.
 
         That is when the node answered, or the session is over (closed, or the node lost);
         not when the client merely stopped waiting (spec section 5.1). ``deadline_ms`` 0
         is the node's default, which the client does not know: it waits for the answer.
+        ``on_reply`` sees the reply first, ``observer`` the request's events (lock held).
         """
-        op_id = self.core.next_id()
         if regions:
             with self._use_lock:
                 for region in regions:
@@ -490,14 +515,16 @@ class _Base:
             assert isinstance(msg, Completion)
             if len(msg.results) != len(keys):
                 raise ValueError(f"{len(msg.results)} results for {len(keys)} keys")
+            if on_reply is not None:
+                on_reply(msg)
             return Results([
                 (k, KeyOutcome(r.status, code_of(r.code), r.reason, r.handle))
                 for k, r in zip(keys, msg.results, strict=True)
             ])
 
         timeout_s = deadline_ms / 1000 if deadline_ms else math.inf
-        _, fut = self.core.request(build, convert, timeout_s, touches, op_id, settled if regions else None)
-        return self._handle(op_id, kind, fut, self._abort)
+        _, fut = self.core.request(build, convert, timeout_s, touches, op_id, settled if regions else None, observer)
+        return fut
 
     def _abort(self, op_id: int) -> None:
         self.core.request(lambda i: Abort(i, op_id), lambda m: None, ABORT_TIMEOUT_S)
@@ -519,28 +546,84 @@ class _Base:
         optional = _flag(optional, "optional")
         deadline_ms = _deadline(deadline_ms)
         frozen, keys, regions = self._span_items(objects, DepositItem, deposit=True)
-        return self._op("deposit", keys, lambda i: Deposit(i, frozen, no_evict, optional, deadline_ms), deadline_ms, True, regions)
+        columns = _deposit_blocks(frozen) if self.core.version >= COLUMNS_VERSION else ()
+        records = () if columns else frozen
+        return self._op(
+            "deposit", keys, lambda i: Deposit(i, records, no_evict, optional, deadline_ms, columns), deadline_ms, True, regions)
+
+    @overload
+    def deliver(
+        self, objects: Mapping[bytes, Sequence[Span] | Destination], request_id: str | None = None,
+        deadline_ms: int = DEFAULT_DEADLINE_MS, partial: bool = False, plan: None = None,
+    ) -> OpHandle[Results[KeyOutcome]]: ...
+
+    @overload
+    def deliver(
+        self, objects: Mapping[bytes, Sequence[Span] | Destination], request_id: str | None = None,
+        deadline_ms: int = DEFAULT_DEADLINE_MS, partial: bool = False, *, plan: LayerPlan,
+    ) -> DeliverHandle: ...
 
     def deliver(
         self, objects: Mapping[bytes, Sequence[Span] | Destination], request_id: str | None = None,
-        deadline_ms: int = DEFAULT_DEADLINE_MS, partial: bool = False,
-    ) -> OpHandle[Results[KeyOutcome]]:
+        deadline_ms: int = DEFAULT_DEADLINE_MS, partial: bool = False, plan: LayerPlan | None = None,
+    ) -> OpHandle[Results[KeyOutcome]] | DeliverHandle:
         """Put objects' bytes into registered memory: the whole layout or an ordered subset of its spans.
 
         A node projects objects it holds whatever ``partial`` says. For an object it must
         get from the peer a hint for ``request_id`` names, only a ``partial`` deliver may
         name a subset (the source must speak protocol version 2). ``deadline_ms`` as for
         ``deposit``.
+
+        ``plan`` (a layer plan, spec section 6.8): an ordered list of groups, each a list of
+        span names, that every key follows (or a mapping of key -> such a list; a key left
+        out is one group). Every span of a key is in exactly one group. The node starts the
+        groups in order and each completes on its own: the returned ``DeliverHandle`` says
+        when group g has landed (``wait(g)``, ``group(g)`` to await, ``poll_completed``),
+        learnt from a NIXL notification to this client's agent, a ``progress`` event or the
+        reply, whichever comes first. In a session below version 3 the plan stays here:
+        every group of a key is delivered when the key's result is ``OK``.
         """
         request_id = _optional_request_id(request_id)
         deadline_ms = _deadline(deadline_ms)
         partial = _flag(partial, "partial")
         frozen, keys, regions = self._span_items(objects, DeliverItem, deposit=False)
+        groups = None if plan is None else _plan_groups(frozen, plan)
         # Version 1 sessions cannot carry the flag; their remote deliveries name whole layouts.
         flag = partial and self.core.version >= 2
-        return self._op(
-            "deliver", keys, lambda i: DeliverMsg(i, frozen, request_id, deadline_ms, flag), deadline_ms, True, regions
-        )
+        columns: tuple[DeliverColumns, ...] = ()
+        if self.core.version >= COLUMNS_VERSION:
+            columns = _deliver_blocks(frozen, groups)
+        token = self._token if columns and groups is not None else 0
+        records = () if columns else frozen
+        build = lambda i: DeliverMsg(i, records, request_id, deadline_ms, flag, columns, token)  # noqa: E731
+        if groups is None:
+            return self._op("deliver", keys, build, deadline_ms, True, regions)
+        return self._planned(keys, build, deadline_ms, regions, [max(g, default=0) + 1 for g in groups], token)
+
+    def _planned(
+        self, keys: list[bytes], build: Any, deadline_ms: int, regions: set[RegionHandle], counts: list[int], token: int,
+    ) -> DeliverHandle:
+        """Send a deliver with layer plans: a ``DeliverHandle`` fed by notifications, progress
+        and the reply (``PlanProgress``), whose groups fail when the request ends without a
+        reply (spec section 6.10)."""
+        op_id = self.core.next_id()
+        handle = DeliverHandle(op_id, Future(), keys, counts, token, self._abort, self.core.wait, self.core.poll)
+        handle.on_group = self._queue_completed
+
+        def reply(msg: Message) -> None:
+            assert isinstance(msg, Completion)
+            handle.apply(handle.progress.on_reply(msg))
+            if token and regions and any(r.code == ErrorCode.DESTINATION_UNCERTAIN for r in msg.results):
+                # A source may still write (and notify) into these regions: keep our agent
+                # progressed until they are unregistered (spec section 12).
+                self._lingering[op_id] = set(regions)
+                self.core.lingering.add(op_id)
+
+        fut = self._send_op(op_id, "deliver", keys, build, deadline_ms, True, regions, reply, handle.observe)
+        handle.future = fut
+        fut.add_done_callback(lambda f: _end_groups(handle, f))
+        fut.add_done_callback(lambda _: self._queue_completed(handle))
+        return handle
 
     def fetch(
         self, expected_layouts: Mapping[bytes, Sequence[tuple[str, str]]], request_id: str | None = None,
@@ -706,14 +789,129 @@ class _Base:
         )
 
     def _unregister_on_io(self, region: RegionHandle) -> None:
+        for op_id, held in list(self._lingering.items()):
+            held.discard(region)
+            if not held:
+                del self._lingering[op_id]
+                self.core.lingering.discard(op_id)
         self._regions.pop(region.region, None)
         if region.registration is not None:
             self.core.agent.deregister(region.registration)
             region.registration = None
 
     def _hello(self, timeout_s: float) -> Future[Any]:
+        self._token = _new_token()  # a late notification of the old session matches nothing
         regions = list(self._regions.values())  # one step: another thread may register meanwhile
         return self.core.hello(tuple(r.wire() for r in regions), timeout_s)
+
+
+LayerPlan = Sequence[Sequence[str]] | Mapping[bytes, Sequence[Sequence[str]]]
+"""A deliver's layer plan: groups of span names that every key follows, or one per key."""
+
+
+def _new_token() -> int:
+    return secrets.randbits(32) or 1
+
+
+def _plan_groups(items: Sequence[DeliverItem], plan: Any) -> list[tuple[int, ...]]:
+    """Each key's group number per span (empty: one group) from a layer plan; ``ArgumentError``
+    naming the part of the plan that is wrong."""
+    per_key = isinstance(plan, Mapping)
+    if not per_key and (isinstance(plan, (str, bytes)) or not isinstance(plan, Sequence)):
+        raise ArgumentError("plan", "expected a sequence of groups of span names, or a mapping of key -> such a sequence")
+    if per_key:
+        unknown = [k for k in plan if k not in {item.key for item in items}]
+        if unknown:
+            raise ArgumentError(f"plan[{unknown[0]!r}]", "not a key of this deliver")
+    out: list[tuple[int, ...]] = []
+    for item in items:
+        groups = plan.get(item.key) if per_key else plan
+        path = f"plan[{item.key!r}]" if per_key else "plan"
+        if groups is None:
+            out.append(())
+            continue
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or not groups:
+            raise ArgumentError(path, "expected a non-empty sequence of groups of span names")
+        if len(groups) > MAX_GROUPS:
+            raise ArgumentError(path, f"{len(groups)} groups, at most {MAX_GROUPS}")
+        index = {span[0]: j for j, span in enumerate(item.spans)}
+        if len(index) != len(item.spans):
+            raise ArgumentError(path, f"key {item.key!r} names a span twice: a plan names spans by name")
+        numbers = [-1] * len(item.spans)
+        for g, names in enumerate(groups):
+            if isinstance(names, (str, bytes)) or not isinstance(names, Sequence) or not names:
+                raise ArgumentError(f"{path}[{g}]", "expected a non-empty sequence of span names")
+            for n, name in enumerate(names):
+                j = index.get(name)
+                if j is None:
+                    raise ArgumentError(f"{path}[{g}][{n}]", f"{name!r} is not a span of key {item.key!r}")
+                if numbers[j] != -1:
+                    raise ArgumentError(f"{path}[{g}][{n}]", f"span {name!r} is already in group {numbers[j]}")
+                numbers[j] = g
+        if -1 in numbers:
+            missing = item.spans[numbers.index(-1)][0]
+            raise ArgumentError(path, f"span {missing!r} of key {item.key!r} is in no group")
+        out.append(tuple(numbers))
+    return out
+
+
+def _deliver_blocks(items: Sequence[DeliverItem], groups: Sequence[tuple[int, ...]] | None) -> tuple[DeliverColumns, ...]:
+    """The items as column blocks of consecutive keys with one layout and plan (spec section
+    6.7); none (send records) when a span name holds NUL."""
+    blocks: list[DeliverColumns] = []
+    run: list[DeliverItem] = []
+    shape: tuple[Any, ...] | None = None
+    for n, item in enumerate(items):
+        names, _, _, lengths = zip(*item.spans, strict=True)
+        plan = groups[n] if groups is not None else ()
+        this = (names, lengths, plan)
+        if this != shape:
+            if run:
+                blocks.append(deliver_columns(run, shape[2] if shape is not None else ()))
+            run, shape = [], this
+            if any(NUL in name for name in names):
+                return ()
+        run.append(item)
+    if run and shape is not None:
+        blocks.append(deliver_columns(run, shape[2]))
+    return tuple(blocks)
+
+
+def _deposit_blocks(items: Sequence[DepositItem]) -> tuple[DepositColumns, ...]:
+    """Deposit items as column blocks of consecutive keys of one layout; none when a name or pool holds NUL."""
+    blocks: list[DepositColumns] = []
+    run: list[DepositItem] = []
+    shape: tuple[Any, ...] | None = None
+    for item in items:
+        names, pools, _, _, lengths = zip(*item.spans, strict=True)
+        this = (names, pools, lengths)
+        if this != shape:
+            if run:
+                blocks.append(deposit_columns(run))
+            run, shape = [], this
+            if any(NUL in name for name in names + pools):
+                return ()
+        run.append(item)
+    if run:
+        blocks.append(deposit_columns(run))
+    return tuple(blocks)
+
+
+def _end_groups(handle: DeliverHandle, future: Future[Any]) -> None:
+    """A planned deliver ended without a reply to read (spec section 6.10): its groups not yet
+    delivered fail with the reason (the client's deadline, the session's loss, a refusal)."""
+    exc = future.exception()
+    if exc is None:
+        return
+    if isinstance(exc, OperationTimeout):
+        code = int(ErrorCode.TIMEOUT)
+    elif isinstance(exc, (NodeLostError, ClientClosed)):
+        code = int(ErrorCode.NODE_LOST)
+    elif isinstance(exc, NodeError):
+        code = int(exc.code)
+    else:
+        code = int(ErrorCode.INTERNAL)
+    handle.apply(handle.progress.end(code))
 
 
 def _ack(msg: Message) -> None:

@@ -77,12 +77,16 @@ from kvcr_protocol import (
     Hello,
     LocalProtocolError,
     Message,
+    Notification,
+    Progress,
     ProtocolError,
     Region,
     RemoteProtocolError,
     Welcome,
     decode,
+    decode_notification,
     encode,
+    is_notification,
     supported_up_to,
 )
 
@@ -134,7 +138,11 @@ class _Request(Future[Any]):
     """
 
     def __init__(
-        self, convert: Callable[[Message], Any], touches_memory: bool, on_settled: Callable[[], None] | None
+        self,
+        convert: Callable[[Message], Any],
+        touches_memory: bool,
+        on_settled: Callable[[], None] | None,
+        observer: Callable[[Progress | Notification], None] | None = None,
     ) -> None:
         super().__init__()
         self._state = _RUNNING  # nobody else holds it yet: no lock needed
@@ -144,6 +152,9 @@ class _Request(Future[Any]):
         """Called once, lock held, when the node can no longer touch memory for this request."""
         self.deadline = math.inf
         """When the client stops waiting (monotonic); infinite for a deadline left to the node."""
+        self.observer = observer
+        """Called, lock held, with each ``progress`` event and each NIXL notification for this
+        request while it is pending (spec sections 6.8 and 6.10)."""
 
     def done(self) -> bool:
         return self._state in _SETTLED
@@ -265,6 +276,10 @@ class ClientCore:
         """No pending deadline is earlier (monotonic; may be early, never late; changed with the lock held)."""
         self._timed_out: dict[int, _Request] = {}
         """Memory-touching requests the client stopped waiting for, until the node answers (lock held)."""
+        self.lingering: set[int] = set()
+        """Answered operations whose writes may still land with notifications (a key failed
+        ``DESTINATION_UNCERTAIN``): a source's notifying WRITE completes only while our agent
+        is progressed, so it is, at the late interval, until the client lets them go (lock held)."""
         self._closed = False
         self.connected = False
         self.lost = False
@@ -275,6 +290,11 @@ class ClientCore:
         self._next_heartbeat = math.inf
         """When the heartbeat and the node's silence are next looked at (monotonic)."""
         self._heartbeats = 0
+        self.notifications: collections.Counter[str] = collections.Counter()
+        """NIXL notifications drained from our agent: matched to a pending request, ignored, dropped."""
+        self.drop_notifications = False
+        """Test hook: drop every notification unread, as if none had come (spec section 6.10:
+        the control messages alone must then complete every group)."""
         self.capacity_events: collections.deque[CapacityEvent] = collections.deque(maxlen=1024)
         self.on_capacity: Callable[[CapacityEvent], None] | None = None
         self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
@@ -306,6 +326,7 @@ class ClientCore:
         touches_memory: bool = False,
         op_id: int | None = None,
         on_settled: Callable[[], None] | None = None,
+        observer: Callable[[Progress | Notification], None] | None = None,
     ) -> tuple[int, Future[Any]]:
         """Send a request built for ``op_id`` (a fresh id by default); the reply passes through ``convert``.
 
@@ -314,10 +335,11 @@ class ClientCore:
         (with the I/O lock held, so it must be quick and take no other lock than a leaf
         one) when the request can no longer touch client memory: answered, never sent,
         or the session over; for a memory-touching request, not when it merely timed out.
+        ``observer`` sees the request's ``progress`` events and notifications (lock held).
         """
         if op_id is None:
             op_id = next(self._ids)
-        fut = _Request(convert, touches_memory, on_settled)
+        fut = _Request(convert, touches_memory, on_settled, observer)
         if self._closed:
             fut.set_exception(ClientClosed("the client is closed"))
             self._settle(fut)
@@ -812,15 +834,36 @@ class ClientCore:
         if ready & _MONITOR_READY:
             self._drain_monitor()
         self._drain_socket(ready & _SOCKET_READY)
-        if self._touching or self._timed_out:
+        if self._touching or self._timed_out or self.lingering:
             # Progress our agent: the node's transfer into or out of our memory
             # completes only when both ends are progressed.
-            self.agent.progress()
+            self._drain_notifications()
         now = time.monotonic()
         if now >= self._nearest:
             self._expire(now)
         if now >= self._next_heartbeat:
             self._heartbeat(now)
+
+    def _drain_notifications(self) -> None:
+        """Lock held: progress the agent and hand each kvcr notification that arrived to the
+        pending request it names (spec section 6.10); others are counted and left alone."""
+        for payload in self.agent.progress():
+            if not is_notification(payload):
+                continue
+            if self.drop_notifications:
+                self.notifications["dropped"] += 1
+                continue
+            try:
+                note = decode_notification(payload)
+            except RemoteProtocolError:
+                self.notifications["malformed"] += 1
+                continue
+            pending = self._pending.get(note.request)
+            if pending is None or pending.observer is None:
+                self.notifications["ignored"] += 1
+                continue
+            self.notifications["matched"] += 1
+            pending.observer(note)
 
     def _heartbeat_s(self) -> float:
         welcome = self.welcome
@@ -904,7 +947,7 @@ class ClientCore:
     def _due(self) -> float:
         """The next time (monotonic) a deadline or the heartbeat needs a turn."""
         due = min(self._nearest, self._next_heartbeat)
-        if self._timed_out:
+        if self._timed_out or self.lingering:
             due = min(due, time.monotonic() + _LATE_PROGRESS_S)  # their transfers need our agent's progress
         return due
 
@@ -978,6 +1021,12 @@ class ClientCore:
             return
         if cls is Heartbeat:
             return  # its id counts heartbeats, not requests
+        if isinstance(msg, Progress):
+            # Not a reply: the request goes on (spec section 5.1).
+            observed = self._pending.get(msg.id)
+            if observed is not None and observed.observer is not None:
+                observed.observer(msg)
+            return
         op_id = getattr(msg, "id", 0)
         pending = self._pending.pop(op_id, None)
         if pending is not None and pending.touches_memory:
@@ -1033,6 +1082,7 @@ class ClientCore:
         """The session is over (closed, or the node lost): every request fails and settles."""
         pending, self._pending = self._pending, {}
         late, self._timed_out = self._timed_out, {}
+        self.lingering.clear()
         self._touching = 0
         self._nearest = math.inf
         for p in late.values():

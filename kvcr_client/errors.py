@@ -45,3 +45,9 @@ class OperationTimeout(KvcrError, TimeoutError):
 
 class ClientClosed(KvcrError):
     """The client was closed."""
+
+
+class GroupFailed(NodeError):
+    """A group of a layer plan will not be delivered: it, or an earlier group of the same key,
+    failed (``code``: the key's code, ``TIMEOUT`` or ``NODE_LOST`` when the client stopped
+    waiting). The groups before it stay delivered: their bytes are in place."""

@@ -8,7 +8,20 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kvcr_protocol import PRESENCE_BY_CODE, ErrorCode, KeyStatus, Presence, QueryColumns, QueryResult
+from kvcr_client.errors import GroupFailed
+from kvcr_protocol import (
+    PRESENCE_BY_CODE,
+    ErrorCode,
+    GroupEvent,
+    GroupState,
+    KeyStatus,
+    PlanProgress,
+    Presence,
+    Progress,
+    QueryColumns,
+    QueryResult,
+    code_of,
+)
 
 T = TypeVar("T")
 
@@ -177,3 +190,162 @@ class OpHandle(Generic[T]):
 
     def __repr__(self) -> str:
         return f"OpHandle({self.kind} #{self.op_id}, done={self.future.done()})"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupDone:
+    """``poll_completed``'s report that group ``group`` of a planned deliver is over for
+    every key that has it: ``DELIVERED``, or ``FAILED`` with ``code`` (spec section 6.8)."""
+
+    handle: DeliverHandle
+    group: int
+    state: GroupState
+    code: ErrorCode | int = ErrorCode.OK
+
+    @property
+    def ok(self) -> bool:
+        return self.state is GroupState.DELIVERED
+
+
+class GroupFuture:
+    """One group's completion: ``result(timeout)`` blocks (driving the client), ``await`` it
+    in asyncio; it raises ``GroupFailed`` when the group will not be delivered."""
+
+    def __init__(self, future: Future[None], waiter: Callable[[Future[Any], float | None], Any] | None) -> None:
+        self.future = future
+        self._waiter = waiter
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout: float | None = None) -> None:
+        if self._waiter is not None and not self.future.done():
+            self._waiter(self.future, timeout)
+        self.future.result(0)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return asyncio.wrap_future(self.future).__await__()
+
+
+class DeliverHandle(OpHandle[Results[KeyOutcome]]):
+    """A deliver with layer plans: completion per group, as well as for the whole request.
+
+    Group ``g`` of a key is delivered once groups 0 to ``g`` of that key are known landed,
+    from a NIXL notification, a ``progress`` event or the reply, whichever comes first
+    (spec section 6.10); ``key=None`` means every key that has group ``g``. The state is
+    kept by ``PlanProgress``, fed under the client's I/O lock.
+    """
+
+    def __init__(
+        self, op_id: int, future: Future[Results[KeyOutcome]], keys: Sequence[bytes], groups: Sequence[int],
+        token: int, abort: Callable[[int], Any] | None = None,
+        waiter: Callable[[Future[Any], float | None], Any] | None = None, poll: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(op_id, "deliver", future, abort, waiter, poll)
+        self.keys = tuple(keys)
+        self._index = {key: i for i, key in enumerate(self.keys)}
+        self.groups = tuple(groups)
+        """Groups per key, in request order."""
+        self.progress = PlanProgress(op_id, groups, token)
+        self._remaining = [sum(1 for count in groups if count > g) for g in range(max(groups))]
+        """Per group number: keys that have it and have not delivered it yet."""
+        self._failed: dict[int, int] = {}
+        self._over: set[int] = set()
+        """Groups reported over for the whole request."""
+        self._futures: dict[tuple[int, int | None], Future[None]] = {}
+        self.on_group: Callable[[GroupDone], None] | None = None
+        """Called (lock held) when a group is over for every key (``poll_completed``'s queue)."""
+
+    @property
+    def group_count(self) -> int:
+        """The most groups any key has."""
+        return len(self._remaining)
+
+    @property
+    def disagreements(self) -> int:
+        """Keys whose reply reported fewer groups than notifications proved (spec section 6.10)."""
+        return self.progress.disagreements
+
+    def state(self, group: int, key: bytes | None = None) -> GroupState:
+        """Where group ``group`` stands (reads what has arrived first, without blocking)."""
+        if self._poll is not None:
+            self._poll()
+        return self._state(group, self._item(key))
+
+    def group(self, group: int, key: bytes | None = None) -> GroupFuture:
+        """The completion of group ``group`` (of ``key``, or of every key that has it)."""
+        item = self._item(key)
+        if not 0 <= group < (self.group_count if item is None else self.groups[item]):
+            raise IndexError(f"group {group}: the plan has {self.group_count if item is None else self.groups[item]}")
+        future = self._futures.get((group, item))
+        if future is None:
+            future = Future()
+            self._futures[(group, item)] = future
+            self._resolve(group, item)
+        return GroupFuture(future, self._waiter)
+
+    def wait(self, group: int, timeout: float | None = None, key: bytes | None = None) -> None:
+        """Block until group ``group`` is delivered (driving the client's socket and agent);
+        ``GroupFailed`` when it will not be, ``TimeoutError`` when ``timeout`` passes first."""
+        self.group(group, key).result(timeout)
+
+    # -- fed by the client (I/O lock held)
+
+    def observe(self, event: Any) -> None:
+        """A ``progress`` event or a notification of this request."""
+        if isinstance(event, Progress):
+            self.apply(self.progress.on_progress(event))
+        else:
+            self.apply(self.progress.on_notification(event))
+
+    def apply(self, events: Sequence[GroupEvent]) -> None:
+        for event in events:
+            g = event.group
+            if event.state is GroupState.FAILED:
+                # The first failure of group g ends it for the request.
+                self._failed.setdefault(g, event.code)
+                self._group_over(g, GroupState.FAILED, event.code)
+            elif event.state is GroupState.DELIVERED:
+                self._remaining[g] -= 1
+                if self._remaining[g] == 0:
+                    self._group_over(g, GroupState.DELIVERED, 0)
+            self._resolve(g, event.item)
+            self._resolve(g, None)
+
+    def _group_over(self, group: int, state: GroupState, code: int) -> None:
+        if group in self._over:
+            return
+        self._over.add(group)
+        if self.on_group is not None:
+            self.on_group(GroupDone(self, group, state, code_of(code) if code else ErrorCode.OK))
+
+    # -- internals
+
+    def _item(self, key: bytes | None) -> int | None:
+        if key is None:
+            return None
+        item = self._index.get(key)
+        if item is None:
+            raise KeyError(key)
+        return item
+
+    def _state(self, group: int, item: int | None) -> GroupState:
+        if item is not None:
+            return self.progress.state(item, group)
+        if group in self._failed:
+            return GroupState.FAILED
+        return GroupState.DELIVERED if self._remaining[group] == 0 else GroupState.PENDING
+
+    def _resolve(self, group: int, item: int | None) -> None:
+        future = self._futures.get((group, item))
+        if future is None or future.done():
+            return
+        state = self._state(group, item)
+        if state is GroupState.DELIVERED:
+            future.set_result(None)
+        elif state is GroupState.FAILED:
+            code = self._failed.get(group, 0) if item is None else self._item_code(item)
+            future.set_exception(GroupFailed(code, f"group {group} will not be delivered"))
+
+    def _item_code(self, item: int) -> int:
+        return self.progress.code(item)

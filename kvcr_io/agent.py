@@ -117,11 +117,16 @@ class Agent:
         self._nixl.release_dlist_handle(handle)
 
     def start(
-        self, op: str, local: Any, local_idx: Sequence[int], remote: Any, remote_idx: Sequence[int]
+        self, op: str, local: Any, local_idx: Sequence[int], remote: Any, remote_idx: Sequence[int],
+        notif: bytes = b"",
     ) -> tuple[Any, XferStatus]:
-        """Create and post a transfer; returns its handle and status."""
+        """Create and post a transfer; returns its handle and status.
+
+        ``notif``, when not empty, is delivered to the remote agent as a NIXL notification
+        once the transfer's bytes are in place (spec section 6.10).
+        """
         try:
-            handle = self._nixl.make_prepped_xfer(op, local, list(local_idx), remote, list(remote_idx))
+            handle = self._nixl.make_prepped_xfer(op, local, list(local_idx), remote, list(remote_idx), notif)
         except Exception as exc:
             raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
         return handle, self._post(op, handle)
@@ -149,6 +154,17 @@ class Agent:
         except Exception:  # releasing a failed request may itself fail; nothing more to free
             logging.getLogger(__name__).debug("release of a NIXL request failed", exc_info=True)
 
-    def progress(self) -> None:
-        """Progress the agent (the target side of a transfer needs it too)."""
-        self._nixl.get_new_notifs()
+    def progress(self) -> list[bytes]:
+        """Progress the agent (the target side of a transfer needs it too); returns the
+        notifications that arrived meanwhile, from any remote agent, in arrival order per agent."""
+        notifs: dict[Any, list[bytes]] = self._nixl.get_new_notifs()
+        if not notifs:
+            return []
+        return [payload for payloads in notifs.values() for payload in payloads]
+
+    def notify(self, remote_agent: str, payload: bytes) -> None:
+        """Send ``payload`` to a loaded remote agent as a NIXL notification of its own."""
+        try:
+            self._nixl.send_notif(remote_agent, payload)
+        except Exception as exc:
+            raise TransferError(f"NIXL could not send a notification to {remote_agent}: {exc}") from exc

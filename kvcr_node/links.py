@@ -43,6 +43,7 @@ from kvcr_protocol import (
     PeerWelcome,
     Probe,
     ProbeReply,
+    Progress,
     Refuse,
     RemoteProtocolError,
     WriteDone,
@@ -52,7 +53,7 @@ from kvcr_protocol import (
     encode,
 )
 from kvcr_protocol.operations import SOURCE_CODES
-from kvcr_protocol.versions import PARTIAL_LAYOUT_VERSION
+from kvcr_protocol.versions import COLUMNS_VERSION, PARTIAL_LAYOUT_VERSION
 
 log = logging.getLogger("kvcr.node")
 
@@ -90,6 +91,9 @@ class LinkOwner(Protocol):
 
     def write_uncertain(self, write: RemoteWrite) -> None:
         """``write``'s deadline passed unanswered: its keys fail, its destination stays reserved."""
+
+    def write_progress(self, write: RemoteWrite, msg: Progress) -> None:
+        """A version-3 source reports groups of ``write``'s items delivered so far."""
 
     def internal_failure(self, what: str, exc: BaseException) -> None:
         """Handling a source's message raised (counted and logged by the owner)."""
@@ -239,7 +243,12 @@ class Links:
                 link.clients_sent[client.agent] = client.regions_version
                 link.announcing[announce.id] = client.agent
         remaining_ms = max(1, int((write.deadline - self.clock()) * 1000))
-        msg = WriteRequest(write.id, write.agent, write.items, remaining_ms, write.partial)
+        if link.version >= COLUMNS_VERSION and write.columns:
+            # The client's rows as they came, with their plans, and how to notify it (spec section 12).
+            msg = WriteRequest(write.id, write.agent, (), remaining_ms, write.partial, write.columns, write.notify)
+        else:
+            # An older source: records without a plan, no notification (spec section 7).
+            msg = WriteRequest(write.id, write.agent, write.records(), remaining_ms, write.partial)
         if self._send(link, msg):
             write.state = WriteStage.SENT
             link.writes[write.id] = write
@@ -305,7 +314,12 @@ class Links:
                 if len(msg.results) != len(write.indices):
                     self.end_write(write, ErrorCode.TRANSFER_FAILED, "the source answered with the wrong number of results")
                 else:
+                    write.done = msg.done_counts() if len(msg.done) == 4 * len(msg.results) else ()
                     self.end_write(write, None, "", msg.results)
+        elif isinstance(msg, Progress):
+            write = link.writes.get(msg.id)
+            if write is not None:
+                self.owner.write_progress(write, msg)
         elif isinstance(msg, Ack):
             link.announcing.pop(msg.id, None)
         elif isinstance(msg, (Refuse, Error)):

@@ -183,8 +183,14 @@ class Node:
         """
         pacer = Pacer()
         events: dict[Any, int] = {}
+        posted = self.transfers.posted
         try:
             while not self._stop:
+                if self.transfers.posted != posted:
+                    # A new transfer (the next group of a plan): look at it at the spin rate
+                    # again, as at the start of a transfer (architecture §4).
+                    posted = self.transfers.posted
+                    pacer.reset()
                 filling = False
                 try:
                     filling = self.links.filling
@@ -220,6 +226,8 @@ class Node:
         if not self.transfers.inflight:  # polling transfers progresses the agent
             self._guarded("agent progress", self.remote_agents.progress_idle)
         self._guarded("transfer completion", self.transfers.poll)
+        if self.operations.progressing:
+            self._guarded("progress", self.operations.flush_progress)
         now = self.clock()
         if self.links:
             # Heartbeats to sources, write deadlines and probes, idle links closed.
@@ -286,6 +294,7 @@ class Node:
                 # Complete what finished before reading on: a first layer's completion must
                 # not wait behind the next request's submission.
                 self.transfers.poll()
+                self.operations.flush_progress()
                 self._send_out()
         self._send_out()
 

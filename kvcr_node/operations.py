@@ -23,7 +23,9 @@ from kvcr_node.outbox import REASON_MAX, Outbox
 from kvcr_node.records import ClientSession, Operation
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import Move, Transfers
-from kvcr_protocol import Completion, ErrorCode, KeyResult, KeyStatus, ProtocolError, Release
+from kvcr_protocol import Completion, ErrorCode, KeyResult, KeyStatus, Progress, ProtocolError, Release
+from kvcr_protocol.columns import U32, pack
+from kvcr_protocol.versions import COLUMNS_VERSION
 
 log = logging.getLogger("kvcr.node")
 
@@ -55,6 +57,8 @@ class Operations:
         """Claims held by operations in progress (the others are ``handles``)."""
         self.outcomes: collections.Counter[str] = collections.Counter()
         """Per-key results sent, by request, status and code."""
+        self.progressing: dict[int, Operation] = {}
+        """Operations whose groups advanced since the last ``progress`` went out (by ``id()``)."""
 
     # ------------------------------------------------------------------ admission
 
@@ -205,6 +209,7 @@ class Operations:
         self.outbox.check_results(op.kind, results)
         for r in results:
             self.outcomes[f"{op.kind}.{r.status.value}" + (f".{ErrorCode(r.code).name}" if r.code else "")] += 1
+        self.progressing.pop(id(op), None)  # the reply's done column says it all
         if op.report is not None:
             op.report(results)
         elif op.session.closing:
@@ -213,7 +218,28 @@ class Operations:
                 if r.handle is not None:
                     self.release_handle(op.session, r.handle)
         else:
-            self.outbox.reply(op.session, Completion(op.id, results))
+            self.outbox.reply(op.session, Completion(op.id, results, op.done_column()))
+
+    # ------------------------------------------------------------------ progress (spec section 6.8)
+
+    def note_progress(self, op: Operation) -> None:
+        """``op``'s groups advanced: a ``progress`` goes out at the end of the turn (one per turn)."""
+        plan = op.plan
+        if plan is not None and plan.progressed and plan.planned and op.session.version >= COLUMNS_VERSION:
+            self.progressing[id(op)] = op
+
+    def flush_progress(self) -> None:
+        """Send one ``progress`` per operation whose groups advanced this turn and that still runs."""
+        if not self.progressing:
+            return
+        ops, self.progressing = self.progressing, {}
+        for op in ops.values():
+            plan = op.plan
+            if plan is None or op.session.ops.get(op.id) is not op or op.session.closing:
+                continue
+            items = sorted(plan.progressed)
+            plan.progressed.clear()
+            self.outbox.reply(op.session, Progress(op.id, pack(items, U32), pack((plan.delivered[i] for i in items), U32)))
 
     def end_session(self, session: ClientSession) -> None:
         """The session closed: abort what can be aborted, release its handle claims.
@@ -227,8 +253,12 @@ class Operations:
 
     # ------------------------------------------------------------------ transfers and claims
 
-    def start(self, op: Operation, kind: str, moves: list[Move], on_done: Callable[[bool], None]) -> None:
-        """Submit one NIXL transfer for ``op``; ``on_done`` runs when it is terminal (or refused)."""
+    def start(
+        self, op: Operation, kind: str, moves: list[Move], on_done: Callable[[bool], None], notifs: Sequence[bytes] = (),
+    ) -> None:
+        """Submit one NIXL transfer for ``op``; ``on_done`` runs when it is terminal (or refused).
+
+        ``notifs`` reach the remote agent once the bytes are in place (spec section 6.10)."""
         def done(ok: bool) -> None:
             # A completion that raises breaks its operation only, never the loop.
             try:
@@ -238,7 +268,7 @@ class Operations:
                 self.break_op(op, f"the node failed while completing {op.kind}: {type(exc).__name__}: {exc}")
 
         try:
-            transfer = self.transfers.start(kind, op.agent or op.session.agent, moves, done)
+            transfer = self.transfers.start(kind, op.agent or op.session.agent, moves, done, notifs)
         except TransferError as exc:
             log.warning("transfer refused for %s %d: %s", op.kind, op.id, exc)
             done(False)

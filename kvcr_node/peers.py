@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ import zmq
 
 from kvcr_node.records import ClientSession, Operation
 from kvcr_node.store import ObjectEntry
-from kvcr_protocol import DeliverItem
+from kvcr_protocol import DeliverColumns, DeliverItem, WriteNotify
 
 
 class LinkState(enum.Enum):
@@ -66,6 +67,21 @@ class RemoteWrite:
     """Its latest probe (only the latest is kept in ``PeerLink.probes``)."""
     retried: bool = False
     """Sent a second time after the source refused it for an agent it had forgotten."""
+    columns: tuple[DeliverColumns, ...] = ()
+    """Version 3: the items as the client's column blocks, rows cut out as they came (then
+    ``items`` is empty); sent as records to a source below version 3."""
+    notify: WriteNotify | None = None
+    """Version 3: how the source notifies the client of each group (spec section 6.10)."""
+    done: Sequence[int] = ()
+    """Version 3: the source's ``write_done.done``, per item (set when it answers)."""
+    regions: frozenset[int] = frozenset()
+    """The client's region ids the destination names (reserved while the write may run)."""
+
+    def records(self) -> tuple[DeliverItem, ...]:
+        """The items as records (for a source below version 3: no plan travels)."""
+        if not self.columns:
+            return self.items
+        return tuple(item for block in self.columns for item in block.to_items())
 
 
 @dataclass(eq=False)

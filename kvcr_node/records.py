@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvcr_node.transfers import Transfer
-from kvcr_protocol import KeyResult, KeyStatus, Region
+from kvcr_protocol import KeyResult, KeyStatus, Notification, Region, encode_notification
+from kvcr_protocol.columns import U32, pack
 
 Hint = tuple[str, frozenset[bytes]]
 """A hint: the source endpoint, and the keys it may hold."""
+
+MAX_NOTIFY_COUNT = 0xFFFF
+"""Items one notification covers at most (its ``count`` is a u16, spec section 6.10)."""
 
 RECENT_WRITES = 4096
 """Completed peer writes a source remembers, to answer probes with DONE."""
@@ -114,6 +118,8 @@ class Operation:
     broken: str | None = None
     """Why handling it failed unexpectedly: items no transfer or write covers then fail
     ``INTERNAL`` with this reason once nothing of the operation runs any more."""
+    plan: Plan | None = None
+    """Per-group state of a deliver or write whose items carry layer plans (spec section 6.8)."""
 
     def set(self, index: int, result: KeyResult) -> None:
         if self.results[index] is None:
@@ -132,8 +138,99 @@ class Operation:
             and (self.broken is not None or all(r is not None for r in self.results))
         )
 
+    def done_column(self) -> bytes:
+        """The reply's ``done`` column: per item, the groups delivered in a row from the first
+        (the plan's count for an ``OK`` item); empty for a request that planned no key."""
+        plan = self.plan
+        if plan is None or not plan.planned:
+            return b""
+        return pack(
+            (plan.groups[i] if r is not None and r.status is KeyStatus.OK else plan.delivered[i]
+             for i, r in enumerate(self.results)),
+            U32,
+        )
+
     def fail_unresolved(self, code: int) -> None:
         """Fail every item that has no result yet (a broken op, once nothing of it runs)."""
         for i, result in enumerate(self.results):
             if result is None:
                 self.fail(i, code, self.broken or "failed")
+
+
+@dataclass
+class Plan:
+    """Where each item's groups stand (spec section 6.8): counts delivered in a row, groups
+    landed out of order, the first failed group, transfers still running per item."""
+
+    groups: list[int]
+    """Groups per item (1 for an item without a plan)."""
+    planned: bool
+    """Whether any item carries a plan: progress and ``done`` are then sent."""
+    delivered: list[int] = field(default_factory=list)
+    landed: dict[int, set[int]] = field(default_factory=dict)
+    """Item -> groups landed beyond ``delivered`` (a later group may land first)."""
+    failed_from: dict[int, int] = field(default_factory=dict)
+    outstanding: dict[int, int] = field(default_factory=dict)
+    """Item -> its transfers not yet terminal."""
+    progressed: set[int] = field(default_factory=set)
+    """Items whose delivered count grew since the last ``progress``."""
+    notify: tuple[int, int, Sequence[int] | None] | None = None
+    """(token, the client's request id, the client's item index of each item, None: the
+    same) when the client asked for notifications (spec section 6.10)."""
+
+    def __post_init__(self) -> None:
+        if not self.delivered:
+            self.delivered = [0] * len(self.groups)
+
+    def land(self, item: int, group: int) -> bool:
+        """Group ``group`` of ``item`` landed; True if the item's delivered count grew."""
+        if group >= self.failed_from.get(item, self.groups[item]):
+            return False
+        landed = self.landed.setdefault(item, set())
+        landed.add(group)
+        count = start = self.delivered[item]
+        while count in landed:
+            landed.discard(count)
+            count += 1
+        if count == start:
+            return False
+        self.delivered[item] = count
+        self.progressed.add(item)
+        return True
+
+    def advance(self, item: int, count: int) -> None:
+        """Groups 0 .. ``count`` - 1 of ``item`` are known delivered (a source said so)."""
+        count = min(count, self.groups[item], self.failed_from.get(item, self.groups[item]))
+        if count > self.delivered[item]:
+            self.delivered[item] = count
+            self.progressed.add(item)
+
+    def fail(self, item: int, group: int) -> None:
+        """Group ``group`` of ``item`` failed: no group from it on is reported delivered."""
+        self.failed_from[item] = min(group, self.failed_from.get(item, group))
+        self.landed.pop(item, None)
+
+    def client_index(self, item: int) -> int:
+        assert self.notify is not None
+        indices = self.notify[2]
+        return item if indices is None else indices[item]
+
+    def payloads(self, group: int, items: Sequence[int]) -> list[bytes]:
+        """The notifications of group ``group`` of ``items`` (in order): one per run of
+        consecutive client item indices (spec section 6.10); none when none was asked."""
+        if self.notify is None:
+            return []
+        token, request, _ = self.notify
+        payloads: list[bytes] = []
+        start = count = 0
+        for i in items:
+            k = self.client_index(i)
+            if count and k == start + count and count < MAX_NOTIFY_COUNT:
+                count += 1
+                continue
+            if count:
+                payloads.append(encode_notification(Notification(token, request, start, group, count)))
+            start, count = k, 1
+        if count:
+            payloads.append(encode_notification(Notification(token, request, start, group, count)))
+        return payloads

@@ -58,28 +58,6 @@ S = TypeVar("S", bound=ClientSession)
 WHILE_STOPPING = (Release, Bye, Heartbeat, StatsRequest)
 """What a stopping node still serves: requests that end or release things, and stats."""
 
-NOT_SERVED: dict[type[Message], tuple[str, ...]] = {
-    Deposit: ("columns",),
-    Deliver: ("columns", "notify"),
-    WriteRequest: ("columns", "notify"),
-}
-"""Version-3 fields this node does not serve yet (span columns, layer plans, notifications):
-a request that sets one is refused whole ``MUST_UNDERSTAND`` at that field's key, as a
-receiver without the field refuses it (spec section 7), and nothing of it is done. Query
-columns and prefix queries are served (``kvcr_node.ops.query``)."""
-
-
-def _unserved_field(msg: Message) -> str | None:
-    """The wire key of the first field of ``msg`` in ``NOT_SERVED`` that it sets, if any."""
-    names = NOT_SERVED.get(type(msg))
-    if names is None:
-        return None
-    for f in msg.FIELDS:
-        if f.name in names and getattr(msg, f.name) != f.default:
-            return f.key
-    return None
-
-
 class Handlers(dict[type[Message], Callable[[To, Message], None]]):
     """Message type -> the handler of that type, taking whom it is from (a session or an identity)."""
 
@@ -181,11 +159,6 @@ class Router:
             return
         if self.stopping and not isinstance(msg, WHILE_STOPPING):
             self.outbox.refuse(session, msg_id, ProtocolError(ErrorCode.SHUTTING_DOWN, "the node is stopping"))
-            return
-        unserved = _unserved_field(msg)
-        if unserved is not None:
-            self.outbox.refuse(session, msg_id, ProtocolError(
-                ErrorCode.MUST_UNDERSTAND, f"this node does not serve {msg.TAG} with {unserved!r}", unserved))
             return
         before = session.ops.get(msg_id)
         try:

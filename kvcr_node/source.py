@@ -19,8 +19,9 @@ from kvcr_node.config import NodeConfig
 from kvcr_node.operations import Operations
 from kvcr_node.ops.deliver import Deliveries
 from kvcr_node.outbox import Outbox
-from kvcr_node.records import Operation, PeerSession
+from kvcr_node.records import Operation, PeerSession, Plan
 from kvcr_node.sessions import Sessions
+from kvcr_node.wanted import Wanted
 from kvcr_protocol import (
     Ack,
     ErrorCode,
@@ -127,28 +128,32 @@ class Source:
             self.protocol_errors[ErrorCode.BAD_STATE.name] += 1
             self.outbox.reply(peer, Refuse(msg.id, ErrorCode.BAD_STATE, f"agent {msg.agent!r} was not announced (peer_client first)"))
             return
-        op = self.operations.admit(peer, msg.id, "write", len(msg.items), msg.deadline_ms)
+        wanted = Wanted(msg.items, msg.columns)
+        op = self.operations.admit(peer, msg.id, "write", len(wanted), msg.deadline_ms)
         if op is None:
             return
         op.agent, op.regions, op.exact = msg.agent, regions, not msg.partial
+        notify = msg.notify
+        # Spec section 6.10: the payloads name the client's deliver and its item indices.
+        op.plan = Plan(wanted.group_counts(), wanted.planned,
+                       notify=None if notify is None else (notify.token, notify.request, notify.item_indices()))
         op.report = lambda results: self.write_settled(peer, op, results)
-        items = msg.items
 
         def resume(i: int) -> None:
             self.counters["writes_deferred"] += 1
-            self.deliveries.deliver_ready([i], op, items)
+            self.deliveries.deliver_ready([i], op, wanted)
 
         op.resume = resume
         # A source never forwards: request_id None names no hint.
-        ready, _ = self.operations.sort_items(op, [item.key for item in items], None)
+        ready, _ = self.operations.sort_items(op, wanted.keys, None)
         if ready and SUBMIT_WRITES_NEXT_TURN:
             self.counters["writes_deferred"] += 1
-            self.next_turn.append(lambda: self.deliveries.deliver_ready(ready, op, items))
+            self.next_turn.append(lambda: self.deliveries.deliver_ready(ready, op, wanted))
             return
         if ready:
             # architecture §4: claims taken and the WRITE submitted in the turn that decoded the request.
             self.counters["writes_inline"] += 1
-        self.deliveries.deliver_ready(ready, op, items)
+        self.deliveries.deliver_ready(ready, op, wanted)
 
     def submit_held(self) -> list[Callable[[], None]]:
         """The submissions held for this turn (the loop runs each, guarded)."""
@@ -159,7 +164,7 @@ class Source:
         """A write is over here: remember it for probes, and answer ``write_done`` while the session lasts."""
         peer.remember_done(op.id)
         if not peer.closing:
-            self.outbox.reply(peer, WriteDone(op.id, results))
+            self.outbox.reply(peer, WriteDone(op.id, results, op.done_column()))
         elif not peer.ops and peer in self.sessions.retired:
             self.sessions.retired.remove(peer)
 

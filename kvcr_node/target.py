@@ -16,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from kvcr_io.agent import TransferError
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.links import LinkError, Links
@@ -23,9 +24,9 @@ from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Failure, Operations
 from kvcr_node.outbox import REASON_MAX, Outbox
 from kvcr_node.peers import RemoteWrite, WriteStage
-from kvcr_node.records import ClientSession, Operation, Withdrawal
+from kvcr_node.records import ClientSession, Operation, Plan, Withdrawal
 from kvcr_node.store import ObjectEntry, Store
-from kvcr_node.transfers import uniform_columns
+from kvcr_node.wanted import Wanted
 from kvcr_protocol import (
     Ack,
     DeliverItem,
@@ -34,11 +35,14 @@ from kvcr_protocol import (
     KeyResult,
     KeyStatus,
     PeerHello,
+    Progress,
     ProtocolError,
     Region,
+    WriteNotify,
 )
-from kvcr_protocol.descriptors import resolve_spans
+from kvcr_protocol.columns import U32, pack
 from kvcr_protocol.operations import allowed_result
+from kvcr_protocol.versions import COLUMNS_VERSION
 
 
 def from_source(result: KeyResult) -> KeyResult:
@@ -71,6 +75,7 @@ class Target:
         self.counters = counters
         self.agent_name = agent_name
         self.failure = failure
+        self.agents = agents
         self.links = Links(self, config, context, poller, agents, hello, versions, counters, protocol_errors, clock, curve)
         self.withdrawing: dict[bytes, ClientSession] = {}
         """Sessions with an ``unregions`` whose ack is held, by identity."""
@@ -78,30 +83,35 @@ class Target:
     # ------------------------------------------------------------------ writes
 
     def remote_write(
-        self, op: Operation, source: str, indices: list[int], items: tuple[DeliverItem, ...],
-        agent: str, client: ClientSession, partial: bool,
+        self, op: Operation, source: str, indices: list[int], wanted: Wanted, client: ClientSession, partial: bool,
     ) -> None:
-        """Ask ``source`` to write objects straight into the client's memory (spec section 12)."""
-        for i, item in zip(indices, items, strict=True):
-            _, ids, offsets, lengths = zip(*item.spans, strict=True)
-            if uniform_columns(client.regions, ids, offsets, lengths) is not None:
-                continue
-            try:
-                resolve_spans(client.regions, [(s.region, s.offset, s.length) for s in item.spans], f"items[{i}].spans")
-            except ProtocolError as exc:
-                op.fail(i, exc.code, f"{exc.path}: {exc.reason}")
-        keep = [(i, item) for i, item in zip(indices, items, strict=True) if op.results[i] is None]
+        """Ask ``source`` to write objects straight into the client's memory (spec section 12).
+
+        Column blocks go on as the rows of the forwarded keys, with their plans, and with
+        the client's notification token when it asked for one (spec section 6.10)."""
+        for i in indices:
+            problem = wanted.descriptor_problem(i, client.regions)
+            if problem is not None:
+                op.fail(i, problem.code, f"{problem.path}: {problem.reason}")
+        keep = [i for i in indices if op.results[i] is None]
         if keep:
             try:
                 link = self.links.open(source)
             except LinkError as exc:
-                for i, _ in keep:
+                for i in keep:
                     op.fail(i, exc.code, exc.reason)
                 keep = []
         if not keep:
             self.operations.settle(op)
             return
-        write = self.links.new_write(op, link, [i for i, _ in keep], tuple(item for _, item in keep), agent, client, partial)
+        items, columns = wanted.forward(keep)
+        write = self.links.new_write(op, link, keep, items, client.agent, client, partial)
+        write.columns = columns
+        write.regions = frozenset(rid for i in keep for rid in wanted.region_ids(i))
+        plan = op.plan
+        if plan is not None and plan.notify is not None:
+            token, request, _ = plan.notify
+            write.notify = WriteNotify(token, request, pack((plan.client_index(i) for i in keep), U32))
         op.remote += 1
         self.links.submit(write)
 
@@ -150,8 +160,14 @@ class Target:
                 operations.wake(entry.key)
             return
         op.remote -= 1
+        plan = op.plan
         for n, i in enumerate(write.indices):
             result = from_source(results[n]) if n < len(results) else None
+            if plan is not None and result is not None:
+                if result.status is KeyStatus.OK:
+                    self._all_groups_landed(write, plan, i)
+                elif n < len(write.done):
+                    plan.advance(i, write.done[n])
             if write.fills is not None:
                 entry = write.fills[n]
                 if result is not None and result.status is KeyStatus.OK and not op.aborted:
@@ -168,6 +184,30 @@ class Target:
             else:
                 op.fail(i, code or ErrorCode.TRANSFER_FAILED, reason)
         operations.settle(op)
+
+    def _all_groups_landed(self, write: RemoteWrite, plan: Plan, i: int) -> None:
+        """A key's write ended OK: every group landed. A source below version 3 sent no
+        notification, so this node sends the client the payloads itself (spec section 7)."""
+        plan.advance(i, plan.groups[i])
+        if plan.notify is not None and write.link.version < COLUMNS_VERSION and write.client is not None:
+            for g in range(plan.groups[i]):
+                for payload in plan.payloads(g, [i]):
+                    try:
+                        self.agents.agent.notify(write.client.agent, payload)
+                    except TransferError:
+                        self.counters["notify_failed"] += 1
+                    else:
+                        self.counters["notified_for_source"] += 1
+
+    def write_progress(self, write: RemoteWrite, msg: Progress) -> None:
+        """A version-3 source reports groups delivered (spec section 6.8): pass them on under the client's item indices."""
+        plan = write.op.plan
+        if plan is None or write.state is WriteStage.DONE:
+            return
+        for n, done in msg.pairs():
+            if n < len(write.indices):
+                plan.advance(write.indices[n], done)
+        self.operations.note_progress(write.op)
 
     def write_uncertain(self, write: RemoteWrite) -> None:
         """The deadline passed with the write unanswered: fail the items, keep the memory."""
@@ -190,7 +230,7 @@ class Target:
             for write in (*link.writes.values(), *link.queued):
                 if write.client is None or write.agent != session.agent or write.state is WriteStage.DONE:
                     continue
-                if any(span[1] in wanted for item in write.items for span in item.spans):
+                if write.regions & wanted:
                     return True
         return False
 

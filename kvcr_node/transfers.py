@@ -14,6 +14,7 @@ without that anchor an older or smaller registration inside the region hides it.
 
 from __future__ import annotations
 
+import builtins
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -131,6 +132,8 @@ class Transfer:
     pending: list[Any] = field(default_factory=list)
     state: TransferState = TransferState.RUNNING
     failed: bool = False
+    notifs: tuple[builtins.bytes, ...] = ()
+    """Notifications still to send to ``agent`` once every part is done (spec section 6.10)."""
 
     @property
     def running(self) -> bool:
@@ -167,12 +170,21 @@ class Transfers:
         self.merged = 0
         self.failed = 0
         self.bytes = 0
+        self.notify_failed = 0
+        self.notified = 0
+        """Notifications attached to transfers or sent on their own (spec section 6.10)."""
 
-    def start(self, op: str, remote_agent: str, moves: Sequence[Move], on_done: Callable[[bool], None]) -> Transfer:
+    def start(
+        self, op: str, remote_agent: str, moves: Sequence[Move], on_done: Callable[[bool], None],
+        notifs: Sequence[bytes] = (),
+    ) -> Transfer:
         """Post ``op`` (READ: remote -> slots; WRITE: slots -> remote) for ``moves``.
 
         Raises ``TransferError`` when NIXL refuses to create or post it; nothing is then
         in flight. Otherwise ``on_done(ok)`` runs exactly once, when every part is terminal.
+        ``notifs`` reach the remote agent once the bytes are in place: one notification
+        rides on the transfer itself when it is one NIXL request; otherwise each is sent
+        on its own once every part is done (spec section 6.10).
         """
         pools = self.local.pools
         # Group by (local memory, remote memory); within a group, merge contiguous runs.
@@ -200,9 +212,15 @@ class Transfers:
                     continue
             runs.append([local_addr, address, length, count, base + slot, pool, region])
         transfer = Transfer(on_done, total, remote_agent)
+        attach = b""
+        if len(notifs) == 1 and len(groups) == 1:
+            attach = notifs[0]
+            self.notified += 1
+        else:
+            transfer.notifs = tuple(notifs)
         try:
             for (group, rkind, rdev), runs in groups.items():
-                self._post_group(transfer, op, remote_agent, group, rkind, rdev, runs)
+                self._post_group(transfer, op, remote_agent, group, rkind, rdev, runs, attach)
         except Exception:
             # Whatever failed, parts already posted may still touch memory.
             self._drain_then_release(transfer)
@@ -217,7 +235,7 @@ class Transfers:
 
     def _post_group(
         self, transfer: Transfer, op: str, remote_agent: str, group: tuple[MemoryKind, int],
-        rkind: MemoryKind, rdev: int, runs: list[list[Any]],
+        rkind: MemoryKind, rdev: int, runs: list[list[Any]], notif: bytes = b"",
     ) -> None:
         spans = sum(r[3] for r in runs)
         blocks: dict[tuple[int, int], tuple[list[int], list[Desc]]] = {}
@@ -245,7 +263,7 @@ class Transfers:
         local_idx, remote_descs, remote_idx = anchored(blocks, rdev)
         rlist = self.agent.prep_remote(remote_agent, rkind, remote_descs)
         transfer.dlists.append(rlist)
-        handle, state = self.agent.start(op, local, local_idx, rlist, remote_idx)
+        handle, state = self.agent.start(op, local, local_idx, rlist, remote_idx, notif)
         transfer.requests.append(handle)
         if state is XferStatus.FAILED:
             raise TransferError(f"NIXL failed to post the {op}")
@@ -272,10 +290,24 @@ class Transfers:
         if not ok:
             self.failed += 1
         self._release(transfer)
+        if ok:
+            self.notify(transfer.agent, transfer.notifs)
         transfer.on_done(ok)
 
+    def notify(self, agent: str, notifs: Sequence[bytes]) -> None:
+        """Send notifications of their own to ``agent`` (best effort: the control reply still
+        says what landed, spec section 6.10)."""
+        for payload in notifs:
+            try:
+                self.agent.notify(agent, payload)
+            except TransferError:
+                self.notify_failed += 1
+            else:
+                self.notified += 1
+
     def stats(self) -> dict[str, int]:
-        return {"in_flight": len(self.inflight), "posted": self.posted, "failed": self.failed, "bytes": self.bytes}
+        return {"in_flight": len(self.inflight), "posted": self.posted, "failed": self.failed, "bytes": self.bytes,
+                "notified": self.notified, "notify_failed": self.notify_failed}
 
     def poll(self) -> int:
         """Check every in-flight transfer once; returns how many became terminal."""

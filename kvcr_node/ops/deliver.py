@@ -2,22 +2,26 @@
 
 Each READY key's destination is projected onto its stored layout, checked (sizes, and
 regions a column at a time where it can be), the whole object claimed, runs of
-consecutive slots and bytes merged into moves, and one NIXL WRITE submitted for the
-batch; the claims drop when it is terminal (architecture §5). Keys a session's hint
-sends to another node go to ``kvcr_node.target``.
+consecutive slots and bytes merged into moves, and the WRITEs submitted: one for every
+key of the batch without a layer plan, else one per group number, in group order, each
+carrying the group's NIXL notification when the client asked for them (spec sections 6.8
+and 6.10). The claims drop when the key's last transfer is terminal (architecture §5).
+Keys a session's hint sends to another node go to ``kvcr_node.target``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvcr_node.operations import Failure, Operations
-from kvcr_node.records import ClientSession, Operation
+from kvcr_node.records import ClientSession, Operation, Plan
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_node.target import Target
 from kvcr_node.transfers import Move, run_moves, uniform_columns
+from kvcr_node.wanted import Block, GroupMoves, Wanted
 from kvcr_protocol import (
     Deliver,
     DeliverItem,
@@ -32,6 +36,22 @@ from kvcr_protocol.descriptors import resolve_spans
 
 _FULL = Projection((), True)
 """The whole layout (its indices are never read: full deliveries take every slot in order)."""
+
+GROUP_WINDOW = 2
+"""Groups of one batch in flight at once after the first (which goes alone): enough to keep
+the link busy across a loop turn, few enough that each group lands soon after its turn."""
+
+
+class _GroupRun:
+    """The claimed keys of one batch and how far their groups have been submitted."""
+
+    __slots__ = ("claimed", "deepest", "next", "running")
+
+    def __init__(self, claimed: list[tuple[int, ObjectEntry, GroupMoves]]) -> None:
+        self.claimed = claimed
+        self.deepest = max(len(groups) for _, _, groups in claimed)
+        self.next = 0
+        self.running = 0
 
 
 class Deliveries:
@@ -48,64 +68,131 @@ class Deliveries:
         self.target = target
         self.failure = failure
 
+    def moves_of(self, op: Operation, entry: ObjectEntry, wanted: Wanted, i: int) -> GroupMoves:
+        """Item ``i``'s moves per group; ``ProtocolError`` naming the field when it cannot be served."""
+        if not wanted.blocks:
+            return [self.record_moves(op, entry, wanted.items[i], f"items[{i}]")]
+        b, r = wanted.where[i]
+        return self.column_moves(op, entry, wanted.blocks[b], r)
+
     def on_deliver(self, session: ClientSession, msg: Deliver) -> None:
-        op = self.operations.admit(session, msg.id, "deliver", len(msg.items), msg.deadline_ms)
+        wanted = Wanted(msg.items, msg.columns)
+        op = self.operations.admit(session, msg.id, "deliver", len(wanted), msg.deadline_ms)
         if op is None:
             return
         op.agent, op.regions = session.agent, session.regions
-        items = msg.items
-        op.resume = lambda i: self.deliver_ready([i], op, items)
-        ready, remote = self.operations.sort_items(op, [item.key for item in items], msg.request_id)
-        self.deliver_ready(ready, op, items)
+        op.plan = Plan(wanted.group_counts(), wanted.planned, notify=(msg.notify, msg.id, None) if msg.notify else None)
+        op.resume = lambda i: self.deliver_ready([i], op, wanted)
+        ready, remote = self.operations.sort_items(op, wanted.keys, msg.request_id)
+        self.deliver_ready(ready, op, wanted)
         for source, indices in remote.items():
-            self.target.remote_write(op, source, indices, tuple(items[i] for i in indices), session.agent, session, msg.partial)
+            self.target.remote_write(op, source, indices, wanted, session, msg.partial)
 
-    def deliver_ready(self, indices: list[int], op: Operation, items: Sequence[DeliverItem]) -> None:
-        """Claim the READY keys ``indices`` and submit one WRITE of their spans."""
-        claimed: list[tuple[int, ObjectEntry]] = []
-        moves: list[Move] = []
+    def deliver_ready(self, indices: list[int], op: Operation, wanted: Wanted) -> None:
+        """Claim the READY keys ``indices`` and submit their WRITEs, group by group."""
+        claimed: list[tuple[int, ObjectEntry, GroupMoves]] = []
         for i in indices:
-            item = items[i]
-            entry = self.store.lookup(item.key)
+            key = wanted.keys[i]
+            entry = self.store.lookup(key)
             if entry is not None and entry.state is ObjectState.WRITING:
                 # Written again since the wait began (a waiting deposit took over a failed
                 # writer's key): wait for that writer too.
-                self.operations.wait(op, item.key, i)
+                self.operations.wait(op, key, i)
                 continue
             if entry is None or entry.state is not ObjectState.READY:
-                op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node")
+                op.fail(i, ErrorCode.NOT_FOUND, f"{wanted.item_path(i)}.key is not stored on this node")
                 continue
             try:
-                item_moves = self._moves(op, entry, item, f"items[{i}]")
+                groups = self.moves_of(op, entry, wanted, i)
             except ProtocolError as exc:
-                where = f"{exc.path or f'items[{i}].spans'}: "
+                where = f"{exc.path or f'{wanted.item_path(i)}.spans'}: "
                 op.fail(i, exc.code, where + exc.reason)
                 continue
             except Exception as exc:
                 # Before the claim: this item fails alone, the claims of the others stay owned.
                 self.failure(f"{op.kind} item", exc)
-                op.fail(i, ErrorCode.INTERNAL, f"items[{i}]: the node failed: {type(exc).__name__}: {exc}")
+                op.fail(i, ErrorCode.INTERNAL, f"{wanted.item_path(i)}: the node failed: {type(exc).__name__}: {exc}")
                 continue
             # Spec section 8: "While any projected span is being delivered, the claim covers the
-            # whole object."
+            # whole object" - here until the key's last group is terminal.
             self.operations.claim(entry)
-            claimed.append((i, entry))
-            moves.extend(item_moves)
+            claimed.append((i, entry, groups))
         if claimed:
-            self.operations.start(op, "WRITE", moves, lambda ok: self.deliver_done(op, claimed, ok))
+            self._submit(op, claimed)
         self.operations.settle(op)
 
-    def _moves(self, op: Operation, entry: ObjectEntry, item: DeliverItem, path: str) -> list[Move]:
-        """Project the destination onto the stored layout, check sizes and regions.
+    def _submit(self, op: Operation, claimed: list[tuple[int, ObjectEntry, GroupMoves]]) -> None:
+        """One WRITE per group number, in group order (spec section 6.8): group g of every
+        claimed key goes before group g + 1 of any. Group 0 goes alone, so that it gets the
+        whole bandwidth and lands first; after it ``GROUP_WINDOW`` groups are in flight, so
+        that the link never waits for a loop turn between groups. A key whose group failed,
+        or an aborted operation, submits no later group."""
+        plan = op.plan
+        assert plan is not None
+        for i, _, groups in claimed:
+            plan.outstanding[i] = len(groups)
+        self._pump(op, _GroupRun(claimed))
 
-        Spans of one pool and one region are checked a column at a time; others, and
-        every refusal, span by span, so that an error names its span.
-        """
-        spans = item.spans
+    def _pump(self, op: Operation, run: _GroupRun) -> None:
+        """Submit the next groups of ``run`` while fewer than its window are in flight."""
+        plan = op.plan
+        assert plan is not None
+        while run.next < run.deepest and run.running < (GROUP_WINDOW if run.next else 1):
+            g = run.next
+            run.next += 1
+            members: list[tuple[int, ObjectEntry]] = []
+            moves: list[Move] = []
+            for i, entry, groups in run.claimed:
+                if g >= len(groups) or i not in plan.outstanding:
+                    continue
+                if i in plan.failed_from or op.aborted:
+                    # An earlier group failed (or the client aborted): the later ones are never submitted.
+                    self._finish_item(op, i, entry, len(groups) - g)
+                    continue
+                members.append((i, entry))
+                moves.extend(groups[g])
+            if members:
+                run.running += 1
+                notifs = plan.payloads(g, [i for i, _ in members])
+                self.operations.start(op, "WRITE", moves, functools.partial(self.group_done, op, run, g, members), notifs)
+
+    def group_done(self, op: Operation, run: _GroupRun, group: int, members: list[tuple[int, ObjectEntry]], ok: bool) -> None:
+        """Group ``group``'s WRITE is terminal: its keys advance (or fail from it on); a key's
+        claim drops and its result is set with its last transfer; the next group starts."""
+        plan = op.plan
+        assert plan is not None
+        run.running -= 1
+        for i, entry in members:
+            if ok:
+                plan.land(i, group)
+            else:
+                plan.fail(i, group)
+            self._finish_item(op, i, entry, 1)
+        self._pump(op, run)
+        self.operations.note_progress(op)
+        self.operations.settle(op)
+
+    def _finish_item(self, op: Operation, i: int, entry: ObjectEntry, transfers: int) -> None:
+        plan = op.plan
+        assert plan is not None
+        plan.outstanding[i] -= transfers
+        if plan.outstanding[i] > 0:
+            return
+        del plan.outstanding[i]
+        ok = plan.delivered[i] == plan.groups[i]
+        self.operations.unclaim(entry, accessed=ok)
+        if op.aborted:
+            op.set(i, KeyResult(KeyStatus.ABORTED, ErrorCode.ABORTED, "aborted; the destination may have been written"))
+        elif ok:
+            op.set(i, KeyResult(KeyStatus.OK))
+        else:
+            where = f" from group {plan.delivered[i]} on" if plan.groups[i] > 1 else ""
+            op.fail(i, ErrorCode.TRANSFER_FAILED, f"writing the destination failed{where}; it may be partly written")
+
+    # ------------------------------------------------------------------ moves
+
+    def _projection(self, op: Operation, entry: ObjectEntry, requested: tuple[str, ...]) -> Projection:
         stored = tuple([name for name, _ in entry.layout])
-        # Columns of the spans (names, regions, offsets, lengths): one C-level transpose.
-        columns = tuple(zip(*spans, strict=True))
-        requested: tuple[str, ...] = columns[0]
         if op.exact and requested != stored:
             # A peer write without the partial-layout flag names the whole layout, exactly.
             raise ProtocolError(
@@ -113,7 +200,18 @@ class Deliveries:
             )
         # Projection rule: "same names, same order: a full delivery" (no cache lookup, which
         # would hash both name tuples).
-        projection = _FULL if requested == stored else self.projections.project(stored, requested)
+        return _FULL if requested == stored else self.projections.project(stored, requested)
+
+    def record_moves(self, op: Operation, entry: ObjectEntry, item: DeliverItem, path: str) -> list[Move]:
+        """Project a record item's destination onto the stored layout, check sizes and regions.
+
+        Spans of one pool and one region are checked a column at a time; others, and
+        every refusal, span by span, so that an error names its span.
+        """
+        spans = item.spans
+        # Columns of the spans (names, regions, offsets, lengths): one C-level transpose.
+        columns = tuple(zip(*spans, strict=True))
+        projection = self._projection(op, entry, columns[0])
         need = entry.info.need
         sizes = self.slot_sizes
         size = sizes[need[0][0]] if len(need) == 1 else -1
@@ -146,14 +244,45 @@ class Deliveries:
             for pool, slot, (address, length, region) in zip(pools, slots, resolved, strict=True)
         ]
 
-    def deliver_done(self, op: Operation, claimed: list[tuple[int, ObjectEntry]], ok: bool) -> None:
-        """The WRITE is terminal: drop the claims, one result per key."""
-        for i, entry in claimed:
-            self.operations.unclaim(entry, accessed=ok)
-            if op.aborted:
-                op.set(i, KeyResult(KeyStatus.ABORTED, ErrorCode.ABORTED, "aborted; the destination may have been written"))
-            elif ok:
-                op.set(i, KeyResult(KeyStatus.OK))
-            else:
-                op.fail(i, ErrorCode.TRANSFER_FAILED, "writing the destination failed; it may be partly written")
-        self.operations.settle(op)
+    def column_moves(self, op: Operation, entry: ObjectEntry, block: Block, row: int) -> GroupMoves:
+        """Row ``row`` of a column block: projected, sizes and regions checked a column at a
+        time, and its moves cut per group of the block's plan."""
+        names = block.names
+        n = len(names)
+        projection = self._projection(op, entry, names)
+        sizes = self.slot_sizes
+        pools: Sequence[str] = entry.info.signature
+        slots = np.frombuffer(entry.slot_view, dtype=np.uint32)
+        if not projection.full:
+            picked = np.array(projection.indices, dtype=np.intp)
+            slots = slots[picked]
+            pools = [pools[i] for i in projection.indices]
+        lengths = block.lengths
+        for j, pool in enumerate(pools):
+            if lengths[j] != sizes[pool]:
+                where = "" if isinstance(block.block.lengths, int) else f"[{j}]"
+                raise ProtocolError(
+                    ErrorCode.SIZE_MISMATCH, f"span {j} of {lengths[j]} bytes, the stored span holds {sizes[pool]}",
+                    f"{block.path}.lengths{where}",
+                )
+        uniform = block.uniform(op.regions)
+        one_pool = len(entry.info.need) == 1
+        if uniform is not None and one_pool:
+            region, offsets = uniform
+            pool = pools[0]
+            size = sizes[pool]
+            mine = offsets[row * n : (row + 1) * n]
+            if len(block.plan) == 1:
+                return [run_moves(pool, size, region, mine, slots)]
+            return [run_moves(pool, size, region, mine[list(spans)], slots[list(spans)]) for spans in block.plan]
+        extents = block.extents(op.regions)
+        failure = extents.failures.get(row)
+        if failure is not None:
+            raise failure
+        base = row * n
+        addresses, regions = extents.addresses, extents.regions
+        slot_list = slots.tolist()
+        return [
+            [(pools[j], slot_list[j], addresses[base + j], lengths[j], regions[base + j], 1) for j in spans]
+            for spans in block.plan
+        ]

@@ -18,8 +18,18 @@ from kvcr_node.operations import Operations
 from kvcr_node.records import ClientSession, Operation
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import Move, run_moves, uniform_columns
-from kvcr_protocol import Deposit, ErrorCode, KeyResult, KeyStatus, ProtocolError, Region, SrcSpan
-from kvcr_protocol.descriptors import resolve_spans
+from kvcr_protocol import (
+    Deposit,
+    DepositColumns,
+    ErrorCode,
+    KeyResult,
+    KeyStatus,
+    ProtocolError,
+    Region,
+    SrcSpan,
+    resolve_columns,
+)
+from kvcr_protocol.descriptors import ColumnExtents, resolve_spans
 
 
 class Deposits:
@@ -31,20 +41,29 @@ class Deposits:
         self.operations = operations
 
     def on_deposit(self, session: ClientSession, msg: Deposit) -> None:
-        op = self.operations.admit(session, msg.id, "deposit", len(msg.items), msg.deadline_ms)
+        blocks = [_ColumnBlock(block, f"columns[{b}]", self.memories) for b, block in enumerate(msg.columns)]
+        where = [(b, r) for b, block in enumerate(msg.columns) for r in range(len(block.keys))]
+        keys = [item.key for item in msg.items] if not blocks else [k for block in msg.columns for k in block.keys]
+        op = self.operations.admit(session, msg.id, "deposit", len(keys), msg.deadline_ms)
         if op is None:
             return
         # An item whose key another writer holds WRITING waits for that writer's outcome
         # and is then tried again from the start (spec section 9: DUPLICATE means stored).
-        op.resume = lambda i: self.deposit_items(op, msg, [i])
-        unique = self.operations.unique_keys(op, [item.key for item in msg.items])
-        self.deposit_items(op, msg, [i for i in range(len(msg.items)) if unique[i]])
+        op.resume = lambda i: self.deposit_items(op, msg, [i], blocks, where)
+        unique = self.operations.unique_keys(op, keys)
+        self.deposit_items(op, msg, [i for i in range(len(keys)) if unique[i]], blocks, where)
 
-    def deposit_items(self, op: Operation, msg: Deposit, indices: Sequence[int]) -> None:
+    def deposit_items(
+        self, op: Operation, msg: Deposit, indices: Sequence[int], blocks: Sequence[_ColumnBlock] = (),
+        where: Sequence[tuple[int, int]] = (),
+    ) -> None:
         """Begin storing the items ``indices`` of a deposit: check, place, and read the source."""
         fills: list[tuple[int, ObjectEntry]] = []
         try:
-            self._begin_items(op, msg, indices, fills)
+            if blocks:
+                self._begin_columns(op, msg, indices, blocks, where, fills)
+            else:
+                self._begin_items(op, msg, indices, fills)
         except BaseException:
             # Slots set aside that no transfer took over are freed (the guard fails the items).
             if not any(t.running for t in op.transfers):
@@ -83,25 +102,57 @@ class Deposits:
                         (span.pool, slot, address, length, region, 1)
                         for span, slot, (address, length, region) in zip(item.spans, entry.slots, item_moves, strict=True)
                     )
-            elif outcome is DepositOutcome.DUPLICATE:
-                assert entry is not None
-                if entry.state is ObjectState.WRITING:
-                    # Another deposit or a fetch is filling the key and may still fail: wait
-                    # for it (spec section 9); at our deadline, TIMEOUT.
-                    self.operations.wait(op, item.key, i)
-                else:
-                    op.set(i, KeyResult(KeyStatus.DUPLICATE))
-            elif outcome is DepositOutcome.DROPPED:
-                op.set(i, KeyResult(KeyStatus.DROPPED))
-            elif outcome is DepositOutcome.LAYOUT_MISMATCH:
-                op.fail(i, ErrorCode.LAYOUT_MISMATCH, f"items[{i}]: the key is stored with another layout")
-            elif outcome is DepositOutcome.CAPACITY:
-                op.fail(i, ErrorCode.CAPACITY, f"items[{i}]: not enough free or evictable slots")
             else:
-                op.fail(i, ErrorCode.UNKNOWN_POOL, f"items[{i}].spans: unknown pool")
+                self._not_new(op, i, item.key, outcome, entry)
         if fills:
             self.operations.start(op, "READ", moves, lambda ok: self.deposit_done(op, fills, msg.no_evict, ok))
         self.operations.settle(op)
+
+    def _begin_columns(
+        self, op: Operation, msg: Deposit, indices: Sequence[int], blocks: Sequence[_ColumnBlock],
+        where: Sequence[tuple[int, int]], fills: list[tuple[int, ObjectEntry]],
+    ) -> None:
+        """As ``_begin_items`` for column blocks: each block's pools, sizes and regions are
+        checked once (a column at a time), each key's moves cut out of the block's columns."""
+        session = op.session
+        moves: list[Move] = []
+        for i in indices:
+            b, r = where[i]
+            block = blocks[b]
+            problem = block.problem(session.regions, r)
+            if problem is not None:
+                op.fail(i, problem.code, f"{problem.path}: {problem.reason}")
+                continue
+            key = block.block.keys[r]
+            outcome, entry = self.store.begin_deposit(key, block.layout, msg.optional)
+            if outcome is DepositOutcome.NEW:
+                assert entry is not None
+                fills.append((i, entry))
+                moves.extend(block.row_moves(session.regions, r, entry))
+            else:
+                self._not_new(op, i, key, outcome, entry)
+        if fills:
+            self.operations.start(op, "READ", moves, lambda ok: self.deposit_done(op, fills, msg.no_evict, ok))
+        self.operations.settle(op)
+
+    def _not_new(self, op: Operation, i: int, key: bytes, outcome: DepositOutcome, entry: ObjectEntry | None) -> None:
+        """Item ``i``'s key needs no READ: a duplicate, dropped, or refused."""
+        if outcome is DepositOutcome.DUPLICATE:
+            assert entry is not None
+            if entry.state is ObjectState.WRITING:
+                # Another deposit or a fetch is filling the key and may still fail: wait
+                # for it (spec section 9); at our deadline, TIMEOUT.
+                self.operations.wait(op, key, i)
+            else:
+                op.set(i, KeyResult(KeyStatus.DUPLICATE))
+        elif outcome is DepositOutcome.DROPPED:
+            op.set(i, KeyResult(KeyStatus.DROPPED))
+        elif outcome is DepositOutcome.LAYOUT_MISMATCH:
+            op.fail(i, ErrorCode.LAYOUT_MISMATCH, f"items[{i}]: the key is stored with another layout")
+        elif outcome is DepositOutcome.CAPACITY:
+            op.fail(i, ErrorCode.CAPACITY, f"items[{i}]: not enough free or evictable slots")
+        else:
+            op.fail(i, ErrorCode.UNKNOWN_POOL, f"items[{i}].spans: unknown pool")
 
     def _uniform_source(
         self, session: ClientSession, columns: tuple[tuple[Any, ...], ...]
@@ -145,3 +196,70 @@ class Deposits:
                     op.fail(i, ErrorCode.TRANSFER_FAILED, "reading the source bytes failed")
             self.operations.wake(entry.key)
         self.operations.settle(op)
+
+
+class _ColumnBlock:
+    """One ``DepositColumns`` block, checked once for all its keys (spec section 6.7)."""
+
+    def __init__(self, block: DepositColumns, path: str, memories: dict[str, PoolMemory]) -> None:
+        self.block = block
+        self.path = path
+        names, pools = block.span_names(), block.pool_names()
+        self.layout = tuple(zip(names, pools, strict=True))
+        self.pools = pools
+        self.lengths = block.length_column()
+        self.sizes: list[int] = []
+        self.failure: ProtocolError | None = None
+        for j, pool in enumerate(pools):
+            mem = memories.get(pool)
+            if mem is None:
+                self.failure = ProtocolError(ErrorCode.UNKNOWN_POOL, f"pool {pool!r} does not exist", f"{path}.pools[{j}]")
+                break
+            if self.lengths[j] != mem.spec.slot_size:
+                where = "" if isinstance(block.lengths, int) else f"[{j}]"
+                self.failure = ProtocolError(
+                    ErrorCode.SIZE_MISMATCH, f"span {j} of {self.lengths[j]} bytes, pool {pool!r} slots hold {mem.spec.slot_size}",
+                    f"{path}.lengths{where}",
+                )
+                break
+            self.sizes.append(mem.spec.slot_size)
+        self._uniform: tuple[Region, np.ndarray] | None = None
+        self._extents: ColumnExtents | None = None
+        self._resolved = False
+
+    def _resolve(self, regions: dict[int, Region]) -> None:
+        if self._resolved:
+            return
+        self._resolved = True
+        block = self.block
+        if len(set(self.pools)) == 1 and isinstance(block.regions, int) and isinstance(block.lengths, int):
+            reg = regions.get(block.regions)
+            offsets = np.frombuffer(block.offsets, dtype="<u8").astype(np.uint64, copy=False)
+            length = block.lengths
+            if reg is not None and 0 < length <= reg.length and int(offsets.max()) <= reg.length - length:
+                self._uniform = (reg, offsets)
+                return
+        self._extents = resolve_columns(regions, block, self.path)
+
+    def problem(self, regions: dict[int, Region], row: int) -> ProtocolError | None:
+        """Why key ``row`` cannot be stored as sent (pools, sizes, descriptors), or None."""
+        if self.failure is not None:
+            return self.failure
+        self._resolve(regions)
+        return None if self._extents is None else self._extents.failures.get(row)
+
+    def row_moves(self, regions: dict[int, Region], row: int, entry: ObjectEntry) -> list[Move]:
+        """Key ``row``'s READ moves into ``entry``'s slots (after ``problem`` said None)."""
+        self._resolve(regions)
+        n = len(self.pools)
+        if self._uniform is not None:
+            region, offsets = self._uniform
+            slots = np.frombuffer(entry.slot_view, dtype=np.uint32)
+            return run_moves(self.pools[0], self.sizes[0], region, offsets[row * n : (row + 1) * n], slots)
+        extents = self._extents
+        assert extents is not None
+        base = row * n
+        return [
+            (self.pools[j], slot, extents.addresses[base + j], self.sizes[j], extents.regions[base + j], 1)
+            for j, slot in enumerate(entry.slots)
+        ]

@@ -91,6 +91,10 @@ class PlanProgress:
             return GroupState.FAILED
         return GroupState.PENDING
 
+    def code(self, item: int) -> int:
+        """Why ``item``'s groups from ``delivered(item)`` on failed (0 while none failed)."""
+        return self._items[item].code
+
     def delivered(self, item: int) -> int:
         """How many groups of ``item``, from the first, are delivered."""
         return self._items[item].delivered
@@ -159,6 +163,18 @@ class PlanProgress:
         events: list[GroupEvent] = []
         for k in range(len(self._items)):
             events += self._fail(k, int(ErrorCode.TIMEOUT))
+        return events
+
+    def end(self, code: int) -> list[GroupEvent]:
+        """The request ended without a reply the client will read (its own deadline passed,
+        the session was lost, the request was refused): the groups not yet delivered fail
+        with ``code``; those delivered stay delivered (their bytes are in place)."""
+        if self.finished:
+            return []
+        self.finished = True
+        events: list[GroupEvent] = []
+        for k in range(len(self._items)):
+            events += self._fail(k, code)
         return events
 
     def _advance(self, k: int, count: int) -> list[GroupEvent]:

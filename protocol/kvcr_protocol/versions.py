@@ -5,9 +5,8 @@ Version 1 is the base protocol. Version 2 adds the must-understand partial-layou
 per-group progress, NIXL completion notifications, query columns and prefix queries.
 
 This package encodes and decodes every version in ``PROTOCOL_VERSIONS``. What an endpoint
-offers is its own choice: the reference node and client speak ``SUPPORTED_VERSIONS``, up
-to ``CURRENT_VERSION``, and refuse what of version 3 they do not serve as a receiver
-without the field would (``MUST_UNDERSTAND``, spec section 7).
+offers is its own choice: the reference node and client speak ``SUPPORTED_VERSIONS``
+(up to ``CURRENT_VERSION``), every version the protocol defines.
 """
 
 from __future__ import annotations

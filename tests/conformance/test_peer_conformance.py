@@ -18,6 +18,8 @@ The expected outcome of each case follows from the versions the two nodes speak:
   target that knows its source speaks version 1 fails it with ``PEER_UNSUPPORTED`` and
   sends nothing; a version-1 target cannot carry the flag (its client drops it), so the
   source gets a whole-layout request and refuses the subset with ``LAYOUT_SUBSET_INVALID``;
+- a deliver with a layer plan completes group by group at every pair; below version 3
+  on either side the plan does not travel and the groups land with the key's result;
 - a version-1 ``write`` frame carrying the must-understand ``!partial`` is refused whole
   (``MUST_UNDERSTAND``) and writes nothing, whatever version the source speaks.
 
@@ -55,7 +57,7 @@ from kvcr_protocol import (
     encode,
 )
 from kvcr_protocol.versions import PARTIAL_LAYOUT_VERSION
-from kvcr_testing.health import outcome_count
+from kvcr_testing.health import counter, outcome_count
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar
 from kvcr_testing.nodes import short_ipc_dir, start_node
 from kvcr_testing.patterns import assert_bytes_equal, pattern
@@ -178,6 +180,38 @@ class PeerConformance:
         for n, indices in enumerate(([0], [0, 1, 2], [3])):
             deliver_checked(pair.target, k, layout, None, indices, seed=41 + n, request_id=rid,
                             code=ErrorCode.LAYOUT_SUBSET_INVALID)
+
+    def test_layer_plan_delivery(self, pair: PeerPair) -> None:
+        """A deliver with a layer plan (spec sections 6.8, 7 and 12): each group lands on its
+        own and is known from a notification, progress or the reply. Older peers get the old
+        behaviour: a target below 3 keeps the plan on its client; a source below 3 gets
+        records and the target reports every group with the key's OK (and notifies the
+        client itself)."""
+        k = pair.key("plan")
+        layout = pair.layout(6)
+        src = pair.source.deposit(k, layout, seed=55)
+        rid = pair.hint([k])
+        client = pair.target.client
+        before = (pair.target.stats(), pair.source.stats())
+        dst = Dest(pair.target, layout, range(6), seed=56)
+        plan = [layout.names[0:2], layout.names[2:4], layout.names[4:6]]
+        handle = client.deliver({k: dst.spans}, request_id=rid, plan=plan)
+        expected = dst.expected(src)
+        for g in range(len(plan)):
+            handle.wait(g, RESULT_TIMEOUT_S)
+            lo, hi = dst.offsets[2 * g], dst.offsets[2 * g + 1] + pair.slot
+            assert_bytes_equal(dst.buf[lo:hi], expected[lo:hi], f"group {g} once wait({g}) returned")
+        expect(handle.result(RESULT_TIMEOUT_S)[k], OK)
+        dst.assert_delivered(src)
+        assert handle.disagreements == 0
+        (ta, sa), (tb, sb) = before, (pair.target.stats(), pair.source.stats())
+        # A version-3 client is notified by a version-3 source with each group's write, or
+        # by the target when an older source's write is over; an older session asks for none.
+        by_source = sb["transfers"]["notified"] - sa["transfers"]["notified"]
+        by_target = counter(tb, "notified_for_source") - counter(ta, "notified_for_source")
+        both = pair.agreed >= 3
+        assert (by_source, by_target > 0) == (len(plan) if both else 0, pair.target_version >= 3 and not both), (
+            by_source, by_target)
 
     def test_fetch_whole_objects(self, pair: PeerPair) -> None:
         k = pair.key("fetch")

@@ -202,7 +202,7 @@ def test_loop_step_and_completion_failures_do_not_stop_the_loop(ipc_dir: Path, m
         src = pattern(SPANS * SLOT, 3)
         assert client.deposit({b"k": spans(reg(src), "kv")}).result(RESULT_TIMEOUT_S)[b"k"].status is KeyStatus.STORED
         slots = slot_accounting(stats(client))
-        flush, deliver_done = node.sessions.flush_capacity_events, node.deliveries.deliver_done
+        flush, group_done = node.sessions.flush_capacity_events, node.deliveries.group_done
 
         def failing_flush() -> None:
             calls["flush"] += 1
@@ -211,12 +211,12 @@ def test_loop_step_and_completion_failures_do_not_stop_the_loop(ipc_dir: Path, m
             flush()
 
         def failing_done(*args: Any) -> None:
-            deliver_done(*args)
+            group_done(*args)
             calls["done"] += 1
             raise RuntimeError("injected completion failure")
 
         monkeypatch.setattr(node.sessions, "flush_capacity_events", failing_flush)
-        monkeypatch.setattr(node.deliveries, "deliver_done", failing_done)
+        monkeypatch.setattr(node.deliveries, "group_done", failing_done)
         for seed in range(3):
             dst = np.zeros(SPANS * SLOT, np.uint8)
             assert client.deliver({b"k": spans(reg(dst))}).result(RESULT_TIMEOUT_S)[b"k"].status is KeyStatus.OK

@@ -23,17 +23,13 @@ import zmq
 from kvcr_client import Client, ErrorCode, KeyPresence, KeyStatus, OpHandle, Presence, Presences, Results, Span
 from kvcr_protocol import (
     Bye,
-    Deposit,
-    DepositItem,
     Error,
     Hello,
     Message,
     PeerHello,
     Query,
-    SrcSpan,
     Welcome,
     decode,
-    deposit_columns,
     encode,
 )
 from kvcr_testing.health import assert_clean, counter, stats, wait_until
@@ -229,7 +225,6 @@ def patched(msg: Message, version: int, **fields: Any) -> bytes:
 def test_hostile_query_frames_leave_the_node_clean(node: Any, client: Client) -> None:
     before = stats(client)["protocol_errors"]
     raw = RawSession(node.endpoint)
-    item = DepositItem(b"raw/col", (SrcSpan("L0", "kv", 1, 0, SLOT),))
     cases: list[tuple[bytes, ErrorCode, str]] = [
         (patched(Query(2, ()), 3, keys=[b"k%d" % i for i in range(4097)]), ErrorCode.TOO_MANY, "keys"),
         (patched(Query(3, ()), 3, keys=[b"k", b"x" * 257]), ErrorCode.TOO_LARGE, "keys[1]"),
@@ -239,7 +234,6 @@ def test_hostile_query_frames_leave_the_node_clean(node: Any, client: Client) ->
         (patched(Query(7, (b"k",)), 3, **{"!prefix": -2}), ErrorCode.OUT_OF_RANGE, "prefix"),
         (patched(Query(8, (b"k",)), 2, **{"!prefix": 2}), ErrorCode.MUST_UNDERSTAND, "!prefix"),
         (patched(Query(9, (b"k",)), 3, **{"!columns": [b"\1", b"\0", ["dram"]]}), ErrorCode.MUST_UNDERSTAND, "!columns"),
-        (encode(Deposit(10, (), columns=(deposit_columns([item]),)), 3), ErrorCode.MUST_UNDERSTAND, "!columns"),
     ]
     try:
         for payload, code, path in cases:

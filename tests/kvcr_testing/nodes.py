@@ -190,6 +190,8 @@ class ClientAgent:
         self._regs = [self.agent.register(MemoryKind.DRAM, b.ctypes.data, b.nbytes, 0) for b in buffers]
         self.metadata = self.agent.metadata()
         self.regions = tuple(Region(i + 1, MemoryKind.DRAM, 0, b.ctypes.data, b.nbytes) for i, b in enumerate(buffers))
+        self.notifications: list[bytes] = []
+        """NIXL notifications this agent received while ``finish_transfers`` progressed it."""
 
     def close(self) -> None:
         for reg in self._regs:
@@ -241,8 +243,9 @@ class NodeDriver:
         while self.node.transfers.inflight:
             assert time.monotonic() < deadline, "the node's transfers did not end"
             self.node.transfers.poll()
+            self.node.operations.flush_progress()
             for agent in agents:
-                agent.agent.progress()
+                agent.notifications.extend(agent.agent.progress())
 
     def hello(self, identity: bytes, agent: ClientAgent, request_id: int = 1) -> Welcome:
         """Open a client session for ``agent`` with its regions; returns the welcome."""

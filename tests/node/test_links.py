@@ -35,6 +35,7 @@ from kvcr_protocol import (
     PeerWelcome,
     Probe,
     ProbeReply,
+    Progress,
     WriteDone,
     WriteRequest,
     WriteState,
@@ -75,6 +76,7 @@ class Owner:
 
     over: list[tuple[RemoteWrite, ErrorCode | None, tuple[KeyResult, ...], bool]] = field(default_factory=list)
     uncertain: list[RemoteWrite] = field(default_factory=list)
+    progress: list[tuple[RemoteWrite, Progress]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
     def write_over(
@@ -84,6 +86,9 @@ class Owner:
 
     def write_uncertain(self, write: RemoteWrite) -> None:
         self.uncertain.append(write)
+
+    def write_progress(self, write: RemoteWrite, msg: Progress) -> None:
+        self.progress.append((write, msg))
 
     def internal_failure(self, what: str, exc: BaseException) -> None:
         self.failures.append(f"{what}: {exc!r}")

@@ -26,28 +26,16 @@ from kvcr_protocol import (
     CURRENT_VERSION,
     PREFIX_ALL,
     Ack,
-    Deliver,
-    DeliverItem,
-    Deposit,
-    DepositItem,
-    DstSpan,
     Error,
     ErrorCode,
     Hello,
     Message,
-    PeerHello,
-    PeerWelcome,
     Presence,
     Query,
     QueryReply,
     QueryResult,
-    SrcSpan,
     SubmitHint,
     Welcome,
-    WriteNotify,
-    WriteRequest,
-    deliver_columns,
-    deposit_columns,
     encode,
     prefix_mask,
 )
@@ -269,34 +257,3 @@ def test_oversized_and_malformed_key_lists_are_refused(driver: NodeDriver) -> No
     assert refused(driver, V3, frame(Query(15, ()), 3, keys=[b"a", b"x" * 257]), 3) == (ErrorCode.TOO_LARGE, "keys[1]")
     assert refused(driver, V3, frame(Query(16, ()), 3, keys=[b"a", "text"]), 3) == (ErrorCode.WRONG_TYPE, "keys[1]")
     assert refused(driver, V3, frame(Query(17, ()), 3, **{"!prefix": "HIT"}), 3) == (ErrorCode.WRONG_TYPE, "prefix")
-
-
-def test_span_columns_and_notifications_are_refused_whole(driver: NodeDriver) -> None:
-    """Version-3 deposit and deliver fields this node does not serve: refused ``MUST_UNDERSTAND``
-    at the field's key, as a receiver without them refuses them (spec section 7); nothing is done."""
-    src = DepositItem(b"col", (SrcSpan("L0", "kv", 1, 0, SLOT),))
-    dst = DeliverItem(b"col", (DstSpan("L0", 1, SLOT, SLOT),))
-    cases = [
-        (Deposit(20, (), columns=(deposit_columns([src]),)), "!columns"),
-        (Deliver(21, (), columns=(deliver_columns([dst]),)), "!columns"),
-        (Deliver(22, (dst,), notify=5), "!notify"),
-    ]
-    for msg, path in cases:
-        assert refused(driver, V3, encode(msg, 3), 3) == (ErrorCode.MUST_UNDERSTAND, path)
-    assert driver.node.store.lookup(b"col") is None
-    assert driver.stats()["operations_pending"] == 0
-    # The same requests in record form are served.
-    assert only(driver.receive(V3, Deliver(23, (dst,))), Message).results[0].code == ErrorCode.NOT_FOUND
-
-
-def test_a_peer_write_with_columns_is_refused_whole(driver: NodeDriver, agent: ClientAgent) -> None:
-    """The source side too: a version-3 target's ``write`` with span columns or a notification."""
-    hello = PeerHello(1, (1, 2, 3), "target", 7, agent.name, agent.metadata, agent.regions)
-    assert only(driver.receive(b"peer", hello), PeerWelcome).version == 3
-    item = DeliverItem(b"col", (DstSpan("L0", 1, 0, SLOT),))
-    for msg, path in (
-        (WriteRequest(2, agent.name, (), 1000, columns=(deliver_columns([item]),)), "!columns"),
-        (WriteRequest(3, agent.name, (item,), 1000, notify=WriteNotify(4, 5, b"\0\0\0\0")), "!notify"),
-    ):
-        assert refused(driver, b"peer", encode(msg, 3), 3) == (ErrorCode.MUST_UNDERSTAND, path)
-    assert driver.stats()["operations_pending"] == 0

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import kvcr_node.source
+from kvcr_io.agent import TransferError
 from kvcr_node.config import NodeConfig
 from kvcr_node.poolspec import PoolSpec
 from kvcr_node.store import DepositOutcome
@@ -36,13 +37,19 @@ from kvcr_protocol import (
     PeerWelcome,
     Probe,
     ProbeReply,
+    Progress,
     Query,
     Refuse,
     SrcSpan,
     WriteDone,
+    WriteNotify,
     WriteRequest,
     WriteState,
+    decode_notification,
+    deliver_columns,
 )
+from kvcr_protocol.columns import U32, pack
+from kvcr_testing.health import wait_until
 from kvcr_testing.nodes import ClientAgent, NodeDriver, node_driver
 from kvcr_testing.patterns import assert_bytes_equal, pattern
 
@@ -214,4 +221,59 @@ def test_a_write_lands_every_byte_in_the_client_memory(
         assert counters.get("writes_deferred", 0) == int(next_turn)
         assert counters.get("writes_inline", 0) == int(not next_turn)
         assert probe(d, b"p", 4, 3) is WriteState.DONE
+        assert_at_rest(d)
+
+
+def stored_here(d: NodeDriver, client: ClientAgent, key: bytes) -> None:
+    """``key`` deposited at this node by a client session of its own (from region 1)."""
+    d.hello(b"c", client)
+    item = DepositItem(key, tuple(SrcSpan(name, pool, 1, i * SLOT, SLOT) for i, (name, pool) in enumerate(LAYOUT)))
+    d.receive(b"c", Deposit(1, (item,)))
+    d.finish_transfers(client)
+    assert only(d.sent(b"c"), Completion).results[0].status is KeyStatus.STORED
+
+
+@pytest.mark.parametrize("fail_group", [None, 1])
+def test_a_planned_write_with_notify_serves_and_reports_each_group(
+    ipc_dir: Path, target: ClientAgent, client: ClientAgent, monkeypatch: pytest.MonkeyPatch, fail_group: int | None
+) -> None:
+    """Spec sections 6.8, 6.10 and 12: the target forwards the client's rows with their plan
+    and ``WriteNotify``; the source writes group by group, each WRITE notifying the client's
+    agent under the client's request id and item index; a failed group fails the later ones."""
+    source, dest = client.buffers
+    dest[:] = 0
+    with node_driver(config(ipc_dir)) as d:
+        stored_here(d, client, b"k")
+        peer_hello(d, b"p", target)
+        announce(d, b"p", client, 2)
+        client.notifications.clear()
+        if fail_group is not None:
+            real, calls = d.node.transfers.start, []
+
+            def start(*args: Any, **kwargs: Any) -> Any:
+                calls.append(1)
+                if len(calls) == fail_group + 1:
+                    raise TransferError("refused for the test")
+                return real(*args, **kwargs)
+
+            monkeypatch.setattr(d.node.transfers, "start", start)
+        block = deliver_columns(write(0, client.name).items, groups=range(SPANS))
+        notify = WriteNotify(0xC0FFEE, 41, pack([5], U32))  # the client's deliver 41, its item 5
+        first = d.receive(b"p", WriteRequest(3, client.name, (), 5_000, columns=(block,), notify=notify))
+        d.finish_transfers(client)
+        sent = first + d.sent(b"p")
+        done = only([m for m in sent if isinstance(m, WriteDone)], WriteDone)
+        landed = SPANS if fail_group is None else fail_group
+        assert list(done.done_counts()) == [landed]
+        status = KeyStatus.OK if fail_group is None else KeyStatus.FAILED
+        assert done.results[0].status is status
+        # A notification may reach the client's agent a moment after the initiator saw DONE.
+        assert wait_until(lambda: bool(client.notifications.extend(client.agent.progress())) or len(client.notifications) >= landed, 5.0)
+        notes = sorted((n.token, n.request, n.key, n.group) for n in map(decode_notification, client.notifications))
+        assert notes == [(0xC0FFEE, 41, 5, g) for g in range(landed)]
+        assert_bytes_equal(dest[: landed * SLOT], source[: landed * SLOT], "groups that landed")
+        assert not dest[landed * SLOT :].any(), "groups after the failed one are never written"
+        for msg in sent:
+            if isinstance(msg, Progress):
+                assert msg.id == 3 and all(k == 0 and 0 < n <= landed for k, n in msg.pairs())
         assert_at_rest(d)

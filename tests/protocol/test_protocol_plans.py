@@ -136,3 +136,11 @@ def test_every_group_ends_delivered_or_failed_and_delivered_ones_form_a_prefix(g
         assert states == [DELIVERED] * landed[k] + [FAILED] * (g - landed[k])
         assert all(seen[k, i] is states[i] for i in range(g))
     assert plan.disagreements == 0 and kp.PlanProgress is PlanProgress
+
+
+def test_a_request_that_ends_without_a_reply_fails_what_was_not_delivered() -> None:
+    plan = PlanProgress(REQUEST, [3], TOKEN)
+    plan.on_notification(note(0, 0))
+    lost = int(ErrorCode.NODE_LOST)
+    assert plan.end(lost) == [GroupEvent(0, 1, FAILED, lost), GroupEvent(0, 2, FAILED, lost)]
+    assert plan.end(lost) == [] and plan.finished and plan.state(0, 0) is DELIVERED
