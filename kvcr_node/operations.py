@@ -223,9 +223,15 @@ class Operations:
     # ------------------------------------------------------------------ progress (spec section 6.8)
 
     def note_progress(self, op: Operation) -> None:
-        """``op``'s groups advanced: a ``progress`` goes out at the end of the turn (one per turn)."""
+        """``op``'s groups advanced: a ``progress`` goes out at the end of the turn (one per turn).
+
+        Not when the requester asked for notifications: each group's notification already
+        told its agent, and the reply's ``done`` settles what a lost one left open (spec
+        section 6.8 makes ``progress`` optional then). A control message per group would
+        cost every hop a turn while the layers are still moving."""
         plan = op.plan
-        if plan is not None and plan.progressed and plan.planned and op.session.version >= COLUMNS_VERSION:
+        if plan is not None and plan.progressed and plan.planned and plan.notify is None \
+                and op.session.version >= COLUMNS_VERSION:
             self.progressing[id(op)] = op
 
     def flush_progress(self) -> None:

@@ -49,6 +49,27 @@ def run_moves(pool: str, size: int, region: Region, offsets: np.ndarray, slots: 
     ]
 
 
+def list_moves(pool: str, size: int, region: Region, offsets: Sequence[int], slots: Sequence[int]) -> list[Move]:
+    """``run_moves`` for a few spans given as lists (a layer plan's group): a Python loop
+    over a handful of spans costs less than the numpy calls that pay off on long lists."""
+    moves: list[Move] = []
+    base = region.address
+    start = first_slot = prev_slot = prev_off = -1
+    for offset, slot in zip(offsets, slots, strict=True):
+        if start >= 0 and slot == prev_slot + 1 and offset == prev_off + size:
+            prev_slot, prev_off = slot, offset
+            continue
+        if start >= 0:
+            count = prev_slot - first_slot + 1
+            moves.append((pool, first_slot, base + start, count * size, region, count))
+        start = prev_off = offset
+        first_slot = prev_slot = slot
+    if start >= 0:
+        count = prev_slot - first_slot + 1
+        moves.append((pool, first_slot, base + start, count * size, region, count))
+    return moves
+
+
 UNIFORM_MIN = 16
 """From this many spans, spans of one region and one length are checked a column at a time."""
 
@@ -227,10 +248,13 @@ class Transfers:
             raise
         self.posted += 1
         self.bytes += total
-        if transfer.pending:
-            self.inflight.append(transfer)
-        else:
-            self._finish(transfer, ok=True)
+        if attach and not transfer.pending:
+            # Done as it was posted (the copy ran inside the post): one progress sends the
+            # notification now, before anything else is posted behind it.
+            self.agent.progress()
+        # Terminal or not, it completes in ``poll``: a completion that starts the next
+        # transfer never runs inside this one's submission.
+        self.inflight.append(transfer)
         return transfer
 
     def _post_group(

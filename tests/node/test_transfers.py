@@ -14,8 +14,11 @@ import bisect
 import itertools
 import random
 
+import numpy as np
+
 from kvcr_io.agent import Desc
-from kvcr_node.transfers import anchored
+from kvcr_node.transfers import anchored, list_moves, run_moves
+from kvcr_protocol import MemoryKind, Region
 
 DEV = 0
 SLOT = 4096
@@ -133,3 +136,23 @@ def test_random_layouts_of_live_and_withdrawn_registrations() -> None:
             pairs.append((reg, spans(reg, slots)))
         rng.shuffle(pairs)
         check(nixl, pairs)
+
+
+def test_a_plan_groups_moves_match_the_column_form() -> None:
+    """``list_moves`` (a layer plan's small groups) cuts the same runs as ``run_moves``:
+    a run goes on while the next span is the next slot and the next bytes of the region."""
+    region = Region(1, MemoryKind.DRAM, DEV, 1 << 30, 1 << 26)
+    rng = random.Random(7)
+    for _ in range(2000):
+        size = rng.choice((SLOT, 2 * SLOT))
+        offsets: list[int] = []
+        slots: list[int] = []
+        offset, slot = rng.randrange(16) * size, rng.randrange(8)
+        for _ in range(rng.randint(1, 12)):
+            offsets.append(offset)
+            slots.append(slot)
+            offset += size if rng.random() < 0.6 else size * rng.randint(2, 4)
+            slot += 1 if rng.random() < 0.6 else rng.randint(2, 3)
+        expected = run_moves("kv", size, region, np.array(offsets, np.uint64), np.array(slots, np.uint32))
+        assert list_moves("kv", size, region, offsets, slots) == expected
+    assert list_moves("kv", SLOT, region, [], []) == []
