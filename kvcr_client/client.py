@@ -815,7 +815,10 @@ def _new_token() -> int:
 
 def _plan_groups(items: Sequence[DeliverItem], plan: Any) -> list[tuple[int, ...]]:
     """Each key's group number per span (empty: one group) from a layer plan; ``ArgumentError``
-    naming the part of the plan that is wrong."""
+    naming the part of the plan that is wrong.
+
+    A plan shared by every key is read once; each key then costs one lookup per span. Only
+    a plan that does not fit is walked again, to name what is wrong."""
     per_key = isinstance(plan, Mapping)
     if not per_key and (isinstance(plan, (str, bytes)) or not isinstance(plan, Sequence)):
         raise ArgumentError("plan", "expected a sequence of groups of span names, or a mapping of key -> such a sequence")
@@ -823,36 +826,64 @@ def _plan_groups(items: Sequence[DeliverItem], plan: Any) -> list[tuple[int, ...
         unknown = [k for k in plan if k not in {item.key for item in items}]
         if unknown:
             raise ArgumentError(f"plan[{unknown[0]!r}]", "not a key of this deliver")
+    shared = None if per_key else _group_index(plan)
     out: list[tuple[int, ...]] = []
     for item in items:
         groups = plan.get(item.key) if per_key else plan
-        path = f"plan[{item.key!r}]" if per_key else "plan"
         if groups is None:
             out.append(())
             continue
-        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or not groups:
-            raise ArgumentError(path, "expected a non-empty sequence of groups of span names")
-        if len(groups) > MAX_GROUPS:
-            raise ArgumentError(path, f"{len(groups)} groups, at most {MAX_GROUPS}")
-        index = {span[0]: j for j, span in enumerate(item.spans)}
-        if len(index) != len(item.spans):
-            raise ArgumentError(path, f"key {item.key!r} names a span twice: a plan names spans by name")
-        numbers = [-1] * len(item.spans)
-        for g, names in enumerate(groups):
-            if isinstance(names, (str, bytes)) or not isinstance(names, Sequence) or not names:
-                raise ArgumentError(f"{path}[{g}]", "expected a non-empty sequence of span names")
-            for n, name in enumerate(names):
-                j = index.get(name)
-                if j is None:
-                    raise ArgumentError(f"{path}[{g}][{n}]", f"{name!r} is not a span of key {item.key!r}")
-                if numbers[j] != -1:
-                    raise ArgumentError(f"{path}[{g}][{n}]", f"span {name!r} is already in group {numbers[j]}")
-                numbers[j] = g
-        if -1 in numbers:
-            missing = item.spans[numbers.index(-1)][0]
-            raise ArgumentError(path, f"span {missing!r} of key {item.key!r} is in no group")
-        out.append(tuple(numbers))
+        index = shared if shared is not None else _group_index(groups)
+        names = [span[0] for span in item.spans]
+        # Fits when the plan names exactly the key's spans, each once.
+        if index is None or len(index) != len(names) or index.keys() != set(names):
+            out.append(_plan_numbers(item, groups, f"plan[{item.key!r}]" if per_key else "plan"))
+            continue
+        out.append(tuple([index[name] for name in names]))
     return out
+
+
+def _group_index(groups: Any) -> dict[str, int] | None:
+    """Span name -> group number of a plan for one key made of lists or tuples, each name
+    once; None for anything else (``_plan_numbers`` then walks it and names any fault)."""
+    if type(groups) not in (list, tuple) or not groups or len(groups) > MAX_GROUPS:
+        return None
+    index: dict[str, int] = {}
+    named = 0
+    for g, names in enumerate(groups):
+        if type(names) not in (list, tuple) or not names:
+            return None
+        named += len(names)
+        for name in names:
+            index[name] = g
+    return index if len(index) == named else None
+
+
+def _plan_numbers(item: DeliverItem, groups: Any, path: str) -> tuple[int, ...]:
+    """``item``'s group number per span from ``groups``, checked name by name; an
+    ``ArgumentError`` naming the first thing that is wrong."""
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or not groups:
+        raise ArgumentError(path, "expected a non-empty sequence of groups of span names")
+    if len(groups) > MAX_GROUPS:
+        raise ArgumentError(path, f"{len(groups)} groups, at most {MAX_GROUPS}")
+    index = {span[0]: j for j, span in enumerate(item.spans)}
+    if len(index) != len(item.spans):
+        raise ArgumentError(path, f"key {item.key!r} names a span twice: a plan names spans by name")
+    numbers = [-1] * len(item.spans)
+    for g, names in enumerate(groups):
+        if isinstance(names, (str, bytes)) or not isinstance(names, Sequence) or not names:
+            raise ArgumentError(f"{path}[{g}]", "expected a non-empty sequence of span names")
+        for n, name in enumerate(names):
+            j = index.get(name)
+            if j is None:
+                raise ArgumentError(f"{path}[{g}][{n}]", f"{name!r} is not a span of key {item.key!r}")
+            if numbers[j] != -1:
+                raise ArgumentError(f"{path}[{g}][{n}]", f"span {name!r} is already in group {numbers[j]}")
+            numbers[j] = g
+    if -1 in numbers:
+        missing = item.spans[numbers.index(-1)][0]
+        raise ArgumentError(path, f"span {missing!r} of key {item.key!r} is in no group")
+    return tuple(numbers)
 
 
 def _deliver_blocks(items: Sequence[DeliverItem], groups: Sequence[tuple[int, ...]] | None) -> tuple[DeliverColumns, ...]:
