@@ -33,23 +33,37 @@ from stats import fmt_us, summary
 from kvcr_client import Client, Span
 
 
-def kernel(layer: np.ndarray, reps: int) -> int:
-    """A fixed CPU-bound kernel over one layer (numpy, so the client's I/O thread can run)."""
+def kernel(layer: np.ndarray, words: int) -> int:
+    """A fixed CPU-bound kernel: passes over the layer's first ``words`` 32-bit words, wrapping
+    round (numpy, so the client's I/O thread can run). Its cost grows in steps of a few
+    microseconds, so it can be matched to one layer's transfer time."""
     view = layer.view(np.uint32)
     acc = 0
-    for _ in range(reps):
-        acc ^= int(np.add.reduce(view ^ 0x5A5A5A5A, dtype=np.uint64))
+    while words > 0:
+        part = view[: min(words, view.size)]
+        acc ^= int(np.add.reduce(part ^ 0x5A5A5A5A, dtype=np.uint64))
+        words -= part.size
     return acc
 
 
 def calibrate(target_s: float) -> int:
-    """Kernel repetitions that cost about ``target_s`` on this machine now."""
+    """Kernel words that cost about ``target_s`` on this machine now (the median of a few
+    timings, refined once at the estimate)."""
     layer = np.ones(LAYER, dtype=np.uint8)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        kernel(layer, 1)
-    one = (time.perf_counter() - t0) / 10
-    return max(1, round(target_s / one))
+    words = LAYER // 4
+
+    def cost(n: int) -> float:
+        kernel(layer, n)  # warm
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            kernel(layer, n)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    for _ in range(2):
+        words = max(1024, round(words * target_s / cost(words)))
+    return words
 
 
 def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None, runs: int) -> dict[str, Any]:
@@ -61,7 +75,7 @@ def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None
     for _ in range(3):
         transfer_only()
     t_transfer = statistics.median(transfer_only() for _ in range(runs))
-    kreps = calibrate(t_transfer / LAYERS)
+    kwords = calibrate(t_transfer / LAYERS)
     views = [dst[i * LAYER : (i + 1) * LAYER] for i in range(LAYERS)]
 
     def progressive() -> float:
@@ -69,7 +83,7 @@ def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None
         handle = client.deliver({b"layers": layers}, request_id=request_id, plan=LAYER_PLAN)
         for i in range(LAYERS):
             handle.wait(i, 10)
-            kernel(views[i], kreps)
+            kernel(views[i], kwords)
         assert handle.result(10).all_ok
         return time.perf_counter() - t0
 
@@ -77,20 +91,20 @@ def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None
         t0 = time.perf_counter()
         assert client.deliver({b"layers": layers}, request_id=request_id).result(10).all_ok
         for i in range(LAYERS):
-            kernel(views[i], kreps)
+            kernel(views[i], kwords)
         return time.perf_counter() - t0
 
     compute = []
     for _ in range(3):
         t0 = time.perf_counter()
         for i in range(LAYERS):
-            kernel(views[i], kreps)
+            kernel(views[i], kwords)
         compute.append(time.perf_counter() - t0)
     prog, whole = [], []
     for _ in range(runs):  # interleaved: both see the same machine load
         prog.append(progressive())
         whole.append(whole_then_compute())
-    return {"transfer": t_transfer, "compute": statistics.median(compute), "kernel_reps": kreps,
+    return {"transfer": t_transfer, "compute": statistics.median(compute), "kernel_words": kwords,
             "progressive": summary(prog), "whole": summary(whole),
             "speedup": statistics.median(whole) / statistics.median(prog)}
 
@@ -121,7 +135,7 @@ def main() -> int:
     print(f"load average {os.getloadavg()[0]:.2f} (cores {os.cpu_count()})")
     for where, r in results.items():
         print(f"{where}: {LAYERS} layers of {LAYER >> 20} MiB, transfer {r['transfer'] * 1e3:.2f} ms, "
-              f"compute {r['compute'] * 1e3:.2f} ms ({r['kernel_reps']} kernel passes per layer)")
+              f"compute {r['compute'] * 1e3:.2f} ms (kernel over {r['kernel_words'] * 4 / LAYER:.2f} layers' bytes per layer)")
         print(f"  progressive (compute on layer i once it landed)  {fmt_us(r['progressive'])}")
         print(f"  whole object, then compute                       {fmt_us(r['whole'])}")
         print(f"  overlap_speedup {r['speedup']:.2f}")
