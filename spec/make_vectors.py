@@ -1,7 +1,9 @@
 """Generate the conformance vectors in ``spec/vectors/`` (and the spec's field tables).
 
-``python spec/make_vectors.py`` rewrites ``spec/vectors/valid.json`` and
-``spec/vectors/invalid.json`` deterministically. The JSON files, not this script, are
+``python spec/make_vectors.py`` rewrites every file of ``spec/vectors/`` deterministically:
+``valid.json`` and ``invalid.json`` (versions 1 and 2), ``valid-v3.json`` and
+``invalid-v3.json``, ``valid-v4.json`` and ``invalid-v4.json`` (leases), and
+``notify.json``. The JSON files, not this script, are
 the source of truth: tests read them. ``python spec/make_vectors.py --tables`` prints the
 field tables of ``kvcr-protocol.md`` as generated from the code's ``FIELDS``.
 
@@ -41,6 +43,7 @@ from kvcr_protocol.columns import (
     pack,
     prefix_mask,
 )
+from kvcr_protocol.leases import LeaseColumns, LeaseStatus
 from kvcr_protocol.notify import Notification, WriteNotify, decode_notification, encode_notification
 from kvcr_protocol.wire import (
     NUL,
@@ -147,6 +150,7 @@ RECORDS: tuple[type[Record], ...] = (
     DeliverColumns,
     QueryColumns,
     WriteNotify,
+    LeaseColumns,
 )
 ENUMS: tuple[type[enum.Enum], ...] = (m.MemoryKind, m.KeyStatus, m.Presence, m.WriteState)
 
@@ -846,6 +850,180 @@ def v3_instances() -> list[Valid]:
     ]
 
 
+def lease_columns(rows: list[tuple[LeaseStatus, str]]) -> LeaseColumns:
+    """A lease's answers as columns, the tier table in the order tiers first appear."""
+    table: list[str] = []
+    status, tier = bytearray(), bytearray()
+    for answer, where in rows:
+        if where not in table:
+            table.append(where)
+        status.append(answer)
+        tier.append(table.index(where))
+    return LeaseColumns(bytes(status), bytes(tier), tuple(table))
+
+
+LEASE_ID = 42
+"""The lease node A grants client C in the version-4 vectors."""
+SOURCE_LEASE = 0x0BAD_0000_0000_0007
+"""The lease source B holds for node A (B's own id, unrelated to A's)."""
+LK = tuple(bytes.fromhex(h) for h in (
+    "5b1e0a7d3c2f4e6a8b9c0d1e2f3a4b5c", "6c2f1b8e4d3a5f7b9cad1e2f3a4b5c6d", "7d3a2c9f5e4b6a8cadbe2f3a4b5c6d7e",
+    "8e4b3dab6f5c7b9dbecf3a4b5c6d7e8f", "9f5c4ebc7a6d8caecfda4b5c6d7e8f90",
+))
+"""More keys, for a lease that shows every status."""
+
+
+def v4_instances() -> list[Valid]:
+    """Version 4: every message of versions 1 to 3 again at version 4, then the lease messages."""
+    again = [
+        dataclasses.replace(inst, versions=(4,))
+        for inst in v3_instances()
+        if inst.name not in ("welcome-agreed-3", "peer-welcome-agreed-3")
+    ]
+    S = LeaseStatus
+    every = lease_columns([
+        (S.LEASED, "dram"), (S.LEASED, "hbm:0"), (S.LEASED_REMOTE, "remote"), (S.PENDING, "dram"),
+        (S.LEASE_LIMIT, "dram"), (S.ADVISORY, "remote"), (S.UNREACHABLE, "remote"), (S.MISS, ""), (S.LEASED, "dram"),
+    ])
+    return [
+        *again,
+        Valid("welcome-agreed-4", m.Welcome(1, 4, "node-a", INC_A, "kvcr-node-a", POOLS_A, 1000), versions=(4,), description="welcome agreeing on version 4"),
+        Valid("peer-welcome-agreed-4", m.PeerWelcome(1, 4, "node-b", INC_B, "kvcr-node-b", MD_NODE_B), versions=(4,), description="node B agrees on version 4"),
+        # ---- client <-> node
+        Valid(
+            "lease",
+            m.Lease(60, (K1, K2, K3), "req-7f3a9c", 5000),
+            versions=(4,),
+            accept=accept_variants,
+            description="hold three keys for 5 s; the session's hint for req-7f3a9c names a source for keys the node lacks",
+        ),
+        Valid(
+            "lease-minimal",
+            m.Lease(61, (K1,)),
+            versions=(4,),
+            omit_defaults=True,
+            accept=accept_defaults_omitted,
+            description="one key, no hint, the node's default time to live (lease_ttl_ms)",
+        ),
+        Valid(
+            "lease-reply",
+            m.LeaseReply(60, LEASE_ID, 5000, lease_columns([(S.LEASED, "dram"), (S.LEASED_REMOTE, "remote"), (S.MISS, "")])),
+            versions=(4,),
+            description="the answer to lease: K1 held here in DRAM, K2 held by the hinted source, K3 nowhere",
+        ),
+        Valid(
+            "lease-every-status",
+            m.Lease(62, (K1, *LK, K2, K3, K1), "req-7f3a9c", 600_000),
+            versions=(4,),
+            description="nine keys, the last one K1 again (held once), for the longest time to live the node grants by default",
+        ),
+        Valid(
+            "lease-reply-every-status",
+            m.LeaseReply(62, LEASE_ID + 1, 600_000, every),
+            versions=(4,),
+            description=(
+                "every status: leased in DRAM and in HBM, leased at the source, pending, over a lease limit, "
+                "advisory (a source below version 4), unreachable, miss, and the repeated K1 as its first"
+            ),
+        ),
+        Valid(
+            "lease-reply-nothing",
+            m.LeaseReply(61, 0, 30_000, lease_columns([(S.MISS, "")])),
+            versions=(4,),
+            description="the answer to lease-minimal when K1 is not here: lease 0, nothing held, nothing to renew or release",
+        ),
+        Valid(
+            "lease-reply-nothing-held",
+            m.LeaseReply(63, 0, 30_000, lease_columns([(S.PENDING, "dram"), (S.ADVISORY, "remote"), (S.LEASE_LIMIT, "hbm:0")])),
+            versions=(4,),
+            description="no key held (pending, advisory, over a limit): lease 0",
+        ),
+        Valid(
+            "lease-reply-empty",
+            m.LeaseReply(64, 0, 30_000, LeaseColumns(b"", b"", ())),
+            versions=(4,),
+            description="the answer to a lease of no key",
+        ),
+        Valid("renew", m.RenewLease(65, LEASE_ID, 60_000), versions=(4,), accept=accept_variants, description="keep lease 42 for 60 s from now"),
+        Valid(
+            "renew-minimal",
+            m.RenewLease(66, LEASE_ID),
+            versions=(4,),
+            omit_defaults=True,
+            accept=accept_defaults_omitted,
+            description="keep lease 42 for its own time to live again",
+        ),
+        Valid(
+            "lease-reply-renew",
+            m.LeaseReply(65, LEASE_ID, 60_000),
+            versions=(4,),
+            omit_defaults=True,
+            accept=accept_defaults_omitted,
+            description="the answer to renew: the granted time to live, no columns",
+        ),
+        Valid("unlease", m.ReleaseLease(67, LEASE_ID), versions=(4,), accept=accept_variants, description="end lease 42 now (answered ack)"),
+        Valid(
+            "error-unknown-lease",
+            m.Error(68, kp.ErrorCode.UNKNOWN_LEASE, "lease 42 is not held by this session (never granted, released or ended)", "lease"),
+            versions=(4,),
+            description="a second unlease of lease 42: a clean error, never a second free",
+        ),
+        Valid(
+            "error-lease-limit",
+            m.Error(69, kp.ErrorCode.LEASE_LIMIT, "this session holds 1024 leases, the most the node allows"),
+            versions=(4,),
+            description="a lease refused whole: the session holds max_leases_per_session leases",
+        ),
+        Valid(
+            "lease-end-expired",
+            m.LeaseEnded(4, LEASE_ID, kp.ErrorCode.LEASE_EXPIRED),
+            versions=(4,),
+            omit_defaults=True,
+            accept=accept_defaults_omitted,
+            description="the session's event 4: lease 42 was not renewed in time and ended whole (no keys)",
+        ),
+        Valid(
+            "lease-end-source",
+            m.LeaseEnded(5, LEASE_ID + 1, kp.ErrorCode.PEER_RESTARTED, "the source tcp://10.0.0.12:5555 restarted", (K2,)),
+            versions=(4,),
+            description="the source that held K2 restarted: lease 43 no longer holds K2 and goes on for the rest",
+        ),
+        Valid(
+            "lease-end-unreachable",
+            m.LeaseEnded(7, LEASE_ID + 3, kp.ErrorCode.PEER_UNREACHABLE, "the source tcp://10.0.0.12:5555 is unreachable", (K1, K3)),
+            versions=(4,),
+            description="the link to the source that held K1 and K3 stayed down past peer_dead_ms: lease 45 holds them no more",
+        ),
+        Valid(
+            "lease-end-shutdown",
+            m.LeaseEnded(6, LEASE_ID + 2, kp.ErrorCode.SHUTTING_DOWN, "the node is stopping"),
+            versions=(4,),
+            description="the node stops: every lease ends",
+        ),
+        # ---- node <-> node
+        Valid(
+            "peer-lease",
+            m.Lease(300, (K2,), None, 5000),
+            versions=(4,),
+            description="node A asks source B to hold K2 for a client's lease, with the time to live A granted; no request id",
+        ),
+        Valid(
+            "peer-lease-reply",
+            m.LeaseReply(300, SOURCE_LEASE, 5000, lease_columns([(S.LEASED, "dram")])),
+            versions=(4,),
+            description="B holds K2 in DRAM under its own lease; A answers its client LEASED_REMOTE",
+        ),
+        Valid("peer-renew", m.RenewLease(301, SOURCE_LEASE, 5000), versions=(4,), description="the client renewed: A renews its lease at B"),
+        Valid("peer-unlease", m.ReleaseLease(302, SOURCE_LEASE), versions=(4,), description="the client's lease ended: A releases its lease at B"),
+        Valid(
+            "peer-lease-end",
+            m.LeaseEnded(1, SOURCE_LEASE, kp.ErrorCode.LEASE_EXPIRED, "lease was not renewed within 5000 ms"),
+            versions=(4,),
+            description="B expired A's lease; A tells its client, naming the keys B held",
+        ),
+    ]
+
+
 def accept_short_columns(message: m.Message, version: int) -> list[tuple[str, bytes]]:
     """A block of columns without its trailing (empty) groups column."""
     obj = _wire(message, version)
@@ -1150,6 +1328,66 @@ def invalid_v3_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     yield ("answers-presence-array", answers([1, 0], b"\x00\x00", [""]), 3, "WRONG_TYPE", "presence as an array, not packed")
 
 
+def invalid_v4_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
+    """Version 4's invalid frames: (name, frame, max_version, expected code name, description)."""
+    lease = {"v": 4, "t": "lease", "id": 60, "keys": [K1, K2], "request_id": None, "ttl_ms": 0}
+    reply = {"v": 4, "t": "lease_reply", "id": 60, "lease": LEASE_ID, "ttl_ms": 30000}
+    renew = {"v": 4, "t": "renew", "id": 65, "lease": LEASE_ID, "ttl_ms": 0}
+    unlease = {"v": 4, "t": "unlease", "id": 67, "lease": LEASE_ID}
+    ended = {"v": 4, "t": "lease_end", "id": 4, "lease": LEASE_ID, "code": 310, "reason": "", "keys": []}
+
+    def answers(status: Any, tier: Any, tiers: Any) -> bytes:
+        return _pack({**reply, "columns": [status, tier, tiers]})
+
+    # -- versions
+    yield ("lease-in-v3-frame", _pack({**lease, "v": 3}), 4, "UNKNOWN_TYPE", "lease does not exist at version 3")
+    yield ("lease-at-3", _pack(lease), 3, "UNKNOWN_TYPE", "an endpoint that speaks up to 3 knows no lease message")
+    yield ("lease-reply-in-v3-frame", _pack({**reply, "v": 3, "columns": None}), 4, "UNKNOWN_TYPE", "lease_reply does not exist at version 3")
+    yield ("renew-in-v2-frame", _pack({**renew, "v": 2}), 4, "UNKNOWN_TYPE", "renew does not exist at version 2")
+    yield ("unlease-in-v1-frame", _pack({**unlease, "v": 1}), 4, "UNKNOWN_TYPE", "unlease does not exist at version 1")
+    yield ("lease-end-in-v3-frame", _pack({**ended, "v": 3}), 4, "UNKNOWN_TYPE", "lease_end does not exist at version 3")
+    yield ("unlease-at-3", _pack(unlease), 3, "UNKNOWN_TYPE", "an endpoint that speaks up to 3 knows no unlease message")
+    yield ("lease-v5-at-4", _pack({**lease, "v": 5}), 4, "UNSUPPORTED_VERSION", "a lease of version 5 reaching an endpoint that speaks up to 4")
+    yield ("lease-unknown-bang", _pack({**lease, "!exclusive": True}), 4, "MUST_UNDERSTAND", "an unknown must-understand field on a version-4 message")
+    # -- lease
+    yield ("lease-keys-missing", _pack({k: v for k, v in lease.items() if k != "keys"}), 4, "MISSING_FIELD", "a lease without keys")
+    yield ("lease-keys-4097", _pack({**lease, "keys": [bytes([1 + i % 250, i // 250]) for i in range(4097)]}), 4, "TOO_MANY", "4097 keys (limit 4096)")
+    yield ("lease-key-empty", _pack({**lease, "keys": [K1, b""]}), 4, "OUT_OF_RANGE", "an empty key")
+    yield ("lease-key-257", _pack({**lease, "keys": [bytes(257)]}), 4, "TOO_LARGE", "a key of 257 bytes (limit 256)")
+    yield ("lease-key-str", _pack({**lease, "keys": ["k1"]}), 4, "WRONG_TYPE", "a key as str")
+    yield ("lease-keys-bin", _pack({**lease, "keys": K1 + K2}), 4, "WRONG_TYPE", "keys as one bin, not an array")
+    yield ("lease-request-id-int", _pack({**lease, "request_id": 7}), 4, "WRONG_TYPE", "a request id as an integer")
+    yield ("lease-ttl-over-u32", _pack({**lease, "ttl_ms": 1 << 32}), 4, "OUT_OF_RANGE", "a time to live above 2^32-1 ms")
+    yield ("lease-ttl-negative", _pack({**lease, "ttl_ms": -1}), 4, "OUT_OF_RANGE", "a negative time to live")
+    yield ("lease-ttl-float", _pack({**lease, "ttl_ms": 5000.0}), 4, "WRONG_TYPE", "a time to live as a float")
+    # -- lease_reply and its columns
+    yield ("lease-reply-lease-missing", _pack({k: v for k, v in reply.items() if k != "lease"}), 4, "MISSING_FIELD", "a lease_reply without its lease id")
+    yield ("lease-reply-ttl-missing", _pack({k: v for k, v in reply.items() if k != "ttl_ms"}), 4, "MISSING_FIELD", "a lease_reply without its time to live")
+    yield ("lease-reply-lease-str", _pack({**reply, "lease": "42"}), 4, "WRONG_TYPE", "a lease id as str")
+    yield ("lease-reply-lease-negative", _pack({**reply, "lease": -42}), 4, "OUT_OF_RANGE", "a negative lease id")
+    yield ("lease-reply-length-mismatch", answers(b"\x01\x02\x00", b"\x00\x01", ["dram", "remote"]), 4, "OUT_OF_RANGE", "3 status codes, 2 tier indices")
+    yield ("lease-reply-unknown-status", answers(b"\x01\x00\x07", b"\x00\x01\x01", ["dram", ""]), 4, "OUT_OF_RANGE", "status code 7 does not exist")
+    yield ("lease-reply-tier-outside", answers(b"\x01\x01", b"\x00\x02", ["dram", "hbm:0"]), 4, "OUT_OF_RANGE", "tier index 2 of a table of 2")
+    yield ("lease-reply-status-array", answers([1, 0], b"\x00\x00", [""]), 4, "WRONG_TYPE", "status as an array, not packed")
+    yield ("lease-reply-status-str", answers("\x01", b"\x00", [""]), 4, "WRONG_TYPE", "status as a str, not a bin")
+    yield ("lease-reply-tiers-str", answers(b"\x01", b"\x00", "dram"), 4, "WRONG_TYPE", "the tier table as one str")
+    yield ("lease-reply-columns-short", _pack({**reply, "columns": [b"\x01", b"\x00"]}), 4, "MISSING_FIELD", "columns without the tier table")
+    yield ("lease-reply-columns-map", _pack({**reply, "columns": {"status": b"\x01"}}), 4, "WRONG_TYPE", "columns as a map")
+    yield ("lease-reply-4097", answers(bytes(4097), bytes(4097), [""]), 4, "TOO_MANY", "4097 statuses (limit 4096)")
+    yield ("lease-reply-tiers-257", answers(b"\x00", b"\x00", [f"t{i}" for i in range(257)]), 4, "TOO_MANY", "a tier table of 257 entries (an index is one byte)")
+    # -- renew, unlease, lease_end
+    yield ("renew-lease-missing", _pack({k: v for k, v in renew.items() if k != "lease"}), 4, "MISSING_FIELD", "a renew naming no lease")
+    yield ("renew-lease-bool", _pack({**renew, "lease": True}), 4, "WRONG_TYPE", "a lease id as a bool")
+    yield ("renew-ttl-over-u32", _pack({**renew, "ttl_ms": 1 << 32}), 4, "OUT_OF_RANGE", "a renewal above 2^32-1 ms")
+    yield ("unlease-lease-negative", _pack({**unlease, "lease": -1}), 4, "OUT_OF_RANGE", "a negative lease id")
+    yield ("unlease-lease-nil", _pack({**unlease, "lease": None}), 4, "WRONG_TYPE", "a lease id nil")
+    yield ("lease-end-code-missing", _pack({k: v for k, v in ended.items() if k != "code"}), 4, "MISSING_FIELD", "a lease_end without its code")
+    yield ("lease-end-code-over-u16", _pack({**ended, "code": 1 << 16}), 4, "OUT_OF_RANGE", "a code above 65535")
+    yield ("lease-end-reason-4097", _pack({**ended, "reason": "x" * 4097}), 4, "TOO_LARGE", "a reason of 4097 bytes (limit 4096)")
+    yield ("lease-end-keys-4097", _pack({**ended, "keys": [bytes([1 + i % 250, i // 250]) for i in range(4097)]}), 4, "TOO_MANY", "4097 keys (limit 4096)")
+    yield ("lease-end-key-str", _pack({**ended, "keys": ["k2"]}), 4, "WRONG_TYPE", "a key as str")
+
+
 def notify_vectors() -> dict[str, Any]:
     """NIXL notification payloads (spec section 6.9): valid ones with their fields, invalid ones with their error."""
     valid = [
@@ -1223,6 +1461,8 @@ def main(argv: list[str] | None = None) -> int:
         ("invalid.json", kp.PARTIAL_LAYOUT_VERSION, INVALID_ABOUT, lambda: build_invalid(invalid_inputs())),
         ("valid-v3.json", kp.COLUMNS_VERSION, VALID_ABOUT, lambda: build_valid(v3_instances())),
         ("invalid-v3.json", kp.COLUMNS_VERSION, INVALID_ABOUT, lambda: build_invalid(invalid_v3_inputs())),
+        ("valid-v4.json", kp.LEASES_VERSION, VALID_ABOUT, lambda: build_valid(v4_instances())),
+        ("invalid-v4.json", kp.LEASES_VERSION, INVALID_ABOUT, lambda: build_invalid(invalid_v4_inputs())),
     ]
     names: set[str] = set()
     for name, version, about, build in files:

@@ -4,7 +4,7 @@ Importing this package imports no sockets, NIXL, threads or asyncio. Messages ar
 frozen dataclasses (``messages``, carrying the ``records``); ``codec`` turns them into
 msgpack frames and back, validating every field; ``versions`` negotiates; ``columns``
 holds version 3's column encodings (span columns with layer plans, query columns);
-``notify`` the NIXL notification payload; ``plans`` a client's per-group completion; ``projection`` maps named span subsets onto
+``notify`` the NIXL notification payload; ``leases`` version 4's lease answers; ``plans`` a client's per-group completion; ``projection`` maps named span subsets onto
 stored layouts; ``descriptors`` checks spans against announced regions.
 """
 
@@ -24,6 +24,7 @@ from kvcr_protocol.columns import (
 from kvcr_protocol.descriptors import Extent, check_span_sizes, resolve_columns, resolve_span
 from kvcr_protocol.endpoints import IPC_PATH_MAX, endpoint_problem
 from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, code_of
+from kvcr_protocol.leases import HELD, LeaseColumns, LeaseStatus
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
 from kvcr_protocol.messages import *  # noqa: F403 - the message catalogue is the API
 from kvcr_protocol.messages import ALL_MESSAGES, MESSAGE_BY_TAG, item_count, record_items
@@ -44,6 +45,7 @@ from kvcr_protocol.versions import (
     COLUMNS_VERSION,
     CURRENT_VERSION,
     LATEST_VERSION,
+    LEASES_VERSION,
     PARTIAL_LAYOUT_VERSION,
     PROTOCOL_VERSIONS,
     SUPPORTED_VERSIONS,
@@ -58,8 +60,10 @@ __all__ = [
     "COLUMNS_VERSION",
     "CURRENT_VERSION",
     "DEFAULT_LIMITS",
+    "HELD",
     "IPC_PATH_MAX",
     "LATEST_VERSION",
+    "LEASES_VERSION",
     "MESSAGE_BY_TAG",
     "NOTIFICATION_SIZE",
     "PARTIAL_LAYOUT_VERSION",
@@ -75,6 +79,8 @@ __all__ = [
     "Extent",
     "GroupEvent",
     "GroupState",
+    "LeaseColumns",
+    "LeaseStatus",
     "Limits",
     "LocalProtocolError",
     "Notification",

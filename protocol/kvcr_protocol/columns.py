@@ -331,6 +331,19 @@ PRESENCE_CODE: dict[Presence, int] = {p: i for i, p in enumerate(PRESENCE_BY_COD
 _VALID_PRESENCE = bytes(range(len(PRESENCE_BY_CODE)))
 
 
+def check_code_columns(codes: bytes, tier: bytes, tiers: Sequence[str], valid: bytes, name: str) -> None:
+    """Refuse a column of one-byte ``codes`` (the field ``name``) and its ``tier`` column
+    when their lengths differ, a code is not in ``valid``, or an index is past ``tiers``."""
+    if len(tier) != len(codes):
+        raise _refuse(ErrorCode.OUT_OF_RANGE, f"{len(tier)} tier indices for {len(codes)} keys", ".tier")
+    if codes.translate(None, valid):
+        i = next(i for i, code in enumerate(codes) if code not in valid)
+        raise _refuse(ErrorCode.OUT_OF_RANGE, f"{name} code {codes[i]} is unknown", f".{name}[{i}]")
+    if tier.translate(None, bytes(range(len(tiers)))):
+        i = next(i for i, index in enumerate(tier) if index >= len(tiers))
+        raise _refuse(ErrorCode.OUT_OF_RANGE, f"tier {tier[i]} is not in the table of {len(tiers)}", f".tier[{i}]")
+
+
 def prefix_mask(*counted: Presence) -> int:
     """The ``!prefix`` mask of a query that counts keys of these presences (spec section 6.9)."""
     if not counted or Presence.MISS in counted:
@@ -407,13 +420,4 @@ class QueryColumns(Record):
         return cls(bytes(presence), bytes(tier), tuple(table))
 
     def check(self, limits: Limits) -> None:
-        if len(self.tier) != len(self.presence):
-            raise _refuse(
-                ErrorCode.OUT_OF_RANGE, f"{len(self.tier)} tier indices for {len(self.presence)} keys", ".tier"
-            )
-        if self.presence.translate(None, _VALID_PRESENCE):
-            i = next(i for i, code in enumerate(self.presence) if code >= len(PRESENCE_BY_CODE))
-            raise _refuse(ErrorCode.OUT_OF_RANGE, f"presence code {self.presence[i]} is unknown", f".presence[{i}]")
-        if self.tier.translate(None, bytes(range(len(self.tiers)))):
-            i = next(i for i, index in enumerate(self.tier) if index >= len(self.tiers))
-            raise _refuse(ErrorCode.OUT_OF_RANGE, f"tier {self.tier[i]} is not in the table of {len(self.tiers)}", f".tier[{i}]")
+        check_code_columns(self.presence, self.tier, self.tiers, _VALID_PRESENCE, "presence")

@@ -73,6 +73,8 @@ class ErrorCode(enum.IntEnum):
     """Reserved; not sent: a key neither held nor named by a hint fails `NOT_FOUND`."""
     BAD_ENDPOINT = 211
     """An endpoint is not one this node can connect to (unknown transport, bad address or port)."""
+    UNKNOWN_LEASE = 212
+    """A renew or release names a lease the session does not hold (never held, released, or ended)."""
 
     # 300-399: transfers, peers and deadlines.
     TRANSFER_FAILED = 300
@@ -95,6 +97,8 @@ class ErrorCode(enum.IntEnum):
     """The client lost its node before the operation completed."""
     INTERNAL = 309
     """The node failed while handling the request; the failure is logged and counted, the node goes on."""
+    LEASE_EXPIRED = 310
+    """A lease reached the end of its time to live unrenewed; its keys are no longer held."""
 
     # 400-499: admission.
     BUSY = 400
@@ -107,6 +111,8 @@ class ErrorCode(enum.IntEnum):
     """The session holds as many hints as the node allows; discard some first."""
     PEER_LIMIT = 404
     """The node holds as many peer links as it allows and none is idle enough to close."""
+    LEASE_LIMIT = 405
+    """The session holds as many leases as the node allows; release some first."""
 
 
 _KNOWN = frozenset(int(code) for code in ErrorCode)

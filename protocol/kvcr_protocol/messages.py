@@ -26,6 +26,7 @@ from kvcr_protocol.columns import (
     unpack,
 )
 from kvcr_protocol.errors import ErrorCode, RemoteProtocolError
+from kvcr_protocol.leases import LeaseColumns
 from kvcr_protocol.limits import Limits
 from kvcr_protocol.notify import WriteNotify
 from kvcr_protocol.records import *  # noqa: F403 - messages re-export the records they carry
@@ -562,6 +563,75 @@ class Progress(Message):
         return zip(unpack(self.items, U32), unpack(self.done, U32), strict=True)
 
 
+# ---- version 4, both sessions: leases (spec section 6.11)
+
+_F_LEASE = Field("lease", UInt())
+_F_TTL = Field("ttl_ms", UInt(_U32), 0)
+
+
+@message("lease", since=4)
+class Lease(Message):
+    """Client -> node (or target -> source): hold these keys until the lease ends.
+
+    ``request_id`` names the session's hint for keys not held here; ``ttl_ms`` 0 asks for
+    the node's default time to live.
+    """
+
+    id: int
+    keys: tuple[bytes, ...]
+    request_id: str | None = None
+    ttl_ms: int = 0
+    FIELDS = _fields(Field("keys", _KEYS), _F_REQUEST_ID, _F_TTL)
+
+
+@message("lease_reply", reply=True, since=4)
+class LeaseReply(Message):
+    """Node -> client: the lease (0: none, nothing is held) and its granted time to live;
+    for a ``lease``, what it holds per key (``columns``, in key order); none for a ``renew``."""
+
+    id: int
+    lease: int
+    ttl_ms: int
+    columns: LeaseColumns | None = None
+    FIELDS = _fields(_F_LEASE, Field("ttl_ms", UInt(_U32)), Field("columns", Opt(RecordType(LeaseColumns)), None))
+
+
+@message("renew", since=4)
+class RenewLease(Message):
+    """Client -> node: keep lease ``lease`` for ``ttl_ms`` more from now (0: its own time to live)."""
+
+    id: int
+    lease: int
+    ttl_ms: int = 0
+    FIELDS = _fields(_F_LEASE, _F_TTL)
+
+
+@message("unlease", since=4)
+class ReleaseLease(Message):
+    """Client -> node: end lease ``lease`` now; what it held may be evicted again."""
+
+    id: int
+    lease: int
+    FIELDS = _fields(_F_LEASE)
+
+
+@message("lease_end", since=4)
+class LeaseEnded(Message):
+    """Node -> client (or source -> target): the node ended (part of) lease ``lease``.
+
+    Not a reply: ``id`` counts the session's events. ``code`` says why (``LEASE_EXPIRED``,
+    ``PEER_RESTARTED``, ``PEER_UNREACHABLE``, ``SHUTTING_DOWN``); ``keys`` are those no
+    longer held, or empty when the whole lease ended.
+    """
+
+    id: int
+    lease: int
+    code: int
+    reason: str = ""
+    keys: tuple[bytes, ...] = ()
+    FIELDS = _fields(_F_LEASE, _F_CODE, _F_REASON, Field("keys", _KEYS, ()))
+
+
 def item_count(msg: Deposit | Deliver | WriteRequest) -> int:
     """How many items (keys) a message carries, as records or as columns."""
     return len(msg.items) + sum(len(block.keys) for block in msg.columns)
@@ -577,7 +647,7 @@ def record_items(msg: Deposit | Deliver | WriteRequest) -> tuple[DepositItem | D
 CLIENT_MESSAGES: tuple[type[Message], ...] = (
     Hello, Welcome, RegisterRegions, UnregisterRegions, Deposit, Query, QueryReply, Deliver,
     Fetch, Release, Abort, SubmitHint, DiscardHint, StatsRequest, StatsReply, Completion, Ack,
-    Error, CapacityEvent, Heartbeat, Bye, Progress,
+    Error, CapacityEvent, Heartbeat, Bye, Progress, Lease, LeaseReply, RenewLease, ReleaseLease, LeaseEnded,
 )
 PEER_MESSAGES: tuple[type[Message], ...] = (
     PeerHello, PeerWelcome, PeerClient, WriteRequest, WriteDone, Refuse, Probe, ProbeReply,

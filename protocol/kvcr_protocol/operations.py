@@ -93,6 +93,9 @@ REQUEST_CODES: Mapping[str, RequestCodes] = {
     "abort": RequestCodes(_codes(E.UNKNOWN_OP) | _STOPPING),
     "hint": RequestCodes(_codes(E.BAD_ENDPOINT, E.HINT_LIMIT) | _STOPPING),
     "unhint": RequestCodes(_STOPPING),
+    "lease": RequestCodes(_codes(E.LEASE_LIMIT, E.BUSY) | _STOPPING),
+    "renew": RequestCodes(_codes(E.UNKNOWN_LEASE) | _STOPPING),
+    "unlease": RequestCodes(_codes(E.UNKNOWN_LEASE)),
     "stats": RequestCodes(_codes()),
     "heartbeat": RequestCodes(_codes()),
     "bye": RequestCodes(_codes()),
@@ -103,6 +106,12 @@ REQUEST_CODES: Mapping[str, RequestCodes] = {
     "probe": RequestCodes(_STOPPING),
 }
 """Per request tag: the codes of its refusal and of its per-key results."""
+
+EVENT_CODES: Mapping[str, frozenset[E]] = {
+    "lease_end": _codes(E.LEASE_EXPIRED, E.PEER_RESTARTED, E.PEER_UNREACHABLE, E.SHUTTING_DOWN),
+}
+"""Per event tag: the codes the event carries. Events refuse nothing and answer no request;
+``lease_end`` (version 4) is the one event with a code (section 10.1)."""
 
 
 def allowed_refusal(tag: str | None, code: int) -> bool:

@@ -3,6 +3,7 @@
 Version 1 is the base protocol. Version 2 adds the must-understand partial-layout flag
 (``!partial``) on peer write requests. Version 3 adds span columns, layer plans with
 per-group progress, NIXL completion notifications, query columns and prefix queries.
+Version 4 adds leases: ``lease``, ``lease_reply``, ``renew``, ``unlease`` and ``lease_end``.
 
 This package encodes and decodes every version in ``PROTOCOL_VERSIONS``. What an endpoint
 offers is its own choice: the reference node and client speak ``SUPPORTED_VERSIONS``
@@ -22,7 +23,10 @@ COLUMNS_VERSION = 3
 """The first version with span columns, layer plans, progress, notifications, query
 columns and prefix queries."""
 
-PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2, 3)
+LEASES_VERSION = 4
+"""The first version with leases (spec section 6.11), on client and peer sessions."""
+
+PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2, 3, 4)
 """Every version this package can encode and decode."""
 LATEST_VERSION = PROTOCOL_VERSIONS[-1]
 """The newest version the written protocol defines."""

@@ -30,14 +30,14 @@ from kvcr_node.node import Node
 from kvcr_node.poolspec import PoolSpec
 from kvcr_node.target import from_source
 from kvcr_protocol import ErrorCode, KeyResult, KeyStatus
-from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, SOURCE_CODES, allowed_result
+from kvcr_protocol.operations import ANY_REQUEST, EVENT_CODES, REQUEST_CODES, SOURCE_CODES, allowed_result
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = (ROOT / "spec" / "kvcr-protocol.md").read_text(encoding="utf-8")
 NODE_SOURCES = sorted((ROOT / "kvcr_node").rglob("*.py"))
 REQUEST_SOURCES = [
     ROOT / "kvcr_node" / f"{name}.py"
-    for name in ("node", "router", "outbox", "sessions", "operations", "target", "source", "stats")
+    for name in ("node", "router", "outbox", "sessions", "operations", "target", "source", "stats", "leases")
 ] + sorted((ROOT / "kvcr_node" / "ops").glob("*.py"))
 """The modules a request runs through, from the loop to its handler and back (architecture §1)."""
 PROTOCOL_SOURCES = [ROOT / "protocol" / "kvcr_protocol" / name for name in ("codec.py", "wire.py", "descriptors.py", "projection.py", "versions.py")]
@@ -74,7 +74,8 @@ def spec_table() -> dict[str, tuple[set[ErrorCode], set[ErrorCode]]]:
 
 
 def all_sent() -> set[ErrorCode]:
-    return set(ANY_REQUEST).union(*(c.refusals | c.results for c in REQUEST_CODES.values()))
+    """Every code a node may send: for some request, or in an event (``lease_end``)."""
+    return set(ANY_REQUEST).union(*(c.refusals | c.results for c in REQUEST_CODES.values()), *EVENT_CODES.values())
 
 
 # --------------------------------------------------------------------------- the spec
@@ -105,6 +106,18 @@ def test_every_request_has_a_row_and_nothing_else_does() -> None:
         if re.search(r"\brequest;", description):
             requests.add(cls.TAG)
     assert requests == set(REQUEST_CODES)
+
+
+def test_the_spec_lists_the_codes_of_events() -> None:
+    section = spec_section("### 10.1 Codes per request")
+    events = paragraph_after(section, "- Events (").split("\n- ", 1)[0]
+    assert set(re.findall(r"`([a-z_]+)` \(version", events)) == set(EVENT_CODES)
+    assert codes_in(events.split("carries", 1)[1].split("(section", 1)[0]) == EVENT_CODES["lease_end"]
+    # lease_end's own description names the same codes.
+    description = SPEC.split("#### `lease_end`\n", 1)[1].split("|", 1)[0]
+    assert codes_in(description) == EVENT_CODES["lease_end"]
+    for tag in EVENT_CODES:
+        assert tag not in REQUEST_CODES and kp.MESSAGE_BY_TAG[tag].REPLY is False
 
 
 def test_every_code_is_sent_for_some_request_or_said_not_to_be() -> None:
@@ -227,7 +240,9 @@ def reach(start: str, stop: set[str]) -> set[str]:
 def test_handlers_name_only_the_codes_of_their_request() -> None:
     """Codes named in a handler, or in a method that only handlers reach, are listed for
     every request whose handler reaches it. Methods the loop reaches on its own (deadlines,
-    peers, shutdown) can end any operation: the run-time check covers them."""
+    peers, shutdown) can end any operation: the run-time check covers them. A method that
+    sends an event carrying a code (``lease_end``, itself or through what it reaches) may
+    also name that event's codes (section 10.1)."""
     by_tag = handlers()
     handler_methods = set(by_tag.values())
     loop = reach("run", handler_methods) | reach("snapshot", handler_methods)
@@ -235,11 +250,16 @@ def test_handlers_name_only_the_codes_of_their_request() -> None:
     for tag, method in by_tag.items():
         for name in reach(method, handler_methods - {method}):
             reached_by.setdefault(name, set()).add(tag)
+    event_classes = {kp.MESSAGE_BY_TAG[tag].__name__: codes for tag, codes in EVENT_CODES.items()}
     checked = 0
     for name, tags in reached_by.items():
         if name in loop:
             continue
+        sent = called_names([f for n in reach(name, handler_methods) for f in METHODS[n]])
+        event_codes = set().union(*(codes for cls, codes in event_classes.items() if cls in sent))
         for _, code in (found for func in METHODS[name] for found in error_code_names(func)):
+            if code in event_codes:
+                continue
             if (name, code) in CROSS_REQUEST:
                 assert code in REQUEST_CODES[CROSS_REQUEST[(name, code)]].refusals
                 continue

@@ -134,3 +134,43 @@ def test_version_3_sections_are_specified() -> None:
     notify = section("### 6.10 NIXL notifications")
     for needle in ("| 0 | 2 | magic |", "| 22 | 2 | group |", "`DESTINATION_UNCERTAIN`", "deadline"):
         assert needle in notify, needle
+
+
+def test_version_4_leases_are_specified() -> None:
+    leases = section("### 6.11 Leases")
+    for status in kp.LeaseStatus:
+        held = "yes" if status in kp.HELD else "no"
+        row = next((line for line in leases.splitlines() if line.startswith(f"| {status.value} | `{status.name}` |")), None)
+        assert row is not None, status
+        assert row.endswith(f" | {held} |"), (status, row)
+    for needle in (
+        "`columns.status[i]`", "`columns.tier[i]`", "`columns.tier`", "`max_tiers`",
+        "`max_leases_per_session`", "`max_leased_slots_per_session`", "`lease_pool_fraction`",
+        "`lease_ttl_ms`", "`max_lease_ttl_ms`", "30000", "600000", "1024", "65536", "0.5",
+        "`LEASE_EXPIRED`", "`PEER_RESTARTED`", "`PEER_UNREACHABLE`", "`SHUTTING_DOWN`", "`UNKNOWN_LEASE`",
+        "`ADVISORY`", "never a second free", "held once", "pins nothing more", "ignores `request_id`",
+    ):
+        assert needle in leases, needle
+    client = section("### 5.2 Client session")
+    peer = section("### 5.3 Peer session")
+    for tag in ("lease", "lease_reply", "renew", "unlease", "lease_end"):
+        assert f"`{tag}`" in client and f"`{tag}`" in peer, tag
+    versions = section("## 7. Versions and negotiation")
+    assert "Version 4 and older peers:" in versions and "`ADVISORY`" in versions
+    assert "| 1, 2, 3, 4 | 1, 2, 3, 4 | 4 |" in versions
+
+
+def test_every_version_is_in_the_negotiation_examples() -> None:
+    versions = section("## 7. Versions and negotiation")
+    rows = re.findall(r"^\| ([\d, ]+) \| ([\d, ]+) \| (\d+|none: `UNSUPPORTED_VERSION`) \|$", versions, re.MULTILINE)
+    assert rows
+    for ours, theirs, agreed in rows:
+        a = [int(v) for v in ours.split(", ")]
+        b = [int(v) for v in theirs.split(", ")]
+        if agreed.isdigit():
+            assert kp.negotiate(a, b) == int(agreed), (ours, theirs)
+        else:
+            with pytest.raises(kp.ProtocolError):
+                kp.negotiate(a, b)
+    assert {int(v) for ours, _, _ in rows for v in ours.split(", ")} == set(kp.PROTOCOL_VERSIONS)
+    assert f"defines versions 1 to {kp.LATEST_VERSION}" in versions

@@ -12,6 +12,7 @@ import pytest
 import kvcr_protocol as kp
 from kvcr_protocol import wire
 from kvcr_protocol.messages import BASE_ENCODED, Deliver, Message, WriteRequest
+from kvcr_protocol.operations import EVENT_CODES
 
 VECTORS = Path(__file__).resolve().parents[2] / "spec" / "vectors"
 
@@ -22,8 +23,10 @@ def load(name: str) -> list[dict[str, Any]]:
 
 
 VALID_V12 = load("valid.json")
-VALID = VALID_V12 + load("valid-v3.json")
-INVALID = load("invalid.json") + load("invalid-v3.json")
+VALID_V4 = load("valid-v4.json")
+VALID = VALID_V12 + load("valid-v3.json") + VALID_V4
+INVALID_V4 = load("invalid-v4.json")
+INVALID = load("invalid.json") + load("invalid-v3.json") + INVALID_V4
 NOTIFY: dict[str, Any] = json.loads((VECTORS / "notify.json").read_text(encoding="utf-8"))
 
 
@@ -111,7 +114,31 @@ def test_every_message_has_a_vector_at_every_version() -> None:
 def test_version_1_and_2_files_hold_no_later_vector() -> None:
     assert {v["version"] for v in VALID_V12} == {1, 2}
     assert all(v["version"] == kp.COLUMNS_VERSION for v in load("valid-v3.json"))
+    assert all(v["version"] == kp.LEASES_VERSION for v in VALID_V4)
     assert all(v["max_version"] <= kp.PARTIAL_LAYOUT_VERSION for v in load("invalid.json"))
+    assert all(v["max_version"] <= kp.COLUMNS_VERSION for v in load("invalid-v3.json"))
+    assert all(v["max_version"] <= kp.LEASES_VERSION for v in INVALID_V4)
+
+
+def test_each_file_states_its_version() -> None:
+    for name, version in (
+        ("valid.json", 2), ("invalid.json", 2), ("valid-v3.json", 3), ("invalid-v3.json", 3),
+        ("valid-v4.json", 4), ("invalid-v4.json", 4),
+    ):
+        assert json.loads((VECTORS / name).read_text(encoding="utf-8"))["protocol_version"] == version, name
+
+
+def test_version_4_file_repeats_every_older_message() -> None:
+    # Every message of versions 1 to 3 is there again at version 4, as the same message.
+    older = {v["name"].rsplit("-v", 1)[0]: v for v in load("valid-v3.json")}
+    again = {v["name"].rsplit("-v", 1)[0]: v for v in VALID_V4 if v["name"].rsplit("-v", 1)[0] in older}
+    assert set(older) - set(again) == {"welcome-agreed-3", "peer-welcome-agreed-3"}
+    for name, vec in again.items():
+        assert message_of(vec) == message_of(older[name]), name
+        v3, v4 = msgpack.unpackb(bytes.fromhex(older[name]["hex"]), raw=False), msgpack.unpackb(bytes.fromhex(vec["hex"]), raw=False)
+        if vec["wire_version"] == 4:
+            assert v4.pop("v") == 4 and v3.pop("v") == 3
+        assert v3 == v4, name
 
 
 def test_version_3_vectors_cover_what_it_adds() -> None:
@@ -129,6 +156,84 @@ def test_version_3_vectors_cover_what_it_adds() -> None:
     assert any(isinstance(msg, kp.WriteDone) and msg.done for msg in v3)
     assert any(isinstance(msg, kp.Query) and msg.prefix for msg in v3)
     assert any(isinstance(msg, kp.QueryReply) and msg.columns is not None for msg in v3)
+
+
+LEASE_TAGS = {kp.Lease.TAG, kp.LeaseReply.TAG, kp.RenewLease.TAG, kp.ReleaseLease.TAG, kp.LeaseEnded.TAG}
+
+
+def test_version_4_vectors_cover_what_it_adds() -> None:
+    v4 = [message_of(v) for v in VALID_V4]
+    assert {type(msg).TAG for msg in v4} >= LEASE_TAGS
+    assert {cls.TAG for cls in kp.ALL_MESSAGES if cls.SINCE == kp.LEASES_VERSION} == LEASE_TAGS
+    replies = [msg for msg in v4 if isinstance(msg, kp.LeaseReply)]
+    statuses = {status for msg in replies if msg.columns is not None for status in msg.columns}
+    assert statuses == set(kp.LeaseStatus), set(kp.LeaseStatus) - statuses
+    assert any(msg.lease == 0 and msg.columns is not None for msg in replies), "a lease that holds nothing"
+    assert any(msg.lease and msg.columns is None for msg in replies), "the reply to a renew"
+    for msg in replies:
+        if msg.columns is not None:
+            assert (msg.lease != 0) == (msg.columns.held_count() > 0), msg
+    leases = [msg for msg in v4 if isinstance(msg, kp.Lease)]
+    assert any(msg.request_id is None and msg.ttl_ms == 0 for msg in leases)
+    assert any(len(set(msg.keys)) < len(msg.keys) for msg in leases), "a key repeated in one lease"
+    ended = [msg for msg in v4 if isinstance(msg, kp.LeaseEnded)]
+    assert any(msg.keys for msg in ended) and any(not msg.keys for msg in ended)
+    assert {msg.code for msg in ended} == set(EVENT_CODES[kp.LeaseEnded.TAG])
+    errors = {msg.code for msg in v4 if isinstance(msg, kp.Error)}
+    assert {kp.ErrorCode.UNKNOWN_LEASE, kp.ErrorCode.LEASE_LIMIT} <= errors
+
+
+def test_version_4_lease_replies_answer_their_leases() -> None:
+    # A lease_reply vector that answers a lease vector (same id) has one status per key,
+    # and a repeated key reports the status of its first occurrence.
+    leases = {msg.id: msg for msg in map(message_of, VALID_V4) if isinstance(msg, kp.Lease)}
+    matched = 0
+    for msg in map(message_of, VALID_V4):
+        if isinstance(msg, kp.LeaseReply) and msg.columns is not None and msg.id in leases:
+            keys = leases[msg.id].keys
+            assert len(msg.columns) == len(keys)
+            first = {key: keys.index(key) for key in keys}
+            for i, key in enumerate(keys):
+                assert msg.columns.status_of(i) == msg.columns.status_of(first[key])
+                assert msg.columns.tier_of(i) == msg.columns.tier_of(first[key])
+            for i, status in enumerate(msg.columns):
+                if status is kp.LeaseStatus.LEASED_REMOTE:
+                    assert msg.columns.tier_of(i) == "remote"
+                if status is kp.LeaseStatus.MISS:
+                    assert msg.columns.tier_of(i) == ""
+            matched += 1
+    assert matched >= 3
+
+
+def test_version_4_invalid_vectors_cover_what_it_refuses() -> None:
+    by_name = {v["name"]: v for v in INVALID_V4}
+    tags_below_4 = {msgpack.unpackb(bytes.fromhex(v["hex"]), raw=False)["t"] for v in INVALID_V4 if v["error"] == "UNKNOWN_TYPE"}
+    assert tags_below_4 == LEASE_TAGS, "every lease message is unknown below version 4"
+    paths = {(v["error"], v["path"]) for v in INVALID_V4}
+    for expected in (
+        ("OUT_OF_RANGE", "columns.tier"), ("OUT_OF_RANGE", "columns.status[2]"), ("OUT_OF_RANGE", "columns.tier[1]"),
+        ("TOO_MANY", "keys"), ("TOO_MANY", "columns.status"), ("TOO_MANY", "columns.tiers"), ("WRONG_TYPE", "columns.status"),
+    ):
+        assert expected in paths, expected
+    assert any(v["max_version"] == kp.COLUMNS_VERSION for v in by_name.values()), "a lease at an endpoint of version 3"
+
+
+@pytest.mark.parametrize("vec", [v for v in VALID_V4 if v["tag"] in LEASE_TAGS], ids=lambda v: v["name"])
+def test_lease_messages_are_refused_below_version_4(vec: dict[str, Any]) -> None:
+    msg = message_of(vec)
+    frame = bytes.fromhex(vec["hex"])
+    for version in (1, 2, 3):
+        with pytest.raises(kp.LocalProtocolError) as local:
+            kp.encode(msg, version)
+        assert local.value.code is kp.ErrorCode.UNSUPPORTED_VERSION
+        with pytest.raises(kp.RemoteProtocolError) as remote:
+            kp.decode(frame, version)
+        assert (remote.value.code, remote.value.path) == (kp.ErrorCode.UNKNOWN_TYPE, "t")
+        obj = msgpack.unpackb(frame, raw=False)
+        obj["v"] = version
+        with pytest.raises(kp.RemoteProtocolError) as lower:
+            kp.decode(msgpack.packb(obj, use_bin_type=True), kp.LATEST_VERSION)
+        assert (lower.value.code, lower.value.path) == (kp.ErrorCode.UNKNOWN_TYPE, "t")
 
 
 def test_version_3_column_blocks_equal_their_record_form() -> None:

@@ -87,6 +87,9 @@ COLUMN_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
         max_size=SMALL,
     ).map(QueryColumns.from_results),
     WriteNotify: st.builds(WriteNotify, st.integers(1, (1 << 32) - 1), st.integers(0, (1 << 64) - 1), st.just(b"")),
+    kp.LeaseColumns: st.lists(st.tuples(st.sampled_from(list(kp.LeaseStatus)), st.integers(0, 2)), max_size=SMALL).map(
+        lambda rows: kp.LeaseColumns(bytes(s for s, _ in rows), bytes(t for _, t in rows), ("", "remote", "dram"))
+    ),
 }
 
 

@@ -40,7 +40,8 @@ def refused(frame: bytes, max_version: int) -> RemoteProtocolError:
 
 @pytest.mark.parametrize(
     ("ours", "theirs", "agreed"),
-    [(1, 1, 1), (1, 2, 1), (2, 1, 1), (2, 2, 2), (1, 3, 1), (3, 1, 1), (2, 3, 2), (3, 2, 2), (3, 3, 3)],
+    [(1, 1, 1), (1, 2, 1), (2, 1, 1), (2, 2, 2), (1, 3, 1), (3, 1, 1), (2, 3, 2), (3, 2, 2), (3, 3, 3),
+     (4, 1, 1), (1, 4, 1), (4, 2, 2), (2, 4, 2), (4, 3, 3), (3, 4, 3), (4, 4, 4)],
 )
 def test_negotiation_matrix(ours: int, theirs: int, agreed: int) -> None:
     assert kp.negotiate(kp.supported_up_to(ours), kp.supported_up_to(theirs)) == agreed
@@ -54,7 +55,8 @@ def test_negotiation_is_symmetric() -> None:
 
 
 @pytest.mark.parametrize(
-    ("ours", "theirs"), [((1,), (2,)), ((2,), (1,)), ((1, 2), (3, 4)), ((1,), ()), ((3,), (1, 2)), ((1, 2), (3,))]
+    ("ours", "theirs"),
+    [((1,), (2,)), ((2,), (1,)), ((1, 2), (3, 4)), ((1,), ()), ((3,), (1, 2)), ((1, 2), (3,)), ((4,), (1, 2, 3)), ((1, 2, 3), (4,))],
 )
 def test_no_common_version(ours: tuple[int, ...], theirs: tuple[int, ...]) -> None:
     with pytest.raises(ProtocolError) as info:
@@ -65,17 +67,19 @@ def test_no_common_version(ours: tuple[int, ...], theirs: tuple[int, ...]) -> No
 def test_negotiation_ignores_unknown_newer_versions() -> None:
     assert kp.negotiate((1, 2), (1, 2, 3, 17)) == 2
     assert kp.negotiate(kp.SUPPORTED_VERSIONS, (1, 2, 3, 17)) == 3
+    assert kp.negotiate(kp.SUPPORTED_VERSIONS, (1, 2, 3, 4, 17)) == 4
 
 
 def test_supported_up_to() -> None:
     assert kp.supported_up_to(1) == (1,)
     assert kp.supported_up_to(2) == (1, 2)
     assert kp.supported_up_to(3) == (1, 2, 3)
+    assert kp.supported_up_to(4) == (1, 2, 3, 4)
     assert kp.supported_up_to(kp.CURRENT_VERSION) == kp.SUPPORTED_VERSIONS
     assert kp.supported_up_to(kp.LATEST_VERSION) == kp.PROTOCOL_VERSIONS
 
 
-@pytest.mark.parametrize("cap", [0, 4, -1, 99])
+@pytest.mark.parametrize("cap", [0, 5, -1, 99])
 def test_supported_up_to_refuses_unknown_caps(cap: int) -> None:
     with pytest.raises(ValueError, match="max_version"):
         kp.supported_up_to(cap)
@@ -83,10 +87,11 @@ def test_supported_up_to_refuses_unknown_caps(cap: int) -> None:
 
 def test_version_constants() -> None:
     assert kp.BASE_VERSION == 1
-    assert kp.PROTOCOL_VERSIONS == (1, 2, 3) and kp.LATEST_VERSION == kp.COLUMNS_VERSION == 3
+    assert kp.COLUMNS_VERSION == 3
+    assert kp.PROTOCOL_VERSIONS == (1, 2, 3, 4) and kp.LATEST_VERSION == kp.LEASES_VERSION == 4
     # The reference node and client offer every version the package speaks.
     assert kp.SUPPORTED_VERSIONS == kp.PROTOCOL_VERSIONS
-    assert kp.CURRENT_VERSION == max(kp.SUPPORTED_VERSIONS) == 3
+    assert kp.CURRENT_VERSION == max(kp.SUPPORTED_VERSIONS) == 4
     assert kp.PARTIAL_LAYOUT_VERSION in kp.SUPPORTED_VERSIONS
     assert set(kp.SUPPORTED_VERSIONS) <= set(kp.PROTOCOL_VERSIONS)
 
@@ -223,9 +228,9 @@ def test_hellos_always_travel_at_version_1(cls: type[Hello] | type[PeerHello], v
     assert kp.decode(frame, 1) == msg
 
 
-@pytest.mark.parametrize("v", [0, 2, 3, 99, (1 << 64) - 1])
+@pytest.mark.parametrize("v", [0, 2, 3, 4, 5, 99, (1 << 64) - 1])
 def test_hello_is_readable_at_any_version(v: int) -> None:
-    hello = Hello(1, (1, 2, 3), "c", "a", b"")
+    hello = Hello(1, (1, 2, 3, 4), "c", "a", b"")
     obj = unpack(kp.encode(hello))
     obj["v"] = v
     assert kp.decode(pack(obj), 1) == hello
@@ -235,7 +240,7 @@ def test_version_1_frames_are_readable_by_version_2() -> None:
     assert kp.decode(kp.encode(WHOLE, 1), 2) == WHOLE
 
 
-@pytest.mark.parametrize("version", [0, 4])
+@pytest.mark.parametrize("version", [0, kp.LATEST_VERSION + 1])
 def test_cannot_encode_at_an_unknown_version(version: int) -> None:
     with pytest.raises(LocalProtocolError) as info:
         kp.encode(WHOLE, version)
@@ -250,7 +255,13 @@ def test_what_each_version_adds() -> None:
         (3, "write", "!notify"), (3, "query", "!prefix"), (3, "query_reply", "!columns"),
         (3, "complete", "done"), (3, "write_done", "done"),
     }
-    assert {cls.TAG for cls in kp.ALL_MESSAGES if cls.SINCE > 1} == {"progress"}
+    assert {(cls.SINCE, cls.TAG) for cls in kp.ALL_MESSAGES if cls.SINCE > 1} == {
+        (3, "progress"), (4, "lease"), (4, "lease_reply"), (4, "renew"), (4, "unlease"), (4, "lease_end"),
+    }
+    # Version 4 adds messages only: no field of an older message, nothing must-understand.
+    for cls in kp.ALL_MESSAGES:
+        if cls.SINCE == kp.LEASES_VERSION:
+            assert not any(f.must_understand for f in cls.FIELDS), cls.TAG
     # Everything version 3 adds that changes what a message means is must-understand.
     for cls in kp.ALL_MESSAGES:
         for f in cls.FIELDS:
@@ -323,3 +334,81 @@ def test_version_3_frames_of_old_messages_differ_only_in_v_and_new_optional_fiel
         v2, v3 = unpack(kp.encode(msg, 2)), unpack(kp.encode(msg, 3))
         assert v3.pop("v") == 3 and v2.pop("v") == 2
         assert {k: v for k, v in v3.items() if k != "done"} == v2
+
+
+# ------------------------------------------------------------------ version 4
+
+V4_ONLY: list[kp.Message] = [
+    kp.Lease(60, (b"k1", b"k2"), "req", 5000),
+    kp.Lease(61, ()),
+    kp.LeaseReply(60, 42, 5000, kp.LeaseColumns(b"\x01\x02", b"\x00\x01", ("dram", "remote"))),
+    kp.LeaseReply(61, 0, 30000, kp.LeaseColumns(b"", b"", ())),
+    kp.LeaseReply(62, 42, 60000),
+    kp.RenewLease(62, 42, 60000),
+    kp.RenewLease(63, 42),
+    kp.ReleaseLease(64, 42),
+    kp.LeaseEnded(1, 42, ErrorCode.LEASE_EXPIRED),
+    kp.LeaseEnded(2, 42, ErrorCode.PEER_RESTARTED, "source restarted", (b"k2",)),
+]
+
+
+@pytest.mark.parametrize("msg", V4_ONLY, ids=lambda m: type(m).TAG)
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_lease_messages_cannot_be_encoded_for_an_older_peer(msg: kp.Message, version: int) -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        kp.encode(msg, version)
+    assert (info.value.code, info.value.path) == (ErrorCode.UNSUPPORTED_VERSION, "t")
+
+
+@pytest.mark.parametrize("msg", V4_ONLY, ids=lambda m: type(m).TAG)
+def test_lease_messages_round_trip_at_4_and_are_unknown_below(msg: kp.Message) -> None:
+    frame = kp.encode(msg, 4)
+    assert unpack(frame)["v"] == 4
+    assert kp.decode(frame, 4) == msg
+    for max_version in (1, 2, 3):
+        # An endpoint that speaks up to 3 knows no such tag: the tag is checked first.
+        error = refused(frame, max_version)
+        assert (error.code, error.path) == (ErrorCode.UNKNOWN_TYPE, "t")
+    for v in (1, 2, 3):
+        obj = unpack(frame)
+        obj["v"] = v
+        error = refused(pack(obj), 4)
+        assert (error.code, error.path) == (ErrorCode.UNKNOWN_TYPE, "t")
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_older_messages_read_the_same_at_version_4(version: int) -> None:
+    for msg in (WHOLE, DELIVER, Query(3, (b"k",), "r"), kp.Completion(3, (kp.KeyResult(kp.KeyStatus.OK),))):
+        assert kp.decode(kp.encode(msg, version), 4) == msg
+
+
+def test_version_4_frames_of_old_messages_differ_only_in_v() -> None:
+    for msg in (*V3_ONLY, WHOLE, DELIVER, PARTIAL, Query(3, (b"k",), "r"), kp.Heartbeat(5)):
+        v3, v4 = unpack(kp.encode(msg, 3)), unpack(kp.encode(msg, 4))
+        assert v4.pop("v") == 4 and v3.pop("v") == 3
+        assert v3 == v4
+        assert kp.decode(kp.encode(msg, 4), 4) == msg
+
+
+def test_lease_columns_agree_with_their_statuses() -> None:
+    columns = kp.LeaseColumns(bytes([0, 1, 2, 3, 4, 5, 6]), bytes([0, 1, 2, 1, 1, 2, 2]), ("", "dram", "remote"))
+    assert list(columns) == list(kp.LeaseStatus)
+    assert columns.held_count() == 2 and kp.HELD == {kp.LeaseStatus.LEASED, kp.LeaseStatus.LEASED_REMOTE}
+    assert columns.status_of(2) is kp.LeaseStatus.LEASED_REMOTE and columns.tier_of(2) == "remote"
+    assert [int(s) for s in kp.LeaseStatus] == list(range(7))
+
+
+@pytest.mark.parametrize(
+    ("columns", "path"),
+    [
+        ([b"\x01\x01", b"\x00", ["dram"]], "columns.tier"),
+        ([b"\x01\x07", b"\x00\x00", ["dram"]], "columns.status[1]"),
+        ([b"\x01", b"\x01", ["dram"]], "columns.tier[0]"),
+        ([b"\x01", b"\x00", []], "columns.tier[0]"),
+    ],
+)
+def test_lease_columns_that_disagree_are_refused(columns: list[object], path: str) -> None:
+    obj = unpack(kp.encode(kp.LeaseReply(60, 42, 5000, kp.LeaseColumns(b"", b"", ())), 4))
+    obj["columns"] = columns
+    error = refused(pack(obj), 4)
+    assert (error.code, error.path) == (ErrorCode.OUT_OF_RANGE, path)
