@@ -14,6 +14,7 @@ from kvcr_client.errors import (
     NodeLostError,
     OperationTimeout,
 )
+from kvcr_client.leases import LeaseHandle
 from kvcr_client.results import (
     DeliverHandle,
     GroupDone,
@@ -24,11 +25,11 @@ from kvcr_client.results import (
     Presences,
     Results,
 )
-from kvcr_protocol import ErrorCode, GroupState, KeyStatus, Presence
+from kvcr_protocol import ErrorCode, GroupState, KeyStatus, LeaseStatus, Presence
 
 __all__ = [
     "ArgumentError", "AsyncClient", "Client", "ClientClosed", "CurveKeys", "DeliverHandle", "Destination", "ErrorCode",
     "GroupDone", "GroupFailed", "GroupFuture", "GroupState", "KeyOutcome", "KeyPresence",
-    "KeyStatus", "KvcrError", "NodeError", "NodeLostError", "OpHandle", "OperationTimeout", "Presence", "Presences",
+    "KeyStatus", "KvcrError", "LeaseHandle", "LeaseStatus", "NodeError", "NodeLostError", "OpHandle", "OperationTimeout", "Presence", "Presences",
     "RegionHandle", "Results", "Span",
 ]

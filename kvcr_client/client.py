@@ -13,6 +13,7 @@ import math
 import operator
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -22,11 +23,13 @@ from typing import Any, cast, overload
 from kvcr_client.buffers import BufferError, describe
 from kvcr_client.core import ClientCore
 from kvcr_client.errors import ArgumentError, ClientClosed, KvcrError, NodeError, NodeLostError, OperationTimeout
+from kvcr_client.leases import LeaseHandle
 from kvcr_client.results import DeliverHandle, GroupDone, KeyOutcome, OpHandle, Presences, Results
 from kvcr_protocol import (
     COLUMNS_VERSION,
     CURRENT_VERSION,
     DEFAULT_LIMITS,
+    LEASES_VERSION,
     PRESENCE_CODE,
     Abort,
     Ack,
@@ -42,6 +45,9 @@ from kvcr_protocol import (
     Fetch,
     FetchItem,
     LayoutSpan,
+    Lease,
+    LeaseEnded,
+    LeaseReply,
     Message,
     PoolInfo,
     Presence,
@@ -51,6 +57,8 @@ from kvcr_protocol import (
     Region,
     RegisterRegions,
     Release,
+    ReleaseLease,
+    RenewLease,
     SrcSpan,
     StatsReply,
     StatsRequest,
@@ -309,6 +317,9 @@ class _Base:
         """Whether the engine polls (it called ``poll_completed``): only then are completions queued."""
         self.completed_dropped = 0
         """Completions dropped from the full ``poll_completed`` queue (``max_completed``)."""
+        self._leases: dict[int, LeaseHandle] = {}
+        """Live leases by id, so that the node's ``lease_end`` reaches their handles (lock held)."""
+        self.core.on_lease_end = self._lease_ended
 
     def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
         handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait, self.core.poll, self.core.wait_async)
@@ -736,6 +747,89 @@ class _Base:
         if not isinstance(handle, OpHandle):
             raise ArgumentError("handle", f"expected an OpHandle of this client, got {type(handle).__name__}")
         handle.abort()
+
+    # ------------------------------------------------------------------ leases
+
+    def lease(self, keys: Iterable[bytes], request_id: str | None = None, ttl_ms: int = 0) -> OpHandle[LeaseHandle]:
+        """Hold ``keys`` from now through every delivery of them (spec section 6.11).
+
+        The handle resolves to a ``LeaseHandle`` that says per key what is held: here
+        (``LEASED``), at the source the hint for ``request_id`` names (``LEASED_REMOTE``), or
+        not (``MISS``, ``PENDING``, ``LEASE_LIMIT``, ``ADVISORY``, ``UNREACHABLE``: treat as a
+        miss). Held keys cannot be evicted until the lease is released, expires (``ttl_ms``,
+        0: the node's default) or its session ends. Needs a node speaking version 4.
+        """
+        request_id = _optional_request_id(request_id)
+        ks = _keys(keys, "keys")
+        ttl = _uint(ttl_ms, "ttl_ms", 0xFFFFFFFF)
+        self._need_leases()
+        core = self.core
+        asked_at = time.monotonic()
+        welcome = core.welcome
+
+        def live() -> bool:
+            return not core._closed and not core.lost and core.welcome is welcome
+
+        def convert(msg: Message) -> LeaseHandle:
+            if not isinstance(msg, LeaseReply) or msg.columns is None:
+                raise ValueError(f"expected lease_reply with columns, got {msg.TAG}")
+            if len(msg.columns) != len(ks):
+                raise ValueError(f"{len(msg.columns)} answers for {len(ks)} keys")
+            handle = LeaseHandle(msg.lease, msg.ttl_ms, ks, msg.columns, asked_at, self.renew_lease, self.release_lease, live)
+            if msg.lease:
+                self._leases[msg.lease] = handle
+            return handle
+
+        op_id, fut = core.request(lambda i: Lease(i, ks, request_id, ttl), convert, CONTROL_TIMEOUT_S)
+        return self._handle(op_id, "lease", fut)
+
+    def renew_lease(self, lease: LeaseHandle, ttl_ms: int = 0) -> OpHandle[int]:
+        """Keep ``lease`` ``ttl_ms`` more from now (0: its own time to live); resolves to the
+        granted time to live. A lease the node no longer holds fails ``NodeError(UNKNOWN_LEASE)``."""
+        self._live_lease(lease)
+        ttl = _uint(ttl_ms, "ttl_ms", 0xFFFFFFFF)
+        asked_at = time.monotonic()
+
+        def convert(msg: Message) -> int:
+            if not isinstance(msg, LeaseReply):
+                raise ValueError(f"expected lease_reply, got {msg.TAG}")
+            lease.renewed(msg.ttl_ms, asked_at)
+            return msg.ttl_ms
+
+        op_id, fut = self.core.request(lambda i: RenewLease(i, lease.id, ttl), convert, CONTROL_TIMEOUT_S)
+        return self._handle(op_id, "renew", fut)
+
+    def release_lease(self, lease: LeaseHandle) -> OpHandle[None]:
+        """End ``lease`` now: what it held may be evicted again. A second release (or one of
+        a lease that ended) is an ``ArgumentError``; the node frees nothing twice either."""
+        self._live_lease(lease)
+        lease.released = True
+        lease.end(ErrorCode.OK, "released")
+        self._leases.pop(lease.id, None)
+        op_id, fut = self.core.request(lambda i: ReleaseLease(i, lease.id), _ack, CONTROL_TIMEOUT_S)
+        return self._handle(op_id, "unlease", fut)
+
+    def _live_lease(self, lease: Any) -> None:
+        if not isinstance(lease, LeaseHandle):
+            raise ArgumentError("lease", f"expected a LeaseHandle, got {type(lease).__name__}")
+        if lease.released:
+            raise ArgumentError("lease", f"lease {lease.id} was released already")
+        if lease.ended is not None or self._leases.get(lease.id) is not lease:
+            raise ArgumentError("lease", f"lease {lease.id} is not held (ended: {lease.ended!r} {lease.end_reason})".rstrip())
+
+    def _need_leases(self) -> None:
+        version = self.core.version
+        if version and version < LEASES_VERSION:
+            raise NodeError(ErrorCode.PEER_UNSUPPORTED, f"the session agreed on version {version}; leases need {LEASES_VERSION}")
+
+    def _lease_ended(self, msg: LeaseEnded) -> None:
+        """The node's ``lease_end`` (lock held): the handle learns what it no longer holds."""
+        handle = self._leases.get(msg.lease)
+        if handle is None:
+            return
+        handle.end(msg.code, msg.reason, msg.keys)
+        if handle.ended is not None:
+            del self._leases[msg.lease]
 
     def stats(self) -> OpHandle[dict[str, Any]]:
         def convert(msg: Message) -> dict[str, Any]:

@@ -75,6 +75,7 @@ from kvcr_protocol import (
     ErrorCode,
     Heartbeat,
     Hello,
+    LeaseEnded,
     LocalProtocolError,
     Message,
     Notification,
@@ -297,6 +298,8 @@ class ClientCore:
         the control messages alone must then complete every group)."""
         self.capacity_events: collections.deque[CapacityEvent] = collections.deque(maxlen=1024)
         self.on_capacity: Callable[[CapacityEvent], None] | None = None
+        self.on_lease_end: Callable[[LeaseEnded], None] | None = None
+        """Takes the node's ``lease_end`` events (lock held)."""
         self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
         self._thread.start()
 
@@ -1021,6 +1024,14 @@ class ClientCore:
             return
         if cls is Heartbeat:
             return  # its id counts heartbeats, not requests
+        if isinstance(msg, LeaseEnded):
+            # An event, not a reply: its id counts the session's events (spec section 6.11).
+            if self.on_lease_end is not None:
+                try:
+                    self.on_lease_end(msg)
+                except Exception:
+                    log.exception("lease end handling failed")
+            return
         if isinstance(msg, Progress):
             # Not a reply: the request goes on (spec section 5.1).
             observed = self._pending.get(msg.id)

@@ -100,6 +100,17 @@ class NodeConfig:
     """Hints (request ids) one session may hold; one more is refused with HINT_LIMIT."""
     max_hinted_keys_per_session: int = 65536
     """Keys summed over one session's hints; a hint past it is refused with HINT_LIMIT."""
+    lease_ttl_ms: int = 30_000
+    """Time to live of a lease whose request names none (spec section 6.11)."""
+    max_lease_ttl_ms: int = 600_000
+    """The longest time to live a lease or renewal is granted; longer asks are cut to it."""
+    max_leases_per_session: int = 1024
+    """Leases one session may hold; one more is refused with LEASE_LIMIT."""
+    max_leased_slots_per_session: int = 65536
+    """Slots one session's leases may hold; a key past it answers LEASE_LIMIT."""
+    lease_pool_fraction: float = 0.5
+    """The fraction of each pool's slots that leased objects may pin, so that leases cannot
+    starve the cache; a key past it answers LEASE_LIMIT."""
     max_frame: int = 8 << 20
     """Bytes in one control frame; larger ones are refused (TOO_LARGE) or cut off."""
     curve_secret_key: str = ""
@@ -143,13 +154,16 @@ class NodeConfig:
             parse_memory(pool.memory, f"pools[{i}].memory")
         if self.policy not in ("fifo", "lru") and ":" not in self.policy:
             raise ConfigError("policy", f"expected 'fifo', 'lru' or 'module:Class', got {self.policy!r}")
+        if isinstance(self.lease_pool_fraction, bool) or not 0.0 <= self.lease_pool_fraction <= 1.0:
+            raise ConfigError("lease_pool_fraction", f"expected a fraction in [0, 1], got {self.lease_pool_fraction!r}")
         if not 0.0 <= self.low_watermark < 1.0:
             raise ConfigError("low_watermark", f"expected a fraction in [0, 1), got {self.low_watermark!r}")
         if self.protocol_version not in SUPPORTED_VERSIONS:
             raise ConfigError("protocol_version", f"expected one of {list(SUPPORTED_VERSIONS)}, got {self.protocol_version!r}")
         for name in ("deadline_ms", "heartbeat_ms", "batch", "projection_cache", "peer_dead_ms",
                      "client_grace_ms", "max_clients", "max_pending", "max_frame", "peer_idle_ms", "max_peers",
-                     "max_peer_clients", "max_hints_per_session", "max_hinted_keys_per_session"):
+                     "max_peer_clients", "max_hints_per_session", "max_hinted_keys_per_session", "lease_ttl_ms",
+                     "max_lease_ttl_ms", "max_leases_per_session", "max_leased_slots_per_session"):
             value = getattr(self, name)
             # heartbeat_ms 0 disables heartbeats (spec section 5.2); every other count is positive.
             least = 0 if name == "heartbeat_ms" else 1
@@ -219,7 +233,8 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "peer_dead_ms": int, "client_grace_ms": int, "max_clients": int, "max_pending": int,
     "max_frame": int, "max_hints_per_session": int, "max_hinted_keys_per_session": int, "curve_secret_key": str,
     "curve_public_key": str, "curve_allow": str, "curve_peer_key": str,
-    "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int,
+    "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int, "lease_ttl_ms": int, "max_lease_ttl_ms": int,
+    "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
 }
 
 
@@ -249,5 +264,5 @@ def from_mapping(raw: dict[str, Any], base: NodeConfig | None = None) -> NodeCon
             raise ConfigError(key, "unknown configuration field")
         if (expected is bool) != isinstance(value, bool) or not isinstance(value, expected):
             raise ConfigError(key, f"wrong type {type(value).__name__}")
-        changes[key] = float(raw[key]) if key == "low_watermark" else raw[key]
+        changes[key] = float(raw[key]) if key in ("low_watermark", "lease_pool_fraction") else raw[key]
     return replace(config, **changes).validated()

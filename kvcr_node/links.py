@@ -37,6 +37,8 @@ from kvcr_protocol import (
     ErrorCode,
     Heartbeat,
     KeyResult,
+    LeaseEnded,
+    LeaseReply,
     Message,
     PeerClient,
     PeerHello,
@@ -53,7 +55,7 @@ from kvcr_protocol import (
     encode,
 )
 from kvcr_protocol.operations import SOURCE_CODES
-from kvcr_protocol.versions import COLUMNS_VERSION, PARTIAL_LAYOUT_VERSION
+from kvcr_protocol.versions import COLUMNS_VERSION, LEASES_VERSION, PARTIAL_LAYOUT_VERSION
 
 log = logging.getLogger("kvcr.node")
 
@@ -99,6 +101,21 @@ class LinkOwner(Protocol):
         """Handling a source's message raised (counted and logged by the owner)."""
 
 
+class LeaseOwner(Protocol):
+    """Who holds the leases asked for through links (``kvcr_node.leases``)."""
+
+    def source_lease_ended(self, link: PeerLink, msg: LeaseEnded) -> None:
+        """The source ended one of the leases it holds for us."""
+
+    def source_lost(self, link: PeerLink, code: ErrorCode) -> None:
+        """The source restarted (``PEER_RESTARTED``) or its session is gone (``PEER_UNREACHABLE``):
+        it holds no lease for us any more."""
+
+
+Answer = Callable[[Message | None, ErrorCode | None], None]
+"""Takes a source's reply to a request sent by ``Links.ask``, or None and why none came."""
+
+
 def _close_quietly(sock: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | None) -> None:
     """Close what was opened for a link that could not be made."""
     if sock is not None:
@@ -138,7 +155,8 @@ class Links:
         self.socks: dict[Any, PeerLink] = {}
         """Each link's socket and monitor, as the poller reports them."""
         self._ids = itertools.count(1)
-        """Ids of every message we send on links: hello, write, announce, probe, heartbeat, bye."""
+        """Ids of every message we send on links: hello, write, announce, probe, heartbeat, bye, leases."""
+        self.lease_owner: LeaseOwner | None = None
 
     def __iter__(self) -> Iterator[PeerLink]:
         return iter(self.by_endpoint.values())
@@ -228,6 +246,58 @@ class Links:
             for announce_id in [i for i, a in link.announcing.items() if a == agent]:
                 del link.announcing[announce_id]
 
+    # ------------------------------------------------------------------ lease requests
+
+    def ask(self, endpoint: str, build: Callable[[int], Message], answer: Answer, wait_s: float) -> None:
+        """Send the source at ``endpoint`` a lease request (``build`` makes it for a message id)
+        once its session is up, if that is within ``wait_s``; ``answer`` gets the reply, or None
+        and why none can come: the link cannot open or no session came in time, the source
+        speaks no leases (``PEER_UNSUPPORTED``), or the session was lost or restarted before
+        it answered."""
+        try:
+            link = self.open(endpoint)
+        except LinkError as exc:
+            answer(None, exc.code)
+            return
+        if link.state is LinkState.READY:
+            self._send_ask(link, build, answer)
+        else:
+            link.asks_queued.append((build, answer, self.clock() + wait_s))
+
+    def _send_ask(self, link: PeerLink, build: Callable[[int], Message], answer: Answer) -> None:
+        if link.version < LEASES_VERSION:
+            answer(None, ErrorCode.PEER_UNSUPPORTED)  # spec section 6.11: no silent lease that is not one
+            return
+        ask_id = next(self._ids)
+        if self._send(link, build(ask_id)):
+            link.asks[ask_id] = answer
+        else:
+            answer(None, ErrorCode.PEER_UNREACHABLE)
+
+    def hold_lease(self, endpoint: str, lease: int) -> None:
+        """The source at ``endpoint`` holds ``lease`` for us: its link stays open meanwhile."""
+        link = self.by_endpoint.get(endpoint)
+        if link is not None:
+            link.leases.add(lease)
+
+    def release_lease(self, endpoint: str, lease: int) -> None:
+        link = self.by_endpoint.get(endpoint)
+        if link is not None:
+            link.leases.discard(lease)
+            link.last_used = self.clock()
+
+    def _fail_asks(self, link: PeerLink, code: ErrorCode) -> None:
+        """Every lease request on ``link`` gets no answer (``code`` says why); what the source
+        held for us is lost with its session."""
+        asks, link.asks = link.asks, {}
+        queued, link.asks_queued = link.asks_queued, []
+        for answer in [*asks.values(), *(a for _, a, _ in queued)]:
+            answer(None, code)
+        if link.leases:
+            link.leases.clear()
+            if self.lease_owner is not None:
+                self.lease_owner.source_lost(link, code)
+
     def _send_write(self, write: RemoteWrite) -> None:
         link = write.link
         if write.partial and link.version < PARTIAL_LAYOUT_VERSION:
@@ -279,6 +349,8 @@ class Links:
                     link.state = LinkState.DOWN
                     link.down_since = self.clock()
                     log.warning("lost peer %s (%s)", link.node or link.endpoint, link.endpoint)
+                    # A new connection is a new peer session: the leases of this one are gone.
+                    self._fail_asks(link, ErrorCode.PEER_UNREACHABLE)
             elif event["event"] == zmq.EVENT_CONNECTED and link.state is LinkState.DOWN:
                 # Back: a new connection is a new session at the peer; say hello again.
                 self._say_hello(link)
@@ -306,7 +378,14 @@ class Links:
                 self.owner.internal_failure("ending a write", again)
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:
-        if isinstance(msg, PeerWelcome) and msg.id == link.hello_id:
+        answer = link.asks.pop(msg.id, None) if isinstance(msg, (LeaseReply, Ack, Error)) else None
+        if answer is not None:
+            answer(msg, None)
+        elif isinstance(msg, LeaseEnded):
+            if self.lease_owner is not None:
+                link.leases.discard(msg.lease)
+                self.lease_owner.source_lease_ended(link, msg)
+        elif isinstance(msg, PeerWelcome) and msg.id == link.hello_id:
             self._on_welcome(link, msg)
         elif isinstance(msg, WriteDone):
             write = link.writes.get(msg.id)
@@ -377,6 +456,9 @@ class Links:
             self.counters["peer_restarts"] += 1
             for write in list(link.writes.values()):
                 self.end_write(write, ErrorCode.PEER_RESTARTED, "the source restarted")
+            queued_asks, link.asks_queued = link.asks_queued, []  # asked of the new one below
+            self._fail_asks(link, ErrorCode.PEER_RESTARTED)
+            link.asks_queued = queued_asks
         link.incarnation = msg.incarnation
         link.version = msg.version
         link.node = msg.node
@@ -396,6 +478,9 @@ class Links:
         for write in queued:
             if write.state is WriteStage.QUEUED:
                 self._send_write(write)
+        asks, link.asks_queued = link.asks_queued, []
+        for build, answer, _ in asks:
+            self._send_ask(link, build, answer)
         for write in list(link.writes.values()):
             if write.state is WriteStage.UNCERTAIN:
                 write.next_probe = 0.0
@@ -404,6 +489,7 @@ class Links:
         queued, link.queued = link.queued, []
         for write in queued:
             self.end_write(write, code, reason)
+        self._fail_asks(link, code)
 
     def _on_probe_reply(self, link: PeerLink, msg: ProbeReply) -> None:
         write = link.probes.pop(msg.id, None)
@@ -428,6 +514,12 @@ class Links:
                 # The source drops sessions silent for its client grace, ours included.
                 link.next_heartbeat = now + self.config.heartbeat_ms / 1000
                 self._send(link, Heartbeat(next(self._ids)))
+            if link.asks_queued and link.state is not LinkState.READY:
+                # No session with the source in time: the lease requests waiting for it end.
+                late = [ask for ask in link.asks_queued if ask[2] <= now]
+                link.asks_queued = [ask for ask in link.asks_queued if ask[2] > now]
+                for _, answer, _ in late:
+                    answer(None, ErrorCode.PEER_UNREACHABLE)
             for write in list(link.queued):
                 if write.deadline <= now:
                     link.queued.remove(write)
@@ -460,7 +552,7 @@ class Links:
         times: list[float] = []
         if self.config.heartbeat_ms:
             times.extend(link.next_heartbeat for link in self if link.state is LinkState.READY)
-        if any(link.writes or link.queued for link in self):
+        if any(link.writes or link.queued or link.asks_queued for link in self):
             times.append(now + WRITE_POLL_S)
         idle = [link.last_used for link in self if not link.busy]
         if idle:
@@ -475,6 +567,7 @@ class Links:
                 "node": link.node, "state": link.state.value, "version": link.version,
                 "incarnation": link.incarnation, "writes_outstanding": len(link.writes), "queued": len(link.queued),
                 "uncertain": sum(1 for w in link.writes.values() if w.state is WriteStage.UNCERTAIN),
+                "leases": len(link.leases),
             }
             for link in self
         }
@@ -487,6 +580,8 @@ class Links:
             "probes": sum(len(link.probes) for link in self),
             "clients_sent": sum(len(link.clients_sent) for link in self),
             "announcing": sum(len(link.announcing) for link in self),
+            "lease_asks": sum(len(link.asks) + len(link.asks_queued) for link in self),
+            "source_leases": sum(len(link.leases) for link in self),
         }
 
     @property

@@ -37,6 +37,7 @@ from kvcr_node.auth import CurveServer
 from kvcr_node.config import NodeConfig
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.eviction import make_policy
+from kvcr_node.leases import Leases
 from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Operations
 from kvcr_node.ops.deliver import Deliveries
@@ -131,9 +132,11 @@ class Node:
             self.agent.name, failure, self.curve.peer_keys if self.curve is not None else None,
         )
         self.links = self.target.links
+        self.leases = Leases(config, self.store, self.outbox, self.links, self.clock, self.endpoint)
+        self.links.lease_owner = self.leases
         pool_info = tuple(PoolInfo(s.name, s.slot_size, s.slot_count, s.memory) for s in config.pools)
         self.sessions = Sessions(
-            config, self.store, self.operations, self.target, self.remote_agents, self.transfers, self.outbox,
+            config, self.store, self.operations, self.target, self.leases, self.remote_agents, self.transfers, self.outbox,
             self.counters, self.clock, self.versions, self.incarnation, self.agent.name, pool_info,
         )
         slot_sizes = {name: mem.spec.slot_size for name, mem in self.memories.items()}
@@ -144,13 +147,13 @@ class Node:
             self.protocol_errors, self.versions, self.incarnation, self.agent.name, self.agent.metadata,
         )
         self.stats = Stats(
-            config, self.incarnation, self.versions, self.store, self.sessions, self.operations, self.target,
+            config, self.incarnation, self.versions, self.store, self.sessions, self.operations, self.target, self.leases,
             self.transfers, self.remote_agents, projections, self.outbox, self.counters, self.protocol_errors,
         )
         self.router = Router(
             self.sessions, self.operations, Deposits(self.store, self.memories, self.operations), self.deliveries,
             Fetches(self.store, self.memories, self.operations, self.target),
-            Queries(self.store, self.outbox), self.source, self.stats, self.outbox, self.versions,
+            Queries(self.store, self.outbox), self.leases, self.source, self.stats, self.outbox, self.versions,
             Limits(max_frame=config.max_frame), self.clock, failure,
         )
 
@@ -233,6 +236,8 @@ class Node:
             # Heartbeats to sources, write deadlines and probes, idle links closed.
             self._guarded("peer links", self.links.check, now)
         self._guarded("deadlines", self.operations.check_deadlines, now)
+        if self.leases.table:
+            self._guarded("leases", self.leases.check, now)
         self._guarded("liveness", self.sessions.check_liveness, now)
         self._guarded("capacity events", self.sessions.flush_capacity_events)
 
@@ -271,7 +276,8 @@ class Node:
 
     def _idle_timeout_ms(self) -> int:
         now = self.clock()
-        wakeups = [t for t in (self.operations.next_deadline(), self.sessions.next_wakeup(), self.links.next_wakeup(now))
+        wakeups = [t for t in (self.operations.next_deadline(), self.sessions.next_wakeup(), self.links.next_wakeup(now),
+                               self.leases.next_expiry() if self.leases.table else None)
                    if t is not None]
         if not wakeups:
             return _IDLE_POLL_MS
@@ -326,6 +332,7 @@ class Node:
         for session in list(self.sessions):
             for op in list(session.ops.values()):
                 self.operations.abort(op, ErrorCode.SHUTTING_DOWN, "the node is stopping")
+        self.leases.end_all(ErrorCode.SHUTTING_DOWN, "the node is stopping")
         self._send_out()
         if self.transfers.inflight:
             log.error("%d transfers still in flight at exit; memory stays registered", len(self.transfers.inflight))

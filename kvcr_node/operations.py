@@ -323,12 +323,14 @@ class Operations:
         self.outbox.check_results("release", results)
         self.outbox.reply(session, Completion(msg.id, tuple(results)))
 
-    def check_invariants(self) -> list[str]:
-        """Claims match handles plus operation claims; every handle is in its session."""
+    def check_invariants(self, lease_claims: int = 0) -> list[str]:
+        """Claims match handles plus operation claims (plus ``lease_claims``, those leases
+        hold); every handle is in its session."""
         breaches = []
         claims = self.store.stats()["claims"]
-        if claims != len(self.handles) + self.claims:
-            breaches.append(f"claims {claims} != handles {len(self.handles)} + operation claims {self.claims}")
+        if claims != len(self.handles) + self.claims + lease_claims:
+            breaches.append(f"claims {claims} != handles {len(self.handles)} + operation claims {self.claims} "
+                            f"+ lease claims {lease_claims}")
         for handle, (session, _) in self.handles.items():
             if handle not in session.handles:
                 breaches.append(f"handle {handle} is not in its session")

@@ -110,14 +110,22 @@ class PeerLink:
     """Probe id -> the uncertain write it asks about (one per write: its latest)."""
     next_heartbeat: float = 0.0
     """When to tell the peer we are alive (it drops sessions silent for its client grace)."""
+    asks: dict[int, Any] = field(default_factory=dict)
+    """Lease requests sent and not yet answered: id -> who takes the answer (``Links.ask``)."""
+    asks_queued: list[tuple[Any, Any, float]] = field(default_factory=list)
+    """Lease requests waiting for the session: (build the message for an id, who takes the
+    answer, when to give up)."""
+    leases: set[int] = field(default_factory=set)
+    """The source's lease ids it holds for this node (the link stays open while it does)."""
     last_used: float = field(default_factory=time.monotonic)
     """When a write last started or ended on it (idle links close, spec section 5.3)."""
     closed: bool = False
 
     @property
     def busy(self) -> bool:
-        """Whether a write is sent, queued or uncertain on it (or probed): it must stay open."""
-        return bool(self.writes or self.queued or self.probes)
+        """Whether a write is sent, queued or uncertain on it (or probed), or a lease is asked
+        for or held through it: it must stay open."""
+        return bool(self.writes or self.queued or self.probes or self.asks or self.asks_queued or self.leases)
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the socket (after up to ``linger_ms`` to deliver what was sent) and the monitor."""

@@ -63,6 +63,10 @@ class ClientSession:
     """This session's hints by request id (spec section 5.2): no other session sees them."""
     hinted_keys: int = 0
     """Keys summed over ``hints`` (bounded by the node's ``max_hinted_keys_per_session``)."""
+    leases: set[int] = field(default_factory=set)
+    """The ids of the leases this session holds (``kvcr_node.leases`` owns them)."""
+    leased_slots: int = 0
+    """Slots those leases hold here (bounded by ``max_leased_slots_per_session``)."""
 
     def forget_hints(self) -> None:
         """Drop every hint (bye or expiry: hints end with their session)."""

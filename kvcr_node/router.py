@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
 
+from kvcr_node.leases import Leases
 from kvcr_node.operations import Failure, Operations
 from kvcr_node.ops.deliver import Deliveries
 from kvcr_node.ops.deposit import Deposits
@@ -33,6 +34,7 @@ from kvcr_protocol import (
     Fetch,
     Heartbeat,
     Hello,
+    Lease,
     Limits,
     Message,
     PeerClient,
@@ -42,7 +44,9 @@ from kvcr_protocol import (
     Query,
     RegisterRegions,
     Release,
+    ReleaseLease,
     RemoteProtocolError,
+    RenewLease,
     StatsRequest,
     SubmitHint,
     UnregisterRegions,
@@ -55,7 +59,7 @@ M = TypeVar("M", bound=Message)
 To = TypeVar("To")
 S = TypeVar("S", bound=ClientSession)
 
-WHILE_STOPPING = (Release, Bye, Heartbeat, StatsRequest)
+WHILE_STOPPING = (Release, ReleaseLease, Bye, Heartbeat, StatsRequest)
 """What a stopping node still serves: requests that end or release things, and stats."""
 
 class Handlers(dict[type[Message], Callable[[To, Message], None]]):
@@ -72,7 +76,7 @@ class Router:
 
     def __init__(
         self, sessions: Sessions, operations: Operations, deposits: Deposits, deliveries: Deliveries,
-        fetches: Fetches, queries: Queries, source: Source, stats: Stats, outbox: Outbox,
+        fetches: Fetches, queries: Queries, leases: Leases, source: Source, stats: Stats, outbox: Outbox,
         versions: Sequence[int], limits: Limits, clock: Callable[[], float], failure: Failure,
     ) -> None:
         self.sessions = sessions
@@ -88,7 +92,10 @@ class Router:
 
         def either(table: Handlers[S]) -> Handlers[S]:
             """What clients and peers alike may send."""
-            return table.add(StatsRequest, stats.on_stats).add(Heartbeat, sessions.on_heartbeat).add(Bye, sessions.on_bye)
+            return (
+                table.add(StatsRequest, stats.on_stats).add(Heartbeat, sessions.on_heartbeat).add(Bye, sessions.on_bye)
+                .add(Lease, leases.on_lease).add(RenewLease, leases.on_renew).add(ReleaseLease, leases.on_unlease)
+            )
 
         self.client_handlers = either(
             Handlers[ClientSession]()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from kvcr_node.agents import AgentUse, RemoteAgents
 from kvcr_node.config import NodeConfig
+from kvcr_node.leases import Leases
 from kvcr_node.operations import Operations
 from kvcr_node.outbox import Outbox
 from kvcr_node.records import ClientSession, PeerSession
@@ -65,7 +66,7 @@ class Sessions:
     """Every open session by identity, the retired peer sessions, and liveness."""
 
     def __init__(
-        self, config: NodeConfig, store: Store, operations: Operations, target: Target, agents: RemoteAgents,
+        self, config: NodeConfig, store: Store, operations: Operations, target: Target, leases: Leases, agents: RemoteAgents,
         transfers: Transfers, outbox: Outbox, counters: collections.Counter[str], clock: Callable[[], float],
         versions: Sequence[int], incarnation: int, agent_name: str, pool_info: tuple[PoolInfo, ...],
     ) -> None:
@@ -73,6 +74,7 @@ class Sessions:
         self.store = store
         self.operations = operations
         self.target = target
+        self.leases = leases
         self.agents = agents
         self.transfers = transfers
         self.outbox = outbox
@@ -261,6 +263,7 @@ class Sessions:
         """
         session.closing = True
         session.forget_hints()  # spec section 5.2: hints end with their session
+        self.leases.end_session_leases(session)  # spec section 6.11: and so do leases
         self.target.drop_withdrawals(session)  # held unregions end unanswered with the session
         self.operations.end_session(session)
         if self.table.get(session.identity) is session:

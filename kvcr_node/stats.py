@@ -13,6 +13,7 @@ from typing import Any
 
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
+from kvcr_node.leases import Leases
 from kvcr_node.operations import Operations
 from kvcr_node.outbox import Outbox
 from kvcr_node.records import ClientSession, PeerSession
@@ -28,7 +29,7 @@ class Stats:
 
     def __init__(
         self, config: NodeConfig, incarnation: int, versions: Sequence[int], store: Store, sessions: Sessions,
-        operations: Operations, target: Target, transfers: Transfers, agents: RemoteAgents,
+        operations: Operations, target: Target, leases: Leases, transfers: Transfers, agents: RemoteAgents,
         projections: ProjectionCache, outbox: Outbox, counters: collections.Counter[str],
         protocol_errors: collections.Counter[str],
     ) -> None:
@@ -39,6 +40,7 @@ class Stats:
         self.sessions = sessions
         self.operations = operations
         self.target = target
+        self.leases = leases
         self.transfers = transfers
         self.agents = agents
         self.projections = projections
@@ -67,7 +69,9 @@ class Stats:
                 "total": store["claims"],
                 "handles": len(self.operations.handles),
                 "operations": self.operations.claims,
+                "leases": self.leases.claims,
             },
+            "leases": self.leases.stats(),
             "clients": sum(1 for s in sessions if not isinstance(s, PeerSession)),
             "operations_pending": sum(len(s.ops) for s in sessions),
             "transfers": self.transfers.stats(),
@@ -98,12 +102,14 @@ class Stats:
             "hints": sum(len(s.hints) for s in clients),
             "hinted_keys": sum(s.hinted_keys for s in clients),
             "withdrawals": sum(len(s.withdrawals) for s in clients),
+            **self.leases.sizes(),
         }
 
     def check_invariants(self) -> list[str]:
         """The store's invariants plus the node's: claims match handles and live operations."""
         breaches = self.store.check_invariants()
-        breaches.extend(self.operations.check_invariants())
+        breaches.extend(self.operations.check_invariants(self.leases.claims))
+        breaches.extend(self.leases.check_invariants())
         for what, n in self.outbox.undeclared_codes.items():
             breaches.append(f"sent a code spec section 10.1 does not list ({what}) {n} times")
         return breaches

@@ -404,7 +404,7 @@ def test_no_evict_handles_protect_until_released(node_factory: Callable[..., Any
         ).result(10)
         assert res[keys[0]].status is KeyStatus.DUPLICATE and res[keys[0]].handle is None
         assert res[keys[1]].status is STORED and res[keys[1]].handle not in (None, held.handle)
-        assert stats(c)["claims"] == {"total": 2, "handles": 2, "operations": 0}
+        assert stats(c)["claims"] == {"total": 2, "handles": 2, "operations": 0, "leases": 0}
         assert c.release([res[keys[1]].handle]).result(5).all_ok
 
         # The pool holds two objects; three more deposits evict around the held one.
@@ -485,7 +485,7 @@ def test_fetch_local(client: Client, register: Registrar, key: Callable[[str], b
     assert res[k].status is OK and isinstance(res[k].handle, int), res[k]
     assert (res[missing].status, res[missing].code) == (FAILED, ErrorCode.NOT_FOUND)
     st = stats(client)
-    assert st["claims"] == {"total": 1, "handles": 1, "operations": 0}
+    assert st["claims"] == {"total": 1, "handles": 1, "operations": 0, "leases": 0}
 
     for wrong in (pairs[:-1], pairs[1:], [*pairs[:-1], ("state", "kv")], [(n + "x", p) for n, p in pairs]):
         out = client.fetch({k: wrong}).result(10)[k]

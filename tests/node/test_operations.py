@@ -160,7 +160,7 @@ def test_a_fetch_that_waited_gets_a_handle_and_release_returns_it_once(ipc_dir: 
         (result,) = completion(d.sent(b"c"), 2)
         assert result.status is KeyStatus.OK and result.handle is not None
         st = d.stats()
-        assert st["claims"] == {"total": 1, "handles": 1, "operations": 0} and st["invariants"] == []
+        assert st["claims"] == {"total": 1, "handles": 1, "operations": 0, "leases": 0} and st["invariants"] == []
         (released,) = completion(d.receive(b"c", Release(3, (result.handle,))), 3)
         assert released.status is KeyStatus.OK
         (again,) = completion(d.receive(b"c", Release(4, (result.handle,))), 4)

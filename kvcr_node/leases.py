@@ -1,0 +1,504 @@
+"""Leases: objects held from a lookup through every delivery of them (spec section 6.11).
+
+A lease holds each READY key it names with one claim (architecture §2), so the object
+cannot be evicted or removed while the lease lasts, and every deliver or fetch of it finds
+it. Keys the session's hint sends to a source are leased there, on the peer session, by a
+lease this node holds for the client (a ``SourceHold``). ``Leases`` owns every lease: the
+table by id, each session's ids, the slots leases pin per pool, and the limits that keep
+leases from starving the cache. A lease ends at ``unlease``, at the end of its time to
+live (``lease_end`` LEASE_EXPIRED), with its session, or (the keys of one source) when that
+source restarts, stays unreachable, or ends its own lease.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import heapq
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvcr_node.config import NodeConfig
+from kvcr_node.outbox import Outbox
+from kvcr_node.records import ClientSession, PeerSession
+from kvcr_node.store import ObjectEntry, ObjectState, Store
+from kvcr_protocol import (
+    Ack,
+    Error,
+    ErrorCode,
+    Lease,
+    LeaseColumns,
+    LeaseEnded,
+    LeaseReply,
+    LeaseStatus,
+    Message,
+    ProtocolError,
+    ReleaseLease,
+    RenewLease,
+)
+
+if TYPE_CHECKING:
+    from kvcr_node.links import Links
+    from kvcr_node.peers import PeerLink
+
+log = logging.getLogger("kvcr.node")
+
+REMOTE_TIER = "remote"
+"""The tier a key held by a source is reported in (as for queries)."""
+SOURCE_ANSWER_S = 2.0
+"""How long a lease waits for a source's answer; its keys then answer UNREACHABLE (a late
+answer that leased something is released at once)."""
+_REMOTE_TIER_INDEX = 1
+_PASSED_ON = {LeaseStatus.MISS, LeaseStatus.PENDING, LeaseStatus.LEASE_LIMIT}
+"""A source's statuses a target passes on as they are (its LEASED becomes LEASED_REMOTE)."""
+
+Answer = Callable[[Message | None, ErrorCode | None], None]
+"""Called once with a source's reply to a lease request, or None and why there is none."""
+
+
+class HoldState(enum.Enum):
+    """Where a lease's keys at one source stand."""
+
+    ASKING = "asking"
+    """The source was asked (or will be, once the link is up) and has not answered."""
+    HELD = "held"
+    """The source holds ``keys`` under ``source_lease``."""
+    ENDED = "ended"
+
+
+@dataclass(eq=False)
+class SourceHold:
+    """The keys of one lease that one source holds (or was asked to hold) for this node."""
+
+    endpoint: str
+    indices: list[int]
+    """The request's positions of the keys asked for."""
+    keys: tuple[bytes, ...]
+    state: HoldState = HoldState.ASKING
+    source_lease: int = 0
+    held: tuple[bytes, ...] = ()
+    """The keys the source holds (HELD)."""
+
+
+@dataclass(eq=False)
+class PendingReply:
+    """A ``lease`` request whose answer waits for sources."""
+
+    request_id: int
+    keys: tuple[bytes, ...]
+    status: bytearray
+    tier: bytearray
+    deadline: float
+    asking: int
+
+
+@dataclass(eq=False)
+class LeaseRecord:
+    """One lease: its session, time to live, the objects it claims here, its keys at sources."""
+
+    id: int
+    session: ClientSession
+    ttl_ms: int
+    expires: float
+    entries: list[ObjectEntry] = field(default_factory=list)
+    slots: int = 0
+    """Slots of ``entries``, counted against the session's ``max_leased_slots_per_session``."""
+    sources: list[SourceHold] = field(default_factory=list)
+    reply: PendingReply | None = None
+
+    @property
+    def holds_anything(self) -> bool:
+        return bool(self.entries) or any(h.state is not HoldState.ENDED for h in self.sources)
+
+
+class Leases:
+    """The ``lease``, ``renew`` and ``unlease`` handlers, expiry, and the leases' accounting."""
+
+    def __init__(
+        self, config: NodeConfig, store: Store, outbox: Outbox, links: Links, clock: Callable[[], float], endpoint: str,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.outbox = outbox
+        self.links = links
+        self.clock = clock
+        self.endpoint = endpoint
+        """This node's own endpoint: a hint naming it asks no source."""
+        self.tiers: tuple[str, ...] = ("", REMOTE_TIER, *store.tiers)
+        self.table: dict[int, LeaseRecord] = {}
+        self.holders: dict[bytes, int] = {}
+        """Key -> how many leases hold its object."""
+        self.pinned: dict[str, int] = dict.fromkeys(store.pools, 0)
+        """Pool -> slots of objects held by at least one lease."""
+        self.pin_limit = {name: int(config.lease_pool_fraction * spec.slot_count) for name, spec in store.pools.items()}
+        self._ids = itertools.count(1)
+        self._expiry: list[tuple[float, int]] = []
+        """(expires, lease id), a heap; an entry whose lease was renewed or ended is skipped."""
+        self._asking: dict[int, LeaseRecord] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # ------------------------------------------------------------------ requests
+
+    def on_lease(self, session: ClientSession, msg: Lease) -> None:
+        if len(session.leases) >= self.config.max_leases_per_session:
+            self.counters["refused_lease_limit"] += 1
+            self.outbox.refuse(session, msg.id, ProtocolError(
+                ErrorCode.LEASE_LIMIT, f"this session holds {len(session.leases)} leases, the most the node allows "
+                "(max_leases_per_session); release some first"))
+            return
+        now = self.clock()
+        ttl = self._granted(msg.ttl_ms)
+        record = LeaseRecord(next(self._ids), session, ttl, now + ttl / 1000)
+        keys = msg.keys
+        status, tier = bytearray(len(keys)), bytearray(len(keys))
+        hint = None if isinstance(session, PeerSession) or msg.request_id is None else session.hints.get(msg.request_id)
+        remote: dict[str, list[int]] = {}
+        seen: set[bytes] = set()
+        for i, key in enumerate(keys):
+            if key in seen:
+                continue  # a repeated key is held once; it reports its first answer (``_answer``)
+            seen.add(key)
+            entry = self.store.lookup(key)
+            if entry is None:
+                if hint is not None and key in hint[1] and hint[0] != self.endpoint:
+                    remote.setdefault(hint[0], []).append(i)
+                continue  # MISS: status 0, tier 0
+            tier[i] = 2 + (entry.lookup - 2) // 2  # the store's lookup code says the tier
+            if entry.state is ObjectState.WRITING:
+                status[i] = LeaseStatus.PENDING
+            elif self._fits(session, entry):
+                self._hold(record, entry)
+                status[i] = LeaseStatus.LEASED
+            else:
+                self.counters["keys_refused_limit"] += 1
+                status[i] = LeaseStatus.LEASE_LIMIT
+        self.table[record.id] = record
+        session.leases.add(record.id)
+        heapq.heappush(self._expiry, (record.expires, record.id))
+        if remote:
+            record.reply = PendingReply(msg.id, keys, status, tier, now + SOURCE_ANSWER_S, len(remote))
+            self._asking[record.id] = record
+            for endpoint, indices in remote.items():
+                hold = SourceHold(endpoint, indices, tuple(keys[i] for i in indices))
+                record.sources.append(hold)
+                self._ask_source(record, hold)
+            return
+        self._answer(record, msg.id, keys, status, tier)
+
+    def on_renew(self, session: ClientSession, msg: RenewLease) -> None:
+        record = self._own(session, msg.id, msg.lease)
+        if record is None:
+            return
+        ttl = self._granted(msg.ttl_ms or record.ttl_ms)
+        record.ttl_ms = ttl
+        record.expires = self.clock() + ttl / 1000
+        heapq.heappush(self._expiry, (record.expires, record.id))
+        self.counters["renewed"] += 1
+        for hold in record.sources:
+            if hold.state is HoldState.HELD:
+                self._renew_at_source(record, hold, ttl)
+        self.outbox.reply(session, LeaseReply(msg.id, record.id, ttl))
+
+    def on_unlease(self, session: ClientSession, msg: ReleaseLease) -> None:
+        record = self._own(session, msg.id, msg.lease)
+        if record is None:
+            return
+        self.counters["released"] += 1
+        self.end_lease(record)
+        self.outbox.reply(session, Ack(msg.id))
+
+    def _own(self, session: ClientSession, request_id: int, lease: int) -> LeaseRecord | None:
+        """The session's own lease ``lease``, or None after refusing the request UNKNOWN_LEASE:
+        another session's lease, an ended or a released one are all unknown here."""
+        record = self.table.get(lease) if lease in session.leases else None
+        if record is None or record.session is not session:
+            self.counters["unknown_lease"] += 1
+            self.outbox.refuse(session, request_id, ProtocolError(
+                ErrorCode.UNKNOWN_LEASE, f"lease {lease} is not held by this session (never granted, released or ended)",
+                "lease"))
+            return None
+        return record
+
+    def _granted(self, ttl_ms: int) -> int:
+        return min(ttl_ms or self.config.lease_ttl_ms, self.config.max_lease_ttl_ms)
+
+    def _answer(self, record: LeaseRecord, request_id: int, keys: Sequence[bytes], status: bytearray, tier: bytearray) -> None:
+        """Send the ``lease_reply``; a lease that holds nothing is not kept (lease id 0)."""
+        first: dict[bytes, int] = {}
+        for i, key in enumerate(keys):
+            j = first.setdefault(key, i)
+            if j != i:
+                status[i], tier[i] = status[j], tier[j]
+        lease = record.id
+        if record.holds_anything:
+            self.counters["granted"] += 1
+        else:
+            self._forget(record)
+            lease = 0
+        self.outbox.reply(record.session, LeaseReply(request_id, lease, record.ttl_ms,
+                                                     LeaseColumns(bytes(status), bytes(tier), self.tiers)))
+
+    # ------------------------------------------------------------------ holding
+
+    def _fits(self, session: ClientSession, entry: ObjectEntry) -> bool:
+        """Whether holding ``entry`` keeps the session and every pool within the lease limits."""
+        slots = len(entry.info.layout)
+        if session.leased_slots + slots > self.config.max_leased_slots_per_session:  # ``_hold`` counts there at once
+            return False
+        if entry.key in self.holders:
+            return True  # already pinned by another lease: it pins nothing more
+        return all(self.pinned[pool] + count <= self.pin_limit[pool] for pool, count in entry.info.need)
+
+    def _hold(self, record: LeaseRecord, entry: ObjectEntry) -> None:
+        self.store.claim(entry)
+        record.entries.append(entry)
+        slots = len(entry.info.layout)
+        record.slots += slots
+        record.session.leased_slots += slots
+        held = self.holders.get(entry.key, 0)
+        if not held:
+            for pool, count in entry.info.need:
+                self.pinned[pool] += count
+        self.holders[entry.key] = held + 1
+
+    def _unhold(self, entry: ObjectEntry) -> None:
+        held = self.holders[entry.key] - 1
+        if held:
+            self.holders[entry.key] = held
+        else:
+            del self.holders[entry.key]
+            for pool, count in entry.info.need:
+                self.pinned[pool] -= count
+        self.store.unclaim(entry, accessed=False)
+
+    # ------------------------------------------------------------------ the end of a lease
+
+    def end_lease(self, record: LeaseRecord, code: ErrorCode | None = None, reason: str = "") -> None:
+        """End the lease: its claims drop, its sources release theirs; with ``code``, the
+        client is told (``lease_end``)."""
+        if self.table.get(record.id) is not record:
+            return
+        for entry in record.entries:
+            self._unhold(entry)
+        record.entries.clear()
+        for hold in record.sources:
+            self._release_at_source(hold)
+        reply = record.reply
+        self._forget(record)
+        if reply is not None and not record.session.closing:
+            # Ended while it waited for sources (at shutdown): the request still gets its
+            # answer, holding nothing.
+            status = bytes(reply.status).translate(_NOTHING_HELD)
+            self.outbox.reply(record.session, LeaseReply(
+                reply.request_id, 0, record.ttl_ms, LeaseColumns(status, bytes(reply.tier), self.tiers)))
+        if code is not None and not record.session.closing:
+            self._tell(record.session, record.id, code, reason, ())
+
+    def _forget(self, record: LeaseRecord) -> None:
+        record.session.leased_slots -= record.slots
+        record.slots = 0
+        record.session.leases.discard(record.id)
+        self.table.pop(record.id, None)
+        self._asking.pop(record.id, None)
+        record.reply = None
+
+    def end_session_leases(self, session: ClientSession) -> None:
+        """The session ended: every lease it holds ends with it (spec section 6.11)."""
+        for lease in list(session.leases):
+            record = self.table.get(lease)
+            if record is not None:
+                self.counters["ended_with_session"] += 1
+                self.end_lease(record)
+
+    def end_all(self, code: ErrorCode, reason: str) -> None:
+        """At shutdown: every lease ends and its client is told."""
+        for record in list(self.table.values()):
+            self.end_lease(record, code, reason)
+
+    def _tell(self, session: ClientSession, lease: int, code: ErrorCode, reason: str, keys: tuple[bytes, ...]) -> None:
+        session.events += 1
+        self.outbox.reply(session, LeaseEnded(session.events, lease, int(code), reason, keys))
+
+    # ------------------------------------------------------------------ time
+
+    def check(self, now: float) -> None:
+        """Expire leases past their time to live; answer leases whose sources are too slow."""
+        while self._expiry and self._expiry[0][0] <= now:
+            expires, lease = heapq.heappop(self._expiry)
+            record = self.table.get(lease)
+            if record is not None and record.expires == expires:
+                self.counters["expired"] += 1
+                self.end_lease(record, ErrorCode.LEASE_EXPIRED, f"lease {lease} was not renewed within {record.ttl_ms} ms")
+        for record in [r for r in self._asking.values() if r.reply is not None and r.reply.deadline <= now]:
+            for hold in record.sources:
+                if hold.state is HoldState.ASKING:
+                    self._source_answered(record, hold, None, ErrorCode.PEER_UNREACHABLE)
+
+    def next_expiry(self) -> float | None:
+        """When ``check`` has something to do next."""
+        times = [r.reply.deadline for r in self._asking.values() if r.reply is not None]
+        while self._expiry:
+            expires, lease = self._expiry[0]
+            record = self.table.get(lease)
+            if record is not None and record.expires == expires:
+                times.append(expires)
+                break
+            heapq.heappop(self._expiry)  # renewed or ended: not due
+        return min(times) if times else None
+
+    # ------------------------------------------------------------------ keys held by sources
+
+    def _ask_source(self, record: LeaseRecord, hold: SourceHold) -> None:
+        keys, ttl = hold.keys, record.ttl_ms
+        self.counters["asked_sources"] += 1
+        self.links.ask(hold.endpoint, lambda i: Lease(i, keys, None, ttl),
+                       lambda reply, code: self._source_answered(record, hold, reply, code), SOURCE_ANSWER_S)
+
+    def _source_answered(self, record: LeaseRecord, hold: SourceHold, reply: Message | None, code: ErrorCode | None) -> None:
+        """A source answered our lease request (or cannot): fill the client's answer."""
+        if hold.state is not HoldState.ASKING or self.table.get(record.id) is not record or record.reply is None:
+            # Too late (answered UNREACHABLE, or the lease ended): hold nothing there.
+            if isinstance(reply, LeaseReply) and reply.lease:
+                source_lease = reply.lease
+                self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, SOURCE_ANSWER_S)
+            return
+        pending = record.reply
+        held: list[bytes] = []
+        columns = reply.columns if isinstance(reply, LeaseReply) else None
+        if columns is not None and len(columns) == len(hold.indices):
+            for k, i in enumerate(hold.indices):
+                answer = columns.status_of(k)
+                if answer is LeaseStatus.LEASED:
+                    pending.status[i] = LeaseStatus.LEASED_REMOTE
+                    held.append(hold.keys[k])
+                else:
+                    pending.status[i] = answer if answer in _PASSED_ON else LeaseStatus.UNREACHABLE
+                pending.tier[i] = _REMOTE_TIER_INDEX
+        else:
+            # No answer to use: a source that speaks no leases reserves nothing (ADVISORY,
+            # never a silent lease that is not one); one at its lease limit is LEASE_LIMIT;
+            # any other failure is UNREACHABLE.
+            answer = LeaseStatus.ADVISORY if code is ErrorCode.PEER_UNSUPPORTED else LeaseStatus.UNREACHABLE
+            if isinstance(reply, Error) and reply.code == ErrorCode.LEASE_LIMIT:
+                answer = LeaseStatus.LEASE_LIMIT  # the source holds as many of our leases as it allows
+            if isinstance(reply, Error):
+                log.info("source %s refused a lease (code %d): %s", hold.endpoint, reply.code, reply.reason)
+            for i in hold.indices:
+                pending.status[i], pending.tier[i] = answer, _REMOTE_TIER_INDEX
+        if held and isinstance(reply, LeaseReply) and reply.lease:
+            hold.state, hold.source_lease, hold.held = HoldState.HELD, reply.lease, tuple(held)
+            self.links.hold_lease(hold.endpoint, reply.lease)
+        else:
+            hold.state = HoldState.ENDED
+            if isinstance(reply, LeaseReply) and reply.lease:  # it holds nothing we count: let it go
+                source_lease = reply.lease
+                self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, SOURCE_ANSWER_S)
+        pending.asking -= 1
+        if pending.asking == 0:
+            record.reply = None
+            self._asking.pop(record.id, None)
+            self._answer(record, pending.request_id, pending.keys, pending.status, pending.tier)
+
+    def _release_at_source(self, hold: SourceHold) -> None:
+        if hold.state is HoldState.HELD:
+            source_lease = hold.source_lease
+            self.links.release_lease(hold.endpoint, source_lease)
+            self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, SOURCE_ANSWER_S)
+        hold.state = HoldState.ENDED
+
+    def _renew_at_source(self, record: LeaseRecord, hold: SourceHold, ttl: int) -> None:
+        source_lease = hold.source_lease
+        self.links.ask(hold.endpoint, lambda i: RenewLease(i, source_lease, ttl),
+                       lambda reply, code: self._renewed_at_source(record, hold, reply), SOURCE_ANSWER_S)
+
+    def _renewed_at_source(self, record: LeaseRecord, hold: SourceHold, reply: Message | None) -> None:
+        if isinstance(reply, Error) and reply.code == ErrorCode.UNKNOWN_LEASE and hold.state is HoldState.HELD:
+            self._lost_at_source(record, hold, ErrorCode.LEASE_EXPIRED, f"the source {hold.endpoint} no longer holds them")
+
+    def _lost_at_source(self, record: LeaseRecord, hold: SourceHold, code: ErrorCode, reason: str) -> None:
+        """The source no longer holds ``hold``'s keys: the client is told which."""
+        self.links.release_lease(hold.endpoint, hold.source_lease)
+        hold.state = HoldState.ENDED
+        self.counters["lost_at_source"] += 1
+        if record.holds_anything:
+            self._tell(record.session, record.id, code, reason, hold.held)
+        else:
+            self.end_lease(record, code, reason)
+
+    def source_lease_ended(self, link: PeerLink, msg: LeaseEnded) -> None:
+        """A source ended one of the leases it holds for us (its time to live passed)."""
+        for record, hold in self._holds(link.endpoint):
+            if hold.source_lease == msg.lease:
+                self._lost_at_source(record, hold, ErrorCode(msg.code) if msg.code in _ENDING_CODES else ErrorCode.LEASE_EXPIRED,
+                                     f"the source {link.endpoint} ended its lease: {msg.reason}")
+
+    def source_lost(self, link: PeerLink, code: ErrorCode) -> None:
+        """A source restarted or is gone: nothing it held for us is held any more."""
+        for record, hold in self._holds(link.endpoint):
+            self._lost_at_source(record, hold, code, f"the source {link.endpoint} {'restarted' if code is ErrorCode.PEER_RESTARTED else 'is unreachable'}")
+
+    def _holds(self, endpoint: str) -> list[tuple[LeaseRecord, SourceHold]]:
+        return [(r, h) for r in list(self.table.values()) for h in r.sources
+                if h.endpoint == endpoint and h.state is HoldState.HELD]
+
+    # ------------------------------------------------------------------ reporting
+
+    @property
+    def claims(self) -> int:
+        """Store claims the leases hold (one per leased object per lease)."""
+        return sum(len(r.entries) for r in self.table.values())
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "held": len(self.table),
+            "objects": len(self.holders),
+            "pinned_slots": dict(self.pinned),
+            "at_sources": sum(1 for r in self.table.values() for h in r.sources if h.state is HoldState.HELD),
+            **dict(self.counters),
+        }
+
+    def sizes(self) -> dict[str, int]:
+        return {"leases": len(self.table), "lease_holders": len(self.holders), "lease_expiry": len(self._expiry)}
+
+    def check_invariants(self) -> list[str]:
+        """Holders, pinned slots and each session's slots recounted from the leases."""
+        breaches: list[str] = []
+        holders: collections.Counter[bytes] = collections.Counter()
+        slots: collections.Counter[int] = collections.Counter()
+        for lease, record in self.table.items():
+            if lease not in record.session.leases:
+                breaches.append(f"lease {lease} is not in its session")
+            for entry in record.entries:
+                holders[entry.key] += 1
+                if self.store.lookup(entry.key) is not entry or entry.claims < 1:
+                    breaches.append(f"lease {lease} holds {entry.key!r}, which is not a claimed stored object")
+            slots[id(record.session)] += record.slots
+        if dict(holders) != self.holders:
+            breaches.append(f"lease holders {len(self.holders)} disagree with the leases ({len(holders)})")
+        pinned = dict.fromkeys(self.pinned, 0)
+        for key in holders:
+            stored = self.store.lookup(key)
+            if stored is not None:
+                for pool, count in stored.info.need:
+                    pinned[pool] += count
+        if pinned != self.pinned:
+            breaches.append(f"pinned slots {self.pinned} disagree with the leased objects {pinned}")
+        for record in self.table.values():
+            session = record.session
+            if slots[id(session)] != session.leased_slots:
+                breaches.append(f"session {session.name}: leased slots {session.leased_slots}, leases hold {slots[id(session)]}")
+        return breaches
+
+
+_NOTHING_HELD = bytes(
+    LeaseStatus.MISS if code in (LeaseStatus.LEASED, LeaseStatus.LEASED_REMOTE) else code for code in range(256))
+"""Translates a status column so that no key reads as held."""
+_ENDING_CODES = frozenset({ErrorCode.LEASE_EXPIRED, ErrorCode.SHUTTING_DOWN, ErrorCode.PEER_RESTARTED, ErrorCode.PEER_UNREACHABLE})
+"""Codes a source's ``lease_end`` may pass on; any other is reported as LEASE_EXPIRED."""
+
+
+def _ignore(reply: Message | None, code: ErrorCode | None) -> None:
+    """An answer nobody waits for (a release or renewal at a source is best effort)."""

@@ -1,0 +1,209 @@
+"""Leases in process (``kvcr_node.leases``), message by message, with a fake clock.
+
+Objects are put in the node's store by the test (READY, or WRITING as during another
+writer's fill), so what a lease answers for every state, its time to live and renewal,
+its end with the session, the limits and the accounting it keeps are checked without
+waiting. Lease requests a hint sends to a source are checked across real nodes in
+tests/integration/test_remote_leases.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcr_node.config import NodeConfig
+from kvcr_node.poolspec import PoolSpec
+from kvcr_node.store import DepositOutcome, ObjectEntry
+from kvcr_protocol import (
+    Ack,
+    Bye,
+    Error,
+    ErrorCode,
+    Lease,
+    LeaseEnded,
+    LeaseReply,
+    LeaseStatus,
+    ReleaseLease,
+    RenewLease,
+    SubmitHint,
+)
+from kvcr_testing.nodes import ClientAgent, NodeDriver, node_driver
+
+SLOT = 4096
+
+
+def config(ipc_dir: Path, **changes: Any) -> NodeConfig:
+    base = NodeConfig(endpoint=f"ipc://{ipc_dir}/leases.sock", name="leases", pools=(PoolSpec("kv", SLOT, 16, "dram"),),
+                      log_level="WARNING", client_grace_ms=600_000, heartbeat_ms=2_000, lease_ttl_ms=1_000)
+    return NodeConfig(**{**base.__dict__, **changes}).validated()
+
+
+@pytest.fixture(scope="module")
+def agent() -> Iterator[ClientAgent]:
+    a = ClientAgent("leases-client")
+    yield a
+    a.close()
+
+
+def stored(d: NodeDriver, key: bytes, spans: int = 1, ready: bool = True) -> ObjectEntry:
+    outcome, entry = d.node.store.begin_deposit(key, tuple((f"L{i}", "kv") for i in range(spans)))
+    assert outcome is DepositOutcome.NEW and entry is not None
+    if ready:
+        d.node.store.commit(entry)
+    return entry
+
+
+def reply_of(replies: list[Any], request: int) -> LeaseReply:
+    assert len(replies) == 1 and isinstance(replies[0], LeaseReply) and replies[0].id == request, replies
+    reply: LeaseReply = replies[0]
+    return reply
+
+
+def statuses(reply: LeaseReply) -> list[LeaseStatus]:
+    assert reply.columns is not None
+    return list(reply.columns)
+
+
+def refused(replies: list[Any], code: ErrorCode) -> Error:
+    assert len(replies) == 1 and isinstance(replies[0], Error) and replies[0].code == code, replies
+    error: Error = replies[0]
+    return error
+
+
+def at_rest(d: NodeDriver) -> dict[str, Any]:
+    st = d.stats()
+    assert st["invariants"] == [], st["invariants"]
+    assert st["claims"]["total"] == 0 and st["leases"]["held"] == 0, (st["claims"], st["leases"])
+    assert st["leases"]["pinned_slots"] == {"kv": 0} and st["tables"]["lease_holders"] == 0
+    return st
+
+
+def test_each_state_answers_its_status_and_a_repeated_key_is_held_once(ipc_dir: Path, agent: ClientAgent) -> None:
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        ready = stored(d, b"ready", spans=2)
+        stored(d, b"writing", ready=False)
+        reply = reply_of(d.receive(b"c", Lease(2, (b"ready", b"writing", b"absent", b"ready"))), 2)
+        assert statuses(reply) == [LeaseStatus.LEASED, LeaseStatus.PENDING, LeaseStatus.MISS, LeaseStatus.LEASED]
+        assert reply.columns is not None and reply.columns.tier_of(0) == "dram" and reply.columns.tier_of(2) == ""
+        assert reply.lease != 0 and reply.ttl_ms == 1_000
+        assert ready.claims == 1  # held once, however often it is named
+        st = d.stats()
+        assert st["leases"]["pinned_slots"] == {"kv": 2} and st["claims"]["leases"] == 1 and st["invariants"] == []
+        assert d.receive(b"c", ReleaseLease(3, reply.lease)) == [Ack(3)]
+        d.node.store.abandon(d.node.store.lookup(b"writing"))  # type: ignore[arg-type]
+        at_rest(d)
+
+
+def test_expiry_on_the_nodes_clock_and_renewal(ipc_dir: Path, agent: ClientAgent) -> None:
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        entry = stored(d, b"k")
+        lease = reply_of(d.receive(b"c", Lease(2, (b"k",), None, 500)), 2).lease
+        d.tick(0.4)
+        assert d.sent(b"c") == []
+        renewed = reply_of(d.receive(b"c", RenewLease(3, lease, 2_000)), 3)
+        assert (renewed.lease, renewed.ttl_ms, renewed.columns) == (lease, 2_000, None)
+        d.tick(0.5)  # past the first time to live: renewed, still held
+        assert d.sent(b"c") == [] and entry.claims == 1
+        d.tick(1.6)  # past the renewal
+        ended = d.sent(b"c")
+        assert len(ended) == 1 and isinstance(ended[0], LeaseEnded), ended
+        assert (ended[0].lease, ended[0].code, ended[0].keys) == (lease, ErrorCode.LEASE_EXPIRED, ())
+        assert entry.claims == 0 and d.stats()["leases"]["expired"] == 1
+        # Ended: renewing or releasing it again is UNKNOWN_LEASE, and frees nothing twice.
+        assert refused(d.receive(b"c", RenewLease(4, lease)), ErrorCode.UNKNOWN_LEASE).path == "lease"
+        refused(d.receive(b"c", ReleaseLease(5, lease)), ErrorCode.UNKNOWN_LEASE)
+        at_rest(d)
+
+
+def test_renewal_is_capped_and_zero_means_the_leases_own_ttl(ipc_dir: Path, agent: ClientAgent) -> None:
+    with node_driver(config(ipc_dir, max_lease_ttl_ms=3_000)) as d:
+        d.hello(b"c", agent)
+        stored(d, b"k")
+        reply = reply_of(d.receive(b"c", Lease(2, (b"k",), None, 10**9)), 2)
+        assert reply.ttl_ms == 3_000
+        assert reply_of(d.receive(b"c", RenewLease(3, reply.lease, 0)), 3).ttl_ms == 3_000
+        assert d.receive(b"c", ReleaseLease(4, reply.lease)) == [Ack(4)]
+        at_rest(d)
+
+
+def test_another_sessions_lease_is_unknown(ipc_dir: Path, agent: ClientAgent) -> None:
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        d.hello(b"intruder", agent)
+        entry = stored(d, b"k")
+        lease = reply_of(d.receive(b"c", Lease(2, (b"k",))), 2).lease
+        refused(d.receive(b"intruder", ReleaseLease(2, lease)), ErrorCode.UNKNOWN_LEASE)
+        refused(d.receive(b"intruder", RenewLease(3, lease)), ErrorCode.UNKNOWN_LEASE)
+        assert entry.claims == 1
+        assert d.receive(b"c", Bye(3)) == [Ack(3)]  # its session ends: so does its lease, silently
+        assert entry.claims == 0 and d.sent(b"c") == []
+        assert d.stats()["leases"]["ended_with_session"] == 1
+        at_rest(d)
+
+
+def test_limits(ipc_dir: Path, agent: ClientAgent) -> None:
+    with node_driver(config(ipc_dir, max_leases_per_session=2, max_leased_slots_per_session=5,
+                            lease_pool_fraction=0.25)) as d:
+        d.hello(b"c", agent)
+        for i in range(4):
+            stored(d, b"k%d" % i, spans=2)
+        # Four of sixteen slots may be pinned: two objects of two slots.
+        first = reply_of(d.receive(b"c", Lease(2, (b"k0", b"k1", b"k2"))), 2)
+        assert statuses(first) == [LeaseStatus.LEASED, LeaseStatus.LEASED, LeaseStatus.LEASE_LIMIT]
+        # k0 is pinned already: it costs the pool nothing, but the session's slots count (4 + 2 > 5).
+        second = reply_of(d.receive(b"c", Lease(3, (b"k0",))), 3)
+        assert statuses(second) == [LeaseStatus.LEASE_LIMIT] and second.lease == 0
+        st = d.stats()
+        assert st["leases"]["keys_refused_limit"] == 2 and st["leases"]["held"] == 1
+        third = reply_of(d.receive(b"c", Lease(4, (b"absent",))), 4)
+        assert third.lease == 0  # holds nothing: not kept, not counted
+        d.hello(b"d", agent)
+        held = reply_of(d.receive(b"d", Lease(5, (b"k0",))), 5)
+        assert statuses(held) == [LeaseStatus.LEASED]
+        again = reply_of(d.receive(b"d", Lease(6, (b"k1",))), 6)
+        refused(d.receive(b"d", Lease(7, (b"k1",))), ErrorCode.LEASE_LIMIT)  # two leases per session
+        for identity, lease, request in ((b"c", first.lease, 8), (b"d", held.lease, 9), (b"d", again.lease, 10)):
+            assert d.receive(identity, ReleaseLease(request, lease)) == [Ack(request)]
+        at_rest(d)
+
+
+def test_a_lease_keeps_its_objects_from_eviction_and_removal(ipc_dir: Path, agent: ClientAgent) -> None:
+    with node_driver(config(ipc_dir, lease_pool_fraction=1.0)) as d:
+        d.hello(b"c", agent)
+        for i in range(16):
+            stored(d, b"k%d" % i)
+        lease = reply_of(d.receive(b"c", Lease(2, tuple(b"k%d" % i for i in range(16)))), 2).lease
+        outcome, _ = d.node.store.begin_deposit(b"new", (("L0", "kv"),))
+        assert outcome is DepositOutcome.CAPACITY  # nothing may be evicted
+        assert d.receive(b"c", ReleaseLease(3, lease)) == [Ack(3)]
+        outcome, entry = d.node.store.begin_deposit(b"new", (("L0", "kv"),))
+        assert outcome is DepositOutcome.NEW and entry is not None
+        d.node.store.abandon(entry)
+        at_rest(d)
+
+
+def test_a_hint_naming_this_node_asks_no_source(ipc_dir: Path, agent: ClientAgent) -> None:
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        assert d.receive(b"c", SubmitHint(2, "r", d.node.endpoint, (b"k",))) == [Ack(2)]
+        reply = reply_of(d.receive(b"c", Lease(3, (b"k",), "r")), 3)
+        assert statuses(reply) == [LeaseStatus.MISS] and d.stats()["tables"]["links"] == 0
+        at_rest(d)
+
+
+def test_shutdown_ends_every_lease_and_tells_its_client(ipc_dir: Path, agent: ClientAgent) -> None:
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        stored(d, b"k")
+        lease = reply_of(d.receive(b"c", Lease(2, (b"k",))), 2).lease
+        d.node.leases.end_all(ErrorCode.SHUTTING_DOWN, "stopping")
+        ended = d.sent(b"c")
+        assert len(ended) == 1 and isinstance(ended[0], LeaseEnded) and ended[0].code == ErrorCode.SHUTTING_DOWN
+        assert ended[0].lease == lease
+        at_rest(d)
