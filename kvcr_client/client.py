@@ -359,7 +359,8 @@ class _Base:
 
     def tables(self) -> dict[str, int]:
         """Sizes of the client's tables (for monitoring, and churn tests that check nothing grows)."""
-        return {**self.core.tables(), "completed": len(self._completed), "regions": len(self._regions)}
+        return {**self.core.tables(), "completed": len(self._completed), "regions": len(self._regions),
+                "leases": len(self._leases)}
 
     @property
     def pools(self) -> dict[str, PoolInfo]:
@@ -895,6 +896,7 @@ class _Base:
 
     def _hello(self, timeout_s: float) -> Future[Any]:
         self._token = _new_token()  # a late notification of the old session matches nothing
+        self._leases.clear()  # leases end with their session: their handles say NODE_LOST
         regions = list(self._regions.values())  # one step: another thread may register meanwhile
         return self.core.hello(tuple(r.wire() for r in regions), timeout_s)
 

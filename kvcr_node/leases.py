@@ -51,6 +51,8 @@ REMOTE_TIER = "remote"
 SOURCE_ANSWER_S = 2.0
 """How long a lease waits for a source's answer; its keys then answer UNREACHABLE (a late
 answer that leased something is released at once)."""
+EXPIRY_SLACK = 64
+"""Stale expiry entries (of leases renewed or ended) tolerated beyond twice the live leases."""
 _REMOTE_TIER_INDEX = 1
 _PASSED_ON = {LeaseStatus.MISS, LeaseStatus.PENDING, LeaseStatus.LEASE_LIMIT}
 """A source's statuses a target passes on as they are (its LEASED becomes LEASED_REMOTE)."""
@@ -177,7 +179,7 @@ class Leases:
                 status[i] = LeaseStatus.LEASE_LIMIT
         self.table[record.id] = record
         session.leases.add(record.id)
-        heapq.heappush(self._expiry, (record.expires, record.id))
+        self._schedule(record)
         if remote:
             record.reply = PendingReply(msg.id, keys, status, tier, now + SOURCE_ANSWER_S, len(remote))
             self._asking[record.id] = record
@@ -195,7 +197,7 @@ class Leases:
         ttl = self._granted(msg.ttl_ms or record.ttl_ms)
         record.ttl_ms = ttl
         record.expires = self.clock() + ttl / 1000
-        heapq.heappush(self._expiry, (record.expires, record.id))
+        self._schedule(record)
         self.counters["renewed"] += 1
         for hold in record.sources:
             if hold.state is HoldState.HELD:
@@ -221,6 +223,14 @@ class Leases:
                 "lease"))
             return None
         return record
+
+    def _schedule(self, record: LeaseRecord) -> None:
+        """Put the lease's expiry in the heap; entries of leases renewed or ended since are
+        dropped when they outnumber the live leases, so the heap stays bounded under churn."""
+        heapq.heappush(self._expiry, (record.expires, record.id))
+        if len(self._expiry) > 2 * len(self.table) + EXPIRY_SLACK:
+            self._expiry = [(r.expires, r.id) for r in self.table.values()]
+            heapq.heapify(self._expiry)
 
     def _granted(self, ttl_ms: int) -> int:
         return min(ttl_ms or self.config.lease_ttl_ms, self.config.max_lease_ttl_ms)

@@ -136,12 +136,14 @@ def test_ttl_is_capped(node_factory: Callable[..., NodeProcess], ipc_dir: Any) -
     with Client(n.endpoint) as c:
         reg = Registrar(c)
         put(c, reg, [b"a"], seed=8)
-        assert c.lease([b"a"]).result(RESULT_TIMEOUT_S).ttl_ms == 1000
+        first = c.lease([b"a"]).result(RESULT_TIMEOUT_S)
+        assert first.ttl_ms == 1000
         lease = c.lease([b"a"], ttl_ms=10**9).result(RESULT_TIMEOUT_S)
         assert lease.ttl_ms == 2000
         assert lease.renew(10**6).result(RESULT_TIMEOUT_S) == 2000
-        for handle in list(c._leases.values()):
-            handle.release().result(RESULT_TIMEOUT_S)
+        first.release().result(RESULT_TIMEOUT_S)
+        lease.release().result(RESULT_TIMEOUT_S)
+        assert c.tables()["leases"] == 0
         reg.close()
         assert_clean(c)
 

@@ -1,0 +1,147 @@
+"""Leases: what holding keys costs against looking them up, and what leases do to admission.
+
+Measured in one run against one node (a few seconds):
+
+1. lease cost per key: for 1, 64 and 1,000 held keys, the p50 of ``lease`` then ``release``
+   (two round trips) against the p50 of one ``query`` of the same keys, the calls taking
+   turns so that both see the same machine; ``lease_cost_per_key_us`` is the 1,000-key
+   difference per key, ``lease_1000_ratio`` lease + release over the query;
+2. admission into a full pool with part of it leased: the p50 of depositing one new
+   object (which evicts one unleased object) with 0 %, 25 % and 50 % of the pool's objects
+   leased; ``admission_leased_ratio`` is 50 % over 0 % (leased objects leave the eviction
+   index, so admission should not slow down: near 1).
+
+Run: ``python bench/leases.py [--json]``; ``--json`` prints the report on stderr and one
+JSON object on stdout. Ratios matter more than absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from procs import process_group, spawn
+from stats import fmt_us, summary
+
+from kvcr_client import Client, LeaseStatus, Span
+
+SLOT = 4 << 10
+POOL_SLOTS = 2048
+SIZES = (1, 64, 1000)
+ROUNDS = 200
+WARMUP = 20
+ADMISSIONS = 200
+RESULT_TIMEOUT_S = 30.0
+
+
+def key(i: int) -> bytes:
+    return b"k" + i.to_bytes(31, "big")
+
+
+def timed_turns(calls: dict[str, Callable[[], object]], rounds: int, warmup: int) -> dict[str, dict[str, float]]:
+    """Each call once per round, in turn: what is compared sees the same machine."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(rounds + warmup):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: summary(samples) for name, samples in times.items()}
+
+
+def lease_then_release(client: Client, keys: list[bytes]) -> None:
+    lease = client.lease(keys).result(RESULT_TIMEOUT_S)
+    assert lease.held_prefix() == len(keys), lease
+    lease.release().result(RESULT_TIMEOUT_S)
+
+
+def bench_cost(client: Client, region: Any) -> dict[str, Any]:
+    keys = [key(i) for i in range(max(SIZES))]
+    assert client.deposit({k: [Span("L0", region, 0, SLOT, "kv")] for k in keys}).result(RESULT_TIMEOUT_S).all_ok
+    out: dict[str, Any] = {}
+    for n in SIZES:
+        subset = keys[:n]
+        out[n] = timed_turns({
+            "query": lambda s=subset: client.query(s).result(RESULT_TIMEOUT_S),
+            "lease": lambda s=subset: lease_then_release(client, s),
+        }, ROUNDS, WARMUP)
+    return out
+
+
+def bench_admission(client: Client, region: Any, leased_fraction: float, base: int) -> dict[str, float]:
+    """Fill the pool, lease ``leased_fraction`` of it, then time admissions that each evict one object."""
+    keys = [key(base + i) for i in range(POOL_SLOTS)]
+    for start in range(0, POOL_SLOTS, 512):
+        chunk = keys[start : start + 512]
+        assert client.deposit({k: [Span("L0", region, 0, SLOT, "kv")] for k in chunk}).result(RESULT_TIMEOUT_S).all_ok
+    held = keys[: int(leased_fraction * POOL_SLOTS)]
+    lease = client.lease(held, ttl_ms=600_000).result(RESULT_TIMEOUT_S) if held else None
+    if lease is not None:
+        assert all(lease.status(k) is LeaseStatus.LEASED for k in held), lease
+    times = []
+    for i in range(ADMISSIONS):
+        new = key(base + POOL_SLOTS + i)
+        t0 = time.perf_counter()
+        res = client.deposit({new: [Span("L0", region, 0, SLOT, "kv")]}).result(RESULT_TIMEOUT_S)
+        times.append(time.perf_counter() - t0)
+        assert res[new].ok, res
+    if lease is not None:
+        present = client.query(held).result(RESULT_TIMEOUT_S)
+        assert all(present[k].presence.name == "HIT" for k in held), "a leased object was evicted"
+        lease.release().result(RESULT_TIMEOUT_S)
+    return summary(times[20:])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="the report to stderr, one JSON object to stdout")
+    args = parser.parse_args()
+    out: TextIO = sys.stderr if args.json else sys.stdout
+    with process_group("lbench") as (run, procs):
+        endpoint = f"ipc://{run}/node.sock"
+        procs.append(spawn("-m", "kvcr_node.cli", "--endpoint", endpoint, "--pool", f"kv:4KiB:{POOL_SLOTS}",
+                           "--lease-pool-fraction", "0.9", "--log-level", "WARNING"))
+        buf = (np.arange(SLOT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
+        with Client(endpoint, name="bench-leases") as client:
+            region = client.register(buf)
+            cost = bench_cost(client, region)
+            admission = {f: bench_admission(client, region, f, 10_000 * (1 + i)) for i, f in enumerate((0.0, 0.25, 0.5))}
+            st = client.stats().result(RESULT_TIMEOUT_S)
+            assert st["invariants"] == [] and st["leases"]["held"] == 0, st["leases"]
+    print(f"load average {os.getloadavg()[0]:.2f} (cores {os.cpu_count()})", file=out)
+    print("lease + release (two round trips) against one query of the same held keys", file=out)
+    for n, r in cost.items():
+        ratio = r["lease"]["median"] / r["query"]["median"]
+        print(f"  {n:5d} keys  query        {fmt_us(r['query'])}", file=out)
+        print(f"  {n:5d} keys  lease+release {fmt_us(r['lease'])}  ratio {ratio:.2f}", file=out)
+    big = cost[max(SIZES)]
+    per_key = (big["lease"]["median"] - big["query"]["median"]) / max(SIZES) * 1e6
+    print(f"  lease cost per key beyond the query (1000 keys): {per_key:.2f} us", file=out)
+    print(f"admission into a full pool of {POOL_SLOTS} slots, one eviction each", file=out)
+    for f, s in admission.items():
+        print(f"  {f:4.0%} leased  {fmt_us(s)}", file=out)
+    adm_ratio = admission[0.5]["median"] / admission[0.0]["median"]
+    print(f"  ratio 50 % leased / none: {adm_ratio:.2f}", file=out)
+    if args.json:
+        print(json.dumps({
+            "lease_1_ratio": round(cost[1]["lease"]["median"] / cost[1]["query"]["median"], 3),
+            "lease_1000_ratio": round(big["lease"]["median"] / big["query"]["median"], 3),
+            "lease_cost_per_key_us": round(per_key, 3),
+            "admission_leased_ratio": round(adm_ratio, 3),
+        }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
