@@ -177,6 +177,7 @@ class Leases:
             else:
                 self.counters["keys_refused_limit"] += 1
                 status[i] = LeaseStatus.LEASE_LIMIT
+        self.store.claim_all(record.entries)
         self.table[record.id] = record
         session.leases.add(record.id)
         self._schedule(record)
@@ -263,7 +264,7 @@ class Leases:
         return all(self.pinned[pool] + count <= self.pin_limit[pool] for pool, count in entry.info.need)
 
     def _hold(self, record: LeaseRecord, entry: ObjectEntry) -> None:
-        self.store.claim(entry)
+        """Count ``entry`` as held by ``record`` (the caller claims it: ``Store.claim_all``)."""
         record.entries.append(entry)
         slots = len(entry.info.layout)
         record.slots += slots
@@ -274,15 +275,18 @@ class Leases:
                 self.pinned[pool] += count
         self.holders[entry.key] = held + 1
 
-    def _unhold(self, entry: ObjectEntry) -> None:
-        held = self.holders[entry.key] - 1
-        if held:
-            self.holders[entry.key] = held
-        else:
-            del self.holders[entry.key]
-            for pool, count in entry.info.need:
-                self.pinned[pool] -= count
-        self.store.unclaim(entry, accessed=False)
+    def _unhold(self, entries: Sequence[ObjectEntry]) -> None:
+        """``entries`` are held by one lease less; their claims drop."""
+        holders = self.holders
+        for entry in entries:
+            held = holders[entry.key] - 1
+            if held:
+                holders[entry.key] = held
+            else:
+                del holders[entry.key]
+                for pool, count in entry.info.need:
+                    self.pinned[pool] -= count
+        self.store.unclaim_all(entries)
 
     # ------------------------------------------------------------------ the end of a lease
 
@@ -291,8 +295,7 @@ class Leases:
         client is told (``lease_end``)."""
         if self.table.get(record.id) is not record:
             return
-        for entry in record.entries:
-            self._unhold(entry)
+        self._unhold(record.entries)
         record.entries.clear()
         for hold in record.sources:
             self._release_at_source(hold)

@@ -354,6 +354,37 @@ class Store:
             self._index.add(entry)
             self._check_pressure(entry.info)
 
+    def claim_all(self, entries: Sequence[ObjectEntry]) -> None:
+        """``claim`` each of ``entries`` once (no access): a lease holding many objects
+        checks capacity pressure once per layout, not once per object."""
+        layouts: dict[int, LayoutInfo] = {}
+        for entry in entries:
+            self._own(entry)
+            if entry.state is not _READY:
+                raise StoreError(f"claim of {entry.key!r}: it is {entry.state.name}, not READY")
+            if entry.claims == 0:
+                self._index.remove(entry)
+                layouts[id(entry.info)] = entry.info
+            entry.claims += 1
+        self._claims += len(entries)
+        for info in layouts.values():
+            self._check_pressure(info)
+
+    def unclaim_all(self, entries: Sequence[ObjectEntry]) -> None:
+        """``unclaim`` each of ``entries`` once, recording no access (a lease that ends)."""
+        layouts: dict[int, LayoutInfo] = {}
+        for entry in entries:
+            self._own(entry)
+            if entry.claims <= 0:
+                raise StoreError(f"unclaim of {entry.key!r}: it holds no claim")
+            entry.claims -= 1
+            if entry.claims == 0:
+                self._index.add(entry)
+                layouts[id(entry.info)] = entry.info
+        self._claims -= len(entries)
+        for info in layouts.values():
+            self._check_pressure(info)
+
     def _access(self, entry: ObjectEntry) -> None:
         """Record an access to ``entry`` now: what LRU scores (architecture §3)."""
         self._tick += 1
