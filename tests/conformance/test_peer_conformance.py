@@ -2,7 +2,7 @@
 
 ``PeerConformance`` holds the cases; a subclass supplies the ``pair`` fixture (a target
 node with a client, a source node with a client). ``TestVersionMatrix`` runs them on
-local nodes for every (target version, source version) in {1, 2, 3}²; ``TestExternalPair``
+local nodes for every (target version, source version) in {1, 2, 3, 4}²; ``TestExternalPair``
 points them at nodes already running elsewhere:
 
     KVCR_PEER_TARGET=ipc:///tmp/a.sock KVCR_PEER_SOURCE=ipc:///tmp/b.sock \\
@@ -20,6 +20,9 @@ The expected outcome of each case follows from the versions the two nodes speak:
   source gets a whole-layout request and refuses the subset with ``LAYOUT_SUBSET_INVALID``;
 - a deliver with a layer plan completes group by group at every pair; below version 3
   on either side the plan does not travel and the groups land with the key's result;
+- a lease on hinted keys is held at the source (``LEASED_REMOTE``) when both speak version
+  4 and serves a delivery byte for byte; a version-4 target whose source speaks less
+  answers ``ADVISORY`` (nothing reserved); a client below version 4 cannot ask for one;
 - a version-1 ``write`` frame carrying the must-understand ``!partial`` is refused whole
   (``MUST_UNDERSTAND``) and writes nothing, whatever version the source speaks.
 
@@ -40,7 +43,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvcr_client import Client, ErrorCode, Presence
+from kvcr_client import Client, ErrorCode, LeaseStatus, NodeError, Presence
 from kvcr_io.agent import Agent
 from kvcr_protocol import (
     Bye,
@@ -56,8 +59,8 @@ from kvcr_protocol import (
     decode,
     encode,
 )
-from kvcr_protocol.versions import PARTIAL_LAYOUT_VERSION
-from kvcr_testing.health import counter, outcome_count
+from kvcr_protocol.versions import LEASES_VERSION, PARTIAL_LAYOUT_VERSION
+from kvcr_testing.health import counter, outcome_count, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar
 from kvcr_testing.nodes import short_ipc_dir, start_node
 from kvcr_testing.patterns import assert_bytes_equal, pattern
@@ -112,6 +115,28 @@ class PeerPair:
 
 class PeerConformance:
     """The cases. Subclasses provide a ``pair`` fixture yielding a ``PeerPair``."""
+
+    def test_lease_on_hinted_keys(self, pair: PeerPair) -> None:
+        k = pair.key("lease")
+        layout = pair.layout(2)
+        src = pair.source.deposit(k, layout, seed=21)
+        rid = pair.hint([k])
+        client = pair.target.client
+        if pair.target_version < LEASES_VERSION:
+            with pytest.raises(NodeError) as info:
+                client.lease([k], request_id=rid)
+            assert info.value.code is ErrorCode.PEER_UNSUPPORTED
+            return
+        lease = client.lease([k], request_id=rid).result(RESULT_TIMEOUT_S)
+        if pair.source_version < LEASES_VERSION:
+            # Never a lease that is not one: nothing is reserved at an older source.
+            assert lease.status(k) is LeaseStatus.ADVISORY and lease.id == 0
+            deliver_checked(pair.target, k, layout, src, range(2), seed=22, request_id=rid)
+            return
+        assert lease.status(k) is LeaseStatus.LEASED_REMOTE and lease.tier(k) == "remote"
+        deliver_checked(pair.target, k, layout, src, range(2), seed=22, request_id=rid)
+        lease.release().result(RESULT_TIMEOUT_S)
+        assert wait_until(lambda: pair.source.stats()["leases"]["held"] == 0, RAW_TIMEOUT_S)
 
     def test_versions_agreed(self, pair: PeerPair) -> None:
         k = pair.key("hello")
@@ -359,7 +384,7 @@ class RawPeer:
 # --------------------------------------------------------------------------- where the cases run
 
 
-MATRIX = [(t, s) for t in (1, 2, 3) for s in (1, 2, 3)]
+MATRIX = [(t, s) for t in (1, 2, 3, 4) for s in (1, 2, 3, 4)]
 
 
 @pytest.fixture(scope="module", params=MATRIX, ids=[f"target{t}-source{s}" for t, s in MATRIX])

@@ -1,8 +1,8 @@
-"""Query conformance: clients and nodes of protocol versions 1 to 3 (spec sections 5.2, 6.9, 7).
+"""Query conformance: clients and nodes of protocol versions 1 to 4 (spec sections 5.2, 6.9, 7).
 
 Each (client version, node version) pair agrees on the lower of the two. Whatever it
-agrees on, a query gives the same answers (records below version 3, columns at 3), and
-``query_prefix`` the same count: the node's prefix query at version 3, the client's own
+agrees on, a query gives the same answers (records below version 3, columns from 3 on), and
+``query_prefix`` the same count: the node's prefix query from version 3 on, the client's own
 count from a whole query below it. One node per node version holds the same keys; every
 client version asks it the same questions.
 """
@@ -23,7 +23,7 @@ from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
 from kvcr_testing.nodes import running_node, short_ipc_dir
 from kvcr_testing.patterns import KiB
 
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)
 SLOT = 4 * KiB
 HELD = [f"conf-q/held/{i}".encode() for i in range(40)]
 HINTED = [f"conf-q/hinted/{i}".encode() for i in range(10)]
