@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvcr_client import ArgumentError, Client, ErrorCode, LeaseHandle, LeaseStatus, NodeError, Span
+from kvcr_client import ArgumentError, AsyncClient, Client, ErrorCode, LeaseHandle, LeaseStatus, NodeError, Span
 from kvcr_protocol import SUPPORTED_VERSIONS, Hello, Lease, LeaseReply, ReleaseLease, Welcome, decode, encode
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
@@ -278,3 +278,15 @@ def test_lease_handles_after_close_report_node_lost(node: NodeProcess) -> None:
     finally:
         c.close()
     assert lease.ended is ErrorCode.OK  # it held nothing: it was over from the start
+
+
+async def test_async_client_leases(client: Client, node: NodeProcess, register: Registrar, key: Callable[[str], bytes]) -> None:
+    k = key("async")
+    put(client, register, [k], seed=13)
+    async with await AsyncClient.connect(node.endpoint, name="async-leases") as ac:
+        lease = await ac.lease([k], ttl_ms=5_000)
+        assert lease.status(k) is LeaseStatus.LEASED and stats(client)["leases"]["held"] == 1
+        assert await lease.renew(10_000) == 10_000
+        await lease.release()
+        assert lease.ended is ErrorCode.OK and ac.tables()["leases"] == 0
+    assert stats(client)["leases"]["held"] == 0
