@@ -65,3 +65,28 @@ def test_the_node_parts_import_one_way() -> None:
     except graphlib.CycleError as exc:
         pytest.fail(f"an import cycle inside kvcr_node: {exc.args[1]}")
     assert order.index("kvcr_node.records") < order.index("kvcr_node.operations") < order.index("kvcr_node.node")
+
+
+ENGINE_PACKAGES = {"torch", "transformers", "vllm", "sglang", "cupy"}
+"""Engines and their tensors: only an integration imports them (cupy only the GPU paths)."""
+GPU_MODULES = {"kvcr_node/gpu.py", "kvcr_client/buffers.py", "kvcr_node/memory.py"}
+
+
+def test_the_core_never_imports_an_engine() -> None:
+    """kvcr_client.integrations imports its engine; nothing else does, and nothing outside
+    it imports an integration (the core never imports torch)."""
+    breaches: dict[str, list[str]] = {}
+    for package in PACKAGES:
+        for path in sorted(PACKAGES[package].rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if "/integrations/" in rel:
+                continue
+            names = imported_packages(path)
+            allowed = {"cupy"} if rel in GPU_MODULES else set()
+            bad = sorted((names & ENGINE_PACKAGES) - allowed)
+            text = path.read_text()
+            if "kvcr_client.integrations" in text and "import" in text:
+                bad.append("kvcr_client.integrations")
+            if bad:
+                breaches[rel] = bad
+    assert breaches == {}

@@ -1,0 +1,71 @@
+"""transformers with real weights: a prefix's KV cache shared by two engines across two nodes.
+
+Engine A (a process of the engine environment, ``scripts/engines_env.sh``) prefills a
+prompt's prefix with SmolLM2-135M, deposits the KV of its full blocks into node B, and
+computes the reference: the rest of the prompt and a greedy continuation on its own cache.
+Engine B, another process whose client talks to node A, leases the blocks (held at B
+through A), gets them delivered layer by layer into a ``KvcrCache`` and computes only the
+rest. Its logits are ``torch.equal`` to A's, its tokens the same, and every layer waited
+for its own group once. Both nodes end clean. The engines run ``examples/transformers_prefix.py``,
+the example the README shows.
+
+Outside CI, without the engine environment, the test is skipped and says why; in CI it
+must run (``.ci/run`` makes the environment first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcr_client import Client
+from kvcr_testing.health import assert_clean
+from kvcr_testing.nodes import NodeProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_PY = ROOT / os.environ.get("KVCR_ENGINES_VENV", ".venv-engines") / "bin" / "python"
+EXAMPLE = ROOT / "examples" / "transformers_prefix.py"
+POOL = "kv:12KiB:4096"
+"""One slot per block (16 tokens) of one layer's keys or values: 16 x 3 KV heads x 64 x 4 bytes."""
+ENGINE_TIMEOUT_S = 300.0
+
+if not ENGINE_PY.exists():
+    if os.environ.get("CI"):
+        pytest.fail(f"CI needs the engine environment {ENGINE_PY}: .ci/run makes it with scripts/engines_env.sh",
+                    pytrace=False)
+    pytest.skip(f"no engine environment at {ENGINE_PY}: run scripts/engines_env.sh", allow_module_level=True)
+
+
+def engine(*args: str) -> dict[str, Any]:
+    """Run the example in the engine environment; its last line is its JSON report."""
+    proc = subprocess.run([str(ENGINE_PY), str(EXAMPLE), *args], capture_output=True, text=True,
+                          timeout=ENGINE_TIMEOUT_S, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return report
+
+
+@pytest.mark.timeout(2 * ENGINE_TIMEOUT_S)
+def test_two_engines_share_a_prefix_across_two_nodes(node_factory: Callable[..., NodeProcess], tmp_path: Path) -> None:
+    node_a = node_factory("--pool", POOL)
+    node_b = node_factory("--pool", POOL)
+    reference = tmp_path / "reference.pt"
+    a = engine("deposit", "--node", node_b.endpoint, "--tokens", "200", "--out", str(reference))
+    assert a["prefix_tokens"] == 192 and a["blocks"] == 12, a
+    b = engine("load", "--node", node_a.endpoint, "--source", node_b.endpoint, "--reference", str(reference))
+    assert b["held_blocks"] == 12 and b["prefix_tokens"] == 192, b
+    assert b["lease_statuses"] == ["LEASED_REMOTE"], b
+    assert b["kv_equal"] is True, b  # the delivered KV is A's, byte for byte
+    assert b["logits_equal"] is True and b["tokens_equal"] is True, (a, b)
+    assert b["tokens"] == a["tokens"]
+    assert b["layer_waits"] == b["layers"] == 30, b  # layer by layer: each layer waited for its own group
+    for node in (node_a, node_b):
+        with Client(node.endpoint, name="engines-check") as c:
+            st = assert_clean(c)
+            assert st["leases"]["held"] == 0
