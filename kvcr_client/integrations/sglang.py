@@ -1,0 +1,167 @@
+"""SGLang: a HiCache storage backend that keeps pages in kvcr nodes.
+
+SGLang's hierarchical cache writes pages of KV from its host memory pool to a storage
+backend and reads them back by page hash. ``KvcrHiCacheStorage`` is one, loadable without
+patching SGLang::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{"backend_name": "kvcr",
+      "module_path": "kvcr_client.integrations.sglang", "class_name": "KvcrHiCacheStorage",
+      "endpoint": "ipc:///run/kvcr/node.sock", "pool": "kv"}'
+
+Each page is one kvcr object with one span, ``page``, in the node pool ``pool``, whose
+slot size must be the page's size in bytes. Keys are the page hashes with the rank suffix
+SGLang's own file backend uses (MLA pages are shared by every tensor-parallel rank).
+Pages move through a staging buffer registered with NIXL once (``staging_pages`` pages),
+so a call costs one copy per page on this side and no registration; ``batch_exists``
+is one prefix query, which stops at the first page the node does not hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from kvcr_client.client import Client, RegionHandle, Span
+from kvcr_client.errors import KvcrError
+
+log = logging.getLogger("kvcr.sglang")
+
+DEFAULT_STAGING_PAGES = 64
+CALL_TIMEOUT_S = 30.0
+SPAN = "page"
+
+
+class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+    """HiCache pages in a kvcr node: ``set``/``get``/``exists`` and their batches."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        extra = storage_config.extra_config or {}
+        if "endpoint" not in extra:
+            raise ValueError("the kvcr backend needs extra_config['endpoint'], the node's endpoint")
+        self.pool = str(extra.get("pool", "kv"))
+        self.staging_pages = int(extra.get("staging_pages", DEFAULT_STAGING_PAGES))
+        model = "-".join((storage_config.model_name or "").split("/"))
+        rank = "" if storage_config.is_mla_model else f"_{storage_config.tp_rank}_{storage_config.tp_size}"
+        self.suffix = f"_{model}{rank}".encode()
+        self.client = Client(str(extra["endpoint"]), name=f"sglang-hicache-{storage_config.tp_rank}")
+        self._lock = threading.Lock()
+        """SGLang calls from its prefetch and backup threads: one call at a time uses the staging buffer."""
+        self._staging: np.ndarray | None = None
+        self._region: RegionHandle | None = None
+        self._page_bytes = 0
+        self.counters = {"set": 0, "set_failed": 0, "get": 0, "get_missed": 0}
+
+    # ------------------------------------------------------------------ staging
+
+    def _key(self, key: str) -> bytes:
+        return key.encode() + self.suffix
+
+    def _stage(self, page_bytes: int) -> tuple[np.ndarray, RegionHandle]:
+        """The staging buffer for pages of ``page_bytes`` (made, and registered, once)."""
+        if self._staging is None or self._region is None or self._page_bytes != page_bytes:
+            if self._region is not None:
+                self.client.unregister(self._region)
+            self._staging = np.zeros(self.staging_pages * page_bytes, dtype=np.uint8)
+            self._region = self.client.register(self._staging)
+            self._page_bytes = page_bytes
+        return self._staging, self._region
+
+    @staticmethod
+    def _bytes(tensor: torch.Tensor) -> np.ndarray:
+        data: np.ndarray = tensor.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
+        return data
+
+    # ------------------------------------------------------------------ the interface
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: Sequence[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Store every page; True when the node holds all of them afterwards (stored now or before)."""
+        if not keys:
+            return True
+        pages = [self._bytes(v) for v in values]
+        size = pages[0].nbytes
+        if any(p.nbytes != size for p in pages):
+            log.warning("kvcr: pages of different sizes in one batch; nothing stored")
+            return False
+        ok = True
+        with self._lock:
+            staging, region = self._stage(size)
+            for start in range(0, len(keys), self.staging_pages):
+                chunk = list(range(start, min(start + self.staging_pages, len(keys))))
+                for slot, i in enumerate(chunk):
+                    staging[slot * size : (slot + 1) * size] = pages[i]
+                objects = {self._key(keys[i]): [Span(SPAN, region, slot * size, size, self.pool)]
+                           for slot, i in enumerate(chunk)}
+                try:
+                    results = self.client.deposit(objects).result(CALL_TIMEOUT_S)
+                except KvcrError as exc:
+                    log.warning("kvcr: deposit of %d pages failed: %s", len(chunk), exc)
+                    ok = False
+                    continue
+                stored = sum(1 for r in results.values() if r.ok)
+                self.counters["set"] += stored
+                self.counters["set_failed"] += len(chunk) - stored
+                ok = ok and stored == len(chunk)
+        return ok
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: Sequence[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        """Fill each target with its page; None for a page the node does not hold."""
+        if not keys:
+            return []
+        targets = list(target_locations)
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        size = targets[0].numel() * targets[0].element_size()
+        with self._lock:
+            staging, region = self._stage(size)
+            for start in range(0, len(keys), self.staging_pages):
+                chunk = list(range(start, min(start + self.staging_pages, len(keys))))
+                objects = {self._key(keys[i]): [Span(SPAN, region, slot * size, size)] for slot, i in enumerate(chunk)}
+                try:
+                    results = self.client.deliver(objects).result(CALL_TIMEOUT_S)
+                except KvcrError as exc:
+                    log.warning("kvcr: deliver of %d pages failed: %s", len(chunk), exc)
+                    continue
+                for slot, i in enumerate(chunk):
+                    if results[self._key(keys[i])].ok:
+                        view = targets[i].view(torch.uint8).reshape(-1)
+                        view.copy_(torch.from_numpy(staging[slot * size : (slot + 1) * size]))
+                        out[i] = targets[i]
+                        self.counters["get"] += 1
+                    else:
+                        self.counters["get_missed"] += 1
+        return out
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many pages in a row, from the first, the node holds (one prefix query)."""
+        if not keys:
+            return 0
+        count: int = self.client.query_prefix([self._key(k) for k in keys]).result(CALL_TIMEOUT_S)
+        return count
+
+    def clear(self) -> None:
+        """Nothing to clear here: the node's pool is shared and evicts by its own policy."""
+
+    def get_stats(self) -> dict[str, int]:
+        return dict(self.counters)
+
+    def close(self) -> None:
+        if self._region is not None:
+            self.client.unregister(self._region)
+            self._region = None
+        self.client.close()
