@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -30,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from lookups import interleaved
 from procs import process_group, spawn
 from stats import fmt_us, summary
 
@@ -48,18 +48,6 @@ def key(i: int) -> bytes:
     return b"k" + i.to_bytes(31, "big")
 
 
-def timed_turns(calls: dict[str, Callable[[], object]], rounds: int, warmup: int) -> dict[str, dict[str, float]]:
-    """Each call once per round, in turn: what is compared sees the same machine."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for r in range(rounds + warmup):
-        for name, fn in calls.items():
-            t0 = time.perf_counter()
-            fn()
-            if r >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    return {name: summary(samples) for name, samples in times.items()}
-
-
 def lease_then_release(client: Client, keys: list[bytes]) -> None:
     lease = client.lease(keys).result(RESULT_TIMEOUT_S)
     assert lease.held_prefix() == len(keys), lease
@@ -72,7 +60,7 @@ def bench_cost(client: Client, region: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in SIZES:
         subset = keys[:n]
-        out[n] = timed_turns({
+        out[n] = interleaved({
             "query": lambda s=subset: client.query(s).result(RESULT_TIMEOUT_S),
             "lease": lambda s=subset: lease_then_release(client, s),
         }, ROUNDS, WARMUP)

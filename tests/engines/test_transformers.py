@@ -15,40 +15,25 @@ must run (``.ci/run`` makes the environment first).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvcr_client import Client
+from kvcr_testing.engines import require_engines, run_example
 from kvcr_testing.health import assert_clean
 from kvcr_testing.nodes import NodeProcess
 
-ROOT = Path(__file__).resolve().parents[2]
-ENGINE_PY = ROOT / os.environ.get("KVCR_ENGINES_VENV", ".venv-engines") / "bin" / "python"
-EXAMPLE = ROOT / "examples" / "transformers_prefix.py"
 POOL = "kv:12KiB:4096"
 """One slot per block (16 tokens) of one layer's keys or values: 16 x 3 KV heads x 64 x 4 bytes."""
 ENGINE_TIMEOUT_S = 300.0
 
-if not ENGINE_PY.exists():
-    if os.environ.get("CI"):
-        pytest.fail(f"CI needs the engine environment {ENGINE_PY}: .ci/run makes it with scripts/engines_env.sh",
-                    pytrace=False)
-    pytest.skip(f"no engine environment at {ENGINE_PY}: run scripts/engines_env.sh", allow_module_level=True)
+require_engines()
 
 
-def engine(*args: str) -> dict[str, Any]:
-    """Run the example in the engine environment; its last line is its JSON report."""
-    proc = subprocess.run([str(ENGINE_PY), str(EXAMPLE), *args], capture_output=True, text=True,
-                          timeout=ENGINE_TIMEOUT_S, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return report
+def engine(*args: str) -> dict[str, object]:
+    return run_example("transformers_prefix.py", *args, timeout_s=ENGINE_TIMEOUT_S)
 
 
 @pytest.mark.timeout(2 * ENGINE_TIMEOUT_S)

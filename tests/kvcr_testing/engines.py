@@ -1,0 +1,40 @@
+"""The engine environment (``scripts/engines_env.sh``) and the engine scripts tests run in it.
+
+The integrations' tests run engine code (torch, transformers, SGLang) in its own
+environment, ``.venv-engines``, never in the project's: the core never imports torch.
+Outside CI a test module without that environment is skipped, saying why; in CI it fails,
+since ``.ci/run`` makes the environment first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_PY = ROOT / os.environ.get("KVCR_ENGINES_VENV", ".venv-engines") / "bin" / "python"
+EXAMPLES = ROOT / "examples"
+
+
+def require_engines() -> None:
+    """Skip the calling test module (fail it in CI) when the engine environment is missing."""
+    if ENGINE_PY.exists():
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"CI needs the engine environment {ENGINE_PY}: .ci/run makes it with scripts/engines_env.sh",
+                    pytrace=False)
+    pytest.skip(f"no engine environment at {ENGINE_PY}: run scripts/engines_env.sh", allow_module_level=True)
+
+
+def run_example(script: str, *args: str, timeout_s: float) -> dict[str, Any]:
+    """Run ``examples/SCRIPT`` in the engine environment; its last line is its JSON report."""
+    proc = subprocess.run([str(ENGINE_PY), str(EXAMPLES / script), *args], capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return report
