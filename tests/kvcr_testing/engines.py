@@ -18,22 +18,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_PY = ROOT / os.environ.get("KVCR_ENGINES_VENV", ".venv-engines") / "bin" / "python"
+"""transformers, SGLang."""
+VLLM_PY = ROOT / os.environ.get("KVCR_VLLM_VENV", ".venv-vllm") / "bin" / "python"
+"""vLLM (its transformers pin differs, so it has an environment of its own)."""
 EXAMPLES = ROOT / "examples"
 
 
-def require_engines() -> None:
+def require_engines(python: Path = ENGINE_PY) -> None:
     """Skip the calling test module (fail it in CI) when the engine environment is missing."""
-    if ENGINE_PY.exists():
+    if python.exists():
         return
     if os.environ.get("CI"):
-        pytest.fail(f"CI needs the engine environment {ENGINE_PY}: .ci/run makes it with scripts/engines_env.sh",
+        pytest.fail(f"CI needs the engine environment {python}: .ci/run makes it with scripts/engines_env.sh",
                     pytrace=False)
-    pytest.skip(f"no engine environment at {ENGINE_PY}: run scripts/engines_env.sh", allow_module_level=True)
+    pytest.skip(f"no engine environment at {python}: run scripts/engines_env.sh", allow_module_level=True)
 
 
-def run_example(script: str, *args: str, timeout_s: float) -> dict[str, Any]:
-    """Run ``examples/SCRIPT`` in the engine environment; its last line is its JSON report."""
-    proc = subprocess.run([str(ENGINE_PY), str(EXAMPLES / script), *args], capture_output=True, text=True,
+def run_example(script: str, *args: str, timeout_s: float, python: Path = ENGINE_PY) -> dict[str, Any]:
+    """Run ``examples/SCRIPT`` in an engine environment; its last line is its JSON report."""
+    proc = subprocess.run([str(python), str(EXAMPLES / script), *args], capture_output=True, text=True,
                           timeout=timeout_s, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])

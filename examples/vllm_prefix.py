@@ -1,0 +1,106 @@
+"""vLLM with the kvcr connector: the second run of a prompt loads its prefix's KV from kvcr.
+
+A tiny random-weight Llama (``load_format="dummy"``, float32, eager) generates greedily
+for a prompt, saving its full blocks into the node through ``KvcrConnector``; a second
+generation of the same prompt (prefix caching off, so vLLM itself remembers nothing)
+leases the blocks, loads them layer by layer (``wait_for_layer_load`` per layer), computes
+only the last token and must produce the same tokens and logprobs. With ``--source``, the
+engine asks its own node for blocks another node holds: run ``save`` against node B in
+one process, then ``load`` against node A with ``--source`` B in another.
+
+    .venv-vllm/bin/python examples/vllm_prefix.py both --node ipc:///tmp/b.sock
+    .venv-vllm/bin/python examples/vllm_prefix.py save --node ipc:///tmp/b.sock --out /tmp/ref.json
+    .venv-vllm/bin/python examples/vllm_prefix.py load --node ipc:///tmp/a.sock --source ipc:///tmp/b.sock \\
+        --reference /tmp/ref.json
+
+The node needs a pool whose slot is one layer's block: 32 tokens x 2 KV heads x 32 x K
+and V x 4 bytes = 16 KiB here (``--pool kv:16KiB:2048``). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its connector's counts are ours
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+from vllm.inputs import TokensPrompt
+
+from kvcr_client.integrations import vllm as kvcr_vllm
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 4, "vocab_size": 512,
+    "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "torch_dtype": "float32", "bos_token_id": 1,
+    "eos_token_id": 2, "tie_word_embeddings": False,
+}
+PROMPT = [(7 * i + 3) % 500 + 10 for i in range(100)]
+"""100 tokens: three full blocks of 32 go through kvcr, the rest is computed."""
+
+
+def engine(node: str, source: str | None) -> LLM:
+    folder = Path(tempfile.mkdtemp(prefix="kvcr-tiny-llama-"))
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    # The model's folder differs per process: both engines name the model the same way.
+    extra: dict[str, Any] = {"endpoint": node, "pool": "kv", "verify": True, "model_id": "kvcr-tiny-llama-dummy"}
+    if source:
+        extra["source"] = source
+    return LLM(
+        model=str(folder), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        enable_prefix_caching=False, max_model_len=512, block_size=32, seed=0,
+        kv_transfer_config=KVTransferConfig(kv_connector="KvcrConnector",
+                                            kv_connector_module_path="kvcr_client.integrations.vllm",
+                                            kv_role="kv_both", kv_connector_extra_config=extra),
+    )
+
+
+def generate(llm: LLM) -> dict[str, Any]:
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
+    out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0]
+    logprobs = [{str(t): float(lp.logprob) for t, lp in sorted(step.items())} for step in (out.logprobs or [])]
+    return {"tokens": list(out.token_ids), "logprobs": logprobs}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("role", choices=("both", "save", "load"))
+    parser.add_argument("--node", required=True)
+    parser.add_argument("--source")
+    parser.add_argument("--out", default="/tmp/kvcr-vllm-reference.json")
+    parser.add_argument("--reference", default="/tmp/kvcr-vllm-reference.json")
+    args = parser.parse_args()
+    llm = engine(args.node, args.source)
+    report: dict[str, Any] = {"role": args.role}
+    if args.role in ("both", "save"):
+        first = generate(llm)
+        report["first"] = first
+        report["saved"] = dict(kvcr_vllm.STATS)
+        first["digests"] = dict(kvcr_vllm.DIGESTS["saved"])
+        Path(args.out).write_text(json.dumps(first))
+    if args.role in ("both", "load"):
+        before = dict(kvcr_vllm.STATS)
+        second = generate(llm)
+        reference = report.get("first") or json.loads(Path(args.reference).read_text())
+        report["second"] = second
+        report["same_tokens"] = second["tokens"] == reference["tokens"]
+        report["same_logprobs"] = second["logprobs"] == reference["logprobs"]
+        loaded = kvcr_vllm.DIGESTS["loaded"]
+        report["blocks_verified"] = sorted(loaded) == sorted(reference["digests"]) and all(
+            loaded[k] == reference["digests"][k] for k in loaded)
+        report["loaded"] = {k: kvcr_vllm.STATS[k] - before.get(k, 0) for k in kvcr_vllm.STATS}
+        report["layers"] = CONFIG["num_hidden_layers"]
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

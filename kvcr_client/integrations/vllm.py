@@ -1,0 +1,310 @@
+"""vLLM: a KV connector (``KVConnectorBase_V1``) that loads and saves blocks through kvcr.
+
+Load it without patching vLLM::
+
+    KVTransferConfig(kv_connector="KvcrConnector", kv_connector_module_path="kvcr_client.integrations.vllm",
+                     kv_role="kv_both", kv_connector_extra_config={"endpoint": "ipc:///run/kvcr/node.sock"})
+
+Each full block of a prompt is one kvcr object (``kvcr_client.integrations.blocks`` keys,
+salted with the model), with one span per layer: the block's bytes in that layer's paged
+KV tensor (two, ``.k`` and ``.v``, where a layer keeps K and V apart). The node's pool
+``pool`` (default ``kv``) needs slots of one layer's block.
+
+Scheduler side: ``get_num_new_matched_tokens`` leases the prompt's blocks and counts the
+leading ones held (here, or at the node ``extra_config["source"]`` names, through a hint),
+so an admitted request cannot lose them; ``update_state_after_alloc`` notes where they go,
+``build_connector_meta`` tells the workers what to load and save; ``request_finished``
+releases the lease and names this node in ``kv_transfer_params``. Worker side:
+``register_kv_caches`` registers each layer's tensor once; ``start_load_kv`` sends one
+deliver for the step with a layer plan (group i: layer i of every block);
+``wait_for_layer_load(layer)`` waits for that layer's group only; ``wait_for_save``
+deposits the blocks computed this step; a block that failed to load is reported by
+``get_block_ids_with_load_errors``, never a hang. Loads are synchronous to the step
+(``load_async`` False), so layers overlap with compute.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+
+from kvcr_client.client import Client, RegionHandle, Span
+from kvcr_client.errors import GroupFailed, KvcrError
+from kvcr_client.integrations.blocks import block_keys
+from kvcr_client.leases import LeaseHandle
+from kvcr_client.results import DeliverHandle
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger("kvcr.vllm")
+
+SAVED_MEMORY = 65536
+"""Block keys the scheduler remembers having saved (least recently saved forgotten first): it
+skips saving them again; a forgotten one saved again is answered DUPLICATE by the node."""
+WAIT_S = 30.0
+"""How long a layer waits for its group before its blocks are reported failed."""
+
+STATS: dict[str, int] = {"layer_waits": 0, "loads": 0, "blocks_loaded": 0, "blocks_saved": 0, "load_errors": 0,
+                         "leases": 0, "matched_tokens": 0}
+"""What the connectors of this process did (read by tests and ``get_kv_connector_stats``)."""
+DIGESTS: dict[str, dict[str, str]] = {"saved": {}, "loaded": {}}
+"""With ``extra_config["verify"]``: block key (hex) -> SHA-256 of its bytes in vLLM's cache as
+saved, and as loaded once every layer landed, so that a run can prove the bytes the model
+read are the bytes another engine computed."""
+
+
+@dataclass
+class _Load:
+    request_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    source: str | None = None
+    """The node that holds the blocks when it is not ours (the worker hints it in its own session)."""
+
+
+@dataclass
+class KvcrConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the workers do this step: blocks to load (before the forward) and to save (after)."""
+
+    loads: list[_Load] = field(default_factory=list)
+    saves: list[_Load] = field(default_factory=list)
+
+
+class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM's KV connector over a kvcr node (see the module)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        if "endpoint" not in extra:
+            raise ValueError("KvcrConnector needs kv_connector_extra_config['endpoint'], the node's endpoint")
+        self.endpoint = str(extra["endpoint"])
+        self.source = extra.get("source")
+        """The endpoint of another node that may hold the blocks (a hint per request)."""
+        self.pool = str(extra.get("pool", "kv"))
+        self.verify = bool(extra.get("verify", False))
+        self.block_size = int(vllm_config.cache_config.block_size)
+        # Keys name the model (engines that share blocks must agree on it: its id, or its path).
+        model_id = extra.get("model_id") or vllm_config.model_config.model
+        self.salt = f"{model_id}|{vllm_config.model_config.dtype}|{self.block_size}".encode()
+        self.client = Client(self.endpoint, name=f"vllm-{role.name.lower()}")
+        self._lock = threading.Lock()
+        # Scheduler side.
+        self._keys: dict[str, list[bytes]] = {}
+        self._leases: dict[str, LeaseHandle] = {}
+        self._loads: list[_Load] = []
+        self._saved: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        # Worker side.
+        self._layers: list[str] = []
+        self._regions: dict[str, RegionHandle] = {}
+        self._tensors: dict[str, Any] = {}
+        """Layer -> its paged KV tensor's bytes (for ``verify``)."""
+        self._block_bytes: dict[str, int] = {}
+        self._split: dict[str, int] = {}
+        """Layer -> the byte offset of its V half (0: K and V of a block are one span)."""
+        self._handles: list[tuple[DeliverHandle, dict[bytes, list[int]], str | None]] = []
+        self._failed: set[int] = set()
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        tokens = list(request.prompt_token_ids or [])
+        keys = block_keys(tokens[:-1], self.block_size, self.salt)  # one token is always computed
+        if not keys:
+            return 0, False
+        request_id = None
+        if self.source:
+            request_id = str(request.request_id)
+            self.client.submit_hint(request_id, str(self.source), keys).result(WAIT_S)
+        try:
+            lease = self.client.lease(keys, request_id=request_id).result(WAIT_S)
+        except KvcrError as exc:
+            log.warning("kvcr lease failed for %s: %s", request.request_id, exc)
+            return 0, False
+        held = lease.held_prefix() * self.block_size
+        if held <= num_computed_tokens:
+            if lease.id:
+                lease.release().result(WAIT_S)
+            return 0, False
+        old = self._leases.pop(request.request_id, None)
+        if old is not None and old.ended is None and old.id:
+            old.release()
+        self._leases[request.request_id] = lease
+        self._keys[request.request_id] = keys
+        STATS["leases"] += 1
+        STATS["matched_tokens"] += held - num_computed_tokens
+        return held - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        keys = self._keys.get(request.request_id, [])
+        block_ids = list(blocks.get_block_ids()[0])
+        first = request.num_computed_tokens // self.block_size
+        count = num_external_tokens // self.block_size
+        self._loads.append(_Load(request.request_id, keys[first : first + count], block_ids[first : first + count],
+                                 str(self.source) if self.source else None))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvcrConnectorMetadata:
+        meta = KvcrConnectorMetadata(loads=self._loads)
+        self._loads = []
+        loading = {load.request_id for load in meta.loads}
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in loading:
+                continue
+            tokens = list(new.prompt_token_ids or [])
+            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            keys = block_keys(tokens[: min(done, len(tokens))], self.block_size, self.salt)
+            fresh = [(k, b) for k, b in zip(keys, new.block_ids[0], strict=False) if k not in self._saved]
+            if fresh:
+                meta.saves.append(_Load(new.req_id, [k for k, _ in fresh], [b for _, b in fresh]))
+                for k, _ in fresh:
+                    self._saved[k] = None
+                while len(self._saved) > SAVED_MEMORY:
+                    self._saved.popitem(last=False)
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        lease = self._leases.pop(request.request_id, None)
+        self._keys.pop(request.request_id, None)
+        if lease is not None and lease.ended is None and lease.id:
+            lease.release()
+        if self.source:
+            self.client.discard_hint(str(request.request_id))
+        return False, {"kvcr_endpoint": self.endpoint}
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self._kv_cache_config.num_blocks if self._kv_cache_config is not None else None
+        for name, tensor in kv_caches.items():
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError(f"KvcrConnector: layer {name} is not a contiguous CPU tensor")
+            if tensor.shape[0] == 2 and (num_blocks is None or tensor.shape[1] == num_blocks):
+                self._split[name] = tensor[1].data_ptr() - tensor[0].data_ptr()  # [2, blocks, ...]: K then V
+                self._block_bytes[name] = tensor[0, 0].numel() * tensor.element_size()
+            else:
+                self._split[name] = 0  # [blocks, ...]: a block's K and V together
+                self._block_bytes[name] = tensor[0].numel() * tensor.element_size()
+            self._tensors[name] = tensor.view(torch.uint8).reshape(-1).numpy()
+            self._regions[name] = self.client.register(self._tensors[name])
+            self._layers.append(name)
+        log.info("kvcr: %d layers registered (shape %s), %d bytes per layer block", len(self._layers),
+                 tuple(next(iter(kv_caches.values())).shape) if kv_caches else (),
+                 next(iter(self._block_bytes.values()), 0))
+
+    def _spans(self, block_id: int, pool: str = "") -> list[Span]:
+        spans = []
+        for name in self._layers:
+            size, split, region = self._block_bytes[name], self._split[name], self._regions[name]
+            if split:
+                spans.append(Span(f"{name}.k", region, block_id * size, size, pool))
+                spans.append(Span(f"{name}.v", region, split + block_id * size, size, pool))
+            else:
+                spans.append(Span(name, region, block_id * size, size, pool))
+        return spans
+
+    def _digest(self, block_id: int) -> str:
+        """SHA-256 of one block's bytes over every layer, in span order."""
+        h = hashlib.sha256()
+        for span in self._spans(block_id):
+            h.update(self._tensors[span.name.removesuffix(".k").removesuffix(".v")][span.offset : span.offset + span.length])
+        return h.hexdigest()
+
+    def _plan(self) -> list[list[str]]:
+        return [[f"{n}.k", f"{n}.v"] if self._split[n] else [n] for n in self._layers]
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """One deliver per request with a layer plan; a request whose blocks a source holds
+        hints that source in this worker's own session first (hints are per session)."""
+        meta = self._get_connector_metadata()
+        self._handles = []
+        for load in meta.loads:
+            if not load.keys:
+                continue
+            request_id = None
+            if load.source:
+                request_id = load.request_id
+                self.client.submit_hint(request_id, load.source, load.keys).result(WAIT_S)
+            objects = {key: self._spans(block_id) for key, block_id in zip(load.keys, load.block_ids, strict=True)}
+            blocks = {key: [block_id] for key, block_id in zip(load.keys, load.block_ids, strict=True)}
+            STATS["loads"] += 1
+            handle = self.client.deliver(objects, request_id=request_id, plan=self._plan())
+            self._handles.append((handle, blocks, request_id))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._handles or layer_name not in self._regions:
+            return
+        group = self._layers.index(layer_name)
+        STATS["layer_waits"] += 1
+        for handle, blocks, _ in self._handles:
+            try:
+                handle.wait(group, WAIT_S)
+            except (GroupFailed, KvcrError, TimeoutError) as exc:
+                failed = [b for ids in blocks.values() for b in ids]
+                log.warning("kvcr: layer %s failed to load (%s): %d blocks recomputed", layer_name, exc, len(failed))
+                self._failed.update(failed)
+                STATS["load_errors"] += 1
+        if group == len(self._layers) - 1:
+            for handle, blocks, request_id in self._handles:
+                try:
+                    results = handle.result(WAIT_S)
+                    STATS["blocks_loaded"] += sum(1 for r in results.values() if r.ok)
+                    if self.verify:
+                        for key, ids in blocks.items():
+                            if results[key].ok:
+                                DIGESTS["loaded"][key.hex()] = self._digest(ids[0])
+                except KvcrError as exc:
+                    self._failed.update(b for ids in blocks.values() for b in ids)
+                    log.warning("kvcr: load failed: %s", exc)
+                else:
+                    for key, ids in blocks.items():
+                        if not results[key].ok:
+                            self._failed.update(ids)
+                            log.warning("kvcr: block %s not loaded: %s", key.hex()[:12], results[key])
+                if request_id is not None:
+                    self.client.discard_hint(request_id)
+            self._handles = []
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Blocks are saved whole once the step computed them (``wait_for_save``)."""
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        objects = {key: self._spans(block_id, self.pool) for save in meta.saves
+                   for key, block_id in zip(save.keys, save.block_ids, strict=True)}
+        if not objects:
+            return
+        try:
+            # Synchronous: the blocks may be reused once this step is over.
+            results = self.client.deposit(objects, optional=True).result(WAIT_S)
+            STATS["blocks_saved"] += sum(1 for r in results.values() if r.ok)
+            if self.verify:
+                for save in meta.saves:
+                    for key, block_id in zip(save.keys, save.block_ids, strict=True):
+                        DIGESTS["saved"][key.hex()] = self._digest(block_id)
+        except KvcrError as exc:
+            log.warning("kvcr: saving %d blocks failed: %s", len(objects), exc)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def shutdown(self) -> None:
+        for lease in list(self._leases.values()):
+            if lease.ended is None and lease.id:
+                lease.release()
+        self.client.close()

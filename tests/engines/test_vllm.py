@@ -1,0 +1,66 @@
+"""vLLM with ``KvcrConnector`` (``kvcr_client.integrations.vllm``), vLLM's own engine on the CPU.
+
+vLLM's scheduler drives the connector's scheduler side (matched tokens through a lease,
+state after allocation, metadata, ``request_finished``) and its worker the worker side
+(``register_kv_caches``, ``start_load_kv``, ``wait_for_layer_load`` per layer,
+``wait_for_save``). A tiny random-weight Llama generates twice: the second generation loads
+the prompt's full blocks from kvcr layer by layer, and its tokens and logprobs are the
+first's, with the blocks' bytes in vLLM's cache proven equal by digest. Then across two
+nodes: one engine process saves through node B, another loads through node A, which
+leases and gets the blocks from B. Runs ``examples/vllm_prefix.py`` in the vLLM
+environment (``scripts/engines_env.sh``; skipped outside CI without it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvcr_client import Client
+from kvcr_testing.engines import VLLM_PY, require_engines, run_example
+from kvcr_testing.health import assert_clean
+from kvcr_testing.nodes import NodeProcess
+
+POOL = "kv:16KiB:1024"
+"""One slot per layer block: 32 tokens x 2 KV heads x 32 x K and V x 4 bytes."""
+TIMEOUT_S = 300.0
+LOADED = {"layer_waits": 4, "loads": 1, "blocks_loaded": 3, "blocks_saved": 0, "load_errors": 0, "leases": 1,
+          "matched_tokens": 96}
+"""Four layers, three full blocks of 32 of a 100-token prompt: one lease, one load, a wait per layer."""
+
+require_engines(VLLM_PY)
+
+
+def vllm(*args: str) -> dict[str, object]:
+    return run_example("vllm_prefix.py", *args, timeout_s=TIMEOUT_S, python=VLLM_PY)
+
+
+def assert_nodes_clean(*nodes: NodeProcess) -> None:
+    for node in nodes:
+        with Client(node.endpoint, name="vllm-check") as c:
+            st = assert_clean(c)
+            assert st["leases"]["held"] == 0
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_second_generation_loads_the_prefix_layer_by_layer(node_factory: Callable[..., NodeProcess]) -> None:
+    node = node_factory("--pool", POOL)
+    r = vllm("both", "--node", node.endpoint)
+    assert r["saved"] == {**dict.fromkeys(LOADED, 0), "blocks_saved": 3}, r["saved"]
+    assert r["loaded"] == LOADED, r["loaded"]
+    assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
+    assert_nodes_clean(node)
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_across_two_nodes(node_factory: Callable[..., NodeProcess], tmp_path: Path) -> None:
+    node_a, node_b = node_factory("--pool", POOL), node_factory("--pool", POOL)
+    reference = tmp_path / "reference.json"
+    saved = vllm("save", "--node", node_b.endpoint, "--out", str(reference))
+    assert saved["saved"]["blocks_saved"] == 3, saved  # type: ignore[index]
+    r = vllm("load", "--node", node_a.endpoint, "--source", node_b.endpoint, "--reference", str(reference))
+    assert r["loaded"] == LOADED, r["loaded"]
+    assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
+    assert_nodes_clean(node_a, node_b)
