@@ -56,9 +56,11 @@ STATS: dict[str, int] = {"layer_waits": 0, "loads": 0, "blocks_loaded": 0, "bloc
                          "leases": 0, "matched_tokens": 0}
 """What the connectors of this process did (read by tests and ``get_kv_connector_stats``)."""
 DIGESTS: dict[str, dict[str, str]] = {"saved": {}, "loaded": {}}
-"""With ``extra_config["verify"]``: block key (hex) -> SHA-256 of its bytes in vLLM's cache as
-saved, and as loaded once every layer landed, so that a run can prove the bytes the model
-read are the bytes another engine computed."""
+"""With ``extra_config["verify"]`` (a testing aid): block key (hex) -> SHA-256 of its bytes in
+vLLM's cache as saved, and as loaded once every layer landed, so that a run can prove the
+bytes the model read are the bytes another engine computed. Each table keeps the latest
+``DIGESTS_KEPT`` blocks."""
+DIGESTS_KEPT = 4096
 
 
 @dataclass
@@ -212,6 +214,13 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 spans.append(Span(name, region, block_id * size, size, pool))
         return spans
 
+    @staticmethod
+    def _remember(table: str, key: bytes, digest: str) -> None:
+        kept = DIGESTS[table]
+        kept[key.hex()] = digest
+        while len(kept) > DIGESTS_KEPT:
+            del kept[next(iter(kept))]
+
     def _digest(self, block_id: int) -> str:
         """SHA-256 of one block's bytes over every layer, in span order."""
         h = hashlib.sha256()
@@ -261,7 +270,7 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     if self.verify:
                         for key, ids in blocks.items():
                             if results[key].ok:
-                                DIGESTS["loaded"][key.hex()] = self._digest(ids[0])
+                                self._remember("loaded", key, self._digest(ids[0]))
                 except KvcrError as exc:
                     self._failed.update(b for ids in blocks.values() for b in ids)
                     log.warning("kvcr: load failed: %s", exc)
@@ -292,7 +301,7 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if self.verify:
                 for save in meta.saves:
                     for key, block_id in zip(save.keys, save.block_ids, strict=True):
-                        DIGESTS["saved"][key.hex()] = self._digest(block_id)
+                        self._remember("saved", key, self._digest(block_id))
         except KvcrError as exc:
             log.warning("kvcr: saving %d blocks failed: %s", len(objects), exc)
 
