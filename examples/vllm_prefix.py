@@ -63,8 +63,9 @@ def engine(node: str, source: str | None) -> LLM:
     )
 
 
-def generate(llm: LLM) -> dict[str, Any]:
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
+def generate(llm: LLM, transfer: dict[str, Any] | None = None) -> dict[str, Any]:
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, extra_args={"kv_transfer_params": transfer}
+                            if transfer else None)
     out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0]
     logprobs = [{str(t): float(lp.logprob) for t, lp in sorted(step.items())} for step in (out.logprobs or [])]
     return {"tokens": list(out.token_ids), "logprobs": logprobs}
@@ -74,7 +75,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", choices=("both", "save", "load"))
     parser.add_argument("--node", required=True)
-    parser.add_argument("--source")
+    parser.add_argument("--source", help="the node that holds the blocks, configured for the engine")
+    parser.add_argument("--params-source", help="the node that holds the blocks, named per request in kv_transfer_params")
     parser.add_argument("--out", default="/tmp/kvcr-vllm-reference.json")
     parser.add_argument("--reference", default="/tmp/kvcr-vllm-reference.json")
     args = parser.parse_args()
@@ -88,7 +90,7 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(first))
     if args.role in ("both", "load"):
         before = dict(kvcr_vllm.STATS)
-        second = generate(llm)
+        second = generate(llm, {"kvcr_endpoint": args.params_source} if args.params_source else None)
         reference = report.get("first") or json.loads(Path(args.reference).read_text())
         report["second"] = second
         report["same_tokens"] = second["tokens"] == reference["tokens"]

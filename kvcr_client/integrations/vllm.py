@@ -14,7 +14,8 @@ Scheduler side: ``get_num_new_matched_tokens`` leases the prompt's blocks and co
 leading ones held (here, or at the node ``extra_config["source"]`` names, through a hint),
 so an admitted request cannot lose them; ``update_state_after_alloc`` notes where they go,
 ``build_connector_meta`` tells the workers what to load and save; ``request_finished``
-releases the lease and names this node in ``kv_transfer_params``. Worker side:
+releases the lease and names this node in ``kv_transfer_params``; a request that arrives
+with those params (a decode engine on another host) has its blocks looked for there. Worker side:
 ``register_kv_caches`` registers each layer's tensor once; ``start_load_kv`` sends one
 deliver for the step with a layer plan (group i: layer i of every block);
 ``wait_for_layer_load(layer)`` waits for that layer's group only; ``wait_for_save``
@@ -123,9 +124,10 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not keys:
             return 0, False
         request_id = None
-        if self.source:
+        source = self._source_of(request)
+        if source:
             request_id = str(request.request_id)
-            self.client.submit_hint(request_id, str(self.source), keys).result(WAIT_S)
+            self.client.submit_hint(request_id, source, keys).result(WAIT_S)
         try:
             lease = self.client.lease(keys, request_id=request_id).result(WAIT_S)
         except KvcrError as exc:
@@ -145,6 +147,15 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         STATS["matched_tokens"] += held - num_computed_tokens
         return held - num_computed_tokens, False
 
+    def _source_of(self, request: Any) -> str | None:
+        """Where a request's blocks may be: the node its ``kv_transfer_params`` name (what
+        ``request_finished`` of the engine that computed them returned), else the configured one."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        source = params.get("kvcr_endpoint") if isinstance(params, dict) else None
+        if source and source != self.endpoint:
+            return str(source)
+        return str(self.source) if self.source else None
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
@@ -153,7 +164,7 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         first = request.num_computed_tokens // self.block_size
         count = num_external_tokens // self.block_size
         self._loads.append(_Load(request.request_id, keys[first : first + count], block_ids[first : first + count],
-                                 str(self.source) if self.source else None))
+                                 self._source_of(request)))
 
     def build_connector_meta(self, scheduler_output: Any) -> KvcrConnectorMetadata:
         meta = KvcrConnectorMetadata(loads=self._loads)
@@ -179,8 +190,9 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._keys.pop(request.request_id, None)
         if lease is not None and lease.ended is None and lease.id:
             lease.release()
-        if self.source:
+        if self._source_of(request):
             self.client.discard_hint(str(request.request_id))
+        # A decode engine elsewhere that gets these params asks its own node for the blocks here.
         return False, {"kvcr_endpoint": self.endpoint}
 
     # ------------------------------------------------------------------ worker side

@@ -7,7 +7,8 @@ state after allocation, metadata, ``request_finished``) and its worker the worke
 the prompt's full blocks from kvcr layer by layer, and its tokens and logprobs are the
 first's, with the blocks' bytes in vLLM's cache proven equal by digest. Then across two
 nodes: one engine process saves through node B, another loads through node A, which
-leases and gets the blocks from B. Runs ``examples/vllm_prefix.py`` in the vLLM
+leases and gets the blocks from B, named by the engine's configuration or per request in
+``kv_transfer_params``. Runs ``examples/vllm_prefix.py`` in the vLLM
 environment (``scripts/engines_env.sh``; skipped outside CI without it).
 """
 
@@ -61,6 +62,11 @@ def test_across_two_nodes(node_factory: Callable[..., NodeProcess], tmp_path: Pa
     saved = vllm("save", "--node", node_b.endpoint, "--out", str(reference))
     assert saved["saved"]["blocks_saved"] == 3, saved  # type: ignore[index]
     r = vllm("load", "--node", node_a.endpoint, "--source", node_b.endpoint, "--reference", str(reference))
+    assert r["loaded"] == LOADED, r["loaded"]
+    assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
+    # The source named per request instead, in kv_transfer_params (what the saving engine's
+    # request_finished returns), as a decode engine on another host would get it.
+    r = vllm("load", "--node", node_a.endpoint, "--params-source", node_b.endpoint, "--reference", str(reference))
     assert r["loaded"] == LOADED, r["loaded"]
     assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
     assert_nodes_clean(node_a, node_b)
