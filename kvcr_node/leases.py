@@ -57,10 +57,6 @@ _REMOTE_TIER_INDEX = 1
 _PASSED_ON = {LeaseStatus.MISS, LeaseStatus.PENDING, LeaseStatus.LEASE_LIMIT}
 """A source's statuses a target passes on as they are (its LEASED becomes LEASED_REMOTE)."""
 
-Answer = Callable[[Message | None, ErrorCode | None], None]
-"""Called once with a source's reply to a lease request, or None and why there is none."""
-
-
 class HoldState(enum.Enum):
     """Where a lease's keys at one source stand."""
 

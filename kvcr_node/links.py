@@ -17,7 +17,7 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -27,7 +27,7 @@ from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
 from kvcr_io.zmq_flags import POLLIN as _POLLIN
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
-from kvcr_node.peers import LinkState, PeerLink, RemoteWrite, WriteStage
+from kvcr_node.peers import Answer, LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWrite, WriteStage
 from kvcr_node.records import ClientSession, Operation
 from kvcr_protocol import (
     Ack,
@@ -81,39 +81,6 @@ class LinkError(Exception):
         super().__init__(reason)
         self.code = code
         self.reason = reason
-
-
-class LinkOwner(Protocol):
-    """What ``Links`` reports upward: the node owns the operations its writes serve."""
-
-    def write_over(
-        self, write: RemoteWrite, code: ErrorCode | None, reason: str, results: Sequence[KeyResult], was_uncertain: bool
-    ) -> None:
-        """No transfer of ``write`` can touch its destination any more (code None: ``results`` say how it went)."""
-
-    def write_uncertain(self, write: RemoteWrite) -> None:
-        """``write``'s deadline passed unanswered: its keys fail, its destination stays reserved."""
-
-    def write_progress(self, write: RemoteWrite, msg: Progress) -> None:
-        """A version-3 source reports groups of ``write``'s items delivered so far."""
-
-    def internal_failure(self, what: str, exc: BaseException) -> None:
-        """Handling a source's message raised (counted and logged by the owner)."""
-
-
-class LeaseOwner(Protocol):
-    """Who holds the leases asked for through links (``kvcr_node.leases``)."""
-
-    def source_lease_ended(self, link: PeerLink, msg: LeaseEnded) -> None:
-        """The source ended one of the leases it holds for us."""
-
-    def source_lost(self, link: PeerLink, code: ErrorCode) -> None:
-        """The source restarted (``PEER_RESTARTED``) or its session is gone (``PEER_UNREACHABLE``):
-        it holds no lease for us any more."""
-
-
-Answer = Callable[[Message | None, ErrorCode | None], None]
-"""Takes a source's reply to a request sent by ``Links.ask``, or None and why none came."""
 
 
 def _close_quietly(sock: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | None) -> None:

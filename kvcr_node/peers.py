@@ -1,4 +1,5 @@
-"""The records of cross-node delivery on the target side: a link and a write, and their states.
+"""The records of cross-node delivery on the target side: a link and a write, their states,
+and what ``kvcr_node.links`` reports to the parts above it (``LinkOwner``, ``LeaseOwner``).
 
 A link is one DEALER socket from this node to a peer's ROUTER, with the peer session it
 carries (spec section 12): hello, version agreement, the peer's incarnation and agent. Writes
@@ -9,15 +10,15 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
 from kvcr_node.records import ClientSession, Operation
 from kvcr_node.store import ObjectEntry
-from kvcr_protocol import DeliverColumns, DeliverItem, WriteNotify
+from kvcr_protocol import DeliverColumns, DeliverItem, ErrorCode, KeyResult, LeaseEnded, Message, Progress, WriteNotify
 
 
 class LinkState(enum.Enum):
@@ -110,9 +111,9 @@ class PeerLink:
     """Probe id -> the uncertain write it asks about (one per write: its latest)."""
     next_heartbeat: float = 0.0
     """When to tell the peer we are alive (it drops sessions silent for its client grace)."""
-    asks: dict[int, Any] = field(default_factory=dict)
+    asks: dict[int, Answer] = field(default_factory=dict)
     """Lease requests sent and not yet answered: id -> who takes the answer (``Links.ask``)."""
-    asks_queued: list[tuple[Any, Any, float]] = field(default_factory=list)
+    asks_queued: list[tuple[Callable[[int], Message], Answer, float]] = field(default_factory=list)
     """Lease requests waiting for the session: (build the message for an id, who takes the
     answer, when to give up)."""
     leases: set[int] = field(default_factory=set)
@@ -140,3 +141,39 @@ class PeerLink:
     @property
     def fds(self) -> tuple[Any, ...]:
         return (self.sock, self.monitor)
+
+
+# ---------------------------------------------------------------- what links report upward
+
+
+class LinkOwner(Protocol):
+    """What ``Links`` reports upward: the node owns the operations its writes serve."""
+
+    def write_over(
+        self, write: RemoteWrite, code: ErrorCode | None, reason: str, results: Sequence[KeyResult], was_uncertain: bool
+    ) -> None:
+        """No transfer of ``write`` can touch its destination any more (code None: ``results`` say how it went)."""
+
+    def write_uncertain(self, write: RemoteWrite) -> None:
+        """``write``'s deadline passed unanswered: its keys fail, its destination stays reserved."""
+
+    def write_progress(self, write: RemoteWrite, msg: Progress) -> None:
+        """A version-3 source reports groups of ``write``'s items delivered so far."""
+
+    def internal_failure(self, what: str, exc: BaseException) -> None:
+        """Handling a source's message raised (counted and logged by the owner)."""
+
+
+class LeaseOwner(Protocol):
+    """Who holds the leases asked for through links (``kvcr_node.leases``)."""
+
+    def source_lease_ended(self, link: PeerLink, msg: LeaseEnded) -> None:
+        """The source ended one of the leases it holds for us."""
+
+    def source_lost(self, link: PeerLink, code: ErrorCode) -> None:
+        """The source restarted (``PEER_RESTARTED``) or its session is gone (``PEER_UNREACHABLE``):
+        it holds no lease for us any more."""
+
+
+Answer = Callable[[Message | None, ErrorCode | None], None]
+"""Takes a source's reply to a request sent by ``Links.ask``, or None and why none came."""

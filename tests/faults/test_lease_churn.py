@@ -94,6 +94,9 @@ def test_remote_lease_churn(sites: Sites) -> None:
             lease.renew().result(RESULT_TIMEOUT_S)
         lease.release().result(RESULT_TIMEOUT_S)
     poll_stats(b, lambda st: st["leases"]["held"] == 0, 10.0, "B released every peer lease")
+    # Releases at the source are answered asynchronously: A's table of lease requests drains
+    # once B's last acknowledgements arrive.
+    poll_stats(a, lambda st: st["tables"]["lease_asks"] == 0, 10.0, "A heard every release answered")
     sa, sb = a.stats(), b.stats()
     assert sa["tables"]["lease_asks"] == 0 and sa["tables"]["source_leases"] == 0, sa["tables"]
     assert lease_tables(sa)[:2] == (0, 0) and lease_tables(sb)[:2] == (0, 0)
