@@ -149,7 +149,10 @@ class MetricsExporter:
     """The HTTP server thread: ``/metrics`` from the latest snapshot, 404 for any other path."""
 
     def __init__(self, address: str, port: int, read: Read) -> None:
-        from prometheus_client import CollectorRegistry, make_wsgi_app
+        try:
+            from prometheus_client import CollectorRegistry, make_wsgi_app
+        except ImportError as exc:
+            raise ImportError(f"metrics_port: serving metrics needs the prometheus-client package ({exc})") from exc
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(SnapshotCollector(read))  # type: ignore[arg-type]

@@ -60,10 +60,13 @@ class MetricsPublisher:
 
     def maybe_publish(self) -> None:
         """Publish a new snapshot if the last one is ``METRICS_PUBLISH_INTERVAL_S`` old."""
-        now = time.monotonic()
-        if now >= self._next:
-            self._next = now + METRICS_PUBLISH_INTERVAL_S
-            self.latest = self.build()
+        if time.monotonic() >= self._next:
+            self.publish()
+
+    def publish(self) -> None:
+        """Build a snapshot now and publish it (one reference assigned)."""
+        self._next = time.monotonic() + METRICS_PUBLISH_INTERVAL_S
+        self.latest = self.build()
 
     def build(self) -> MetricsSnapshot:
         """A snapshot of everything the exporter serves, as of now."""
@@ -82,7 +85,7 @@ class MetricsPublisher:
         results = []
         for outcome, n in self.operations.outcomes.items():
             operation, status, *code = outcome.split(".", 2)
-            results.append((operation, status, code[0] if code else "", n))
+            results.append((operation, status.lower(), code[0] if code else "", n))
         states = collections.Counter(link.state.value for link in self.links)
         sessions = list(self.sessions)
         peers = sum(1 for s in sessions if isinstance(s, PeerSession))
