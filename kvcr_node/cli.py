@@ -101,11 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     signal.signal(signal.SIGTERM, lambda *_: node.request_stop())
     signal.signal(signal.SIGINT, lambda *_: node.request_stop())
+    pools = ", ".join(f"{p.name}={p.slot_count}x{p.slot_size}B@{p.memory}" for p in config.pools)
+    metrics = ""
     if node.metrics_port is not None:
         host = f"[{config.metrics_address}]" if ":" in config.metrics_address else config.metrics_address
-        print(f"kvcr-node metrics on http://{host}:{node.metrics_port}/metrics", flush=True)
-    pools = ", ".join(f"{p.name}={p.slot_count}x{p.slot_size}B@{p.memory}" for p in config.pools)
-    print(f"kvcr-node {package_version()} listening on {node.endpoint} (pools: {pools})", flush=True)
+        metrics = f"; metrics on http://{host}:{node.metrics_port}/metrics"
+    print(f"kvcr-node {package_version()} listening on {node.endpoint} (pools: {pools}){metrics}", flush=True)
     node.run()
     logging.getLogger("kvcr.node").info("stopped")
     return 0

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from kvcr_node.config import ConfigError
 from kvcr_node.metrics import MetricsSnapshot
 
 log = logging.getLogger("kvcr.node")
@@ -165,7 +166,10 @@ class MetricsExporter:
             return [f"kvcr-node serves {METRICS_PATH} only\n".encode()]
 
         server_class = _Server6 if ":" in address else _Server
-        self.server = make_server(address, port, app, server_class=server_class, handler_class=_QuietHandler)
+        try:
+            self.server = make_server(address, port, app, server_class=server_class, handler_class=_QuietHandler)
+        except OSError as exc:
+            raise ConfigError("metrics_port", f"cannot serve on {address} port {port}: {exc.strerror or exc}") from exc
         self.port: int = self.server.server_address[1]
         """The port bound (the one asked for, or a free one for 0)."""
         self.thread = threading.Thread(
