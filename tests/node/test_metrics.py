@@ -290,3 +290,19 @@ def test_errors_of_hostile_frames_are_counted_not_fatal(driver: NodeDriver) -> N
     replies = driver.sent(b"c")
     assert isinstance(replies[0], Error)
     assert sum(n for _, n in snapshot(driver).protocol_errors) == before + 1
+
+
+def test_the_readme_lists_every_metric_served(driver: NodeDriver) -> None:
+    port = driver.node.metrics_port
+    assert port is not None
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    served = set()
+    for family in text_string_to_metric_families(scrape(port)):
+        for sample in family.samples:
+            name = sample.name
+            if family.type == "histogram":
+                name = family.name
+            served.add(name)
+    assert {"kvcr_node_info", "kvcr_query_hits_total", "kvcr_request_duration_seconds"} <= served
+    missing = sorted(name for name in served if f"`{name}`" not in readme)
+    assert not missing, f"README's metrics table lacks {missing}"
