@@ -9,72 +9,25 @@ answers; an unknown path is 404; the port closes when the node stops.
 
 from __future__ import annotations
 
-import re
 import socket
 import threading
 import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvcr_client import Client, ErrorCode, KeyStatus, Presence
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, StoredObject, plain_layout
 from kvcr_testing.nodes import NodeProcess
 from kvcr_testing.patterns import KiB, assert_bytes_equal
+from kvcr_testing.scrape import PUBLISHED_S, SCRAPE_TIMEOUT_S, get, metrics_port, moved, sample, scrape, settled
 
 SLOT = 4 * KiB
 SLOTS = 64
 LAYOUT = plain_layout(4, size=SLOT)
-SCRAPE_TIMEOUT_S = 5.0
-PUBLISHED_S = 5.0
-"""A bound on how long the node takes to publish what it counted (it publishes every 0.5 s)."""
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 POOL = (("memory", "dram"), ("pool", "kv"))
-
-
-def metrics_port(node: NodeProcess) -> int:
-    """The port the node printed (it was started with ``--metrics-port 0``)."""
-    for line in node.output:
-        m = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line)
-        if m:
-            return int(m.group(1))
-    raise AssertionError(f"the node printed no metrics port: {node.output}")
-
-
-def get(port: int, path: str = "/metrics") -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=SCRAPE_TIMEOUT_S) as reply:
-        body: bytes = reply.read()
-    return body.decode()
-
-
-def scrape(port: int) -> Samples:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(get(port)) for s in family.samples}
-
-
-def moved(before: Samples, after: Samples) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Samples that changed, by how much (counters and histogram counts)."""
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
-
-
-def settled(port: int, check: Callable[[Samples], bool]) -> Samples:
-    """The first scrape (bounded wait) for which ``check`` holds: snapshots are published
-    every half second, so counts appear within one interval."""
-    last: list[Samples] = []
-
-    def ok() -> bool:
-        last[:] = [scrape(port)]
-        return check(last[0])
-
-    if not wait_until(ok, PUBLISHED_S, 0.05):
-        shown = "\n".join(f"{name}{dict(labels)} {value}" for (name, labels), value in sorted(last[0].items())
-                           if not name.endswith("_bucket"))
-        raise AssertionError(f"the scrapes never showed what was expected; the last:\n{shown}")
-    return last[0]
 
 
 @pytest.fixture
@@ -95,13 +48,9 @@ def reg(client: Client) -> Iterator[Registrar]:
     r.close()
 
 
-def count(s: Samples, name: str, *labels: tuple[str, str]) -> float:
-    return s.get((name, tuple(sorted(labels))), 0.0)
-
-
 def test_counters_move_by_exactly_the_operations_done(node: NodeProcess, client: Client, reg: Registrar) -> None:
     port = metrics_port(node)
-    before = settled(port, lambda s: count(s, "kvcr_clients") == 1)
+    before = settled(port, lambda s: sample(s, "kvcr_clients") == 1)
     objects = [StoredObject(client, reg, f"k{i}".encode(), LAYOUT, seed=i) for i in range(3)]
     keys = [o.key for o in objects]
     presences = client.query([*keys, b"absent-1", b"absent-2"]).result(RESULT_TIMEOUT_S)
@@ -121,28 +70,28 @@ def test_counters_move_by_exactly_the_operations_done(node: NodeProcess, client:
     refused = client.deposit({b"huge": huge.source_spans(reg(src))}).result(RESULT_TIMEOUT_S)[b"huge"]
     assert refused.code == ErrorCode.CAPACITY
 
-    after = settled(port, lambda s: count(s, "kvcr_request_duration_seconds_count", ("operation", "deliver")) == 3)
+    after = settled(port, lambda s: sample(s, "kvcr_request_duration_seconds_count", ("operation", "deliver")) == 3)
     delta = moved(before, after)
-    assert count(delta, "kvcr_query_lookups_total") == 5
-    assert count(delta, "kvcr_query_hits_total") == 3
-    assert count(delta, "kvcr_deposited_keys_total", *POOL) == 3
-    assert count(delta, "kvcr_deposited_bytes_total", *POOL) == 3 * LAYOUT.nbytes
-    assert count(delta, "kvcr_delivered_keys_total", *POOL) == 3
-    assert count(delta, "kvcr_delivered_bytes_total", *POOL) == 3 * LAYOUT.nbytes
+    assert sample(delta, "kvcr_query_lookups_total") == 5
+    assert sample(delta, "kvcr_query_hits_total") == 3
+    assert sample(delta, "kvcr_deposited_keys_total", *POOL) == 3
+    assert sample(delta, "kvcr_deposited_bytes_total", *POOL) == 3 * LAYOUT.nbytes
+    assert sample(delta, "kvcr_delivered_keys_total", *POOL) == 3
+    assert sample(delta, "kvcr_delivered_bytes_total", *POOL) == 3 * LAYOUT.nbytes
     # Four deposits (the refused one too), one query, three delivers (the failed one too); the
     # first landed transfer of each deliver that moved bytes is timed once per request.
     for operation, n in (("deposit", 4), ("query", 1), ("deliver", 3)):
-        assert count(delta, "kvcr_request_duration_seconds_count", ("operation", operation)) == n, operation
-        assert count(delta, "kvcr_request_duration_seconds_bucket", ("le", "+Inf"), ("operation", operation)) == n
-    assert count(delta, "kvcr_deliver_first_layer_seconds_count") == 2
-    assert count(delta, "kvcr_operation_failures_total", ("code", "NOT_FOUND"), ("operation", "deliver")) == 1
-    assert count(delta, "kvcr_operation_failures_total", ("code", "CAPACITY"), ("operation", "deposit")) == 1
-    assert count(delta, "kvcr_key_results_total", ("code", ""), ("operation", "deposit"), ("status", "stored")) == 3
+        assert sample(delta, "kvcr_request_duration_seconds_count", ("operation", operation)) == n, operation
+        assert sample(delta, "kvcr_request_duration_seconds_bucket", ("le", "+Inf"), ("operation", operation)) == n
+    assert sample(delta, "kvcr_deliver_first_layer_seconds_count") == 2
+    assert sample(delta, "kvcr_operation_failures_total", ("code", "NOT_FOUND"), ("operation", "deliver")) == 1
+    assert sample(delta, "kvcr_operation_failures_total", ("code", "CAPACITY"), ("operation", "deposit")) == 1
+    assert sample(delta, "kvcr_key_results_total", ("code", ""), ("operation", "deposit"), ("status", "stored")) == 3
     # Gauges: what the pool holds now.
-    assert count(after, "kvcr_pool_capacity_bytes", *POOL) == SLOTS * SLOT
-    assert count(after, "kvcr_pool_used_bytes", *POOL) == 3 * LAYOUT.nbytes
-    assert count(after, "kvcr_pool_objects", *POOL) == count(after, "kvcr_objects") == 3
-    assert count(after, "kvcr_claims", ("kind", "handles")) == 0
+    assert sample(after, "kvcr_pool_capacity_bytes", *POOL) == SLOTS * SLOT
+    assert sample(after, "kvcr_pool_used_bytes", *POOL) == 3 * LAYOUT.nbytes
+    assert sample(after, "kvcr_pool_objects", *POOL) == sample(after, "kvcr_objects") == 3
+    assert sample(after, "kvcr_claims", ("kind", "handles")) == 0
     # The node's own stats agree.
     st = assert_clean(client)
     assert st["objects"] == 3
@@ -178,9 +127,9 @@ def test_scraping_under_load_changes_nothing_the_node_answers(node: NodeProcess,
     assert not failures, failures
     st = assert_clean(client)
     assert st["objects"] == 10 and st["counters"].get("internal_errors", 0) == 0
-    after = settled(port, lambda s: count(s, "kvcr_query_lookups_total") == 20)
-    assert count(after, "kvcr_query_hits_total") == 10
-    assert count(after, "kvcr_delivered_bytes_total", *POOL) == 10 * LAYOUT.nbytes
+    after = settled(port, lambda s: sample(s, "kvcr_query_lookups_total") == 20)
+    assert sample(after, "kvcr_query_hits_total") == 10
+    assert sample(after, "kvcr_delivered_bytes_total", *POOL) == 10 * LAYOUT.nbytes
 
 
 def test_an_unknown_path_is_404_and_the_node_goes_on(node: NodeProcess, client: Client) -> None:

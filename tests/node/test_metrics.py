@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,12 +41,12 @@ from kvcr_protocol import (
 )
 from kvcr_testing.nodes import TRANSFER_TIMEOUT_S, ClientAgent, NodeDriver, node_driver
 from kvcr_testing.patterns import pattern
+from kvcr_testing.scrape import get, scrape
 
 SLOT = 4096
 SPANS = 4
 SLOTS = 16
 """Pool slots: four objects of ``SPANS`` spans fill it."""
-SCRAPE_TIMEOUT_S = 5.0
 
 
 def config(ipc_dir: Path, **changes: Any) -> NodeConfig:
@@ -101,18 +100,6 @@ def bucket_of(h: Any) -> float:
     """The upper bound of the one bucket a single-observation histogram counted in."""
     (index,) = [i for i, n in enumerate(h.counts) if n]
     return (*h.bounds, float("inf"))[index]
-
-
-def scrape(port: int, path: str = "/metrics") -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=SCRAPE_TIMEOUT_S) as reply:
-        body: bytes = reply.read()
-    return body.decode()
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a scrape by (name, sorted labels)."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def test_deposits_queries_and_delivers_are_counted_with_their_latency(driver: NodeDriver, agent: ClientAgent) -> None:
@@ -180,7 +167,7 @@ def test_failures_and_refusals_appear_with_their_code(driver: NodeDriver, agent:
     # The same, over HTTP, as Prometheus reads it.
     port = d.node.metrics_port
     assert port is not None
-    got = samples(scrape(port))
+    got = scrape(port)
     assert got[("kvcr_operation_failures_total", (("code", "NOT_FOUND"), ("operation", "deliver")))] == 1
     assert got[("kvcr_operation_failures_total", (("code", "CAPACITY"), ("operation", "deposit")))] == 1
     assert got[("kvcr_operation_failures_total", (("code", "SIZE_MISMATCH"), ("operation", "deliver")))] == 1
@@ -221,18 +208,18 @@ def test_an_unknown_path_is_404_and_the_node_goes_on(driver: NodeDriver) -> None
     port = driver.node.metrics_port
     assert port is not None
     with pytest.raises(urllib.error.HTTPError) as err:
-        scrape(port, "/admin/../../etc/passwd")
+        get(port, "/admin/../../etc/passwd")
     assert err.value.code == 404
-    assert "kvcr_node_info" in scrape(port)
+    assert "kvcr_node_info" in get(port)
     assert isinstance(driver.receive(b"c", Query(9, (b"x",)))[0], QueryReply)
 
 
 def test_the_port_closes_when_the_node_stops(ipc_dir: Path) -> None:
     with node_driver(config(ipc_dir)) as d:
         port = d.node.metrics_port
-        assert port is not None and "kvcr_node_info" in scrape(port)
+        assert port is not None and "kvcr_node_info" in get(port)
     with pytest.raises(urllib.error.URLError):
-        scrape(port)
+        get(port)
 
 
 def test_histogram_buckets_are_upper_inclusive() -> None:
@@ -297,7 +284,7 @@ def test_the_readme_lists_every_metric_served(driver: NodeDriver) -> None:
     assert port is not None
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     served = set()
-    for family in text_string_to_metric_families(scrape(port)):
+    for family in text_string_to_metric_families(get(port)):
         for sample in family.samples:
             name = sample.name
             if family.type == "histogram":
