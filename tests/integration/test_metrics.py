@@ -3,8 +3,10 @@
 Each scrape is parsed with ``prometheus_client``'s text parser. After known deposits,
 queries and delivers (with known hits, misses and failures) the counters moved by exactly
 those amounts, the latency histograms counted them, the byte counters equal the spans'
-sizes, and failures carry their code. Scraping while the node works changes nothing it
-answers; an unknown path is 404; the port closes when the node stops.
+sizes, and failures carry their code. Two nodes show their link, the bytes the source
+wrote for the target, and an uncertain write until it resolves; CURVE refusals are counted
+by reason. Scraping while the node works changes nothing it answers; an unknown path is
+404; the port closes when the node stops.
 """
 
 from __future__ import annotations
@@ -13,21 +15,27 @@ import socket
 import threading
 import urllib.error
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from kvcr_client import Client, ErrorCode, KeyStatus, Presence
+from kvcr_client import Client, CurveKeys, ErrorCode, KeyStatus, NodeError, Presence
+from kvcr_io.keys import write_keypair
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, StoredObject, plain_layout
-from kvcr_testing.nodes import NodeProcess
+from kvcr_testing.nodes import NodeProcess, frozen
 from kvcr_testing.patterns import KiB, assert_bytes_equal
+from kvcr_testing.remote import FAILED, Dest, expect, warm_link
 from kvcr_testing.scrape import PUBLISHED_S, SCRAPE_TIMEOUT_S, get, metrics_port, moved, sample, scrape, settled
 
 SLOT = 4 * KiB
 SLOTS = 64
 LAYOUT = plain_layout(4, size=SLOT)
 POOL = (("memory", "dram"), ("pool", "kv"))
+UNCERTAIN_DEADLINE_MS = 1000
+REFUSAL_S = 5.0
 
 
 @pytest.fixture
@@ -159,3 +167,57 @@ def test_a_taken_port_fails_the_start_naming_the_setting(node: NodeProcess, node
     port = metrics_port(node)
     with pytest.raises(RuntimeError, match=r"metrics_port: cannot serve on 127\.0\.0\.1 port \d+"):
         node_factory("--pool", f"kv:{SLOT}:{SLOTS}", "--metrics-port", str(port))
+
+
+def test_two_nodes_report_their_link_and_an_uncertain_write(sites: Any) -> None:
+    """A (target) delivers a key B (source) holds: A shows the link ready, B counts the bytes
+    it wrote out for A's client. With B frozen past A's deadline the write is uncertain in
+    A's metrics until B's late answer resolves it."""
+    metrics = ("--metrics-port", "0")
+    a, b = sites.start(("a", {"args": ("--peer-dead-ms", "60000", *metrics)}), ("b", {"args": metrics}))
+    port_a, port_b = metrics_port(a.node), metrics_port(b.node)
+    layout = plain_layout(2)
+    src = b.deposit(b"k", layout, seed=5)
+    warm_link(a, b, b"k", layout, src, "r")
+    after_a = settled(port_a, lambda s: sample(s, "kvcr_peer_links", ("state", "ready")) == 1)
+    assert sample(after_a, "kvcr_request_duration_seconds_count", ("operation", "deliver")) == 1
+    assert sample(after_a, "kvcr_delivered_bytes_total", *POOL) == 0  # A's pools moved nothing
+    after_b = settled(port_b, lambda s: sample(s, "kvcr_peer_sessions") == 1)
+    assert sample(after_b, "kvcr_delivered_bytes_total", *POOL) == layout.nbytes
+    assert sample(after_b, "kvcr_delivered_keys_total", *POOL) == 1
+    assert sample(after_b, "kvcr_key_results_total", ("code", ""), ("operation", "write"), ("status", "ok")) == 1
+
+    with frozen(b.node):
+        dst = Dest(a, layout, range(2), seed=50)
+        out = a.client.deliver({b"k": dst.spans}, request_id="r", deadline_ms=UNCERTAIN_DEADLINE_MS)
+        expect(out.result(UNCERTAIN_DEADLINE_MS / 1000 + RESULT_TIMEOUT_S)[b"k"], FAILED, ErrorCode.DESTINATION_UNCERTAIN)
+        uncertain = settled(port_a, lambda s: sample(s, "kvcr_uncertain_writes") == 1)
+        assert sample(uncertain, "kvcr_uncertain_writes_begun_total") == 1
+        assert sample(uncertain, "kvcr_operation_failures_total", ("code", "DESTINATION_UNCERTAIN"),
+                      ("operation", "deliver")) == 1
+    resolved = settled(port_a, lambda s: sample(s, "kvcr_uncertain_writes") == 0)
+    assert sample(resolved, "kvcr_uncertain_writes_resolved_total") == 1
+
+
+def test_auth_refusals_are_counted_by_reason(node_factory: Callable[..., NodeProcess], tmp_path: Path) -> None:
+    server, alice, mallory = (write_keypair(tmp_path / name) for name in ("server", "alice", "mallory"))
+    allow = tmp_path / "allow"
+    allow.write_text(alice[0].read_text())
+    node = node_factory("--pool", f"kv:{SLOT}:{SLOTS}", "--metrics-port", "0", "--curve-secret-key", str(server[1]),
+                        "--curve-public-key", str(server[0]), "--curve-allow", str(allow))
+    port = metrics_port(node)
+
+    def keys(pair: tuple[Path, Path]) -> CurveKeys:
+        return CurveKeys(server_public=server[0].read_text().strip(), public=pair[0].read_text().strip(),
+                         secret=pair[1].read_text().strip())
+
+    with Client(node.endpoint, name="alice", curve=keys(alice)) as client:
+        with pytest.raises(NodeError) as err:
+            Client(node.endpoint, name="mallory", curve=keys(mallory), timeout=REFUSAL_S)
+        assert err.value.code == ErrorCode.UNAUTHORIZED
+        with pytest.raises(NodeError):
+            Client(node.endpoint, name="plain", timeout=REFUSAL_S)
+        s = settled(port, lambda s: sample(s, "kvcr_auth_refusals_total", ("reason", "handshake_failed")) >= 1
+                    and sample(s, "kvcr_auth_refusals_total", ("reason", "not_allowed")) == 1)
+        assert sample(s, "kvcr_clients") == 1
+        assert_clean(client)
