@@ -133,13 +133,12 @@ class Node:
     def _start_exporter(self) -> None:
         """Publish a first snapshot and serve ``/metrics`` (a port that cannot be bound fails the start)."""
         config = self.config
-        self.publisher = MetricsPublisher(
+        assert config.metrics_port is not None
+        publisher = self.publisher = MetricsPublisher(
             config, self.incarnation, self.versions[-1], self.metrics, self.store, self.operations, self.sessions,
             self.leases, self.links, self.transfers, self.counters, self.protocol_errors)
-        self.publisher.maybe_publish()
-        publisher = self.publisher
+        publisher.publish()
         try:
-            assert config.metrics_port is not None
             self.exporter = MetricsExporter(config.metrics_address, config.metrics_port, lambda: publisher.latest)
         except BaseException:
             self._close_sockets()
