@@ -13,7 +13,8 @@ same machine:
   (the median of a few rounds).
 
 ``--max-version`` caps the client's protocol version (2: the record form of every
-query; 3: query columns and prefix queries, spec section 6.9).
+query; 3: query columns and prefix queries, spec section 6.9). ``--metrics`` runs the node
+with a Prometheus metrics port (what counting and publishing snapshots cost a lookup).
 
 Run: ``python bench/lookups.py [--json]``; ``--json`` prints one JSON object as the last
 line. Ratios matter more than absolute times.
@@ -171,11 +172,11 @@ def bench_kvcr(endpoint: str, echo_endpoint: str, max_version: int) -> dict[str,
     return out
 
 
-def measure(run: Path, procs: list[Any], max_version: int) -> dict[str, Any]:
+def measure(run: Path, procs: list[Any], max_version: int, node_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """Start a node and the raw echo in ``run`` (stopped with ``procs``), measure, return the samples."""
     procs.append(spawn(__file__, "--raw-echo", f"ipc://{run}/lookups-echo.sock"))
     procs.append(spawn("-m", "kvcr_node.cli", "--endpoint", f"ipc://{run}/lookups-node.sock",
-                       "--pool", f"kv:{SLOT}:{2 * KEYS}", "--log-level", "WARNING"))
+                       "--pool", f"kv:{SLOT}:{2 * KEYS}", "--log-level", "WARNING", *node_args))
     return bench_kvcr(f"ipc://{run}/lookups-node.sock", f"ipc://{run}/lookups-echo.sock", max_version)
 
 
@@ -213,12 +214,13 @@ def main() -> int:
     parser.add_argument("--raw-echo", help=argparse.SUPPRESS)
     parser.add_argument("--max-version", type=int, default=kp.CURRENT_VERSION, help="the client's highest protocol version")
     parser.add_argument("--json", action="store_true", help="the report to stderr, one JSON object to stdout")
+    parser.add_argument("--metrics", action="store_true", help="the node serves Prometheus metrics (--metrics-port 0)")
     args = parser.parse_args()
     if args.raw_echo:
         raw_echo(args.raw_echo)
         return 0
     with process_group("lookups") as (run, procs):
-        k = measure(run, procs, args.max_version)
+        k = measure(run, procs, args.max_version, ("--metrics-port", "0") if args.metrics else ())
     report(k, sys.stderr if args.json else sys.stdout)
     if args.json:
         out = {"version": k["version"], "query_1_us": k["query_1"]["median"] * 1e6, **figures(k)}

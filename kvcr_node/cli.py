@@ -40,6 +40,8 @@ SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("curve_allow", str, "file of allowed client and peer public keys, one per line"),
     ("curve_peer_key", str, "file with the public key peer nodes serve with"),
     ("log_level", str, "DEBUG, INFO, WARNING, ..."),
+    ("metrics_port", int, "serve Prometheus metrics on http://ADDRESS:N/metrics (0: a free port)"),
+    ("metrics_address", str, "the address the metrics port is bound on (default 127.0.0.1)"),
 )
 """``NodeConfig`` fields a flag of the same name sets (``--max-peers`` sets ``max_peers``): (field, type, help)."""
 
@@ -100,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: node.request_stop())
     signal.signal(signal.SIGINT, lambda *_: node.request_stop())
     pools = ", ".join(f"{p.name}={p.slot_count}x{p.slot_size}B@{p.memory}" for p in config.pools)
-    print(f"kvcr-node {package_version()} listening on {node.endpoint} (pools: {pools})", flush=True)
+    metrics = ""
+    if node.metrics_port is not None:
+        host = f"[{config.metrics_address}]" if ":" in config.metrics_address else config.metrics_address
+        metrics = f"; metrics on http://{host}:{node.metrics_port}/metrics"
+    print(f"kvcr-node {package_version()} listening on {node.endpoint} (pools: {pools}){metrics}", flush=True)
     node.run()
     logging.getLogger("kvcr.node").info("stopped")
     return 0

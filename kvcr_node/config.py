@@ -6,6 +6,7 @@ line and exit non-zero.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import tomllib
@@ -137,6 +138,10 @@ class NodeConfig:
     used beyond are forgotten (their NIXL agents released), and announced again by the
     target when it next needs them (spec section 5.3)."""
     log_level: str = "INFO"
+    metrics_port: int | None = None
+    """TCP port to serve Prometheus metrics on (``/metrics``); 0 takes a free port; None serves none."""
+    metrics_address: str = "127.0.0.1"
+    """The address the metrics port is bound on (an IP address; 0.0.0.0 for every interface)."""
 
     def validated(self) -> NodeConfig:
         """Check every field; raise ``ConfigError`` naming the first bad one."""
@@ -177,6 +182,14 @@ class NodeConfig:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(name, f"no such file: {path}")
+        if self.metrics_port is not None and (
+                isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
+                or not 0 <= self.metrics_port <= 65535):
+            raise ConfigError("metrics_port", f"expected a TCP port in [0, 65535], got {self.metrics_port!r}")
+        try:
+            ipaddress.ip_address(self.metrics_address)
+        except ValueError:
+            raise ConfigError("metrics_address", f"expected an IP address such as 127.0.0.1, got {self.metrics_address!r}") from None
         return self
 
 
@@ -235,6 +248,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "curve_public_key": str, "curve_allow": str, "curve_peer_key": str,
     "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int, "lease_ttl_ms": int, "max_lease_ttl_ms": int,
     "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
+    "metrics_port": int, "metrics_address": str,
 }
 
 

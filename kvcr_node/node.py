@@ -37,14 +37,17 @@ from kvcr_node.auth import CurveServer
 from kvcr_node.config import NodeConfig
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.eviction import make_policy
+from kvcr_node.exporter import MetricsExporter
 from kvcr_node.leases import Leases
 from kvcr_node.memory import PoolMemory
+from kvcr_node.metrics import Metrics
 from kvcr_node.operations import Operations
 from kvcr_node.ops.deliver import Deliveries
 from kvcr_node.ops.deposit import Deposits
 from kvcr_node.ops.fetch import Fetches
 from kvcr_node.ops.query import Queries
 from kvcr_node.outbox import Outbox
+from kvcr_node.published import MetricsPublisher
 from kvcr_node.router import Router
 from kvcr_node.sessions import Sessions
 from kvcr_node.source import Source
@@ -117,7 +120,33 @@ class Node:
             self._poller.register(extra, zmq.POLLIN)
         self._failure_logged: dict[str, float] = {}
         """Failure kind -> when it may be logged (with a traceback) again."""
+        self.metrics = Metrics(clock)
         self._wire()
+        self.publisher: MetricsPublisher | None = None
+        """Publishes the snapshots the exporter serves (only with a metrics port)."""
+        self.exporter: MetricsExporter | None = None
+        self.metrics_port: int | None = None
+        """The port ``/metrics`` is served on (the one bound when configured as 0)."""
+        if self.config.metrics_port is not None:
+            self._start_exporter()
+
+    def _start_exporter(self) -> None:
+        """Publish a first snapshot and serve ``/metrics`` (a port that cannot be bound fails the start)."""
+        config = self.config
+        assert config.metrics_port is not None
+        publisher = self.publisher = MetricsPublisher(
+            config, self.incarnation, self.versions[-1], self.metrics, self.store, self.operations, self.sessions,
+            self.leases, self.links, self.transfers, self.counters, self.protocol_errors)
+        publisher.publish()
+        try:
+            self.exporter = MetricsExporter(config.metrics_address, config.metrics_port, lambda: publisher.latest)
+        except BaseException:
+            self._close_sockets()
+            self.bound.close()
+            self._wakeup.close()
+            self._release_memory()
+            raise
+        self.metrics_port = self.exporter.port
 
     def _wire(self) -> None:
         """Make the parts that own the node's state, each handed what it reports to (architecture §1)."""
@@ -125,7 +154,8 @@ class Node:
         self.outbox = Outbox(self.protocol_errors)
         self.remote_agents = RemoteAgents(self.agent, lambda name: self.sessions.agent_use(name), self.clock)
         self.operations = Operations(
-            config, self.store, self.transfers, self.remote_agents, self.outbox, self.clock, self.endpoint, failure)
+            config, self.store, self.transfers, self.remote_agents, self.outbox, self.clock, self.endpoint, failure,
+            self.metrics)
         self.target = Target(
             config, self.context, self._poller, self.remote_agents, self._peer_hello, self.versions, self.store,
             self.memories, self.operations, self.outbox, self.counters, self.protocol_errors, self.clock,
@@ -153,7 +183,7 @@ class Node:
         self.router = Router(
             self.sessions, self.operations, Deposits(self.store, self.memories, self.operations), self.deliveries,
             Fetches(self.store, self.memories, self.operations, self.target),
-            Queries(self.store, self.outbox), self.leases, self.source, self.stats, self.outbox, self.versions,
+            Queries(self.store, self.outbox, self.metrics), self.leases, self.source, self.stats, self.outbox, self.versions,
             Limits(max_frame=config.max_frame), self.clock, failure,
         )
 
@@ -240,6 +270,8 @@ class Node:
             self._guarded("leases", self.leases.check, now)
         self._guarded("liveness", self.sessions.check_liveness, now)
         self._guarded("capacity events", self.sessions.flush_capacity_events)
+        if self.publisher is not None:
+            self._guarded("metrics", self.publisher.maybe_publish)
 
     def _wait_events(self, pacer: Pacer, filling: bool) -> dict[Any, int]:
         """Poll the sockets: at once while transfers run, else until the next timer."""
@@ -279,9 +311,13 @@ class Node:
         wakeups = [t for t in (self.operations.next_deadline(), self.sessions.next_wakeup(), self.links.next_wakeup(now),
                                self.leases.next_expiry() if self.leases.table else None)
                    if t is not None]
+        longest = _IDLE_POLL_MS
+        if self.publisher is not None:
+            # Idle or not, the next snapshot goes out on time (in real time).
+            longest = min(longest, int(self.publisher.due_in() * 1000) + 1)
         if not wakeups:
-            return _IDLE_POLL_MS
-        return max(0, min(_IDLE_POLL_MS, int((min(wakeups) - now) * 1000) + 1))
+            return longest
+        return max(0, min(longest, int((min(wakeups) - now) * 1000) + 1))
 
     def _drain_messages(self) -> None:
         """Handle what has arrived, at most ``batch`` messages, then send their replies together.
@@ -321,6 +357,9 @@ class Node:
     def _shutdown(self) -> None:
         """Stop accepting, let in-flight transfers finish (bounded), fail the rest, deregister."""
         self.router.stopping = True
+        if self.exporter is not None:
+            # A stopping node reports nothing more: the port closes first.
+            self.exporter.close()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         end = time.monotonic() + _SHUTDOWN_DRAIN_S

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from kvcr_io.agent import TransferError
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
+from kvcr_node.metrics import Metrics
 from kvcr_node.outbox import REASON_MAX, Outbox
 from kvcr_node.records import ClientSession, Operation
 from kvcr_node.store import ObjectEntry, ObjectState, Store
@@ -38,7 +39,7 @@ class Operations:
 
     def __init__(
         self, config: NodeConfig, store: Store, transfers: Transfers, agents: RemoteAgents, outbox: Outbox,
-        clock: Callable[[], float], endpoint: str, failure: Failure,
+        clock: Callable[[], float], endpoint: str, failure: Failure, metrics: Metrics,
     ) -> None:
         self.config = config
         self.store = store
@@ -49,6 +50,8 @@ class Operations:
         self.endpoint = endpoint
         """This node's own endpoint: a hint naming it sends nothing anywhere."""
         self.failure = failure
+        self.metrics = metrics
+        """What the request path counts for the metrics exporter (latencies, bytes)."""
         self.waiters: dict[bytes, list[Operation]] = {}
         """WRITING key -> the operations waiting on it."""
         self.handles: dict[int, tuple[ClientSession, ObjectEntry]] = {}
@@ -72,7 +75,8 @@ class Operations:
             self.outbox.refuse(session, msg_id, ProtocolError(ErrorCode.BUSY, f"{len(session.ops)} operations in progress; retry later"))
             return None
         ms = deadline_ms or self.config.deadline_ms
-        op = Operation(session, msg_id, kind, self.clock() + ms / 1000, [None] * n)
+        now = self.clock()
+        op = Operation(session, msg_id, kind, now + ms / 1000, [None] * n, received=now)
         session.ops[msg_id] = op
         return op
 
@@ -209,6 +213,7 @@ class Operations:
         self.outbox.check_results(op.kind, results)
         for r in results:
             self.outcomes[f"{op.kind}.{r.status.value}" + (f".{ErrorCode(r.code).name}" if r.code else "")] += 1
+        self.metrics.request_done(op.kind, op.received)
         self.progressing.pop(id(op), None)  # the reply's done column says it all
         if op.report is not None:
             op.report(results)

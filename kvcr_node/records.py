@@ -124,6 +124,10 @@ class Operation:
     ``INTERNAL`` with this reason once nothing of the operation runs any more."""
     plan: Plan | None = None
     """Per-group state of a deliver or write whose items carry layer plans (spec section 6.8)."""
+    received: float = 0.0
+    """When the request arrived (node clock), for its latency."""
+    landed: bool = False
+    """Whether a transfer of it has landed (its first-layer latency is observed once)."""
 
     def set(self, index: int, result: KeyResult) -> None:
         if self.results[index] is None:

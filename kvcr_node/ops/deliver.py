@@ -163,15 +163,21 @@ class Deliveries:
             if members:
                 run.running += 1
                 notifs = plan.payloads(g, [i for i, _ in members])
-                self.operations.start(op, "WRITE", moves, functools.partial(self.group_done, op, run, g, members), notifs)
+                done = functools.partial(self.group_done, op, run, g, members, moves)
+                self.operations.start(op, "WRITE", moves, done, notifs)
 
-    def group_done(self, op: Operation, run: _GroupRun, group: int, members: list[tuple[int, ObjectEntry]], ok: bool) -> None:
+    def group_done(
+        self, op: Operation, run: _GroupRun, group: int, members: list[tuple[int, ObjectEntry]], moves: list[Move],
+        ok: bool,
+    ) -> None:
         """Group ``group``'s WRITE is terminal: its keys advance (or fail from it on); a key's
         claim drops and its result is set with its last transfer; the next group starts."""
         plan = op.plan
         assert plan is not None
         run.running -= 1
         run.first_done = True
+        if ok:
+            self._count_landed(op, moves)
         for i, entry in members:
             if ok:
                 plan.land(i, group)
@@ -195,9 +201,21 @@ class Deliveries:
             op.set(i, KeyResult(KeyStatus.ABORTED, ErrorCode.ABORTED, "aborted; the destination may have been written"))
         elif ok:
             op.set(i, KeyResult(KeyStatus.OK))
+            self.operations.metrics.delivered_key(entry.info.need)
         else:
             where = f" from group {plan.delivered[i]} on" if plan.groups[i] > 1 else ""
             op.fail(i, ErrorCode.TRANSFER_FAILED, f"writing the destination failed{where}; it may be partly written")
+
+    def _count_landed(self, op: Operation, moves: list[Move]) -> None:
+        """A WRITE landed: its bytes per pool, and the first one's latency (a client's deliver)."""
+        metrics = self.operations.metrics
+        delivered = metrics.delivered_bytes
+        for move in moves:
+            delivered[move[0]] += move[3]
+        if not op.landed:
+            op.landed = True
+            if op.kind == "deliver":
+                metrics.first_landed(op.received)
 
     # ------------------------------------------------------------------ moves
 

@@ -180,12 +180,16 @@ class Deposits:
                 )
         return resolve_spans(session.regions, [(s.region, s.offset, s.length) for s in spans], path)
 
+    def _slot_size(self, pool: str) -> int:
+        return self.memories[pool].spec.slot_size
+
     def deposit_done(self, op: Operation, fills: list[tuple[int, ObjectEntry]], no_evict: bool, ok: bool) -> None:
         """The READ is terminal: commit (with a handle for ``no_evict``) or abandon each fill."""
         for i, entry in fills:
             if ok and not op.aborted:
                 keep = no_evict and not op.session.closing
                 self.store.commit(entry, claim=keep)
+                self.operations.metrics.deposited(entry.info.need, self._slot_size)
                 handle = self.operations.new_handle(op.session, entry) if keep else None
                 op.set(i, KeyResult(KeyStatus.STORED, handle=handle))
             else:

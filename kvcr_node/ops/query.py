@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvcr_node.metrics import Metrics
 from kvcr_node.outbox import Outbox
 from kvcr_node.records import ClientSession
 from kvcr_node.store import LOOKUP_ABSENT, ObjectState, Store, lookup_code
@@ -30,9 +31,11 @@ _CODES = 256
 class Queries:
     """The ``query`` handler; its tier table is the node's: no tier, remote, then the store's tiers."""
 
-    def __init__(self, store: Store, outbox: Outbox) -> None:
+    def __init__(self, store: Store, outbox: Outbox, metrics: Metrics) -> None:
         self.store = store
         self.outbox = outbox
+        self.metrics = metrics
+        self._hit = bytes([PRESENCE_CODE[Presence.HIT]])
         self.tiers: tuple[str, ...] = ("", REMOTE_TIER, *store.tiers)
         presence = bytearray(_CODES)
         tier = bytearray(_CODES)
@@ -48,17 +51,24 @@ class Queries:
         """Lookup code -> index into ``tiers``."""
 
     def on_query(self, session: ClientSession, msg: Query) -> None:
+        received = self.metrics.clock()
         hint = session.hints.get(msg.request_id) if msg.request_id is not None else None
         hinted = hint[1] if hint is not None else None
         if msg.prefix:
             codes = self._prefix(msg.keys, hinted, msg.prefix)
         else:
             codes = self._codes(msg.keys, hinted)
-        columns = QueryColumns(codes.translate(self._presence), codes.translate(self._tier), self.tiers)
+        presence = codes.translate(self._presence)
+        columns = QueryColumns(presence, codes.translate(self._tier), self.tiers)
         if session.version >= COLUMNS_VERSION:
             self.outbox.reply(session, QueryReply(msg.id, (), columns))
         else:
             self.outbox.reply(session, QueryReply(msg.id, columns.results()))
+        # Every key named counts as a lookup; a prefix query's keys after its answer as misses.
+        metrics = self.metrics
+        metrics.lookups += len(msg.keys)
+        metrics.hits += presence.count(self._hit)
+        metrics.request_done("query", received)
 
     def _codes(self, keys: Sequence[bytes], hinted: frozenset[bytes] | None) -> bytes:
         """The lookup code of each key; a key the store lacks and ``hinted`` names is ``HINTED``."""
