@@ -117,7 +117,7 @@ def test_version() -> None:
 
 def test_tool_stats_of_a_running_node(node_factory: Callable[..., Any]) -> None:
     node = node_factory("--pool", "kv:4KiB:8", "--name", "cli-node")
-    proc = run_tool("stats", "--endpoint", node.endpoint, "--timeout", "5")
+    proc = run_tool("stats", "--endpoint", node.endpoint, "--timeout", "5", "--json")
     assert proc.returncode == 0, proc.stderr
     st = json.loads(proc.stdout)
     assert st["node"] == "cli-node"
