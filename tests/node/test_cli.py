@@ -46,6 +46,7 @@ def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
         (("--pool", "kv:4KiB:4", "--pool", "kv:8KiB:4"), "pools[1].name"),
         (("--low-watermark", "2"), "low_watermark"),
         (("--endpoint", "no-scheme"), "endpoint"),
+        (("--log-format", "xml"), "log_format"),
     ],
 )
 def test_bad_config_exits_non_zero_with_one_line(ipc_dir: Path, argv: tuple[str, ...], field: str) -> None:
