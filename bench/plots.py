@@ -36,6 +36,11 @@ def _percentile(samples: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+def _figure(value: float) -> str:
+    """Three significant digits, without an exponent: ``1,300``, ``13.2``, ``0.105``."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def distributions(ax: Any, rows: Sequence[tuple[str, Sequence[float], bool]], scale: float, unit: str, title: str) -> None:
     """Horizontal boxes, one per ``(label, samples in seconds, is_raw)``, top to bottom, in ``unit``."""
     rows = [row for row in rows if row[1]]
@@ -52,7 +57,7 @@ def distributions(ax: Any, rows: Sequence[tuple[str, Sequence[float], bool]], sc
     ends = [max(line.get_xdata()) for line in boxes["whiskers"][1::2]]  # each box's upper whisker
     right = max(ends) * 1.25
     for y, (d, end) in enumerate(zip(data, ends, strict=True), start=1):
-        ax.text(end + right * 0.02, y, f"{statistics.median(d):.3g} {unit}", va="center", fontsize=8)
+        ax.text(end + right * 0.02, y, f"{_figure(statistics.median(d))} {unit}", va="center", fontsize=8)
     ax.set_xlim(0, right)
     ax.set_xlabel(unit)
     ax.set_title(title, fontsize=10)
@@ -83,6 +88,15 @@ def throughput(ax: Any, sweep: Mapping[int, Mapping[str, Sequence[float]]], nbyt
     ax.legend(fontsize=8, loc="lower right")
 
 
+def _finish(fig: Any, plt: Any, path: Path, title: str) -> None:
+    load = os.getloadavg()[0]
+    fig.suptitle(f"{title}: kvcr (blue) beside its raw anchors (grey), one run; boxes: quartiles, "
+                 f"whiskers: p5..p95, medians written; load average {load:.2f}, {os.cpu_count()} CPUs", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
 def plot_local(k: Mapping[str, Any], path: Path, *, quick: bool = False, object_bytes: int = 64 << 20,
                sweep_bytes: int = 16 << 20) -> None:
     """``bench/local.py``'s figure: control round trips, 64 MiB transfers, throughput by span size."""
@@ -103,10 +117,26 @@ def plot_local(k: Mapping[str, Any], path: Path, *, quick: bool = False, object_
         ("raw NIXL READ (in the reader)", s.get("raw_read", []), True),
     ], 1e3, "ms", f"{object_bytes >> 20} MiB object, 1024 spans of 64 KiB, DRAM to DRAM")
     throughput(axes[2], k.get("sweep", {}), sweep_bytes, f"deliver throughput, {sweep_bytes >> 20} MiB per object")
-    load = os.getloadavg()[0]
-    fig.suptitle(f"bench/local.py{' --quick' if quick else ''}: kvcr (blue) beside its raw anchors (grey), one run; "
-                 f"boxes: quartiles, whiskers: p5..p95, medians written; load average {load:.2f}, {os.cpu_count()} CPUs",
-                 fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _finish(fig, plt, path, f"bench/local.py{' --quick' if quick else ''}")
+
+
+def plot_remote(k: Mapping[str, Any], r: Mapping[str, Any], path: Path) -> None:
+    """``bench/remote.py``'s figure: time to first layer, and whole objects across two nodes."""
+    plt = _pyplot()
+    s, raw = k["samples"], r["samples"]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.2))
+    distributions(axes[0], [
+        ("kvcr first layer landed", s["first"], False),
+        ("kvcr first layer, deferred source", s["first_deferred"], False),
+        ("raw NIXL 1 MiB + ZeroMQ trigger", raw["one_span_e2e"], True),
+        ("raw NIXL 1 MiB (in the writer)", raw["one_span_xfer"], True),
+        ("raw ZeroMQ round trip", raw["rtt"], True),
+    ], 1e6, "µs", "time to first layer (32 layers of 1 MiB, one group each)")
+    distributions(axes[1], [
+        ("kvcr 32 MiB, every layer landed", s["planned_all"], False),
+        ("kvcr 32 MiB, no plan", s["whole_layers"], False),
+        ("kvcr 64 MiB, list of spans", s["whole_big"], False),
+        ("kvcr 64 MiB, prepared", s["whole_big_prepared"], False),
+        ("raw NIXL WRITE 64 MiB (in the writer)", raw["whole_xfer"], True),
+    ], 1e3, "ms", "whole objects from node B into a client of node A")
+    _finish(fig, plt, path, "bench/remote.py")

@@ -51,6 +51,21 @@ def test_plot_local_writes_a_png(tmp_path: Path, sweep: bool) -> None:
     assert (width, height) == (1600, 460)
 
 
+def test_plot_remote_writes_a_png(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+
+    def times(median_s: float) -> list[float]:
+        return list(median_s * rng.lognormal(0.0, 0.2, 20))
+
+    k = {"samples": {"first": times(1.3e-3), "first_deferred": times(1.5e-3), "planned_all": times(6e-3),
+                     "whole_layers": times(3.5e-3), "whole_big": times(9.7e-3), "whole_big_prepared": times(9.5e-3)}}
+    r = {"samples": {"one_span_e2e": times(2e-4), "one_span_xfer": times(1e-4), "rtt": times(8e-5),
+                     "whole_xfer": times(19e-3)}}
+    path = tmp_path / "remote.png"
+    plots.plot_remote(k, r, path)
+    assert path.read_bytes().startswith(PNG_SIGNATURE)
+
+
 def test_matplotlib_is_loaded_only_to_plot() -> None:
     code = f"import sys; sys.path.insert(0, {str(BENCH)!r}); import plots, stats; print('matplotlib' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
