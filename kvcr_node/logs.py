@@ -5,7 +5,10 @@ one line each refusal or failed operation gets.
 with ``extra=`` (``code``, ``session``, ``request``, ``op``, ``keys``, ...) are fields of the
 JSON object; in text they are already part of the message. ``refusal`` and ``results`` are
 called for every ``error`` reply and every settled operation, so they check the level
-before building anything: a node at WARNING pays one comparison per refusal.
+before building anything: a node at WARNING pays one comparison per refusal. A flood of
+bad requests does not flood the log: past ``LOG_BURST`` lines of one code in
+``LOG_WINDOW_S``, lines are counted instead, and the next line of that code says how many
+were left out (``suppressed``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import datetime
 import json
 import logging
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcr_protocol import ErrorCode, KeyResult, ProtocolError
@@ -34,6 +38,10 @@ client's doing or an ordinary answer (a bad request, a miss, BUSY, a limit: INFO
 
 REASON_LOGGED = 200
 """Characters of a failure's reason a log line carries (reasons may quote client input)."""
+
+LOG_BURST = 50
+"""Refusal or failure lines of one code logged in one ``LOG_WINDOW_S``; the rest are counted."""
+LOG_WINDOW_S = 1.0
 
 _RECORD_FIELDS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 """Attributes every ``LogRecord`` has: what is left over came from ``extra=``."""
@@ -71,6 +79,41 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=_plain, ensure_ascii=False)
 
 
+class Limiter:
+    """At most ``burst`` lines per code per ``window`` seconds; counts what it leaves out.
+
+    Its tables hold one entry per error code at most, whoever sends what."""
+
+    def __init__(self, burst: int = LOG_BURST, window: float = LOG_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst = burst
+        self.window = window
+        self.clock = clock
+        self._since: dict[str, float] = {}
+        self._lines: dict[str, int] = {}
+        self._left_out: dict[str, int] = {}
+
+    def admit(self, code: str) -> int | None:
+        """None: leave this line out. Otherwise log it, saying how many of ``code`` were left out before it."""
+        now = self.clock()
+        if now - self._since.get(code, -self.window) >= self.window:
+            self._since[code] = now
+            self._lines[code] = 0
+        self._lines[code] += 1
+        if self._lines[code] > self.burst:
+            self._left_out[code] = self._left_out.get(code, 0) + 1
+            return None
+        return self._left_out.pop(code, 0)
+
+
+limiter = Limiter()
+"""The node's: refusals and failures are logged from its progress thread only."""
+
+
+def _left_out(n: int) -> str:
+    return f" ({n} more like it left out before this line)" if n else ""
+
+
 def configure(level: str, fmt: str) -> None:
     """Log to stderr at ``level`` (a name; unknown names mean INFO) in ``fmt`` (``LOG_FORMATS``)."""
     handler = logging.StreamHandler(sys.stderr)
@@ -106,12 +149,16 @@ def refusal(request: str | None, request_id: int, exc: ProtocolError, name: str 
     level = level_of(exc.code)
     if not log.isEnabledFor(level):
         return
-    session = who(name, identity, peer)
     code = exc.code.name
-    log.log(level, "refused %s %d from %s %s: %s %s%s", request or "frame", request_id, session["role"],
+    left_out = limiter.admit(code)
+    if left_out is None:
+        return
+    session = who(name, identity, peer)
+    log.log(level, "refused %s %d from %s %s: %s %s%s%s", request or "frame", request_id, session["role"],
             session["session"], code, exc.reason[:REASON_LOGGED], f" (at {exc.path})" if exc.path else "",
+            _left_out(left_out),
             extra={"event": "refused", "code": code, "request": request or "frame", "request_id": request_id,
-                   "path": exc.path, **session})
+                   "path": exc.path, "suppressed": left_out, **session})
 
 
 def results(request: str, request_id: int, items: Sequence[KeyResult], name: str, identity: bytes, peer: bool) -> None:
@@ -125,13 +172,17 @@ def results(request: str, request_id: int, items: Sequence[KeyResult], name: str
     level = max(level_of(r.code) for r in failed)
     if not log.isEnabledFor(level):
         return
-    session = who(name, identity, peer)
     codes = collections.Counter(_name(r.code) for r in failed)
+    top = codes.most_common(1)[0][0]
+    left_out = limiter.admit(top)
+    if left_out is None:
+        return
+    session = who(name, identity, peer)
     reasons: dict[str, str] = {}
     for r in failed:
         reasons.setdefault(_name(r.code), r.reason[:REASON_LOGGED])
     summary = ", ".join(f"{code} {n} ({reasons[code]})" for code, n in codes.most_common())
-    log.log(level, "%s %d from %s %s: %d of %d keys failed: %s", request, request_id, session["role"],
-            session["session"], len(failed), len(items), summary,
-            extra={"event": "failed", "code": codes.most_common(1)[0][0], "codes": dict(codes), "op": request,
-                   "request_id": request_id, "keys": len(items), "failed": len(failed), **session})
+    log.log(level, "%s %d from %s %s: %d of %d keys failed: %s%s", request, request_id, session["role"],
+            session["session"], len(failed), len(items), summary, _left_out(left_out),
+            extra={"event": "failed", "code": top, "codes": dict(codes), "op": request, "request_id": request_id,
+                   "keys": len(items), "failed": len(failed), "suppressed": left_out, **session})

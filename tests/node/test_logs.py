@@ -19,13 +19,20 @@ from kvcr_node import logs
 from kvcr_node.config import ConfigError, NodeConfig, load_toml
 from kvcr_protocol import CURRENT_VERSION, KeyResult, ProtocolError, StatsRequest, encode
 from kvcr_testing.health import assert_clean, wait_until
+from kvcr_testing.nodes import FakeClock
 
 WAIT_S = 10.0
 
 
 @pytest.fixture
-def captured() -> Iterator[io.StringIO]:
-    """The node's logger, at INFO, into a string in JSON; restored afterwards."""
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def captured(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> Iterator[io.StringIO]:
+    """The node's logger, at INFO, into a string in JSON, with a fresh limiter on ``clock``; restored afterwards."""
+    monkeypatch.setattr(logs, "limiter", logs.Limiter(clock=clock))
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(logs.JsonFormatter())
@@ -87,6 +94,21 @@ def test_a_thousand_key_failure_is_one_line_with_counts(captured: io.StringIO) -
     assert (line["keys"], line["failed"], line["codes"]) == (1000, 10, {"NOT_FOUND": 8, "TRANSFER_FAILED": 2})
     assert (line["code"], line["op"], line["request_id"], line["session"]) == ("NOT_FOUND", "deliver", 12, "eng-1")
     assert "key 0 missing" in line["message"] and "key 1 missing" not in line["message"]
+
+
+def test_a_flood_of_refusals_is_bounded_and_counted(captured: io.StringIO, clock: FakeClock) -> None:
+    busy = ProtocolError(ErrorCode.BUSY, "busy")
+    for i in range(logs.LOG_BURST * 4):
+        logs.refusal("deliver", i, busy, "flooder", b"id", False)
+    logs.refusal("query", 1, ProtocolError(ErrorCode.BAD_STATE, "other code"), "flooder", b"id", False)
+    first = lines(captured)
+    assert len(first) == logs.LOG_BURST + 1, "one code's flood leaves the others alone"
+    assert all(line["suppressed"] == 0 for line in first)
+    clock.advance(logs.LOG_WINDOW_S)
+    logs.refusal("deliver", 999, busy, "flooder", b"id", False)
+    last = lines(captured)[-1]
+    assert (last["request_id"], last["suppressed"]) == (999, logs.LOG_BURST * 3)
+    assert f"{logs.LOG_BURST * 3} more like it left out" in last["message"]
 
 
 def test_nothing_is_built_below_the_level(captured: io.StringIO) -> None:
