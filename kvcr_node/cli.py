@@ -40,8 +40,8 @@ SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("curve_public_key", str, "file with the node's CurveZMQ public key"),
     ("curve_allow", str, "file of allowed client and peer public keys, one per line"),
     ("curve_peer_key", str, "file with the public key peer nodes serve with"),
-    ("log_level", str, "DEBUG, INFO, WARNING, ..."),
     ("log_format", str, "text (default) or json: one JSON object per line, for log shippers"),
+    ("log_level", str, "DEBUG, INFO, WARNING, ..."),
 )
 """``NodeConfig`` fields a flag of the same name sets (``--max-peers`` sets ``max_peers``): (field, type, help)."""
 

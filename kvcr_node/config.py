@@ -137,9 +137,9 @@ class NodeConfig:
     """Client agents a target's peer session may have announced here; the least recently
     used beyond are forgotten (their NIXL agents released), and announced again by the
     target when it next needs them (spec section 5.3)."""
-    log_level: str = "INFO"
     log_format: str = "text"
     """``text`` for people, ``json`` for log shippers: one object per line (``kvcr_node.logs``)."""
+    log_level: str = "INFO"
 
     def validated(self) -> NodeConfig:
         """Check every field; raise ``ConfigError`` naming the first bad one."""
