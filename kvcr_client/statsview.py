@@ -10,11 +10,11 @@ empty, red otherwise; uncertain writes and failures yellow when nonzero.
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rich import box
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.table import Table
 from rich.text import Text
 
@@ -23,6 +23,9 @@ PIPE_WIDTH = 110
 
 BAR_WIDTH = 12
 """Cells of a pool's occupancy bar."""
+NARROW_BAR_WIDTH = 8
+WIDE = 105
+"""Columns from which the pools table shows every column (below: no bytes, no leased slots)."""
 
 HIT_COUNTERS = (("lookups", "hits"), ("lookup_keys", "hit_keys"), ("query_keys", "query_hits"))
 """Pairs of ``counters`` a node may keep for keys looked up and keys found, first found wins."""
@@ -101,25 +104,41 @@ def header(st: Mapping[str, Any]) -> Text:
     return text
 
 
-def pools(st: Mapping[str, Any]) -> Table:
+def pools(st: Mapping[str, Any], width: int = PIPE_WIDTH) -> Table:
     """One row per pool: memory, slot size, slots and bytes in use, occupancy, evictable slots, objects
-    evicted, slots leases pin."""
+    evicted, slots leases pin. Narrower than ``WIDE`` columns: without bytes and leased slots, a shorter bar."""
+    wide = width >= WIDE
     table = Table(title="pools", title_justify="left", title_style="bold", box=box.SIMPLE_HEAD, show_edge=False)
-    for name, justify in (("pool", "left"), ("memory", "left"), ("slot", "right"), ("slots", "right"),
-                          ("bytes", "right"), ("occupancy", "left"), ("evictable", "right"),
-                          ("evicted", "right"), ("leased", "right")):
-        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    columns = ["pool", "memory", "slot", "slots", "bytes", "occupancy", "evictable", "evicted", "leased"]
+    if not wide:
+        columns.remove("bytes")
+        columns.remove("leased")
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("pool", "memory", "occupancy") else "right", no_wrap=True)
     evictions = st.get("evictions", {})
     pinned = st.get("leases", {}).get("pinned_slots", {})
     for name in sorted(st.get("pools", {})):
         p = st["pools"][name]
         used, total, slot = p.get("allocated", 0), p.get("total", 0), p.get("slot_size", 0)
-        table.add_row(
-            name, str(p.get("memory", "")), size(slot), f"{used:,}/{total:,}", f"{size(used * slot)} / {size(total * slot)}",
-            bar(used, total), f"{p.get('evictable', 0):,}",
-            f"{evictions.get(name, 0):,}", f"{pinned.get(name, 0):,}",
-        )
+        cells: dict[str, str | Text] = {
+            "pool": name, "memory": str(p.get("memory", "")), "slot": size(slot), "slots": f"{used:,}/{total:,}",
+            "bytes": f"{size(used * slot)} / {size(total * slot)}",
+            "occupancy": bar(used, total, BAR_WIDTH if wide else NARROW_BAR_WIDTH),
+            "evictable": f"{p.get('evictable', 0):,}", "evicted": f"{evictions.get(name, 0):,}",
+            "leased": f"{pinned.get(name, 0):,}",
+        }
+        table.add_row(*(cells[c] for c in columns))
     return table
+
+
+class _Fitted:
+    """A renderable built for the width it is given (the pools table drops columns when narrow)."""
+
+    def __init__(self, build: Callable[[int], RenderableType]) -> None:
+        self.build = build
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self.build(options.max_width)
 
 
 def objects(st: Mapping[str, Any]) -> Text:
@@ -244,7 +263,7 @@ def render(st: Mapping[str, Any]) -> Group:
     """Every section of a ``stats`` reply, top to bottom."""
     counters = {k: v for k, v in st.get("counters", {}).items() if k not in SHOWN_COUNTERS}
     sections: list[RenderableType] = [
-        header(st), pools(st), objects(st), operations(st), claims_and_leases(st), peers(st), errors(st),
+        header(st), _Fitted(lambda width: pools(st, width)), objects(st), operations(st), claims_and_leases(st), peers(st), errors(st),
         _kv(counters, "counters", 3), _kv(st.get("tables", {}), "tables (entries)", 3), invariants(st),
     ]
     spaced: list[RenderableType] = []

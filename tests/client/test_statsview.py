@@ -123,3 +123,11 @@ def test_render_is_a_renderable_for_a_live_view() -> None:
     console = Console(width=200, record=True, color_system="truecolor", force_terminal=True)
     console.print(render(STATS))
     assert "\x1b[" in console.export_text(styles=True)
+
+
+def test_a_narrow_terminal_keeps_the_pools_readable() -> None:
+    text = to_text(STATS, width=80)
+    rows = [line for line in text.splitlines() if line.split()[:1] in (["full"], ["kv"], ["state"], ["swa"])]
+    assert len(rows) == 4 and all(len(line) <= 80 for line in text.splitlines())
+    assert rows[0].split()[:5] == ["full", "hbm:0", "64", "KiB", "31/32"] and "96.9%" in rows[0]
+    assert "…" not in "".join(rows), "nothing in a pool row is cut short"
