@@ -164,8 +164,8 @@ def refusal(request: str | None, request_id: int, exc: ProtocolError, name: str 
 def results(request: str, request_id: int, items: Sequence[KeyResult], name: str, identity: bytes, peer: bool) -> None:
     """Log an operation whose results carry codes, once: counts by code, and the first reason of each
     (never a line per key, however many keys failed)."""
-    if not log.isEnabledFor(logging.INFO):
-        return
+    if not log.isEnabledFor(logging.WARNING):
+        return  # not even node-side failures are wanted
     failed = [r for r in items if r.code]
     if not failed:
         return

@@ -116,6 +116,10 @@ def test_nothing_is_built_below_the_level(captured: io.StringIO) -> None:
     logs.refusal("deliver", 7, ProtocolError(ErrorCode.BUSY, "busy"), "eng-1", b"id", False)
     logs.results("release", 1, [KeyResult(KeyStatus.FAILED, ErrorCode.UNKNOWN_HANDLE, "no")], "eng-1", b"id", False)
     assert captured.getvalue() == ""
+    # A node-side failure still gets its line at WARNING.
+    logs.results("deliver", 2, [KeyResult(KeyStatus.FAILED, ErrorCode.TRANSFER_FAILED, "nixl")], "eng-1", b"id", False)
+    (line,) = lines(captured)
+    assert (line["level"], line["code"]) == ("WARNING", "TRANSFER_FAILED")
 
 
 def test_log_format_is_checked(tmp_path: Path) -> None:
