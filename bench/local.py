@@ -12,15 +12,19 @@ anchor's, so that both see the same machine (other work on it shifts both):
    (1,000 keys against an echo of the same sizes, a prefix query, 5,000 queries in flight);
 4. admission into a full pool as evictable objects in an unrelated pool grow 1k..100k;
 5. the CPU use of the node and of an idle client process while it is connected, and
-   index memory per stored object at 100,000 objects.
+   index memory per stored object at 100,000 objects;
+6. with ``--plot`` or ``--sweep``: deliver throughput against span size (4 KiB .. 1 MiB
+   spans, 16 MiB each) against a raw NIXL WRITE of the same descriptors.
 
 Run: ``python bench/local.py`` (under a minute; ``--quick``: about 15 s). Ratios matter,
-not absolute times. With ``--json`` the report goes to stderr and stdout carries one JSON
-object: ``query_ratio`` and ``query_ratio_async`` (query p50 / echo p50), ``deliver_ratio``
+not absolute times. Progress goes to stderr (``--quiet``: none). ``--plot FILE`` writes a
+PNG (``bench/plots.py``): the latency distributions of each kvcr measurement beside its raw
+anchor, and throughput against span size. With ``--json`` the report goes to stderr and
+stdout carries one JSON object: ``query_ratio`` and ``query_ratio_async`` (query p50 / echo p50), ``deliver_ratio``
 (raw NIXL WRITE p50 / kvcr deliver p50, list of spans), ``deposit_ratio`` (raw NIXL READ p50
 / kvcr deposit p50), ``idle_cpu_percent`` (node and idle client process together, % of a core),
 ``query_1000_us``, ``query_1000_ratio``, ``prefix_1000_us`` and ``pipelined_queries_per_s``
-(from ``bench/lookups.py``).
+(from ``bench/lookups.py``); after a sweep also ``deliver_ratio_<N>k`` per span size.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import lookups
 from admission import index_bytes_per_object, measure_admission
 from anchors import Peer, echo, serve
 from procs import process_group, spawn
-from stats import fmt_gbps, fmt_us, summary
+from stats import Progress, fmt_gbps, fmt_us, summary
 
 from kvcr_client import AsyncClient, Client, Span
 from kvcr_io.agent import load_nixl
@@ -58,6 +62,14 @@ IDLE_CLIENT_S = 3600.0
 IDLE_SETTLE_S = 0.2
 WARMUP = 200
 """Round trips run before the timed ones (allocator, caches, socket buffers)."""
+SWEEP_SPANS = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
+"""Span sizes of the throughput sweep."""
+SWEEP_BYTES = 16 << 20
+"""Bytes of each object of the sweep (4096 spans of 4 KiB .. 16 of 1 MiB)."""
+
+
+def sweep_pool(span: int) -> str:
+    return f"s{span >> 10}k"
 
 
 # --------------------------------------------------------------------------- raw anchors
@@ -72,29 +84,40 @@ def raw_writer(endpoint: str) -> None:
     pool[:] = (np.arange(OBJECT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
     base = pool.ctypes.data
     agent.register_memory([(base, OBJECT, 0, "")], "DRAM")
-    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
+    local = {SPAN: agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")}
     peer: dict[str, Any] = {}
 
     def setup(msg: dict[str, Any]) -> dict[str, Any]:
         peer["name"] = agent.add_remote_agent(msg["md"])
         peer["addr"] = msg["addr"]
-        peer["dlist"] = agent.prep_xfer_dlist(peer["name"], [(msg["addr"] + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
+        peer["dlist"] = {SPAN: agent.prep_xfer_dlist(peer["name"], [(msg["addr"] + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")}
         return {"t": "ok"}
 
+    def dlists(span: int) -> tuple[Any, Any]:
+        """Both sides' descriptor lists of ``span``-byte descriptors over the whole buffer, prepared once."""
+        if span not in local:
+            count = OBJECT // span
+            local[span] = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base + i * span, span, 0) for i in range(count)], "DRAM")
+            peer["dlist"][span] = agent.prep_xfer_dlist(
+                peer["name"], [(peer["addr"] + i * span, span, 0) for i in range(count)], "DRAM")
+        return local[span], peer["dlist"][span]
+
     def write(msg: dict[str, Any]) -> dict[str, Any]:
-        # The first ``n`` descriptors (all by default), one NIXL request.
+        # The first ``n`` descriptors (all by default) of ``span`` bytes, one NIXL request.
         n = msg.get("n", SPANS)
+        span = msg.get("span", SPAN)
         t0 = time.perf_counter()
         if msg.get("merged"):
             # The same bytes as one descriptor each side, built per request (what kvcr
             # posts after merging contiguous spans).
-            ldesc = agent.get_xfer_descs(np.array([(base, n * SPAN, 0)], dtype=np.uint64), "DRAM")
-            rdesc = agent.get_xfer_descs(np.array([(peer["addr"], n * SPAN, 0)], dtype=np.uint64), "DRAM")
+            ldesc = agent.get_xfer_descs(np.array([(base, n * span, 0)], dtype=np.uint64), "DRAM")
+            rdesc = agent.get_xfer_descs(np.array([(peer["addr"], n * span, 0)], dtype=np.uint64), "DRAM")
             handle = agent.initialize_xfer("WRITE", ldesc, rdesc, peer["name"])
         else:
             # READ pulls the client's bytes into the pool (what a deposit does).
             op = "READ" if msg.get("read") else "WRITE"
-            handle = agent.make_prepped_xfer(op, local, list(range(n)), peer["dlist"], list(range(n)))
+            mine, theirs = dlists(span)
+            handle = agent.make_prepped_xfer(op, mine, list(range(n)), theirs, list(range(n)))
         state = agent.transfer(handle)
         while state == "PROC":
             state = agent.check_xfer_state(handle)
@@ -117,6 +140,8 @@ class RawNixl:
         self.agent.register_memory([(self.dst.ctypes.data, OBJECT, 0, "")], "DRAM")
         assert peer.call({"t": "setup", "md": self.agent.get_agent_metadata(), "addr": self.dst.ctypes.data})["t"] == "ok"
         self.runs: dict[str, list[float]] = {"write": [], "write_e2e": [], "write_merged": [], "read": []}
+        self.sweep: dict[int, list[float]] = {}
+        """Span size -> raw NIXL WRITE times of ``SWEEP_BYTES`` in spans of that size."""
 
     def run(self, kind: str) -> None:
         """One timed request: ``write``, ``write_merged`` or ``read``."""
@@ -127,6 +152,12 @@ class RawNixl:
         self.runs[kind].append(reply["s"])
         if kind == "write":
             self.runs["write_e2e"].append(time.perf_counter() - t0)
+
+    def run_span(self, span: int) -> None:
+        """One timed WRITE of ``SWEEP_BYTES`` in descriptors of ``span`` bytes."""
+        reply = self.peer.call({"t": "write", "span": span, "n": SWEEP_BYTES // span}, self.agent.get_new_notifs)
+        assert reply["state"] == "DONE", reply
+        self.sweep.setdefault(span, []).append(reply["s"])
 
     def summaries(self) -> dict[str, dict[str, float]]:
         return {name: summary(samples) for name, samples in self.runs.items()}
@@ -146,8 +177,8 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def paired(kvcr: Callable[[int], object], raw: Callable[[int], object], n: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Alternate one kvcr call and one raw call ``n`` times after a warm-up; both summaries."""
+def paired(kvcr: Callable[[int], object], raw: Callable[[int], object], n: int) -> tuple[list[float], list[float]]:
+    """Alternate one kvcr call and one raw call ``n`` times after a warm-up; both sides' samples."""
     ours, theirs = [], []
     clock = time.perf_counter
     for i in range(WARMUP + n):
@@ -159,11 +190,11 @@ def paired(kvcr: Callable[[int], object], raw: Callable[[int], object], n: int) 
         if i >= WARMUP:
             ours.append(t1 - t0)
             theirs.append(t2 - t1)
-    return summary(ours), summary(theirs)
+    return ours, theirs
 
 
-async def paired_async(kvcr: Callable[[int], Awaitable[object]], raw: Callable[[int], object], n: int) -> dict[str, float]:
-    """As ``paired``, with an awaited kvcr call; the summary of the kvcr side."""
+async def paired_async(kvcr: Callable[[int], Awaitable[object]], raw: Callable[[int], object], n: int) -> list[float]:
+    """As ``paired``, with an awaited kvcr call; the samples of the kvcr side."""
     ours = []
     clock = time.perf_counter
     for i in range(WARMUP + n):
@@ -173,30 +204,56 @@ async def paired_async(kvcr: Callable[[int], Awaitable[object]], raw: Callable[[
         raw(i)
         if i >= WARMUP:
             ours.append(t1 - t0)
-    return summary(ours)
+    return ours
 
 
 def small_echo(peer: Peer) -> Callable[[int], object]:
     return lambda i: peer.call({"v": 2, "t": "echo", "id": i, "keys": [b"k" * 32]})
 
 
-def bench_queries(client: Client, endpoint: str, peer: Peer, n: int) -> dict[str, Any]:
-    """One-key query round trips against the raw echo, one after the other (see the module's point 3)."""
-    out: dict[str, Any] = {}
+def bench_queries(client: Client, endpoint: str, peer: Peer, n: int) -> dict[str, list[float]]:
+    """One-key query round trips against the raw echo, one after the other (see the module's point 3): samples."""
+    out: dict[str, list[float]] = {}
     key = [b"obj"]
     out["query"], out["echo"] = paired(lambda i: client.query(key).result(5), small_echo(peer), n)
 
-    async def run_async() -> dict[str, float]:
+    async def run_async() -> list[float]:
         async with await AsyncClient.connect(endpoint, name="bench-async") as aclient:
             return await paired_async(lambda i: aclient.query(key), small_echo(peer), n)
 
     out["query_async"] = asyncio.run(run_async())
-
     return out
 
 
-def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int) -> dict[str, Any]:
-    """Every kvcr measurement; each transfer is followed by its raw anchor's, so both see the same machine."""
+def bench_sweep(client: Client, raw: RawNixl, rs: Any, rd: Any, reps: int, progress: Progress) -> dict[int, list[float]]:
+    """Deliver ``SWEEP_BYTES`` in spans of each ``SWEEP_SPANS`` size, each followed by the raw
+    NIXL WRITE of the same descriptors; the kvcr samples by span size (the raw ones in ``raw.sweep``)."""
+    out: dict[int, list[float]] = {}
+    for j, span in enumerate(SWEEP_SPANS):
+        progress.tick("span sizes", j, len(SWEEP_SPANS))
+        n = SWEEP_BYTES // span
+        key = f"sweep{span}".encode()
+        stored = client.deposit({key: [Span(f"L{i}", rs, i * span, span, sweep_pool(span)) for i in range(n)]}).result(30)
+        assert stored[key].ok, stored
+        dest = {key: [Span(f"L{i}", rd, i * span, span) for i in range(n)]}
+        assert client.deliver(dest).result(30)[key].ok  # warm: the raw side prepares its lists on first use
+        raw.run_span(span)
+        raw.sweep[span].clear()
+        times = out[span] = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            res = client.deliver(dest).result(30)
+            times.append(time.perf_counter() - t0)
+            assert res[key].ok, res
+            raw.run_span(span)
+    return out
+
+
+def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, progress: Progress) -> dict[str, Any]:
+    """Every kvcr measurement; each transfer is followed by its raw anchor's, so both see the same machine.
+
+    The summaries by name, and under ``samples`` every per-iteration time (seconds) for plots."""
+    progress.step(f"deliver {OBJECT >> 20} MiB against raw NIXL WRITE, {reps} times")
     raw = RawNixl(peer)
     src = (np.arange(OBJECT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
     dst = np.zeros(OBJECT, dtype=np.uint8)
@@ -213,7 +270,8 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int) -> dict[str, 
             if not np.array_equal(src, dst):
                 raise AssertionError(f"delivered bytes differ from the deposited bytes ({how})")
         times: dict[str, list[float]] = {"list": [], "prepared": []}
-        for _ in range(reps):
+        for rep in range(reps):
+            progress.tick("deliveries", rep, reps)
             for how, dest in dests.items():
                 t0 = time.perf_counter()
                 res = client.deliver(dest).result(30)
@@ -221,11 +279,14 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int) -> dict[str, 
                 assert res[b"obj"].ok, res
             raw.run("write")
             raw.run("write_merged")
-        result = bench_queries(client, endpoint, peer, queries)
+        progress.step(f"one-key queries against a raw ZeroMQ echo, {queries} each with Client and AsyncClient")
+        queried = bench_queries(client, endpoint, peer, queries)
         # Deposits of the same 64 MiB under new keys: each evicts the oldest object (FIFO).
+        progress.step(f"deposit {OBJECT >> 20} MiB against raw NIXL READ, {reps} times")
         sources = [Span(f"L{i}", rs, i * SPAN, SPAN, "kv") for i in range(SPANS)]
         deposits = []
         for i in range(reps):
+            progress.tick("deposits", i, reps)
             t0 = time.perf_counter()
             res = client.deposit({f"dep{i}".encode(): sources}).result(30)
             deposits.append(time.perf_counter() - t0)
@@ -236,10 +297,17 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int) -> dict[str, 
         assert client.deliver({last: spans}).result(30)[last].ok
         if not np.array_equal(src, dst):
             raise AssertionError("a deposit's bytes differ when delivered back")
+        swept: dict[int, list[float]] = {}
+        if sweep:
+            progress.step(f"deliver throughput against span size ({', '.join(f'{s >> 10} KiB' for s in SWEEP_SPANS)})")
+            swept = bench_sweep(client, raw, rs, rd, reps, progress)
         stats = client.stats().result(5)
         assert stats["invariants"] == [], stats["invariants"]
-    return {**result, "deliver": summary(times["list"]), "deliver_prepared": summary(times["prepared"]),
-            "deposit": summary(deposits), "raw": raw.summaries()}
+    samples = {**queried, "deliver": times["list"], "deliver_prepared": times["prepared"], "deposit": deposits,
+               **{f"raw_{name}": runs for name, runs in raw.runs.items()}}
+    return {**{name: summary(queried[name]) for name in queried}, "deliver": summary(times["list"]),
+            "deliver_prepared": summary(times["prepared"]), "deposit": summary(deposits), "raw": raw.summaries(),
+            "samples": samples, "sweep": {span: {"kvcr": swept[span], "raw": raw.sweep[span]} for span in swept}}
 
 
 def idle_client(endpoint: str) -> None:
@@ -260,10 +328,10 @@ def bench_idle(node_pid: int, client_pid: int, idle_s: float) -> dict[str, float
             "client_idle_cpu": (cpu_seconds(client_pid) - client0) / elapsed}
 
 
-def report(k: dict[str, Any], quick: bool, out: TextIO) -> dict[str, float]:
+def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> dict[str, float]:
     """Print the human-readable report to ``out``; the figures of ``--json``."""
     r = k["raw"]
-    figures = {
+    figures: dict[str, float] = {
         "query_ratio": k["query"]["median"] / k["echo"]["median"],
         "query_ratio_async": k["query_async"]["median"] / k["echo"]["median"],
         "deliver_ratio": r["write"]["median"] / k["deliver"]["median"],
@@ -296,9 +364,17 @@ def report(k: dict[str, Any], quick: bool, out: TextIO) -> dict[str, float]:
     say(f"  raw ZeroMQ msgpack echo    {fmt_us(k['echo'])}")
     say(f"  ratio kvcr / raw echo p50: Client {figures['query_ratio']:.2f} (goal <= 1.5), "
         f"AsyncClient {figures['query_ratio_async']:.2f} (goal <= 2.0)")
+    if k["sweep"]:
+        say(f"deliver throughput against span size ({SWEEP_BYTES >> 20} MiB per object), against raw NIXL WRITE")
+        for span, runs in k["sweep"].items():
+            ours, theirs = summary(runs["kvcr"]), summary(runs["raw"])
+            figures[f"deliver_ratio_{span >> 10}k"] = theirs["median"] / ours["median"]
+            say(f"  {span >> 10:>5} KiB x {SWEEP_BYTES // span:>5}: kvcr {SWEEP_BYTES / ours['median'] / 1e9:6.2f} GB/s, "
+                f"raw NIXL {SWEEP_BYTES / theirs['median'] / 1e9:6.2f} GB/s, ratio {theirs['median'] / ours['median']:.2f}")
     lookups.report(k["lookups"], out)
-    say("admission into a full pool B, evicting one object of B each (FIFO)")
     sweep = (1_000, 10_000) if quick else (1_000, 10_000, 100_000)
+    progress.step(f"admission with {', '.join(f'{n:,}' for n in sweep)} evictable objects in another pool")
+    say("admission into a full pool B, evicting one object of B each (FIFO)")
     adm = {n: measure_admission(n) for n in sweep}
     for n, m in adm.items():
         say(f"  {n:>7,} evictable objects in unrelated pool A: median {m['median_s'] * 1e6:6.2f} us/admission, "
@@ -307,6 +383,7 @@ def report(k: dict[str, Any], quick: bool, out: TextIO) -> dict[str, float]:
     say(f"CPU while idle with a client connected: node {k['idle_cpu'] * 100:.2f}%, idle client process "
         f"{k['client_idle_cpu'] * 100:.2f}% of a core (goal: together < 1%)")
     n_index = 10_000 if quick else 100_000
+    progress.step(f"index memory at {n_index:,} objects")
     say(f"index memory per stored object at {n_index:,} objects: 1 span {index_bytes_per_object(n_index, 1):.0f} B, "
         f"64 spans {index_bytes_per_object(n_index, 64):.0f} B (goal < 1024 B)")
     return figures
@@ -321,6 +398,10 @@ def main() -> int:
     parser.add_argument("--idle-seconds", type=float, default=5.0)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller admission sweep")
     parser.add_argument("--json", action="store_true", help="the report to stderr, one JSON object to stdout")
+    parser.add_argument("--plot", type=Path, metavar="FILE",
+                        help="write a PNG of latency distributions and throughput against span size (runs --sweep)")
+    parser.add_argument("--sweep", action="store_true", help="measure deliver throughput against span size too")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args()
     if args.raw_writer:
         raw_writer(args.raw_writer)
@@ -330,21 +411,33 @@ def main() -> int:
         return 0
     reps = 8 if args.quick else args.reps
     queries = 1000 if args.quick else args.queries
+    sweep = args.sweep or args.plot is not None
+    progress = Progress("local", 7 + sweep, enabled=not args.quiet)
+    pools = ["--pool", f"kv:64KiB:{2 * SPANS}"]
+    if sweep:
+        pools += [arg for span in SWEEP_SPANS for arg in ("--pool", f"{sweep_pool(span)}:{span}:{SWEEP_BYTES // span}")]
     with process_group("bench") as (run, procs):
-        procs.append(node := spawn("-m", "kvcr_node.cli", "--endpoint", f"ipc://{run}/node.sock",
-                                   "--pool", f"kv:64KiB:{2 * SPANS}",
+        procs.append(node := spawn("-m", "kvcr_node.cli", "--endpoint", f"ipc://{run}/node.sock", *pools,
                                    "--log-level", "WARNING"))
         procs.append(spawn(__file__, "--raw-writer", f"ipc://{run}/raw.sock"))
         peer = Peer(f"ipc://{run}/raw.sock")
         try:
-            k = bench_kvcr(f"ipc://{run}/node.sock", peer, reps, queries)
+            k = bench_kvcr(f"ipc://{run}/node.sock", peer, reps, queries, sweep, progress)
         finally:
             peer.close()
         # Idle: a client of its own connected, nothing in flight (this process holds more than a client).
         procs.append(idle := spawn(__file__, "--idle-client", f"ipc://{run}/node.sock"))
+        progress.step("lookups at engine scale (bench/lookups.py)")
         k["lookups"] = lookups.measure(run, procs, CURRENT_VERSION)
-        k.update(bench_idle(node.pid, idle.pid, 1.0 if args.quick else args.idle_seconds))
-    figures = report(k, args.quick, sys.stderr if args.json else sys.stdout)
+        idle_s = 1.0 if args.quick else args.idle_seconds
+        progress.step(f"CPU while idle, {idle_s:g} s")
+        k.update(bench_idle(node.pid, idle.pid, idle_s))
+    figures = report(k, args.quick, sys.stderr if args.json else sys.stdout, progress)
+    if args.plot is not None:
+        from plots import plot_local
+
+        plot_local(k, args.plot, quick=args.quick)
+        print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps({name: round(value, 4) for name, value in figures.items()}))
     return 0

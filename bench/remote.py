@@ -14,7 +14,8 @@ Measured in one run:
 
 Run: ``python bench/remote.py`` (under a minute); ``--json`` adds one line with
 ``ttfl_ratio``, ``first_layer_fraction`` and ``remote_deliver_ratio``. Ratios matter, not
-absolute times.
+absolute times. Progress goes to stderr (``--quiet``: none); ``--plot FILE`` writes a PNG of
+each measurement's distribution beside its raw anchors (``bench/plots.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from local import SPAN, SPANS
 from procs import process_group, spawn
-from stats import fmt_gbps, fmt_us, summary
+from stats import Progress, fmt_gbps, fmt_us, summary
 
 from kvcr_client import Client, Span
 from kvcr_io.agent import load_nixl
@@ -85,15 +86,12 @@ def raw_anchor(endpoint: str, reps: int) -> dict[str, Any]:
     sock.recv()
     sock.close(0)
     ctx.term()
-    return {
-        "one_span_e2e": summary([e for e, _ in one]),
-        "one_span_xfer": summary([x for _, x in one]),
-        "whole_xfer": summary([x for _, x in whole]),
-        "rtt": summary(rtt[50:]),
-    }
+    samples = {"one_span_e2e": [e for e, _ in one], "one_span_xfer": [x for _, x in one],
+               "whole_xfer": [x for _, x in whole], "rtt": rtt[50:]}
+    return {**{name: summary(values) for name, values in samples.items()}, "samples": samples}
 
 
-def bench_kvcr(a: str, b: str, b_defer: str, reps: int) -> dict[str, Any]:
+def bench_kvcr(a: str, b: str, b_defer: str, reps: int, progress: Progress) -> dict[str, Any]:
     layered = (np.arange(LAYERS * LAYER, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
     big = (np.arange(SPANS * SPAN, dtype=np.uint64) * 40503 >> 7).astype(np.uint8) | 1
     out: dict[str, Any] = {}
@@ -130,12 +128,15 @@ def bench_kvcr(a: str, b: str, b_defer: str, reps: int) -> dict[str, Any]:
         for _ in range(5):  # warm the peer session and both paths
             planned("bench")
             planned("bench-deferred")
+        progress.step(f"time to first layer, inline and deferred source, {reps * 2} times each")
         runs, deferred = [], []
-        for _ in range(reps * 2):  # interleaved: both see the same machine load
+        for i in range(reps * 2):  # interleaved: both see the same machine load
+            progress.tick("planned deliveries", i, reps * 2)
             runs.append(planned("bench"))
             deferred.append(planned("bench-deferred"))
         if not np.array_equal(dst_layers, layered):
             raise AssertionError("delivered bytes differ (layered object)")
+        progress.step(f"whole objects: {LAYERS} MiB without a plan, {SPANS * SPAN >> 20} MiB of {SPAN >> 10} KiB spans")
         whole_layers = [whole(b"layers", layers) for _ in range(reps * 2)]
         big_spans = [Span(f"L{i}", rd, i * SPAN, SPAN) for i in range(SPANS)]
         prepared = eng.destination(big_spans)
@@ -147,12 +148,11 @@ def bench_kvcr(a: str, b: str, b_defer: str, reps: int) -> dict[str, Any]:
             raise AssertionError("delivered bytes differ (big object)")
         stats_b = owner.stats().result(5)
         assert stats_b["invariants"] == [] and stats_b["claims"]["total"] == 0, stats_b
-        out["first"] = summary([f for f, _ in runs])
-        out["planned_all"] = summary([t for _, t in runs])
-        out["first_deferred"] = summary([f for f, _ in deferred])
-        out["whole_layers"] = summary(whole_layers)
-        out["whole_big"] = summary(whole_big)
-        out["whole_big_prepared"] = summary(whole_big_prepared)
+        samples = {"first": [f for f, _ in runs], "planned_all": [t for _, t in runs],
+                   "first_deferred": [f for f, _ in deferred], "whole_layers": whole_layers, "whole_big": whole_big,
+                   "whole_big_prepared": whole_big_prepared}
+        out.update({name: summary(values) for name, values in samples.items()})
+        out["samples"] = samples
         out["inline_writes"] = stats_b["counters"].get("writes_inline", 0)
         out["notified"] = stats_b["transfers"].get("notified", 0)
         out["matched"] = eng.core.notifications["matched"]
@@ -163,15 +163,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", action="store_true", help="also print one JSON object of the ratios")
+    parser.add_argument("--plot", type=Path, metavar="FILE", help="write a PNG of the distributions beside the raw anchors")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args()
     flags = node_flags()
+    progress = Progress("remote", 4, enabled=not args.quiet)
     with process_group("rbench") as (run, procs):
+        progress.step("start nodes A, B and a deferred-submission B, and the raw NIXL writer")
         for name in ("a", "b"):
             procs.append(spawn("-m", "kvcr_node.cli", *flags, "--endpoint", f"ipc://{run}/{name}.sock"))
         deferred = str(Path(__file__).resolve().parent / "deferred_source.py")
         procs.append(spawn(deferred, *flags, "--endpoint", f"ipc://{run}/bd.sock"))
         procs.append(spawn(str(Path(__file__).resolve().parent / "local.py"), "--raw-writer", f"ipc://{run}/raw.sock"))
-        k = bench_kvcr(f"ipc://{run}/a.sock", f"ipc://{run}/b.sock", f"ipc://{run}/bd.sock", args.reps)
+        k = bench_kvcr(f"ipc://{run}/a.sock", f"ipc://{run}/b.sock", f"ipc://{run}/bd.sock", args.reps, progress)
+        progress.step("raw anchors: NIXL WRITE of one 1 MiB span and of the 64 MiB object, ZeroMQ round trips")
         r = raw_anchor(f"ipc://{run}/raw.sock", args.reps)
     anchor = r["one_span_xfer"]["median"] + r["rtt"]["median"]
     ttfl_ratio = k["first"]["median"] / anchor
@@ -199,6 +204,11 @@ def main() -> int:
     print(f"  deferred  {fmt_us(k['first_deferred'])}")
     print(f"  ratio deferred / inline: {k['first_deferred']['median'] / k['first']['median']:.2f}  "
           f"(source counted {k['inline_writes']} inline submissions)")
+    if args.plot is not None:
+        from plots import plot_remote
+
+        plot_remote(k, r, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
         print(json.dumps({"ttfl_ratio": round(ttfl_ratio, 3), "first_layer_fraction": round(fraction, 3),
                           "remote_deliver_ratio": round(deliver_ratio, 3)}))

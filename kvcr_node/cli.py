@@ -13,6 +13,7 @@ from typing import Any
 from kvcr_io import package_version
 from kvcr_io.endpoints import default_endpoint
 from kvcr_node.config import ConfigError, NodeConfig, load_toml, pool_from_flag
+from kvcr_node.logs import configure as configure_logs
 
 SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("name", str, "node name shown to clients and peers"),
@@ -39,6 +40,7 @@ SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("curve_public_key", str, "file with the node's CurveZMQ public key"),
     ("curve_allow", str, "file of allowed client and peer public keys, one per line"),
     ("curve_peer_key", str, "file with the public key peer nodes serve with"),
+    ("log_format", str, "text (default) or json: one JSON object per line, for log shippers"),
     ("log_level", str, "DEBUG, INFO, WARNING, ..."),
     ("metrics_port", int, "serve Prometheus metrics on http://ADDRESS:N/metrics (0: a free port)"),
     ("metrics_address", str, "the address the metrics port is bound on (default 127.0.0.1)"),
@@ -84,10 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvcr-node: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=getattr(logging, config.log_level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logs(config.log_level, config.log_format)
     from kvcr_node.gpu import GpuUnavailable
     from kvcr_node.node import Node
 

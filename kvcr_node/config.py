@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcr_io.endpoints import default_endpoint
+from kvcr_node.logs import LOG_FORMATS
 from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import CURRENT_VERSION, SUPPORTED_VERSIONS
 
@@ -137,6 +138,8 @@ class NodeConfig:
     """Client agents a target's peer session may have announced here; the least recently
     used beyond are forgotten (their NIXL agents released), and announced again by the
     target when it next needs them (spec section 5.3)."""
+    log_format: str = "text"
+    """``text`` for people, ``json`` for log shippers: one object per line (``kvcr_node.logs``)."""
     log_level: str = "INFO"
     metrics_port: int | None = None
     """TCP port to serve Prometheus metrics on (``/metrics``); 0 takes a free port; None serves none."""
@@ -157,6 +160,8 @@ class NodeConfig:
                 raise ConfigError(f"pools[{i}].name", f"pool {pool.name!r} is declared twice")
             seen.add(pool.name)
             parse_memory(pool.memory, f"pools[{i}].memory")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError("log_format", f"expected one of {list(LOG_FORMATS)}, got {self.log_format!r}")
         if self.policy not in ("fifo", "lru") and ":" not in self.policy:
             raise ConfigError("policy", f"expected 'fifo', 'lru' or 'module:Class', got {self.policy!r}")
         if isinstance(self.lease_pool_fraction, bool) or not 0.0 <= self.lease_pool_fraction <= 1.0:
@@ -242,7 +247,7 @@ def pool_from_flag(text: str) -> PoolSpec:
 
 _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "endpoint": str, "name": str, "policy": str, "low_watermark": (int, float), "protocol_version": int,
-    "deadline_ms": int, "heartbeat_ms": int, "batch": int, "projection_cache": int, "log_level": str,
+    "deadline_ms": int, "heartbeat_ms": int, "batch": int, "projection_cache": int, "log_level": str, "log_format": str,
     "peer_dead_ms": int, "client_grace_ms": int, "max_clients": int, "max_pending": int,
     "max_frame": int, "max_hints_per_session": int, "max_hinted_keys_per_session": int, "curve_secret_key": str,
     "curve_public_key": str, "curve_allow": str, "curve_peer_key": str,

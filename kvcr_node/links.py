@@ -328,6 +328,8 @@ class Links:
                 msg = decode(frame, link.version or self.versions[-1])
             except RemoteProtocolError as exc:
                 self.protocol_errors[exc.code.name] += 1
+                log.warning("undecodable message from peer %s: %s %s", link.endpoint, exc.code.name, exc.reason[:200],
+                            extra={"code": exc.code.name, "session": link.node or link.endpoint, "role": "source"})
                 continue
             try:
                 self._on_message(link, msg)

@@ -210,7 +210,7 @@ class Operations:
         if op.broken is not None:
             op.fail_unresolved(ErrorCode.INTERNAL)
         results = tuple(r for r in op.results if r is not None)
-        self.outbox.check_results(op.kind, results)
+        self.outbox.settled(op.session, op.kind, op.id, results)
         for r in results:
             self.outcomes[f"{op.kind}.{r.status.value}" + (f".{ErrorCode(r.code).name}" if r.code else "")] += 1
         self.metrics.request_done(op.kind, op.received)
@@ -325,7 +325,7 @@ class Operations:
                 results.append(KeyResult(KeyStatus.OK))
             else:
                 results.append(KeyResult(KeyStatus.FAILED, ErrorCode.UNKNOWN_HANDLE, f"handles[{i}] is not held by this client"))
-        self.outbox.check_results("release", results)
+        self.outbox.settled(session, "release", msg.id, results)
         self.outbox.reply(session, Completion(msg.id, tuple(results)))
 
     def check_invariants(self, lease_claims: int = 0) -> list[str]:

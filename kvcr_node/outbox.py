@@ -12,7 +12,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from kvcr_node.records import ClientSession
+from kvcr_node import logs
+from kvcr_node.records import ClientSession, PeerSession
 from kvcr_protocol import Error, KeyResult, Message, ProtocolError, encode
 from kvcr_protocol.operations import allowed_refusal, allowed_result
 from kvcr_protocol.versions import BASE_VERSION
@@ -60,15 +61,23 @@ class Outbox:
     def refuse(self, to: ClientSession | bytes, request_id: int, exc: ProtocolError, request: str | None = None) -> None:
         """Answer a request with ``error``, at the session's version (the base version for a
         sender without one); ``request`` names its type when it is not the request in hand."""
-        self.check_refusal(request or (self.request[2] if self.request is not None else None), exc.code)
+        request = request or (self.request[2] if self.request is not None else None)
+        self.check_refusal(request, exc.code)
         self.protocol_errors[exc.code.name] += 1
         identity, version = (to, BASE_VERSION) if isinstance(to, bytes) else (to.identity, to.version)
+        logs.refusal(request, request_id, exc, None if isinstance(to, bytes) else to.name, identity,
+                     isinstance(to, PeerSession))
         self.send(identity, Error(request_id, int(exc.code), exc.reason[:REASON_MAX], exc.path[:PATH_MAX]), version)
 
     def check_refusal(self, request: str | None, code: int) -> None:
         """Count a refusal code the spec does not list for the request (section 10.1)."""
         if not allowed_refusal(request, code):
             self.undeclared_codes[f"{request or 'undecoded frame'}: error {code}"] += 1
+
+    def settled(self, session: ClientSession, request: str, request_id: int, results: Sequence[KeyResult]) -> None:
+        """An operation's results are about to go out: check their codes, log its failures once."""
+        self.check_results(request, results)
+        logs.results(request, request_id, results, session.name, session.identity, isinstance(session, PeerSession))
 
     def check_results(self, request: str, results: Sequence[KeyResult]) -> None:
         """Count per-key codes the spec does not list for the request (section 10.1)."""

@@ -14,6 +14,7 @@ import collections
 import logging
 from collections.abc import Callable, Sequence
 
+from kvcr_node import logs
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.operations import Operations
@@ -126,7 +127,9 @@ class Source:
             peer.clients.move_to_end(msg.agent)
         if regions is None:
             self.protocol_errors[ErrorCode.BAD_STATE.name] += 1
-            self.outbox.reply(peer, Refuse(msg.id, ErrorCode.BAD_STATE, f"agent {msg.agent!r} was not announced (peer_client first)"))
+            refused = ProtocolError(ErrorCode.BAD_STATE, f"agent {msg.agent!r} was not announced (peer_client first)")
+            logs.refusal("write", msg.id, refused, peer.name, peer.identity, True)
+            self.outbox.reply(peer, Refuse(msg.id, refused.code, refused.reason))
             return
         wanted = Wanted(msg.items, msg.columns)
         op = self.operations.admit(peer, msg.id, "write", len(wanted), msg.deadline_ms)

@@ -11,6 +11,7 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
+from kvcr_io import package_version
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.leases import Leases
@@ -56,11 +57,13 @@ class Stats:
         store = self.store.stats()
         policy = self.store.policy
         sessions = list(self.sessions)
+        memory = {spec.name: spec.memory for spec in self.config.pools}
         return {
             "node": self.config.name,
+            "version": package_version(),
             "incarnation": self.incarnation,
             "protocol_version": self.versions[-1],
-            "pools": self.store.pool_stats(),
+            "pools": {name: {**pool, "memory": memory.get(name, "dram")} for name, pool in self.store.pool_stats().items()},
             "objects": store["objects"],
             "ready": store["ready"],
             "writing": store["writing"],

@@ -46,6 +46,7 @@ def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
         (("--pool", "kv:4KiB:4", "--pool", "kv:8KiB:4"), "pools[1].name"),
         (("--low-watermark", "2"), "low_watermark"),
         (("--endpoint", "no-scheme"), "endpoint"),
+        (("--log-format", "xml"), "log_format"),
     ],
 )
 def test_bad_config_exits_non_zero_with_one_line(ipc_dir: Path, argv: tuple[str, ...], field: str) -> None:
@@ -117,7 +118,7 @@ def test_version() -> None:
 
 def test_tool_stats_of_a_running_node(node_factory: Callable[..., Any]) -> None:
     node = node_factory("--pool", "kv:4KiB:8", "--name", "cli-node")
-    proc = run_tool("stats", "--endpoint", node.endpoint, "--timeout", "5")
+    proc = run_tool("stats", "--endpoint", node.endpoint, "--timeout", "5", "--json")
     assert proc.returncode == 0, proc.stderr
     st = json.loads(proc.stdout)
     assert st["node"] == "cli-node"
