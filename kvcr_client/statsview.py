@@ -27,11 +27,7 @@ NARROW_BAR_WIDTH = 8
 WIDE = 105
 """Columns from which the pools table shows every column (below: no bytes, no leased slots)."""
 
-HIT_COUNTERS = (("lookups", "hits"), ("lookup_keys", "hit_keys"), ("query_keys", "query_hits"))
-"""Pairs of ``counters`` a node may keep for keys looked up and keys found, first found wins."""
-
-SHOWN_COUNTERS = frozenset({"internal_errors", "uncertain_writes", "uncertain_resolved"}) | {
-    name for pair in HIT_COUNTERS for name in pair}
+SHOWN_COUNTERS = frozenset({"internal_errors", "uncertain_writes", "uncertain_resolved"})
 """Counters shown in a section of their own, left out of the general list."""
 
 
@@ -146,13 +142,11 @@ def objects(st: Mapping[str, Any]) -> Text:
     text = Text("objects ", style="bold")
     text.append(f"{st.get('objects', 0):,} (ready {st.get('ready', 0):,}, writing {st.get('writing', 0):,})")
     text.append(f"  evictions {sum(st.get('evictions', {}).values()):,}")
-    counters = st.get("counters", {})
-    for looked, found in HIT_COUNTERS:
-        if looked in counters:
-            n, hits = counters[looked], counters.get(found, 0)
-            rate = f"{hits / n * 100:.1f}%" if n else "-"
-            text.append(f"  hit rate {rate} ({hits:,} of {n:,} keys looked up)")
-            break
+    lookups = st.get("lookups")
+    if lookups:  # a node before lookup counting reports none
+        n, hits = lookups.get("keys", 0), lookups.get("hits", 0)
+        rate = f"{hits / n * 100:.1f}%" if n else "-"
+        text.append(f"  hit rate {rate} ({hits:,} of {n:,} keys looked up)")
     cache = st.get("projection_cache")
     if cache:
         text.append("\nprojection cache ", style="bold")

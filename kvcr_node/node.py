@@ -179,6 +179,7 @@ class Node:
         self.stats = Stats(
             config, self.incarnation, self.versions, self.store, self.sessions, self.operations, self.target, self.leases,
             self.transfers, self.remote_agents, projections, self.outbox, self.counters, self.protocol_errors,
+            self.metrics,
         )
         self.router = Router(
             self.sessions, self.operations, Deposits(self.store, self.memories, self.operations), self.deliveries,

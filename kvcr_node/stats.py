@@ -15,6 +15,7 @@ from kvcr_io import package_version
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.leases import Leases
+from kvcr_node.metrics import Metrics
 from kvcr_node.operations import Operations
 from kvcr_node.outbox import Outbox
 from kvcr_node.records import ClientSession, PeerSession
@@ -32,7 +33,7 @@ class Stats:
         self, config: NodeConfig, incarnation: int, versions: Sequence[int], store: Store, sessions: Sessions,
         operations: Operations, target: Target, leases: Leases, transfers: Transfers, agents: RemoteAgents,
         projections: ProjectionCache, outbox: Outbox, counters: collections.Counter[str],
-        protocol_errors: collections.Counter[str],
+        protocol_errors: collections.Counter[str], metrics: Metrics,
     ) -> None:
         self.config = config
         self.incarnation = incarnation
@@ -48,6 +49,7 @@ class Stats:
         self.outbox = outbox
         self.counters = counters
         self.protocol_errors = protocol_errors
+        self.metrics = metrics
 
     def on_stats(self, session: ClientSession, msg: StatsRequest) -> None:
         self.outbox.reply(session, StatsReply(msg.id, self.snapshot()))
@@ -68,6 +70,7 @@ class Stats:
             "ready": store["ready"],
             "writing": store["writing"],
             "evictions": store["evictions"],
+            "lookups": {"keys": self.metrics.lookups, "hits": self.metrics.hits},
             "claims": {
                 "total": store["claims"],
                 "handles": len(self.operations.handles),

@@ -31,6 +31,8 @@ def test_stats_view_of_a_node_with_pools_and_a_peer(sites: Sites) -> None:
     src = b.deposit(b"remote", layout, seed=1)
     a.deposit(b"local", plain_layout(40), seed=2)
     warm_link(a, b, b"remote", layout, src, "r-view")  # A now has a ready link to B
+    # 1 of 4 keys looked up is held here: a hit rate of 25 % from the node's own lookup counts.
+    a.client.query([b"local", b"absent-1", b"absent-2", b"absent-3"]).result(5)
 
     # Wide enough for the test's long ipc paths in one line (a narrower view folds them).
     proc = kvcr("stats", "--endpoint", a.endpoint, "--timeout", "5", columns=160)
@@ -52,6 +54,8 @@ def test_stats_view_of_a_node_with_pools_and_a_peer(sites: Sites) -> None:
     assert link.split()[:2] == [b.stats()["node"], "ready"]
     assert "uncertain writes 0 now" in text
     assert "deliver" in text and "deposit" in text
+    assert st["lookups"] == {"keys": 4, "hits": 1}
+    assert "hit rate 25.0% (1 of 4 keys looked up)" in text
     assert lines[-1].rstrip() == "invariants ok"
     # The tool prints what the pure view makes of the same reply (apart from figures that moved).
     assert len(text.splitlines()) == len(to_text(st, width=160).splitlines())
