@@ -40,6 +40,8 @@ SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("curve_allow", str, "file of allowed client and peer public keys, one per line"),
     ("curve_peer_key", str, "file with the public key peer nodes serve with"),
     ("log_level", str, "DEBUG, INFO, WARNING, ..."),
+    ("events_endpoint", str, "publish inventory events (stored/removed/cleared) on this ZeroMQ PUB endpoint"),
+    ("events_replay_endpoint", str, "bind the event replay socket here (default: ipc PATH.replay, or the next tcp port)"),
 )
 """``NodeConfig`` fields a flag of the same name sets (``--max-peers`` sets ``max_peers``): (field, type, help)."""
 
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: node.request_stop())
     pools = ", ".join(f"{p.name}={p.slot_count}x{p.slot_size}B@{p.memory}" for p in config.pools)
     print(f"kvcr-node {package_version()} listening on {node.endpoint} (pools: {pools})", flush=True)
+    if node.events is not None:
+        print(f"kvcr-node inventory events on {node.events.endpoint} (replay {node.events.replay_endpoint})", flush=True)
     node.run()
     logging.getLogger("kvcr.node").info("stopped")
     return 0

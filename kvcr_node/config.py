@@ -16,6 +16,7 @@ from typing import Any
 from kvcr_io.endpoints import default_endpoint
 from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import CURRENT_VERSION, SUPPORTED_VERSIONS
+from kvcr_protocol.events import replay_endpoint
 
 
 class ConfigError(ValueError):
@@ -137,6 +138,11 @@ class NodeConfig:
     used beyond are forgotten (their NIXL agents released), and announced again by the
     target when it next needs them (spec section 5.3)."""
     log_level: str = "INFO"
+    events_endpoint: str = ""
+    """Where to publish inventory events (a ZeroMQ PUB endpoint, spec section 15); empty: none."""
+    events_replay_endpoint: str = ""
+    """Where the event stream's replay socket binds; empty: derived from ``events_endpoint``
+    (``ipc://PATH.replay``, or the tcp port after its own)."""
 
     def validated(self) -> NodeConfig:
         """Check every field; raise ``ConfigError`` naming the first bad one."""
@@ -177,7 +183,23 @@ class NodeConfig:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(name, f"no such file: {path}")
+        self._validate_events()
         return self
+
+    def _validate_events(self) -> None:
+        for name in ("events_endpoint", "events_replay_endpoint"):
+            value = getattr(self, name)
+            if value and "://" not in value:
+                raise ConfigError(name, f"expected a ZeroMQ endpoint such as ipc:///path or tcp://host:port, got {value!r}")
+        if self.events_replay_endpoint and not self.events_endpoint:
+            raise ConfigError("events_replay_endpoint", "set events_endpoint too")
+        if self.events_endpoint and not self.events_replay_endpoint:
+            try:
+                replay_endpoint(self.events_endpoint)
+            except ValueError as exc:
+                raise ConfigError("events_replay_endpoint", str(exc)) from None
+        if self.events_endpoint and self.events_endpoint in (self.endpoint, self.events_replay_endpoint):
+            raise ConfigError("events_endpoint", "must differ from endpoint and events_replay_endpoint")
 
 
 def pool_from_mapping(raw: Any, where: str) -> PoolSpec:
@@ -235,6 +257,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "curve_public_key": str, "curve_allow": str, "curve_peer_key": str,
     "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int, "lease_ttl_ms": int, "max_lease_ttl_ms": int,
     "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
+    "events_endpoint": str, "events_replay_endpoint": str,
 }
 
 

@@ -37,6 +37,7 @@ from kvcr_node.auth import CurveServer
 from kvcr_node.config import NodeConfig
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.eviction import make_policy
+from kvcr_node.inventory import Inventory
 from kvcr_node.leases import Leases
 from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Operations
@@ -45,6 +46,7 @@ from kvcr_node.ops.deposit import Deposits
 from kvcr_node.ops.fetch import Fetches
 from kvcr_node.ops.query import Queries
 from kvcr_node.outbox import Outbox
+from kvcr_node.publisher import EventPublisher
 from kvcr_node.router import Router
 from kvcr_node.sessions import Sessions
 from kvcr_node.source import Source
@@ -95,6 +97,8 @@ class Node:
         self.counters: collections.Counter[str] = collections.Counter()
         self._own_context = context is None
         self.context = context or zmq.Context()
+        self.events: EventPublisher | None = None
+        """The inventory event stream, when ``events_endpoint`` is set (spec section 15)."""
         self.sock: zmq.Socket[bytes] = self.context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -108,6 +112,14 @@ class Node:
             self._release_memory()
             raise
         self.endpoint = self.bound.endpoint
+        if config.events_endpoint:
+            try:
+                self.events = self._start_events()
+            except Exception:
+                self.bound.close()
+                self._close_sockets()
+                self._release_memory()
+                raise
         self._wakeup = WakePipe()
         self._stop = False
         self._poller = zmq.Poller()
@@ -115,9 +127,13 @@ class Node:
         self._poller.register(self._wakeup.read_fd, zmq.POLLIN)
         for extra in self.curve.sockets if self.curve is not None else ():
             self._poller.register(extra, zmq.POLLIN)
+        if self.events is not None:
+            self._poller.register(self.events.replay, zmq.POLLIN)
         self._failure_logged: dict[str, float] = {}
         """Failure kind -> when it may be logged (with a traceback) again."""
         self._wire()
+        if self.events is not None:
+            self.stats.inventory = self.events.inventory
 
     def _wire(self) -> None:
         """Make the parts that own the node's state, each handed what it reports to (architecture §1)."""
@@ -156,6 +172,15 @@ class Node:
             Queries(self.store, self.outbox), self.leases, self.source, self.stats, self.outbox, self.versions,
             Limits(max_frame=config.max_frame), self.clock, failure,
         )
+
+    def _start_events(self) -> EventPublisher:
+        """Bind the event stream's sockets and have the store report to its inventory."""
+        tiers = {spec.name: spec.memory for spec in self.config.pools}
+        inventory = Inventory(self.config.name, self.incarnation, tiers)
+        events = EventPublisher(self.context, self.config.events_endpoint, self.config.events_replay_endpoint,
+                                inventory, self.counters)
+        self.store.listener = inventory
+        return events
 
     def _peer_hello(self, hello_id: int) -> PeerHello:
         """Our ``peer_hello`` (spec section 5.3): versions, identity, agent metadata, our pools as
@@ -240,6 +265,11 @@ class Node:
             self._guarded("leases", self.leases.check, now)
         self._guarded("liveness", self.sessions.check_liveness, now)
         self._guarded("capacity events", self.sessions.flush_capacity_events)
+        if self.events is not None:
+            if self.events.replay in events:
+                self._guarded("event replay", self.events.serve)
+            if self.events.inventory.pending:
+                self._guarded("inventory events", self.events.publish)
 
     def _wait_events(self, pacer: Pacer, filling: bool) -> dict[Any, int]:
         """Poll the sockets: at once while transfers run, else until the next timer."""
@@ -339,6 +369,8 @@ class Node:
         else:
             self._release_memory()
         self.links.close_all()
+        if self.events is not None:
+            self.events.stop()
         self._close_sockets()
         self.bound.close()
         self._wakeup.close()
@@ -346,6 +378,8 @@ class Node:
     def _close_sockets(self) -> None:
         if self.curve is not None:
             self.curve.close()
+        if self.events is not None:
+            self.events.close()
         self.sock.close(0)
         if self._own_context:
             self.context.term()
