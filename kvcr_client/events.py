@@ -84,7 +84,9 @@ class EventStream:
 
     ``from_start`` asks, on the first batch of an incarnation, for every earlier batch of
     it, so a subscriber that connects late still sees the incarnation whole (as long as
-    the node's ring holds it). ``lost`` counts batches that were gone from the ring when
+    the node's ring holds it); its first ``recv`` asks at once, so an idle node's past
+    is not left waiting for its next event. ``sync`` catches up on demand (a batch the
+    PUB dropped is otherwise noticed only when the next one arrives). ``lost`` counts batches that were gone from the ring when
     asked for: a mirror built from this stream is then incomplete (``complete`` is False).
     """
 
@@ -109,6 +111,7 @@ class EventStream:
         """The seq of the next batch to hand out."""
         self.lost = 0
         self.replays = 0
+        self._started = False
         self.last_end: ReplayEnd | None = None
         """The end message of the last replay: the ring's bounds then."""
 
@@ -133,7 +136,15 @@ class EventStream:
     def recv(self, timeout: float = 0.0) -> list[Numbered]:
         """The (seq, batch) pairs that arrived (waiting up to ``timeout`` for the first), in order, gaps filled."""
         out: list[Numbered] = []
-        wait = timeout
+        if not self._started:
+            self._started = True
+            if self.from_start:
+                # The node may be idle: ask for what it published so far rather than wait for more.
+                try:
+                    out.extend(self.sync())
+                except EventStreamError:
+                    pass  # not reachable yet: its batches will come by the PUB, gaps filled then
+        wait = timeout if not out else 0.0
         while (message := self._published(wait)) is not None:
             wait = 0.0
             seq, payload = message
