@@ -37,6 +37,9 @@ RING_BYTES = 64 << 20
 """Encoded bytes kept for replay at most, whatever the count (the newest batch always stays)."""
 REPLAY_MAX_BATCHES = 512
 """Batches one replay answer carries at most; a subscriber asks again from where it stopped."""
+REPLAY_MAX_BYTES = 16 << 20
+"""Encoded bytes one replay answer carries at most (its first batch always goes): what a
+request can make the node queue for one subscriber."""
 
 _Group = tuple[type[Stored] | type[Removed] | type[Cleared], tuple[str, ...], str, RemovedReason]
 
@@ -138,7 +141,7 @@ class Inventory:
     def replay(self, frames: list[bytes]) -> tuple[list[list[bytes]], bool]:
         """The answer to a replay request (the frames after the sender's identity), and whether it was served.
 
-        Held batches from the start on, at most ``REPLAY_MAX_BATCHES``, then the end
+        Held batches from the start on, at most ``REPLAY_MAX_BATCHES`` and ``REPLAY_MAX_BYTES``, then the end
         message with the ring's bounds; a request that is not one, or that starts past
         the next seq, gets only the end message, naming the field.
         """
@@ -153,8 +156,12 @@ class Inventory:
         answer: list[list[bytes]] = []
         if start < next_seq:
             first = max(0, start - oldest)  # the ring's seqs are consecutive
+            size = 0
             for i in range(first, min(len(self.ring), first + REPLAY_MAX_BATCHES)):
                 seq, payload = self.ring[i]
+                size += len(payload)
+                if answer and size > REPLAY_MAX_BYTES:
+                    break
                 answer.append([b"", encode_seq(seq), payload])
         answer.append([b"", END_SEQ_FRAME, encode_replay_end(ReplayEnd(oldest, next_seq))])
         return answer, True

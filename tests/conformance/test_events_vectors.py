@@ -75,7 +75,7 @@ def test_section_15_states_the_codes_bounds() -> None:
     """The numbers section 15 promises are the ones the code uses."""
     assert f"`{ev.EVENTS_TOPIC.decode()}`" in SECTION
     assert f"`{ev.REPLAY_SUFFIX}`" in SECTION
-    assert f"at most {inventory.REPLAY_MAX_BATCHES} of them" in SECTION
+    assert f"at most {inventory.REPLAY_MAX_BATCHES} of them and {inventory.REPLAY_MAX_BYTES >> 20} MiB" in SECTION
     assert f"at most {inventory.RING_BATCHES} batches and {inventory.RING_BYTES >> 20} MiB" in SECTION
     assert f"holds {publisher.PUB_HWM} batches" in SECTION
     assert f"at most {publisher.REPLAY_REQUESTS_PER_TURN} replay requests per loop turn" in SECTION

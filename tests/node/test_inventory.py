@@ -13,7 +13,7 @@ import pytest
 
 from kvcr_client.events import InventoryMirror
 from kvcr_node.eviction import make_policy
-from kvcr_node.inventory import REPLAY_MAX_BATCHES, RING_BATCHES, Inventory
+from kvcr_node.inventory import REPLAY_MAX_BATCHES, REPLAY_MAX_BYTES, RING_BATCHES, Inventory
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, PoolSpec, Store
 from kvcr_protocol import ErrorCode
 from kvcr_protocol.events import (
@@ -184,3 +184,18 @@ def test_hostile_replay_requests_are_refused(frames: list[bytes], code: ErrorCod
     assert not served and len(answer) == 1 and answer[0][:2] == [b"", END_SEQ_FRAME]
     end = decode_replay_end(answer[0][2])
     assert (end.code, end.path, end.oldest, end.next) == (code, path, 0, 1) and end.reason
+
+
+def test_a_replay_answer_is_bounded_in_bytes() -> None:
+    store = Store((PoolSpec("kv", 64, 90000, "dram"),), make_policy("fifo"))
+    inventory = Inventory("n", 1, {"kv": "dram"})
+    store.listener = inventory
+    for turn in range(20):  # batches of 4096 keys of 250 bytes: about 1 MiB each
+        for i in range(MAX_BATCH_KEYS):
+            put(store, b"%02d-%05d-" % (turn, i) + b"k" * 241)
+        inventory.take()
+    seqs, payloads, end = replayed(inventory, 0)
+    assert sum(len(p) for p in payloads) <= REPLAY_MAX_BYTES < sum(len(p) for _, p in inventory.ring)
+    assert seqs == list(range(len(seqs))) and 0 < len(seqs) < end.next
+    # The next answer goes on from where this one stopped.
+    assert replayed(inventory, len(seqs))[0][0] == len(seqs)
