@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvcr_client.errors import KvcrError, NodeError
 from kvcr_protocol import ProtocolError
@@ -82,12 +83,14 @@ class InventoryMirror:
 class EventStream:
     """A subscriber to one node's inventory events, in order, with gaps filled by replay.
 
-    ``from_start`` asks, on the first batch of an incarnation, for every earlier batch of
-    it, so a subscriber that connects late still sees the incarnation whole (as long as
-    the node's ring holds it); its first ``recv`` asks at once, so an idle node's past
-    is not left waiting for its next event. ``sync`` catches up on demand (a batch the
-    PUB dropped is otherwise noticed only when the next one arrives). ``lost`` counts batches that were gone from the ring when
-    asked for: a mirror built from this stream is then incomplete (``complete`` is False).
+    Each time the SUB (re)connects (the first time, or to a restarted node) the stream
+    asks the replay socket for what was published meanwhile, so an idle node's past is
+    not left waiting for its next event; ``from_start`` makes that, and the first batch of
+    a new incarnation, ask from seq 0, so a subscriber that connects late still sees the
+    incarnation whole (as long as the node's ring holds it). A batch the PUB drops is
+    noticed when the next one arrives, or at once with ``sync``. ``lost`` counts batches
+    gone from the ring when asked for: a mirror built from this stream is then
+    incomplete (``complete`` is False).
     """
 
     def __init__(
@@ -104,6 +107,10 @@ class EventStream:
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.RCVHWM, SUB_HWM)
         self.sub.setsockopt(zmq.SUBSCRIBE, EVENTS_TOPIC)
+        self._monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sub, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self.sub.connect(endpoint)
         self._dealer: zmq.Socket[bytes] | None = None
         self.incarnation: int | None = None
@@ -111,7 +118,6 @@ class EventStream:
         """The seq of the next batch to hand out."""
         self.lost = 0
         self.replays = 0
-        self._started = False
         self.last_end: ReplayEnd | None = None
         """The end message of the last replay: the ring's bounds then."""
 
@@ -136,17 +142,17 @@ class EventStream:
     def recv(self, timeout: float = 0.0) -> list[Numbered]:
         """The (seq, batch) pairs that arrived (waiting up to ``timeout`` for the first), in order, gaps filled."""
         out: list[Numbered] = []
-        if not self._started:
-            self._started = True
-            if self.from_start:
-                # The node may be idle: ask for what it published so far rather than wait for more.
-                try:
-                    out.extend(self.sync())
-                except EventStreamError:
-                    pass  # not reachable yet: its batches will come by the PUB, gaps filled then
-        wait = timeout if not out else 0.0
-        while (message := self._published(wait)) is not None:
-            wait = 0.0
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._connected():
+                out.extend(self._resync())
+            message = self._published(0.0)
+            if message is None:
+                left = deadline - time.monotonic()
+                if out or left <= 0:
+                    return out
+                self._poller.poll(max(1, int(left * 1000)))  # a batch, or a (re)connection
+                continue
             seq, payload = message
             batch = _decode(payload, seq)
             if batch.incarnation != self.incarnation:
@@ -158,7 +164,23 @@ class EventStream:
                 out.extend(self._fill(self.expected, seq))
             out.append((seq, batch))
             self.expected = seq + 1
-        return out
+
+    def _connected(self) -> bool:
+        """Whether the SUB connected (again) since the last look."""
+        connected = False
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            connected = connected or event["event"] == zmq.EVENT_CONNECTED
+        return connected
+
+    def _resync(self) -> list[Numbered]:
+        """After a (re)connection: what the node published meanwhile, by replay."""
+        if not self.from_start and self.incarnation is None:
+            return []
+        try:
+            return self.sync()
+        except EventStreamError:
+            return []  # not answering yet: its batches will come by the PUB, gaps filled then
 
     def sync(self) -> list[Numbered]:
         """Catch up with everything the node has published, by replay (asking, not waiting for the PUB)."""
@@ -166,17 +188,16 @@ class EventStream:
         for _ in range(_SYNC_ROUNDS):
             start = self.expected if self.incarnation is not None else 0
             batches, end = self._replay(start)
-            if self.incarnation is not None and (
-                end.next < start or any(b.incarnation != self.incarnation for _, b in batches)
-            ):
-                self.incarnation, self.expected = None, 0  # the node restarted: follow the new one from its start
-                continue
+            if end.incarnation != self.incarnation:
+                self.incarnation, self.expected = end.incarnation, 0
+                if start != 0:
+                    continue  # the node restarted: ask the new incarnation from its start
+            if end.oldest > self.expected:  # the ring no longer holds them
+                self.lost += end.oldest - self.expected
+                self.expected = end.oldest
             before = self.expected
             for seq, batch in batches:
-                if self.incarnation is None:
-                    self.incarnation, self.expected = batch.incarnation, seq
-                    self.lost += seq  # the start of the incarnation is gone from the ring
-                if seq == self.expected:
+                if seq == self.expected and batch.incarnation == self.incarnation:
                     out.append((seq, batch))
                     self.expected += 1
             if self.expected >= end.next or self.expected == before:
@@ -188,6 +209,9 @@ class EventStream:
         out: list[Numbered] = []
         while start < stop:
             batches, end = self._replay(start)
+            if end.incarnation != self.incarnation:
+                self.lost += stop - start  # restarted since: the rest of the old incarnation is gone
+                break
             if end.oldest > start:
                 self.lost += min(end.oldest, stop) - start
                 start = min(end.oldest, stop)
@@ -201,14 +225,23 @@ class EventStream:
         return out
 
     def _replay(self, start: int) -> tuple[list[tuple[int, EventBatch]], ReplayEnd]:
-        """Ask the replay socket for every held batch from ``start`` on; the batches and the end message."""
+        """Ask the replay socket for every held batch from ``start`` on; the batches and the end message.
+
+        A refusal raises ``NodeError``, unless it comes from another incarnation: the
+        caller then sees the restart in ``end.incarnation``."""
         dealer = self._dealer
         if dealer is None:
             dealer = self._dealer = self.context.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.SNDTIMEO, max(1, int(self.replay_timeout * 1000)))
             dealer.connect(self.replay_endpoint)
         self.replays += 1
-        dealer.send_multipart(encode_replay_request(start))
+        try:
+            dealer.send_multipart(encode_replay_request(start))
+        except zmq.Again:
+            dealer.close(0)
+            self._dealer = None
+            raise EventStreamError(f"cannot reach {self.replay_endpoint} within {self.replay_timeout} s") from None
         deadline = time.monotonic() + self.replay_timeout
         batches: list[tuple[int, EventBatch]] = []
         while True:
@@ -230,11 +263,13 @@ class EventStream:
                 raise EventStreamError(f"a replay message is invalid: {exc}") from exc
             batches.append((seq, _decode(frames[2], seq)))
         self.last_end = end
-        if not end.ok:
+        if not end.ok and end.incarnation == self.incarnation:
             raise NodeError(end.code, end.reason, end.path)
-        return batches, end
+        return batches, end  # a refusal by a new incarnation (a start past its next) is a restart
 
     def close(self) -> None:
+        self.sub.disable_monitor()
+        self._monitor.close(0)
         self.sub.close(0)
         if self._dealer is not None:
             self._dealer.close(0)

@@ -151,7 +151,7 @@ class Inventory:
             if start > next_seq:
                 raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"start {start} is past the next seq {next_seq}", "replay.start")
         except ProtocolError as exc:
-            end = replay_refusal(exc, oldest, next_seq)
+            end = replay_refusal(exc, oldest, next_seq, self.incarnation)
             return [[b"", END_SEQ_FRAME, encode_replay_end(end)]], False
         answer: list[list[bytes]] = []
         if start < next_seq:
@@ -163,7 +163,7 @@ class Inventory:
                 if answer and size > REPLAY_MAX_BYTES:
                     break
                 answer.append([b"", encode_seq(seq), payload])
-        answer.append([b"", END_SEQ_FRAME, encode_replay_end(ReplayEnd(oldest, next_seq))])
+        answer.append([b"", END_SEQ_FRAME, encode_replay_end(ReplayEnd(oldest, next_seq, self.incarnation))])
         return answer, True
 
     def sizes(self) -> dict[str, int]:

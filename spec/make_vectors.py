@@ -1485,16 +1485,18 @@ def event_batches() -> list[dict[str, Any]]:
 
 def replay_ends() -> list[dict[str, Any]]:
     ends = [
-        ("served", ev.ReplayEnd(0, 42), "every batch from the start was held and sent"),
-        ("truncated", ev.ReplayEnd(4096, 8192), "the ring holds 4096 to 8191: earlier batches are lost"),
-        ("refused", ev.ReplayEnd(0, 3, int(kp.ErrorCode.OUT_OF_RANGE), "start 7 is past the next seq 3", "replay.start"),
+        ("served", ev.ReplayEnd(0, 42, EVENTS_INCARNATION), "every batch from the start was held and sent"),
+        ("truncated", ev.ReplayEnd(4096, 8192, EVENTS_INCARNATION), "the ring holds 4096 to 8191: earlier batches are lost"),
+        ("refused", ev.ReplayEnd(0, 3, (1 << 64) - 1, int(kp.ErrorCode.OUT_OF_RANGE), "start 7 is past the next seq 3",
+                                 "replay.start"),
          "a start past the next seq"),
     ]
     out: list[dict[str, Any]] = []
     for name, end, description in ends:
         payload = ev.encode_replay_end(end)
         assert ev.decode_replay_end(payload) == end, name
-        fields = {"oldest": end.oldest, "next": end.next, "code": end.code, "reason": end.reason, "path": end.path}
+        fields = {"oldest": end.oldest, "next": end.next, "incarnation": end.incarnation, "code": end.code,
+                  "reason": end.reason, "path": end.path}
         out.append({"name": f"replay-end-{name}", "description": description, "fields": fields, "hex": payload.hex()})
     return out
 
@@ -1558,10 +1560,12 @@ def refused_batches() -> list[dict[str, Any]]:
         invalid.append({"name": f"events-{name}", "kind": "batch", "error": code, "path": path,
                         "description": description, "hex": payload.hex()})
     end_refused = [
-        ("oldest-past-next", _pack({"v": 1, "oldest": 5, "next": 4}), "OUT_OF_RANGE", "oldest", "oldest past next"),
-        ("next-negative", _pack({"v": 1, "oldest": 0, "next": -1}), "OUT_OF_RANGE", "next", "a negative next"),
-        ("no-next", _pack({"v": 1, "oldest": 0}), "MISSING_FIELD", "next", "no next"),
-        ("code-over-u16", _pack({"v": 1, "oldest": 0, "next": 0, "code": 1 << 16}), "OUT_OF_RANGE", "code",
+        ("oldest-past-next", _pack({"v": 1, "oldest": 5, "next": 4, "inc": 1}), "OUT_OF_RANGE", "oldest", "oldest past next"),
+        ("next-negative", _pack({"v": 1, "oldest": 0, "next": -1, "inc": 1}), "OUT_OF_RANGE", "next", "a negative next"),
+        ("no-next", _pack({"v": 1, "oldest": 0, "inc": 1}), "MISSING_FIELD", "next", "no next"),
+        ("no-inc", _pack({"v": 1, "oldest": 0, "next": 0}), "MISSING_FIELD", "inc", "no incarnation"),
+        ("inc-0", _pack({"v": 1, "oldest": 0, "next": 0, "inc": 0}), "OUT_OF_RANGE", "inc", "incarnation 0"),
+        ("code-over-u16", _pack({"v": 1, "oldest": 0, "next": 0, "inc": 1, "code": 1 << 16}), "OUT_OF_RANGE", "code",
          "a code above 65535"),
     ]
     for name, payload, code, path, description in end_refused:

@@ -121,6 +121,8 @@ class ReplayEnd:
     """The seq of the oldest batch the node still holds (``next`` when it holds none)."""
     next: int
     """The seq the node's next batch will carry (the last published is ``next - 1``)."""
+    incarnation: int
+    """The node's incarnation: another than the subscriber's means the node restarted."""
     code: int = 0
     """0 when the request was served, else the ``ErrorCode`` that refused it."""
     reason: str = ""
@@ -305,15 +307,18 @@ def decode_replay_request(frames: list[bytes]) -> int:
 
 
 def encode_replay_end(end: ReplayEnd) -> bytes:
-    out = {"v": EVENTS_VERSION, "oldest": end.oldest, "next": end.next, "code": end.code, "reason": end.reason,
-           "path": end.path}
+    out = {"v": EVENTS_VERSION, "oldest": end.oldest, "next": end.next, "inc": end.incarnation, "code": end.code,
+           "reason": end.reason, "path": end.path}
     payload: bytes = msgpack.packb(out, use_bin_type=True)
     return payload
 
 
-def replay_refusal(exc: ProtocolError, oldest: int, next_seq: int, limits: Limits = DEFAULT_LIMITS) -> ReplayEnd:
+def replay_refusal(
+    exc: ProtocolError, oldest: int, next_seq: int, incarnation: int, limits: Limits = DEFAULT_LIMITS,
+) -> ReplayEnd:
     """The end message refusing a replay request for ``exc``."""
-    return ReplayEnd(oldest, next_seq, int(exc.code), exc.reason[: limits.max_text], exc.path[: limits.max_text])
+    return ReplayEnd(oldest, next_seq, incarnation, int(exc.code), exc.reason[: limits.max_text],
+                     exc.path[: limits.max_text])
 
 
 def decode_replay_end(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> ReplayEnd:
@@ -322,11 +327,14 @@ def decode_replay_end(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> Replay
     next_seq = _SEQ.load(_field(obj, "next", ""), "next", limits)
     if oldest > next_seq:
         raise RemoteProtocolError(ErrorCode.OUT_OF_RANGE, f"oldest {oldest} is past next {next_seq}", "oldest")
+    incarnation = _INCARNATION.load(_field(obj, "inc", ""), "inc", limits)
+    if incarnation == 0:
+        raise RemoteProtocolError(ErrorCode.OUT_OF_RANGE, "incarnation 0 is never used", "inc")
     code = _CODE.load(obj.get("code", 0), "code", limits)
     reason = _TEXT.load(obj.get("reason", ""), "reason", limits)
     path = _TEXT.load(obj.get("path", ""), "path", limits)
-    _rest(obj, frozenset({"v", "oldest", "next", "code", "reason", "path"}), "")
-    return ReplayEnd(oldest, next_seq, code, reason, path)
+    _rest(obj, frozenset({"v", "oldest", "next", "inc", "code", "reason", "path"}), "")
+    return ReplayEnd(oldest, next_seq, incarnation, code, reason, path)
 
 
 def replay_endpoint(endpoint: str) -> str:

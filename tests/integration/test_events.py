@@ -131,9 +131,9 @@ def test_subscriber_follows_deposits_and_evictions_to_the_nodes_index(
 class Lossy(EventStream):
     """A subscriber whose network loses every published batch with a seq in ``lose``."""
 
-    def __init__(self, endpoint: str, lose: range) -> None:
+    def __init__(self, endpoint: str) -> None:
         super().__init__(endpoint)
-        self.lose = lose
+        self.lose = range(0)
         self.dropped = 0
 
     def _published(self, timeout: float) -> tuple[int, bytes] | None:
@@ -146,22 +146,49 @@ def test_lost_range_and_late_start_are_recovered_by_replay(
     node_factory: Callable[..., NodeProcess], ipc_dir: Path,
 ) -> None:
     with events_node(node_factory, ipc_dir) as (node, endpoint), Client(node.endpoint, name="events") as client, \
-            Lossy(endpoint, range(5, 15)) as lossy:
+            Lossy(endpoint) as lossy:
         reg = Registrar(client)
         keys = churn(client, reg, 6, "early")
+        mirror = InventoryMirror()
+        assert follow(lossy, mirror, held(client, keys))
+        # From now on the network loses ten batches; the next one that arrives shows the gap.
+        lossy.lose = range(lossy.expected + 2, lossy.expected + 12)
+        replays = lossy.replays
         # A subscriber that connects only now asks for the incarnation from its start.
         with EventStream(endpoint) as late:
             keys += churn(client, reg, 14, "later")
             want = held(client, keys)
-            mirror, late_mirror = InventoryMirror(), InventoryMirror()
+            late_mirror = InventoryMirror()
             assert follow(lossy, mirror, want), sorted(set(mirror.keys) ^ want)
             assert follow(late, late_mirror, want), sorted(set(late_mirror.keys) ^ want)
-            assert lossy.dropped == 10 and lossy.replays >= 1 and lossy.complete
-            assert late.replays >= 1 and late.complete
+            assert lossy.dropped == 10 and lossy.replays > replays and lossy.complete
+            assert late.replays >= 1 and late.complete and late.expected == lossy.expected
             # sync asks the node directly: nothing newer is missing.
             assert lossy.sync() == [] and lossy.last_end is not None and lossy.expected == lossy.last_end.next
         reg.close()
         assert_clean(client)
+
+
+def test_a_restarted_node_is_followed_from_its_new_incarnation(
+    node_factory: Callable[..., NodeProcess], ipc_dir: Path,
+) -> None:
+    mirror = InventoryMirror()
+    with events_node(node_factory, ipc_dir) as (first, endpoint), EventStream(endpoint) as stream:
+        with Client(first.endpoint, name="events") as client:
+            reg = Registrar(client)
+            deposit(client, reg, [b"old-1", b"old-2"], seed=1)
+            assert follow(stream, mirror, {b"old-1", b"old-2"})
+            old = mirror.incarnation
+            reg.close()
+        assert first.stop() == 0
+        assert follow(stream, mirror, set())  # the stop's cleared
+        with events_node(node_factory, ipc_dir) as (second, _), Client(second.endpoint, name="events") as client:
+            reg = Registrar(client)
+            deposit(client, reg, [b"new-1"], seed=2)
+            assert follow(stream, mirror, {b"new-1"})
+            assert mirror.incarnation == stats(client)["incarnation"] != old and stream.complete
+            reg.close()
+            assert_clean(client)
 
 
 def raw_replay(endpoint: str, frames: list[bytes]) -> list[list[bytes]]:

@@ -142,11 +142,11 @@ def test_replay_request_and_end() -> None:
     with pytest.raises(RemoteProtocolError) as info:
         decode_replay_request([])
     assert info.value.path == "replay"
-    end = ReplayEnd(3, 9, int(ErrorCode.OUT_OF_RANGE), "start 12 is past the next seq 9", "replay.start")
+    end = ReplayEnd(3, 9, 5, int(ErrorCode.OUT_OF_RANGE), "start 12 is past the next seq 9", "replay.start")
     assert decode_replay_end(encode_replay_end(end)) == end and not end.ok
-    assert decode_replay_end(encode_replay_end(ReplayEnd(9, 9))).ok
+    assert decode_replay_end(encode_replay_end(ReplayEnd(9, 9, 5))).ok
     with pytest.raises(RemoteProtocolError) as info:
-        decode_replay_end(msgpack.packb({"v": 1, "oldest": 0, "next": 1 << 63}))
+        decode_replay_end(msgpack.packb({"v": 1, "oldest": 0, "next": 1 << 63, "inc": 5}))
     assert (info.value.code, info.value.path) == (ErrorCode.OUT_OF_RANGE, "next")
 
 
