@@ -237,19 +237,28 @@ class EventStream:
             dealer.connect(self.replay_endpoint)
         self.replays += 1
         try:
-            dealer.send_multipart(encode_replay_request(start))
-        except zmq.Again:
+            batches, end = self._ask(dealer, start)
+        except EventStreamError:
+            # The rest of this answer may still come: a fresh socket cannot mistake it for the next one's.
             dealer.close(0)
             self._dealer = None
+            raise
+        self.last_end = end
+        if not end.ok and end.incarnation == self.incarnation:
+            raise NodeError(end.code, end.reason, end.path)
+        return batches, end  # a refusal by a new incarnation (a start past its next) is a restart
+
+    def _ask(self, dealer: zmq.Socket[bytes], start: int) -> tuple[list[tuple[int, EventBatch]], ReplayEnd]:
+        """Send one replay request and read its whole answer (bounded in time)."""
+        try:
+            dealer.send_multipart(encode_replay_request(start))
+        except zmq.Again:
             raise EventStreamError(f"cannot reach {self.replay_endpoint} within {self.replay_timeout} s") from None
         deadline = time.monotonic() + self.replay_timeout
         batches: list[tuple[int, EventBatch]] = []
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not dealer.poll(int(left * 1000) + 1):
-                # An answer may still come later: a fresh socket cannot mistake it for the next one's.
-                dealer.close(0)
-                self._dealer = None
                 raise EventStreamError(f"no replay answer from {self.replay_endpoint} within {self.replay_timeout} s")
             frames = dealer.recv_multipart()
             if len(frames) != 3 or frames[0] != b"":
@@ -262,10 +271,7 @@ class EventStream:
             except ProtocolError as exc:
                 raise EventStreamError(f"a replay message is invalid: {exc}") from exc
             batches.append((seq, _decode(frames[2], seq)))
-        self.last_end = end
-        if not end.ok and end.incarnation == self.incarnation:
-            raise NodeError(end.code, end.reason, end.path)
-        return batches, end  # a refusal by a new incarnation (a start past its next) is a restart
+        return batches, end
 
     def close(self) -> None:
         self.sub.disable_monitor()

@@ -124,8 +124,7 @@ def test_subscriber_follows_deposits_and_evictions_to_the_nodes_index(
         assert st["tables"]["events_ring"] == stream.expected and st["tables"]["events_pending"] == 0
         # Stopping says cleared, so a router forgets the node's keys.
         assert node.stop() == 0
-        assert wait_until(lambda: [mirror.apply(b) for _, b in stream.recv(0.05)] == [] and not mirror.keys,
-                          FOLLOW_TIMEOUT_S)
+        assert follow(stream, mirror, set())
 
 
 class Lossy(EventStream):
