@@ -44,6 +44,8 @@ SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("log_level", str, "DEBUG, INFO, WARNING, ..."),
     ("metrics_port", int, "serve Prometheus metrics on http://ADDRESS:N/metrics (0: a free port)"),
     ("metrics_address", str, "the address the metrics port is bound on (default 127.0.0.1)"),
+    ("events_endpoint", str, "publish inventory events (stored/removed/cleared) on this ZeroMQ PUB endpoint"),
+    ("events_replay_endpoint", str, "bind the event replay socket here (default: ipc PATH.replay, or the next tcp port)"),
 )
 """``NodeConfig`` fields a flag of the same name sets (``--max-peers`` sets ``max_peers``): (field, type, help)."""
 
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         host = f"[{config.metrics_address}]" if ":" in config.metrics_address else config.metrics_address
         metrics = f"; metrics on http://{host}:{node.metrics_port}/metrics"
     print(f"kvcr-node {package_version()} listening on {node.endpoint} (pools: {pools}){metrics}", flush=True)
+    if node.events is not None:
+        print(f"kvcr-node inventory events on {node.events.endpoint} (replay {node.events.replay_endpoint})", flush=True)
     node.run()
     logging.getLogger("kvcr.node").info("stopped")
     return 0

@@ -18,6 +18,7 @@ from kvcr_io.endpoints import default_endpoint
 from kvcr_node.logs import LOG_FORMATS
 from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import CURRENT_VERSION, SUPPORTED_VERSIONS
+from kvcr_protocol.events import replay_endpoint
 
 
 class ConfigError(ValueError):
@@ -145,6 +146,11 @@ class NodeConfig:
     """TCP port to serve Prometheus metrics on (``/metrics``); 0 takes a free port; None serves none."""
     metrics_address: str = "127.0.0.1"
     """The address the metrics port is bound on (an IP address; 0.0.0.0 for every interface)."""
+    events_endpoint: str = ""
+    """Where to publish inventory events (a ZeroMQ PUB endpoint, spec section 15); empty: none."""
+    events_replay_endpoint: str = ""
+    """Where the event stream's replay socket binds; empty: derived from ``events_endpoint``
+    (``ipc://PATH.replay``, or the tcp port after its own)."""
 
     def validated(self) -> NodeConfig:
         """Check every field; raise ``ConfigError`` naming the first bad one."""
@@ -195,7 +201,23 @@ class NodeConfig:
             ipaddress.ip_address(self.metrics_address)
         except ValueError:
             raise ConfigError("metrics_address", f"expected an IP address such as 127.0.0.1, got {self.metrics_address!r}") from None
+        self._validate_events()
         return self
+
+    def _validate_events(self) -> None:
+        for name in ("events_endpoint", "events_replay_endpoint"):
+            value = getattr(self, name)
+            if value and "://" not in value:
+                raise ConfigError(name, f"expected a ZeroMQ endpoint such as ipc:///path or tcp://host:port, got {value!r}")
+        if self.events_replay_endpoint and not self.events_endpoint:
+            raise ConfigError("events_replay_endpoint", "set events_endpoint too")
+        if self.events_endpoint and not self.events_replay_endpoint:
+            try:
+                replay_endpoint(self.events_endpoint)
+            except ValueError as exc:
+                raise ConfigError("events_replay_endpoint", str(exc)) from None
+        if self.events_endpoint and self.events_endpoint in (self.endpoint, self.events_replay_endpoint):
+            raise ConfigError("events_endpoint", "must differ from endpoint and events_replay_endpoint")
 
 
 def pool_from_mapping(raw: Any, where: str) -> PoolSpec:
@@ -254,6 +276,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int, "lease_ttl_ms": int, "max_lease_ttl_ms": int,
     "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
     "metrics_port": int, "metrics_address": str,
+    "events_endpoint": str, "events_replay_endpoint": str,
 }
 
 

@@ -38,6 +38,7 @@ from kvcr_node.config import NodeConfig
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.eviction import make_policy
 from kvcr_node.exporter import MetricsExporter
+from kvcr_node.inventory import Inventory
 from kvcr_node.leases import Leases
 from kvcr_node.memory import PoolMemory
 from kvcr_node.metrics import Metrics
@@ -48,6 +49,7 @@ from kvcr_node.ops.fetch import Fetches
 from kvcr_node.ops.query import Queries
 from kvcr_node.outbox import Outbox
 from kvcr_node.published import MetricsPublisher
+from kvcr_node.publisher import EventPublisher
 from kvcr_node.router import Router
 from kvcr_node.sessions import Sessions
 from kvcr_node.source import Source
@@ -98,6 +100,8 @@ class Node:
         self.counters: collections.Counter[str] = collections.Counter()
         self._own_context = context is None
         self.context = context or zmq.Context()
+        self.events: EventPublisher | None = None
+        """The inventory event stream, when ``events_endpoint`` is set (spec section 15)."""
         self.sock: zmq.Socket[bytes] = self.context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -111,6 +115,14 @@ class Node:
             self._release_memory()
             raise
         self.endpoint = self.bound.endpoint
+        if config.events_endpoint:
+            try:
+                self.events = self._start_events()
+            except Exception:
+                self.bound.close()
+                self._close_sockets()
+                self._release_memory()
+                raise
         self._wakeup = WakePipe()
         self._stop = False
         self._poller = zmq.Poller()
@@ -118,10 +130,14 @@ class Node:
         self._poller.register(self._wakeup.read_fd, zmq.POLLIN)
         for extra in self.curve.sockets if self.curve is not None else ():
             self._poller.register(extra, zmq.POLLIN)
+        if self.events is not None:
+            self._poller.register(self.events.replay, zmq.POLLIN)
         self._failure_logged: dict[str, float] = {}
         """Failure kind -> when it may be logged (with a traceback) again."""
         self.metrics = Metrics(clock)
         self._wire()
+        if self.events is not None:
+            self.stats.inventory = self.events.inventory
         self.publisher: MetricsPublisher | None = None
         """Publishes the snapshots the exporter serves (only with a metrics port)."""
         self.exporter: MetricsExporter | None = None
@@ -187,6 +203,15 @@ class Node:
             Queries(self.store, self.outbox, self.metrics), self.leases, self.source, self.stats, self.outbox, self.versions,
             Limits(max_frame=config.max_frame), self.clock, failure,
         )
+
+    def _start_events(self) -> EventPublisher:
+        """Bind the event stream's sockets and have the store report to its inventory."""
+        tiers = {spec.name: spec.memory for spec in self.config.pools}
+        inventory = Inventory(self.config.name, self.incarnation, tiers)
+        events = EventPublisher(self.context, self.config.events_endpoint, self.config.events_replay_endpoint,
+                                inventory, self.counters)
+        self.store.listener = inventory
+        return events
 
     def _peer_hello(self, hello_id: int) -> PeerHello:
         """Our ``peer_hello`` (spec section 5.3): versions, identity, agent metadata, our pools as
@@ -273,6 +298,11 @@ class Node:
         self._guarded("capacity events", self.sessions.flush_capacity_events)
         if self.publisher is not None:
             self._guarded("metrics", self.publisher.maybe_publish)
+        if self.events is not None:
+            if self.events.replay in events:
+                self._guarded("event replay", self.events.serve)
+            if self.events.inventory.pending:
+                self._guarded("inventory events", self.events.publish)
 
     def _wait_events(self, pacer: Pacer, filling: bool) -> dict[Any, int]:
         """Poll the sockets: at once while transfers run, else until the next timer."""
@@ -379,6 +409,8 @@ class Node:
         else:
             self._release_memory()
         self.links.close_all()
+        if self.events is not None:
+            self.events.stop()
         self._close_sockets()
         self.bound.close()
         self._wakeup.close()
@@ -386,6 +418,8 @@ class Node:
     def _close_sockets(self) -> None:
         if self.curve is not None:
             self.curve.close()
+        if self.events is not None:
+            self.events.close()
         self.sock.close(0)
         if self._own_context:
             self.context.term()

@@ -14,6 +14,7 @@ from typing import Any
 from kvcr_io import package_version
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
+from kvcr_node.inventory import Inventory
 from kvcr_node.leases import Leases
 from kvcr_node.metrics import Metrics
 from kvcr_node.operations import Operations
@@ -50,6 +51,8 @@ class Stats:
         self.counters = counters
         self.protocol_errors = protocol_errors
         self.metrics = metrics
+        self.inventory: Inventory | None = None
+        """The inventory event stream's state, when the node publishes one."""
 
     def on_stats(self, session: ClientSession, msg: StatsRequest) -> None:
         self.outbox.reply(session, StatsReply(msg.id, self.snapshot()))
@@ -109,6 +112,7 @@ class Stats:
             "hinted_keys": sum(s.hinted_keys for s in clients),
             "withdrawals": sum(len(s.withdrawals) for s in clients),
             **self.leases.sizes(),
+            **(self.inventory.sizes() if self.inventory is not None else {}),
         }
 
     def check_invariants(self) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 from array import array
 from collections.abc import Sequence
+from typing import Protocol
 
 from kvcr_node.eviction import EvictionIndex, EvictionPolicy, Layout, LayoutInfo
 from kvcr_node.poolspec import PoolSpec
@@ -25,6 +26,7 @@ from kvcr_node.slots import SlotAllocator
 __all__ = [
     "LOOKUP_ABSENT",
     "DepositOutcome",
+    "InventoryListener",
     "ObjectEntry",
     "ObjectState",
     "PoolSpec",
@@ -139,6 +141,14 @@ class ObjectEntry:
         return f"ObjectEntry(key={self.key!r}, state={self.state.name}, claims={self.claims}, slots={self.slots!r})"
 
 
+class InventoryListener(Protocol):
+    """Told of each object that becomes READY and each READY object that leaves (spec section 15)."""
+
+    def stored(self, entry: ObjectEntry) -> None: ...
+
+    def removed(self, entry: ObjectEntry, evicted: bool) -> None: ...
+
+
 class Store:
     """Pools of slots, the objects in them, and the eviction index over them."""
 
@@ -180,6 +190,8 @@ class Store:
         self._threshold = {name: low_watermark * spec.slot_count for name, spec in self._pools.items()}
         self._armed = dict.fromkeys(self._pools, True)
         self._events: list[str] = []
+        self.listener: InventoryListener | None = None
+        """Told of READY objects and removals when the node publishes inventory events; None costs nothing."""
 
     # -- reading ----------------------------------------------------------------------
 
@@ -300,6 +312,8 @@ class Store:
         self._writing -= 1
         self._ready += 1
         self._access(entry)
+        if self.listener is not None:
+            self.listener.stored(entry)
         if claim:
             entry.claims = 1
             self._claims += 1
@@ -404,6 +418,8 @@ class Store:
         self._index.remove(entry)
         self._drop(entry)
         self._check_pressure(entry.info)
+        if self.listener is not None:
+            self.listener.removed(entry, False)
         return True
 
     def _evict(self, entry: ObjectEntry) -> None:
@@ -412,6 +428,8 @@ class Store:
         self._evicted_objects += 1
         for pool, _ in entry.info.need:
             self._evictions[pool] += 1
+        if self.listener is not None:
+            self.listener.removed(entry, True)
 
     def _drop(self, entry: ObjectEntry) -> None:
         """Forget ``entry`` and free its slots (it is already out of the index)."""

@@ -3,7 +3,7 @@
 ``python spec/make_vectors.py`` rewrites every file of ``spec/vectors/`` deterministically:
 ``valid.json`` and ``invalid.json`` (versions 1 and 2), ``valid-v3.json`` and
 ``invalid-v3.json``, ``valid-v4.json`` and ``invalid-v4.json`` (leases), and
-``notify.json``. The JSON files, not this script, are
+``notify.json``, and ``events.json`` (the inventory event stream). The JSON files, not this script, are
 the source of truth: tests read them. ``python spec/make_vectors.py --tables`` prints the
 field tables of ``kvcr-protocol.md`` as generated from the code's ``FIELDS``.
 
@@ -31,6 +31,7 @@ from typing import Any
 import msgpack
 
 import kvcr_protocol as kp
+from kvcr_protocol import events as ev
 from kvcr_protocol import messages as m
 from kvcr_protocol.columns import (
     PREFIX_ALL,
@@ -1431,6 +1432,184 @@ def notify_vectors() -> dict[str, Any]:
     }
 
 
+def batch_json(batch: ev.EventBatch) -> dict[str, Any]:
+    """A batch's fields in JSON: keys as hex, enums as their values."""
+    events: list[dict[str, Any]] = []
+    for e in batch.events:
+        if isinstance(e, ev.Cleared):
+            events.append({"t": "cleared"})
+            continue
+        obj: dict[str, Any] = {"t": e.KIND.value, "keys": [k.hex() for k in e.keys], "pools": list(e.pools), "tier": e.tier}
+        if isinstance(e, ev.Removed):
+            obj["why"] = e.reason.value
+        events.append(obj)
+    return {"node": batch.node, "incarnation": batch.incarnation, "ts": batch.ts, "events": events}
+
+
+def _refused(decode: Callable[[Any], Any], name: str, payload: Any, code: str, path: str) -> None:
+    """Check that ``decode(payload)`` raises ``RemoteProtocolError`` with ``code`` at ``path``."""
+    try:
+        decode(payload)
+    except kp.RemoteProtocolError as exc:
+        assert (exc.code.name, exc.path) == (code, path), (name, exc)
+    else:
+        raise AssertionError(f"{name}: decoded")
+
+
+def event_batches() -> list[dict[str, Any]]:
+    inc = EVENTS_INCARNATION
+    batches = [
+        ("start", ev.EventBatch("node-a", inc, 1767225600.0, (ev.Cleared(),)), "a fresh incarnation's first batch"),
+        ("stored", ev.EventBatch("node-a", inc, 1767225600.25, (
+            ev.Stored((b"k1", b"k2"), ("kv",), "dram"),
+            ev.Stored((bytes(range(32)),), ("full", "swa", "state"), "hbm:0"),
+        )), "two stored events: one pool in DRAM, a hybrid layout in HBM"),
+        ("evicted", ev.EventBatch("node-a", inc, 1767225601.5, (
+            ev.Removed((b"k1",), ("kv",), "dram"),
+            ev.Stored((b"k3",), ("kv",), "dram"),
+        )), "an eviction to make room, then the deposit that needed it"),
+        ("removed", ev.EventBatch("node-a", inc, 1767225602.0, (
+            ev.Removed((b"k2", b"k3"), ("kv",), "dram", ev.RemovedReason.REMOVED),
+        )), "keys dropped for another reason than eviction"),
+        ("stop", ev.EventBatch("node-a", (1 << 64) - 1, 1767225603.0, (ev.Cleared(),)),
+         "the last batch of a node that stops; the largest incarnation"),
+        ("empty", ev.EventBatch("n", 1, 0.0, ()), "a batch of no event"),
+    ]
+    valid: list[dict[str, Any]] = []
+    for name, batch, description in batches:
+        payload = ev.encode_batch(batch)
+        assert ev.decode_batch(payload) == batch, name
+        valid.append({"name": f"events-{name}", "description": description, "fields": batch_json(batch), "hex": payload.hex()})
+    return valid
+
+
+def replay_ends() -> list[dict[str, Any]]:
+    ends = [
+        ("served", ev.ReplayEnd(0, 42, EVENTS_INCARNATION), "every batch from the start was held and sent"),
+        ("truncated", ev.ReplayEnd(4096, 8192, EVENTS_INCARNATION), "the ring holds 4096 to 8191: earlier batches are lost"),
+        ("refused", ev.ReplayEnd(0, 3, (1 << 64) - 1, int(kp.ErrorCode.OUT_OF_RANGE), "start 7 is past the next seq 3",
+                                 "replay.start"),
+         "a start past the next seq"),
+    ]
+    out: list[dict[str, Any]] = []
+    for name, end, description in ends:
+        payload = ev.encode_replay_end(end)
+        assert ev.decode_replay_end(payload) == end, name
+        fields = {"oldest": end.oldest, "next": end.next, "incarnation": end.incarnation, "code": end.code,
+                  "reason": end.reason, "path": end.path}
+        out.append({"name": f"replay-end-{name}", "description": description, "fields": fields, "hex": payload.hex()})
+    return out
+
+
+def refused_batches() -> list[dict[str, Any]]:
+    good = {"v": 1, "node": "node-a", "inc": EVENTS_INCARNATION, "ts": 1767225600.0}
+    stored = {"t": "stored", "keys": [b"k1"], "pools": ["kv"], "tier": "dram"}
+
+    def batch(*events: Any, **changes: Any) -> bytes:
+        return _pack({**good, "events": list(events), **changes})
+
+    def without(obj: dict[str, Any], key: str) -> dict[str, Any]:
+        return {k: v for k, v in obj.items() if k != key}
+
+    many = [i.to_bytes(2, "big") for i in range(4097)]
+    refused = [
+        ("not-msgpack", b"\xc1", "MALFORMED", "", "0xc1 is never used by msgpack"),
+        ("trailing", batch() + b"\x00", "MALFORMED", "", "bytes after the map"),
+        ("not-a-map", _pack([1.0, [], 0]), "NOT_A_MAP", "", "an array (vLLM's array-like batch) is not a kvcr batch"),
+        ("no-version", _pack({**without(good, "v"), "events": []}), "MISSING_FIELD", "v", "no v"),
+        ("version-2", batch(v=2), "UNSUPPORTED_VERSION", "v", "a later format"),
+        ("version-bool", batch(v=True), "WRONG_TYPE", "v", "v as a boolean"),
+        ("no-node", _pack({**without(good, "node"), "events": []}), "MISSING_FIELD", "node", "no node name"),
+        ("node-empty", batch(node=""), "OUT_OF_RANGE", "node", "an empty node name"),
+        ("node-129", batch(node="n" * 129), "TOO_LARGE", "node", "a node name of 129 bytes (limit 128)"),
+        ("inc-0", batch(inc=0), "OUT_OF_RANGE", "inc", "incarnation 0"),
+        ("inc-negative", batch(inc=-1), "OUT_OF_RANGE", "inc", "a negative incarnation"),
+        ("inc-str", batch(inc="1"), "WRONG_TYPE", "inc", "an incarnation as str"),
+        ("ts-int", batch(ts=1), "WRONG_TYPE", "ts", "a time as an integer"),
+        ("ts-nan", batch(ts=float("nan")), "OUT_OF_RANGE", "ts", "a time that is NaN"),
+        ("ts-negative", batch(ts=-1.0), "OUT_OF_RANGE", "ts", "a time before the epoch"),
+        ("events-map", _pack({**good, "events": {}}), "WRONG_TYPE", "events", "events as a map"),
+        ("event-array", batch(["stored", [b"k1"], ["kv"], "dram"]), "WRONG_TYPE", "events[0]", "an event as an array"),
+        ("event-no-type", batch(without(stored, "t")), "MISSING_FIELD", "events[0].t", "an event without t"),
+        ("event-unknown", batch({"t": "moved", "keys": [b"k1"]}), "UNKNOWN_TYPE", "events[0].t", "an unknown event type"),
+        ("event-type-int", batch({"t": 1}), "WRONG_TYPE", "events[0].t", "an event type as integer"),
+        ("keys-missing", batch(without(stored, "keys")), "MISSING_FIELD", "events[0].keys", "stored without keys"),
+        ("keys-empty", batch({**stored, "keys": []}), "OUT_OF_RANGE", "events[0].keys", "stored of no key"),
+        ("key-str", batch({"t": "cleared"}, {**stored, "keys": [b"k1", "k2"]}), "WRONG_TYPE", "events[1].keys[1]",
+         "a key as str"),
+        ("key-empty", batch({**stored, "keys": [b""]}), "OUT_OF_RANGE", "events[0].keys[0]", "an empty key"),
+        ("key-257", batch({**stored, "keys": [b"k" * 257]}), "TOO_LARGE", "events[0].keys[0]",
+         "a key of 257 bytes (limit 256)"),
+        ("keys-4097", batch({**stored, "keys": many}), "TOO_MANY", "events[0].keys", "4097 keys in one event"),
+        ("batch-keys-4097", batch({**stored, "keys": many[:4096]}, stored), "TOO_MANY", "events",
+         "4097 keys summed over a batch"),
+        ("pools-empty", batch({**stored, "pools": []}), "OUT_OF_RANGE", "events[0].pools", "no pool"),
+        ("pool-empty", batch({**stored, "pools": ["kv", ""]}), "OUT_OF_RANGE", "events[0].pools[1]", "an empty pool name"),
+        ("tier-missing", batch(without(stored, "tier")), "MISSING_FIELD", "events[0].tier", "no tier"),
+        ("tier-bin", batch({**stored, "tier": b"dram"}), "WRONG_TYPE", "events[0].tier", "a tier as bin"),
+        ("why-unknown", batch({**stored, "t": "removed", "why": "expired"}), "OUT_OF_RANGE", "events[0].why",
+         "an unknown reason"),
+        ("must-understand", batch(stored, **{"!order": 1}), "MUST_UNDERSTAND", "!order",
+         "a must-understand key this side does not know"),
+        ("event-must-understand", batch({**stored, "!lease": 1}), "MUST_UNDERSTAND", "events[0].!lease",
+         "a must-understand key in an event"),
+    ]
+    invalid: list[dict[str, Any]] = []
+    for name, payload, code, path, description in refused:
+        _refused(ev.decode_batch, name, payload, code, path)
+        invalid.append({"name": f"events-{name}", "kind": "batch", "error": code, "path": path,
+                        "description": description, "hex": payload.hex()})
+    end_refused = [
+        ("oldest-past-next", _pack({"v": 1, "oldest": 5, "next": 4, "inc": 1}), "OUT_OF_RANGE", "oldest", "oldest past next"),
+        ("next-negative", _pack({"v": 1, "oldest": 0, "next": -1, "inc": 1}), "OUT_OF_RANGE", "next", "a negative next"),
+        ("no-next", _pack({"v": 1, "oldest": 0, "inc": 1}), "MISSING_FIELD", "next", "no next"),
+        ("no-inc", _pack({"v": 1, "oldest": 0, "next": 0}), "MISSING_FIELD", "inc", "no incarnation"),
+        ("inc-0", _pack({"v": 1, "oldest": 0, "next": 0, "inc": 0}), "OUT_OF_RANGE", "inc", "incarnation 0"),
+        ("code-over-u16", _pack({"v": 1, "oldest": 0, "next": 0, "inc": 1, "code": 1 << 16}), "OUT_OF_RANGE", "code",
+         "a code above 65535"),
+    ]
+    for name, payload, code, path, description in end_refused:
+        _refused(ev.decode_replay_end, name, payload, code, path)
+        invalid.append({"name": f"replay-end-{name}", "kind": "replay_end", "error": code, "path": path,
+                        "description": description, "hex": payload.hex()})
+    return invalid
+
+
+def refused_replay_requests() -> list[dict[str, Any]]:
+    requests = [
+        ("negative", [b"", b"\xff" * 8], "OUT_OF_RANGE", "replay.start", "start -1"),
+        ("short", [b"", b"\x00" * 7], "MALFORMED", "replay.start", "a start of 7 bytes"),
+        ("no-delimiter", [b"\x00" * 8], "MALFORMED", "replay", "one frame: no empty delimiter"),
+        ("three-frames", [b"", b"\x00" * 8, b""], "MALFORMED", "replay", "a frame after the start"),
+    ]
+    out: list[dict[str, Any]] = []
+    for name, frames, code, path, description in requests:
+        _refused(ev.decode_replay_request, name, frames, code, path)
+        out.append({"name": f"replay-request-{name}", "error": code, "path": path, "description": description,
+                    "frames": [f.hex() for f in frames]})
+    return out
+
+
+EVENTS_INCARNATION = 0x1D2C3B4A59687701
+
+
+def events_vectors() -> dict[str, Any]:
+    """The inventory event stream (spec section 15): batches, replay ends, refused payloads and requests."""
+    return {
+        "events_version": ev.EVENTS_VERSION,
+        "about": (
+            "The inventory event stream (spec section 15). For batches[]: encode_batch(batch from fields) == hex and "
+            "decode_batch(hex) gives it back; for replay_ends[]: encode_replay_end(fields) == hex and back. For "
+            "invalid[]: decode_batch(hex) (decode_replay_end for kind replay_end) raises RemoteProtocolError with "
+            "code error at path; for replay_requests[], decode_replay_request(frames) likewise. Keys are hex."
+        ),
+        "batches": event_batches(),
+        "replay_ends": replay_ends(),
+        "invalid": refused_batches(),
+        "replay_requests": refused_replay_requests(),
+    }
+
+
 VALID_ABOUT = (
     "Valid frames. For each vector: encode(message from fields, version) == hex; "
     "decode(hex, max_version=version) == that message; every accept[].hex decodes to it too. "
@@ -1471,6 +1650,7 @@ def main(argv: list[str] | None = None) -> int:
         names.update(v["name"] for v in vectors)
         write_json(VECTORS / name, {"protocol_version": version, "about": about, "vectors": vectors})
     write_json(VECTORS / "notify.json", notify_vectors())
+    write_json(VECTORS / "events.json", events_vectors())
     return 0
 
 

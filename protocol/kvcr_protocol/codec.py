@@ -109,7 +109,8 @@ def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return out
 
 
-def _unpack(frame: bytes, limits: Limits) -> Any:
+def unpack_frame(frame: bytes, limits: Limits) -> Any:
+    """One msgpack object of at most ``max_frame`` bytes, parsed strictly (section 4.3, steps 1 and 2)."""
     if len(frame) > limits.max_frame:
         raise RemoteProtocolError(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes, limit {limits.max_frame}")
     try:
@@ -153,7 +154,7 @@ def decode(frame: bytes, max_version: int = CURRENT_VERSION, limits: Limits = DE
     """
     if type(frame) is not bytes:
         frame = bytes(frame)
-    obj = _unpack(frame, limits)
+    obj = unpack_frame(frame, limits)
     if type(obj) is not dict:
         raise RemoteProtocolError(ErrorCode.NOT_A_MAP, "the frame is not a map")
     version = obj.get(_VERSION_KEY)

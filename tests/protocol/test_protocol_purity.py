@@ -14,6 +14,7 @@ import json, sys
 before = set(sys.modules)
 import kvcr_protocol
 import kvcr_protocol.codec, kvcr_protocol.descriptors, kvcr_protocol.projection, kvcr_protocol.versions
+import kvcr_protocol.events
 print(json.dumps(sorted(set(sys.modules) - before)))
 """
 

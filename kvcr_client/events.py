@@ -1,0 +1,358 @@
+"""Following a node's inventory events (spec section 15): a subscriber and the index it mirrors.
+
+``EventStream`` connects a SUB to the node's events endpoint and a DEALER to its replay
+socket, hands out batches in sequence order, and fills any gap (batches the PUB dropped,
+or that were sent before it connected) by replay. ``InventoryMirror`` applies them: a
+router's view of which keys the node holds, in which pools and tier.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvcr_client.errors import KvcrError, NodeError
+from kvcr_protocol import ProtocolError
+from kvcr_protocol.events import (
+    END_SEQ,
+    EVENTS_TOPIC,
+    Cleared,
+    EventBatch,
+    Removed,
+    ReplayEnd,
+    Stored,
+    decode_batch,
+    decode_replay_end,
+    decode_seq,
+    encode_replay_request,
+    replay_endpoint,
+)
+
+REPLAY_TIMEOUT_S = 5.0
+"""How long one replay answer may take to arrive before the node is taken as unreachable."""
+_SYNC_ROUNDS = 64
+"""Replay rounds one ``sync`` makes at most (an answer carries a bounded number of batches)."""
+SUB_HWM = 100_000
+"""Batches the SUB queues while the subscriber is busy (a replay); past it ZeroMQ drops, and replay fills in."""
+
+
+Numbered = tuple[int, EventBatch]
+"""A batch and its sequence number."""
+
+
+class EventStreamError(KvcrError):
+    """The event stream cannot go on: a batch that does not decode, or a replay that fails."""
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Where a key is held: the pools of its layout and its tier."""
+
+    pools: tuple[str, ...]
+    tier: str
+
+
+class InventoryMirror:
+    """The keys a node holds, as its events say; a batch of a new incarnation starts afresh."""
+
+    def __init__(self) -> None:
+        self.keys: dict[bytes, Held] = {}
+        self.node = ""
+        self.incarnation: int | None = None
+
+    def apply(self, batch: EventBatch) -> None:
+        if batch.incarnation != self.incarnation:
+            self.keys.clear()
+            self.node, self.incarnation = batch.node, batch.incarnation
+        for event in batch.events:
+            if isinstance(event, Cleared):
+                self.keys.clear()
+            elif isinstance(event, Stored):
+                held = Held(event.pools, event.tier)
+                for key in event.keys:
+                    self.keys[key] = held
+            else:
+                for key in event.keys:
+                    self.keys.pop(key, None)
+
+
+class EventStream:
+    """A subscriber to one node's inventory events, in order, with gaps filled by replay.
+
+    Each time the SUB (re)connects (the first time, or to a restarted node) the stream
+    asks the replay socket for what was published meanwhile, so an idle node's past is
+    not left waiting for its next event; ``from_start`` makes that, and the first batch of
+    a new incarnation, ask from seq 0, so a subscriber that connects late still sees the
+    incarnation whole (as long as the node's ring holds it). A batch the PUB drops is
+    noticed when the next one arrives, or at once with ``sync``. ``lost`` counts batches
+    gone from the ring when asked for: a mirror built from this stream is then
+    incomplete (``complete`` is False).
+    """
+
+    def __init__(
+        self, endpoint: str, replay: str | None = None, context: zmq.Context[Any] | None = None,
+        from_start: bool = True, replay_timeout: float = REPLAY_TIMEOUT_S,
+    ) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay or replay_endpoint(endpoint)
+        self.from_start = from_start
+        self.replay_timeout = replay_timeout
+        self._own_context = context is None
+        self.context = context or zmq.Context()
+        self.sub: zmq.Socket[bytes] = self.context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.RCVHWM, SUB_HWM)
+        self.sub.setsockopt(zmq.SUBSCRIBE, EVENTS_TOPIC)
+        self._monitor = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sub, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self.sub.connect(endpoint)
+        self._dealer: zmq.Socket[bytes] | None = None
+        self.incarnation: int | None = None
+        self.expected = 0
+        """The seq of the next batch to hand out."""
+        self.lost = 0
+        self.replays = 0
+        self.last_end: ReplayEnd | None = None
+        """The end message of the last replay: the ring's bounds then."""
+
+    @property
+    def complete(self) -> bool:
+        return self.lost == 0
+
+    # -- reading ----------------------------------------------------------------------
+
+    def _published(self, timeout: float) -> tuple[int, bytes] | None:
+        """The next published (seq, payload), or None after ``timeout`` seconds."""
+        if not self.sub.poll(max(0, int(timeout * 1000))):
+            return None
+        frames = self.sub.recv_multipart()
+        if len(frames) != 3:
+            raise EventStreamError(f"a published message of {len(frames)} frames; expected [topic, seq, payload]")
+        try:
+            return decode_seq(frames[1]), frames[2]
+        except ProtocolError as exc:
+            raise EventStreamError(f"a published sequence number is invalid: {exc}") from exc
+
+    def recv(self, timeout: float = 0.0) -> list[Numbered]:
+        """The (seq, batch) pairs that arrived (waiting up to ``timeout`` for the first), in order, gaps filled."""
+        out: list[Numbered] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._connected():
+                out.extend(self._resync())
+            message = self._published(0.0)
+            if message is None:
+                left = deadline - time.monotonic()
+                if out or left <= 0:
+                    return out
+                self._poller.poll(max(1, int(left * 1000)))  # a batch, or a (re)connection
+                continue
+            seq, payload = message
+            batch = _decode(payload, seq)
+            if batch.incarnation != self.incarnation:
+                self.incarnation = batch.incarnation
+                self.expected = 0 if self.from_start else seq
+            if seq < self.expected:
+                continue  # already had it by replay
+            if seq > self.expected:
+                out.extend(self._fill(self.expected, seq))
+            out.append((seq, batch))
+            self.expected = seq + 1
+
+    def _connected(self) -> bool:
+        """Whether the SUB connected (again) since the last look."""
+        connected = False
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            connected = connected or event["event"] == zmq.EVENT_CONNECTED
+        return connected
+
+    def _resync(self) -> list[Numbered]:
+        """After a (re)connection: what the node published meanwhile, by replay."""
+        if not self.from_start and self.incarnation is None:
+            return []
+        try:
+            return self.sync()
+        except EventStreamError:
+            return []  # not answering yet: its batches will come by the PUB, gaps filled then
+
+    def sync(self) -> list[Numbered]:
+        """Catch up with everything the node has published, by replay (asking, not waiting for the PUB)."""
+        out: list[Numbered] = []
+        for _ in range(_SYNC_ROUNDS):
+            start = self.expected if self.incarnation is not None else 0
+            batches, end = self._replay(start)
+            if end.incarnation != self.incarnation:
+                self.incarnation, self.expected = end.incarnation, 0
+                if start != 0:
+                    continue  # the node restarted: ask the new incarnation from its start
+            if end.oldest > self.expected:  # the ring no longer holds them
+                self.lost += end.oldest - self.expected
+                self.expected = end.oldest
+            before = self.expected
+            for seq, batch in batches:
+                if seq == self.expected and batch.incarnation == self.incarnation:
+                    out.append((seq, batch))
+                    self.expected += 1
+            if self.expected >= end.next or self.expected == before:
+                break  # caught up (or the answer brought nothing new: ask again later)
+        return out
+
+    def _fill(self, start: int, stop: int) -> list[Numbered]:
+        """Batches ``start`` .. ``stop - 1`` of this incarnation by replay; those gone from the ring count as lost."""
+        out: list[Numbered] = []
+        while start < stop:
+            batches, end = self._replay(start)
+            if end.incarnation != self.incarnation:
+                self.lost += stop - start  # restarted since: the rest of the old incarnation is gone
+                break
+            if end.oldest > start:
+                self.lost += min(end.oldest, stop) - start
+                start = min(end.oldest, stop)
+            before = start
+            for seq, batch in batches:
+                if seq == start < stop and batch.incarnation == self.incarnation:
+                    out.append((seq, batch))
+                    start += 1
+            if start == before and start < stop:
+                raise EventStreamError(f"replay from {start} brought none of the batches up to {stop} ({end})")
+        return out
+
+    def _replay(self, start: int) -> tuple[list[tuple[int, EventBatch]], ReplayEnd]:
+        """Ask the replay socket for every held batch from ``start`` on; the batches and the end message.
+
+        A refusal raises ``NodeError``, unless it comes from another incarnation: the
+        caller then sees the restart in ``end.incarnation``."""
+        dealer = self._dealer
+        if dealer is None:
+            dealer = self._dealer = self.context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.SNDTIMEO, max(1, int(self.replay_timeout * 1000)))
+            dealer.connect(self.replay_endpoint)
+        self.replays += 1
+        try:
+            batches, end = self._ask(dealer, start)
+        except EventStreamError:
+            # The rest of this answer may still come: a fresh socket cannot mistake it for the next one's.
+            dealer.close(0)
+            self._dealer = None
+            raise
+        self.last_end = end
+        if not end.ok and end.incarnation == self.incarnation:
+            raise NodeError(end.code, end.reason, end.path)
+        return batches, end  # a refusal by a new incarnation (a start past its next) is a restart
+
+    def _ask(self, dealer: zmq.Socket[bytes], start: int) -> tuple[list[tuple[int, EventBatch]], ReplayEnd]:
+        """Send one replay request and read its whole answer (bounded in time)."""
+        try:
+            dealer.send_multipart(encode_replay_request(start))
+        except zmq.Again:
+            raise EventStreamError(f"cannot reach {self.replay_endpoint} within {self.replay_timeout} s") from None
+        deadline = time.monotonic() + self.replay_timeout
+        batches: list[tuple[int, EventBatch]] = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not dealer.poll(int(left * 1000) + 1):
+                raise EventStreamError(f"no replay answer from {self.replay_endpoint} within {self.replay_timeout} s")
+            frames = dealer.recv_multipart()
+            if len(frames) != 3 or frames[0] != b"":
+                raise EventStreamError(f"a replay message of {len(frames)} frames; expected [b'', seq, payload]")
+            try:
+                seq = decode_seq(frames[1], end=True)
+                if seq == END_SEQ:
+                    end = decode_replay_end(frames[2])
+                    break
+            except ProtocolError as exc:
+                raise EventStreamError(f"a replay message is invalid: {exc}") from exc
+            batches.append((seq, _decode(frames[2], seq)))
+        return batches, end
+
+    def close(self) -> None:
+        self.sub.disable_monitor()
+        self._monitor.close(0)
+        self.sub.close(0)
+        if self._dealer is not None:
+            self._dealer.close(0)
+            self._dealer = None
+        if self._own_context:
+            self.context.term()
+
+    def __enter__(self) -> EventStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _decode(payload: bytes, seq: int) -> EventBatch:
+    try:
+        return decode_batch(payload)
+    except ProtocolError as exc:
+        raise EventStreamError(f"batch {seq} does not decode: {exc}") from exc
+
+
+def event_lines(batch: EventBatch, seq: int | None = None) -> list[str]:
+    """One line per event, for people: ``seq node stored tier pools key...``."""
+    head = f"{'' if seq is None else str(seq) + ' '}{batch.node}:{batch.incarnation:x}"
+    lines = []
+    for event in batch.events:
+        if isinstance(event, Cleared):
+            lines.append(f"{head} cleared")
+            continue
+        what = "stored" if isinstance(event, Stored) else f"removed ({event.reason.value})"
+        keys = " ".join(k.hex() for k in event.keys)
+        lines.append(f"{head} {what} {event.tier} {','.join(event.pools)} {len(event.keys)}: {keys}")
+    return lines
+
+
+def event_json(batch: EventBatch) -> list[dict[str, Any]]:
+    """One JSON-ready object per event: keys in hex."""
+    out: list[dict[str, Any]] = []
+    for event in batch.events:
+        obj: dict[str, Any] = {"node": batch.node, "incarnation": batch.incarnation, "ts": batch.ts,
+                               "event": event.KIND.value}
+        if not isinstance(event, Cleared):
+            obj.update(keys=[k.hex() for k in event.keys], pools=list(event.pools), tier=event.tier)
+            if isinstance(event, Removed):
+                obj["reason"] = event.reason.value
+        out.append(obj)
+    return out
+
+
+def print_events(endpoint: str, replay: str | None, as_json: bool, count: int | None, timeout: float | None) -> int:
+    """``kvcr events``: print each event, one a line, until ``count`` events, ``timeout`` seconds
+    without a batch, or Ctrl-C. Exit status 0, or 1 when the stream fails."""
+    import json
+    import sys
+
+    printed = 0
+    try:
+        with EventStream(endpoint, replay) as stream:
+            while count is None or printed < count:
+                batches = stream.recv(_PRINT_POLL_S if timeout is None else timeout)
+                if not batches and timeout is not None:
+                    break
+                for seq, batch in batches:
+                    lines = ([json.dumps({"seq": seq, **obj}, sort_keys=True) for obj in event_json(batch)] if as_json
+                             else event_lines(batch, seq))
+                    for line in lines[: None if count is None else count - printed]:
+                        print(line, flush=True)
+                        printed += 1
+            if not stream.complete:
+                print(f"kvcr: warning: {stream.lost} batches were gone from the node's ring", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 0
+    except (KvcrError, ValueError) as exc:
+        print(f"kvcr: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+_PRINT_POLL_S = 1.0
+"""How often ``print_events`` wakes while waiting with no timeout (so Ctrl-C is prompt)."""

@@ -1,0 +1,248 @@
+"""The inventory event stream of a real ``kvcr-node`` (spec section 15).
+
+A subscriber that follows a node through deposits and FIFO evictions ends with exactly
+the node's own index (the keys a query finds there), in the right pools and tier; one
+that loses a range of batches, or connects late, recovers them by replay; hostile replay
+requests get an answer that names the field, and the node goes on, clean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvcr_client import Client, KeyStatus, Presence
+from kvcr_client.events import EventStream, InventoryMirror
+from kvcr_protocol import ErrorCode
+from kvcr_protocol.events import (
+    END_SEQ_FRAME,
+    Cleared,
+    EventBatch,
+    Removed,
+    Stored,
+    decode_batch,
+    decode_replay_end,
+    encode_replay_request,
+)
+from kvcr_testing.health import assert_clean, counter, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
+from kvcr_testing.nodes import NodeProcess
+from kvcr_testing.patterns import KiB, pattern
+
+SLOT = 4 * KiB
+SLOTS = 16
+FOLLOW_TIMEOUT_S = 15.0
+"""How long a subscriber may take to see what the node did."""
+RAW_TIMEOUT_MS = 5000
+
+
+@contextmanager
+def events_node(node_factory: Callable[..., NodeProcess], ipc_dir: Path) -> Iterator[tuple[NodeProcess, str]]:
+    """A node of one small FIFO pool publishing inventory events; yields it and its events endpoint."""
+    endpoint = f"ipc://{ipc_dir}/events.sock"
+    node = node_factory("--pool", f"kv:4KiB:{SLOTS}", "--pool", "big:4KiB:8", "--policy", "fifo",
+                        "--events-endpoint", endpoint)
+    assert any("inventory events on" in line for line in node.output) or wait_until(
+        lambda: any("inventory events on" in line for line in node.output), 5.0)
+    yield node, endpoint
+
+
+def deposit(client: Client, register: Registrar, keys: list[bytes], seed: int, spans: int = 1, pool: str = "kv") -> None:
+    layout = plain_layout(spans, pool, SLOT)
+    src = pattern(layout.nbytes * len(keys), seed)
+    region = register(src)
+    objects = {k: layout.source_spans(region, i * layout.nbytes) for i, k in enumerate(keys)}
+    results = client.deposit(objects).result(RESULT_TIMEOUT_S)
+    assert all(results[k].status is KeyStatus.STORED for k in keys), results
+
+
+def held(client: Client, keys: list[bytes]) -> set[bytes]:
+    """The node's own index over ``keys``: those a query finds there."""
+    presences = client.query(keys).result(RESULT_TIMEOUT_S)
+    return {k for k in keys if presences[k].presence is Presence.HIT}
+
+
+def follow(stream: EventStream, mirror: InventoryMirror, want: set[bytes]) -> bool:
+    """Apply what arrives until the mirror holds exactly ``want`` (bounded)."""
+    def caught_up() -> bool:
+        for _, batch in stream.recv(0.05):
+            mirror.apply(batch)
+        return set(mirror.keys) == want
+    return wait_until(caught_up, FOLLOW_TIMEOUT_S)
+
+
+def churn(client: Client, register: Registrar, rounds: int, tag: str) -> list[bytes]:
+    """Deposits that overfill the FIFO pools (so older objects are evicted); returns every key deposited."""
+    keys: list[bytes] = []
+    for r in range(rounds):
+        batch = [f"{tag}/{r}/{i}".encode() for i in range(3)]
+        deposit(client, register, batch, seed=r)
+        keys += batch
+        if r % 4 == 0:
+            two = [f"{tag}/{r}/big".encode()]
+            deposit(client, register, two, seed=100 + r, spans=2, pool="big")
+            keys += two
+    return keys
+
+
+def test_subscriber_follows_deposits_and_evictions_to_the_nodes_index(
+    node_factory: Callable[..., NodeProcess], ipc_dir: Path,
+) -> None:
+    with events_node(node_factory, ipc_dir) as (node, endpoint), Client(node.endpoint, name="events") as client, \
+            EventStream(endpoint) as stream:
+        reg = Registrar(client)
+        mirror = InventoryMirror()
+        seen: list[EventBatch] = []
+        keys = churn(client, reg, 20, "follow")
+        want = held(client, keys)
+        st = stats(client)
+        assert st["evictions"]["kv"] > 0 and st["evictions"]["big"] > 0, st["evictions"]
+        assert 0 < len(want) < len(keys)
+
+        def caught_up() -> bool:
+            for _, batch in stream.recv(0.05):
+                seen.append(batch)
+                mirror.apply(batch)
+            return set(mirror.keys) == want
+        assert wait_until(caught_up, FOLLOW_TIMEOUT_S), (sorted(set(mirror.keys) ^ want))
+        assert stream.complete and mirror.incarnation == st["incarnation"] and mirror.node == st["node"]
+        # The incarnation began with cleared; evictions came as removed events of their pool.
+        assert isinstance(seen[0].events[0], Cleared)
+        removed = [e for b in seen for e in b.events if isinstance(e, Removed)]
+        assert removed and all(e.reason.value == "evicted" and e.tier == "dram" for e in removed)
+        for key in want:
+            assert mirror.keys[key].tier == "dram"
+            assert mirror.keys[key].pools == (("big",) if key.endswith(b"/big") else ("kv",))
+        stored = sum(len(e.keys) for b in seen for e in b.events if isinstance(e, Stored))
+        assert stored == len(keys)
+        reg.close()
+        st = assert_clean(client)
+        assert st["tables"]["events_ring"] == stream.expected and st["tables"]["events_pending"] == 0
+        # Stopping says cleared, so a router forgets the node's keys.
+        assert node.stop() == 0
+        assert follow(stream, mirror, set())
+
+
+class Lossy(EventStream):
+    """A subscriber whose network loses every published batch with a seq in ``lose``."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(endpoint)
+        self.lose = range(0)
+        self.dropped = 0
+
+    def _published(self, timeout: float) -> tuple[int, bytes] | None:
+        while (message := super()._published(timeout)) is not None and message[0] in self.lose:
+            self.dropped += 1
+        return message
+
+
+def test_lost_range_and_late_start_are_recovered_by_replay(
+    node_factory: Callable[..., NodeProcess], ipc_dir: Path,
+) -> None:
+    with events_node(node_factory, ipc_dir) as (node, endpoint), Client(node.endpoint, name="events") as client, \
+            Lossy(endpoint) as lossy:
+        reg = Registrar(client)
+        keys = churn(client, reg, 6, "early")
+        mirror = InventoryMirror()
+        assert follow(lossy, mirror, held(client, keys))
+        # From now on the network loses ten batches; the next one that arrives shows the gap.
+        lossy.lose = range(lossy.expected + 2, lossy.expected + 12)
+        replays = lossy.replays
+        # A subscriber that connects only now asks for the incarnation from its start.
+        with EventStream(endpoint) as late:
+            keys += churn(client, reg, 14, "later")
+            want = held(client, keys)
+            late_mirror = InventoryMirror()
+            assert follow(lossy, mirror, want), sorted(set(mirror.keys) ^ want)
+            assert follow(late, late_mirror, want), sorted(set(late_mirror.keys) ^ want)
+            assert lossy.dropped == 10 and lossy.replays > replays and lossy.complete
+            assert late.replays >= 1 and late.complete and late.expected == lossy.expected
+            # sync asks the node directly: nothing newer is missing.
+            assert lossy.sync() == [] and lossy.last_end is not None and lossy.expected == lossy.last_end.next
+        reg.close()
+        assert_clean(client)
+
+
+def test_a_restarted_node_is_followed_from_its_new_incarnation(
+    node_factory: Callable[..., NodeProcess], ipc_dir: Path,
+) -> None:
+    mirror = InventoryMirror()
+    with events_node(node_factory, ipc_dir) as (first, endpoint), EventStream(endpoint) as stream:
+        with Client(first.endpoint, name="events") as client:
+            reg = Registrar(client)
+            deposit(client, reg, [b"old-1", b"old-2"], seed=1)
+            assert follow(stream, mirror, {b"old-1", b"old-2"})
+            old = mirror.incarnation
+            reg.close()
+        assert first.stop() == 0
+        assert follow(stream, mirror, set())  # the stop's cleared
+        with events_node(node_factory, ipc_dir) as (second, _), Client(second.endpoint, name="events") as client:
+            reg = Registrar(client)
+            deposit(client, reg, [b"new-1"], seed=2)
+            assert follow(stream, mirror, {b"new-1"})
+            assert mirror.incarnation == stats(client)["incarnation"] != old and stream.complete
+            reg.close()
+            assert_clean(client)
+
+
+def raw_replay(endpoint: str, frames: list[bytes]) -> list[list[bytes]]:
+    """Send ``frames`` to the replay socket; every message of the answer, up to the end message."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint + ".replay")
+        sock.send_multipart(frames)
+        answer: list[list[bytes]] = []
+        while True:
+            assert sock.poll(RAW_TIMEOUT_MS), "no replay answer"
+            message = sock.recv_multipart()
+            answer.append(message)
+            if message[1] == END_SEQ_FRAME:
+                sock.close(0)
+                return answer
+    finally:
+        ctx.term()
+
+
+@pytest.mark.parametrize(
+    ("frames", "code", "path"),
+    [
+        ([b"", b"\xff" * 8], "OUT_OF_RANGE", "replay.start"),
+        ([b"", (1 << 62).to_bytes(8, "big")], "OUT_OF_RANGE", "replay.start"),
+        ([b"", b"\x00" * 7], "MALFORMED", "replay.start"),
+        ([b"", b"\x00" * 9], "MALFORMED", "replay.start"),
+        ([b"\x00" * 8], "MALFORMED", "replay"),
+        ([b"", b"\x00" * 8, b"more"], "MALFORMED", "replay"),
+        ([b"x", b"\x00" * 8], "MALFORMED", "replay"),
+    ],
+    ids=["negative", "past-next", "short", "long", "no-delimiter", "extra-frame", "bad-delimiter"],
+)
+def test_hostile_replay_requests_get_a_clear_answer(
+    node_factory: Callable[..., NodeProcess], ipc_dir: Path, frames: list[bytes], code: str, path: str,
+) -> None:
+    with events_node(node_factory, ipc_dir) as (node, endpoint), Client(node.endpoint, name="events") as client:
+        reg = Registrar(client)
+        deposit(client, reg, [b"k1", b"k2"], seed=1)
+        [end_frames] = raw_replay(endpoint, frames)
+        end = decode_replay_end(end_frames[2])
+        assert (ErrorCode(end.code).name, end.path) == (code, path) and end.reason
+        assert end.oldest == 0 and end.next >= 2
+        # The node goes on: a valid request replays the incarnation from its start.
+        answer = raw_replay(endpoint, encode_replay_request(0))
+        batches = [decode_batch(m[2]) for m in answer[:-1]]
+        assert [int.from_bytes(m[1], "big") for m in answer[:-1]] == list(range(len(batches)))
+        assert decode_replay_end(answer[-1][2]).ok
+        mirror = InventoryMirror()
+        for b in batches:
+            mirror.apply(b)
+        assert set(mirror.keys) == {b"k1", b"k2"}
+        reg.close()
+        st = assert_clean(client)
+        assert counter(st, "events_replays_refused") == 1 and counter(st, "events_replays") == 1
+
