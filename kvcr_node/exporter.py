@@ -144,6 +144,12 @@ def families(s: MetricsSnapshot) -> Iterator[Any]:
                   rows=[(s.counter("internal_errors"),)])
     yield counter("kvcr_send_dropped", "Replies dropped because the peer's queue was full.",
                   rows=[(s.counter("send_dropped"),)])
+    yield counter("kvcr_event_batches_published", "Inventory event batches published (spec section 15).",
+                  rows=[(s.counter("events_published"),)])
+    yield counter("kvcr_event_batches_dropped", "Inventory event batches the PUB socket could not queue.",
+                  rows=[(s.counter("events_dropped"),)])
+    yield counter("kvcr_event_replays", "Event replay requests, by result.", ("result",),
+                  [("served", s.counter("events_replays")), ("refused", s.counter("events_replays_refused"))])
 
 
 class MetricsExporter:

@@ -20,9 +20,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 from kvcr_client import Client, CurveKeys, ErrorCode, KeyStatus, NodeError, Presence
 from kvcr_io.keys import write_keypair
+from kvcr_protocol.events import END_SEQ_FRAME, encode_replay_request
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, StoredObject, plain_layout
 from kvcr_testing.nodes import NodeProcess, frozen
@@ -220,4 +222,38 @@ def test_auth_refusals_are_counted_by_reason(node_factory: Callable[..., NodePro
         s = settled(port, lambda s: sample(s, "kvcr_auth_refusals_total", ("reason", "handshake_failed")) >= 1
                     and sample(s, "kvcr_auth_refusals_total", ("reason", "not_allowed")) == 1)
         assert sample(s, "kvcr_clients") == 1
+        assert_clean(client)
+
+
+def test_event_stream_counts_batches_and_replays(node_factory: Callable[..., NodeProcess], ipc_dir: Path) -> None:
+    """The inventory event stream's batches and replay requests, served and refused, as the node counts them."""
+    endpoint = f"ipc://{ipc_dir}/events.sock"
+    node = node_factory("--pool", f"kv:{SLOT}:{SLOTS}", "--metrics-port", "0", "--events-endpoint", endpoint)
+    port = metrics_port(node)
+    with Client(node.endpoint, name="itest-metrics-events") as client:
+        reg = Registrar(client)
+        for i in range(3):
+            StoredObject(client, reg, f"ev{i}".encode(), LAYOUT, seed=i)
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint + ".replay")
+            for request in ([b"", b"\x00" * 7], encode_replay_request(0)):  # one malformed, one valid
+                sock.send_multipart(request)
+                while True:
+                    assert sock.poll(int(SCRAPE_TIMEOUT_S * 1000)), "no replay answer"
+                    if sock.recv_multipart()[1] == END_SEQ_FRAME:
+                        break
+            sock.close(0)
+        finally:
+            ctx.term()
+        st = stats(client)
+        published = st["counters"]["events_published"]
+        assert published >= 2  # the start's cleared, then the deposits' stored events
+        after = settled(port, lambda s: sample(s, "kvcr_event_replays_total", ("result", "served")) == 1)
+        assert sample(after, "kvcr_event_replays_total", ("result", "refused")) == 1
+        assert sample(after, "kvcr_event_batches_published_total") == published
+        assert sample(after, "kvcr_event_batches_dropped_total") == 0
+        reg.close()
         assert_clean(client)
