@@ -6,14 +6,17 @@ store with no listener (no events endpoint: the default) and on one that reports
 would, one batch per ``--per-turn`` deposits. Also: encoded bytes per event and the time
 to answer a replay of ``REPLAY_MAX_BATCHES`` batches from the ring.
 
-Run: ``python bench/events.py``.
+Run: ``uv run python bench/events.py [--json]``; the anchor is the same churn with no listener,
+interleaved with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
+import sys
 import time
 
 from kvcr_node.eviction import Layout, make_policy
@@ -60,27 +63,48 @@ def churn(with_events: bool, deposits: int, per_turn: int) -> tuple[float, Inven
     return elapsed / deposits, inventory, published
 
 
+def _spread(values: list[float]) -> str:
+    return f"median {statistics.median(values) * 1e6:6.2f} us (min {min(values) * 1e6:.2f}, max {max(values) * 1e6:.2f})"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--deposits", type=int, default=100_000)
     p.add_argument("--per-turn", type=int, default=16, help="deposits per loop turn (one batch each)")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--json", action="store_true", help="the report to stderr, one JSON object of the figures to stdout")
     args = p.parse_args()
-    plain = statistics.median(churn(False, args.deposits, args.per_turn)[0] for _ in range(args.repeat))
-    runs = [churn(True, args.deposits, args.per_turn) for _ in range(args.repeat)]
-    with_events = statistics.median(r[0] for r in runs)
-    _, inventory, published = runs[-1]
+    out = sys.stderr if args.json else sys.stdout
+    plain: list[float] = []
+    with_events: list[float] = []
+    inventory: Inventory | None = None
+    published = 0
+    for _ in range(args.repeat):  # interleaved, so a machine that slows down slows both alike
+        plain.append(churn(False, args.deposits, args.per_turn)[0])
+        t, inventory, published = churn(True, args.deposits, args.per_turn)
+        with_events.append(t)
     assert inventory is not None
+    ratio = statistics.median(with_events) / statistics.median(plain)
     events = 2 * args.deposits  # one removed and one stored key per deposit
-    print(f"deposit+evict, no events endpoint: {plain * 1e6:7.2f} us")
-    print(f"deposit+evict, events published:  {with_events * 1e6:7.2f} us  ({with_events / plain:.2f}x)")
-    print(f"bytes per key event (32-byte keys, {args.per_turn} deposits a batch): {published / events:.1f}")
+    per_event = published / events
+    print(f"deposit+evict, no events endpoint (anchor): {_spread(plain)}", file=out)
+    print(f"deposit+evict, events published:            {_spread(with_events)}  ratio {ratio:.2f}", file=out)
+    print(f"bytes per key event (32-byte keys, {args.per_turn} deposits a batch): {per_event:.1f}", file=out)
     replay = encode_replay_request(inventory.oldest)
-    start = time.perf_counter()
     n = 200
+    times = []
     for _ in range(n):
+        start = time.perf_counter()
         inventory.replay(replay)
-    print(f"replay answer of {REPLAY_MAX_BATCHES} batches from the ring: {(time.perf_counter() - start) / n * 1e3:.2f} ms")
+        times.append(time.perf_counter() - start)
+    replay_ms = statistics.median(times) * 1e3
+    print(f"replay answer of {REPLAY_MAX_BATCHES} batches from the ring: median {replay_ms:.3f} ms "
+          f"(p90 {sorted(times)[int(0.9 * n)] * 1e3:.3f} ms)", file=out)
+    if args.json:
+        print(json.dumps({
+            "deposit_us": statistics.median(plain) * 1e6, "deposit_events_us": statistics.median(with_events) * 1e6,
+            "events_ratio": ratio, "bytes_per_key_event": per_event, "replay_ms": replay_ms,
+        }))
 
 
 if __name__ == "__main__":
