@@ -19,9 +19,15 @@ with those params (a decode engine on another host) has its blocks looked for th
 ``register_kv_caches`` registers each layer's tensor once; ``start_load_kv`` sends one
 deliver for the step with a layer plan (group i: layer i of every block);
 ``wait_for_layer_load(layer)`` waits for that layer's group only; ``wait_for_save``
-deposits the blocks computed this step; a block that failed to load is reported by
-``get_block_ids_with_load_errors``, never a hang. Loads are synchronous to the step
-(``load_async`` False), so layers overlap with compute.
+deposits the blocks computed this step; a block that failed to load is
+reported by ``get_block_ids_with_load_errors``, never a hang, and vLLM recomputes it with
+``kv_load_failure_policy="recompute"``. Loads are synchronous to the step (``load_async``
+False), so layers overlap with compute.
+
+Counts go through vLLM's own stats path: each connector instance (scheduler and workers)
+counts in a ``KvcrConnectorStats`` that ``get_kv_connector_stats`` hands over (and starts
+afresh) every step; vLLM aggregates them, logs them, and ``KvcrPromMetrics`` exports them
+as ``vllm:kvcr_*_total`` counters.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvcr_client.client import Client, RegionHandle, Span
 from kvcr_client.errors import GroupFailed, KvcrError
@@ -53,15 +61,71 @@ skips saving them again; a forgotten one saved again is answered DUPLICATE by th
 WAIT_S = 30.0
 """How long a layer waits for its group before its blocks are reported failed."""
 
-STATS: dict[str, int] = {"layer_waits": 0, "loads": 0, "blocks_loaded": 0, "blocks_saved": 0, "load_errors": 0,
-                         "leases": 0, "matched_tokens": 0}
-"""What the connectors of this process did (read by tests and ``get_kv_connector_stats``)."""
+COUNTERS: dict[str, str] = {
+    "leases": "Leases that held at least one block beyond what vLLM had computed (scheduler).",
+    "matched_tokens": "Prompt tokens the leases let vLLM skip computing (scheduler).",
+    "loads": "Delivers started, one per request with blocks to load in a step (worker).",
+    "layer_waits": "Waits for a layer's group of blocks before its attention (worker).",
+    "blocks_loaded": "Blocks that landed in vLLM's KV cache, every layer (worker).",
+    "load_errors": "Layer groups or delivers that failed (worker).",
+    "blocks_failed": "Block ids reported to vLLM as failed to load, to be recomputed (worker).",
+    "saves": "Deposits issued, one per step that computed blocks to save (worker).",
+    "blocks_saved": "Blocks stored in the node (worker).",
+    "save_errors": "Deposits that failed as a whole (worker).",
+}
+"""What a connector counts: name -> what it means."""
 DIGESTS: dict[str, dict[str, str]] = {"saved": {}, "loaded": {}}
 """With ``extra_config["verify"]`` (a testing aid): block key (hex) -> SHA-256 of its bytes in
 vLLM's cache as saved, and as loaded once every layer landed, so that a run can prove the
 bytes the model read are the bytes another engine computed. Each table keeps the latest
 ``DIGESTS_KEPT`` blocks."""
 DIGESTS_KEPT = 4096
+
+
+@dataclass
+class KvcrConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """One connector's counts (``COUNTERS``) since it last handed them over: plain ints in
+    ``data``, so that they cross from worker to scheduler to logger as they are."""
+
+    def __post_init__(self) -> None:
+        for name in COUNTERS:
+            self.data.setdefault(name, 0)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(COUNTERS, 0)
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.data[name] += n
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Sum ``other`` into this one (workers, scheduler and intervals alike)."""
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + int(value)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: int(value) for name, value in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvcrPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """The counts as Prometheus counters ``vllm:kvcr_<name>_total``, one child per engine."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            name: create_metric_per_engine(self._counter_cls(name=f"vllm:kvcr_{name}", documentation=doc,
+                                                             labelnames=labelnames), per_engine_labelvalues)
+            for name, doc in COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if name in self.counters and value:
+                self.counters[name][engine_idx].inc(value)
 
 
 @dataclass
@@ -105,6 +169,7 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._leases: dict[str, LeaseHandle] = {}
         self._loads: list[_Load] = []
         self._saved: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._stats = KvcrConnectorStats()
         # Worker side.
         self._layers: list[str] = []
         self._regions: dict[str, RegionHandle] = {}
@@ -143,8 +208,8 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
             old.release()
         self._leases[request.request_id] = lease
         self._keys[request.request_id] = keys
-        STATS["leases"] += 1
-        STATS["matched_tokens"] += held - num_computed_tokens
+        self._count("leases")
+        self._count("matched_tokens", held - num_computed_tokens)
         return held - num_computed_tokens, False
 
     def _source_of(self, request: Any) -> str | None:
@@ -257,7 +322,7 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.client.submit_hint(request_id, load.source, load.keys).result(WAIT_S)
             objects = {key: self._spans(block_id) for key, block_id in zip(load.keys, load.block_ids, strict=True)}
             blocks = {key: [block_id] for key, block_id in zip(load.keys, load.block_ids, strict=True)}
-            STATS["loads"] += 1
+            self._count("loads")
             handle = self.client.deliver(objects, request_id=request_id, plan=self._plan())
             self._handles.append((handle, blocks, request_id))
 
@@ -265,7 +330,7 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not self._handles or layer_name not in self._regions:
             return
         group = self._layers.index(layer_name)
-        STATS["layer_waits"] += 1
+        self._count("layer_waits")
         for handle, blocks, _ in self._handles:
             try:
                 handle.wait(group, WAIT_S)
@@ -273,18 +338,19 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 failed = [b for ids in blocks.values() for b in ids]
                 log.warning("kvcr: layer %s failed to load (%s): %d blocks recomputed", layer_name, exc, len(failed))
                 self._failed.update(failed)
-                STATS["load_errors"] += 1
+                self._count("load_errors")
         if group == len(self._layers) - 1:
             for handle, blocks, request_id in self._handles:
                 try:
                     results = handle.result(WAIT_S)
-                    STATS["blocks_loaded"] += sum(1 for r in results.values() if r.ok)
+                    self._count("blocks_loaded", sum(1 for r in results.values() if r.ok))
                     if self.verify:
                         for key, ids in blocks.items():
                             if results[key].ok:
                                 self._remember("loaded", key, self._digest(ids[0]))
                 except KvcrError as exc:
                     self._failed.update(b for ids in blocks.values() for b in ids)
+                    self._count("load_errors")
                     log.warning("kvcr: load failed: %s", exc)
                 else:
                     for key, ids in blocks.items():
@@ -308,18 +374,43 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         try:
             # Synchronous: the blocks may be reused once this step is over.
+            self._count("saves")
             results = self.client.deposit(objects, optional=True).result(WAIT_S)
-            STATS["blocks_saved"] += sum(1 for r in results.values() if r.ok)
+            self._count("blocks_saved", sum(1 for r in results.values() if r.ok))
             if self.verify:
                 for save in meta.saves:
                     for key, block_id in zip(save.keys, save.block_ids, strict=True):
                         self._remember("saved", key, self._digest(block_id))
         except KvcrError as exc:
+            self._count("save_errors")
             log.warning("kvcr: saving %d blocks failed: %s", len(objects), exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
+        self._count("blocks_failed", len(failed))
         return failed
+
+    # ------------------------------------------------------------------ stats
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats.add(name, n)
+
+    def get_kv_connector_stats(self) -> KvcrConnectorStats | None:
+        """This instance's counts since the last call (vLLM asks once a step), then afresh."""
+        with self._lock:
+            stats, self._stats = self._stats, KvcrConnectorStats()
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvcrConnectorStats:
+        """Counts rebuilt from what crossed processes (``to_dict``), for vLLM's logger."""
+        return KvcrConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvcrPromMetrics:
+        return KvcrPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None

@@ -8,8 +8,12 @@ the prompt's full blocks from kvcr layer by layer, and its tokens and logprobs a
 first's, with the blocks' bytes in vLLM's cache proven equal by digest. Then across two
 nodes: one engine process saves through node B, another loads through node A, which
 leases and gets the blocks from B, named by the engine's configuration or per request in
-``kv_transfer_params``. Runs ``examples/vllm_prefix.py`` in the vLLM
-environment (``scripts/engines_env.sh``; skipped outside CI without it).
+``kv_transfer_params``. An engine whose layout differs from the saver's
+under the same model id fails to load the blocks it leased: vLLM is told which, recomputes
+them, and generates what it generates without a cache. Every count is the one vLLM itself
+aggregated from the connectors (its Prometheus counters) and is checked against the
+node's own record of what it stored and delivered. Runs ``examples/vllm_prefix.py`` in
+the vLLM environment (``scripts/engines_env.sh``; skipped outside CI without it).
 """
 
 from __future__ import annotations
@@ -21,21 +25,29 @@ import pytest
 
 from kvcr_client import Client
 from kvcr_testing.engines import VLLM_PY, require_engines, run_example
-from kvcr_testing.health import assert_clean
+from kvcr_testing.health import assert_clean, outcome_count, stats
 from kvcr_testing.nodes import NodeProcess
 
 POOL = "kv:16KiB:1024"
 """One slot per layer block: 32 tokens x 2 KV heads x 32 x K and V x 4 bytes."""
 TIMEOUT_S = 300.0
-LOADED = {"layer_waits": 4, "loads": 1, "blocks_loaded": 3, "blocks_saved": 0, "load_errors": 0, "leases": 1,
-          "matched_tokens": 96}
+LOADED = {"layer_waits": 4, "loads": 1, "blocks_loaded": 3, "saves": 0, "blocks_saved": 0, "save_errors": 0, "load_errors": 0, "blocks_failed": 0,
+          "leases": 1, "matched_tokens": 96}
 """Four layers, three full blocks of 32 of a 100-token prompt: one lease, one load, a wait per layer."""
+SAVED = {**dict.fromkeys(LOADED, 0), "saves": 1, "blocks_saved": 3}
 
 require_engines(VLLM_PY)
 
 
 def vllm(*args: str) -> dict[str, object]:
     return run_example("vllm_prefix.py", *args, timeout_s=TIMEOUT_S, python=VLLM_PY)
+
+
+def node_record(node: NodeProcess) -> tuple[int, int]:
+    """What the node itself did: blocks stored by deposits, blocks delivered."""
+    with Client(node.endpoint, name="vllm-check") as c:
+        st = stats(c)
+    return outcome_count(st, "deposit.STORED"), outcome_count(st, "deliver.OK")
 
 
 def assert_nodes_clean(*nodes: NodeProcess) -> None:
@@ -49,10 +61,32 @@ def assert_nodes_clean(*nodes: NodeProcess) -> None:
 def test_second_generation_loads_the_prefix_layer_by_layer(node_factory: Callable[..., NodeProcess]) -> None:
     node = node_factory("--pool", POOL)
     r = vllm("both", "--node", node.endpoint)
-    assert r["saved"] == {**dict.fromkeys(LOADED, 0), "blocks_saved": 3}, r["saved"]
+    assert r["saved"] == SAVED, r["saved"]
     assert r["loaded"] == LOADED, r["loaded"]
     assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
+    assert node_record(node) == (SAVED["blocks_saved"], LOADED["blocks_loaded"])
     assert_nodes_clean(node)
+
+
+@pytest.mark.timeout(4 * TIMEOUT_S)
+def test_failed_load_is_recomputed(node_factory: Callable[..., NodeProcess], tmp_path: Path) -> None:
+    """A two-layer model saves the prompt's blocks under the model id a four-layer engine uses
+    too: the four-layer engine leases them, its deliver fails (the stored layout is not its
+    own), the connector reports the three blocks, and vLLM recomputes them: the tokens and
+    logprobs are those of the four-layer model without any cache (run against another node)."""
+    shared, clean = node_factory("--pool", POOL), node_factory("--pool", POOL)
+    saved = vllm("save", "--node", shared.endpoint, "--layers", "2", "--out", str(tmp_path / "two.json"))
+    assert saved["saved"] == SAVED, saved["saved"]
+    reference = tmp_path / "reference.json"
+    vllm("save", "--node", clean.endpoint, "--out", str(reference))
+    r = vllm("load", "--node", shared.endpoint, "--reference", str(reference))
+    loaded = r["loaded"]
+    assert isinstance(loaded, dict)
+    assert loaded["load_errors"] >= 1, loaded
+    assert loaded == {**LOADED, "blocks_loaded": 0, "blocks_failed": 3, "load_errors": loaded["load_errors"]}, loaded
+    assert r["same_tokens"] is True and r["same_logprobs"] is True, r
+    assert node_record(shared) == (3, 0)
+    assert_nodes_clean(shared, clean)
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)
