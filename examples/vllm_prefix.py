@@ -13,7 +13,8 @@ one process, then ``load`` against node A with ``--source`` B in another.
     .venv-vllm/bin/python examples/vllm_prefix.py load --node ipc:///tmp/a.sock --source ipc:///tmp/b.sock \\
         --reference /tmp/ref.json
 
-``--layers`` changes the model's depth under the same
+``--prompt-tokens`` longer than ``--max-batched-tokens`` makes vLLM prefill in chunks: every
+full block of every chunk is saved. ``--layers`` changes the model's depth under the same
 model id: an engine whose layout differs from the saver's fails to load the blocks it
 leased, and vLLM recomputes them (``kv_load_failure_policy="recompute"``).
 
@@ -59,7 +60,7 @@ def prompt(tokens: int) -> list[int]:
     return [(7 * i + 3) % 500 + 10 for i in range(tokens)]
 
 
-def engine(node: str, source: str | None, layers: int) -> LLM:
+def engine(node: str, source: str | None, layers: int, max_batched_tokens: int) -> LLM:
     folder = Path(tempfile.mkdtemp(prefix="kvcr-tiny-llama-"))
     (folder / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": layers}))
     # The model's folder differs per process: both engines name the model the same way.
@@ -69,6 +70,7 @@ def engine(node: str, source: str | None, layers: int) -> LLM:
     return LLM(
         model=str(folder), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
         enable_prefix_caching=False, max_model_len=512, block_size=32, seed=0, disable_log_stats=False,
+        enable_chunked_prefill=True, max_num_batched_tokens=max_batched_tokens, max_num_seqs=8,
         kv_transfer_config=KVTransferConfig(kv_connector="KvcrConnector",
                                             kv_connector_module_path="kvcr_client.integrations.vllm",
                                             kv_role="kv_both", kv_connector_extra_config=extra,
@@ -102,9 +104,11 @@ def main() -> int:
     parser.add_argument("--out", default="/tmp/kvcr-vllm-reference.json")
     parser.add_argument("--reference", default="/tmp/kvcr-vllm-reference.json")
     parser.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"], help="the model's depth")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    parser.add_argument("--max-batched-tokens", type=int, default=512, help="vLLM's token budget per step")
     args = parser.parse_args()
-    llm = engine(args.node, args.source, args.layers)
-    tokens = prompt(PROMPT_TOKENS)
+    llm = engine(args.node, args.source, args.layers, args.max_batched_tokens)
+    tokens = prompt(args.prompt_tokens)
     report: dict[str, Any] = {"role": args.role, "layers": args.layers}
     if args.role in ("both", "save"):
         first = generate(llm, tokens)

@@ -19,7 +19,8 @@ with those params (a decode engine on another host) has its blocks looked for th
 ``register_kv_caches`` registers each layer's tensor once; ``start_load_kv`` sends one
 deliver for the step with a layer plan (group i: layer i of every block);
 ``wait_for_layer_load(layer)`` waits for that layer's group only; ``wait_for_save``
-deposits the blocks computed this step; a block that failed to load is
+deposits the full prompt blocks computed this step (every chunk of a chunked prefill: the
+scheduler remembers per request how far it has saved); a block that failed to load is
 reported by ``get_block_ids_with_load_errors``, never a hang, and vLLM recomputes it with
 ``kv_load_failure_policy="recompute"``. Loads are synchronous to the step (``load_async``
 False), so layers overlap with compute.
@@ -129,6 +130,18 @@ class KvcrPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
 
 
 @dataclass
+class _Saving:
+    """A request whose prompt blocks are being saved, step by step (chunked prefill)."""
+
+    keys: list[bytes]
+    """One key per full block of the prompt."""
+    block_ids: list[int]
+    prompt_tokens: int
+    saved: int = 0
+    """Blocks before this one are saved (or were loaded, or were cached already)."""
+
+
+@dataclass
 class _Load:
     request_id: str
     keys: list[bytes]
@@ -168,6 +181,7 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._keys: dict[str, list[bytes]] = {}
         self._leases: dict[str, LeaseHandle] = {}
         self._loads: list[_Load] = []
+        self._saving: dict[str, _Saving] = {}
         self._saved: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._stats = KvcrConnectorStats()
         # Worker side.
@@ -234,25 +248,48 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: Any) -> KvcrConnectorMetadata:
         meta = KvcrConnectorMetadata(loads=self._loads)
         self._loads = []
-        loading = {load.request_id for load in meta.loads}
+        scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id in loading:
-                continue
             tokens = list(new.prompt_token_ids or [])
-            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            keys = block_keys(tokens[: min(done, len(tokens))], self.block_size, self.salt)
-            fresh = [(k, b) for k, b in zip(keys, new.block_ids[0], strict=False) if k not in self._saved]
-            if fresh:
-                meta.saves.append(_Load(new.req_id, [k for k, _ in fresh], [b for _, b in fresh]))
-                for k, _ in fresh:
-                    self._saved[k] = None
-                while len(self._saved) > SAVED_MEMORY:
-                    self._saved.popitem(last=False)
+            # Blocks vLLM counts computed (loaded from kvcr, or in its own cache) are not saved.
+            saving = _Saving(block_keys(tokens, self.block_size, self.salt), list(new.block_ids[0]), len(tokens),
+                             new.num_computed_tokens // self.block_size)
+            self._saving[new.req_id] = saving
+            self._save_computed(meta, new.req_id, saving, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._saving.get(req_id)
+            if tracked is None:
+                continue
+            saving, new_ids = tracked, cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted and resumed: its blocks start afresh
+                saving.block_ids = list(new_ids[0]) if new_ids else []
+                saving.saved = min(saving.saved, cached.num_computed_tokens[i] // self.block_size)
+            elif new_ids:
+                saving.block_ids.extend(new_ids[0])
+            self._save_computed(meta, req_id, saving, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return meta
+
+    def _save_computed(self, meta: KvcrConnectorMetadata, request_id: str, saving: _Saving, computed: int) -> None:
+        """Add to ``meta.saves`` the prompt blocks this step completes that are not saved yet."""
+        end = min(min(computed, saving.prompt_tokens) // self.block_size, len(saving.keys), len(saving.block_ids))
+        fresh = [(saving.keys[b], saving.block_ids[b]) for b in range(saving.saved, end)
+                 if saving.keys[b] not in self._saved]
+        saving.saved = max(saving.saved, end)
+        if saving.saved >= len(saving.keys):
+            del self._saving[request_id]  # the whole prompt is saved
+        if not fresh:
+            return
+        meta.saves.append(_Load(request_id, [k for k, _ in fresh], [b for _, b in fresh]))
+        for k, _ in fresh:
+            self._saved[k] = None
+        while len(self._saved) > SAVED_MEMORY:
+            self._saved.popitem(last=False)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         lease = self._leases.pop(request.request_id, None)
         self._keys.pop(request.request_id, None)
+        self._saving.pop(request.request_id, None)
         if lease is not None and lease.ended is None and lease.id:
             lease.release()
         if self._source_of(request):

@@ -8,7 +8,8 @@ the prompt's full blocks from kvcr layer by layer, and its tokens and logprobs a
 first's, with the blocks' bytes in vLLM's cache proven equal by digest. Then across two
 nodes: one engine process saves through node B, another loads through node A, which
 leases and gets the blocks from B, named by the engine's configuration or per request in
-``kv_transfer_params``. An engine whose layout differs from the saver's
+``kv_transfer_params``. A prompt longer than vLLM's token budget is prefilled in chunks and
+every full block of every chunk is saved. An engine whose layout differs from the saver's
 under the same model id fails to load the blocks it leased: vLLM is told which, recomputes
 them, and generates what it generates without a cache. Every count is the one vLLM itself
 aggregated from the connectors (its Prometheus counters) and is checked against the
@@ -65,6 +66,19 @@ def test_second_generation_loads_the_prefix_layer_by_layer(node_factory: Callabl
     assert r["loaded"] == LOADED, r["loaded"]
     assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
     assert node_record(node) == (SAVED["blocks_saved"], LOADED["blocks_loaded"])
+    assert_nodes_clean(node)
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_chunked_prefill_saves_every_chunk(node_factory: Callable[..., NodeProcess]) -> None:
+    """300 tokens with a budget of 128 a step: chunks of 128, 128 and 44 tokens; the nine full
+    blocks (4 + 4 + 1) are saved as their chunks complete them, then all nine are loaded."""
+    node = node_factory("--pool", POOL)
+    r = vllm("both", "--node", node.endpoint, "--prompt-tokens", "300", "--max-batched-tokens", "128")
+    assert r["saved"] == {**SAVED, "saves": 3, "blocks_saved": 9}, r["saved"]
+    assert r["loaded"] == {**LOADED, "blocks_loaded": 9, "matched_tokens": 288}, r["loaded"]
+    assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
+    assert node_record(node) == (9, 9)
     assert_nodes_clean(node)
 
 
