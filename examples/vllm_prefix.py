@@ -126,6 +126,8 @@ def main() -> int:
         loaded = kvcr_vllm.DIGESTS["loaded"]
         report["blocks_verified"] = sorted(loaded) == sorted(reference["digests"]) and all(
             loaded[k] == reference["digests"][k] for k in loaded)
+        # Loaded blocks whose bytes are those the reference computed (some may have failed).
+        report["blocks_matching"] = sum(1 for k in loaded if loaded[k] == reference["digests"].get(k))
         report["loaded"] = {k: v - before[k] for k, v in counts(llm).items()}
     print(json.dumps(report), flush=True)
     return 0

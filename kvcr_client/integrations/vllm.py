@@ -151,6 +151,18 @@ class _Load:
 
 
 @dataclass
+class _Pending:
+    """A request's deliver in this step, until its last layer."""
+
+    handle: DeliverHandle
+    blocks: dict[bytes, list[int]]
+    """Key -> the vLLM block ids it fills."""
+    request_id: str
+    hinted: bool
+    group_failed: bool = False
+
+
+@dataclass
 class KvcrConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """What the workers do this step: blocks to load (before the forward) and to save (after)."""
 
@@ -192,7 +204,7 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._block_bytes: dict[str, int] = {}
         self._split: dict[str, int] = {}
         """Layer -> the byte offset of its V half (0: K and V of a block are one span)."""
-        self._handles: list[tuple[DeliverHandle, dict[bytes, list[int]], str | None]] = []
+        self._handles: list[_Pending] = []
         self._failed: set[int] = set()
 
     # ------------------------------------------------------------------ scheduler side
@@ -361,42 +373,56 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
             blocks = {key: [block_id] for key, block_id in zip(load.keys, load.block_ids, strict=True)}
             self._count("loads")
             handle = self.client.deliver(objects, request_id=request_id, plan=self._plan())
-            self._handles.append((handle, blocks, request_id))
+            self._handles.append(_Pending(handle, blocks, load.request_id, request_id is not None))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._handles or layer_name not in self._regions:
             return
         group = self._layers.index(layer_name)
         self._count("layer_waits")
-        for handle, blocks, _ in self._handles:
+        for pending in self._handles:
             try:
-                handle.wait(group, WAIT_S)
+                pending.handle.wait(group, WAIT_S)
             except (GroupFailed, KvcrError, TimeoutError) as exc:
-                failed = [b for ids in blocks.values() for b in ids]
-                log.warning("kvcr: layer %s failed to load (%s): %d blocks recomputed", layer_name, exc, len(failed))
-                self._failed.update(failed)
+                log.warning("kvcr: layer %s failed to load for %s (%s)", layer_name, pending.request_id, exc)
+                pending.group_failed = True
                 self._count("load_errors")
         if group == len(self._layers) - 1:
-            for handle, blocks, request_id in self._handles:
-                try:
-                    results = handle.result(WAIT_S)
-                    self._count("blocks_loaded", sum(1 for r in results.values() if r.ok))
-                    if self.verify:
-                        for key, ids in blocks.items():
-                            if results[key].ok:
-                                self._remember("loaded", key, self._digest(ids[0]))
-                except KvcrError as exc:
-                    self._failed.update(b for ids in blocks.values() for b in ids)
-                    self._count("load_errors")
-                    log.warning("kvcr: load failed: %s", exc)
-                else:
-                    for key, ids in blocks.items():
-                        if not results[key].ok:
-                            self._failed.update(ids)
-                            log.warning("kvcr: block %s not loaded: %s", key.hex()[:12], results[key])
-                if request_id is not None:
-                    self.client.discard_hint(request_id)
+            for pending in self._handles:
+                self._settle(pending)
             self._handles = []
+
+    def _settle(self, pending: _Pending) -> None:
+        """After the last layer: which of a request's blocks vLLM must recompute.
+
+        The blocks whose key did not load, when the node says which; vLLM recomputes from
+        the first of them and keeps the blocks before it, which did land. A layer that
+        failed while every key loaded in the end (a lost notification, a timeout) leaves no
+        telling which layer the forward read early: then every block is reported."""
+        blocks = pending.blocks
+        try:
+            results = pending.handle.result(WAIT_S)
+        except KvcrError as exc:
+            failed = set(blocks)
+            self._count("load_errors")
+            log.warning("kvcr: load for %s failed: %s", pending.request_id, exc)
+        else:
+            failed = {key for key in blocks if not results[key].ok}
+            for key in failed:
+                log.warning("kvcr: block %s not loaded: %s", key.hex()[:12], results[key])
+            if pending.group_failed and not failed:
+                failed = set(blocks)
+            self._count("blocks_loaded", sum(1 for key in blocks if key not in failed))
+            if self.verify:
+                for key, ids in blocks.items():
+                    if key not in failed:
+                        self._remember("loaded", key, self._digest(ids[0]))
+        for key in failed:
+            self._failed.update(blocks[key])
+        if failed:
+            log.warning("kvcr: %d of %d blocks of %s to be recomputed", len(failed), len(blocks), pending.request_id)
+        if pending.hinted:
+            self.client.discard_hint(pending.request_id)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Blocks are saved whole once the step computed them (``wait_for_save``)."""

@@ -11,7 +11,8 @@ leases and gets the blocks from B, named by the engine's configuration or per re
 ``kv_transfer_params``. A prompt longer than vLLM's token budget is prefilled in chunks and
 every full block of every chunk is saved. An engine whose layout differs from the saver's
 under the same model id fails to load the blocks it leased: vLLM is told which, recomputes
-them, and generates what it generates without a cache. Every count is the one vLLM itself
+them, and generates what it generates without a cache; when only a later block fails, the
+blocks before it are kept and only the rest is recomputed. Every count is the one vLLM itself
 aggregated from the connectors (its Prometheus counters) and is checked against the
 node's own record of what it stored and delivered. Runs ``examples/vllm_prefix.py`` in
 the vLLM environment (``scripts/engines_env.sh``; skipped outside CI without it).
@@ -118,3 +119,28 @@ def test_across_two_nodes(node_factory: Callable[..., NodeProcess], tmp_path: Pa
     assert r["loaded"] == LOADED, r["loaded"]
     assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
     assert_nodes_clean(node_a, node_b)
+
+
+@pytest.mark.timeout(5 * TIMEOUT_S)
+def test_block_failing_mid_prompt_is_recomputed_alone(node_factory: Callable[..., NodeProcess],
+                                                      tmp_path: Path) -> None:
+    """The prompt's first two blocks are stored by the four-layer model (a 70-token prompt that
+    begins the same way), its third by the two-layer model under the same model id. The
+    four-layer engine leases all three and loads them in one deliver: the first two land, the
+    third fails. Only the third is reported: vLLM keeps the two, recomputes from the third,
+    and generates the uncached tokens."""
+    shared, clean = node_factory("--pool", POOL), node_factory("--pool", POOL)
+    first = vllm("save", "--node", shared.endpoint, "--prompt-tokens", "70", "--out", str(tmp_path / "a.json"))
+    assert first["saved"] == {**SAVED, "blocks_saved": 2}, first["saved"]
+    second = vllm("save", "--node", shared.endpoint, "--layers", "2", "--out", str(tmp_path / "b.json"))
+    assert second["saved"]["blocks_saved"] == 1, second["saved"]  # type: ignore[index]
+    reference = tmp_path / "reference.json"
+    vllm("save", "--node", clean.endpoint, "--out", str(reference))
+    r = vllm("load", "--node", shared.endpoint, "--reference", str(reference))
+    loaded = r["loaded"]
+    assert isinstance(loaded, dict)
+    assert loaded["load_errors"] >= 1, loaded
+    assert loaded == {**LOADED, "blocks_loaded": 2, "blocks_failed": 1, "load_errors": loaded["load_errors"]}, loaded
+    assert r["blocks_matching"] == 2, r  # the two kept are the bytes the uncached run computed
+    assert r["same_tokens"] is True and r["same_logprobs"] is True, r
+    assert_nodes_clean(shared, clean)
