@@ -204,37 +204,31 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store each page straight from the host pool; True for a page the node now holds."""
-        out = [False] * len(keys)
-        spans = self._page_spans(host_indices, len(keys), self.pool)
-        for start in range(0, len(keys), V1_BATCH_PAGES):
-            chunk = range(start, min(start + V1_BATCH_PAGES, len(keys)))
-            try:
-                results = self.client.deposit({self._key(keys[i]): spans[i] for i in chunk}).result(CALL_TIMEOUT_S)
-            except KvcrError as exc:
-                log.warning("kvcr: deposit of %d pages failed: %s", len(chunk), exc)
-                self.counters["set_failed"] += len(chunk)
-                continue
-            for i in chunk:
-                out[i] = results[self._key(keys[i])].ok
-                self.counters["set" if out[i] else "set_failed"] += 1
-        return out
+        return self._move_pages(keys, host_indices, deliver=False)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Deliver each page straight into the host pool; False for a page the node does not hold."""
+        return self._move_pages(keys, host_indices, deliver=True)
+
+    def _move_pages(self, keys: list[str], host_indices: torch.Tensor, deliver: bool) -> list[bool]:
+        """Deposit (or deliver) pages in place, ``V1_BATCH_PAGES`` a message; one outcome a page."""
         out = [False] * len(keys)
-        spans = self._page_spans(host_indices, len(keys), "")
+        spans = self._page_spans(host_indices, len(keys), "" if deliver else self.pool)
+        done, missed = ("get", "get_missed") if deliver else ("set", "set_failed")
         for start in range(0, len(keys), V1_BATCH_PAGES):
             chunk = range(start, min(start + V1_BATCH_PAGES, len(keys)))
+            objects = {self._key(keys[i]): spans[i] for i in chunk}
             try:
-                results = self.client.deliver({self._key(keys[i]): spans[i] for i in chunk}).result(CALL_TIMEOUT_S)
+                op = self.client.deliver(objects) if deliver else self.client.deposit(objects)
+                results = op.result(CALL_TIMEOUT_S)
             except KvcrError as exc:
-                log.warning("kvcr: deliver of %d pages failed: %s", len(chunk), exc)
-                self.counters["get_missed"] += len(chunk)
+                log.warning("kvcr: %s of %d pages failed: %s", "deliver" if deliver else "deposit", len(chunk), exc)
+                self.counters[missed] += len(chunk)
                 continue
             for i in chunk:
                 out[i] = results[self._key(keys[i])].ok
-                self.counters["get" if out[i] else "get_missed"] += 1
+                self.counters[done if out[i] else missed] += 1
         return out
 
     # ------------------------------------------------------------------ presence

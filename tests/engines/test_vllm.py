@@ -52,6 +52,19 @@ def node_record(node: NodeProcess) -> tuple[int, int]:
     return outcome_count(st, "deposit.STORED"), outcome_count(st, "deliver.OK")
 
 
+def load_failing(node: NodeProcess, reference: Path, blocks_loaded: int, blocks_failed: int) -> None:
+    """Generate with blocks that fail to load: vLLM is told exactly which, recomputes them and
+    generates the reference's tokens; the blocks kept are the bytes the reference computed."""
+    r = vllm("load", "--node", node.endpoint, "--reference", str(reference))
+    loaded = r["loaded"]
+    assert isinstance(loaded, dict)
+    assert loaded["load_errors"] >= 1, loaded
+    assert loaded == {**LOADED, "blocks_loaded": blocks_loaded, "blocks_failed": blocks_failed,
+                      "load_errors": loaded["load_errors"]}, loaded
+    assert r["blocks_matching"] == blocks_loaded, r
+    assert r["same_tokens"] is True and r["same_logprobs"] is True, r
+
+
 def assert_nodes_clean(*nodes: NodeProcess) -> None:
     for node in nodes:
         with Client(node.endpoint, name="vllm-check") as c:
@@ -94,12 +107,7 @@ def test_failed_load_is_recomputed(node_factory: Callable[..., NodeProcess], tmp
     assert saved["saved"] == SAVED, saved["saved"]
     reference = tmp_path / "reference.json"
     vllm("save", "--node", clean.endpoint, "--out", str(reference))
-    r = vllm("load", "--node", shared.endpoint, "--reference", str(reference))
-    loaded = r["loaded"]
-    assert isinstance(loaded, dict)
-    assert loaded["load_errors"] >= 1, loaded
-    assert loaded == {**LOADED, "blocks_loaded": 0, "blocks_failed": 3, "load_errors": loaded["load_errors"]}, loaded
-    assert r["same_tokens"] is True and r["same_logprobs"] is True, r
+    load_failing(shared, reference, blocks_loaded=0, blocks_failed=3)
     assert node_record(shared) == (3, 0)
     assert_nodes_clean(shared, clean)
 
@@ -136,11 +144,5 @@ def test_block_failing_mid_prompt_is_recomputed_alone(node_factory: Callable[...
     assert second["saved"]["blocks_saved"] == 1, second["saved"]  # type: ignore[index]
     reference = tmp_path / "reference.json"
     vllm("save", "--node", clean.endpoint, "--out", str(reference))
-    r = vllm("load", "--node", shared.endpoint, "--reference", str(reference))
-    loaded = r["loaded"]
-    assert isinstance(loaded, dict)
-    assert loaded["load_errors"] >= 1, loaded
-    assert loaded == {**LOADED, "blocks_loaded": 2, "blocks_failed": 1, "load_errors": loaded["load_errors"]}, loaded
-    assert r["blocks_matching"] == 2, r  # the two kept are the bytes the uncached run computed
-    assert r["same_tokens"] is True and r["same_logprobs"] is True, r
+    load_failing(shared, reference, blocks_loaded=2, blocks_failed=1)
     assert_nodes_clean(shared, clean)
