@@ -18,6 +18,9 @@ full block of every chunk is saved. ``--layers`` changes the model's depth under
 model id: an engine whose layout differs from the saver's fails to load the blocks it
 leased, and vLLM recomputes them (``kv_load_failure_policy="recompute"``).
 
+``--connector module.Class`` loads a subclass of the connector instead (the tests load one
+that kills the source node after its lease), ``--extra JSON`` adds to its extra config.
+
 The counts reported are vLLM's own: the connectors' ``KvcrConnectorStats``, aggregated by
 vLLM each step and read back from its Prometheus counters (``LLM.get_metrics``).
 
@@ -60,19 +63,21 @@ def prompt(tokens: int) -> list[int]:
     return [(7 * i + 3) % 500 + 10 for i in range(tokens)]
 
 
-def engine(node: str, source: str | None, layers: int, max_batched_tokens: int) -> LLM:
+def engine(node: str, source: str | None, layers: int, max_batched_tokens: int, connector: str,
+           more: dict[str, Any]) -> LLM:
     folder = Path(tempfile.mkdtemp(prefix="kvcr-tiny-llama-"))
     (folder / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": layers}))
     # The model's folder differs per process: both engines name the model the same way.
-    extra: dict[str, Any] = {"endpoint": node, "pool": "kv", "verify": True, "model_id": "kvcr-tiny-llama-dummy"}
+    extra: dict[str, Any] = {"endpoint": node, "pool": "kv", "verify": True, "model_id": "kvcr-tiny-llama-dummy",
+                             **more}
+    module, _, name = connector.rpartition(".")
     if source:
         extra["source"] = source
     return LLM(
         model=str(folder), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
         enable_prefix_caching=False, max_model_len=512, block_size=32, seed=0, disable_log_stats=False,
         enable_chunked_prefill=True, max_num_batched_tokens=max_batched_tokens, max_num_seqs=8,
-        kv_transfer_config=KVTransferConfig(kv_connector="KvcrConnector",
-                                            kv_connector_module_path="kvcr_client.integrations.vllm",
+        kv_transfer_config=KVTransferConfig(kv_connector=name, kv_connector_module_path=module,
                                             kv_role="kv_both", kv_connector_extra_config=extra,
                                             kv_load_failure_policy="recompute"),
     )
@@ -106,8 +111,11 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"], help="the model's depth")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--max-batched-tokens", type=int, default=512, help="vLLM's token budget per step")
+    parser.add_argument("--connector", default="kvcr_client.integrations.vllm.KvcrConnector",
+                        help="the connector class (module.Class), KvcrConnector or a subclass")
+    parser.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     args = parser.parse_args()
-    llm = engine(args.node, args.source, args.layers, args.max_batched_tokens)
+    llm = engine(args.node, args.source, args.layers, args.max_batched_tokens, args.connector, json.loads(args.extra))
     tokens = prompt(args.prompt_tokens)
     report: dict[str, Any] = {"role": args.role, "layers": args.layers}
     if args.role in ("both", "save"):

@@ -60,7 +60,12 @@ SAVED_MEMORY = 65536
 """Block keys the scheduler remembers having saved (least recently saved forgotten first): it
 skips saving them again; a forgotten one saved again is answered DUPLICATE by the node."""
 WAIT_S = 30.0
-"""How long a layer waits for its group before its blocks are reported failed."""
+"""How long a control call (hint, lease, deposit) may take."""
+LOAD_TIMEOUT_S = 30.0
+"""Default deadline of a step's load (``extra_config["load_timeout_s"]``): past it the node
+fails the blocks not delivered, and vLLM recomputes them."""
+REPLY_SLACK_S = 5.0
+"""How much longer than the deadline a layer waits for the node to say it failed."""
 
 COUNTERS: dict[str, str] = {
     "leases": "Leases that held at least one block beyond what vLLM had computed (scheduler).",
@@ -183,6 +188,10 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """The endpoint of another node that may hold the blocks (a hint per request)."""
         self.pool = str(extra.get("pool", "kv"))
         self.verify = bool(extra.get("verify", False))
+        self.load_timeout_s = float(extra.get("load_timeout_s", LOAD_TIMEOUT_S))
+        if not 0 < self.load_timeout_s <= 3600:
+            raise ValueError(f"KvcrConnector: kv_connector_extra_config['load_timeout_s'] must be in (0, 3600] s, "
+                             f"not {self.load_timeout_s}")
         self.block_size = int(vllm_config.cache_config.block_size)
         # Keys name the model (engines that share blocks must agree on it: its id, or its path).
         model_id = extra.get("model_id") or vllm_config.model_config.model
@@ -372,7 +381,8 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
             objects = {key: self._spans(block_id) for key, block_id in zip(load.keys, load.block_ids, strict=True)}
             blocks = {key: [block_id] for key, block_id in zip(load.keys, load.block_ids, strict=True)}
             self._count("loads")
-            handle = self.client.deliver(objects, request_id=request_id, plan=self._plan())
+            handle = self.client.deliver(objects, request_id=request_id, plan=self._plan(),
+                                         deadline_ms=int(self.load_timeout_s * 1000))
             self._handles.append(_Pending(handle, blocks, load.request_id, request_id is not None))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -382,7 +392,7 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._count("layer_waits")
         for pending in self._handles:
             try:
-                pending.handle.wait(group, WAIT_S)
+                pending.handle.wait(group, self.load_timeout_s + REPLY_SLACK_S)
             except (GroupFailed, KvcrError, TimeoutError) as exc:
                 log.warning("kvcr: layer %s failed to load for %s (%s)", layer_name, pending.request_id, exc)
                 pending.group_failed = True
@@ -401,7 +411,7 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         telling which layer the forward read early: then every block is reported."""
         blocks = pending.blocks
         try:
-            results = pending.handle.result(WAIT_S)
+            results = pending.handle.result(self.load_timeout_s + REPLY_SLACK_S)
         except KvcrError as exc:
             failed = set(blocks)
             self._count("load_errors")

@@ -20,6 +20,9 @@ the vLLM environment (``scripts/engines_env.sh``; skipped outside CI without it)
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +36,9 @@ from kvcr_testing.nodes import NodeProcess
 POOL = "kv:16KiB:1024"
 """One slot per layer block: 32 tokens x 2 KV heads x 32 x K and V x 4 bytes."""
 TIMEOUT_S = 300.0
+HERE = Path(__file__).parent
+LOAD_TIMEOUT_S = 5.0
+"""The load's deadline where the source is killed: the node gives up on it then."""
 LOADED = {"layer_waits": 4, "loads": 1, "blocks_loaded": 3, "saves": 0, "blocks_saved": 0, "save_errors": 0, "load_errors": 0, "blocks_failed": 0,
           "leases": 1, "matched_tokens": 96}
 """Four layers, three full blocks of 32 of a 100-token prompt: one lease, one load, a wait per layer."""
@@ -52,10 +58,9 @@ def node_record(node: NodeProcess) -> tuple[int, int]:
     return outcome_count(st, "deposit.STORED"), outcome_count(st, "deliver.OK")
 
 
-def load_failing(node: NodeProcess, reference: Path, blocks_loaded: int, blocks_failed: int) -> None:
-    """Generate with blocks that fail to load: vLLM is told exactly which, recomputes them and
-    generates the reference's tokens; the blocks kept are the bytes the reference computed."""
-    r = vllm("load", "--node", node.endpoint, "--reference", str(reference))
+def load_failing(r: dict[str, object], blocks_loaded: int, blocks_failed: int) -> None:
+    """A generation whose blocks failed to load: vLLM was told exactly which, recomputed them
+    and generated the reference's tokens; the blocks kept are the bytes the reference computed."""
     loaded = r["loaded"]
     assert isinstance(loaded, dict)
     assert loaded["load_errors"] >= 1, loaded
@@ -107,7 +112,7 @@ def test_failed_load_is_recomputed(node_factory: Callable[..., NodeProcess], tmp
     assert saved["saved"] == SAVED, saved["saved"]
     reference = tmp_path / "reference.json"
     vllm("save", "--node", clean.endpoint, "--out", str(reference))
-    load_failing(shared, reference, blocks_loaded=0, blocks_failed=3)
+    load_failing(vllm("load", "--node", shared.endpoint, "--reference", str(reference)), 0, 3)
     assert node_record(shared) == (3, 0)
     assert_nodes_clean(shared, clean)
 
@@ -144,5 +149,25 @@ def test_block_failing_mid_prompt_is_recomputed_alone(node_factory: Callable[...
     assert second["saved"]["blocks_saved"] == 1, second["saved"]  # type: ignore[index]
     reference = tmp_path / "reference.json"
     vllm("save", "--node", clean.endpoint, "--out", str(reference))
-    load_failing(shared, reference, blocks_loaded=2, blocks_failed=1)
+    load_failing(vllm("load", "--node", shared.endpoint, "--reference", str(reference)), 2, 1)
     assert_nodes_clean(shared, clean)
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_source_killed_after_the_lease(node_factory: Callable[..., NodeProcess], tmp_path: Path) -> None:
+    """Node B holds the blocks; the engine's node A leases them at B, then B is killed (by the
+    scheduler side, right after the lease: ``vllm_faults.py``) before the worker's deliver.
+    A cannot reach B before the load's deadline (``load_timeout_s``), the deliver fails,
+    every block is reported, vLLM recomputes the prompt: the tokens are the uncached ones and
+    A ends clean."""
+    node_a, node_b = node_factory("--pool", POOL), node_factory("--pool", POOL)
+    reference = tmp_path / "reference.json"
+    vllm("save", "--node", node_b.endpoint, "--out", str(reference))
+    r = run_example("vllm_prefix.py", "load", "--node", node_a.endpoint, "--source", node_b.endpoint,
+                    "--reference", str(reference), "--connector", "vllm_faults.SourceKilledAfterLease",
+                    "--extra", json.dumps({"kill_pid": node_b.proc.pid, "load_timeout_s": LOAD_TIMEOUT_S}),
+                    timeout_s=TIMEOUT_S, python=VLLM_PY,
+                    env={"PYTHONPATH": os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))})
+    assert node_b.proc.wait(10) == -signal.SIGKILL
+    load_failing(r, 0, 3)
+    assert_nodes_clean(node_a)
