@@ -7,7 +7,8 @@ tokens the lease matched become the request's computed tokens; ``update_state_af
 puts the leased keys in the request's first allocated blocks, in order; the metadata saves
 the full blocks each step computes (every chunk of a chunked prefill, in the blocks vLLM
 allocated for it); ``request_finished`` names this node in ``kv_transfer_params``; the
-scheduler-side stats reach ``SchedulerStats``; the node ends with no lease held.
+scheduler-side stats reach ``SchedulerStats`` and vLLM's connector-stats logger sums them;
+the node ends with no lease held.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def test_scheduler_drives_the_connector(node_factory: Callable[..., NodeProcess]
     assert last["scheduled"] == {"chunked": 8} and last["saves"] == [], last
     assert last["finished"] == {"chunked": {"kvcr_endpoint": node.endpoint}}
     assert all(s["kv_connector_stats"] is None for s in steps[1:])  # nothing more leased
+    # vLLM's own connector-stats logger, fed that step's stats twice, sums them.
+    assert len(r["logged"]) == 1 and "leases=2" in r["logged"][0] and "matched_tokens=128" in r["logged"][0], r
 
     with Client(node.endpoint, name="vllm-check") as c:
         st = assert_clean(c)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from vllm import SamplingParams
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -143,6 +144,15 @@ def main() -> int:
     while sched.has_unfinished_requests() and len(steps) < 16:
         steps.append(step(sched, prompts))
     report["unfinished"] = sched.has_unfinished_requests()
+    # vLLM's logger for connector stats, fed what SchedulerStats carried (twice: two steps'
+    # worth), rebuilds them with build_kv_connector_stats, aggregates and reduces them.
+    logging = KVConnectorLogging(sched.vllm_config.kv_transfer_config)
+    carried = [s["kv_connector_stats"] for s in steps if s["kv_connector_stats"]]
+    for stats in carried * 2:
+        logging.observe(stats)
+    lines: list[str] = []
+    logging.log(lambda fmt, *args: lines.append(fmt % args))
+    report["logged"] = lines
     sched.shutdown()
     print(json.dumps(report), flush=True)
     return 0
