@@ -22,7 +22,7 @@ deliver for the step with a layer plan (group i: layer i of every block);
 deposits the full prompt blocks computed this step (every chunk of a chunked prefill: the
 scheduler remembers per request how far it has saved); a block that failed to load is
 reported by ``get_block_ids_with_load_errors``, never a hang, and vLLM recomputes it with
-``kv_load_failure_policy="recompute"``. Loads are synchronous to the step (``load_async``
+``kv_load_failure_policy="recompute"`` (and the connector saves it once recomputed). Loads are synchronous to the step (``load_async``
 False), so layers overlap with compute.
 
 Counts go through vLLM's own stats path: each connector instance (scheduler and workers)
@@ -297,8 +297,6 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         fresh = [(saving.keys[b], saving.block_ids[b]) for b in range(saving.saved, end)
                  if saving.keys[b] not in self._saved]
         saving.saved = max(saving.saved, end)
-        if saving.saved >= len(saving.keys):
-            del self._saving[request_id]  # the whole prompt is saved
         if not fresh:
             return
         meta.saves.append(_Load(request_id, [k for k, _ in fresh], [b for _, b in fresh]))
@@ -306,6 +304,16 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._saved[k] = None
         while len(self._saved) > SAVED_MEMORY:
             self._saved.popitem(last=False)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks that failed to load are recomputed by vLLM: save them once they are."""
+        invalid = connector_output.invalid_block_ids
+        if not invalid:
+            return
+        for saving in self._saving.values():
+            first = next((b for b, block_id in enumerate(saving.block_ids[: saving.saved]) if block_id in invalid), None)
+            if first is not None:
+                saving.saved = first
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         lease = self._leases.pop(request.request_id, None)

@@ -58,14 +58,16 @@ def node_record(node: NodeProcess) -> tuple[int, int]:
     return outcome_count(st, "deposit.STORED"), outcome_count(st, "deliver.OK")
 
 
-def load_failing(r: dict[str, object], blocks_loaded: int, blocks_failed: int) -> None:
+def load_failing(r: dict[str, object], blocks_loaded: int, blocks_failed: int, blocks_saved: int) -> None:
     """A generation whose blocks failed to load: vLLM was told exactly which, recomputed them
-    and generated the reference's tokens; the blocks kept are the bytes the reference computed."""
+    (and the connector saved them then: ``blocks_saved`` of them stored, where the node did
+    not hold their keys already) and generated the reference's tokens; the blocks kept are
+    the bytes the reference computed."""
     loaded = r["loaded"]
     assert isinstance(loaded, dict)
     assert loaded["load_errors"] >= 1, loaded
-    assert loaded == {**LOADED, "blocks_loaded": blocks_loaded, "blocks_failed": blocks_failed,
-                      "load_errors": loaded["load_errors"]}, loaded
+    assert loaded == {**LOADED, "blocks_loaded": blocks_loaded, "blocks_failed": blocks_failed, "saves": 1,
+                      "blocks_saved": blocks_saved, "load_errors": loaded["load_errors"]}, loaded
     assert r["blocks_matching"] == blocks_loaded, r
     assert r["same_tokens"] is True and r["same_logprobs"] is True, r
 
@@ -112,7 +114,7 @@ def test_failed_load_is_recomputed(node_factory: Callable[..., NodeProcess], tmp
     assert saved["saved"] == SAVED, saved["saved"]
     reference = tmp_path / "reference.json"
     vllm("save", "--node", clean.endpoint, "--out", str(reference))
-    load_failing(vllm("load", "--node", shared.endpoint, "--reference", str(reference)), 0, 3)
+    load_failing(vllm("load", "--node", shared.endpoint, "--reference", str(reference)), 0, 3, 0)
     assert node_record(shared) == (3, 0)
     assert_nodes_clean(shared, clean)
 
@@ -149,7 +151,7 @@ def test_block_failing_mid_prompt_is_recomputed_alone(node_factory: Callable[...
     assert second["saved"]["blocks_saved"] == 1, second["saved"]  # type: ignore[index]
     reference = tmp_path / "reference.json"
     vllm("save", "--node", clean.endpoint, "--out", str(reference))
-    load_failing(vllm("load", "--node", shared.endpoint, "--reference", str(reference)), 2, 1)
+    load_failing(vllm("load", "--node", shared.endpoint, "--reference", str(reference)), 2, 1, 0)
     assert_nodes_clean(shared, clean)
 
 
@@ -158,8 +160,8 @@ def test_source_killed_after_the_lease(node_factory: Callable[..., NodeProcess],
     """Node B holds the blocks; the engine's node A leases them at B, then B is killed (by the
     scheduler side, right after the lease: ``vllm_faults.py``) before the worker's deliver.
     A cannot reach B before the load's deadline (``load_timeout_s``), the deliver fails,
-    every block is reported, vLLM recomputes the prompt: the tokens are the uncached ones and
-    A ends clean."""
+    every block is reported, vLLM recomputes the prompt: the tokens are the uncached ones, the
+    recomputed blocks are saved in A, and A ends clean."""
     node_a, node_b = node_factory("--pool", POOL), node_factory("--pool", POOL)
     reference = tmp_path / "reference.json"
     vllm("save", "--node", node_b.endpoint, "--out", str(reference))
@@ -169,5 +171,6 @@ def test_source_killed_after_the_lease(node_factory: Callable[..., NodeProcess],
                     timeout_s=TIMEOUT_S, python=VLLM_PY,
                     env={"PYTHONPATH": os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))})
     assert node_b.proc.wait(10) == -signal.SIGKILL
-    load_failing(r, 0, 3)
+    load_failing(r, 0, 3, 3)  # recomputed, the three blocks are saved in A: the next request finds them there
+    assert node_record(node_a) == (3, 0)
     assert_nodes_clean(node_a)
