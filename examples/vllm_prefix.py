@@ -13,6 +13,17 @@ one process, then ``load`` against node A with ``--source`` B in another.
     .venv-vllm/bin/python examples/vllm_prefix.py load --node ipc:///tmp/a.sock --source ipc:///tmp/b.sock \\
         --reference /tmp/ref.json
 
+``--prompt-tokens`` longer than ``--max-batched-tokens`` makes vLLM prefill in chunks: every
+full block of every chunk is saved. ``--layers`` changes the model's depth under the same
+model id: an engine whose layout differs from the saver's fails to load the blocks it
+leased, and vLLM recomputes them (``kv_load_failure_policy="recompute"``).
+
+``--connector module.Class`` loads a subclass of the connector instead (the tests load one
+that kills the source node after its lease), ``--extra JSON`` adds to its extra config.
+
+The counts reported are vLLM's own: the connectors' ``KvcrConnectorStats``, aggregated by
+vLLM each step and read back from its Prometheus counters (``LLM.get_metrics``).
+
 The node needs a pool whose slot is one layer's block: 32 tokens x 2 KV heads x 32 x K
 and V x 4 bytes = 16 KiB here (``--pool kv:16KiB:2048``). Prints one JSON line.
 """
@@ -34,6 +45,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
+from vllm.v1.metrics.reader import Counter
 
 from kvcr_client.integrations import vllm as kvcr_vllm
 
@@ -43,30 +55,47 @@ CONFIG = {
     "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "torch_dtype": "float32", "bos_token_id": 1,
     "eos_token_id": 2, "tie_word_embeddings": False,
 }
-PROMPT = [(7 * i + 3) % 500 + 10 for i in range(100)]
-"""100 tokens: three full blocks of 32 go through kvcr, the rest is computed."""
+PROMPT_TOKENS = 100
+"""By default three full blocks of 32 go through kvcr, the rest is computed."""
 
 
-def engine(node: str, source: str | None) -> LLM:
+def prompt(tokens: int) -> list[int]:
+    return [(7 * i + 3) % 500 + 10 for i in range(tokens)]
+
+
+def engine(node: str, source: str | None, layers: int, max_batched_tokens: int, connector: str,
+           more: dict[str, Any]) -> LLM:
     folder = Path(tempfile.mkdtemp(prefix="kvcr-tiny-llama-"))
-    (folder / "config.json").write_text(json.dumps(CONFIG))
+    (folder / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": layers}))
     # The model's folder differs per process: both engines name the model the same way.
-    extra: dict[str, Any] = {"endpoint": node, "pool": "kv", "verify": True, "model_id": "kvcr-tiny-llama-dummy"}
+    extra: dict[str, Any] = {"endpoint": node, "pool": "kv", "verify": True, "model_id": "kvcr-tiny-llama-dummy",
+                             **more}
+    module, _, name = connector.rpartition(".")
     if source:
         extra["source"] = source
     return LLM(
         model=str(folder), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-        enable_prefix_caching=False, max_model_len=512, block_size=32, seed=0,
-        kv_transfer_config=KVTransferConfig(kv_connector="KvcrConnector",
-                                            kv_connector_module_path="kvcr_client.integrations.vllm",
-                                            kv_role="kv_both", kv_connector_extra_config=extra),
+        enable_prefix_caching=False, max_model_len=512, block_size=32, seed=0, disable_log_stats=False,
+        enable_chunked_prefill=True, max_num_batched_tokens=max_batched_tokens, max_num_seqs=8,
+        kv_transfer_config=KVTransferConfig(kv_connector=name, kv_connector_module_path=module,
+                                            kv_role="kv_both", kv_connector_extra_config=extra,
+                                            kv_load_failure_policy="recompute"),
     )
 
 
-def generate(llm: LLM, transfer: dict[str, Any] | None = None) -> dict[str, Any]:
+def counts(llm: LLM) -> dict[str, int]:
+    """The connectors' counts so far, as vLLM exports them (``vllm:kvcr_<name>_total``)."""
+    got = {name: 0 for name in kvcr_vllm.COUNTERS}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter) and metric.name.startswith("vllm:kvcr_"):
+            got[metric.name.removeprefix("vllm:kvcr_")] += int(metric.value)
+    return got
+
+
+def generate(llm: LLM, tokens: list[int], transfer: dict[str, Any] | None = None) -> dict[str, Any]:
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, extra_args={"kv_transfer_params": transfer}
                             if transfer else None)
-    out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0].outputs[0]
+    out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0].outputs[0]
     logprobs = [{str(t): float(lp.logprob) for t, lp in sorted(step.items())} for step in (out.logprobs or [])]
     return {"tokens": list(out.token_ids), "logprobs": logprobs}
 
@@ -79,18 +108,25 @@ def main() -> int:
     parser.add_argument("--params-source", help="the node that holds the blocks, named per request in kv_transfer_params")
     parser.add_argument("--out", default="/tmp/kvcr-vllm-reference.json")
     parser.add_argument("--reference", default="/tmp/kvcr-vllm-reference.json")
+    parser.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"], help="the model's depth")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    parser.add_argument("--max-batched-tokens", type=int, default=512, help="vLLM's token budget per step")
+    parser.add_argument("--connector", default="kvcr_client.integrations.vllm.KvcrConnector",
+                        help="the connector class (module.Class), KvcrConnector or a subclass")
+    parser.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     args = parser.parse_args()
-    llm = engine(args.node, args.source)
-    report: dict[str, Any] = {"role": args.role}
+    llm = engine(args.node, args.source, args.layers, args.max_batched_tokens, args.connector, json.loads(args.extra))
+    tokens = prompt(args.prompt_tokens)
+    report: dict[str, Any] = {"role": args.role, "layers": args.layers}
     if args.role in ("both", "save"):
-        first = generate(llm)
+        first = generate(llm, tokens)
         report["first"] = first
-        report["saved"] = dict(kvcr_vllm.STATS)
+        report["saved"] = counts(llm)
         first["digests"] = dict(kvcr_vllm.DIGESTS["saved"])
         Path(args.out).write_text(json.dumps(first))
     if args.role in ("both", "load"):
-        before = dict(kvcr_vllm.STATS)
-        second = generate(llm, {"kvcr_endpoint": args.params_source} if args.params_source else None)
+        before = counts(llm)
+        second = generate(llm, tokens, {"kvcr_endpoint": args.params_source} if args.params_source else None)
         reference = report.get("first") or json.loads(Path(args.reference).read_text())
         report["second"] = second
         report["same_tokens"] = second["tokens"] == reference["tokens"]
@@ -98,8 +134,9 @@ def main() -> int:
         loaded = kvcr_vllm.DIGESTS["loaded"]
         report["blocks_verified"] = sorted(loaded) == sorted(reference["digests"]) and all(
             loaded[k] == reference["digests"][k] for k in loaded)
-        report["loaded"] = {k: kvcr_vllm.STATS[k] - before.get(k, 0) for k in kvcr_vllm.STATS}
-        report["layers"] = CONFIG["num_hidden_layers"]
+        # Loaded blocks whose bytes are those the reference computed (some may have failed).
+        report["blocks_matching"] = sum(1 for k in loaded if loaded[k] == reference["digests"].get(k))
+        report["loaded"] = {k: v - before[k] for k, v in counts(llm).items()}
     print(json.dumps(report), flush=True)
     return 0
 

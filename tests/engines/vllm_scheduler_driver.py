@@ -1,0 +1,162 @@
+"""vLLM's own ``Scheduler`` driving ``KvcrConnector``'s scheduler side, with no model and no worker.
+
+Run in the vLLM environment as ``python vllm_scheduler_driver.py ENDPOINT``; prints one JSON
+line with what the scheduler did, step by step, for ``test_vllm_scheduler.py`` to check.
+
+The configuration is what ``EngineArgs`` makes for the tiny Llama of
+``examples/vllm_prefix.py`` (CPU platform, chunked prefill with a budget of 64 tokens a
+step); the KV cache config is one full-attention group of four layers and ``NUM_BLOCKS``
+blocks, as the engine core would hand the scheduler. The node already holds the first two
+blocks of the ``loaded`` request's prompt (deposited here under the connector's keys), so
+the scheduler leases them; the ``chunked`` request's prompt is new. Model outputs are made
+up (a sampled token per finished prefill) since no model runs: the scheduler only needs
+their shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import torch
+from vllm import SamplingParams
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvcr_client import Client, Span
+from kvcr_client.integrations.blocks import block_keys
+from kvcr_client.integrations.vllm import KvcrConnector, KvcrConnectorMetadata
+
+BLOCK = 32
+LAYERS = 4
+NUM_BLOCKS = 64
+BUDGET = 64
+"""Tokens a step: two blocks."""
+SLOT = 16384
+"""One layer's block: 32 tokens x 2 KV heads x 32 x K and V x 4 bytes."""
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": LAYERS,
+    "vocab_size": 512, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+}
+LOADED_PROMPT = [(7 * i + 3) % 500 + 10 for i in range(100)]
+CHUNKED_PROMPT = [(11 * i + 5) % 500 + 10 for i in range(200)]
+
+
+def scheduler(endpoint: str) -> Scheduler:
+    folder = Path(tempfile.mkdtemp(prefix="kvcr-tiny-llama-"))
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    config = EngineArgs(
+        model=str(folder), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        enable_prefix_caching=False, max_model_len=512, block_size=BLOCK, enable_chunked_prefill=True,
+        max_num_batched_tokens=BUDGET, max_num_seqs=4,
+        kv_transfer_config=KVTransferConfig(kv_connector="KvcrConnector",
+                                            kv_connector_module_path="kvcr_client.integrations.vllm",
+                                            kv_role="kv_both", kv_load_failure_policy="recompute",
+                                            kv_connector_extra_config={"endpoint": endpoint,
+                                                                       "model_id": "kvcr-tiny-llama-dummy"}),
+    ).create_engine_config()
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)], spec)])
+    return Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK, log_stats=True)
+
+
+def deposit_blocks(endpoint: str, keys: list[bytes]) -> None:
+    """Put blocks under ``keys`` into the node, as another engine's connector would have."""
+    with Client(endpoint, name="driver") as client:
+        buf = np.arange(len(keys) * LAYERS * SLOT, dtype=np.uint32).astype(np.uint8)
+        region = client.register(buf)
+        objects = {key: [Span(f"model.layers.{layer}.self_attn.attn", region, (b * LAYERS + layer) * SLOT, SLOT, "kv")
+                         for layer in range(LAYERS)] for b, key in enumerate(keys)}
+        results = client.deposit(objects).result(30)
+        assert all(r.ok for r in results.values()), results
+        client.unregister(region)
+
+
+def meta_of(out: Any) -> dict[str, Any]:
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, KvcrConnectorMetadata), type(meta)
+    return {kind: [{"request": x.request_id, "keys": [k.hex() for k in x.keys], "block_ids": x.block_ids,
+                    "source": x.source} for x in getattr(meta, kind)] for kind in ("loads", "saves")}
+
+
+def step(sched: Scheduler, prompts: dict[str, list[int]]) -> dict[str, Any]:
+    """One schedule and its made-up model output; what the scheduler and connector did."""
+    out = sched.schedule()
+    record: dict[str, Any] = {
+        "new": {r.req_id: {"num_computed_tokens": r.num_computed_tokens} for r in out.scheduled_new_reqs},
+        "scheduled": dict(out.num_scheduled_tokens),
+        "block_ids": {rid: list(sched.kv_cache_manager.get_block_ids(rid)[0]) for rid in out.num_scheduled_tokens},
+        **meta_of(out),
+    }
+    ids = list(out.num_scheduled_tokens)
+    # A token is sampled once a request's prompt is all computed (after this step).
+    sampled = [[7] if sched.requests[rid].num_computed_tokens >= len(prompts[rid]) else [] for rid in ids]
+    outputs = sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in
+                                                                                               enumerate(ids)},
+                                                              sampled_token_ids=sampled))
+    finished = {}
+    stats = None
+    for eco in outputs.values():
+        for o in eco.outputs:
+            if o.finish_reason is not None:
+                finished[o.request_id] = o.kv_transfer_params
+        if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
+            stats = eco.scheduler_stats.kv_connector_stats
+    record["finished"] = finished
+    record["kv_connector_stats"] = stats
+    return record
+
+
+def main() -> int:
+    endpoint = sys.argv[1]
+    sched = scheduler(endpoint)
+    connector = sched.connector
+    assert isinstance(connector, KvcrConnector), type(connector)
+    loaded_keys = block_keys(LOADED_PROMPT, BLOCK, connector.salt)
+    chunked_keys = block_keys(CHUNKED_PROMPT, BLOCK, connector.salt)
+    deposit_blocks(endpoint, loaded_keys[:2])
+    prompts = {"loaded": LOADED_PROMPT, "chunked": CHUNKED_PROMPT}
+    report: dict[str, Any] = {"loaded_keys": [k.hex() for k in loaded_keys],
+                              "chunked_keys": [k.hex() for k in chunked_keys], "steps": []}
+    sched.add_request(Request("loaded", LOADED_PROMPT, SamplingParams(max_tokens=2, temperature=0.0), None))
+    steps = report["steps"]
+    while sched.has_unfinished_requests() and len(steps) < 8:
+        steps.append(step(sched, prompts))
+    sched.add_request(Request("chunked", CHUNKED_PROMPT, SamplingParams(max_tokens=1, temperature=0.0), None))
+    while sched.has_unfinished_requests() and len(steps) < 16:
+        steps.append(step(sched, prompts))
+    report["unfinished"] = sched.has_unfinished_requests()
+    # vLLM's logger for connector stats, fed what SchedulerStats carried (twice: two steps'
+    # worth), rebuilds them with build_kv_connector_stats, aggregates and reduces them.
+    logging = KVConnectorLogging(sched.vllm_config.kv_transfer_config)
+    carried = [s["kv_connector_stats"] for s in steps if s["kv_connector_stats"]]
+    for stats in carried * 2:
+        logging.observe(stats)
+    lines: list[str] = []
+    logging.log(lambda fmt, *args: lines.append(fmt % args))
+    report["logged"] = lines
+    sched.shutdown()
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
