@@ -17,7 +17,7 @@ from typing import Any
 from kvcr_io.endpoints import default_endpoint
 from kvcr_node.logs import LOG_FORMATS
 from kvcr_node.poolspec import PoolSpec
-from kvcr_protocol import CURRENT_VERSION, SUPPORTED_VERSIONS
+from kvcr_protocol import CURRENT_VERSION, SUPPORTED_VERSIONS, Limits
 from kvcr_protocol.events import replay_endpoint
 
 
@@ -156,12 +156,17 @@ class NodeConfig:
         """Check every field; raise ``ConfigError`` naming the first bad one."""
         if not self.endpoint or "://" not in self.endpoint:
             raise ConfigError("endpoint", f"expected a ZeroMQ endpoint such as ipc:///path or tcp://host:port, got {self.endpoint!r}")
+        max_name = Limits().max_name  # names travel in welcome, peer hello and event batches
         if not self.name:
             raise ConfigError("name", "must not be empty")
+        if len(self.name.encode()) > max_name:
+            raise ConfigError("name", f"{len(self.name.encode())} bytes; at most {max_name}")
         if not self.pools:
             raise ConfigError("pools", "at least one pool is needed")
         seen: set[str] = set()
         for i, pool in enumerate(self.pools):
+            if not pool.name or len(pool.name.encode()) > max_name:
+                raise ConfigError(f"pools[{i}].name", f"must be 1 to {max_name} bytes, got {pool.name!r}")
             if pool.name in seen:
                 raise ConfigError(f"pools[{i}].name", f"pool {pool.name!r} is declared twice")
             seen.add(pool.name)

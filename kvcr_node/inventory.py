@@ -96,14 +96,19 @@ class Inventory:
     # -- publishing -------------------------------------------------------------------
 
     def take(self) -> list[tuple[int, bytes]]:
-        """The pending events as (seq, payload) batches of at most ``MAX_BATCH_KEYS`` keys, kept in the ring."""
+        """The pending events as (seq, payload) batches of at most ``MAX_BATCH_KEYS`` keys, kept in the ring.
+
+        The pending events are taken first: should encoding fail, they are not tried again
+        (and published twice) every turn after."""
         if not self._groups:
             return []
+        groups, pending = self._groups, self._keys
+        self._groups, self._keys = [], []
         ts = self.wall()
         out: list[tuple[int, bytes]] = []
         events: list[Event] = []
         room = MAX_BATCH_KEYS
-        for (kind, pools, tier, reason), keys in zip(self._groups, self._keys, strict=True):
+        for (kind, pools, tier, reason), keys in zip(groups, pending, strict=True):
             if kind is Cleared:
                 events.append(Cleared())
                 room -= 1
@@ -119,7 +124,6 @@ class Inventory:
                     events.append(Removed(tuple(part), pools, tier, reason))
         if events:
             out.append(self._publish(EventBatch(self.node, self.incarnation, ts, tuple(events))))
-        self._groups, self._keys = [], []
         return out
 
     def _publish(self, batch: EventBatch) -> tuple[int, bytes]:

@@ -25,6 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvcr_io.zmq_flags import EVENTS as _EVENTS
 from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
 from kvcr_io.zmq_flags import POLLIN as _POLLIN
+from kvcr_node import logs
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.peers import Answer, LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWrite, WriteStage
@@ -328,8 +329,10 @@ class Links:
                 msg = decode(frame, link.version or self.versions[-1])
             except RemoteProtocolError as exc:
                 self.protocol_errors[exc.code.name] += 1
-                log.warning("undecodable message from peer %s: %s %s", link.endpoint, exc.code.name, exc.reason[:200],
-                            extra={"code": exc.code.name, "session": link.node or link.endpoint, "role": "source"})
+                if (left_out := logs.limiter.admit(exc.code.name)) is not None:  # a broken peer cannot flood the log
+                    log.warning("undecodable message from peer %s: %s %s", link.endpoint, exc.code.name, exc.reason[:200],
+                                extra={"code": exc.code.name, "session": link.node or link.endpoint, "role": "source",
+                                       "suppressed": left_out})
                 continue
             try:
                 self._on_message(link, msg)
@@ -565,11 +568,8 @@ class Links:
         idle = [link for link in self if not link.busy]
         if not idle:
             self.counters["peer_limit_refusals"] += 1
-            raise LinkError(
-                ErrorCode.PEER_LIMIT,
-                f"cannot open a link to {endpoint!r}: this node holds max_peers={self.config.max_peers} links to "
-                "other sources, each with writes outstanding; retry later",
-            )
+            raise LinkError(ErrorCode.PEER_LIMIT, f"cannot open a link to {endpoint!r}: this node holds max_peers="
+                            f"{self.config.max_peers} links to other sources, each with writes outstanding; retry later")
         self.counters["links_evicted"] += 1
         self.retire(min(idle, key=lambda link: link.last_used))
 

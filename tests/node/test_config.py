@@ -388,6 +388,10 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         (("--protocol-version", "0"), "protocol_version"),
         (("--deadline-ms", "0"), "deadline_ms"),
         (("--endpoint", "nowhere"), "endpoint"),
+        # Names travel in welcome, peer hello and event batches, each at most max_name bytes.
+        (("--name", "n" * 129), "name"),
+        (("--name", "é" * 65), "name"),
+        (("--pool", "p" * 129 + ":4KiB:4"), "pools[0].name"),
     ],
 )
 def test_bad_flags_name_the_field(argv: tuple[str, ...], field: str) -> None:
