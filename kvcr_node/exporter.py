@@ -135,21 +135,18 @@ def families(s: MetricsSnapshot) -> Iterator[Any]:
     yield gauge("kvcr_uncertain_writes", "Remote writes past their deadline that the source has not confirmed over.",
                 rows=[(s.uncertain_writes,)])
     yield counter("kvcr_uncertain_writes_begun", "Remote writes that passed their deadline unanswered.",
-                  rows=[(s.counter("writes_uncertain"),)])
+                  rows=[(s.counter("uncertain_writes"),)])
     yield counter("kvcr_uncertain_writes_resolved", "Uncertain remote writes the source later confirmed over.",
                   rows=[(s.counter("uncertain_resolved"),)])
     yield counter("kvcr_auth_refusals", "Connections refused by CURVE authentication, by reason.", ("reason",),
                   [("not_allowed", s.counter("auth_refused")), ("handshake_failed", s.counter("auth_handshake_failed"))])
     yield counter("kvcr_internal_errors", "Unexpected failures the node counted and survived.",
                   rows=[(s.counter("internal_errors"),)])
-    yield counter("kvcr_send_dropped", "Replies dropped because the peer's queue was full.",
-                  rows=[(s.counter("send_dropped"),)])
     yield counter("kvcr_event_batches_published", "Inventory event batches published (spec section 15).",
                   rows=[(s.counter("events_published"),)])
-    yield counter("kvcr_event_batches_dropped", "Inventory event batches the PUB socket could not queue.",
-                  rows=[(s.counter("events_dropped"),)])
     yield counter("kvcr_event_replays", "Event replay requests, by result.", ("result",),
-                  [("served", s.counter("events_replays")), ("refused", s.counter("events_replays_refused"))])
+                  [("served", s.counter("events_replays")), ("refused", s.counter("events_replays_refused")),
+                   ("cut", s.counter("events_replay_cut"))])
 
 
 class MetricsExporter:

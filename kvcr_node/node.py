@@ -36,14 +36,14 @@ from kvcr_node.agents import RemoteAgents
 from kvcr_node.auth import CurveServer
 from kvcr_node.config import NodeConfig
 from kvcr_node.endpoint import BoundEndpoint
-from kvcr_node.event_stream import EventPublisher
+from kvcr_node.event_publisher import EventPublisher
 from kvcr_node.eviction import make_policy
 from kvcr_node.exporter import MetricsExporter
 from kvcr_node.inventory import Inventory
 from kvcr_node.leases import Leases
 from kvcr_node.memory import PoolMemory
 from kvcr_node.metrics import Metrics
-from kvcr_node.metrics_snapshot import MetricsPublisher
+from kvcr_node.metrics_publisher import MetricsPublisher
 from kvcr_node.operations import Operations
 from kvcr_node.ops.deliver import Deliveries
 from kvcr_node.ops.deposit import Deposits

@@ -211,7 +211,6 @@ class Target:
 
     def write_uncertain(self, write: RemoteWrite) -> None:
         """The deadline passed with the write unanswered: fail the items, keep the memory."""
-        self.counters["writes_uncertain"] += 1
         op = write.op
         op.remote -= 1
         for i in write.indices:

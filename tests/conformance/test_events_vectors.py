@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import kvcr_protocol as kp
-from kvcr_node import event_stream, inventory
+from kvcr_node import event_publisher, inventory
 from kvcr_protocol import events as ev
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,8 +77,8 @@ def test_section_15_states_the_codes_bounds() -> None:
     assert f"`{ev.REPLAY_SUFFIX}`" in SECTION
     assert f"at most {inventory.REPLAY_MAX_BATCHES} of them and {inventory.REPLAY_MAX_BYTES >> 20} MiB" in SECTION
     assert f"at most {inventory.RING_BATCHES} batches and {inventory.RING_BYTES >> 20} MiB" in SECTION
-    assert f"holds {event_stream.PUB_HWM} batches" in SECTION
-    assert f"at most {event_stream.REPLAY_REQUESTS_PER_TURN} replay requests per loop turn" in SECTION
+    assert f"holds {event_publisher.PUB_HWM} batches" in SECTION
+    assert f"at most {event_publisher.REPLAY_REQUESTS_PER_TURN} replay requests per loop turn" in SECTION
     assert f"`max_keys` ({ev.MAX_BATCH_KEYS})" in SECTION
     for kind in ev.EventKind:
         assert f'`"{kind.value}"`' in SECTION

@@ -17,6 +17,7 @@ import zmq
 
 from kvcr_client import Client, KeyStatus, Presence
 from kvcr_client.events import EventStream, InventoryMirror
+from kvcr_node.inventory import REPLAY_MAX_BATCHES
 from kvcr_protocol import ErrorCode
 from kvcr_protocol.events import (
     END_SEQ_FRAME,
@@ -207,7 +208,7 @@ def raw_replay(endpoint: str, frames: list[bytes]) -> list[list[bytes]]:
                 sock.close(0)
                 return answer
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)  # closes the socket too, should an assertion leave it open
 
 
 @pytest.mark.parametrize(
@@ -246,3 +247,37 @@ def test_hostile_replay_requests_get_a_clear_answer(
         st = assert_clean(client)
         assert counter(st, "events_replays_refused") == 1 and counter(st, "events_replays") == 1
 
+
+
+CUT_REQUESTS_MAX = 200
+"""Replay requests a requester that never reads sends at most before its queue must overflow."""
+
+
+def test_a_requester_that_never_reads_has_its_answers_cut_and_the_node_goes_on(
+    node_factory: Callable[..., NodeProcess], ipc_dir: Path,
+) -> None:
+    with events_node(node_factory, ipc_dir) as (node, endpoint), Client(node.endpoint, name="events") as client:
+        reg = Registrar(client)
+        for i in range(REPLAY_MAX_BATCHES + 8):  # one batch a deposit: whole replay answers are 513 messages
+            deposit(client, reg, [f"cut-{i}".encode()], seed=i)
+        ctx = zmq.Context()
+        try:
+            hog = ctx.socket(zmq.DEALER)
+            hog.setsockopt(zmq.RCVHWM, 1)
+            hog.connect(endpoint + ".replay")
+
+            def cut() -> bool:
+                return counter(stats(client), "events_replay_cut") >= 1
+
+            for _ in range(CUT_REQUESTS_MAX):  # asks again and again, reads nothing
+                hog.send_multipart(encode_replay_request(0))
+                if wait_until(cut, 0.2):
+                    break
+            assert cut(), "the replay queue of a requester that never reads never filled"
+        finally:
+            ctx.destroy(linger=0)
+        # The node goes on, and a requester that reads gets whole answers.
+        answer = raw_replay(endpoint, encode_replay_request(0))
+        assert len(answer) == REPLAY_MAX_BATCHES + 1 and decode_replay_end(answer[-1][2]).ok
+        reg.close()
+        assert_clean(client)

@@ -46,6 +46,8 @@ class EventPublisher:
         self.pub.setsockopt(zmq.LINGER, STOP_LINGER_MS)
         self.replay: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
         self.replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+        # A full queue raises zmq.Again instead of dropping silently, so a cut answer is counted.
+        self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.replay.setsockopt(zmq.LINGER, 0)
         self._bound: list[BoundEndpoint] = []
         try:
@@ -58,12 +60,10 @@ class EventPublisher:
         self.replay_endpoint = self._bound[1].endpoint
 
     def publish(self) -> None:
-        """Send the turn's events, numbered; a subscriber too slow to take them loses them to the HWM and replays."""
+        """Send the turn's events, numbered. A PUB never blocks nor says what it drops: a subscriber
+        too slow to take them loses them to its queue's limit, sees the gap and replays."""
         for seq, payload in self.inventory.take():
-            try:
-                self.pub.send_multipart((EVENTS_TOPIC, encode_seq(seq), payload), _NOBLOCK)
-            except zmq.Again:
-                self.counters["events_dropped"] += 1
+            self.pub.send_multipart((EVENTS_TOPIC, encode_seq(seq), payload), _NOBLOCK)
             self.counters["events_published"] += 1
 
     def serve(self) -> None:
@@ -78,8 +78,10 @@ class EventPublisher:
             for message in answer:
                 try:
                     sock.send_multipart((frames[0], *message), _NOBLOCK)
-                except zmq.Again:
-                    self.counters["events_replay_dropped"] += 1
+                except zmq.Again:  # the requester's queue is full: the answer is cut short
+                    self.counters["events_replay_cut"] += 1
+                    break
+                except zmq.ZMQError:  # the requester is gone (EHOSTUNREACH)
                     break
 
     def stop(self) -> None:
