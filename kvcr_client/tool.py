@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcr_client.client import Client
 from kvcr_client.errors import KvcrError
-from kvcr_client.events import print_events
+from kvcr_client.eventsview import print_events
 from kvcr_io import package_version
 from kvcr_io.endpoints import default_endpoint
 from kvcr_io.keys import write_keypair

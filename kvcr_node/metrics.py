@@ -4,7 +4,7 @@ The counting is plain ints and fixed-bucket arrays owned by the progress thread:
 observation is one ``bisect`` and one increment, with no lock and no Prometheus object on
 the request path. Counts kept elsewhere already (operation outcomes, refusals by code, the
 node's event counters, the store's evictions) are not counted again here: the publisher
-(``kvcr_node.metrics_snapshot``) copies them into the snapshot. The exporter thread
+(``kvcr_node.metrics_publisher``) copies them into the snapshot. The exporter thread
 (``kvcr_node.exporter``) only ever reads a published ``MetricsSnapshot`` (architecture §4).
 """
 

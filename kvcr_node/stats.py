@@ -51,6 +51,9 @@ class Stats:
         self.counters = counters
         self.protocol_errors = protocol_errors
         self.metrics = metrics
+        self.version = package_version()
+        """Read once: the installed distribution's metadata costs a lookup on the progress thread."""
+        self.memory = {spec.name: spec.memory for spec in config.pools}
         self.inventory: Inventory | None = None
         """The inventory event stream's state, when the node publishes one."""
 
@@ -62,13 +65,12 @@ class Stats:
         store = self.store.stats()
         policy = self.store.policy
         sessions = list(self.sessions)
-        memory = {spec.name: spec.memory for spec in self.config.pools}
         return {
             "node": self.config.name,
-            "version": package_version(),
+            "version": self.version,
             "incarnation": self.incarnation,
             "protocol_version": self.versions[-1],
-            "pools": {name: {**pool, "memory": memory.get(name, "dram")} for name, pool in self.store.pool_stats().items()},
+            "pools": {name: {**pool, "memory": self.memory.get(name, "dram")} for name, pool in self.store.pool_stats().items()},
             "objects": store["objects"],
             "ready": store["ready"],
             "writing": store["writing"],

@@ -1,4 +1,4 @@
-"""The metrics snapshot the exporter serves, built by the progress thread.
+"""``MetricsPublisher``: the progress thread builds the metrics snapshot the exporter serves, and publishes it.
 
 At most every ``METRICS_PUBLISH_INTERVAL_S`` (real time) the loop copies the counts into one
 immutable ``MetricsSnapshot`` and publishes it by assigning one reference: the exporter's
