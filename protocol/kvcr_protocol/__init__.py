@@ -23,7 +23,7 @@ from kvcr_protocol.columns import (
     prefix_mask,
 )
 from kvcr_protocol.descriptors import Extent, check_span_sizes, resolve_columns, resolve_span
-from kvcr_protocol.endpoints import IPC_PATH_MAX, endpoint_problem
+from kvcr_protocol.endpoints import IPC_PATH_MAX, canonical_endpoint, endpoint_problem
 from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, code_of
 from kvcr_protocol.leases import HELD, LeaseColumns, LeaseStatus
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
@@ -95,6 +95,7 @@ __all__ = [
     "RequestCodes",
     "SpanColumns",
     "WriteNotify",
+    "canonical_endpoint",
     "check_span_sizes",
     "code_of",
     "compute_projection",

@@ -10,6 +10,7 @@ never resolves a name, so it can run on the node's progress loop.
 from __future__ import annotations
 
 import ipaddress
+import posixpath
 import re
 import sys
 
@@ -96,3 +97,36 @@ def endpoint_problem(endpoint: object) -> str | None:
     if transport == "inproc":
         return "inproc endpoints live inside one process: a node never dials them"
     return f"transport {transport!r} is not one a node dials (tcp or ipc)"
+
+
+def canonical_endpoint(endpoint: object) -> str:
+    """One spelling per dialable endpoint, for comparing endpoints (an allow-list against what
+    a request names); raises ``ValueError`` with ``endpoint_problem``'s reason when it is not one.
+
+    ``tcp``: the host lower-cased without a trailing dot, an IP literal in its standard form
+    (IPv6 compressed, in brackets), the port without leading zeros. ``ipc``: the path with
+    repeated slashes and ``.``/``..`` components folded (an abstract ``@name`` as it is).
+    Purely syntactic like the check: two spellings of one address through a symlink or a
+    DNS alias stay distinct, so compare the canonical forms and dial the spelling that was
+    allowed, never the one that was asked for.
+    """
+    problem = endpoint_problem(endpoint)
+    if problem is not None:
+        raise ValueError(problem)
+    assert isinstance(endpoint, str)
+    transport, _, address = endpoint.partition("://")
+    if transport == "tcp":
+        host, _, port = address.rpartition(":")
+        if host.startswith("["):
+            host = f"[{ipaddress.IPv6Address(host[1:-1]).compressed}]"
+        else:
+            host = host.removesuffix(".").lower()
+            if all(label.isdigit() for label in host.split(".")):
+                host = str(ipaddress.IPv4Address(host))
+        return f"tcp://{host}:{int(port)}"
+    if address.startswith("@"):
+        return endpoint
+    path = posixpath.normpath(address)
+    if path.startswith("//"):
+        path = "/" + path.lstrip("/")
+    return f"ipc://{path}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcr_protocol import IPC_PATH_MAX, endpoint_problem
+from kvcr_protocol import IPC_PATH_MAX, canonical_endpoint, endpoint_problem
 
 
 @pytest.mark.parametrize(
@@ -86,3 +86,38 @@ def test_undialable_endpoints_are_refused_with_a_reason(endpoint: str, words: st
 def test_a_non_string_is_refused(value: object) -> None:
     problem = endpoint_problem(value)
     assert problem is not None and "str" in problem
+
+
+@pytest.mark.parametrize(
+    ("spellings", "canonical"),
+    [
+        (["tcp://127.0.0.1:7400", "tcp://127.0.0.1:07400"], "tcp://127.0.0.1:7400"),
+        (["tcp://[::1]:7400", "tcp://[0:0:0:0:0:0:0:1]:7400", "tcp://[::0001]:07400"], "tcp://[::1]:7400"),
+        (["tcp://[2001:DB8::7]:5", "tcp://[2001:db8:0::7]:5"], "tcp://[2001:db8::7]:5"),
+        (["tcp://Node-3.Example.COM:7400", "tcp://node-3.example.com.:7400"], "tcp://node-3.example.com:7400"),
+        (["ipc:///tmp/kvcr/node.sock", "ipc:////tmp//kvcr/./node.sock", "ipc:///tmp/x/../kvcr/node.sock"],
+         "ipc:///tmp/kvcr/node.sock"),
+        (["ipc://relative/node.sock", "ipc://./relative/node.sock"], "ipc://relative/node.sock"),
+        (["ipc://@abstract-name"], "ipc://@abstract-name"),
+    ],
+)
+def test_spellings_of_one_endpoint_have_one_canonical_form(spellings: list[str], canonical: str) -> None:
+    assert {canonical_endpoint(e) for e in spellings} == {canonical}
+    assert endpoint_problem(canonical) is None and canonical_endpoint(canonical) == canonical
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [("tcp://127.0.0.1:7400", "tcp://127.0.0.2:7400"), ("tcp://127.0.0.1:7400", "tcp://127.0.0.1:7401"),
+     ("tcp://localhost:7400", "tcp://127.0.0.1:7400"), ("ipc:///tmp/a.sock", "ipc://tmp/a.sock"),
+     ("ipc://@a", "ipc:///a"), ("ipc:///tmp/a.sock", "tcp://127.0.0.1:7400")],
+)
+def test_different_endpoints_stay_different(a: str, b: str) -> None:
+    assert canonical_endpoint(a) != canonical_endpoint(b)
+
+
+@pytest.mark.parametrize("value", ["http://127.0.0.1/", "tcp://*:5", "inproc://x", "", 5, None, "x" * 100_000])
+def test_an_undialable_endpoint_has_no_canonical_form(value: object) -> None:
+    with pytest.raises(ValueError) as info:
+        canonical_endpoint(value)
+    assert str(info.value) == endpoint_problem(value)
