@@ -40,15 +40,19 @@ HERE = Path(__file__).parent
 LOAD_TIMEOUT_S = 5.0
 """The load's deadline where the source is killed: the node gives up on it then."""
 LOADED = {"layer_waits": 4, "loads": 1, "blocks_loaded": 3, "saves": 0, "blocks_saved": 0, "save_errors": 0, "load_errors": 0, "blocks_failed": 0,
-          "leases": 1, "matched_tokens": 96}
+          "leases": 1, "matched_tokens": 96, "sources_refused": 0, "lookups_timed_out": 0, "lookup_errors": 0}
 """Four layers, three full blocks of 32 of a 100-token prompt: one lease, one load, a wait per layer."""
+PATIENT = {"lookup_timeout_s": 30.0}
+"""A lookup (a first dial to a source included) answered in time on a loaded machine; meanwhile
+vLLM's scheduler is told "not yet" and steps again."""
 SAVED = {**dict.fromkeys(LOADED, 0), "saves": 1, "blocks_saved": 3}
 
 require_engines(VLLM_PY)
 
 
-def vllm(*args: str) -> dict[str, object]:
-    return run_example("vllm_prefix.py", *args, timeout_s=TIMEOUT_S, python=VLLM_PY)
+def vllm(*args: str, extra: dict[str, object] | None = None) -> dict[str, object]:
+    return run_example("vllm_prefix.py", *args, "--extra", json.dumps({**PATIENT, **(extra or {})}),
+                       timeout_s=TIMEOUT_S, python=VLLM_PY)
 
 
 def node_record(node: NodeProcess) -> tuple[int, int]:
@@ -129,10 +133,16 @@ def test_across_two_nodes(node_factory: Callable[..., NodeProcess], tmp_path: Pa
     assert r["loaded"] == LOADED, r["loaded"]
     assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
     # The source named per request instead, in kv_transfer_params (what the saving engine's
-    # request_finished returns), as a decode engine on another host would get it.
-    r = vllm("load", "--node", node_a.endpoint, "--params-source", node_b.endpoint, "--reference", str(reference))
+    # request_finished returns), as a decode engine on another host would get it: used where
+    # the operator allowed it, refused where not: nothing dialled, a miss, the prompt computed
+    # (and its blocks saved in A, which is why this run comes last).
+    r = vllm("load", "--node", node_a.endpoint, "--params-source", node_b.endpoint, "--reference", str(reference),
+             extra={"allowed_sources": [node_b.endpoint]})
     assert r["loaded"] == LOADED, r["loaded"]
     assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
+    r = vllm("load", "--node", node_a.endpoint, "--params-source", node_b.endpoint, "--reference", str(reference))
+    assert r["loaded"] == {**SAVED, "sources_refused": 1}, r["loaded"]
+    assert r["same_tokens"] is True and r["same_logprobs"] is True, r
     assert_nodes_clean(node_a, node_b)
 
 
@@ -167,7 +177,7 @@ def test_source_killed_after_the_lease(node_factory: Callable[..., NodeProcess],
     vllm("save", "--node", node_b.endpoint, "--out", str(reference))
     r = run_example("vllm_prefix.py", "load", "--node", node_a.endpoint, "--source", node_b.endpoint,
                     "--reference", str(reference), "--connector", "vllm_faults.SourceKilledAfterLease",
-                    "--extra", json.dumps({"kill_pid": node_b.proc.pid, "load_timeout_s": LOAD_TIMEOUT_S}),
+                    "--extra", json.dumps({**PATIENT, "kill_pid": node_b.proc.pid, "load_timeout_s": LOAD_TIMEOUT_S}),
                     timeout_s=TIMEOUT_S, python=VLLM_PY,
                     env={"PYTHONPATH": os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))})
     assert node_b.proc.wait(10) == -signal.SIGKILL

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,14 @@ LOADED_PROMPT = [(7 * i + 3) % 500 + 10 for i in range(100)]
 CHUNKED_PROMPT = [(11 * i + 5) % 500 + 10 for i in range(200)]
 
 
-def scheduler(endpoint: str) -> Scheduler:
+PATIENT = {"lookup_timeout_s": 30.0, "lookup_wait_s": 30.0}
+"""Lookups answered within the call that starts them, so that each step is the same on a loaded
+machine (``vllm_sources_driver.py`` drives the "not yet" answers)."""
+
+
+def scheduler(endpoint: str, extra: dict[str, Any] | None = None) -> Scheduler:
+    """vLLM's ``Scheduler`` with the connector on node ``endpoint``; ``extra`` adds to (or
+    replaces ``PATIENT`` in) its extra config."""
     folder = Path(tempfile.mkdtemp(prefix="kvcr-tiny-llama-"))
     (folder / "config.json").write_text(json.dumps(CONFIG))
     config = EngineArgs(
@@ -69,7 +77,8 @@ def scheduler(endpoint: str) -> Scheduler:
                                             kv_connector_module_path="kvcr_client.integrations.vllm",
                                             kv_role="kv_both", kv_load_failure_policy="recompute",
                                             kv_connector_extra_config={"endpoint": endpoint,
-                                                                       "model_id": "kvcr-tiny-llama-dummy"}),
+                                                                       "model_id": "kvcr-tiny-llama-dummy",
+                                                                       **(PATIENT if extra is None else extra)}),
     ).create_engine_config()
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
@@ -99,8 +108,10 @@ def meta_of(out: Any) -> dict[str, Any]:
 
 def step(sched: Scheduler, prompts: dict[str, list[int]]) -> dict[str, Any]:
     """One schedule and its made-up model output; what the scheduler and connector did."""
+    began = time.perf_counter()
     out = sched.schedule()
     record: dict[str, Any] = {
+        "schedule_s": time.perf_counter() - began,
         "new": {r.req_id: {"num_computed_tokens": r.num_computed_tokens} for r in out.scheduled_new_reqs},
         "scheduled": dict(out.num_scheduled_tokens),
         "block_ids": {rid: list(sched.kv_cache_manager.get_block_ids(rid)[0]) for rid in out.num_scheduled_tokens},
