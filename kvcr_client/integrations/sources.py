@@ -8,6 +8,14 @@ only a source the operator listed (``allowed``, plus the configured default) or 
 own node (what the engine itself advertises to a decode engine elsewhere). Anything else is
 refused before any socket sees it, and the request is looked up as if it named nothing.
 
+Why the engine does not simply trust the endpoint a producer engine advertises (what
+vLLM's ``request_finished`` returns, for a decode engine elsewhere): it reaches the decode
+engine through the client or a proxy, inside the request, where a forged one reads the
+same. Trusting it would need it authenticated by the producer (a MAC under a key the
+engines share), which is one more secret to deploy and rotate; the allow-list needs none and
+fails closed: a decode engine's operator lists the producer nodes it may load from, and a
+producer's self-naming then selects among them.
+
 Endpoints are compared in canonical form (``kvcr_protocol.canonical_endpoint``); the
 endpoint handed on is always the operator's spelling, never the request's. Pure: no I/O, no
 engine, a clock passed in, so that the policy and its logging are tested in process.
