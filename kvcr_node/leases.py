@@ -17,6 +17,7 @@ import enum
 import heapq
 import itertools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -79,6 +80,8 @@ class SourceHold:
     source_lease: int = 0
     held: tuple[bytes, ...] = ()
     """The keys the source holds (HELD)."""
+    incarnation: int = 0
+    """The source's incarnation that granted ``source_lease`` (its lease ids are its own)."""
 
 
 @dataclass(eq=False)
@@ -103,7 +106,12 @@ class LeaseRecord:
     expires: float
     entries: list[ObjectEntry] = field(default_factory=list)
     slots: int = 0
-    """Slots of ``entries``, counted against the session's ``max_leased_slots_per_session``."""
+    """Slots of ``entries``, and one per key still asked of a source (``waiting``), counted
+    against the session's ``max_leased_slots_per_session``."""
+    waiting: int = 0
+    """Keys asked of sources not yet answered: a pending lease counts them (spec section 6.11)."""
+    pool_slots: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Pool -> slots of ``entries`` there, counted against the session's share of the pool."""
     sources: list[SourceHold] = field(default_factory=list)
     reply: PendingReply | None = None
 
@@ -132,6 +140,9 @@ class Leases:
         self.pinned: dict[str, int] = dict.fromkeys(store.pools, 0)
         """Pool -> slots of objects held by at least one lease."""
         self.pin_limit = {name: int(config.lease_pool_fraction * spec.slot_count) for name, spec in store.pools.items()}
+        """Pool -> its lease budget: the slots leased objects may pin."""
+        self.session_count: Callable[[], int] = lambda: 1
+        """How many sessions (clients and peers) the node serves now; the node sets it."""
         self._ids = itertools.count(1)
         self._expiry: list[tuple[float, int]] = []
         """(expires, lease id), a heap; an entry whose lease was renewed or ended is skipped."""
@@ -149,6 +160,7 @@ class Leases:
             return
         now = self.clock()
         ttl = self._granted(msg.ttl_ms)
+        shares = self.shares()
         record = LeaseRecord(next(self._ids), session, ttl, now + ttl / 1000)
         keys = msg.keys
         status, tier = bytearray(len(keys)), bytearray(len(keys))
@@ -162,12 +174,21 @@ class Leases:
             entry = self.store.lookup(key)
             if entry is None:
                 if hint is not None and key in hint[1] and hint[0] != self.endpoint:
+                    if session.leased_slots + 1 > self.config.max_leased_slots_per_session:
+                        # A key asked of a source counts one slot while it waits (spec section
+                        # 6.11): a flood of pending leases meets the session's limit.
+                        self.counters["keys_refused_limit"] += 1
+                        status[i], tier[i] = LeaseStatus.LEASE_LIMIT, _REMOTE_TIER_INDEX
+                        continue
                     remote.setdefault(hint[0], []).append(i)
+                    record.waiting += 1
+                    record.slots += 1
+                    session.leased_slots += 1
                 continue  # MISS: status 0, tier 0
             tier[i] = 2 + (entry.lookup - 2) // 2  # the store's lookup code says the tier
             if entry.state is ObjectState.WRITING:
                 status[i] = LeaseStatus.PENDING
-            elif self._fits(session, entry):
+            elif self._fits(session, entry, shares):
                 self._hold(record, entry)
                 status[i] = LeaseStatus.LEASED
             else:
@@ -250,11 +271,21 @@ class Leases:
 
     # ------------------------------------------------------------------ holding
 
-    def _fits(self, session: ClientSession, entry: ObjectEntry) -> bool:
-        """Whether holding ``entry`` keeps the session and every pool within the lease limits."""
+    def shares(self) -> dict[str, int]:
+        """Pool -> the slots one session's leases may hold there: its share of the pool's
+        lease budget, ceil(max(lease_session_fraction, 1/sessions) * budget) (spec section 6.11)."""
+        fraction = max(self.config.lease_session_fraction, 1 / max(1, self.session_count()))
+        return {pool: min(limit, math.ceil(fraction * limit)) for pool, limit in self.pin_limit.items()}
+
+    def _fits(self, session: ClientSession, entry: ObjectEntry, shares: dict[str, int]) -> bool:
+        """Whether holding ``entry`` keeps the session (its slots, its share of each pool) and
+        every pool within the lease limits."""
         slots = len(entry.info.layout)
         if session.leased_slots + slots > self.config.max_leased_slots_per_session:  # ``_hold`` counts there at once
             return False
+        held = session.pool_slots
+        if any(held[pool] + count > shares[pool] for pool, count in entry.info.need):
+            return False  # an object another session pinned counts for this one too: it holds it
         if entry.key in self.holders:
             return True  # already pinned by another lease: it pins nothing more
         return all(self.pinned[pool] + count <= self.pin_limit[pool] for pool, count in entry.info.need)
@@ -265,6 +296,9 @@ class Leases:
         slots = len(entry.info.layout)
         record.slots += slots
         record.session.leased_slots += slots
+        for pool, count in entry.info.need:
+            record.pool_slots[pool] += count
+            record.session.pool_slots[pool] += count
         held = self.holders.get(entry.key, 0)
         if not held:
             for pool, count in entry.info.need:
@@ -307,8 +341,16 @@ class Leases:
             self._tell(record.session, record.id, code, reason, ())
 
     def _forget(self, record: LeaseRecord) -> None:
-        record.session.leased_slots -= record.slots
-        record.slots = 0
+        session = record.session
+        session.leased_slots -= record.slots
+        record.slots = record.waiting = 0
+        for pool, count in record.pool_slots.items():
+            left = session.pool_slots[pool] - count
+            if left:
+                session.pool_slots[pool] = left
+            else:
+                del session.pool_slots[pool]
+        record.pool_slots.clear()
         record.session.leases.discard(record.id)
         self.table.pop(record.id, None)
         self._asking.pop(record.id, None)
@@ -375,6 +417,10 @@ class Leases:
                 self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, SOURCE_ANSWER_S)
             return
         pending = record.reply
+        waited = len(hold.indices)  # answered: those keys no longer count as waiting
+        record.waiting -= waited
+        record.slots -= waited
+        record.session.leased_slots -= waited
         held: list[bytes] = []
         columns = reply.columns if isinstance(reply, LeaseReply) else None
         if columns is not None and len(columns) == len(hold.indices):
@@ -477,14 +523,25 @@ class Leases:
         breaches: list[str] = []
         holders: collections.Counter[bytes] = collections.Counter()
         slots: collections.Counter[int] = collections.Counter()
+        pool_slots: dict[int, collections.Counter[str]] = {}
         for lease, record in self.table.items():
             if lease not in record.session.leases:
                 breaches.append(f"lease {lease} is not in its session")
+            own: collections.Counter[str] = collections.Counter()
             for entry in record.entries:
                 holders[entry.key] += 1
                 if self.store.lookup(entry.key) is not entry or entry.claims < 1:
                     breaches.append(f"lease {lease} holds {entry.key!r}, which is not a claimed stored object")
+                for pool, count in entry.info.need:
+                    own[pool] += count
+            waiting = sum(len(h.indices) for h in record.sources if h.state is HoldState.ASKING) if record.reply else 0
+            if record.waiting != waiting or record.slots != sum(len(e.info.layout) for e in record.entries) + waiting:
+                breaches.append(f"lease {lease}: {record.slots} slots and {record.waiting} keys waiting, it holds "
+                                f"{len(record.entries)} objects and waits on {waiting} keys")
+            if +record.pool_slots != +own:
+                breaches.append(f"lease {lease}: pool slots {dict(record.pool_slots)} disagree with its objects {dict(own)}")
             slots[id(record.session)] += record.slots
+            pool_slots.setdefault(id(record.session), collections.Counter()).update(own)
         if dict(holders) != self.holders:
             breaches.append(f"lease holders {len(self.holders)} disagree with the leases ({len(holders)})")
         pinned = dict.fromkeys(self.pinned, 0)
@@ -499,6 +556,9 @@ class Leases:
             session = record.session
             if slots[id(session)] != session.leased_slots:
                 breaches.append(f"session {session.name}: leased slots {session.leased_slots}, leases hold {slots[id(session)]}")
+            if +session.pool_slots != +pool_slots[id(session)]:
+                breaches.append(f"session {session.name}: pool slots {dict(session.pool_slots)}, leases hold "
+                                f"{dict(pool_slots[id(session)])}")
         return breaches
 
 
