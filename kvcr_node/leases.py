@@ -141,8 +141,9 @@ class Leases:
         """Pool -> slots of objects held by at least one lease."""
         self.pin_limit = {name: int(config.lease_pool_fraction * spec.slot_count) for name, spec in store.pools.items()}
         """Pool -> its lease budget: the slots leased objects may pin."""
-        self.session_count: Callable[[], int] = lambda: 1
-        """How many sessions (clients and peers) the node serves now; the node sets it."""
+        self.session_count: Callable[[], int] = lambda: 0
+        """How many sessions (clients and peers) the node serves now that announced memory or
+        hold a lease: those that share the lease budgets (the node sets it)."""
         self._ids = itertools.count(1)
         self._expiry: list[tuple[float, int]] = []
         """(expires, lease id), a heap; an entry whose lease was renewed or ended is skipped."""
@@ -160,7 +161,7 @@ class Leases:
             return
         now = self.clock()
         ttl = self._granted(msg.ttl_ms)
-        shares = self.shares()
+        shares = self.shares(session)
         record = LeaseRecord(next(self._ids), session, ttl, now + ttl / 1000)
         keys = msg.keys
         status, tier = bytearray(len(keys)), bytearray(len(keys))
@@ -271,10 +272,12 @@ class Leases:
 
     # ------------------------------------------------------------------ holding
 
-    def shares(self) -> dict[str, int]:
-        """Pool -> the slots one session's leases may hold there: its share of the pool's
-        lease budget, ceil(max(lease_session_fraction, 1/sessions) * budget) (spec section 6.11)."""
-        fraction = max(self.config.lease_session_fraction, 1 / max(1, self.session_count()))
+    def shares(self, session: ClientSession) -> dict[str, int]:
+        """Pool -> the slots ``session``'s leases may hold there: its share of the pool's lease
+        budget, ceil(max(lease_session_fraction, 1/sessions) * budget), counting the sessions
+        that announced memory or hold leases, and this one (spec section 6.11)."""
+        sessions = self.session_count() + (0 if session.regions or session.leases else 1)
+        fraction = max(self.config.lease_session_fraction, 1 / max(1, sessions))
         return {pool: min(limit, math.ceil(fraction * limit)) for pool, limit in self.pin_limit.items()}
 
     def _fits(self, session: ClientSession, entry: ObjectEntry, shares: dict[str, int]) -> bool:
@@ -364,6 +367,23 @@ class Leases:
                 self.counters["ended_with_session"] += 1
                 self.end_lease(record)
 
+    def carry_over(self, old: ClientSession, new: ClientSession) -> None:
+        """A target reconnected (same incarnation, a new peer session): the leases of its old
+        session go on in the new one, with their ids, so that a brief outage loses none
+        (spec section 6.11)."""
+        for lease in sorted(old.leases):
+            record = self.table.get(lease)
+            if record is None or record.session is not old:
+                continue
+            record.session = new
+            new.leases.add(lease)
+            new.leased_slots += record.slots
+            new.pool_slots.update(record.pool_slots)
+            self.counters["carried_over"] += 1
+        old.leases.clear()
+        old.leased_slots = 0
+        old.pool_slots.clear()
+
     def end_all(self, code: ErrorCode, reason: str) -> None:
         """At shutdown: every lease ends and its client is told."""
         for record in list(self.table.values()):
@@ -413,8 +433,7 @@ class Leases:
         if hold.state is not HoldState.ASKING or self.table.get(record.id) is not record or record.reply is None:
             # Too late (answered UNREACHABLE, or the lease ended): hold nothing there.
             if isinstance(reply, LeaseReply) and reply.lease:
-                source_lease = reply.lease
-                self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, SOURCE_ANSWER_S)
+                self._release_granted(hold.endpoint, reply.lease)
             return
         pending = record.reply
         waited = len(hold.indices)  # answered: those keys no longer count as waiting
@@ -445,33 +464,44 @@ class Leases:
                 pending.status[i], pending.tier[i] = answer, _REMOTE_TIER_INDEX
         if held and isinstance(reply, LeaseReply) and reply.lease:
             hold.state, hold.source_lease, hold.held = HoldState.HELD, reply.lease, tuple(held)
-            self.links.hold_lease(hold.endpoint, reply.lease)
+            hold.incarnation = self.links.hold_lease(hold.endpoint, reply.lease)
         else:
             hold.state = HoldState.ENDED
             if isinstance(reply, LeaseReply) and reply.lease:  # it holds nothing we count: let it go
-                source_lease = reply.lease
-                self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, SOURCE_ANSWER_S)
+                self._release_granted(hold.endpoint, reply.lease)
         pending.asking -= 1
         if pending.asking == 0:
             record.reply = None
             self._asking.pop(record.id, None)
             self._answer(record, pending.request_id, pending.keys, pending.status, pending.tier)
 
+    def _release_granted(self, endpoint: str, source_lease: int) -> None:
+        """A source granted a lease we do not keep: release it there (its lease id is the
+        incarnation's that answered just now)."""
+        self.links.ask(endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, SOURCE_ANSWER_S,
+                       self.links.incarnation(endpoint))
+
     def _release_at_source(self, hold: SourceHold) -> None:
         if hold.state is HoldState.HELD:
             source_lease = hold.source_lease
             self.links.release_lease(hold.endpoint, source_lease)
-            self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, SOURCE_ANSWER_S)
+            # Through an outage the release waits for the link to come back, up to peer_dead_ms.
+            wait_s = max(SOURCE_ANSWER_S, self.config.peer_dead_ms / 1000)
+            self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, wait_s, hold.incarnation)
         hold.state = HoldState.ENDED
 
-    def _renew_at_source(self, record: LeaseRecord, hold: SourceHold, ttl: int) -> None:
+    def _renew_at_source(self, record: LeaseRecord, hold: SourceHold, ttl: int, lost: ErrorCode = ErrorCode.LEASE_EXPIRED) -> None:
         source_lease = hold.source_lease
         self.links.ask(hold.endpoint, lambda i: RenewLease(i, source_lease, ttl),
-                       lambda reply, code: self._renewed_at_source(record, hold, reply), SOURCE_ANSWER_S)
+                       lambda reply, code: self._renewed_at_source(record, hold, source_lease, reply, lost),
+                       SOURCE_ANSWER_S, hold.incarnation)
 
-    def _renewed_at_source(self, record: LeaseRecord, hold: SourceHold, reply: Message | None) -> None:
-        if isinstance(reply, Error) and reply.code == ErrorCode.UNKNOWN_LEASE and hold.state is HoldState.HELD:
-            self._lost_at_source(record, hold, ErrorCode.LEASE_EXPIRED, f"the source {hold.endpoint} no longer holds them")
+    def _renewed_at_source(
+        self, record: LeaseRecord, hold: SourceHold, source_lease: int, reply: Message | None, lost: ErrorCode,
+    ) -> None:
+        if (isinstance(reply, Error) and reply.code == ErrorCode.UNKNOWN_LEASE and hold.state is HoldState.HELD
+                and hold.source_lease == source_lease):
+            self._lost_at_source(record, hold, lost, f"the source {hold.endpoint} no longer holds them")
 
     def _lost_at_source(self, record: LeaseRecord, hold: SourceHold, code: ErrorCode, reason: str) -> None:
         """The source no longer holds ``hold``'s keys: the client is told which."""
@@ -491,9 +521,24 @@ class Leases:
                                      f"the source {link.endpoint} ended its lease: {msg.reason}")
 
     def source_lost(self, link: PeerLink, code: ErrorCode) -> None:
-        """A source restarted or is gone: nothing it held for us is held any more."""
+        """A source restarted or is gone: nothing it held for us is held any more. The client
+        hears PEER_RESTARTED or PEER_UNREACHABLE, the codes a ``lease_end`` carries (spec
+        section 10.1), whatever made the link give up."""
+        restarted = code is ErrorCode.PEER_RESTARTED
+        code = code if restarted else ErrorCode.PEER_UNREACHABLE
+        reason = "restarted" if restarted else f"is unreachable (down past peer_dead_ms={self.config.peer_dead_ms})"
         for record, hold in self._holds(link.endpoint):
-            self._lost_at_source(record, hold, code, f"the source {link.endpoint} {'restarted' if code is ErrorCode.PEER_RESTARTED else 'is unreachable'}")
+            self._lost_at_source(record, hold, code, f"the source {link.endpoint} {reason}")
+
+    def source_resumed(self, link: PeerLink) -> None:
+        """The link came back to the same incarnation within ``peer_dead_ms``: the source kept
+        our leases (spec section 6.11). Each is renewed to its time left, which also tells
+        whether the source still holds it; one it does not is lost (PEER_UNREACHABLE)."""
+        now = self.clock()
+        for record, hold in self._holds(link.endpoint):
+            self.counters["resumed_at_source"] += 1
+            left_ms = max(1, int((record.expires - now) * 1000))
+            self._renew_at_source(record, hold, left_ms, ErrorCode.PEER_UNREACHABLE)
 
     def _holds(self, endpoint: str) -> list[tuple[LeaseRecord, SourceHold]]:
         return [(r, h) for r in list(self.table.values()) for h in r.sources

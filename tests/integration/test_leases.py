@@ -179,6 +179,8 @@ def test_one_client_cannot_take_the_whole_lease_budget(node_factory: Callable[..
     n = node_factory("--pool", "kv:4KiB:64", "--lease-pool-fraction", "0.5")
     with Client(n.endpoint, name="greedy") as greedy, Client(n.endpoint, name="victim") as victim:
         reg = Registrar(greedy)
+        victim_reg = Registrar(victim)
+        victim_reg(pattern(SLOT, 12))  # an engine announces its memory: it shares the budgets from then on
         keys = [b"g%d" % i for i in range(32)]
         others = [b"v%d" % i for i in range(16)]
         put(greedy, reg, keys + others, seed=11)
@@ -192,6 +194,7 @@ def test_one_client_cannot_take_the_whole_lease_budget(node_factory: Callable[..
         for lease in (grab, mine):
             lease.release().result(RESULT_TIMEOUT_S)
         reg.close()
+        victim_reg.close()
         assert_clean(greedy)
 
 

@@ -37,7 +37,8 @@ def hint(a: Any, b: Any, keys: list[bytes], request_id: str = "r") -> str:
 
 
 def test_remote_lease_holds_at_the_source_and_serves_a_planned_deliver(sites: Sites) -> None:
-    a, b = sites.start("a", ("b", {"pools": ("--pool", "kv:64KiB:8"), "args": ("--policy", "fifo", "--lease-pool-fraction", "1")}))
+    a, b = sites.start("a", ("b", {"pools": ("--pool", "kv:64KiB:8"), "args": ("--policy", "fifo", "--lease-pool-fraction", "1",
+                                                                                 "--lease-session-fraction", "1")}))
     srcs = {k: b.deposit(k, LAYOUT, seed=i) for i, k in enumerate([b"k0", b"k1"])}
     rid = hint(a, b, [b"k0", b"k1", b"gone"])
     lease = a.client.lease([b"k0", b"k1", b"gone", b"nowhere"], request_id=rid, ttl_ms=60_000).result(RESULT_TIMEOUT_S)

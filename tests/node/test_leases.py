@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvcr_node.config import NodeConfig
@@ -45,6 +46,14 @@ def config(ipc_dir: Path, **changes: Any) -> NodeConfig:
 @pytest.fixture(scope="module")
 def agent() -> Iterator[ClientAgent]:
     a = ClientAgent("leases-client")
+    yield a
+    a.close()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[ClientAgent]:
+    """An agent with memory announced (regions), as an engine's: its sessions share lease budgets."""
+    a = ClientAgent("leases-engine", np.zeros(SLOT, dtype=np.uint8))
     yield a
     a.close()
 
@@ -209,20 +218,24 @@ def test_shutdown_ends_every_lease_and_tells_its_client(ipc_dir: Path, agent: Cl
         at_rest(d)
 
 
-def test_a_session_holds_at_most_its_share_of_a_pools_lease_budget(ipc_dir: Path, agent: ClientAgent) -> None:
+def test_a_session_holds_at_most_its_share_of_a_pools_lease_budget(
+    ipc_dir: Path, agent: ClientAgent, engine: ClientAgent,
+) -> None:
     """Audit row 8: one client leased a pool's whole budget and every other got LEASE_LIMIT.
     A session now holds at most ceil(max(lease_session_fraction, 1/sessions) * budget)."""
     with node_driver(config(ipc_dir, lease_pool_fraction=1.0, lease_session_fraction=0.25)) as d:
         keys = [b"k%d" % i for i in range(16)]
         for k in keys:
             stored(d, k)
-        d.hello(b"alone", agent)
-        # A lone session may take the whole budget (1/sessions = 1): what a single engine expects.
+        d.hello(b"alone", engine)
+        for n in range(3):
+            d.hello(b"tool%d" % n, agent)  # sessions without memory or leases (tools) share nothing
+        # A lone engine may take the whole budget (1/sessions = 1): what a single engine expects.
         alone = reply_of(d.receive(b"alone", Lease(2, tuple(keys))), 2)
         assert statuses(alone) == [LeaseStatus.LEASED] * 16
         assert d.receive(b"alone", ReleaseLease(3, alone.lease)) == [Ack(3)]
-        # Two sessions: each may hold half of the 16 slots; the greedy one is refused beyond.
-        d.hello(b"greedy", agent)
+        # Two engines: each may hold half of the 16 slots; the greedy one is refused beyond.
+        d.hello(b"greedy", engine)
         greedy = reply_of(d.receive(b"greedy", Lease(2, tuple(keys), None, 600_000)), 2)
         assert statuses(greedy) == [LeaseStatus.LEASED] * 8 + [LeaseStatus.LEASE_LIMIT] * 8
         more = reply_of(d.receive(b"greedy", Lease(3, tuple(keys[8:]))), 3)
@@ -239,7 +252,7 @@ def test_a_session_holds_at_most_its_share_of_a_pools_lease_budget(ipc_dir: Path
         assert d.receive(b"alone", ReleaseLease(6, victim.lease)) == [Ack(6)]
         # Eight sessions: the share is the floor, a quarter (4 slots), not an eighth.
         for n in range(6):
-            d.hello(b"idle%d" % n, agent)
+            d.hello(b"idle%d" % n, engine)
         fourth = reply_of(d.receive(b"alone", Lease(7, tuple(keys[8:]))), 7)
         assert statuses(fourth) == [LeaseStatus.LEASED] * 4 + [LeaseStatus.LEASE_LIMIT] * 4
         # A renewal pins nothing more and is never refused for the share.
@@ -249,13 +262,13 @@ def test_a_session_holds_at_most_its_share_of_a_pools_lease_budget(ipc_dir: Path
         at_rest(d)
 
 
-def test_a_share_of_one_lets_a_session_take_the_whole_budget(ipc_dir: Path, agent: ClientAgent) -> None:
+def test_a_share_of_one_lets_a_session_take_the_whole_budget(ipc_dir: Path, engine: ClientAgent) -> None:
     with node_driver(config(ipc_dir, lease_pool_fraction=0.5, lease_session_fraction=1.0)) as d:
         keys = [b"k%d" % i for i in range(16)]
         for k in keys:
             stored(d, k)
-        d.hello(b"c", agent)
-        d.hello(b"other", agent)
+        d.hello(b"c", engine)
+        d.hello(b"other", engine)
         reply = reply_of(d.receive(b"c", Lease(2, tuple(keys))), 2)
         assert statuses(reply) == [LeaseStatus.LEASED] * 8 + [LeaseStatus.LEASE_LIMIT] * 8  # the pool's budget
         assert d.receive(b"c", ReleaseLease(3, reply.lease)) == [Ack(3)]
