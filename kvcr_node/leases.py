@@ -50,8 +50,9 @@ log = logging.getLogger("kvcr.node")
 REMOTE_TIER = "remote"
 """The tier a key held by a source is reported in (as for queries)."""
 SOURCE_ANSWER_S = 2.0
-"""How long a lease waits for a source's answer; its keys then answer UNREACHABLE (a late
-answer that leased something is released at once)."""
+"""How long a lease waits for a source's answer, whether the link is up or not (``Links``
+gives the request up then too); its keys then answer UNREACHABLE (a late answer that leased
+something is released at once)."""
 EXPIRY_SLACK = 64
 """Stale expiry entries (of leases renewed or ended) tolerated beyond twice the live leases."""
 _REMOTE_TIER_INDEX = 1
