@@ -570,9 +570,11 @@ class Links:
                     ask.answer(None, ErrorCode.PEER_UNREACHABLE)
             if link.asks:
                 self._give_up_asks(link, now)
-            if link.leases and link.state is LinkState.DOWN and link.down_since is not None \
+            if link.leases and link.state is not LinkState.READY and link.down_since is not None \
                     and (now - link.down_since) * 1000 >= self.config.peer_dead_ms:
-                # Down past peer_dead_ms: the source is taken as gone, and its leases with it.
+                # Without a session since it went down, for peer_dead_ms (reconnected to a
+                # listener that never welcomes counts too): the source is taken as gone, and
+                # its leases with it.
                 self.counters["source_leases_dead"] += len(link.leases)
                 self._lose_leases(link, ErrorCode.PEER_UNREACHABLE)
             for write in list(link.queued):
@@ -621,7 +623,7 @@ class Links:
         if any(link.writes or link.queued or link.asks_queued or link.asks for link in self):
             times.append(now + WRITE_POLL_S)
         down = [link.down_since + self.config.peer_dead_ms / 1000 for link in self
-                if link.leases and link.down_since is not None and link.state is LinkState.DOWN]
+                if link.leases and link.down_since is not None and link.state is not LinkState.READY]
         times.extend(down)
         idle = [link.last_used for link in self if not link.busy]
         if idle:

@@ -335,6 +335,26 @@ def test_a_remote_lease_outlives_a_disconnect_until_peer_dead_ms(
         at_rest(d)
 
 
+def test_a_link_reconnected_to_a_listener_that_never_welcomes_is_down_for_leases(
+    ipc_dir: Path, agent: ClientAgent, context: zmq.Context[Any],
+) -> None:
+    source = Source(context, f"ipc://{ipc_dir}/source.sock")
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        lease = held_remote_lease(d, source)
+        link = disconnect(d, source)
+        silent = Source(context, source.endpoint)  # something listens there, and never answers
+        pump(d, lambda: link.state is LinkState.CONNECTING, "the link did not reconnect")
+        assert isinstance(silent.recv(), PeerHello)
+        d.tick(PEER_DEAD_MS / 1000)
+        ended = d.sent(b"c")
+        assert len(ended) == 1 and isinstance(ended[0], LeaseEnded), ended
+        assert (ended[0].code, ended[0].keys) == (ErrorCode.PEER_UNREACHABLE, HINTED)
+        assert d.receive(b"c", ReleaseLease(4, lease)) == [Ack(4)]
+        at_rest(d)
+        silent.close()
+
+
 def test_a_source_back_as_a_new_incarnation_ends_its_keys_peer_restarted(
     ipc_dir: Path, agent: ClientAgent, context: zmq.Context[Any],
 ) -> None:
