@@ -36,6 +36,7 @@ SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("max_leases_per_session", int, "leases one client may hold before LEASE_LIMIT"),
     ("max_leased_slots_per_session", int, "slots one client's leases may hold (LEASE_LIMIT past it)"),
     ("lease_pool_fraction", float, "fraction of each pool's slots leases may pin (LEASE_LIMIT past it)"),
+    ("lease_session_fraction", float, "share of each pool's lease budget one client may hold, at least 1/clients"),
     ("curve_secret_key", str, "file with the node's CurveZMQ secret key (enables authentication)"),
     ("curve_public_key", str, "file with the node's CurveZMQ public key"),
     ("curve_allow", str, "file of allowed client and peer public keys, one per line"),

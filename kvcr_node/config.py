@@ -114,6 +114,10 @@ class NodeConfig:
     lease_pool_fraction: float = 0.5
     """The fraction of each pool's slots that leased objects may pin, so that leases cannot
     starve the cache; a key past it answers LEASE_LIMIT."""
+    lease_session_fraction: float = 0.125
+    """The share of each pool's lease budget one session may hold: at most
+    ceil(max(this, 1/sessions) * budget) slots, so that one client cannot starve the others
+    (spec section 6.11); 1 lets any session take the whole budget."""
     max_frame: int = 8 << 20
     """Bytes in one control frame; larger ones are refused (TOO_LARGE) or cut off."""
     curve_secret_key: str = ""
@@ -177,6 +181,8 @@ class NodeConfig:
             raise ConfigError("policy", f"expected 'fifo', 'lru' or 'module:Class', got {self.policy!r}")
         if isinstance(self.lease_pool_fraction, bool) or not 0.0 <= self.lease_pool_fraction <= 1.0:
             raise ConfigError("lease_pool_fraction", f"expected a fraction in [0, 1], got {self.lease_pool_fraction!r}")
+        if isinstance(self.lease_session_fraction, bool) or not 0.0 <= self.lease_session_fraction <= 1.0:
+            raise ConfigError("lease_session_fraction", f"expected a fraction in [0, 1], got {self.lease_session_fraction!r}")
         if not 0.0 <= self.low_watermark < 1.0:
             raise ConfigError("low_watermark", f"expected a fraction in [0, 1), got {self.low_watermark!r}")
         if self.protocol_version not in SUPPORTED_VERSIONS:
@@ -280,7 +286,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "curve_public_key": str, "curve_allow": str, "curve_peer_key": str,
     "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int, "lease_ttl_ms": int, "max_lease_ttl_ms": int,
     "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
-    "metrics_port": int, "metrics_address": str,
+    "lease_session_fraction": (int, float), "metrics_port": int, "metrics_address": str,
     "events_endpoint": str, "events_replay_endpoint": str,
 }
 
@@ -311,5 +317,5 @@ def from_mapping(raw: dict[str, Any], base: NodeConfig | None = None) -> NodeCon
             raise ConfigError(key, "unknown configuration field")
         if (expected is bool) != isinstance(value, bool) or not isinstance(value, expected):
             raise ConfigError(key, f"wrong type {type(value).__name__}")
-        changes[key] = float(raw[key]) if key in ("low_watermark", "lease_pool_fraction") else raw[key]
+        changes[key] = float(raw[key]) if key in ("low_watermark", "lease_pool_fraction", "lease_session_fraction") else raw[key]
     return replace(config, **changes).validated()

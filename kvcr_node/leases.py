@@ -17,6 +17,7 @@ import enum
 import heapq
 import itertools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -49,8 +50,9 @@ log = logging.getLogger("kvcr.node")
 REMOTE_TIER = "remote"
 """The tier a key held by a source is reported in (as for queries)."""
 SOURCE_ANSWER_S = 2.0
-"""How long a lease waits for a source's answer; its keys then answer UNREACHABLE (a late
-answer that leased something is released at once)."""
+"""How long a lease waits for a source's answer, whether the link is up or not (``Links``
+gives the request up then too); its keys then answer UNREACHABLE (a late answer that leased
+something is released at once)."""
 EXPIRY_SLACK = 64
 """Stale expiry entries (of leases renewed or ended) tolerated beyond twice the live leases."""
 _REMOTE_TIER_INDEX = 1
@@ -79,6 +81,8 @@ class SourceHold:
     source_lease: int = 0
     held: tuple[bytes, ...] = ()
     """The keys the source holds (HELD)."""
+    incarnation: int = 0
+    """The source's incarnation that granted ``source_lease`` (its lease ids are its own)."""
 
 
 @dataclass(eq=False)
@@ -103,7 +107,12 @@ class LeaseRecord:
     expires: float
     entries: list[ObjectEntry] = field(default_factory=list)
     slots: int = 0
-    """Slots of ``entries``, counted against the session's ``max_leased_slots_per_session``."""
+    """Slots of ``entries``, and one per key still asked of a source (``waiting``), counted
+    against the session's ``max_leased_slots_per_session``."""
+    waiting: int = 0
+    """Keys asked of sources not yet answered: a pending lease counts them (spec section 6.11)."""
+    pool_slots: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Pool -> slots of ``entries`` there, counted against the session's share of the pool."""
     sources: list[SourceHold] = field(default_factory=list)
     reply: PendingReply | None = None
 
@@ -132,6 +141,10 @@ class Leases:
         self.pinned: dict[str, int] = dict.fromkeys(store.pools, 0)
         """Pool -> slots of objects held by at least one lease."""
         self.pin_limit = {name: int(config.lease_pool_fraction * spec.slot_count) for name, spec in store.pools.items()}
+        """Pool -> its lease budget: the slots leased objects may pin."""
+        self.session_count: Callable[[], int] = lambda: 0
+        """How many sessions (clients and peers) the node serves now that announced memory or
+        hold a lease: those that share the lease budgets (the node sets it)."""
         self._ids = itertools.count(1)
         self._expiry: list[tuple[float, int]] = []
         """(expires, lease id), a heap; an entry whose lease was renewed or ended is skipped."""
@@ -149,6 +162,7 @@ class Leases:
             return
         now = self.clock()
         ttl = self._granted(msg.ttl_ms)
+        shares = self.shares(session)
         record = LeaseRecord(next(self._ids), session, ttl, now + ttl / 1000)
         keys = msg.keys
         status, tier = bytearray(len(keys)), bytearray(len(keys))
@@ -162,12 +176,21 @@ class Leases:
             entry = self.store.lookup(key)
             if entry is None:
                 if hint is not None and key in hint[1] and hint[0] != self.endpoint:
+                    if session.leased_slots + 1 > self.config.max_leased_slots_per_session:
+                        # A key asked of a source counts one slot while it waits (spec section
+                        # 6.11): a flood of pending leases meets the session's limit.
+                        self.counters["keys_refused_limit"] += 1
+                        status[i], tier[i] = LeaseStatus.LEASE_LIMIT, _REMOTE_TIER_INDEX
+                        continue
                     remote.setdefault(hint[0], []).append(i)
+                    record.waiting += 1
+                    record.slots += 1
+                    session.leased_slots += 1
                 continue  # MISS: status 0, tier 0
             tier[i] = 2 + (entry.lookup - 2) // 2  # the store's lookup code says the tier
             if entry.state is ObjectState.WRITING:
                 status[i] = LeaseStatus.PENDING
-            elif self._fits(session, entry):
+            elif self._fits(session, entry, shares):
                 self._hold(record, entry)
                 status[i] = LeaseStatus.LEASED
             else:
@@ -250,11 +273,23 @@ class Leases:
 
     # ------------------------------------------------------------------ holding
 
-    def _fits(self, session: ClientSession, entry: ObjectEntry) -> bool:
-        """Whether holding ``entry`` keeps the session and every pool within the lease limits."""
+    def shares(self, session: ClientSession) -> dict[str, int]:
+        """Pool -> the slots ``session``'s leases may hold there: its share of the pool's lease
+        budget, ceil(max(lease_session_fraction, 1/sessions) * budget), counting the sessions
+        that announced memory or hold leases, and this one (spec section 6.11)."""
+        sessions = self.session_count() + (0 if session.regions or session.leases else 1)
+        fraction = max(self.config.lease_session_fraction, 1 / max(1, sessions))
+        return {pool: min(limit, math.ceil(fraction * limit)) for pool, limit in self.pin_limit.items()}
+
+    def _fits(self, session: ClientSession, entry: ObjectEntry, shares: dict[str, int]) -> bool:
+        """Whether holding ``entry`` keeps the session (its slots, its share of each pool) and
+        every pool within the lease limits."""
         slots = len(entry.info.layout)
         if session.leased_slots + slots > self.config.max_leased_slots_per_session:  # ``_hold`` counts there at once
             return False
+        held = session.pool_slots
+        if any(held[pool] + count > shares[pool] for pool, count in entry.info.need):
+            return False  # an object another session pinned counts for this one too: it holds it
         if entry.key in self.holders:
             return True  # already pinned by another lease: it pins nothing more
         return all(self.pinned[pool] + count <= self.pin_limit[pool] for pool, count in entry.info.need)
@@ -265,6 +300,9 @@ class Leases:
         slots = len(entry.info.layout)
         record.slots += slots
         record.session.leased_slots += slots
+        for pool, count in entry.info.need:
+            record.pool_slots[pool] += count
+            record.session.pool_slots[pool] += count
         held = self.holders.get(entry.key, 0)
         if not held:
             for pool, count in entry.info.need:
@@ -307,8 +345,16 @@ class Leases:
             self._tell(record.session, record.id, code, reason, ())
 
     def _forget(self, record: LeaseRecord) -> None:
-        record.session.leased_slots -= record.slots
-        record.slots = 0
+        session = record.session
+        session.leased_slots -= record.slots
+        record.slots = record.waiting = 0
+        for pool, count in record.pool_slots.items():
+            left = session.pool_slots[pool] - count
+            if left:
+                session.pool_slots[pool] = left
+            else:
+                del session.pool_slots[pool]
+        record.pool_slots.clear()
         record.session.leases.discard(record.id)
         self.table.pop(record.id, None)
         self._asking.pop(record.id, None)
@@ -321,6 +367,23 @@ class Leases:
             if record is not None:
                 self.counters["ended_with_session"] += 1
                 self.end_lease(record)
+
+    def carry_over(self, old: ClientSession, new: ClientSession) -> None:
+        """A target reconnected (same incarnation, a new peer session): the leases of its old
+        session go on in the new one, with their ids, so that a brief outage loses none
+        (spec section 6.11)."""
+        for lease in sorted(old.leases):
+            record = self.table.get(lease)
+            if record is None or record.session is not old:
+                continue
+            record.session = new
+            new.leases.add(lease)
+            new.leased_slots += record.slots
+            new.pool_slots.update(record.pool_slots)
+            self.counters["carried_over"] += 1
+        old.leases.clear()
+        old.leased_slots = 0
+        old.pool_slots.clear()
 
     def end_all(self, code: ErrorCode, reason: str) -> None:
         """At shutdown: every lease ends and its client is told."""
@@ -371,10 +434,13 @@ class Leases:
         if hold.state is not HoldState.ASKING or self.table.get(record.id) is not record or record.reply is None:
             # Too late (answered UNREACHABLE, or the lease ended): hold nothing there.
             if isinstance(reply, LeaseReply) and reply.lease:
-                source_lease = reply.lease
-                self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, SOURCE_ANSWER_S)
+                self._release_granted(hold.endpoint, reply.lease)
             return
         pending = record.reply
+        waited = len(hold.indices)  # answered: those keys no longer count as waiting
+        record.waiting -= waited
+        record.slots -= waited
+        record.session.leased_slots -= waited
         held: list[bytes] = []
         columns = reply.columns if isinstance(reply, LeaseReply) else None
         if columns is not None and len(columns) == len(hold.indices):
@@ -399,33 +465,44 @@ class Leases:
                 pending.status[i], pending.tier[i] = answer, _REMOTE_TIER_INDEX
         if held and isinstance(reply, LeaseReply) and reply.lease:
             hold.state, hold.source_lease, hold.held = HoldState.HELD, reply.lease, tuple(held)
-            self.links.hold_lease(hold.endpoint, reply.lease)
+            hold.incarnation = self.links.hold_lease(hold.endpoint, reply.lease)
         else:
             hold.state = HoldState.ENDED
             if isinstance(reply, LeaseReply) and reply.lease:  # it holds nothing we count: let it go
-                source_lease = reply.lease
-                self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, SOURCE_ANSWER_S)
+                self._release_granted(hold.endpoint, reply.lease)
         pending.asking -= 1
         if pending.asking == 0:
             record.reply = None
             self._asking.pop(record.id, None)
             self._answer(record, pending.request_id, pending.keys, pending.status, pending.tier)
 
+    def _release_granted(self, endpoint: str, source_lease: int) -> None:
+        """A source granted a lease we do not keep: release it there (its lease id is the
+        incarnation's that answered just now)."""
+        self.links.ask(endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, SOURCE_ANSWER_S,
+                       self.links.incarnation(endpoint))
+
     def _release_at_source(self, hold: SourceHold) -> None:
         if hold.state is HoldState.HELD:
             source_lease = hold.source_lease
             self.links.release_lease(hold.endpoint, source_lease)
-            self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, SOURCE_ANSWER_S)
+            # Through an outage the release waits for the link to come back, up to peer_dead_ms.
+            wait_s = max(SOURCE_ANSWER_S, self.config.peer_dead_ms / 1000)
+            self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, wait_s, hold.incarnation)
         hold.state = HoldState.ENDED
 
-    def _renew_at_source(self, record: LeaseRecord, hold: SourceHold, ttl: int) -> None:
+    def _renew_at_source(self, record: LeaseRecord, hold: SourceHold, ttl: int, lost: ErrorCode = ErrorCode.LEASE_EXPIRED) -> None:
         source_lease = hold.source_lease
         self.links.ask(hold.endpoint, lambda i: RenewLease(i, source_lease, ttl),
-                       lambda reply, code: self._renewed_at_source(record, hold, reply), SOURCE_ANSWER_S)
+                       lambda reply, code: self._renewed_at_source(record, hold, source_lease, reply, lost),
+                       SOURCE_ANSWER_S, hold.incarnation)
 
-    def _renewed_at_source(self, record: LeaseRecord, hold: SourceHold, reply: Message | None) -> None:
-        if isinstance(reply, Error) and reply.code == ErrorCode.UNKNOWN_LEASE and hold.state is HoldState.HELD:
-            self._lost_at_source(record, hold, ErrorCode.LEASE_EXPIRED, f"the source {hold.endpoint} no longer holds them")
+    def _renewed_at_source(
+        self, record: LeaseRecord, hold: SourceHold, source_lease: int, reply: Message | None, lost: ErrorCode,
+    ) -> None:
+        if (isinstance(reply, Error) and reply.code == ErrorCode.UNKNOWN_LEASE and hold.state is HoldState.HELD
+                and hold.source_lease == source_lease):
+            self._lost_at_source(record, hold, lost, f"the source {hold.endpoint} no longer holds them")
 
     def _lost_at_source(self, record: LeaseRecord, hold: SourceHold, code: ErrorCode, reason: str) -> None:
         """The source no longer holds ``hold``'s keys: the client is told which."""
@@ -445,9 +522,24 @@ class Leases:
                                      f"the source {link.endpoint} ended its lease: {msg.reason}")
 
     def source_lost(self, link: PeerLink, code: ErrorCode) -> None:
-        """A source restarted or is gone: nothing it held for us is held any more."""
+        """A source restarted or is gone: nothing it held for us is held any more. The client
+        hears PEER_RESTARTED or PEER_UNREACHABLE, the codes a ``lease_end`` carries (spec
+        section 10.1), whatever made the link give up."""
+        restarted = code is ErrorCode.PEER_RESTARTED
+        code = code if restarted else ErrorCode.PEER_UNREACHABLE
+        reason = "restarted" if restarted else f"is unreachable (down past peer_dead_ms={self.config.peer_dead_ms})"
         for record, hold in self._holds(link.endpoint):
-            self._lost_at_source(record, hold, code, f"the source {link.endpoint} {'restarted' if code is ErrorCode.PEER_RESTARTED else 'is unreachable'}")
+            self._lost_at_source(record, hold, code, f"the source {link.endpoint} {reason}")
+
+    def source_resumed(self, link: PeerLink) -> None:
+        """The link came back to the same incarnation within ``peer_dead_ms``: the source kept
+        our leases (spec section 6.11). Each is renewed to its time left, which also tells
+        whether the source still holds it; one it does not is lost (PEER_UNREACHABLE)."""
+        now = self.clock()
+        for record, hold in self._holds(link.endpoint):
+            self.counters["resumed_at_source"] += 1
+            left_ms = max(1, int((record.expires - now) * 1000))
+            self._renew_at_source(record, hold, left_ms, ErrorCode.PEER_UNREACHABLE)
 
     def _holds(self, endpoint: str) -> list[tuple[LeaseRecord, SourceHold]]:
         return [(r, h) for r in list(self.table.values()) for h in r.sources
@@ -477,14 +569,25 @@ class Leases:
         breaches: list[str] = []
         holders: collections.Counter[bytes] = collections.Counter()
         slots: collections.Counter[int] = collections.Counter()
+        pool_slots: dict[int, collections.Counter[str]] = {}
         for lease, record in self.table.items():
             if lease not in record.session.leases:
                 breaches.append(f"lease {lease} is not in its session")
+            own: collections.Counter[str] = collections.Counter()
             for entry in record.entries:
                 holders[entry.key] += 1
                 if self.store.lookup(entry.key) is not entry or entry.claims < 1:
                     breaches.append(f"lease {lease} holds {entry.key!r}, which is not a claimed stored object")
+                for pool, count in entry.info.need:
+                    own[pool] += count
+            waiting = sum(len(h.indices) for h in record.sources if h.state is HoldState.ASKING) if record.reply else 0
+            if record.waiting != waiting or record.slots != sum(len(e.info.layout) for e in record.entries) + waiting:
+                breaches.append(f"lease {lease}: {record.slots} slots and {record.waiting} keys waiting, it holds "
+                                f"{len(record.entries)} objects and waits on {waiting} keys")
+            if +record.pool_slots != +own:
+                breaches.append(f"lease {lease}: pool slots {dict(record.pool_slots)} disagree with its objects {dict(own)}")
             slots[id(record.session)] += record.slots
+            pool_slots.setdefault(id(record.session), collections.Counter()).update(own)
         if dict(holders) != self.holders:
             breaches.append(f"lease holders {len(self.holders)} disagree with the leases ({len(holders)})")
         pinned = dict.fromkeys(self.pinned, 0)
@@ -499,6 +602,9 @@ class Leases:
             session = record.session
             if slots[id(session)] != session.leased_slots:
                 breaches.append(f"session {session.name}: leased slots {session.leased_slots}, leases hold {slots[id(session)]}")
+            if +session.pool_slots != +pool_slots[id(session)]:
+                breaches.append(f"session {session.name}: pool slots {dict(session.pool_slots)}, leases hold "
+                                f"{dict(pool_slots[id(session)])}")
         return breaches
 
 

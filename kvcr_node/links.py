@@ -28,7 +28,7 @@ from kvcr_io.zmq_flags import POLLIN as _POLLIN
 from kvcr_node import logs
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
-from kvcr_node.peers import Answer, LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWrite, WriteStage
+from kvcr_node.peers import Answer, Ask, LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWrite, WriteStage
 from kvcr_node.records import ClientSession, Operation
 from kvcr_protocol import (
     Ack,
@@ -38,6 +38,7 @@ from kvcr_protocol import (
     ErrorCode,
     Heartbeat,
     KeyResult,
+    Lease,
     LeaseEnded,
     LeaseReply,
     Message,
@@ -48,6 +49,7 @@ from kvcr_protocol import (
     ProbeReply,
     Progress,
     Refuse,
+    ReleaseLease,
     RemoteProtocolError,
     WriteDone,
     WriteRequest,
@@ -69,6 +71,16 @@ RECONNECT_MAX_MS = 1000
 unreachable costs its link a retry a second, not ten, until the link closes idle."""
 WRITE_POLL_S = 0.05
 """With writes outstanding, the loop wakes at least this often to look at their deadlines."""
+ASK_BYTES_PER_LINK = 16 << 20
+"""Bytes of lease requests one link may have sent unanswered (those given up included,
+until their late answer or the connection's end). A source that stops reading leaves them
+in the socket's queue: this bounds what it costs the node, and a request past it answers
+UNREACHABLE at once, unsent (spec section 6.11)."""
+ASKS_PER_LINK = 1024
+"""Lease requests one link may hold at once, queued, sent or given up; one more answers
+UNREACHABLE at once."""
+LATE_RELEASE_S = 2.0
+"""How long the release of a lease a source granted after its request was given up waits."""
 TRANSPORTS = ("tcp://", "ipc://")
 """Transports a link may use (spec section 12: sources are other nodes' ROUTER endpoints)."""
 _BAD_ENDPOINT_ERRNOS = frozenset({errno.EPROTONOSUPPORT, errno.EINVAL, errno.ENAMETOOLONG, errno.ENOENT, zmq.ENOCOMPATPROTO})
@@ -216,37 +228,81 @@ class Links:
 
     # ------------------------------------------------------------------ lease requests
 
-    def ask(self, endpoint: str, build: Callable[[int], Message], answer: Answer, wait_s: float) -> None:
+    def ask(
+        self, endpoint: str, build: Callable[[int], Message], answer: Answer, wait_s: float, incarnation: int = 0,
+    ) -> None:
         """Send the source at ``endpoint`` a lease request (``build`` makes it for a message id)
-        once its session is up, if that is within ``wait_s``; ``answer`` gets the reply, or None
-        and why none can come: the link cannot open or no session came in time, the source
-        speaks no leases (``PEER_UNSUPPORTED``), or the session was lost or restarted before
-        it answered."""
+        once its session is up; ``answer`` gets the reply within ``wait_s``, or None and why
+        none came: the link cannot open, no session or no answer came in time, the link holds
+        as many requests as it may (``ASKS_PER_LINK``, ``ASK_BYTES_PER_LINK``), the source
+        speaks no leases (``PEER_UNSUPPORTED``), the connection was lost before it answered,
+        or the source is no longer ``incarnation`` (``PEER_RESTARTED``)."""
         try:
             link = self.open(endpoint)
         except LinkError as exc:
             answer(None, exc.code)
             return
-        if link.state is LinkState.READY:
-            self._send_ask(link, build, answer)
-        else:
-            link.asks_queued.append((build, answer, self.clock() + wait_s))
-
-    def _send_ask(self, link: PeerLink, build: Callable[[int], Message], answer: Answer) -> None:
-        if link.version < LEASES_VERSION:
-            answer(None, ErrorCode.PEER_UNSUPPORTED)  # spec section 6.11: no silent lease that is not one
-            return
-        ask_id = next(self._ids)
-        if self._send(link, build(ask_id)):
-            link.asks[ask_id] = answer
-        else:
+        ask = Ask(build, answer, self.clock() + wait_s, incarnation)
+        if len(link.asks) + len(link.asks_queued) + len(link.abandoned) >= ASKS_PER_LINK:
+            self.counters["lease_asks_refused"] += 1
             answer(None, ErrorCode.PEER_UNREACHABLE)
+        elif link.state is LinkState.READY:
+            self._send_ask(link, ask)
+        else:
+            link.asks_queued.append(ask)
 
-    def hold_lease(self, endpoint: str, lease: int) -> None:
-        """The source at ``endpoint`` holds ``lease`` for us: its link stays open meanwhile."""
+    def _send_ask(self, link: PeerLink, ask: Ask) -> None:
+        if link.version < LEASES_VERSION:
+            ask.answer(None, ErrorCode.PEER_UNSUPPORTED)  # spec section 6.11: no silent lease that is not one
+            return
+        if ask.incarnation and ask.incarnation != link.incarnation:
+            ask.answer(None, ErrorCode.PEER_RESTARTED)  # it names the lease ids of a predecessor
+            return
+        assert ask.build is not None
+        ask_id = next(self._ids)
+        msg = ask.build(ask_id)
+        frame = encode(msg, link.version)
+        if link.ask_bytes + len(frame) > ASK_BYTES_PER_LINK:
+            # The source has not read what was sent before: nothing more joins the queue.
+            self.counters["lease_asks_refused"] += 1
+            ask.answer(None, ErrorCode.PEER_UNREACHABLE)
+            return
+        try:
+            link.sock.send(frame, _NOBLOCK)
+        except zmq.Again:
+            ask.answer(None, ErrorCode.PEER_UNREACHABLE)
+            return
+        ask.build, ask.size, ask.grants = None, len(frame), isinstance(msg, Lease)
+        link.asks[ask_id] = ask
+        link.ask_bytes += ask.size
+
+    def _late_answer(self, link: PeerLink, msg: LeaseReply | Ack | Error) -> bool:
+        """An answer to a request given up: its bytes are off the queue; a lease it granted
+        is released at once (spec section 6.11). False: it answers no such request."""
+        late = link.abandoned.pop(msg.id, None)
+        if late is None:
+            return False
+        size, grants = late
+        link.ask_bytes -= size
+        self.counters["lease_asks_late"] += 1
+        if grants and isinstance(msg, LeaseReply) and msg.lease:
+            lease = msg.lease
+            self.ask(link.endpoint, lambda i: ReleaseLease(i, lease), _ignore, LATE_RELEASE_S, link.incarnation)
+        return True
+
+    def hold_lease(self, endpoint: str, lease: int) -> int:
+        """The source at ``endpoint`` holds ``lease`` for us: its link stays open meanwhile.
+        Returns the source's incarnation (whose lease id it is)."""
         link = self.by_endpoint.get(endpoint)
-        if link is not None:
-            link.leases.add(lease)
+        if link is None:
+            return 0
+        link.leases.add(lease)
+        return link.incarnation
+
+    def incarnation(self, endpoint: str) -> int:
+        """The incarnation of the source at ``endpoint`` as last welcomed (0: none yet)."""
+        link = self.by_endpoint.get(endpoint)
+        return link.incarnation if link is not None else 0
 
     def release_lease(self, endpoint: str, lease: int) -> None:
         link = self.by_endpoint.get(endpoint)
@@ -254,13 +310,25 @@ class Links:
             link.leases.discard(lease)
             link.last_used = self.clock()
 
+    def _lose_asks(self, link: PeerLink, code: ErrorCode) -> None:
+        """The connection is gone: the lease requests sent on it get no answer (``code`` says
+        why), and those given up no late one; their bytes left with it."""
+        asks, link.asks = link.asks, {}
+        link.abandoned.clear()
+        link.ask_bytes = 0
+        for ask in asks.values():
+            ask.answer(None, code)
+
     def _fail_asks(self, link: PeerLink, code: ErrorCode) -> None:
         """Every lease request on ``link`` gets no answer (``code`` says why); what the source
         held for us is lost with its session."""
-        asks, link.asks = link.asks, {}
+        self._lose_asks(link, code)
         queued, link.asks_queued = link.asks_queued, []
-        for answer in [*asks.values(), *(a for _, a, _ in queued)]:
-            answer(None, code)
+        for ask in queued:
+            ask.answer(None, code)
+        self._lose_leases(link, code)
+
+    def _lose_leases(self, link: PeerLink, code: ErrorCode) -> None:
         if link.leases:
             link.leases.clear()
             if self.lease_owner is not None:
@@ -317,8 +385,10 @@ class Links:
                     link.state = LinkState.DOWN
                     link.down_since = self.clock()
                     log.warning("lost peer %s (%s)", link.node or link.endpoint, link.endpoint)
-                    # A new connection is a new peer session: the leases of this one are gone.
-                    self._fail_asks(link, ErrorCode.PEER_UNREACHABLE)
+                    # Answers to what was sent on this connection cannot come. The leases the
+                    # source holds for us last until peer_dead_ms, or until it is back as
+                    # another incarnation (spec section 6.11).
+                    self._lose_asks(link, ErrorCode.PEER_UNREACHABLE)
             elif event["event"] == zmq.EVENT_CONNECTED and link.state is LinkState.DOWN:
                 # Back: a new connection is a new session at the peer; say hello again.
                 self._say_hello(link)
@@ -350,9 +420,12 @@ class Links:
                 self.owner.internal_failure("ending a write", again)
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:
-        answer = link.asks.pop(msg.id, None) if isinstance(msg, (LeaseReply, Ack, Error)) else None
-        if answer is not None:
-            answer(msg, None)
+        ask = link.asks.pop(msg.id, None) if isinstance(msg, (LeaseReply, Ack, Error)) else None
+        if ask is not None:
+            link.ask_bytes -= ask.size
+            ask.answer(msg, None)
+        elif link.abandoned and isinstance(msg, (LeaseReply, Ack, Error)) and self._late_answer(link, msg):
+            pass
         elif isinstance(msg, LeaseEnded):
             if self.lease_owner is not None:
                 link.leases.discard(msg.lease)
@@ -422,6 +495,7 @@ class Links:
 
     def _on_welcome(self, link: PeerLink, msg: PeerWelcome) -> None:
         restarted = link.incarnation not in (0, msg.incarnation)
+        resumed = link.incarnation == msg.incarnation and bool(link.leases)
         if restarted:
             # A new incarnation: its predecessor's writes are void, and whatever it was
             # writing is over (it is gone).
@@ -451,11 +525,13 @@ class Links:
             if write.state is WriteStage.QUEUED:
                 self._send_write(write)
         asks, link.asks_queued = link.asks_queued, []
-        for build, answer, _ in asks:
-            self._send_ask(link, build, answer)
+        for ask in asks:
+            self._send_ask(link, ask)
         for write in list(link.writes.values()):
             if write.state is WriteStage.UNCERTAIN:
                 write.next_probe = 0.0
+        if resumed and self.lease_owner is not None:
+            self.lease_owner.source_resumed(link)
 
     def _fail_queued(self, link: PeerLink, code: ErrorCode, reason: str) -> None:
         queued, link.queued = link.queued, []
@@ -488,10 +564,19 @@ class Links:
                 self._send(link, Heartbeat(next(self._ids)))
             if link.asks_queued and link.state is not LinkState.READY:
                 # No session with the source in time: the lease requests waiting for it end.
-                late = [ask for ask in link.asks_queued if ask[2] <= now]
-                link.asks_queued = [ask for ask in link.asks_queued if ask[2] > now]
-                for _, answer, _ in late:
-                    answer(None, ErrorCode.PEER_UNREACHABLE)
+                late = [ask for ask in link.asks_queued if ask.deadline <= now]
+                link.asks_queued = [ask for ask in link.asks_queued if ask.deadline > now]
+                for ask in late:
+                    ask.answer(None, ErrorCode.PEER_UNREACHABLE)
+            if link.asks:
+                self._give_up_asks(link, now)
+            if link.leases and link.state is not LinkState.READY and link.down_since is not None \
+                    and (now - link.down_since) * 1000 >= self.config.peer_dead_ms:
+                # Without a session since it went down, for peer_dead_ms (reconnected to a
+                # listener that never welcomes counts too): the source is taken as gone, and
+                # its leases with it.
+                self.counters["source_leases_dead"] += len(link.leases)
+                self._lose_leases(link, ErrorCode.PEER_UNREACHABLE)
             for write in list(link.queued):
                 if write.deadline <= now:
                     link.queued.remove(write)
@@ -517,6 +602,17 @@ class Links:
                     self.counters["probes_sent"] += 1
                     self._send(link, Probe(write.probe_id, write.id))
 
+    def _give_up_asks(self, link: PeerLink, now: float) -> None:
+        """Lease requests past their deadline on a live connection (a source that does not
+        answer, frozen or hostile) answer None now and free what they hold; their frames'
+        bytes stay counted until a late answer or the connection's end (spec section 6.11)."""
+        late = [ask_id for ask_id, ask in link.asks.items() if ask.deadline <= now]
+        for ask_id in late:
+            ask = link.asks.pop(ask_id)
+            link.abandoned[ask_id] = (ask.size, ask.grants)
+            self.counters["lease_asks_timed_out"] += 1
+            ask.answer(None, ErrorCode.PEER_UNREACHABLE)
+
     def next_wakeup(self, now: float) -> float | None:
         """When ``check`` has something to do next (None: nothing while no message arrives)."""
         if not self.by_endpoint:
@@ -524,8 +620,11 @@ class Links:
         times: list[float] = []
         if self.config.heartbeat_ms:
             times.extend(link.next_heartbeat for link in self if link.state is LinkState.READY)
-        if any(link.writes or link.queued or link.asks_queued for link in self):
+        if any(link.writes or link.queued or link.asks_queued or link.asks for link in self):
             times.append(now + WRITE_POLL_S)
+        down = [link.down_since + self.config.peer_dead_ms / 1000 for link in self
+                if link.leases and link.down_since is not None and link.state is not LinkState.READY]
+        times.extend(down)
         idle = [link.last_used for link in self if not link.busy]
         if idle:
             # Wake once when the longest-idle link is due to close, no more often.
@@ -539,7 +638,8 @@ class Links:
                 "node": link.node, "state": link.state.value, "version": link.version,
                 "incarnation": link.incarnation, "writes_outstanding": len(link.writes), "queued": len(link.queued),
                 "uncertain": sum(1 for w in link.writes.values() if w.state is WriteStage.UNCERTAIN),
-                "leases": len(link.leases),
+                "leases": len(link.leases), "lease_asks": len(link.asks), "lease_asks_abandoned": len(link.abandoned),
+                "ask_bytes": link.ask_bytes,
             }
             for link in self
         }
@@ -553,6 +653,7 @@ class Links:
             "clients_sent": sum(len(link.clients_sent) for link in self),
             "announcing": sum(len(link.announcing) for link in self),
             "lease_asks": sum(len(link.asks) + len(link.asks_queued) for link in self),
+            "lease_asks_abandoned": sum(len(link.abandoned) for link in self),
             "source_leases": sum(len(link.leases) for link in self),
         }
 
@@ -597,3 +698,7 @@ class Links:
         """At shutdown: close every link's sockets."""
         for link in list(self):
             self._close(link)
+
+
+def _ignore(reply: Message | None, code: ErrorCode | None) -> None:
+    """An answer nobody waits for (the release of a lease granted too late)."""

@@ -180,6 +180,7 @@ class Node:
         self.links = self.target.links
         self.leases = Leases(config, self.store, self.outbox, self.links, self.clock, self.endpoint)
         self.links.lease_owner = self.leases
+        self.leases.session_count = lambda: sum(1 for s in self.sessions.table.values() if s.regions or s.leases)
         pool_info = tuple(PoolInfo(s.name, s.slot_size, s.slot_count, s.memory) for s in config.pools)
         self.sessions = Sessions(
             config, self.store, self.operations, self.target, self.leases, self.remote_agents, self.transfers, self.outbox,

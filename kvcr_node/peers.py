@@ -86,6 +86,23 @@ class RemoteWrite:
 
 
 @dataclass(eq=False)
+class Ask:
+    """A request on behalf of leases (``lease``, ``renew``, ``unlease``) to a source (``Links.ask``)."""
+
+    build: Callable[[int], Message] | None
+    """Makes the message for an id (dropped once sent: it holds the request's keys)."""
+    answer: Answer
+    deadline: float
+    """When it answers None (PEER_UNREACHABLE) if the source has not answered, sent or not."""
+    incarnation: int = 0
+    """The source incarnation it is meant for (it names that incarnation's lease ids); 0: any."""
+    size: int = 0
+    """Bytes of its frame once sent (``PeerLink.ask_bytes``)."""
+    grants: bool = False
+    """A ``lease``: a late answer may hold keys, which are then released."""
+
+
+@dataclass(eq=False)
 class PeerLink:
     """Our connection to one source node."""
 
@@ -111,11 +128,17 @@ class PeerLink:
     """Probe id -> the uncertain write it asks about (one per write: its latest)."""
     next_heartbeat: float = 0.0
     """When to tell the peer we are alive (it drops sessions silent for its client grace)."""
-    asks: dict[int, Answer] = field(default_factory=dict)
-    """Lease requests sent and not yet answered: id -> who takes the answer (``Links.ask``)."""
-    asks_queued: list[tuple[Callable[[int], Message], Answer, float]] = field(default_factory=list)
-    """Lease requests waiting for the session: (build the message for an id, who takes the
-    answer, when to give up)."""
+    asks: dict[int, Ask] = field(default_factory=dict)
+    """Lease requests sent and not yet answered, by id (``Links.ask``)."""
+    asks_queued: list[Ask] = field(default_factory=list)
+    """Lease requests waiting for the session."""
+    abandoned: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    """Lease requests given up unanswered (past their deadline) on this connection: id ->
+    (their frame's bytes, whether a late answer may hold keys). Their bytes may still sit in
+    the socket's queue to a source that does not read, so they count in ``ask_bytes`` until
+    their late answer or the connection's end."""
+    ask_bytes: int = 0
+    """Bytes of the frames of ``asks`` and ``abandoned`` (bounded: ``ASK_BYTES_PER_LINK``)."""
     leases: set[int] = field(default_factory=set)
     """The source's lease ids it holds for this node (the link stays open while it does)."""
     last_used: float = field(default_factory=time.monotonic)
@@ -171,8 +194,12 @@ class LeaseOwner(Protocol):
         """The source ended one of the leases it holds for us."""
 
     def source_lost(self, link: PeerLink, code: ErrorCode) -> None:
-        """The source restarted (``PEER_RESTARTED``) or its session is gone (``PEER_UNREACHABLE``):
-        it holds no lease for us any more."""
+        """The source restarted (``PEER_RESTARTED``), its link stayed down past ``peer_dead_ms``
+        or its session cannot be had again (``PEER_UNREACHABLE``): it holds no lease for us any more."""
+
+    def source_resumed(self, link: PeerLink) -> None:
+        """The link to the source is back, to the same incarnation: the leases it held for us
+        may go on (spec section 6.11); the owner checks them."""
 
 
 Answer = Callable[[Message | None, ErrorCode | None], None]

@@ -66,7 +66,11 @@ class ClientSession:
     leases: set[int] = field(default_factory=set)
     """The ids of the leases this session holds (``kvcr_node.leases`` owns them)."""
     leased_slots: int = 0
-    """Slots those leases hold here (bounded by ``max_leased_slots_per_session``)."""
+    """Slots those leases hold here, and one per key they wait on at a source (bounded by
+    ``max_leased_slots_per_session``)."""
+    pool_slots: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Pool -> slots of that pool those leases hold here (bounded by the session's share of
+    the pool's lease budget, spec section 6.11)."""
 
     def forget_hints(self) -> None:
         """Drop every hint (bye or expiry: hints end with their session)."""

@@ -39,6 +39,7 @@ from kvcr_protocol import (
     WriteState,
     negotiate,
 )
+from kvcr_protocol.versions import LEASES_VERSION
 
 log = logging.getLogger("kvcr.node")
 
@@ -81,16 +82,21 @@ class Source:
             self.outbox.refuse(self.sessions.addressee(identity), msg.id, exc)
             return
         # A reconnecting target opens a new session (a new identity); its old sessions
-        # retire: their writes run to the end and stay answerable to probes.
-        for old in [s for s in self.sessions
-                    if s.identity == identity or (isinstance(s, PeerSession) and s.incarnation == msg.incarnation)]:
-            self.sessions.close(old)
-            if old.ops:
-                self.sessions.retired.append(old)
+        # retire: their writes run to the end and stay answerable to probes. The leases of
+        # the same target process (its incarnation) go on in the new session (spec section 6.11).
+        olds = [s for s in self.sessions
+                if s.identity == identity or (isinstance(s, PeerSession) and s.incarnation == msg.incarnation)]
         session = self.sessions.open_session(
             identity, msg.id, msg.agent_md, msg.regions,
             lambda agent: PeerSession(identity, msg.node, agent, version, msg.agent_md, incarnation=msg.incarnation),
         )
+        for old in olds:
+            if (session is not None and isinstance(old, PeerSession) and old.incarnation == msg.incarnation
+                    and version >= LEASES_VERSION):
+                self.sessions.leases.carry_over(old, session)
+            self.sessions.close(old)
+            if old.ops:
+                self.sessions.retired.append(old)
         if session is None:
             return
         self.counters["peer_hellos"] += 1

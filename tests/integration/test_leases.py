@@ -173,9 +173,34 @@ def test_double_release_and_foreign_leases_are_clean_errors(
     assert st["claims"]["total"] == 0 and st["leases"]["unknown_lease"] >= 2
 
 
+def test_one_client_cannot_take_the_whole_lease_budget(node_factory: Callable[..., NodeProcess]) -> None:
+    """Audit row 8: a client leased a pool's whole budget for the longest ttl, and a victim's
+    lease of other keys got 16 of 16 LEASE_LIMIT. Each of two clients may hold half now."""
+    n = node_factory("--pool", "kv:4KiB:64", "--lease-pool-fraction", "0.5")
+    with Client(n.endpoint, name="greedy") as greedy, Client(n.endpoint, name="victim") as victim:
+        reg = Registrar(greedy)
+        victim_reg = Registrar(victim)
+        victim_reg(pattern(SLOT, 12))  # an engine announces its memory: it shares the budgets from then on
+        keys = [b"g%d" % i for i in range(32)]
+        others = [b"v%d" % i for i in range(16)]
+        put(greedy, reg, keys + others, seed=11)
+        grab = greedy.lease(keys, ttl_ms=600_000).result(RESULT_TIMEOUT_S)
+        assert [grab.status(k) for k in keys] == [LeaseStatus.LEASED] * 16 + [LeaseStatus.LEASE_LIMIT] * 16
+        assert greedy.lease(keys[16:]).result(RESULT_TIMEOUT_S).id == 0  # beyond its share: nothing
+        mine = victim.lease(others).result(RESULT_TIMEOUT_S)
+        assert mine.held == frozenset(others)
+        st = stats(victim)
+        assert st["leases"]["pinned_slots"] == {"kv": 32} and st["invariants"] == []
+        for lease in (grab, mine):
+            lease.release().result(RESULT_TIMEOUT_S)
+        reg.close()
+        victim_reg.close()
+        assert_clean(greedy)
+
+
 def test_limits_answer_lease_limit(node_factory: Callable[..., NodeProcess]) -> None:
     n = node_factory("--pool", "kv:4KiB:8", "--max-leased-slots-per-session", "3", "--max-leases-per-session", "2",
-                     "--lease-pool-fraction", "0.5")
+                     "--lease-pool-fraction", "0.5", "--lease-session-fraction", "1")
     with Client(n.endpoint, name="a") as a, Client(n.endpoint, name="b") as b:
         reg = Registrar(a)
         keys = [b"k%d" % i for i in range(6)]

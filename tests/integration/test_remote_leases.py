@@ -12,6 +12,7 @@ holds a lease, claim or pinned slot it should not.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,8 @@ def hint(a: Any, b: Any, keys: list[bytes], request_id: str = "r") -> str:
 
 
 def test_remote_lease_holds_at_the_source_and_serves_a_planned_deliver(sites: Sites) -> None:
-    a, b = sites.start("a", ("b", {"pools": ("--pool", "kv:64KiB:8"), "args": ("--policy", "fifo", "--lease-pool-fraction", "1")}))
+    a, b = sites.start("a", ("b", {"pools": ("--pool", "kv:64KiB:8"), "args": ("--policy", "fifo", "--lease-pool-fraction", "1",
+                                                                                 "--lease-session-fraction", "1")}))
     srcs = {k: b.deposit(k, LAYOUT, seed=i) for i, k in enumerate([b"k0", b"k1"])}
     rid = hint(a, b, [b"k0", b"k1", b"gone"])
     lease = a.client.lease([b"k0", b"k1", b"gone", b"nowhere"], request_id=rid, ttl_ms=60_000).result(RESULT_TIMEOUT_S)
@@ -141,6 +143,71 @@ def test_source_killed_then_restarted_ends_the_remote_keys_visibly(sites: Sites)
     assert again.status(b"k") is LeaseStatus.LEASED_REMOTE and leases_held(b2) == 1
     for handle in (lease, again):
         handle.release().result(RESULT_TIMEOUT_S)
+    poll_stats(b2, lambda st: st["leases"]["held"] == 0, SLACK_S, "B2 released")
+    assert_site_clean(a)
+    assert_site_clean(b2)
+
+
+def poked(a: Any) -> bool:
+    """A round trip to A, so that its client has read every event sent before."""
+    return a.client.stats().result(RESULT_TIMEOUT_S) is not None
+
+
+def test_a_killed_source_keeps_its_keys_leased_until_peer_dead_ms(sites: Sites) -> None:
+    """Audit row 7: remote leases ended 0.01 s after the source was killed, with
+    --peer-dead-ms 4000. They are held through the outage now, and lost after it; a deliver
+    of such a key meanwhile fails PEER_UNREACHABLE for that key alone (spec section 6.11)."""
+    peer_dead_s = 4.0
+    (a,) = sites.start(("a", {"args": ("--peer-dead-ms", str(int(peer_dead_s * 1000)))}))
+    local = a.deposit(b"local", LAYOUT, seed=11)
+    b = sites("b")
+    b.deposit(b"k", LAYOUT, seed=12)
+    rid = hint(a, b, [b"k"])
+    mixed = a.client.lease([b"k", b"local"], request_id=rid, ttl_ms=60_000).result(RESULT_TIMEOUT_S)
+    remote = a.client.lease([b"k"], request_id=rid, ttl_ms=60_000).result(RESULT_TIMEOUT_S)
+    assert mixed.held == frozenset([b"k", b"local"]) and remote.held == frozenset([b"k"])
+    killed_at = time.monotonic()
+    b.node.kill()
+    poll_stats(a, lambda st: st["peers"][b.endpoint]["state"] == "down", SLACK_S, "A saw the source go")
+    # During the outage: both leases hold; a deliver of both keys fails the remote one only.
+    dst = {k: pattern(LAYOUT.nbytes, 60 + i) for i, k in enumerate((b"k", b"local"))}
+    spans = {k: [Span(name, a.reg(buf), i * 64 * KiB, 64 * KiB) for i, name in enumerate(LAYOUT.names)]
+             for k, buf in dst.items()}
+    out = a.client.deliver(spans, request_id=rid, deadline_ms=500).result(RESULT_TIMEOUT_S)
+    assert out[b"k"].code is ErrorCode.PEER_UNREACHABLE and out[b"local"].ok
+    assert np.array_equal(dst[b"local"], local)
+    assert poked(a) and remote.ended is None and mixed.lost == frozenset()
+    # After peer_dead_ms: lost, PEER_UNREACHABLE; never before it.
+    assert wait_until(lambda: poked(a) and remote.ended is not None, peer_dead_s + SLACK_S)
+    assert time.monotonic() - killed_at >= peer_dead_s
+    assert remote.ended is ErrorCode.PEER_UNREACHABLE and "peer_dead_ms" in remote.end_reason
+    assert mixed.lost == frozenset([b"k"]) and mixed.ended is None and mixed.held == frozenset([b"local"])
+    mixed.release().result(RESULT_TIMEOUT_S)
+    assert_site_clean(a, expect_peers_idle=False)
+
+
+def test_a_source_restarted_within_peer_dead_ms_ends_its_keys_peer_restarted(sites: Sites) -> None:
+    """Audit row 7: a source restarted on its path was reported PEER_UNREACHABLE, never
+    PEER_RESTARTED. With peer_dead_ms long, only the new incarnation can end the lease."""
+    (a,) = sites.start(("a", {"args": ("--peer-dead-ms", "60000")}))
+    b1 = sites("b1")
+    endpoint = b1.endpoint
+    b1.deposit(b"k", LAYOUT, seed=13)
+    rid = hint(a, b1, [b"k"])
+    lease = a.client.lease([b"k"], request_id=rid, ttl_ms=60_000).result(RESULT_TIMEOUT_S)
+    assert lease.held == frozenset([b"k"])
+    b1.node.kill()
+    poll_stats(a, lambda st: st["peers"][endpoint]["state"] == "down", SLACK_S, "A saw the source go")
+    assert poked(a) and lease.ended is None
+    b2 = sites.adopt(start_node(endpoint, *POOLS), "b2")
+    assert wait_until(lambda: poked(a) and lease.ended is not None, SLACK_S)
+    assert lease.ended is ErrorCode.PEER_RESTARTED and lease.held == frozenset()
+    assert a.stats()["leases"]["held"] == 0
+    # The new incarnation serves new leases.
+    b2.deposit(b"k", LAYOUT, seed=14)
+    again = a.client.lease([b"k"], request_id=rid).result(RESULT_TIMEOUT_S)
+    assert again.status(b"k") is LeaseStatus.LEASED_REMOTE and leases_held(b2) == 1
+    again.release().result(RESULT_TIMEOUT_S)
     poll_stats(b2, lambda st: st["leases"]["held"] == 0, SLACK_S, "B2 released")
     assert_site_clean(a)
     assert_site_clean(b2)

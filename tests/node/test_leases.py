@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvcr_node.config import NodeConfig
@@ -45,6 +46,14 @@ def config(ipc_dir: Path, **changes: Any) -> NodeConfig:
 @pytest.fixture(scope="module")
 def agent() -> Iterator[ClientAgent]:
     a = ClientAgent("leases-client")
+    yield a
+    a.close()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[ClientAgent]:
+    """An agent with memory announced (regions), as an engine's: its sessions share lease budgets."""
+    a = ClientAgent("leases-engine", np.zeros(SLOT, dtype=np.uint8))
     yield a
     a.close()
 
@@ -149,7 +158,7 @@ def test_another_sessions_lease_is_unknown(ipc_dir: Path, agent: ClientAgent) ->
 
 def test_limits(ipc_dir: Path, agent: ClientAgent) -> None:
     with node_driver(config(ipc_dir, max_leases_per_session=2, max_leased_slots_per_session=5,
-                            lease_pool_fraction=0.25)) as d:
+                            lease_pool_fraction=0.25, lease_session_fraction=1.0)) as d:
         d.hello(b"c", agent)
         for i in range(4):
             stored(d, b"k%d" % i, spans=2)
@@ -206,4 +215,61 @@ def test_shutdown_ends_every_lease_and_tells_its_client(ipc_dir: Path, agent: Cl
         ended = d.sent(b"c")
         assert len(ended) == 1 and isinstance(ended[0], LeaseEnded) and ended[0].code == ErrorCode.SHUTTING_DOWN
         assert ended[0].lease == lease
+        at_rest(d)
+
+
+def test_a_session_holds_at_most_its_share_of_a_pools_lease_budget(
+    ipc_dir: Path, agent: ClientAgent, engine: ClientAgent,
+) -> None:
+    """Audit row 8: one client leased a pool's whole budget and every other got LEASE_LIMIT.
+    A session now holds at most ceil(max(lease_session_fraction, 1/sessions) * budget)."""
+    with node_driver(config(ipc_dir, lease_pool_fraction=1.0, lease_session_fraction=0.25)) as d:
+        keys = [b"k%d" % i for i in range(16)]
+        for k in keys:
+            stored(d, k)
+        d.hello(b"alone", engine)
+        for n in range(3):
+            d.hello(b"tool%d" % n, agent)  # sessions without memory or leases (tools) share nothing
+        # A lone engine may take the whole budget (1/sessions = 1): what a single engine expects.
+        alone = reply_of(d.receive(b"alone", Lease(2, tuple(keys))), 2)
+        assert statuses(alone) == [LeaseStatus.LEASED] * 16
+        assert d.receive(b"alone", ReleaseLease(3, alone.lease)) == [Ack(3)]
+        # Two engines: each may hold half of the 16 slots; the greedy one is refused beyond.
+        d.hello(b"greedy", engine)
+        greedy = reply_of(d.receive(b"greedy", Lease(2, tuple(keys), None, 600_000)), 2)
+        assert statuses(greedy) == [LeaseStatus.LEASED] * 8 + [LeaseStatus.LEASE_LIMIT] * 8
+        more = reply_of(d.receive(b"greedy", Lease(3, tuple(keys[8:]))), 3)
+        assert statuses(more) == [LeaseStatus.LEASE_LIMIT] * 8 and more.lease == 0
+        assert d.stats()["leases"]["keys_refused_limit"] == 16
+        # The other session still gets its leases, of the keys left and of one the greedy holds
+        # (which counts against its own share: it holds it too).
+        victim = reply_of(d.receive(b"alone", Lease(4, tuple(keys[8:]))), 4)
+        assert statuses(victim) == [LeaseStatus.LEASED] * 8
+        shared = reply_of(d.receive(b"alone", Lease(5, (keys[0],))), 5)
+        assert statuses(shared) == [LeaseStatus.LEASE_LIMIT]  # its share (8) is full
+        st = d.stats()
+        assert st["leases"]["pinned_slots"] == {"kv": 16} and st["invariants"] == []
+        assert d.receive(b"alone", ReleaseLease(6, victim.lease)) == [Ack(6)]
+        # Eight sessions: the share is the floor, a quarter (4 slots), not an eighth.
+        for n in range(6):
+            d.hello(b"idle%d" % n, engine)
+        fourth = reply_of(d.receive(b"alone", Lease(7, tuple(keys[8:]))), 7)
+        assert statuses(fourth) == [LeaseStatus.LEASED] * 4 + [LeaseStatus.LEASE_LIMIT] * 4
+        # A renewal pins nothing more and is never refused for the share.
+        assert reply_of(d.receive(b"greedy", RenewLease(8, greedy.lease)), 8).lease == greedy.lease
+        for identity, lease, request in ((b"greedy", greedy.lease, 9), (b"alone", fourth.lease, 10)):
+            assert d.receive(identity, ReleaseLease(request, lease)) == [Ack(request)]
+        at_rest(d)
+
+
+def test_a_share_of_one_lets_a_session_take_the_whole_budget(ipc_dir: Path, engine: ClientAgent) -> None:
+    with node_driver(config(ipc_dir, lease_pool_fraction=0.5, lease_session_fraction=1.0)) as d:
+        keys = [b"k%d" % i for i in range(16)]
+        for k in keys:
+            stored(d, k)
+        d.hello(b"c", engine)
+        d.hello(b"other", engine)
+        reply = reply_of(d.receive(b"c", Lease(2, tuple(keys))), 2)
+        assert statuses(reply) == [LeaseStatus.LEASED] * 8 + [LeaseStatus.LEASE_LIMIT] * 8  # the pool's budget
+        assert d.receive(b"c", ReleaseLease(3, reply.lease)) == [Ack(3)]
         at_rest(d)
