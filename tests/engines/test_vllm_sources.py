@@ -80,6 +80,8 @@ def test_hostile_params_are_misses_without_a_dial(report: Any) -> None:
     # The requests beside them: B through the allow-list (as the operator spelled it), A itself, A's own blocks.
     for label in ("allowed", "allowed_long_id", "own_spelling", "innocent"):
         assert r["admitted"][label] == MATCHED, (label, r["admitted"])
+    # A remote lease is not in when its first call returns (lookup_wait_s 0 here): "not yet", then the count.
+    assert r["not_yet"].get("allowed", 0) >= 1 and r["not_yet"].get("allowed_long_id", 0) >= 1, r["not_yet"]
     assert r["loads"]["allowed"] == [{"source": b.endpoint, "blocks": 3}], r["loads"]
     assert r["loads"]["allowed_long_id"] == [{"source": b.endpoint, "blocks": 3}], r["loads"]
     assert r["loads"]["own_spelling"] == [{"source": None, "blocks": 3}], r["loads"]
@@ -103,6 +105,7 @@ def test_a_frozen_source_costs_only_its_own_request(report: Any) -> None:
     assert r["admitted"] == {"frozen": 0, "innocent": MATCHED}, r["admitted"]
     # The innocent request is admitted while the frozen one is "not yet".
     assert r["admitted_at"]["innocent"] < r["admitted_at"]["frozen"], r["admitted_at"]
+    assert r["not_yet"]["frozen"] >= 1, r["not_yet"]  # "not yet" until lookup_timeout_s, then the miss
     assert nonzero(r["stats"]) == {"lookups_timed_out": 1, "leases": 1, "matched_tokens": MATCHED}, r["stats"]
     assert r["frozen_connections"] >= 1, r  # allowed, so dialled: the listener saw it
     times = r["schedule_s"]

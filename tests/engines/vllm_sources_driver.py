@@ -51,8 +51,9 @@ RUN_S = 120.0
 """The longest the driver steps a scheduler before it reports what is unfinished."""
 FROZEN_TIMEOUT_S = 1.0
 """The frozen run's ``lookup_timeout_s`` (the default is 0.2 s)."""
-MAIN_EXTRA = {"lookup_timeout_s": 30.0, "lookup_wait_s": 0.02}
-"""Generous: an allowed source's first dial must not time out on a loaded machine."""
+MAIN_EXTRA = {"lookup_timeout_s": 30.0, "lookup_wait_s": 0.0}
+"""Generous: an allowed source's first dial must not time out on a loaded machine; and no wait,
+so that a remote lease is always answered "not yet" first, then with its count."""
 
 
 def prompt(i: int) -> list[int]:
@@ -117,6 +118,20 @@ def drive(sched: Scheduler, requests: dict[str, tuple[str, list[int], Any]]) -> 
                                                                      extra_args=extra), None))
         ids[request_id] = label
         prompts[request_id] = tokens
+    connector = sched.connector
+    assert isinstance(connector, KvcrConnector)
+    not_yet: dict[str, int] = {}
+    """Label -> how often the connector answered vLLM "not yet" (None)."""
+    answer = connector.get_num_new_matched_tokens
+
+    def counted(request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        matched = answer(request, num_computed_tokens)
+        if matched[0] is None:
+            label = ids[request.request_id]
+            not_yet[label] = not_yet.get(label, 0) + 1
+        return matched
+
+    connector.get_num_new_matched_tokens = counted  # type: ignore[method-assign]
     admitted: dict[str, int] = {}
     admitted_at: dict[str, int] = {}
     """Label -> the step (0, 1, ...) whose schedule() admitted it."""
@@ -136,11 +151,9 @@ def drive(sched: Scheduler, requests: dict[str, tuple[str, list[int], Any]]) -> 
         for request_id, params in record["finished"].items():
             finished[ids[request_id]] = params
         add_stats(stats, record["kv_connector_stats"])
-    connector = sched.connector
-    assert isinstance(connector, KvcrConnector)
     left = connector.get_kv_connector_stats()
     add_stats(stats, left.data if left is not None else None)
-    return {"admitted": admitted, "admitted_at": admitted_at, "loads": loads, "stats": stats, "steps": len(times), "schedule_s": times,
+    return {"admitted": admitted, "admitted_at": admitted_at, "not_yet": not_yet, "loads": loads, "stats": stats, "steps": len(times), "schedule_s": times,
             "finished": finished, "unfinished": sched.has_unfinished_requests(),
             "wall_s": time.monotonic() - began}
 
