@@ -12,6 +12,8 @@ forgets it and removes its agent.
   a bound, and a long-lived client is served before and after.
 - A version-4 target against the same version-5 source keeps the old behaviour (the
   cap), beside a version-5 target whose clients are forgotten.
+- A client that leaves while its write to a frozen source is uncertain: the forget waits
+  for the write to be over, and the source drops the agent only after it.
 - A hostile peer session speaking version 5 forgets another target's client, unknown
   agents (a flood), its own agent, repeatedly, and sends malformed forgets: each is a
   no-op (ack) or a typed error naming the field; nothing of the other target changes and
@@ -50,10 +52,11 @@ from kvcr_protocol import (
     decode,
     encode,
 )
-from kvcr_testing.health import counter, wait_until
+from kvcr_testing.health import counter, outcome_count, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
 from kvcr_testing.measure import fd_count, rss_kib
-from kvcr_testing.remote import deliver_checked, open_site, poll_stats
+from kvcr_testing.nodes import frozen
+from kvcr_testing.remote import FAILED, Dest, deliver_checked, expect, open_site, poll_stats
 
 LAYOUT = plain_layout(2)
 CLIENTS = 32
@@ -144,6 +147,38 @@ def test_a_version_4_target_keeps_the_cap_beside_a_version_5_one(sites: Any) -> 
     st = poll_stats(b, lambda st: counter(st, "peer_clients_forgotten") == 8, SETTLE_S, "the version-5 target's clients forgotten")
     assert st["tables"]["peer_clients"] == 4 and counter(st, "peer_clients_evicted") == 4, (st["tables"], st["counters"])
     assert new.stats()["peers"][b.endpoint]["version"] == CLIENT_GONE_VERSION
+
+
+def test_the_forget_waits_for_an_uncertain_write(sites: Any) -> None:
+    """A client leaves while its write to a frozen source is uncertain: the target owes the
+    forget but sends it only once the source answers; the source then forgets the client,
+    and its agent goes after the write, never under it."""
+    a, b = sites.start(("a", {"args": ("--peer-dead-ms", "60000")}), "b")
+    src = b.deposit(b"k", LAYOUT, seed=10)
+    hint(a, "r", b.endpoint, [b"k"])
+    deliver_checked(a, b"k", LAYOUT, src, range(2), seed=11, request_id="r")  # the long-lived client
+    live = b.stats()["tables"]
+    site = open_site(a.node, "leaving")
+    hint(site, "r", b.endpoint, [b"k"])
+    deliver_checked(site, b"k", LAYOUT, src, range(2), seed=12, request_id="r")
+    assert b.stats()["tables"]["peer_clients"] == 2
+    writes_before = outcome_count(b.stats(), "write.")
+    with frozen(b.node):
+        dst = Dest(site, LAYOUT, range(2), seed=13)
+        out = site.client.deliver({b"k": dst.spans}, request_id="r", deadline_ms=300).result(RESULT_TIMEOUT_S)[b"k"]
+        expect(out, FAILED, ErrorCode.DESTINATION_UNCERTAIN)
+        site.client.close()  # bye while the write may still land: the node drops the held unregions
+        st = poll_stats(a, lambda st: st["clients"] == 1, SETTLE_S, "the leaving client's session ended")
+        assert st["tables"]["forgets"] == 1 and counter(st, "peer_forgets_sent") == 0, st["tables"]
+    st = poll_stats(a, lambda st: st["tables"]["forgets"] == 0 and counter(st, "uncertain_resolved") == 1, SETTLE_S,
+                    "the late answer resolved the write and the forget went")
+    assert counter(st, "peer_forgets_sent") == 1, st["counters"]
+    st = poll_stats(b, lambda st: st["tables"]["peer_clients"] == 1 and st["tables"]["remote_agents"] == live["remote_agents"],
+                    SETTLE_S, "the source forgot the client after its write")
+    assert outcome_count(st, "write.") == writes_before + 1, st["outcomes"]
+    assert counter(st, "peer_clients_forgotten") == 1 and counter(st, "internal_errors") == 0, st["counters"]
+    assert st["invariants"] == [], st["invariants"]
+    deliver_checked(a, b"k", LAYOUT, src, range(2), seed=14, request_id="r")
 
 
 class RawPeer:
