@@ -8,8 +8,9 @@ when they come back (a reconnecting client), and only those beyond ``DEPARTED_AG
 are removed. An agent whose owner is known to be gone for good (``forget``: a target said
 its client left, spec section 5.3) is removed as soon as nothing holds or runs on it,
 instead of departing: removing it costs at most a connection until that process leaves,
-and keeping it would hold the table at its bound. An idle node still progresses its agent every ``IDLE_PROGRESS_S``, so
-connections to agents that went away free their descriptors (architecture §6).
+and keeping it would hold the table at its bound. An idle node still progresses its
+agent every ``IDLE_PROGRESS_S``, so connections to agents that went away free their
+descriptors (architecture §6).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ frozen dataclasses (``messages``, carrying the ``records``); ``codec`` turns the
 msgpack frames and back, validating every field; ``versions`` negotiates; ``columns``
 holds version 3's column encodings (span columns with layer plans, query columns);
 ``notify`` the NIXL notification payload; ``events`` the inventory event stream (spec
-section 15, its own framing and version); ``leases`` version 4's lease answers (version 5 adds ``peer_forget``, a message only); ``plans`` a client's per-group completion; ``projection`` maps named span subsets onto
+section 15, its own framing and version); ``leases`` version 4's lease answers; ``plans`` a client's per-group completion; ``projection`` maps named span subsets onto
 stored layouts; ``descriptors`` checks spans against announced regions.
 """
 
