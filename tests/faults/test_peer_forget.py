@@ -12,6 +12,8 @@ forgets it and removes its agent.
   a bound, and a long-lived client is served before and after.
 - A version-4 target against the same version-5 source keeps the old behaviour (the
   cap), beside a version-5 target whose clients are forgotten.
+- One client cycling its session (bye and hello with the same agent) costs the source no
+  descriptor per cycle: its agent is removed once, then kept departed and reused.
 - A client that leaves while its write to a frozen source is uncertain: the forget waits
   for the write to be over, and the source drops the agent only after it.
 - A hostile peer session speaking version 5 forgets another target's client, unknown
@@ -57,7 +59,7 @@ from kvcr_testing.health import counter, outcome_count, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
 from kvcr_testing.measure import fd_count, rss_kib
 from kvcr_testing.nodes import frozen
-from kvcr_testing.remote import FAILED, Dest, deliver_checked, expect, open_site, poll_stats
+from kvcr_testing.remote import FAILED, OK, Dest, deliver_checked, expect, open_site, poll_stats
 
 LAYOUT = plain_layout(2)
 CLIENTS = 32
@@ -72,6 +74,7 @@ RSS_SLACK_KIB = 32 * 1024
 well below what 32 loaded agents and their connections would cost if they stayed."""
 RAW_TIMEOUT_S = 10.0
 FLOOD = 2000
+CYCLES = 40
 QUERIES = 50
 
 
@@ -188,6 +191,35 @@ def test_the_forget_waits_for_an_uncertain_write(sites: Any) -> None:
     assert counter(st, "peer_clients_forgotten") == 1 and counter(st, "internal_errors") == 0, st["counters"]
     assert st["invariants"] == [], st["invariants"]
     deliver_checked(a, b"k", LAYOUT, src, range(2), seed=14, request_id="r")
+
+
+def test_a_client_cycling_its_session_costs_the_source_no_descriptor(sites: Any) -> None:
+    """One client says bye and hello again (the same NIXL agent) 40 times, with one remote
+    deliver each: its agent is removed at the source once, then kept departed and reused,
+    so the source holds no UCX connection per cycle (architecture §6)."""
+    a, b = sites.start("a", "b")
+    src = b.deposit(b"k", LAYOUT, seed=20)
+    pid = b.node.proc.pid
+    hint(a, "r", b.endpoint, [b"k"])
+    dst = Dest(a, LAYOUT, range(2), seed=21)  # registered once: every new hello announces it again
+    out = a.client.deliver({b"k": dst.spans}, request_id="r").result(RESULT_TIMEOUT_S)[b"k"]
+    expect(out, OK)
+    dst.assert_delivered(src)
+    fds = fd_count(pid)
+    for _ in range(CYCLES):
+        _, bye = a.client.core.request(lambda i: Bye(i), lambda m: None, RESULT_TIMEOUT_S)
+        a.client.core.wait(bye, RESULT_TIMEOUT_S)
+        a.client.reconnect()
+        hint(a, "r", b.endpoint, [b"k"])
+        dst.buf[:] = dst.before
+        out = a.client.deliver({b"k": dst.spans}, request_id="r").result(RESULT_TIMEOUT_S)[b"k"]
+        expect(out, OK)
+        dst.assert_delivered(src)
+    st = poll_stats(b, lambda st: counter(st, "peer_clients_forgotten") == CYCLES, SETTLE_S, "every cycle forgotten")
+    assert st["tables"]["peer_clients"] == 1 and st["tables"]["remote_agents_departed"] == 0, st["tables"]
+    gc.collect()
+    assert wait_until(lambda: fd_count(pid) <= fds + FD_SLACK, SETTLE_S, 0.05), (fds, fd_count(pid))
+    print(f"{CYCLES} session cycles of one client: source fds {fds} -> {fd_count(pid)}")
 
 
 class RawPeer:

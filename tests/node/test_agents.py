@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcr_node.agents import DEPARTED_AGENTS, IDLE_PROGRESS_S, AgentUse, RemoteAgents
+from kvcr_node.agents import DEPARTED_AGENTS, FORGOTTEN_NAMES, IDLE_PROGRESS_S, AgentUse, RemoteAgents
 
 
 class FakeAgent:
@@ -133,3 +133,24 @@ def test_a_forgotten_agent_announced_again_is_kept() -> None:
     del uses["c"]
     agents.release("c")
     assert nixl.removed == [] and "c" in agents.departed
+
+
+def test_an_agent_forgotten_again_after_its_removal_departs() -> None:
+    """A live process that cycles its sessions (announced, forgotten, announced again): the
+    first forget removes its agent, later ones keep it departed and reuse it, since every
+    removal of a live agent costs a connection until that process leaves (architecture §6)."""
+    agents, nixl, _ = make({})
+    agents.add(b"cycling")
+    agents.forget("cycling")
+    assert nixl.removed == ["cycling"]
+    for _ in range(10):
+        agents.add(b"cycling")
+        agents.forget("cycling")
+        assert "cycling" in agents.departed
+    assert nixl.removed == ["cycling"]
+    # The names remembered stay bounded.
+    for i in range(FORGOTTEN_NAMES + 5):
+        agents.add(f"n{i}".encode())
+        agents.forget(f"n{i}")
+    assert len(agents.forgotten) == FORGOTTEN_NAMES and "n0" not in agents.forgotten
+    assert agents.sizes()["remote_agents"] == 1  # only "cycling", departed
