@@ -484,3 +484,15 @@ def _raw(d: NodeDriver, identity: bytes, obj: dict[str, Any], version: int = CUR
     """Hand the node a hand-built frame from ``identity``; what it answered."""
     d.receive_frames([identity, msgpack.packb(obj, use_bin_type=True)])
     return d.sent(identity, version)
+
+
+def test_a_stopping_source_still_forgets(ipc_dir: Path, target: ClientAgent, client: ClientAgent) -> None:
+    """Spec section 10.1: peer_forget only lets go of things, so a stopping node serves it."""
+    with node_driver(config(ipc_dir)) as d:
+        peer_hello(d, b"p", target)
+        announce(d, b"p", client, 2)
+        d.node.router.stopping = True
+        assert only(d.receive(b"p", PeerClient(3, client.name, client.metadata, client.regions)), Error).code == ErrorCode.SHUTTING_DOWN
+        forget(d, b"p", 4, client.name)
+        assert d.stats()["tables"]["peer_clients"] == 0 and client.name not in d.node.remote_agents.loaded
+        assert_at_rest(d)
