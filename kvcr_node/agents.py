@@ -5,8 +5,14 @@ only when our agent is progressed after the agent at the other end went away; re
 an agent whose process still lives leaves its connection open. So agents that nothing
 holds any more are kept loaded ("departed", least recently released first) and reused
 when they come back (a reconnecting client), and only those beyond ``DEPARTED_AGENTS``
-are removed. An idle node still progresses its agent every ``IDLE_PROGRESS_S``, so
-connections to agents that went away free their descriptors (architecture §6).
+are removed. An agent whose owner is known to be gone for good (``forget``: a target said
+its client left, spec section 5.3) is removed as soon as nothing holds or runs on it,
+instead of departing: removing it costs at most a connection until that process leaves,
+and keeping it would hold the table at its bound. One that is announced again after that
+(a live process cycling its sessions) departs the next time, like any other: removing it
+on every cycle would cost a connection each time. An idle node still progresses its
+agent every ``IDLE_PROGRESS_S``, so connections to agents that went away free their
+descriptors (architecture §6).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ log = logging.getLogger("kvcr.node")
 
 DEPARTED_AGENTS = 64
 """Remote agents nothing holds that stay loaded, least recently released out first."""
+FORGOTTEN_NAMES = 4096
+"""Names of agents removed after a ``forget``, remembered (least recent out first) so that
+one announced again is kept departed, not removed, when it is forgotten again."""
 IDLE_PROGRESS_S = 1.0
 """With no transfer running, the agent is still progressed this often (on turns the loop makes anyway)."""
 
@@ -46,6 +55,10 @@ class RemoteAgents:
         self.pending: set[str] = set()
         """Released while still running: let go once nothing runs on them."""
         self.departed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.gone: set[str] = set()
+        """Forgotten while still running: removed (not departed) once nothing runs on them."""
+        self.forgotten: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Names removed after a forget (bounded by ``FORGOTTEN_NAMES``)."""
         self._next_progress = 0.0
 
     def add(self, metadata: bytes) -> str:
@@ -53,6 +66,7 @@ class RemoteAgents:
         name = self.agent.add_remote(metadata)
         self.loaded.add(name)
         self.pending.discard(name)
+        self.gone.discard(name)  # announced again: it is someone's again
         self.departed.pop(name, None)
         return name
 
@@ -64,12 +78,35 @@ class RemoteAgents:
         if use is not None:
             if use is AgentUse.RUNNING:
                 self.pending.add(name)  # retried by release_pending as operations finish
+            else:
+                self.gone.discard(name)  # another holder has it: its own release decides
             return
         self.pending.discard(name)
+        if name in self.gone:
+            self._remove_forgotten(name)
+            return
         self.departed[name] = None
         while len(self.departed) > DEPARTED_AGENTS:
             oldest, _ = self.departed.popitem(last=False)
             self._remove(oldest)
+
+    def forget(self, name: str) -> None:
+        """A holder of ``name`` let go and knows its owner left for good (a target's
+        ``peer_forget``, spec section 5.3): once nothing else holds it and nothing runs on
+        it, it is removed from NIXL rather than kept departed."""
+        if name not in self.loaded:
+            return
+        if name in self.forgotten:
+            # Removed after a forget before and announced again: its process lives and
+            # cycles its sessions; keep it departed (reused when it returns).
+            self.forgotten.move_to_end(name)
+            self.release(name)
+            return
+        if self.departed.pop(name, None) is not None:
+            self._remove_forgotten(name)
+            return
+        self.gone.add(name)
+        self.release(name)
 
     def release_pending(self) -> None:
         for name in list(self.pending):
@@ -87,10 +124,19 @@ class RemoteAgents:
             "remote_agents": len(self.loaded),
             "remote_agents_departed": len(self.departed),
             "remote_agents_pending": len(self.pending),
+            "remote_agents_gone": len(self.gone),
         }
+
+    def _remove_forgotten(self, name: str) -> None:
+        self._remove(name)
+        self.forgotten[name] = None
+        while len(self.forgotten) > FORGOTTEN_NAMES:
+            self.forgotten.popitem(last=False)
 
     def _remove(self, name: str) -> None:
         self.loaded.discard(name)
+        self.pending.discard(name)
+        self.gone.discard(name)
         try:
             self.agent.remove_remote(name)
         except Exception:

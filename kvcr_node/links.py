@@ -3,7 +3,8 @@
 ``Links`` owns every link (one DEALER socket and its monitor per source endpoint), the
 writes queued, sent or uncertain on each, their probes, and the ids of the messages it
 sends. It opens links on demand (at most ``max_peers``, least recently used idle ones
-closed to make room), says ``peer_hello``, announces clients, sends writes, reads what
+closed to make room), says ``peer_hello``, announces clients (and, version 5, tells
+sources when they left: ``peer_forget``), sends writes, reads what
 sources answer, and on each check sends heartbeats, turns writes whose deadline passed
 uncertain, probes them, and closes links idle for ``peer_idle_ms`` (spec sections 5.3
 and 12). What a write means for its operation (results, fills, handles) is the node's:
@@ -43,6 +44,7 @@ from kvcr_protocol import (
     LeaseReply,
     Message,
     PeerClient,
+    PeerForget,
     PeerHello,
     PeerWelcome,
     Probe,
@@ -58,7 +60,7 @@ from kvcr_protocol import (
     encode,
 )
 from kvcr_protocol.operations import SOURCE_CODES
-from kvcr_protocol.versions import COLUMNS_VERSION, LEASES_VERSION, PARTIAL_LAYOUT_VERSION
+from kvcr_protocol.versions import CLIENT_GONE_VERSION, COLUMNS_VERSION, LEASES_VERSION, PARTIAL_LAYOUT_VERSION
 
 log = logging.getLogger("kvcr.node")
 
@@ -220,11 +222,37 @@ class Links:
         self.owner.write_over(write, code, reason, results, was_uncertain)
 
     def forget_client(self, agent: str) -> None:
-        """A client's session ended: no link announces it any more (it is announced afresh if it returns)."""
+        """A client's session ended: no link announces it any more (it is announced afresh if
+        it returns), and each source that may know it is told so, once nothing of the client
+        can still run there (``peer_forget``, spec section 5.3, version 5)."""
         for link in self:
-            link.clients_sent.pop(agent, None)
+            known = link.clients_sent.pop(agent, None) is not None
             for announce_id in [i for i, a in link.announcing.items() if a == agent]:
                 del link.announcing[announce_id]
+                known = True
+            if known or any(w.agent == agent and w.client is not None for w in (*link.writes.values(), *link.queued)):
+                link.forgets.add(agent)
+                self._send_forgets(link)
+
+    def _send_forgets(self, link: PeerLink) -> None:
+        """Send ``peer_forget`` for each client that left and that no write on ``link`` names
+        any more (sent, queued or uncertain: the message follows every write for the client
+        on the connection), once the session is up (spec section 5.3). A session below
+        version 5 carries none: the source bounds its table itself (``max_peer_clients``)."""
+        if not link.forgets or link.state is not LinkState.READY or link.closed:
+            return
+        if link.version < CLIENT_GONE_VERSION:
+            for agent in link.forgets:
+                link.clients_sent.pop(agent, None)  # a queued write of the client announced it again
+            link.forgets.clear()
+            return
+        running = {w.agent for w in (*link.writes.values(), *link.queued) if w.client is not None}
+        for agent in sorted(link.forgets - running):
+            if not self._send(link, PeerForget(next(self._ids), agent)):
+                return  # the socket is full: the next check tries again
+            link.forgets.discard(agent)
+            link.clients_sent.pop(agent, None)
+            self.counters["peer_forgets_sent"] += 1
 
     # ------------------------------------------------------------------ lease requests
 
@@ -348,6 +376,9 @@ class Links:
             if self._send(link, announce):
                 link.clients_sent[client.agent] = client.regions_version
                 link.announcing[announce.id] = client.agent
+                if not client.closing:
+                    # The client came back under the same agent: the source must keep it.
+                    link.forgets.discard(client.agent)
         remaining_ms = max(1, int((write.deadline - self.clock()) * 1000))
         if link.version >= COLUMNS_VERSION and write.columns:
             # The client's rows as they came, with their plans, and how to notify it (spec section 12).
@@ -408,6 +439,8 @@ class Links:
                 self._on_message(link, msg)
             except Exception as exc:
                 self._message_failed(link, msg, exc)
+        if link.forgets:
+            self._send_forgets(link)  # a write that held one back may have ended, or the session opened
 
     def _message_failed(self, link: PeerLink, msg: Message, exc: Exception) -> None:
         """Handling a source's message raised: count it; the write it answers (if any) fails ``INTERNAL``."""
@@ -524,6 +557,9 @@ class Links:
         for write in queued:
             if write.state is WriteStage.QUEUED:
                 self._send_write(write)
+        # A new session knows only the clients announced on it (by the writes just sent):
+        # the source forgot the others with the old session.
+        link.forgets &= set(link.clients_sent)
         asks, link.asks_queued = link.asks_queued, []
         for ask in asks:
             self._send_ask(link, ask)
@@ -601,6 +637,8 @@ class Links:
                     write.next_probe = now + PROBE_INTERVAL_S
                     self.counters["probes_sent"] += 1
                     self._send(link, Probe(write.probe_id, write.id))
+            if link.forgets:
+                self._send_forgets(link)
 
     def _give_up_asks(self, link: PeerLink, now: float) -> None:
         """Lease requests past their deadline on a live connection (a source that does not
@@ -620,7 +658,8 @@ class Links:
         times: list[float] = []
         if self.config.heartbeat_ms:
             times.extend(link.next_heartbeat for link in self if link.state is LinkState.READY)
-        if any(link.writes or link.queued or link.asks_queued or link.asks for link in self):
+        if any(link.writes or link.queued or link.asks_queued or link.asks
+               or (link.forgets and link.state is LinkState.READY) for link in self):
             times.append(now + WRITE_POLL_S)
         down = [link.down_since + self.config.peer_dead_ms / 1000 for link in self
                 if link.leases and link.down_since is not None and link.state is not LinkState.READY]
@@ -652,6 +691,7 @@ class Links:
             "probes": sum(len(link.probes) for link in self),
             "clients_sent": sum(len(link.clients_sent) for link in self),
             "announcing": sum(len(link.announcing) for link in self),
+            "forgets": sum(len(link.forgets) for link in self),
             "lease_asks": sum(len(link.asks) + len(link.asks_queued) for link in self),
             "lease_asks_abandoned": sum(len(link.abandoned) for link in self),
             "source_leases": sum(len(link.leases) for link in self),

@@ -124,6 +124,9 @@ class PeerLink:
     """Client agent -> the regions version the peer has (or is being sent); live clients only."""
     announcing: dict[int, str] = field(default_factory=dict)
     """peer_client messages not yet answered: id -> client agent."""
+    forgets: set[str] = field(default_factory=set)
+    """Agents of clients that left and that the peer may know: ``peer_forget`` goes (version 5)
+    once the session is up and no write for them on it may still run (spec section 5.3)."""
     probes: dict[int, RemoteWrite] = field(default_factory=dict)
     """Probe id -> the uncertain write it asks about (one per write: its latest)."""
     next_heartbeat: float = 0.0

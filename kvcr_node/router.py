@@ -38,6 +38,7 @@ from kvcr_protocol import (
     Limits,
     Message,
     PeerClient,
+    PeerForget,
     PeerHello,
     Probe,
     ProtocolError,
@@ -59,7 +60,7 @@ M = TypeVar("M", bound=Message)
 To = TypeVar("To")
 S = TypeVar("S", bound=ClientSession)
 
-WHILE_STOPPING = (Release, ReleaseLease, Bye, Heartbeat, StatsRequest)
+WHILE_STOPPING = (Release, ReleaseLease, Bye, Heartbeat, StatsRequest, PeerForget)
 """What a stopping node still serves: requests that end or release things, and stats."""
 
 class Handlers(dict[type[Message], Callable[[To, Message], None]]):
@@ -115,6 +116,7 @@ class Router:
             .add(PeerClient, source.on_peer_client)
             .add(WriteRequest, source.on_write)
             .add(Probe, source.on_probe)
+            .add(PeerForget, source.on_peer_forget)
         )
 
     def receive(self, frames: list[bytes]) -> None:

@@ -270,7 +270,8 @@ class Sessions:
             del self.table[session.identity]
         self.agents.release(session.agent)
         if not isinstance(session, PeerSession):
-            # Sources forget it too in time (max_peer_clients); announce it afresh if it returns.
+            # Sources forget it too: told so at version 5 (peer_forget, once none of its
+            # writes may run), else in time (max_peer_clients); announce it afresh if it returns.
             self.target.links.forget_client(session.agent)
         else:
             # The agents its target announced go with it (spec section 5.3, bye).

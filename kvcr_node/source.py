@@ -3,7 +3,8 @@
 A target opens a peer session (``peer_hello``), announces the clients it writes for
 (``peer_client``, bounded by ``max_peer_clients``), asks for writes of objects stored here
 into a client's memory or its own pools (``write``, served by ``kvcr_node.ops.deliver``),
-and asks whether a write whose deadline passed is over (``probe``). A write whose objects
+asks whether a write whose deadline passed is over (``probe``), and (version 5) says when
+an announced client left (``peer_forget``). A write whose objects
 are all READY is claimed and its WRITE submitted in the turn that decoded it
 (architecture §4); ``write_done`` goes back when the transfer is terminal.
 """
@@ -28,6 +29,7 @@ from kvcr_protocol import (
     ErrorCode,
     KeyResult,
     PeerClient,
+    PeerForget,
     PeerHello,
     PeerWelcome,
     Probe,
@@ -112,6 +114,19 @@ class Source:
         peer.clients[agent] = regions
         peer.clients.move_to_end(agent)
         self._bound_peer_clients(peer)
+        self.outbox.reply(peer, Ack(msg.id))
+
+    def on_peer_forget(self, peer: PeerSession, msg: PeerForget) -> None:
+        """The target's client left (spec section 5.3, version 5): forget it in this peer
+        session only, as if never announced. Its agent goes once nothing names it (a
+        running write keeps the regions it was accepted with and runs to the end). An agent
+        this session does not hold changes nothing: forgetting is idempotent, answered ack."""
+        if peer.clients.pop(msg.agent, None) is None:
+            # Never announced here, forgotten or evicted already, or another session's client.
+            self.counters["peer_forgets_unknown"] += 1
+        else:
+            self.counters["peer_clients_forgotten"] += 1
+            self.agents.forget(msg.agent)
         self.outbox.reply(peer, Ack(msg.id))
 
     def _bound_peer_clients(self, peer: PeerSession) -> None:

@@ -2,7 +2,8 @@
 
 ``python spec/make_vectors.py`` rewrites every file of ``spec/vectors/`` deterministically:
 ``valid.json`` and ``invalid.json`` (versions 1 and 2), ``valid-v3.json`` and
-``invalid-v3.json``, ``valid-v4.json`` and ``invalid-v4.json`` (leases), and
+``invalid-v3.json``, ``valid-v4.json`` and ``invalid-v4.json`` (leases), ``valid-v5.json`` and
+``invalid-v5.json`` (``peer_forget``), and
 ``notify.json``, and ``events.json`` (the inventory event stream). The JSON files, not this script, are
 the source of truth: tests read them. ``python spec/make_vectors.py --tables`` prints the
 field tables of ``kvcr-protocol.md`` as generated from the code's ``FIELDS``.
@@ -1025,6 +1026,28 @@ def v4_instances() -> list[Valid]:
     ]
 
 
+def v5_instances() -> list[Valid]:
+    """Version 5: every message of versions 1 to 4 again at version 5, then ``peer_forget``."""
+    again = [
+        dataclasses.replace(inst, versions=(5,))
+        for inst in v4_instances()
+        if inst.name not in ("welcome-agreed-4", "peer-welcome-agreed-4")
+    ]
+    return [
+        *again,
+        Valid("welcome-agreed-5", m.Welcome(1, 5, "node-a", INC_A, "kvcr-node-a", POOLS_A, 1000), versions=(5,), description="welcome agreeing on version 5"),
+        Valid("peer-welcome-agreed-5", m.PeerWelcome(1, 5, "node-b", INC_B, "kvcr-node-b", MD_NODE_B), versions=(5,), description="node B agrees on version 5"),
+        Valid(
+            "peer-forget",
+            m.PeerForget(310, "kvcr-client-4712"),
+            versions=(5,),
+            accept=accept_variants,
+            description="the client announced in peer-client left node A: B forgets it (answered ack)",
+        ),
+        Valid("ack-peer-forget", m.Ack(310), versions=(5,), description="B forgot the client, or held no such client"),
+    ]
+
+
 def accept_short_columns(message: m.Message, version: int) -> list[tuple[str, bytes]]:
     """A block of columns without its trailing (empty) groups column."""
     obj = _wire(message, version)
@@ -1389,6 +1412,21 @@ def invalid_v4_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     yield ("lease-end-key-str", _pack({**ended, "keys": ["k2"]}), 4, "WRONG_TYPE", "a key as str")
 
 
+def invalid_v5_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
+    """Version 5's invalid frames: (name, frame, max_version, expected code name, description)."""
+    forget = {"v": 5, "t": "peer_forget", "id": 310, "agent": "kvcr-client-4712"}
+    yield ("peer-forget-in-v4-frame", _pack({**forget, "v": 4}), 5, "UNKNOWN_TYPE", "peer_forget does not exist at version 4")
+    yield ("peer-forget-in-v1-frame", _pack({**forget, "v": 1}), 5, "UNKNOWN_TYPE", "peer_forget does not exist at version 1")
+    yield ("peer-forget-at-4", _pack(forget), 4, "UNKNOWN_TYPE", "an endpoint that speaks up to 4 knows no peer_forget message")
+    yield ("peer-forget-v6-at-5", _pack({**forget, "v": 6}), 5, "UNSUPPORTED_VERSION", "a frame of version 6 reaching an endpoint that speaks up to 5")
+    yield ("peer-forget-agent-missing", _pack({k: v for k, v in forget.items() if k != "agent"}), 5, "MISSING_FIELD", "a peer_forget naming no agent")
+    yield ("peer-forget-agent-bin", _pack({**forget, "agent": b"kvcr-client-4712"}), 5, "WRONG_TYPE", "the agent name as bin, not str")
+    yield ("peer-forget-agent-list", _pack({**forget, "agent": ["kvcr-client-4712"]}), 5, "WRONG_TYPE", "a list of agents, not one")
+    yield ("peer-forget-agent-129", _pack({**forget, "agent": "a" * 129}), 5, "TOO_LARGE", "an agent name of 129 bytes (limit 128)")
+    yield ("peer-forget-id-negative", _pack({**forget, "id": -1}), 5, "OUT_OF_RANGE", "a negative request id")
+    yield ("peer-forget-unknown-bang", _pack({**forget, "!all": True}), 5, "MUST_UNDERSTAND", "an unknown must-understand field on a version-5 message")
+
+
 def notify_vectors() -> dict[str, Any]:
     """NIXL notification payloads (spec section 6.9): valid ones with their fields, invalid ones with their error."""
     valid = [
@@ -1642,6 +1680,8 @@ def main(argv: list[str] | None = None) -> int:
         ("invalid-v3.json", kp.COLUMNS_VERSION, INVALID_ABOUT, lambda: build_invalid(invalid_v3_inputs())),
         ("valid-v4.json", kp.LEASES_VERSION, VALID_ABOUT, lambda: build_valid(v4_instances())),
         ("invalid-v4.json", kp.LEASES_VERSION, INVALID_ABOUT, lambda: build_invalid(invalid_v4_inputs())),
+        ("valid-v5.json", kp.CLIENT_GONE_VERSION, VALID_ABOUT, lambda: build_valid(v5_instances())),
+        ("invalid-v5.json", kp.CLIENT_GONE_VERSION, INVALID_ABOUT, lambda: build_invalid(invalid_v5_inputs())),
     ]
     names: set[str] = set()
     for name, version, about, build in files:

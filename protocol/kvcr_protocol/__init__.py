@@ -43,6 +43,7 @@ from kvcr_protocol.plans import GroupEvent, GroupState, PlanProgress
 from kvcr_protocol.projection import Projection, ProjectionCache, compute_projection
 from kvcr_protocol.versions import (
     BASE_VERSION,
+    CLIENT_GONE_VERSION,
     COLUMNS_VERSION,
     CURRENT_VERSION,
     LATEST_VERSION,
@@ -58,6 +59,7 @@ __all__ = [
     "ALL_MESSAGES",
     "ANY_REQUEST",
     "BASE_VERSION",
+    "CLIENT_GONE_VERSION",
     "COLUMNS_VERSION",
     "CURRENT_VERSION",
     "DEFAULT_LIMITS",

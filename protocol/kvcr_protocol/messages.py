@@ -632,6 +632,20 @@ class LeaseEnded(Message):
     FIELDS = _fields(_F_LEASE, _F_CODE, _F_REASON, Field("keys", _KEYS, ()))
 
 
+# ---- version 5, peer sessions: a client left (spec section 5.3)
+
+
+@message("peer_forget", since=5)
+class PeerForget(Message):
+    """Target -> source: the client whose agent ``agent`` this peer session announced left;
+    forget it (its agent is let go once no write of the session names it). Answered ``ack``,
+    also when the session holds no such client (nothing changes)."""
+
+    id: int
+    agent: str
+    FIELDS = _fields(_F_AGENT)
+
+
 def item_count(msg: Deposit | Deliver | WriteRequest) -> int:
     """How many items (keys) a message carries, as records or as columns."""
     return len(msg.items) + sum(len(block.keys) for block in msg.columns)
@@ -650,7 +664,7 @@ CLIENT_MESSAGES: tuple[type[Message], ...] = (
     Error, CapacityEvent, Heartbeat, Bye, Progress, Lease, LeaseReply, RenewLease, ReleaseLease, LeaseEnded,
 )
 PEER_MESSAGES: tuple[type[Message], ...] = (
-    PeerHello, PeerWelcome, PeerClient, WriteRequest, WriteDone, Refuse, Probe, ProbeReply,
+    PeerHello, PeerWelcome, PeerClient, WriteRequest, WriteDone, Refuse, Probe, ProbeReply, PeerForget,
 )
 ALL_MESSAGES: tuple[type[Message], ...] = CLIENT_MESSAGES + PEER_MESSAGES
 MESSAGE_BY_TAG: dict[str, type[Message]] = {m.TAG: m for m in ALL_MESSAGES}

@@ -104,6 +104,7 @@ REQUEST_CODES: Mapping[str, RequestCodes] = {
     "peer_client": RequestCodes(_codes(E.BAD_DESCRIPTOR) | _STOPPING),
     "write": RequestCodes(_WRITE_REFUSALS, _WRITE_RESULTS),
     "probe": RequestCodes(_STOPPING),
+    "peer_forget": RequestCodes(_codes()),
 }
 """Per request tag: the codes of its refusal and of its per-key results."""
 

@@ -4,6 +4,8 @@ Version 1 is the base protocol. Version 2 adds the must-understand partial-layou
 (``!partial``) on peer write requests. Version 3 adds span columns, layer plans with
 per-group progress, NIXL completion notifications, query columns and prefix queries.
 Version 4 adds leases: ``lease``, ``lease_reply``, ``renew``, ``unlease`` and ``lease_end``.
+Version 5 is opened by ``peer_forget`` (a target tells a source that a client it announced
+left); further version-5 additions follow.
 
 This package encodes and decodes every version in ``PROTOCOL_VERSIONS``. What an endpoint
 offers is its own choice: the reference node and client speak ``SUPPORTED_VERSIONS``
@@ -26,7 +28,12 @@ columns and prefix queries."""
 LEASES_VERSION = 4
 """The first version with leases (spec section 6.11), on client and peer sessions."""
 
-PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2, 3, 4)
+CLIENT_GONE_VERSION = 5
+"""The first version with ``peer_forget`` (spec section 5.3): a target tells a source that a
+client it announced left, so the source forgets it at once instead of at its
+``max_peer_clients`` bound."""
+
+PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5)
 """Every version this package can encode and decode."""
 LATEST_VERSION = PROTOCOL_VERSIONS[-1]
 """The newest version the written protocol defines."""

@@ -24,9 +24,11 @@ def load(name: str) -> list[dict[str, Any]]:
 
 VALID_V12 = load("valid.json")
 VALID_V4 = load("valid-v4.json")
-VALID = VALID_V12 + load("valid-v3.json") + VALID_V4
+VALID_V5 = load("valid-v5.json")
+VALID = VALID_V12 + load("valid-v3.json") + VALID_V4 + VALID_V5
 INVALID_V4 = load("invalid-v4.json")
-INVALID = load("invalid.json") + load("invalid-v3.json") + INVALID_V4
+INVALID_V5 = load("invalid-v5.json")
+INVALID = load("invalid.json") + load("invalid-v3.json") + INVALID_V4 + INVALID_V5
 NOTIFY: dict[str, Any] = json.loads((VECTORS / "notify.json").read_text(encoding="utf-8"))
 
 
@@ -115,15 +117,17 @@ def test_version_1_and_2_files_hold_no_later_vector() -> None:
     assert {v["version"] for v in VALID_V12} == {1, 2}
     assert all(v["version"] == kp.COLUMNS_VERSION for v in load("valid-v3.json"))
     assert all(v["version"] == kp.LEASES_VERSION for v in VALID_V4)
+    assert all(v["version"] == kp.CLIENT_GONE_VERSION for v in VALID_V5)
     assert all(v["max_version"] <= kp.PARTIAL_LAYOUT_VERSION for v in load("invalid.json"))
     assert all(v["max_version"] <= kp.COLUMNS_VERSION for v in load("invalid-v3.json"))
     assert all(v["max_version"] <= kp.LEASES_VERSION for v in INVALID_V4)
+    assert all(v["max_version"] <= kp.CLIENT_GONE_VERSION for v in INVALID_V5)
 
 
 def test_each_file_states_its_version() -> None:
     for name, version in (
         ("valid.json", 2), ("invalid.json", 2), ("valid-v3.json", 3), ("invalid-v3.json", 3),
-        ("valid-v4.json", 4), ("invalid-v4.json", 4),
+        ("valid-v4.json", 4), ("invalid-v4.json", 4), ("valid-v5.json", 5), ("invalid-v5.json", 5),
     ):
         assert json.loads((VECTORS / name).read_text(encoding="utf-8"))["protocol_version"] == version, name
 
@@ -139,6 +143,47 @@ def test_version_4_file_repeats_every_older_message() -> None:
         if vec["wire_version"] == 4:
             assert v4.pop("v") == 4 and v3.pop("v") == 3
         assert v3 == v4, name
+
+
+def test_version_5_file_repeats_every_older_message() -> None:
+    # Every message of versions 1 to 4 is there again at version 5, as the same message.
+    older = {v["name"].rsplit("-v", 1)[0]: v for v in VALID_V4}
+    again = {v["name"].rsplit("-v", 1)[0]: v for v in VALID_V5 if v["name"].rsplit("-v", 1)[0] in older}
+    assert set(older) - set(again) == {"welcome-agreed-4", "peer-welcome-agreed-4"}
+    for name, vec in again.items():
+        assert message_of(vec) == message_of(older[name]), name
+        v4, v5 = msgpack.unpackb(bytes.fromhex(older[name]["hex"]), raw=False), msgpack.unpackb(bytes.fromhex(vec["hex"]), raw=False)
+        if vec["wire_version"] == 5:
+            assert v5.pop("v") == 5 and v4.pop("v") == 4
+        assert v4 == v5, name
+
+
+def test_version_5_vectors_cover_what_it_adds() -> None:
+    # Version 5 opens with one peer message; nothing of an older message changes.
+    added = {cls.TAG for cls in kp.ALL_MESSAGES if cls.SINCE == kp.CLIENT_GONE_VERSION}
+    assert added == {kp.PeerForget.TAG}
+    forgets = [message_of(v) for v in VALID_V5 if v["tag"] == kp.PeerForget.TAG]
+    assert forgets and all(isinstance(msg, kp.PeerForget) and msg.agent for msg in forgets)
+    announced = {msg.agent for msg in map(message_of, VALID_V5) if isinstance(msg, kp.PeerClient)}
+    assert {msg.agent for msg in forgets} <= announced, "a forget names an agent the vectors announce"
+    unknown = {msgpack.unpackb(bytes.fromhex(v["hex"]), raw=False)["t"] for v in INVALID_V5 if v["error"] == "UNKNOWN_TYPE"}
+    assert unknown == added
+    assert any(v["max_version"] == kp.LEASES_VERSION for v in INVALID_V5), "peer_forget at an endpoint of version 4"
+    assert {("TOO_LARGE", "agent"), ("MISSING_FIELD", "agent"), ("WRONG_TYPE", "agent")} <= {
+        (v["error"], v["path"]) for v in INVALID_V5}
+
+
+@pytest.mark.parametrize("vec", [v for v in VALID_V5 if v["tag"] == kp.PeerForget.TAG], ids=lambda v: v["name"])
+def test_peer_forget_is_refused_below_version_5(vec: dict[str, Any]) -> None:
+    msg = message_of(vec)
+    frame = bytes.fromhex(vec["hex"])
+    for version in (1, 2, 3, 4):
+        with pytest.raises(kp.LocalProtocolError) as local:
+            kp.encode(msg, version)
+        assert local.value.code is kp.ErrorCode.UNSUPPORTED_VERSION
+        with pytest.raises(kp.RemoteProtocolError) as remote:
+            kp.decode(frame, version)
+        assert (remote.value.code, remote.value.path) == (kp.ErrorCode.UNKNOWN_TYPE, "t")
 
 
 def test_version_3_vectors_cover_what_it_adds() -> None:

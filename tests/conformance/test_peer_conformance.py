@@ -2,7 +2,7 @@
 
 ``PeerConformance`` holds the cases; a subclass supplies the ``pair`` fixture (a target
 node with a client, a source node with a client). ``TestVersionMatrix`` runs them on
-local nodes for every (target version, source version) in {1, 2, 3, 4}²; ``TestExternalPair``
+local nodes for every (target version, source version) in {1, 2, 3, 4, 5}²; ``TestExternalPair``
 points them at nodes already running elsewhere:
 
     KVCR_PEER_TARGET=ipc:///tmp/a.sock KVCR_PEER_SOURCE=ipc:///tmp/b.sock \\
@@ -23,6 +23,10 @@ The expected outcome of each case follows from the versions the two nodes speak:
 - a lease on hinted keys is held at the source (``LEASED_REMOTE``) when both speak version
   4 and serves a delivery byte for byte; a version-4 target whose source speaks less
   answers ``ADVISORY`` (nothing reserved); a client below version 4 cannot ask for one;
+- a client of the target that delivered from the source and left is forgotten at the
+  source at once (``peer_forget``) when both speak version 5; below that the source keeps
+  its announcement (until ``max_peer_clients`` or the peer session's end) and the target
+  sends nothing;
 - a version-1 ``write`` frame carrying the must-understand ``!partial`` is refused whole
   (``MUST_UNDERSTAND``) and writes nothing, whatever version the source speaks.
 
@@ -59,12 +63,12 @@ from kvcr_protocol import (
     decode,
     encode,
 )
-from kvcr_protocol.versions import LEASES_VERSION, PARTIAL_LAYOUT_VERSION
+from kvcr_protocol.versions import CLIENT_GONE_VERSION, LEASES_VERSION, PARTIAL_LAYOUT_VERSION
 from kvcr_testing.health import counter, outcome_count, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar
 from kvcr_testing.nodes import short_ipc_dir, start_node
 from kvcr_testing.patterns import assert_bytes_equal, pattern
-from kvcr_testing.remote import OK, Dest, Site, assert_site_clean, deliver_checked, expect, sites_of
+from kvcr_testing.remote import OK, Dest, Site, assert_site_clean, deliver_checked, expect, open_site, sites_of
 
 RAW_TIMEOUT_S = 10.0
 
@@ -137,6 +141,37 @@ class PeerConformance:
         deliver_checked(pair.target, k, layout, src, range(2), seed=22, request_id=rid)
         lease.release().result(RESULT_TIMEOUT_S)
         assert wait_until(lambda: pair.source.stats()["leases"]["held"] == 0, RAW_TIMEOUT_S)
+
+    def test_departed_client_is_forgotten(self, pair: PeerPair) -> None:
+        """Spec sections 5.3 and 7: a client that delivered through the target and left is
+        forgotten at the source when both speak version 5; otherwise the source keeps it."""
+        k = pair.key("gone")
+        layout = pair.layout(2)
+        src = pair.source.deposit(k, layout, seed=80)
+        sent_before = counter(pair.target.stats(), "peer_forgets_sent")
+        source_before = pair.source.stats()
+        site = open_site(pair.target.node, f"conf-gone-{secrets.token_hex(2)}", pair.target_version)
+        try:
+            site.client.submit_hint("gone", pair.source.endpoint, [k]).result(RESULT_TIMEOUT_S)
+            deliver_checked(site, k, layout, src, range(2), seed=81, request_id="gone")
+        finally:
+            site.close()
+        both = pair.agreed >= CLIENT_GONE_VERSION
+        if both:
+            assert wait_until(lambda: counter(pair.target.stats(), "peer_forgets_sent") == sent_before + 1, RAW_TIMEOUT_S)
+        if not pair.exclusive:
+            return  # shared nodes: other sessions move the source's tables
+        forgotten = counter(source_before, "peer_clients_forgotten")
+        if both:
+            assert wait_until(lambda: counter(pair.source.stats(), "peer_clients_forgotten") == forgotten + 1, RAW_TIMEOUT_S)
+            st = pair.source.stats()
+            assert st["tables"]["peer_clients"] == source_before["tables"]["peer_clients"], st["tables"]
+        else:
+            st = pair.source.stats()
+            assert counter(pair.target.stats(), "peer_forgets_sent") == sent_before == 0
+            assert counter(st, "peer_clients_forgotten") == forgotten == 0, st["counters"]
+            assert st["tables"]["peer_clients"] == source_before["tables"]["peer_clients"] + 1, st["tables"]
+        assert counter(st, "peer_forgets_unknown") == 0, st["counters"]
 
     def test_versions_agreed(self, pair: PeerPair) -> None:
         k = pair.key("hello")
@@ -384,7 +419,7 @@ class RawPeer:
 # --------------------------------------------------------------------------- where the cases run
 
 
-MATRIX = [(t, s) for t in (1, 2, 3, 4) for s in (1, 2, 3, 4)]
+MATRIX = [(t, s) for t in (1, 2, 3, 4, 5) for s in (1, 2, 3, 4, 5)]
 
 
 @pytest.fixture(scope="module", params=MATRIX, ids=[f"target{t}-source{s}" for t, s in MATRIX])

@@ -1,4 +1,4 @@
-"""Query conformance: clients and nodes of protocol versions 1 to 4 (spec sections 5.2, 6.9, 7).
+"""Query conformance: clients and nodes of every protocol version, 1 to 5 (spec sections 5.2, 6.9, 7).
 
 Each (client version, node version) pair agrees on the lower of the two. Whatever it
 agrees on, a query gives the same answers (records below version 3, columns from 3 on), and
@@ -23,7 +23,7 @@ from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
 from kvcr_testing.nodes import running_node, short_ipc_dir
 from kvcr_testing.patterns import KiB
 
-VERSIONS = (1, 2, 3, 4)
+VERSIONS = (1, 2, 3, 4, 5)
 SLOT = 4 * KiB
 HELD = [f"conf-q/held/{i}".encode() for i in range(40)]
 HINTED = [f"conf-q/hinted/{i}".encode() for i in range(10)]

@@ -25,12 +25,15 @@ from kvcr_node.peers import LinkState, RemoteWrite, WriteStage
 from kvcr_node.records import ClientSession, Operation
 from kvcr_protocol import (
     SUPPORTED_VERSIONS,
+    Ack,
     DeliverItem,
     DstSpan,
     ErrorCode,
     KeyResult,
     KeyStatus,
     Message,
+    PeerClient,
+    PeerForget,
     PeerHello,
     PeerWelcome,
     Probe,
@@ -104,13 +107,15 @@ class Source:
         self.sock.bind(endpoint)
         self.endpoint = endpoint
         self.peer = b""
+        self.version = VERSION
+        """What it encodes its answers at (the version its session agreed on)."""
 
     def recv(self) -> Message:
         self.peer, frame = self.sock.recv_multipart()
         return decode(frame, VERSION)
 
     def send(self, msg: Message) -> None:
-        self.sock.send_multipart([self.peer, encode(msg, VERSION)])
+        self.sock.send_multipart([self.peer, encode(msg, self.version)])
 
 
 @dataclass
@@ -170,12 +175,12 @@ def items(n: int = 1) -> tuple[DeliverItem, ...]:
     return tuple(DeliverItem(f"k{i}".encode(), (DstSpan("L0", 1, 0, 4096),)) for i in range(n))
 
 
-def ready_link(world: World, source: Source) -> Any:
-    """Open a link to ``source`` and answer its hello: the link's session is up."""
+def ready_link(world: World, source: Source, version: int = VERSION) -> Any:
+    """Open a link to ``source`` and answer its hello (agreeing on ``version``): the link's session is up."""
     link = world.links.open(source.endpoint)
     hello = source.recv()
     assert isinstance(hello, PeerHello) and hello.versions == SUPPORTED_VERSIONS
-    source.send(PeerWelcome(hello.id, VERSION, "source", 42, "source-agent", b"source-agent"))
+    source.send(PeerWelcome(hello.id, version, "source", 42, "source-agent", b"source-agent"))
     world.drain_until(lambda: link.state is LinkState.READY)
     assert link.incarnation == 42
     return link
@@ -303,3 +308,173 @@ def test_a_restarted_source_voids_the_writes_of_its_predecessor(world: World) ->
     world.drain_until(lambda: link.incarnation == 43)
     assert [(w, code) for w, code, _, _ in world.owner.over] == [(write, ErrorCode.PEER_RESTARTED)]
     assert link.incarnation == 43 and link.agent == "source-agent-2"
+
+
+# --------------------------------------------------------------------------- a client left (version 5)
+
+
+def client_session(name: str = "client-agent") -> ClientSession:
+    return ClientSession(b"client", "engine", name, VERSION, b"md")
+
+
+def client_write(world: World, link: Any, client: ClientSession, deadline_s: float = 5) -> RemoteWrite:
+    """Submit a write into ``client``'s memory on ``link``."""
+    op = Operation(client, 1, "deliver", world.clock.now + deadline_s, [None])
+    write = world.links.new_write(op, link, [0], items(), client.agent, client, False)
+    world.links.submit(write)
+    return write
+
+
+def received_write(source: Source, write: RemoteWrite) -> None:
+    """The source reads the client's announcement, then the write."""
+    announce = source.recv()
+    assert isinstance(announce, PeerClient) and announce.agent == write.agent, announce
+    source.send(Ack(announce.id))
+    msg = source.recv()
+    assert isinstance(msg, WriteRequest) and msg.id == write.id, msg
+
+
+def leave(world: World, client: ClientSession) -> None:
+    """The client's session ends, as ``Sessions.close`` does it."""
+    client.closing = True
+    world.links.forget_client(client.agent)
+
+
+def marker(world: World, source: Source, link: Any) -> int:
+    """A fetch write sent now: whatever the link sent before it, the source reads first."""
+    write = world.links.new_write(operation(world.clock, 5), link, [0], items(), "target-agent", None, False)
+    world.links.submit(write)
+    return write.id
+
+
+def test_a_client_that_left_is_forgotten_at_its_source(world: World) -> None:
+    """Spec section 5.3: once no write of the client runs, the source gets peer_forget."""
+    source = world.source("s")
+    link = ready_link(world, source)
+    client = client_session()
+    write = client_write(world, link, client)
+    received_write(source, write)
+    source.send(WriteDone(write.id, (KeyResult(KeyStatus.OK),)))
+    world.drain_until(lambda: not link.writes and not link.announcing)
+    leave(world, client)
+    forget = source.recv()
+    assert isinstance(forget, PeerForget) and forget.agent == client.agent
+    assert not link.forgets and not link.clients_sent and world.counters["peer_forgets_sent"] == 1
+    source.send(Ack(forget.id))
+    world.drain_until(lambda: True)
+    leave(world, client)  # twice: the link no longer knows it, nothing more is sent
+    fetch = marker(world, source, link)
+    assert isinstance(first := source.recv(), WriteRequest) and first.id == fetch, first
+    assert world.links.sizes()["forgets"] == 0 and world.counters["peer_forgets_sent"] == 1
+
+
+def test_the_forget_waits_for_every_write_of_the_client(world: World) -> None:
+    """A write sent before the client left, then uncertain past its deadline: no peer_forget
+    while it may still land; the probe that confirms it over lets it go, after it."""
+    source = world.source("s")
+    link = ready_link(world, source)
+    client = client_session()
+    write = client_write(world, link, client, deadline_s=1)
+    received_write(source, write)
+    leave(world, client)
+    assert link.forgets == {client.agent}
+    fetch = marker(world, source, link)
+    assert isinstance(first := source.recv(), WriteRequest) and first.id == fetch, first  # no forget before it
+    world.clock.now += 1
+    world.links.check(world.clock.now)
+    assert write.state is WriteStage.UNCERTAIN and link.forgets == {client.agent}
+    probe = source.recv()
+    assert isinstance(probe, Probe) and probe.op == write.id
+    source.send(ProbeReply(probe.id, write.id, WriteState.IN_FLIGHT, 42))
+    world.drain_until(lambda: not link.probes)
+    assert link.forgets == {client.agent}  # may still land
+    world.clock.now += PROBE_INTERVAL_S
+    world.links.check(world.clock.now)
+    probe = source.recv()
+    assert isinstance(probe, Probe)
+    source.send(ProbeReply(probe.id, write.id, WriteState.DONE, 42))
+    world.drain_until(lambda: not link.forgets)
+    forget = source.recv()
+    assert isinstance(forget, PeerForget) and forget.agent == client.agent
+    assert world.counters["peer_forgets_sent"] == 1
+
+
+def test_a_source_below_version_5_is_told_nothing(world: World) -> None:
+    """Spec section 7: a session that agreed on 4 carries no peer_forget; the source bounds
+    its table itself."""
+    source = world.source("s")
+    link = ready_link(world, source, version=4)
+    source.version = 4
+    client = client_session()
+    write = client_write(world, link, client)
+    received_write(source, write)
+    source.send(WriteDone(write.id, (KeyResult(KeyStatus.OK),)))
+    world.drain_until(lambda: not link.writes)
+    leave(world, client)
+    fetch = marker(world, source, link)
+    assert isinstance(first := source.recv(), WriteRequest) and first.id == fetch, first
+    assert not link.forgets and not link.clients_sent and world.counters["peer_forgets_sent"] == 0
+
+
+def test_a_queued_write_of_a_client_that_left_goes_first_then_the_forget(world: World) -> None:
+    """The link was not up when the client left: its queued write is sent once the session
+    opens (announcing the client again), and peer_forget follows its write_done."""
+    source = world.source("s")
+    link = world.links.open(source.endpoint)
+    client = client_session()
+    write = client_write(world, link, client)
+    assert link.queued == [write]
+    leave(world, client)
+    assert link.forgets == {client.agent}
+    hello = source.recv()
+    assert isinstance(hello, PeerHello)
+    source.send(PeerWelcome(hello.id, VERSION, "source", 42, "source-agent", b"source-agent"))
+    world.drain_until(lambda: link.state is LinkState.READY)
+    received_write(source, write)
+    assert link.forgets == {client.agent}
+    source.send(WriteDone(write.id, (KeyResult(KeyStatus.OK),)))
+    world.drain_until(lambda: not link.forgets)
+    forget = source.recv()
+    assert isinstance(forget, PeerForget) and forget.agent == client.agent
+    assert not link.clients_sent
+
+
+def test_a_client_back_under_the_same_agent_is_not_forgotten(world: World) -> None:
+    """The client left while its write ran, and came back (same agent) before the forget
+    went: its new announcement cancels it."""
+    source = world.source("s")
+    link = ready_link(world, source)
+    old = client_session()
+    write = client_write(world, link, old)
+    received_write(source, write)
+    leave(world, old)
+    back = client_session()
+    again = client_write(world, link, back)
+    received_write(source, again)
+    assert not link.forgets
+    for w in (write, again):
+        source.send(WriteDone(w.id, (KeyResult(KeyStatus.OK),)))
+    world.drain_until(lambda: not link.writes)
+    fetch = marker(world, source, link)
+    assert isinstance(first := source.recv(), WriteRequest) and first.id == fetch, first
+    assert world.counters["peer_forgets_sent"] == 0 and link.clients_sent == {back.agent: back.regions_version}
+
+
+def test_a_reconnected_session_is_not_told_of_clients_it_never_knew(world: World) -> None:
+    """The connection dropped after the client left with a write running: the new session
+    never heard of the client (the source dropped the old one's), so nothing is sent."""
+    source = world.source("s")
+    link = ready_link(world, source)
+    client = client_session()
+    write = client_write(world, link, client)
+    received_write(source, write)
+    leave(world, client)
+    link.state = LinkState.DOWN
+    world.links._say_hello(link)
+    hello = source.recv()
+    assert isinstance(hello, PeerHello)
+    source.send(PeerWelcome(hello.id, VERSION, "source", 43, "source-agent", b"source-agent"))  # restarted
+    world.drain_until(lambda: link.incarnation == 43)
+    assert write.state is WriteStage.DONE and not link.forgets
+    fetch = marker(world, source, link)
+    assert isinstance(first := source.recv(), WriteRequest) and first.id == fetch, first

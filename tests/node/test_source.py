@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -33,6 +34,7 @@ from kvcr_protocol import (
     KeyStatus,
     Message,
     PeerClient,
+    PeerForget,
     PeerHello,
     PeerWelcome,
     Probe,
@@ -49,6 +51,7 @@ from kvcr_protocol import (
     deliver_columns,
 )
 from kvcr_protocol.columns import U32, pack
+from kvcr_protocol.versions import CLIENT_GONE_VERSION, LEASES_VERSION
 from kvcr_testing.health import wait_until
 from kvcr_testing.nodes import ClientAgent, NodeDriver, node_driver
 from kvcr_testing.patterns import assert_bytes_equal, pattern
@@ -82,8 +85,11 @@ def client() -> Iterator[ClientAgent]:
     a.close()
 
 
-def peer_hello(d: NodeDriver, identity: bytes, target: ClientAgent, request_id: int = 1) -> None:
-    hello = PeerHello(request_id, (CURRENT_VERSION,), "target", INCARNATION, target.name, target.metadata, target.regions)
+def peer_hello(
+    d: NodeDriver, identity: bytes, target: ClientAgent, request_id: int = 1, incarnation: int = INCARNATION,
+    versions: tuple[int, ...] = (CURRENT_VERSION,),
+) -> None:
+    hello = PeerHello(request_id, versions, "target", incarnation, target.name, target.metadata, target.regions)
     replies = d.receive(identity, hello)
     assert len(replies) == 1 and isinstance(replies[0], PeerWelcome), replies
     assert replies[0].incarnation == d.node.incarnation
@@ -276,4 +282,217 @@ def test_a_planned_write_with_notify_serves_and_reports_each_group(
         for msg in sent:
             if isinstance(msg, Progress):
                 assert msg.id == 3 and all(k == 0 and 0 < n <= landed for k, n in msg.pairs())
+        assert_at_rest(d)
+
+
+# --------------------------------------------------------------------------- a client left (version 5)
+
+
+@pytest.fixture(scope="module")
+def owner() -> Iterator[ClientAgent]:
+    """A client of the source itself, that deposits the objects the writes read (region 1)."""
+    a = ClientAgent("test-source-owner", pattern(SPANS * SLOT, 33))
+    yield a
+    a.close()
+
+
+@pytest.fixture(scope="module")
+def other_target() -> Iterator[ClientAgent]:
+    """The agent of a second target node (another incarnation, another peer session)."""
+    a = ClientAgent("test-target-2", np.zeros(SPANS * SLOT, np.uint8))
+    yield a
+    a.close()
+
+
+def deposit_here(d: NodeDriver, owner: ClientAgent, key: bytes) -> np.ndarray:
+    d.hello(b"owner", owner)
+    item = DepositItem(key, tuple(SrcSpan(name, pool, 1, i * SLOT, SLOT) for i, (name, pool) in enumerate(LAYOUT)))
+    d.receive(b"owner", Deposit(1, (item,)))
+    d.finish_transfers(owner)
+    assert only(d.sent(b"owner"), Completion).results[0].status is KeyStatus.STORED
+    src: np.ndarray = owner.buffers[0]
+    return src
+
+
+def forget(d: NodeDriver, identity: bytes, request_id: int, agent: str) -> None:
+    assert d.receive(identity, PeerForget(request_id, agent)) == [Ack(request_id)]
+
+
+def test_a_forgotten_client_leaves_the_table_and_its_agent_is_removed(
+    ipc_dir: Path, target: ClientAgent, client: ClientAgent,
+) -> None:
+    """Spec section 5.3 (version 5): the target says its client left; the source forgets it
+    in that peer session at once, removes its agent, and refuses a later write naming it."""
+    with node_driver(config(ipc_dir)) as d:
+        peer_hello(d, b"p", target)
+        agents_before = d.stats()["tables"]["remote_agents"]
+        announce(d, b"p", client, 2)
+        st = d.stats()
+        assert st["tables"]["peer_clients"] == 1 and st["tables"]["remote_agents"] == agents_before + 1
+        forget(d, b"p", 3, client.name)
+        st = d.stats()
+        assert st["tables"]["peer_clients"] == 0, st["tables"]
+        assert st["tables"]["remote_agents"] == agents_before and st["tables"]["remote_agents_departed"] == 0, st["tables"]
+        assert client.name not in d.node.remote_agents.loaded
+        assert st["counters"]["peer_clients_forgotten"] == 1
+        refused = only(d.receive(b"p", write(4, client.name)), Refuse)
+        assert refused.code == ErrorCode.BAD_STATE and client.name in refused.reason
+        # Announced again (the client came back): served as before.
+        announce(d, b"p", client, 5)
+        assert d.stats()["tables"]["peer_clients"] == 1 and client.name in d.node.remote_agents.loaded
+        forget(d, b"p", 6, client.name)
+        assert d.stats()["tables"]["peer_clients"] == 0
+        assert_at_rest(d)
+
+
+def test_a_write_accepted_before_the_forget_runs_to_the_end(
+    ipc_dir: Path, target: ClientAgent, client: ClientAgent, owner: ClientAgent,
+) -> None:
+    """A write in flight when its client is forgotten keeps the regions it was accepted with:
+    every byte lands, write_done says OK, and only then is the client's agent removed."""
+    dst = client.buffers[1]
+    dst[:] = 0
+    with node_driver(config(ipc_dir)) as d:
+        src = deposit_here(d, owner, b"k")
+        peer_hello(d, b"p", target)
+        announce(d, b"p", client, 2)
+        assert d.receive(b"p", write(3, client.name)) == []  # claimed and submitted in this turn
+        assert d.stats()["transfers"]["in_flight"] == 1
+        forget(d, b"p", 4, client.name)
+        st = d.stats()
+        assert st["tables"]["peer_clients"] == 0 and client.name in d.node.remote_agents.loaded, st["tables"]
+        assert st["tables"]["remote_agents_gone"] == 1, st["tables"]
+        d.finish_transfers(client)
+        done = only(d.sent(b"p"), WriteDone)
+        assert done.id == 3 and done.results[0].status is KeyStatus.OK
+        assert_bytes_equal(dst, src, "the write of a forgotten client")
+        st = d.stats()
+        assert client.name not in d.node.remote_agents.loaded, st["tables"]
+        assert (st["tables"]["remote_agents_gone"], st["tables"]["remote_agents_pending"]) == (0, 0), st["tables"]
+        assert probe(d, b"p", 5, 3) is WriteState.DONE
+        assert_at_rest(d)
+
+
+def test_a_waiting_write_of_a_forgotten_client_is_still_served(
+    ipc_dir: Path, target: ClientAgent, client: ClientAgent, owner: ClientAgent,
+) -> None:
+    """A write waiting on a WRITING key when the forget arrives: the key becomes READY, the
+    write lands byte for byte, and the agent goes after it."""
+    dst = client.buffers[1]
+    dst[:] = 0
+    with node_driver(config(ipc_dir)) as d:
+        peer_hello(d, b"p", target)
+        announce(d, b"p", client, 2)
+        d.hello(b"owner", owner)
+        item = DepositItem(b"k", tuple(SrcSpan(name, pool, 1, i * SLOT, SLOT) for i, (name, pool) in enumerate(LAYOUT)))
+        d.receive(b"owner", Deposit(1, (item,)))  # WRITING until its transfer ends
+        assert d.receive(b"p", write(3, client.name)) == []
+        assert probe(d, b"p", 4, 3) is WriteState.WAITING
+        forget(d, b"p", 5, client.name)
+        assert client.name in d.node.remote_agents.loaded
+        d.finish_transfers(owner, client)
+        d.finish_transfers(owner, client)
+        assert only(d.sent(b"owner"), Completion).results[0].status is KeyStatus.STORED
+        done = only(d.sent(b"p"), WriteDone)
+        assert done.results[0].status is KeyStatus.OK
+        assert_bytes_equal(dst, owner.buffers[0], "the write that waited")
+        assert client.name not in d.node.remote_agents.loaded
+        assert_at_rest(d)
+
+
+def test_hostile_forgets_change_nothing_but_their_own_session(
+    ipc_dir: Path, target: ClientAgent, other_target: ClientAgent, client: ClientAgent, owner: ClientAgent,
+) -> None:
+    """Announced clients are per peer session: another target's forget of our client, of an
+    unknown agent, of its own agent, repeated or flooded, is answered ack and changes
+    nothing; a malformed one is refused naming the field; the innocent client's write still
+    lands byte for byte, and every table is where it was."""
+    dst = client.buffers[1]
+    dst[:] = 0
+    with node_driver(config(ipc_dir)) as d:
+        src = deposit_here(d, owner, b"k")
+        peer_hello(d, b"p", target)
+        peer_hello(d, b"q", other_target, incarnation=INCARNATION + 1)
+        announce(d, b"p", client, 2)
+        before = d.stats()
+        assert before["peer_sessions"] == 2 and before["tables"]["peer_clients"] == 1
+        forget(d, b"q", 3, client.name)  # another target's client
+        forget(d, b"q", 4, other_target.name)  # the session's own agent
+        forget(d, b"q", 5, target.name)  # the other session's agent
+        for n in range(500):  # a flood of names nobody announced
+            forget(d, b"q", 100 + n, f"nobody-{n}")
+        forget(d, b"p", 6, "nobody")
+        # Malformed: refused with the field named, nothing acted on.
+        error = only(_raw(d, b"q", {"v": CLIENT_GONE_VERSION, "t": "peer_forget", "id": 7, "agent": "x" * 129}), Error)
+        assert (error.code, error.path) == (ErrorCode.TOO_LARGE, "agent")
+        error = only(_raw(d, b"q", {"v": CLIENT_GONE_VERSION, "t": "peer_forget", "id": 8}), Error)
+        assert (error.code, error.path) == (ErrorCode.MISSING_FIELD, "agent")
+        error = only(_raw(d, b"q", {"v": CLIENT_GONE_VERSION, "t": "peer_forget", "id": 9, "agent": 7}), Error)
+        assert (error.code, error.path) == (ErrorCode.WRONG_TYPE, "agent")
+        # A client session cannot send it.
+        d.hello(b"c", other_target)
+        assert only(d.receive(b"c", PeerForget(10, client.name)), Error).code == ErrorCode.BAD_STATE
+        after = d.stats()
+        assert after["tables"]["peer_clients"] == 1 and client.name in d.node.remote_agents.loaded
+        assert after["counters"]["peer_forgets_unknown"] == 504 and "peer_clients_forgotten" not in after["counters"]
+        assert {k: v for k, v in after["tables"].items() if k != "sessions"} == {
+            k: v for k, v in before["tables"].items() if k != "sessions"}, (before["tables"], after["tables"])
+        # The innocent target's client is served, byte for byte.
+        assert d.receive(b"p", write(11, client.name)) == []
+        d.finish_transfers(client)
+        assert only(d.sent(b"p"), WriteDone).results[0].status is KeyStatus.OK
+        assert_bytes_equal(dst, src, "the innocent client's write")
+        # Its own forget, twice: the second is a no-op.
+        forget(d, b"p", 12, client.name)
+        forget(d, b"p", 13, client.name)
+        st = d.stats()
+        assert st["tables"]["peer_clients"] == 0 and client.name not in d.node.remote_agents.loaded, st["tables"]
+        assert st["counters"]["peer_clients_forgotten"] == 1 and st["counters"]["peer_forgets_unknown"] == 505
+        assert_at_rest(d)
+
+
+def test_one_client_announced_by_two_targets_stays_while_either_holds_it(
+    ipc_dir: Path, target: ClientAgent, other_target: ClientAgent, client: ClientAgent,
+) -> None:
+    with node_driver(config(ipc_dir)) as d:
+        peer_hello(d, b"p", target)
+        peer_hello(d, b"q", other_target, incarnation=INCARNATION + 1)
+        announce(d, b"p", client, 2)
+        announce(d, b"q", client, 3)
+        forget(d, b"q", 4, client.name)
+        assert d.stats()["tables"]["peer_clients"] == 1 and client.name in d.node.remote_agents.loaded
+        forget(d, b"p", 5, client.name)
+        assert d.stats()["tables"]["peer_clients"] == 0 and client.name not in d.node.remote_agents.loaded
+        assert_at_rest(d)
+
+
+def test_a_peer_session_below_version_5_cannot_forget(ipc_dir: Path, target: ClientAgent, client: ClientAgent) -> None:
+    """Spec section 7: a session that agreed on 4 carries no peer_forget (UNKNOWN_TYPE); its
+    clients stay until max_peer_clients or the session's end, as before."""
+    with node_driver(config(ipc_dir)) as d:
+        peer_hello(d, b"p", target, versions=tuple(range(1, LEASES_VERSION + 1)))
+        assert d.node.sessions.get(b"p") is not None and d.node.sessions.get(b"p").version == LEASES_VERSION  # type: ignore[union-attr]
+        assert d.receive(b"p", PeerClient(2, client.name, client.metadata, client.regions), LEASES_VERSION) == [Ack(2)]
+        for v in (LEASES_VERSION, CLIENT_GONE_VERSION):
+            error = only(_raw(d, b"p", {"v": v, "t": "peer_forget", "id": 3, "agent": client.name}, LEASES_VERSION), Error)
+            assert (error.code, error.path) == (ErrorCode.UNKNOWN_TYPE, "t"), error
+        assert d.stats()["tables"]["peer_clients"] == 1 and client.name in d.node.remote_agents.loaded
+        assert_at_rest(d)
+
+
+def _raw(d: NodeDriver, identity: bytes, obj: dict[str, Any], version: int = CURRENT_VERSION) -> list[Message]:
+    """Hand the node a hand-built frame from ``identity``; what it answered."""
+    d.receive_frames([identity, msgpack.packb(obj, use_bin_type=True)])
+    return d.sent(identity, version)
+
+
+def test_a_stopping_source_still_forgets(ipc_dir: Path, target: ClientAgent, client: ClientAgent) -> None:
+    """Spec section 10.1: peer_forget only lets go of things, so a stopping node serves it."""
+    with node_driver(config(ipc_dir)) as d:
+        peer_hello(d, b"p", target)
+        announce(d, b"p", client, 2)
+        d.node.router.stopping = True
+        assert only(d.receive(b"p", PeerClient(3, client.name, client.metadata, client.regions)), Error).code == ErrorCode.SHUTTING_DOWN
+        forget(d, b"p", 4, client.name)
+        assert d.stats()["tables"]["peer_clients"] == 0 and client.name not in d.node.remote_agents.loaded
         assert_at_rest(d)

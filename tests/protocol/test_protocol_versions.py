@@ -41,7 +41,8 @@ def refused(frame: bytes, max_version: int) -> RemoteProtocolError:
 @pytest.mark.parametrize(
     ("ours", "theirs", "agreed"),
     [(1, 1, 1), (1, 2, 1), (2, 1, 1), (2, 2, 2), (1, 3, 1), (3, 1, 1), (2, 3, 2), (3, 2, 2), (3, 3, 3),
-     (4, 1, 1), (1, 4, 1), (4, 2, 2), (2, 4, 2), (4, 3, 3), (3, 4, 3), (4, 4, 4)],
+     (4, 1, 1), (1, 4, 1), (4, 2, 2), (2, 4, 2), (4, 3, 3), (3, 4, 3), (4, 4, 4),
+     (5, 1, 1), (1, 5, 1), (5, 2, 2), (2, 5, 2), (5, 3, 3), (3, 5, 3), (5, 4, 4), (4, 5, 4), (5, 5, 5)],
 )
 def test_negotiation_matrix(ours: int, theirs: int, agreed: int) -> None:
     assert kp.negotiate(kp.supported_up_to(ours), kp.supported_up_to(theirs)) == agreed
@@ -56,7 +57,8 @@ def test_negotiation_is_symmetric() -> None:
 
 @pytest.mark.parametrize(
     ("ours", "theirs"),
-    [((1,), (2,)), ((2,), (1,)), ((1, 2), (3, 4)), ((1,), ()), ((3,), (1, 2)), ((1, 2), (3,)), ((4,), (1, 2, 3)), ((1, 2, 3), (4,))],
+    [((1,), (2,)), ((2,), (1,)), ((1, 2), (3, 4)), ((1,), ()), ((3,), (1, 2)), ((1, 2), (3,)), ((4,), (1, 2, 3)), ((1, 2, 3), (4,)),
+     ((5,), (1, 2, 3, 4)), ((1, 2, 3, 4), (5,))],
 )
 def test_no_common_version(ours: tuple[int, ...], theirs: tuple[int, ...]) -> None:
     with pytest.raises(ProtocolError) as info:
@@ -68,6 +70,7 @@ def test_negotiation_ignores_unknown_newer_versions() -> None:
     assert kp.negotiate((1, 2), (1, 2, 3, 17)) == 2
     assert kp.negotiate(kp.SUPPORTED_VERSIONS, (1, 2, 3, 17)) == 3
     assert kp.negotiate(kp.SUPPORTED_VERSIONS, (1, 2, 3, 4, 17)) == 4
+    assert kp.negotiate(kp.SUPPORTED_VERSIONS, (1, 2, 3, 4, 5, 17)) == 5
 
 
 def test_supported_up_to() -> None:
@@ -75,11 +78,12 @@ def test_supported_up_to() -> None:
     assert kp.supported_up_to(2) == (1, 2)
     assert kp.supported_up_to(3) == (1, 2, 3)
     assert kp.supported_up_to(4) == (1, 2, 3, 4)
+    assert kp.supported_up_to(5) == (1, 2, 3, 4, 5)
     assert kp.supported_up_to(kp.CURRENT_VERSION) == kp.SUPPORTED_VERSIONS
     assert kp.supported_up_to(kp.LATEST_VERSION) == kp.PROTOCOL_VERSIONS
 
 
-@pytest.mark.parametrize("cap", [0, 5, -1, 99])
+@pytest.mark.parametrize("cap", [0, 6, -1, 99])
 def test_supported_up_to_refuses_unknown_caps(cap: int) -> None:
     with pytest.raises(ValueError, match="max_version"):
         kp.supported_up_to(cap)
@@ -88,10 +92,11 @@ def test_supported_up_to_refuses_unknown_caps(cap: int) -> None:
 def test_version_constants() -> None:
     assert kp.BASE_VERSION == 1
     assert kp.COLUMNS_VERSION == 3
-    assert kp.PROTOCOL_VERSIONS == (1, 2, 3, 4) and kp.LATEST_VERSION == kp.LEASES_VERSION == 4
+    assert kp.LEASES_VERSION == 4
+    assert kp.PROTOCOL_VERSIONS == (1, 2, 3, 4, 5) and kp.LATEST_VERSION == kp.CLIENT_GONE_VERSION == 5
     # The reference node and client offer every version the package speaks.
     assert kp.SUPPORTED_VERSIONS == kp.PROTOCOL_VERSIONS
-    assert kp.CURRENT_VERSION == max(kp.SUPPORTED_VERSIONS) == 4
+    assert kp.CURRENT_VERSION == max(kp.SUPPORTED_VERSIONS) == 5
     assert kp.PARTIAL_LAYOUT_VERSION in kp.SUPPORTED_VERSIONS
     assert set(kp.SUPPORTED_VERSIONS) <= set(kp.PROTOCOL_VERSIONS)
 
@@ -228,7 +233,7 @@ def test_hellos_always_travel_at_version_1(cls: type[Hello] | type[PeerHello], v
     assert kp.decode(frame, 1) == msg
 
 
-@pytest.mark.parametrize("v", [0, 2, 3, 4, 5, 99, (1 << 64) - 1])
+@pytest.mark.parametrize("v", [0, 2, 3, 4, 5, 6, 99, (1 << 64) - 1])
 def test_hello_is_readable_at_any_version(v: int) -> None:
     hello = Hello(1, (1, 2, 3, 4), "c", "a", b"")
     obj = unpack(kp.encode(hello))
@@ -257,10 +262,11 @@ def test_what_each_version_adds() -> None:
     }
     assert {(cls.SINCE, cls.TAG) for cls in kp.ALL_MESSAGES if cls.SINCE > 1} == {
         (3, "progress"), (4, "lease"), (4, "lease_reply"), (4, "renew"), (4, "unlease"), (4, "lease_end"),
+        (5, "peer_forget"),
     }
-    # Version 4 adds messages only: no field of an older message, nothing must-understand.
+    # Versions 4 and 5 add messages only: no field of an older message, nothing must-understand.
     for cls in kp.ALL_MESSAGES:
-        if cls.SINCE == kp.LEASES_VERSION:
+        if cls.SINCE in (kp.LEASES_VERSION, kp.CLIENT_GONE_VERSION):
             assert not any(f.must_understand for f in cls.FIELDS), cls.TAG
     # Everything version 3 adds that changes what a message means is must-understand.
     for cls in kp.ALL_MESSAGES:
@@ -412,3 +418,44 @@ def test_lease_columns_that_disagree_are_refused(columns: list[object], path: st
     obj["columns"] = columns
     error = refused(pack(obj), 4)
     assert (error.code, error.path) == (ErrorCode.OUT_OF_RANGE, path)
+
+
+# ------------------------------------------------------------------ version 5
+
+FORGET = kp.PeerForget(310, "client-agent")
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
+def test_peer_forget_cannot_be_encoded_for_an_older_peer(version: int) -> None:
+    # Never a silent drop: a target whose session agreed below 5 sends none (spec section 7).
+    with pytest.raises(LocalProtocolError) as info:
+        kp.encode(FORGET, version)
+    assert (info.value.code, info.value.path) == (ErrorCode.UNSUPPORTED_VERSION, "t")
+
+
+def test_peer_forget_round_trips_at_5_and_is_unknown_below() -> None:
+    frame = kp.encode(FORGET, 5)
+    assert unpack(frame) == {"v": 5, "t": "peer_forget", "id": 310, "agent": "client-agent"}
+    assert kp.decode(frame, 5) == FORGET
+    for max_version in (1, 2, 3, 4):
+        error = refused(frame, max_version)
+        assert (error.code, error.path) == (ErrorCode.UNKNOWN_TYPE, "t")
+    for v in (1, 2, 3, 4):
+        obj = unpack(frame)
+        obj["v"] = v
+        error = refused(pack(obj), 5)
+        assert (error.code, error.path) == (ErrorCode.UNKNOWN_TYPE, "t")
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
+def test_older_messages_read_the_same_at_version_5(version: int) -> None:
+    for msg in (WHOLE, DELIVER, Query(3, (b"k",), "r"), kp.Completion(3, (kp.KeyResult(kp.KeyStatus.OK),))):
+        assert kp.decode(kp.encode(msg, version), 5) == msg
+
+
+def test_version_5_frames_of_old_messages_differ_only_in_v() -> None:
+    for msg in (*V3_ONLY, *V4_ONLY, WHOLE, DELIVER, PARTIAL, kp.Heartbeat(5)):
+        v4, v5 = unpack(kp.encode(msg, 4)), unpack(kp.encode(msg, 5))
+        assert v5.pop("v") == 5 and v4.pop("v") == 4
+        assert v4 == v5
+        assert kp.decode(kp.encode(msg, 5), 5) == msg
