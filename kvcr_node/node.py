@@ -303,7 +303,8 @@ class Node:
         if self.publisher is not None:
             self._guarded("metrics", self.publisher.maybe_publish)
         if self.events is not None:
-            if self.events.monitor in events:  # before the requests: a descriptor may be reused
+            if self.events.monitor in events or self.events.replay in events:
+                # Disconnections before requests: a request may come on a reused descriptor.
                 self._guarded("event replay", self.events.watch)
             if self.events.replay in events:
                 self._guarded("event replay", self.events.serve)

@@ -117,6 +117,8 @@ class Replays:
         self.max_requesters = max_requesters
         self.requesters: dict[bytes, Requester] = {}
         self._by_fd: dict[int, bytes] = {}
+        self._unreported: dict[int, int] = {}
+        """Descriptor -> disconnections still to be reported of requesters already forgotten."""
         self._turns: collections.deque[bytes] = collections.deque()
         """Requesters with an answer in progress, in the order they take turns."""
         self.queued = 0
@@ -138,6 +140,9 @@ class Replays:
             return
         requester = self.requesters.get(identity)
         if requester is None:
+            old = self._by_fd.get(fd) if fd >= 0 else None
+            if old is not None:  # that connection is gone (its descriptor was reused), not yet reported
+                self._forget(old, unreported=True)
             if len(self.requesters) >= self.max_requesters:
                 self.counters["events_replays_busy"] += 1
                 reason = f"the node answers {self.max_requesters} replay requesters at most; ask again later"
@@ -155,9 +160,6 @@ class Replays:
 
     def _track(self, identity: bytes, fd: int) -> Requester:
         if fd >= 0:
-            old = self._by_fd.get(fd)
-            if old is not None and old != identity:  # that connection is gone: its descriptor was reused
-                self._forget(old)
             self._by_fd[fd] = identity
         requester = self.requesters[identity] = Requester(fd)
         return requester
@@ -186,7 +188,7 @@ class Replays:
                     break
                 result = send(identity, message)
                 if result is Sent.GONE:
-                    self._forget(identity)
+                    self._forget(identity, unreported=True)
                     done = True
                     break
                 if result is Sent.FULL:
@@ -241,7 +243,7 @@ class Replays:
         if result is Sent.OK:
             self._account(requester, sum(len(f) for f in message))
         elif result is Sent.GONE:
-            self._forget(identity)
+            self._forget(identity, unreported=True)
 
     def _leaving(self, requester: Requester) -> int:
         """Bytes that leave the requester's window when one more message is sent to it."""
@@ -259,16 +261,26 @@ class Replays:
 
     def disconnected(self, fd: int) -> None:
         """The connection ``fd`` closed: its requester's queue is gone with it."""
+        if self._unreported.get(fd):
+            # A requester already forgotten (found gone, or its descriptor reused): this is its
+            # report, not one of the connection that may hold the descriptor now.
+            self._unreported[fd] -= 1
+            if not self._unreported[fd]:
+                del self._unreported[fd]
+            return
         identity = self._by_fd.get(fd)
         if identity is not None:
             self._forget(identity)
 
-    def _forget(self, identity: bytes) -> None:
+    def _forget(self, identity: bytes, unreported: bool = False) -> None:
+        """Drop a requester; ``unreported``: it is gone, and its disconnection will be reported later."""
         requester = self.requesters.pop(identity, None)
         if requester is None:
             return
         if self._by_fd.get(requester.fd) == identity:
             del self._by_fd[requester.fd]
+            if unreported and len(self._unreported) < self.max_requesters:
+                self._unreported[requester.fd] = self._unreported.get(requester.fd, 0) + 1
         self.queued -= requester.queued
         if requester.answer is not None and identity in self._turns:
             self._turns.remove(identity)
