@@ -40,7 +40,7 @@ END_MAX_BYTES = 1024
 """An end message's bytes at most, frames included: the node's reasons are short."""
 REQUESTER_BYTES = (REPLAY_HWM + 1) * (BATCH_MAX_BYTES + 64)
 """What one requester's queue can hold at most: ``REPLAY_HWM + 1`` messages of a batch and its frames."""
-REPLAY_BYTES = 32 << 20
+REPLAY_BYTES = 64 << 20
 """Default budget of the bytes queued for all requesters together (``events_replay_bytes``)."""
 REPLAY_REQUESTERS = 64
 """Default number of requesters tracked at once (``events_replay_requesters``)."""
