@@ -50,7 +50,6 @@ from kvcr_node.ops.deposit import Deposits
 from kvcr_node.ops.fetch import Fetches
 from kvcr_node.ops.query import Queries
 from kvcr_node.outbox import Outbox
-from kvcr_node.replays import REPLAY_RETRY_S
 from kvcr_node.router import Router
 from kvcr_node.sessions import Sessions
 from kvcr_node.source import Source
@@ -355,8 +354,9 @@ class Node:
         if self.publisher is not None:
             # Idle or not, the next snapshot goes out on time (in real time).
             longest = min(longest, int(self.publisher.due_in() * 1000) + 1)
-        if self.events is not None and self.events.replays.active:
-            longest = min(longest, int(REPLAY_RETRY_S * 1000))  # no event says a requester's queue has room
+        retry = self.events.replays.next_retry() if self.events is not None else None
+        if retry is not None:  # no event says a requester's queue has room: try again then
+            longest = min(longest, max(0, int((retry - now) * 1000) + 1))
         if not wakeups:
             return longest
         return max(0, min(longest, int((min(wakeups) - now) * 1000) + 1))

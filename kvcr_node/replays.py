@@ -36,8 +36,6 @@ from kvcr_protocol.events import END_SEQ_FRAME, encode_seq
 
 REPLAY_HWM = 16
 """Messages ZeroMQ queues for one requester (the replay socket's SNDHWM)."""
-END_MAX_BYTES = 1024
-"""An end message's bytes at most, frames included: the node's reasons are short."""
 REQUESTER_BYTES = (REPLAY_HWM + 1) * (BATCH_MAX_BYTES + 64)
 """What one requester's queue can hold at most: ``REPLAY_HWM + 1`` messages of a batch and its frames."""
 REPLAY_BYTES = 64 << 20
@@ -46,12 +44,14 @@ REPLAY_REQUESTERS = 64
 """Default number of requesters tracked at once (``events_replay_requesters``)."""
 REPLAY_STALL_S = 2.0
 """An answer that cannot go on this long is cut (the reference subscriber waits 5 s for one)."""
-REPLAY_SENDS_PER_TURN = 64
+REPLAY_SENDS_PER_TURN = 32
 """Replay messages one loop turn sends at most, over every requester."""
-REPLAY_SEND_BYTES_PER_TURN = 1 << 20
+REPLAY_SEND_BYTES_PER_TURN = 256 << 10
 """Replay bytes one loop turn sends at most (the first message of a turn always goes)."""
 REPLAY_RETRY_S = 0.002
-"""While answers wait, the loop looks at them again this often (it has no per-peer writable event)."""
+"""An answer that could not go on is tried again after this (the socket has no per-peer
+writable event), twice as long after each try that fails, up to ``REPLAY_RETRY_MAX_S``."""
+REPLAY_RETRY_MAX_S = 0.064
 
 
 class Sent(enum.Enum):
@@ -89,6 +89,9 @@ class Answer:
     size: int = 0
     """Payload bytes sent so far (at most ``REPLAY_MAX_BYTES``, the first batch always)."""
     stall: Stall = Stall.NONE
+    retry_at: float = 0.0
+    """When to try again after a stall (not before: a requester that does not read costs little)."""
+    backoff: float = 0.0
 
 
 @dataclass(slots=True)
@@ -128,6 +131,11 @@ class Replays:
     def active(self) -> bool:
         """Whether an answer waits to be sent (the loop then comes back soon)."""
         return bool(self._turns)
+
+    def next_retry(self) -> float | None:
+        """When the next answer in progress is due to be tried (None: none is in progress)."""
+        due = [r.answer.retry_at for i in self._turns if (r := self.requesters.get(i)) is not None and r.answer]
+        return min(due) if due else None
 
     # -- requests ---------------------------------------------------------------------
 
@@ -178,6 +186,9 @@ class Replays:
             if requester is None or requester.answer is None:
                 continue
             answer = requester.answer
+            if answer.retry_at > now:
+                self._turns.append(identity)
+                continue
             answer.stall = Stall.NONE
             done = False
             while sends < REPLAY_SENDS_PER_TURN and not (sends and size >= REPLAY_SEND_BYTES_PER_TURN):
@@ -196,7 +207,7 @@ class Replays:
                     break
                 self._account(requester, nbytes)
                 sends, size = sends + 1, size + nbytes
-                answer.since, answer.stall = now, Stall.NONE
+                answer.since, answer.stall, answer.backoff = now, Stall.NONE, 0.0
                 if last:
                     self.counters["events_replays"] += 1
                     requester.answer = None
@@ -206,9 +217,12 @@ class Replays:
                 answer.next += 1
             if done:
                 continue
-            if answer.stall is not Stall.NONE and now - answer.since >= REPLAY_STALL_S:
-                self._cut(identity, requester, send)
-                continue
+            if answer.stall is not Stall.NONE:
+                if now - answer.since >= REPLAY_STALL_S:
+                    self._cut(identity, requester, send)
+                    continue
+                answer.backoff = min(REPLAY_RETRY_MAX_S, max(REPLAY_RETRY_S, 2 * answer.backoff))
+                answer.retry_at = min(now + answer.backoff, answer.since + REPLAY_STALL_S)
             self._turns.append(identity)
 
     def _next_message(self, answer: Answer) -> tuple[list[bytes], bool]:

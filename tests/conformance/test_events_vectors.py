@@ -90,7 +90,7 @@ def test_section_15_states_the_codes_bounds() -> None:
     assert f"`events_replay_requesters` (default {replays.REPLAY_REQUESTERS})" in SECTION
     assert f"cannot go on for {replays.REPLAY_STALL_S:g} s" in SECTION
     assert (f"at most {replays.REPLAY_SENDS_PER_TURN} replay messages and "
-            f"{replays.REPLAY_SEND_BYTES_PER_TURN >> 20} MiB") in SECTION
+            f"{replays.REPLAY_SEND_BYTES_PER_TURN >> 10} KiB") in SECTION
     assert f"`max_keys` ({ev.MAX_BATCH_KEYS})" in SECTION
     for kind in ev.EventKind:
         assert f'`"{kind.value}"`' in SECTION

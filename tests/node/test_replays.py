@@ -16,6 +16,8 @@ from kvcr_node.eviction import make_policy
 from kvcr_node.inventory import BATCH_MAX_BYTES, Inventory
 from kvcr_node.replays import (
     REPLAY_HWM,
+    REPLAY_RETRY_MAX_S,
+    REPLAY_RETRY_S,
     REPLAY_SEND_BYTES_PER_TURN,
     REPLAY_SENDS_PER_TURN,
     REPLAY_STALL_S,
@@ -82,6 +84,13 @@ def ends(messages: list[list[bytes]]) -> list[ReplayEnd]:
     return [decode_replay_end(m[2]) for m in messages if m[1] == END_SEQ_FRAME]
 
 
+def due(replays: Replays, clock: FakeClock) -> float:
+    """Seconds until an answer in progress is due to be tried again."""
+    retry = replays.next_retry()
+    assert retry is not None
+    return max(0.0, retry - clock())
+
+
 def make(inventory: Inventory, **kw: int) -> tuple[Replays, Queues, FakeClock, collections.Counter[str]]:
     counters: collections.Counter[str] = collections.Counter()
     clock = FakeClock()
@@ -90,11 +99,12 @@ def make(inventory: Inventory, **kw: int) -> tuple[Replays, Queues, FakeClock, c
 
 def test_a_reader_gets_the_whole_answer_over_turns_each_bounded() -> None:
     inventory = ring(1, 600)
-    replays, q, _, counters = make(inventory)
+    replays, q, clock, counters = make(inventory)
     q.connect(b"a")
     replays.request(b"a", 5, encode_replay_request(3), q.send)
     turns = 0
     while replays.active:
+        clock.advance(due(replays, clock))  # the loop sleeps until then
         before = len(q.queues[b"a"])
         replays.pump(q.send)
         assert len(q.queues[b"a"]) - before <= REPLAY_SENDS_PER_TURN
@@ -129,6 +139,12 @@ def test_a_requester_that_does_not_read_holds_its_window_then_is_cut() -> None:
         # What the node counts is an upper bound of what is queued, and within one requester's bytes.
         assert q.held(b"hog") <= replays.queued <= REQUESTER_BYTES
     assert len(q.queues[b"hog"]) == REPLAY_HWM and counters["events_replay_cut"] == 0
+    # Stalled, it is tried again later and later, not every turn.
+    assert due(replays, clock) >= REPLAY_RETRY_S
+    for _ in range(5):
+        clock.advance(due(replays, clock))
+        replays.pump(q.send)
+    assert due(replays, clock) > 8 * REPLAY_RETRY_S
     # Asking again while the answer is being sent: refused BUSY (here the full queue loses the refusal).
     replays.request(b"hog", 9, encode_replay_request(0), q.send)
     assert counters["events_replays_busy"] == 1
@@ -144,6 +160,7 @@ def test_a_requester_that_does_not_read_holds_its_window_then_is_cut() -> None:
     for _ in range(TURNS):
         if not replays.active:
             break
+        clock.advance(REPLAY_RETRY_MAX_S)
         replays.pump(q.send)
         q.read(b"hog")
     whole, _ = inventory.replay(encode_replay_request(0))
@@ -175,7 +192,7 @@ def test_the_total_budget_holds_and_an_answer_waiting_on_it_is_cut_saying_why() 
 
 def test_requesters_past_the_bound_are_refused_and_the_table_follows_connections() -> None:
     inventory = ring(1, 20)
-    replays, q, _, counters = make(inventory, max_requesters=2)
+    replays, q, clock, counters = make(inventory, max_requesters=2)
     for n, who in enumerate((b"a", b"b", b"c")):
         q.connect(who)
         replays.request(who, 10 + n, encode_replay_request(0), q.send)
@@ -194,6 +211,7 @@ def test_requesters_past_the_bound_are_refused_and_the_table_follows_connections
     for _ in range(TURNS):
         if not replays.active:
             break
+        clock.advance(REPLAY_RETRY_MAX_S)
         replays.pump(q.send)
         q.read(b"c")
         q.read(b"d")
@@ -218,11 +236,12 @@ def test_hostile_requests_are_refused_and_not_tracked() -> None:
 
 def test_a_requester_that_left_mid_answer_is_forgotten() -> None:
     inventory = ring(1, 300)
-    replays, q, _, _ = make(inventory)
+    replays, q, clock, _ = make(inventory)
     q.connect(b"a")
     replays.request(b"a", 4, encode_replay_request(0), q.send)
     replays.pump(q.send)
     q.disconnect(b"a")  # its disconnection not reported yet: the next send finds it gone
+    clock.advance(due(replays, clock))
     replays.pump(q.send)
     assert replays.requesters == {} and replays.queued == 0 and not replays.active
     # Its disconnection, reported later, does not forget the next connection on its descriptor.
