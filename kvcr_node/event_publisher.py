@@ -31,8 +31,8 @@ log = logging.getLogger("kvcr.node")
 PUB_HWM = 16384
 """Batches queued per subscriber before the PUB drops them (the subscriber then replays)."""
 REPLAY_SNDBUF = 256 << 10
-"""The kernel's send buffer per replay connection, bytes: ZeroMQ's queue (``REPLAY_HWM``
-messages) and this are what a requester that does not read holds of the node's memory."""
+"""The kernel's send buffer per replay connection, bytes: beside its ZeroMQ queue
+(``REPLAY_HWM`` messages), the kernel memory a requester that does not read holds."""
 REPLAY_REQUESTS_PER_TURN = 8
 """Replay requests served per loop turn at most; the rest wait for the next turn."""
 STOP_LINGER_MS = 500

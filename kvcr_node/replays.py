@@ -243,7 +243,7 @@ class Replays:
         self.counters["events_replay_cut"] += 1
         why = ("the requester's queue stayed full (it does not read)" if answer.stall is Stall.QUEUE
                else "the node's replay budget stayed in use by other requesters")
-        reason = f"answer cut after {answer.next} (stopped {REPLAY_STALL_S:g} s): {why}; ask again from there"
+        reason = f"answer cut before seq {answer.next}, stopped {REPLAY_STALL_S:g} s: {why}; ask again from there"
         self._send_end(identity, self.inventory.end(ErrorCode.BUSY, reason, "replay"), send)
 
     def _send_end(self, identity: bytes, end: bytes, send: Send) -> None:
