@@ -410,11 +410,12 @@ def test_past_the_requester_and_byte_budgets_the_end_message_says_busy(
     node_factory: Callable[..., NodeProcess], ipc_dir: Path,
 ) -> None:
     """A node that tracks 3 requesters within two requesters' queues of bytes: a fourth is
-    refused ``BUSY`` naming the bound; a hog's answer waits on the budget and is cut ``BUSY``
-    with why; once the hogs leave, a requester that reads is served whole."""
+    refused ``BUSY`` naming the bound (the reference subscriber takes it as "nothing more
+    now"); a hog's answer waits on the budget and is cut; once the hogs leave, a requester
+    that reads is served whole."""
     node, endpoint = big_node(node_factory, ipc_dir, "--events-replay-requesters", "3",
                               "--events-replay-bytes", str(2 * REQUESTER_BYTES))
-    with Client(node.endpoint, name="events") as client:
+    with Client(node.endpoint, name="events") as client, EventStream(endpoint) as stream:
         reg = Registrar(client)
         fill_ring(client, reg)
         with hogs(endpoint, 3, 1):
@@ -425,8 +426,12 @@ def test_past_the_requester_and_byte_budgets_the_end_message_says_busy(
             st = stats(client)
             assert counter(st, "events_replays_busy") == 1 and st["tables"]["events_replay_requesters"] == 3
             assert st["tables"]["events_replay_queued_bytes"] <= 2 * REQUESTER_BYTES
+            stream.sync()  # learns the incarnation
+            assert stream.sync() == [] and stream.last_end is not None and stream.last_end.code == ErrorCode.BUSY
         assert wait_until(lambda: stats(client)["tables"]["events_replay_requesters"] == 0, FOLLOW_TIMEOUT_S)
         seqs, end = whole_answer(endpoint)
         assert end.ok and seqs == list(range(end.next))  # type: ignore[attr-defined]
+        # Once the hogs left, the subscriber catches up.
+        assert [seq for seq, _ in stream.sync()] == seqs and stream.last_end.ok
         reg.close()
         assert_clean(client)
