@@ -33,6 +33,9 @@ PUB_HWM = 16384
 REPLAY_SNDBUF = 256 << 10
 """The kernel's send buffer per replay connection, bytes: beside its ZeroMQ queue
 (``REPLAY_HWM`` messages), the kernel memory a requester that does not read holds."""
+REPLAY_MAX_FRAME = 256
+"""Bytes of a frame the replay socket takes at most (a request's are 0 and 8): ZeroMQ closes
+the connection of a peer that sends a larger one, so requests cannot fill the node's memory."""
 REPLAY_REQUESTS_PER_TURN = 8
 """Replay requests served per loop turn at most; the rest wait for the next turn."""
 STOP_LINGER_MS = 500
@@ -58,6 +61,7 @@ class EventPublisher:
         # requester's queue in bytes (spec section 15.4).
         self.replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
         self.replay.setsockopt(zmq.SNDBUF, REPLAY_SNDBUF)
+        self.replay.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_FRAME)
         # A full queue raises zmq.Again instead of dropping silently, so the answer waits, and is cut when it stalls.
         self.replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.replay.setsockopt(zmq.LINGER, 0)

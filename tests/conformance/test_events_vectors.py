@@ -79,6 +79,7 @@ def test_section_15_states_the_codes_bounds() -> None:
     assert f"at most {inventory.RING_BATCHES} batches and {inventory.RING_BYTES >> 20} MiB" in SECTION
     assert f"holds {event_publisher.PUB_HWM} batches" in SECTION
     assert f"takes at most {event_publisher.REPLAY_REQUESTS_PER_TURN} replay requests per loop turn" in SECTION
+    assert f"a frame of more than {event_publisher.REPLAY_MAX_FRAME} bytes closes" in SECTION
     # The replay budgets (15.4).
     assert f"each at most a batch ({inventory.BATCH_MAX_BYTES >> 10} KiB, 15.2)" in SECTION
     assert f"to at most {inventory.BATCH_MAX_BYTES >> 10} KiB" in SECTION

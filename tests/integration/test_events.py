@@ -18,6 +18,7 @@ import zmq
 
 from kvcr_client import Client, KeyStatus, Presence
 from kvcr_client.events import EventStream, InventoryMirror
+from kvcr_node.event_publisher import REPLAY_MAX_FRAME
 from kvcr_node.inventory import REPLAY_MAX_BATCHES
 from kvcr_node.replays import REPLAY_HWM, REQUESTER_BYTES
 from kvcr_protocol import ErrorCode
@@ -348,6 +349,25 @@ def whole_answer(endpoint: str) -> tuple[list[int], object]:
     """A requester that reads: the seqs of one answer from 0, and its end."""
     answer = raw_replay(endpoint, encode_replay_request(0))
     return [int.from_bytes(m[1], "big") for m in answer[:-1]], decode_replay_end(answer[-1][2])
+
+
+def test_a_request_frame_too_large_closes_its_connection_and_the_node_goes_on(
+    node_factory: Callable[..., NodeProcess], ipc_dir: Path,
+) -> None:
+    with events_node(node_factory, ipc_dir) as (node, endpoint), Client(node.endpoint, name="events") as client:
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint + ".replay")
+            sock.send_multipart([b"", b"\x00" * (REPLAY_MAX_FRAME + 1)])
+            assert not sock.poll(200), "a request past the frame bound was answered"
+        finally:
+            ctx.destroy(linger=0)
+        answer = raw_replay(endpoint, encode_replay_request(0))
+        assert decode_replay_end(answer[-1][2]).ok
+        st = assert_clean(client)
+        assert counter(st, "events_replays_refused") == 0 and st["tables"]["events_replay_requesters"] <= 1
 
 
 def test_requesters_that_never_read_cost_bounded_memory_and_the_node_goes_on(
