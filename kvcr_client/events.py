@@ -16,7 +16,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvcr_client.errors import KvcrError, NodeError
-from kvcr_protocol import ProtocolError
+from kvcr_protocol import ErrorCode, ProtocolError
 from kvcr_protocol.events import (
     END_SEQ,
     EVENTS_TOPIC,
@@ -243,9 +243,12 @@ class EventStream:
             self._dealer = None
             raise
         self.last_end = end
-        if not end.ok and end.incarnation == self.incarnation:
+        if not end.ok and end.code != ErrorCode.BUSY and end.incarnation == self.incarnation:
             raise NodeError(end.code, end.reason, end.path)
-        return batches, end  # a refusal by a new incarnation (a start past its next) is a restart
+        # BUSY: the node's replay budgets cut the answer (spec section 15.4); what came is good,
+        # and the caller asks again from there. A refusal by a new incarnation (a start past
+        # its next) is a restart.
+        return batches, end
 
     def _ask(self, dealer: zmq.Socket[bytes], start: int) -> tuple[list[tuple[int, EventBatch]], ReplayEnd]:
         """Send one replay request and read its whole answer (bounded in time)."""

@@ -47,6 +47,8 @@ SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("metrics_address", str, "the address the metrics port is bound on (default 127.0.0.1)"),
     ("events_endpoint", str, "publish inventory events (stored/removed/cleared) on this ZeroMQ PUB endpoint"),
     ("events_replay_endpoint", str, "bind the event replay socket here (default: ipc PATH.replay, or the next tcp port)"),
+    ("events_replay_bytes", int, "bytes the event replay requesters' queues may hold together (BUSY past it)"),
+    ("events_replay_requesters", int, "event replay requesters tracked at once (BUSY past it)"),
 )
 """``NodeConfig`` fields a flag of the same name sets (``--max-peers`` sets ``max_peers``): (field, type, help)."""
 

@@ -17,6 +17,7 @@ from typing import Any
 from kvcr_io.endpoints import default_endpoint
 from kvcr_node.logs import LOG_FORMATS
 from kvcr_node.poolspec import PoolSpec
+from kvcr_node.replays import REPLAY_BYTES, REPLAY_REQUESTERS, REQUESTER_BYTES
 from kvcr_protocol import CURRENT_VERSION, SUPPORTED_VERSIONS, Limits
 from kvcr_protocol.events import replay_endpoint
 
@@ -155,6 +156,11 @@ class NodeConfig:
     events_replay_endpoint: str = ""
     """Where the event stream's replay socket binds; empty: derived from ``events_endpoint``
     (``ipc://PATH.replay``, or the tcp port after its own)."""
+    events_replay_bytes: int = REPLAY_BYTES
+    """Bytes the replay requesters' queues may hold together (spec section 15.4): an answer
+    that would pass it waits, and is cut (``BUSY``) if it waits ``REPLAY_STALL_S``."""
+    events_replay_requesters: int = REPLAY_REQUESTERS
+    """Replay requesters tracked at once, each until it disconnects; another is refused ``BUSY``."""
 
     def validated(self) -> NodeConfig:
         """Check every field; raise ``ConfigError`` naming the first bad one."""
@@ -229,6 +235,13 @@ class NodeConfig:
                 raise ConfigError("events_replay_endpoint", str(exc)) from None
         if self.events_endpoint and self.events_endpoint in (self.endpoint, self.events_replay_endpoint):
             raise ConfigError("events_endpoint", "must differ from endpoint and events_replay_endpoint")
+        bytes_ = self.events_replay_bytes
+        if isinstance(bytes_, bool) or not isinstance(bytes_, int) or bytes_ < REQUESTER_BYTES:
+            raise ConfigError("events_replay_bytes", f"expected an integer of at least {REQUESTER_BYTES} "
+                                                     f"(one requester's queue), got {bytes_!r}")
+        count = self.events_replay_requesters
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError("events_replay_requesters", f"expected a positive integer, got {count!r}")
 
 
 def pool_from_mapping(raw: Any, where: str) -> PoolSpec:
@@ -287,7 +300,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int, "lease_ttl_ms": int, "max_lease_ttl_ms": int,
     "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
     "lease_session_fraction": (int, float), "metrics_port": int, "metrics_address": str,
-    "events_endpoint": str, "events_replay_endpoint": str,
+    "events_endpoint": str, "events_replay_endpoint": str, "events_replay_bytes": int, "events_replay_requesters": int,
 }
 
 

@@ -146,7 +146,7 @@ def families(s: MetricsSnapshot) -> Iterator[Any]:
                   rows=[(s.counter("events_published"),)])
     yield counter("kvcr_event_replays", "Event replay requests, by result.", ("result",),
                   [("served", s.counter("events_replays")), ("refused", s.counter("events_replays_refused")),
-                   ("cut", s.counter("events_replay_cut"))])
+                   ("cut", s.counter("events_replay_cut")), ("busy", s.counter("events_replays_busy"))])
 
 
 class MetricsExporter:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from kvcr_node.store import ObjectEntry
 from kvcr_protocol import ErrorCode, ProtocolError
@@ -38,8 +39,13 @@ RING_BYTES = 64 << 20
 REPLAY_MAX_BATCHES = 512
 """Batches one replay answer carries at most; a subscriber asks again from where it stopped."""
 REPLAY_MAX_BYTES = 16 << 20
-"""Encoded bytes one replay answer carries at most (its first batch always goes): what a
-request can make the node queue for one subscriber."""
+"""Encoded bytes one replay answer carries at most (its first batch always goes). The node
+sends an answer over several turns, a few messages at a time (``EventPublisher``), so this
+bounds the work of one request, not what the node queues."""
+BATCH_MAX_BYTES = 128 << 10
+"""Encoded bytes a batch has at most, unless one key's event alone is larger (it cannot be:
+a key and its pools are a few tens of kB): a turn with more is split into further batches,
+so that every message of the stream, and what a requester's queue holds, is bounded in bytes."""
 
 _Group = tuple[type[Stored] | type[Removed] | type[Cleared], tuple[str, ...], str, RemovedReason]
 
@@ -114,7 +120,7 @@ class Inventory:
                 room -= 1
             while keys:
                 if room <= 0:
-                    out.append(self._publish(EventBatch(self.node, self.incarnation, ts, tuple(events))))
+                    self._emit(events, ts, out)
                     events, room = [], MAX_BATCH_KEYS
                 part, keys = keys[:room], keys[room:]
                 room -= len(part)
@@ -123,11 +129,21 @@ class Inventory:
                 else:
                     events.append(Removed(tuple(part), pools, tier, reason))
         if events:
-            out.append(self._publish(EventBatch(self.node, self.incarnation, ts, tuple(events))))
+            self._emit(events, ts, out)
         return out
 
-    def _publish(self, batch: EventBatch) -> tuple[int, bytes]:
-        seq, payload = self.next_seq, encode_batch(batch)
+    def _emit(self, events: list[Event], ts: float, out: list[tuple[int, bytes]]) -> None:
+        """Publish ``events`` as one batch, or as consecutive batches of at most ``BATCH_MAX_BYTES``."""
+        payload = encode_batch(EventBatch(self.node, self.incarnation, ts, tuple(events)))
+        if len(payload) > BATCH_MAX_BYTES and (len(events) > 1 or _keys_of(events[0]) > 1):
+            first, second = _halves(events)
+            self._emit(first, ts, out)
+            self._emit(second, ts, out)
+            return
+        out.append(self._publish(payload))
+
+    def _publish(self, payload: bytes) -> tuple[int, bytes]:
+        seq = self.next_seq
         self.next_seq += 1
         self.ring.append((seq, payload))
         self.ring_size += len(payload)
@@ -143,33 +159,77 @@ class Inventory:
         return self.ring[0][0] if self.ring else self.next_seq
 
     def replay(self, frames: list[bytes]) -> tuple[list[list[bytes]], bool]:
-        """The answer to a replay request (the frames after the sender's identity), and whether it was served.
+        """The whole answer to a replay request (the frames after the sender's identity), and whether it was served.
 
         Held batches from the start on, at most ``REPLAY_MAX_BATCHES`` and ``REPLAY_MAX_BYTES``, then the end
         message with the ring's bounds; a request that is not one, or that starts past
-        the next seq, gets only the end message, naming the field.
+        the next seq, gets only the end message, naming the field. (The node sends an
+        answer over several turns, from ``open`` and ``batch``; this is the same answer at once.)
         """
+        opened = self.open(frames)
+        if isinstance(opened, bytes):
+            return [[b"", END_SEQ_FRAME, opened]], False
+        seq, stop = opened
+        answer: list[list[bytes]] = []
+        size = 0
+        while seq < stop and (payload := self.batch(seq)) is not None:
+            size += len(payload)
+            if answer and size > REPLAY_MAX_BYTES:
+                break
+            answer.append([b"", encode_seq(seq), payload])
+            seq += 1
+        answer.append([b"", END_SEQ_FRAME, self.end()])
+        return answer, True
+
+    def open(self, frames: list[bytes]) -> tuple[int, int] | bytes:
+        """A replay request's range of seqs to send, ``(first, stop)``, or its refusal (an encoded end message).
+
+        The range starts at the request's start or at ``oldest`` if that is later, and holds at
+        most ``REPLAY_MAX_BATCHES`` batches (the answer's bytes are counted as it is sent)."""
         oldest, next_seq = self.oldest, self.next_seq
         try:
             start = decode_replay_request(frames)
             if start > next_seq:
                 raise ProtocolError(ErrorCode.OUT_OF_RANGE, f"start {start} is past the next seq {next_seq}", "replay.start")
         except ProtocolError as exc:
-            end = replay_refusal(exc, oldest, next_seq, self.incarnation)
-            return [[b"", END_SEQ_FRAME, encode_replay_end(end)]], False
-        answer: list[list[bytes]] = []
-        if start < next_seq:
-            first = max(0, start - oldest)  # the ring's seqs are consecutive
-            size = 0
-            for i in range(first, min(len(self.ring), first + REPLAY_MAX_BATCHES)):
-                seq, payload = self.ring[i]
-                size += len(payload)
-                if answer and size > REPLAY_MAX_BYTES:
-                    break
-                answer.append([b"", encode_seq(seq), payload])
-        answer.append([b"", END_SEQ_FRAME, encode_replay_end(ReplayEnd(oldest, next_seq, self.incarnation))])
-        return answer, True
+            return encode_replay_end(replay_refusal(exc, oldest, next_seq, self.incarnation))
+        first = max(start, oldest)
+        return first, min(next_seq, first + REPLAY_MAX_BATCHES)
+
+    def batch(self, seq: int) -> bytes | None:
+        """The held payload of batch ``seq``; None once the ring dropped it (or before it exists)."""
+        i = seq - self.oldest  # the ring's seqs are consecutive
+        return self.ring[i][1] if 0 <= i < len(self.ring) else None
+
+    def end(self, code: int = 0, reason: str = "", path: str = "") -> bytes:
+        """An encoded end message with the ring's bounds now: served (code 0), or why not."""
+        return encode_replay_end(ReplayEnd(self.oldest, self.next_seq, self.incarnation, code, reason, path))
 
     def sizes(self) -> dict[str, int]:
         """For the node's ``tables``: batches and bytes in the ring, events pending."""
         return {"events_ring": len(self.ring), "events_ring_bytes": self.ring_size, "events_pending": len(self._groups)}
+
+
+def _keys_of(event: Event) -> int:
+    return 0 if isinstance(event, Cleared) else len(event.keys)
+
+
+def _halves(events: list[Event]) -> tuple[list[Event], list[Event]]:
+    """``events`` cut in two, order kept, both non-empty: by keys (an event may be cut in two),
+    or by events when they hold fewer than two keys."""
+    total = sum(_keys_of(e) for e in events)
+    if total < 2:
+        return events[: len(events) // 2], events[len(events) // 2:]
+    left = total // 2  # keys the first half takes
+    first: list[Event] = []
+    for i, event in enumerate(events):
+        n = _keys_of(event)
+        if n <= left:
+            first.append(event)
+            left -= n
+            if left == 0:
+                return first, events[i + 1:]
+            continue
+        assert not isinstance(event, Cleared)  # n > left >= 1
+        return [*first, replace(event, keys=event.keys[:left])], [replace(event, keys=event.keys[left:]), *events[i + 1:]]
+    raise AssertionError("the keys ran out before half of them")

@@ -132,12 +132,14 @@ class Node:
             self._poller.register(extra, zmq.POLLIN)
         if self.events is not None:
             self._poller.register(self.events.replay, zmq.POLLIN)
+            self._poller.register(self.events.monitor, zmq.POLLIN)
         self._failure_logged: dict[str, float] = {}
         """Failure kind -> when it may be logged (with a traceback) again."""
         self.metrics = Metrics(clock)
         self._wire()
         if self.events is not None:
             self.stats.inventory = self.events.inventory
+            self.stats.replays = self.events.replays
         self.publisher: MetricsPublisher | None = None
         """Publishes the snapshots the exporter serves (only with a metrics port)."""
         self.exporter: MetricsExporter | None = None
@@ -210,7 +212,8 @@ class Node:
         tiers = {spec.name: spec.memory for spec in self.config.pools}
         inventory = Inventory(self.config.name, self.incarnation, tiers)
         events = EventPublisher(self.context, self.config.events_endpoint, self.config.events_replay_endpoint,
-                                inventory, self.counters)
+                                inventory, self.counters, self.clock, self.config.events_replay_bytes,
+                                self.config.events_replay_requesters)
         self.store.listener = inventory
         return events
 
@@ -300,8 +303,13 @@ class Node:
         if self.publisher is not None:
             self._guarded("metrics", self.publisher.maybe_publish)
         if self.events is not None:
+            if self.events.monitor in events or self.events.replay in events:
+                # Disconnections before requests: a request may come on a reused descriptor.
+                self._guarded("event replay", self.events.watch)
             if self.events.replay in events:
                 self._guarded("event replay", self.events.serve)
+            if self.events.replays.active:
+                self._guarded("event replay", self.events.pump)
             if self.events.inventory.pending:
                 self._guarded("inventory events", self.events.publish)
 
@@ -347,6 +355,9 @@ class Node:
         if self.publisher is not None:
             # Idle or not, the next snapshot goes out on time (in real time).
             longest = min(longest, int(self.publisher.due_in() * 1000) + 1)
+        retry = self.events.replays.next_retry() if self.events is not None else None
+        if retry is not None:  # no event says a requester's queue has room: try again then
+            longest = min(longest, max(0, int((retry - now) * 1000) + 1))
         if not wakeups:
             return longest
         return max(0, min(longest, int((min(wakeups) - now) * 1000) + 1))

@@ -20,6 +20,7 @@ from kvcr_node.metrics import Metrics
 from kvcr_node.operations import Operations
 from kvcr_node.outbox import Outbox
 from kvcr_node.records import ClientSession, PeerSession
+from kvcr_node.replays import Replays
 from kvcr_node.sessions import Sessions
 from kvcr_node.store import Store
 from kvcr_node.target import Target
@@ -56,6 +57,8 @@ class Stats:
         self.memory = {spec.name: spec.memory for spec in config.pools}
         self.inventory: Inventory | None = None
         """The inventory event stream's state, when the node publishes one."""
+        self.replays: Replays | None = None
+        """Its replay requesters and their answers in progress."""
 
     def on_stats(self, session: ClientSession, msg: StatsRequest) -> None:
         self.outbox.reply(session, StatsReply(msg.id, self.snapshot()))
@@ -115,6 +118,7 @@ class Stats:
             "withdrawals": sum(len(s.withdrawals) for s in clients),
             **self.leases.sizes(),
             **(self.inventory.sizes() if self.inventory is not None else {}),
+            **(self.replays.sizes() if self.replays is not None else {}),
         }
 
     def check_invariants(self) -> list[str]:

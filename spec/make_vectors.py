@@ -1320,6 +1320,7 @@ def invalid_v3_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     yield ("groups-count", cols(groups=pack((0, 0, 1), U16)), 3, "OUT_OF_RANGE", "a plan naming 3 spans of a 2-span layout")
     yield ("groups-short", cols(groups=pack((0,), U16)), 3, "OUT_OF_RANGE", "a plan leaving a span out")
     yield ("groups-gap", cols(groups=pack((0, 2), U16)), 3, "OUT_OF_RANGE", "group 1 has no span")
+    yield ("groups-huge", cols(groups=pack((0, 65535), U16)), 3, "OUT_OF_RANGE", "a 2-span plan naming group 65535: refused before 65536 groups are built")
     yield ("groups-ragged", cols(groups=b"\x00\x00\x01"), 3, "OUT_OF_RANGE", "3 bytes: not a whole number of u16")
     yield ("pools-count", _pack({**deposit, "!columns": [[[K1], NUL.join(("L0", "L1")), 1, pack((0, 65536), U64), 65536, "full"]]}), 3, "OUT_OF_RANGE", "one pool for 2 spans")
     yield ("pools-missing", _pack({**deposit, "!columns": [[[K1], "L0", 1, pack((0,), U64), 65536]]}), 3, "MISSING_FIELD", "a deposit block without pools")

@@ -247,12 +247,21 @@ _PLANS: dict[bytes, tuple[tuple[int, ...], ...]] = {}
 
 
 def _plan(groups: bytes, n: int) -> tuple[tuple[int, ...], ...]:
-    """The validated plan of a groups column of ``n`` spans (remembered, bounded)."""
+    """The validated plan of a groups column of ``n`` spans (remembered, bounded).
+
+    Nothing proportional to the largest group number is built before it is known to be at
+    most ``n``: a 4-byte column naming group 65,535 costs what its two spans cost."""
     plan = _PLANS.get(groups)
     if plan is not None:
         return plan
     numbers = unpack(groups, U16)
     count = max(numbers) + 1
+    if count > n:
+        # More groups than spans leaves a group empty. Find the first without building
+        # ``count`` lists: the numbers name at most n groups, so one below n + 1 is missing.
+        named = set(numbers)
+        missing = next(g for g in range(n + 1) if g not in named)
+        raise _refuse(ErrorCode.OUT_OF_RANGE, f"group {missing} of {count} has no span", ".groups")
     members: list[list[int]] = [[] for _ in range(count)]
     for j, g in enumerate(numbers):
         members[g].append(j)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import kvcr_protocol as kp
-from kvcr_node import event_publisher, inventory
+from kvcr_node import event_publisher, inventory, replays
 from kvcr_protocol import events as ev
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,7 +78,20 @@ def test_section_15_states_the_codes_bounds() -> None:
     assert f"at most {inventory.REPLAY_MAX_BATCHES} of them and {inventory.REPLAY_MAX_BYTES >> 20} MiB" in SECTION
     assert f"at most {inventory.RING_BATCHES} batches and {inventory.RING_BYTES >> 20} MiB" in SECTION
     assert f"holds {event_publisher.PUB_HWM} batches" in SECTION
-    assert f"at most {event_publisher.REPLAY_REQUESTS_PER_TURN} replay requests per loop turn" in SECTION
+    assert f"takes at most {event_publisher.REPLAY_REQUESTS_PER_TURN} replay requests per loop turn" in SECTION
+    assert f"a frame of more than {event_publisher.REPLAY_MAX_FRAME} bytes closes" in SECTION
+    # The replay budgets (15.4).
+    assert f"each at most a batch ({inventory.BATCH_MAX_BYTES >> 10} KiB, 15.2)" in SECTION
+    assert f"to at most {inventory.BATCH_MAX_BYTES >> 10} KiB" in SECTION
+    assert f"at most {replays.REPLAY_HWM} messages per requester" in SECTION
+    assert f"its last {replays.REPLAY_HWM + 1} messages" in SECTION
+    assert f"about {replays.REQUESTER_BYTES / (1 << 20):.1f} MiB" in SECTION
+    assert f"send buffer is {event_publisher.REPLAY_SNDBUF >> 10} KiB" in SECTION
+    assert f"(default {replays.REPLAY_BYTES >> 20} MiB)" in SECTION
+    assert f"`events_replay_requesters` (default {replays.REPLAY_REQUESTERS})" in SECTION
+    assert f"cannot go on for {replays.REPLAY_STALL_S:g} s" in SECTION
+    assert (f"at most {replays.REPLAY_SENDS_PER_TURN} replay messages and "
+            f"{replays.REPLAY_SEND_BYTES_PER_TURN >> 10} KiB") in SECTION
     assert f"`max_keys` ({ev.MAX_BATCH_KEYS})" in SECTION
     for kind in ev.EventKind:
         assert f'`"{kind.value}"`' in SECTION

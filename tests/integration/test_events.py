@@ -8,6 +8,7 @@ requests get an answer that names the field, and the node goes on, clean.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +18,9 @@ import zmq
 
 from kvcr_client import Client, KeyStatus, Presence
 from kvcr_client.events import EventStream, InventoryMirror
+from kvcr_node.event_publisher import REPLAY_MAX_FRAME
 from kvcr_node.inventory import REPLAY_MAX_BATCHES
+from kvcr_node.replays import REPLAY_HWM, REQUESTER_BYTES
 from kvcr_protocol import ErrorCode
 from kvcr_protocol.events import (
     END_SEQ_FRAME,
@@ -31,6 +34,7 @@ from kvcr_protocol.events import (
 )
 from kvcr_testing.health import assert_clean, counter, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
+from kvcr_testing.measure import rss_kib
 from kvcr_testing.nodes import NodeProcess
 from kvcr_testing.patterns import KiB, pattern
 
@@ -279,5 +283,175 @@ def test_a_requester_that_never_reads_has_its_answers_cut_and_the_node_goes_on(
         # The node goes on, and a requester that reads gets whole answers.
         answer = raw_replay(endpoint, encode_replay_request(0))
         assert len(answer) == REPLAY_MAX_BATCHES + 1 and decode_replay_end(answer[-1][2]).ok
+        reg.close()
+        assert_clean(client)
+
+
+# ------------------------------------------------------------------ replay budgets (spec section 15.4)
+
+BIG_KEY = 250
+"""Bytes of the keys of the budget tests: batches near ``BATCH_MAX_BYTES``, so queues fill with bytes."""
+BIG_DEPOSITS = 16
+BIG_KEYS_PER_DEPOSIT = 1000
+HOGS = 20
+HOG_REQUESTS = 20
+FLOOD_TIMEOUT_S = 30.0
+"""How long the node may take to cut every hog's answer (each is cut ``REPLAY_STALL_S`` after it stops)."""
+RSS_SLACK_MIB = 24
+"""RSS a flood may add beyond what the budgets allow (allocator arenas, ZeroMQ's buffers per connection)."""
+QUERY_TIMEOUT_S = 5.0
+
+
+def big_node(node_factory: Callable[..., NodeProcess], ipc_dir: Path, *extra: str) -> tuple[NodeProcess, str]:
+    endpoint = f"ipc://{ipc_dir}/big-events.sock"
+    node = node_factory("--pool", "kv:1KiB:2048", "--policy", "fifo", "--events-endpoint", endpoint, *extra)
+    assert wait_until(lambda: any("inventory events on" in line for line in node.output), 5.0)
+    return node, endpoint
+
+
+def fill_ring(client: Client, register: Registrar) -> list[bytes]:
+    """Deposits of many long keys, evicting older ones: the ring fills with batches of about 128 KiB."""
+    layout = plain_layout(1, "kv", KiB)
+    src = pattern(layout.nbytes * BIG_KEYS_PER_DEPOSIT, 7)
+    region = register(src)
+    keys: list[bytes] = []
+    for d in range(BIG_DEPOSITS):
+        batch = [b"%02d-%05d-" % (d, i) + b"k" * (BIG_KEY - 9) for i in range(BIG_KEYS_PER_DEPOSIT)]
+        objects = {k: layout.source_spans(region, i * layout.nbytes) for i, k in enumerate(batch)}
+        results = client.deposit(objects).result(RESULT_TIMEOUT_S)
+        assert all(results[k].status is KeyStatus.STORED for k in batch)
+        keys += batch
+    return keys
+
+
+@contextmanager
+def hogs(endpoint: str, count: int, requests: int) -> Iterator[list[zmq.Socket[bytes]]]:
+    """``count`` requesters that each ask ``requests`` times from seq 0 and never read."""
+    ctx = zmq.Context()
+    try:
+        socks = []
+        for _ in range(count):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.setsockopt(zmq.RCVBUF, 64 * KiB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint + ".replay")
+            socks.append(sock)
+        for _ in range(requests):
+            for sock in socks:
+                sock.send_multipart(encode_replay_request(0))
+        yield socks
+    finally:
+        ctx.destroy(linger=0)
+
+
+def whole_answer(endpoint: str) -> tuple[list[int], object]:
+    """A requester that reads: the seqs of one answer from 0, and its end."""
+    answer = raw_replay(endpoint, encode_replay_request(0))
+    return [int.from_bytes(m[1], "big") for m in answer[:-1]], decode_replay_end(answer[-1][2])
+
+
+def test_a_request_frame_too_large_closes_its_connection_and_the_node_goes_on(
+    node_factory: Callable[..., NodeProcess], ipc_dir: Path,
+) -> None:
+    with events_node(node_factory, ipc_dir) as (node, endpoint), Client(node.endpoint, name="events") as client:
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint + ".replay")
+            sock.send_multipart([b"", b"\x00" * (REPLAY_MAX_FRAME + 1)])
+            assert not sock.poll(200), "a request past the frame bound was answered"
+        finally:
+            ctx.destroy(linger=0)
+        answer = raw_replay(endpoint, encode_replay_request(0))
+        assert decode_replay_end(answer[-1][2]).ok
+        st = assert_clean(client)
+        assert counter(st, "events_replays_refused") == 0 and st["tables"]["events_replay_requesters"] <= 1
+
+
+def test_requesters_that_never_read_cost_bounded_memory_and_the_node_goes_on(
+    node_factory: Callable[..., NodeProcess], ipc_dir: Path,
+) -> None:
+    """20 requesters x 20 requests that never read (the audit's flood): the node's RSS grows
+    by at most their queues' bytes (``REQUESTER_BYTES`` each), each hog's answer is cut and its
+    repeated requests refused BUSY, queries and a reading requester are served meanwhile, and
+    the requester table is empty once the hogs disconnect."""
+    node, endpoint = big_node(node_factory, ipc_dir)
+    with Client(node.endpoint, name="events") as client:
+        reg = Registrar(client)
+        keys = fill_ring(client, reg)
+        st = stats(client)
+        ring_bytes = st["tables"]["events_ring_bytes"]
+        assert st["tables"]["events_ring"] > 2 * REPLAY_HWM and ring_bytes > 4 << 20, st["tables"]
+        seqs, end = whole_answer(endpoint)  # warm: the ring and a whole answer's copies were made once
+        assert end.ok and seqs == list(range(end.next))  # type: ignore[attr-defined]
+        before = rss_kib(node.proc.pid)
+        peak = before
+        latencies: list[float] = []
+        probe = keys[-3:]
+
+        def query() -> None:
+            start = time.monotonic()
+            assert held(client, probe) == set(probe)
+            latencies.append(time.monotonic() - start)
+
+        with hogs(endpoint, HOGS, HOG_REQUESTS):
+            def all_cut() -> bool:
+                nonlocal peak
+                query()
+                peak = max(peak, rss_kib(node.proc.pid))
+                return counter(stats(client), "events_replay_cut") >= HOGS
+
+            assert wait_until(all_cut, FLOOD_TIMEOUT_S, 0.05), stats(client)["counters"]
+            st = stats(client)
+            assert counter(st, "events_replays_busy") >= HOGS * (HOG_REQUESTS - 1) - HOGS, st["counters"]
+            tables = st["tables"]
+            assert tables["events_replay_requesters"] == HOGS and tables["events_replay_answers"] <= HOGS, tables
+            assert 0 < tables["events_replay_queued_bytes"] <= HOGS * REQUESTER_BYTES, tables
+            # A requester that reads is served whole while the hogs hold their queues.
+            seqs, end = whole_answer(endpoint)
+            assert end.ok and seqs == list(range(end.next))  # type: ignore[attr-defined]
+            peak = max(peak, rss_kib(node.proc.pid))
+        grown_mib = (peak - before) / 1024
+        bound_mib = HOGS * REQUESTER_BYTES / (1 << 20) + RSS_SLACK_MIB
+        assert grown_mib <= bound_mib, (f"RSS grew {grown_mib:.0f} MiB (bound {bound_mib:.0f}) "
+                                        f"for {HOGS} x {HOG_REQUESTS} requests of a {ring_bytes >> 20} MiB ring")
+        assert max(latencies) < QUERY_TIMEOUT_S and len(latencies) > 1
+        # Disconnected, the hogs are forgotten: the table is back to zero, their bytes with it.
+        assert wait_until(lambda: stats(client)["tables"]["events_replay_requesters"] == 0, FOLLOW_TIMEOUT_S)
+        st = stats(client)
+        assert st["tables"]["events_replay_queued_bytes"] == 0 and st["tables"]["events_replay_answers"] == 0
+        reg.close()
+        assert_clean(client)
+
+
+def test_past_the_requester_and_byte_budgets_the_end_message_says_busy(
+    node_factory: Callable[..., NodeProcess], ipc_dir: Path,
+) -> None:
+    """A node that tracks 3 requesters within two requesters' queues of bytes: a fourth is
+    refused ``BUSY`` naming the bound (the reference subscriber takes it as "nothing more
+    now"); a hog's answer waits on the budget and is cut; once the hogs leave, a requester
+    that reads is served whole."""
+    node, endpoint = big_node(node_factory, ipc_dir, "--events-replay-requesters", "3",
+                              "--events-replay-bytes", str(2 * REQUESTER_BYTES))
+    with Client(node.endpoint, name="events") as client, EventStream(endpoint) as stream:
+        reg = Registrar(client)
+        fill_ring(client, reg)
+        with hogs(endpoint, 3, 1):
+            assert wait_until(lambda: counter(stats(client), "events_replay_cut") >= 3, FLOOD_TIMEOUT_S)
+            [refusal] = raw_replay(endpoint, encode_replay_request(0))
+            end = decode_replay_end(refusal[2])
+            assert (ErrorCode(end.code), end.path) == (ErrorCode.BUSY, "replay") and "3 replay requesters" in end.reason
+            st = stats(client)
+            assert counter(st, "events_replays_busy") == 1 and st["tables"]["events_replay_requesters"] == 3
+            assert st["tables"]["events_replay_queued_bytes"] <= 2 * REQUESTER_BYTES
+            stream.sync()  # learns the incarnation
+            assert stream.sync() == [] and stream.last_end is not None and stream.last_end.code == ErrorCode.BUSY
+        assert wait_until(lambda: stats(client)["tables"]["events_replay_requesters"] == 0, FOLLOW_TIMEOUT_S)
+        seqs, end = whole_answer(endpoint)
+        assert end.ok and seqs == list(range(end.next))  # type: ignore[attr-defined]
+        # Once the hogs left, the subscriber catches up.
+        assert [seq for seq, _ in stream.sync()] == seqs and stream.last_end.ok
         reg.close()
         assert_clean(client)

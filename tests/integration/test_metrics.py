@@ -256,5 +256,6 @@ def test_event_stream_counts_batches_and_replays(node_factory: Callable[..., Nod
         assert sample(after, "kvcr_event_replays_total", ("result", "refused")) == 1
         assert sample(after, "kvcr_event_batches_published_total") == published
         assert sample(after, "kvcr_event_replays_total", ("result", "cut")) == 0
+        assert sample(after, "kvcr_event_replays_total", ("result", "busy")) == 0
         reg.close()
         assert_clean(client)

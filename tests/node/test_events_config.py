@@ -15,12 +15,38 @@ from kvcr_node.cli import _parser, build_config
 from kvcr_node.config import ConfigError, NodeConfig, from_mapping
 from kvcr_node.node import Node
 from kvcr_node.poolspec import PoolSpec
+from kvcr_node.replays import REPLAY_BYTES, REPLAY_REQUESTERS, REQUESTER_BYTES
 from kvcr_testing.nodes import NodeProcess
 
 
 def test_events_are_off_by_default() -> None:
     config = NodeConfig()
     assert config.events_endpoint == "" and config.events_replay_endpoint == ""
+
+
+def test_replay_budgets_have_defaults_flags_and_toml_keys() -> None:
+    config = NodeConfig()
+    assert (config.events_replay_bytes, config.events_replay_requesters) == (REPLAY_BYTES, REPLAY_REQUESTERS)
+    config = build_config(_parser().parse_args(["--events-replay-bytes", str(8 << 20), "--events-replay-requesters", "5"]))
+    assert (config.events_replay_bytes, config.events_replay_requesters) == (8 << 20, 5)
+    config = from_mapping({"events_replay_bytes": 1 << 30, "events_replay_requesters": 1})
+    assert (config.events_replay_bytes, config.events_replay_requesters) == (1 << 30, 1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"events_replay_bytes": REQUESTER_BYTES - 1}, "events_replay_bytes"),  # less than one requester's queue
+        ({"events_replay_bytes": "64MiB"}, "events_replay_bytes"),
+        ({"events_replay_requesters": 0}, "events_replay_requesters"),
+        ({"events_replay_requesters": True}, "events_replay_requesters"),
+    ],
+    ids=["bytes-below-one-queue", "bytes-str", "no-requester", "requesters-bool"],
+)
+def test_bad_replay_budgets_name_the_field(fields: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        from_mapping(fields)
+    assert info.value.field == field
 
 
 def test_flags_and_toml_set_the_endpoints(ipc_dir: Path) -> None:

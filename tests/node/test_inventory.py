@@ -13,7 +13,7 @@ import pytest
 
 from kvcr_client.events import InventoryMirror
 from kvcr_node.eviction import make_policy
-from kvcr_node.inventory import REPLAY_MAX_BATCHES, REPLAY_MAX_BYTES, RING_BATCHES, Inventory
+from kvcr_node.inventory import BATCH_MAX_BYTES, REPLAY_MAX_BATCHES, REPLAY_MAX_BYTES, RING_BATCHES, Inventory
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, PoolSpec, Store
 from kvcr_protocol import ErrorCode
 from kvcr_protocol.events import (
@@ -199,3 +199,26 @@ def test_a_replay_answer_is_bounded_in_bytes() -> None:
     assert seqs == list(range(len(seqs))) and 0 < len(seqs) < end.next
     # The next answer goes on from where this one stopped.
     assert replayed(inventory, len(seqs))[0][0] == len(seqs)
+
+
+def test_a_turn_of_long_keys_is_split_into_batches_of_bounded_bytes() -> None:
+    """Every message of the stream is at most ``BATCH_MAX_BYTES`` (what bounds a replay
+    requester's queue in bytes, spec section 15.4), and the split loses and reorders nothing."""
+    store = Store((PoolSpec("kv", 64, 20000, "dram"), PoolSpec("full", 64, 20000, "hbm:0")), make_policy("fifo"))
+    inventory = Inventory("n", 1, {"kv": "dram", "full": "hbm:0"})
+    store.listener = inventory
+    for i in range(3000):  # changes of two layouts, interleaved in runs: several events a batch
+        layout = PLAIN if (i // 700) % 2 == 0 else (("L0", "full"),)
+        put(store, b"%05d-" % i + b"k" * 244, layout)
+    payloads = [p for _, p in inventory.take()]
+    assert len(payloads) > 4 and all(len(p) <= BATCH_MAX_BYTES for p in payloads)
+    batches = [decode_batch(p) for p in payloads]
+    assert isinstance(batches[0].events[0], Cleared)
+    keys = [k for b in batches for e in b.events if isinstance(e, Stored) for k in e.keys]
+    assert keys == [b"%05d-" % i + b"k" * 244 for i in range(3000)]
+    mirror = InventoryMirror()
+    for b in batches:
+        mirror.apply(b)
+    assert set(mirror.keys) == ready_keys(store)
+    for key, held in mirror.keys.items():
+        assert held.tier == ("dram" if (int(key[:5]) // 700) % 2 == 0 else "hbm:0")

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -18,12 +19,14 @@ from kvcr_io.agent import TransferError
 from kvcr_node.config import NodeConfig
 from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import (
+    CURRENT_VERSION,
     Completion,
     Deliver,
     DeliverItem,
     Deposit,
     DepositItem,
     DstSpan,
+    Error,
     ErrorCode,
     KeyStatus,
     Message,
@@ -33,7 +36,9 @@ from kvcr_protocol import (
     decode_notification,
     deliver_columns,
     deposit_columns,
+    encode,
 )
+from kvcr_protocol.columns import U16, pack
 from kvcr_testing.health import wait_until
 from kvcr_testing.nodes import ClientAgent, NodeDriver, node_driver
 from kvcr_testing.patterns import assert_bytes_equal, pattern
@@ -205,3 +210,28 @@ def test_hostile_columns_fail_their_keys_and_leave_the_node_clean(ipc_dir: Path,
         assert not dest.any(), "nothing was written"
         st = assert_at_rest(d)
         assert st["objects"] == KEYS
+
+
+def test_a_plan_naming_group_65535_is_refused_whole_and_the_node_goes_on(ipc_dir: Path, agent: ClientAgent) -> None:
+    """A well-formed deliver whose plan's largest group is 65,535 for 4 spans: refused as a
+    message (``OUT_OF_RANGE`` at the groups column, spec section 6.8), nothing claimed, and the
+    same session's plain deliver is served after it."""
+    _, dest = agent.buffers
+    dest[:] = 0
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        stored(d, agent)
+        obj = msgpack.unpackb(encode(Deliver(20, (), columns=(deliver_columns(deliver_items(), groups=range(SPANS)),)), CURRENT_VERSION))
+        obj["!columns"][0][5] = pack([0, 1, 2, 65535], U16)
+        d.receive_frames([b"c", msgpack.packb(obj, use_bin_type=True)])
+        (error,) = d.sent(b"c")
+        assert isinstance(error, Error) and error.id == 20
+        assert (error.code, error.path) == (ErrorCode.OUT_OF_RANGE, "columns[0].groups"), error
+        assert "group 3 of 65536 has no span" in error.reason
+        assert not dest.any(), "nothing was written"
+        assert_at_rest(d)
+        _, reply = collect(d, agent, d.receive(b"c", Deliver(21, (), columns=(deliver_columns(deliver_items()),))))
+        assert [r.status for r in reply.results] == [KeyStatus.OK] * KEYS
+        source, _ = agent.buffers
+        assert_bytes_equal(dest, source)
+        assert assert_at_rest(d)["objects"] == KEYS

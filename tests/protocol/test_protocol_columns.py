@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import tracemalloc
 from typing import Any
 
 import msgpack
@@ -172,6 +173,37 @@ def test_plans_that_leave_a_span_out_or_name_a_missing_one(groups: list[int], re
     error = refused(frame)
     assert (error.code, error.path) == (ErrorCode.OUT_OF_RANGE, "columns[0].groups")
     assert reason in error.reason
+
+
+def test_a_plan_naming_a_huge_group_is_refused_before_anything_is_built_for_it() -> None:
+    """Two spans whose plan names group 65,535: the same refusal as any gap, and the check's
+    memory stays that of a plain refusal (tracemalloc peak), not 65,536 lists (spec section 6.8)."""
+
+    def frame(groups: list[int]) -> bytes:
+        return pack_map({"v": 3, "t": "deliver", "id": 1, "items": [], "!columns": [[[b"k"], "a\0b", 1, pack([0, 8], U64), 8, pack(groups, U16)]]})
+
+    def peak(data: bytes) -> tuple[int, kp.RemoteProtocolError]:
+        refused(data)  # warm: codec memos and imports are not the check's
+        tracemalloc.start()
+        try:
+            error = refused(data)
+            return tracemalloc.get_traced_memory()[1], error
+        finally:
+            tracemalloc.stop()
+
+    hostile, plain = frame([0, 65535]), frame([0, 2])
+    assert len(hostile) < 100
+    hostile_peak, error = peak(hostile)
+    assert (error.code, error.path) == (ErrorCode.OUT_OF_RANGE, "columns[0].groups")
+    assert "group 1 of 65536 has no span" in error.reason
+    plain_peak, _ = peak(plain)
+    # 65,536 empty lists alone would be over 3.5 MiB; a refusal of a 2-span plan is a few kB.
+    assert hostile_peak < plain_peak + 4096, (hostile_peak, plain_peak)
+    assert hostile_peak < 64 << 10, hostile_peak
+    # The first missing group is the one named, whatever the largest.
+    assert "group 2 of 65536 has no span" in refused(pack_map({
+        "v": 3, "t": "deliver", "id": 1, "items": [],
+        "!columns": [[[b"k"], "a\0b\0c", 1, pack([0, 8, 16], U64), 8, pack([1, 0, 65535], U16)]]})).reason
 
 
 def test_done_and_progress_columns() -> None:
