@@ -47,8 +47,10 @@ MAX_REQUEST_LINE = 8192
 """Bytes of a request line; a longer one is answered 414."""
 MAX_HEAD = 16384
 """Bytes of a whole request head (request line and headers); a longer one is answered 431."""
-LISTEN_BACKLOG = 128
-"""Connections the kernel queues before the thread accepts them."""
+LISTEN_BACKLOG = 1024
+"""Connections the kernel queues before the thread accepts them (the kernel's ``somaxconn``
+may lower it): a burst of connects waits there, costing the node no descriptor, rather than
+in SYN retries of a second and more."""
 ACCEPTS_PER_TURN = 64
 """Connections accepted (or refused) per readiness of the listening socket, so that a flood of
 connects cannot keep the thread from the connections it serves."""
@@ -67,6 +69,9 @@ more closes it, counted: a head sent a byte at a time as fast as the peer can co
 bounded number of turns, not one per byte."""
 STOP_TIMEOUT_S = 5.0
 """How long shutdown waits for the server thread to end."""
+LOG_EVERY_S = 60.0
+"""At most one line per kind of trouble (connection limit, descriptors, failure) this often;
+the next says how many were left out. The counters count every one."""
 _RECV_BYTES = 4096
 
 Read = Callable[[], MetricsSnapshot | None]
@@ -343,7 +348,7 @@ class MetricsExporter:
         self.conns: dict[int, _Conn] = {}
         """Open connections by descriptor (exporter thread only)."""
         self.dropped = dict.fromkeys(Dropped, 0)
-        self._limiter = Limiter()
+        self._limiter = Limiter(burst=1, window=LOG_EVERY_S)
         self._accepts = TokenBucket(ACCEPTS_PER_S, ACCEPT_BURST)
         self._accepting_at: float | None = None
         """While accepting is paused (the accept rate spent, or no descriptor left): when to resume."""
