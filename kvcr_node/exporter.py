@@ -307,7 +307,7 @@ class _Conn:
         """The peer sent (or may still send) bytes past the head: linger before closing."""
 
 
-def answer(head: bytes) -> tuple[str, str, str] | None:
+def request_line(head: bytes) -> tuple[str, str, str] | None:
     """The request line of a whole head as (method, path, version); None when it is not HTTP/1."""
     line = head.split(b"\n", 1)[0].rstrip(b"\r")
     parts = line.split(b" ")
@@ -497,7 +497,7 @@ class MetricsExporter:
         self._start_reply(conn, self._respond(bytes(conn.head[:size])), unread=len(conn.head) > size)
 
     def _respond(self, head: bytes) -> bytes:
-        request = answer(head)
+        request = request_line(head)
         if request is None:
             return BAD_REQUEST
         method, path, _ = request
