@@ -69,6 +69,8 @@ more closes it, counted: a head sent a byte at a time as fast as the peer can co
 bounded number of turns, not one per byte."""
 STOP_TIMEOUT_S = 5.0
 """How long shutdown waits for the server thread to end."""
+FAILURE_PAUSE_S = 0.1
+"""After an unexpected failure of a whole turn, how long the thread waits before the next."""
 LOG_EVERY_S = 60.0
 """At most one line per kind of trouble (connection limit, descriptors, failure) this often;
 the next says how many were left out. The counters count every one."""
@@ -339,12 +341,20 @@ class MetricsExporter:
         self.listener = listener
         self.port: int = listener.getsockname()[1]
         """The port bound (the one asked for, or a free one for 0)."""
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(listener, selectors.EVENT_READ, None)
-        self.selector.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
+        opened: list[socket.socket | selectors.BaseSelector] = [listener]
+        try:  # descriptors may run out here too: then nothing is left open
+            self._wake_r, self._wake_w = socket.socketpair()
+            opened += (self._wake_r, self._wake_w)
+            self._wake_r.setblocking(False)
+            self._wake_w.setblocking(False)
+            self.selector = selectors.DefaultSelector()
+            opened.append(self.selector)
+            self.selector.register(listener, selectors.EVENT_READ, None)
+            self.selector.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
+        except BaseException:
+            for thing in opened:
+                thing.close()
+            raise
         self.conns: dict[int, _Conn] = {}
         """Open connections by descriptor (exporter thread only)."""
         self.dropped = dict.fromkeys(Dropped, 0)
@@ -355,7 +365,7 @@ class MetricsExporter:
         self._snapshot: MetricsSnapshot | None = None
         self._text = b""
         """``render`` of ``_snapshot``: rendered once per snapshot, at its first scrape."""
-        self._stopping = False
+        self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="kvcr-metrics", daemon=True)
         self.thread.start()
 
@@ -363,11 +373,12 @@ class MetricsExporter:
 
     def _serve(self) -> None:
         try:
-            while not self._stopping:
+            while not self._stopping.is_set():
                 try:
                     self._turn()
                 except Exception:  # one bad turn must not end the exporter; the node serves on
                     self._warn("internal", "metrics exporter: unexpected failure (serving on)", exc_info=True)
+                    self._stopping.wait(FAILURE_PAUSE_S)  # a failure that repeats must not spin
         finally:
             for conn in list(self.conns.values()):
                 self._close(conn)
@@ -556,7 +567,7 @@ class MetricsExporter:
 
     def close(self) -> None:
         """Stop serving, close every connection and the listening socket, and join the thread (bounded)."""
-        self._stopping = True
+        self._stopping.set()
         try:
             self._wake_w.send(b"\0")
         except OSError:
