@@ -224,13 +224,23 @@ class Dropped(enum.Enum):
     """The request head came in more than ``READS_PER_CONNECTION`` pieces."""
 
 
-def render_exporter(open_connections: int, dropped: dict[Dropped, int]) -> bytes:
-    """The exporter's own families: what it refused and dropped, and what is open (this scrape's one too)."""
+def _exporter_template() -> str:
+    """The exporter's own families with ``{}`` for each value: open connections, then drops by reason."""
     t = _Text()
-    t.family("gauge", "kvcr_metrics_connections", "Connections open to the metrics port.", (), [(open_connections,)])
+    t.family("gauge", "kvcr_metrics_connections", "Connections open to the metrics port.", (), [(0,)])
     t.family("counter", "kvcr_metrics_connections_dropped", "Metrics connections closed unserved, by reason.",
-             ("reason",), [(reason.value, dropped[reason]) for reason in Dropped])
-    return t.encode()
+             ("reason",), [(reason.value, 0) for reason in Dropped])
+    lines = "".join(t.parts).replace("{", "{{").replace("}", "}}").splitlines(keepends=True)
+    return "".join(line if line.startswith("#") else line.removesuffix(" 0\n") + " {}\n" for line in lines)
+
+
+_EXPORTER_TEMPLATE = _exporter_template()
+
+
+def render_exporter(open_connections: int, dropped: dict[Dropped, int]) -> bytes:
+    """The exporter's own families: what it refused and dropped, and what is open (this scrape's one too).
+    One ``str.format`` per scrape: these change between snapshots."""
+    return _EXPORTER_TEMPLATE.format(open_connections, *(dropped[reason] for reason in Dropped)).encode()
 
 
 # --------------------------------------------------------------------------- HTTP
@@ -296,7 +306,7 @@ class Stage(enum.Enum):
 
 
 class _Conn:
-    __slots__ = ("deadline", "head", "out", "reads", "sock", "stage", "unread")
+    __slots__ = ("deadline", "head", "out", "reads", "sock", "stage", "unread", "watched")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock = sock
@@ -305,6 +315,8 @@ class _Conn:
         self.out = memoryview(b"")
         self.deadline = deadline
         self.reads = 0
+        self.watched = False
+        """Registered with the selector (a connection served at its accept never is)."""
         self.unread = False
         """The peer sent (or may still send) bytes past the head: linger before closing."""
 
@@ -365,6 +377,12 @@ class MetricsExporter:
         self._snapshot: MetricsSnapshot | None = None
         self._text = b""
         """``render`` of ``_snapshot``: rendered once per snapshot, at its first scrape."""
+        self._tail: tuple[int, ...] = ()
+        self._body = b""
+        """``_text`` and the exporter's families for ``_tail`` (open connections, drops)."""
+        self._reply_of = b""
+        self._reply = b""
+        """The 200 reply (head and body) whose body is ``_reply_of``."""
         self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="kvcr-metrics", daemon=True)
         self.thread.start()
@@ -451,7 +469,16 @@ class MetricsExporter:
                 continue
             conn = _Conn(sock, time.monotonic() + CONNECTION_TIMEOUT_S)
             self.conns[sock.fileno()] = conn
-            self.selector.register(sock, selectors.EVENT_READ, conn)
+            try:
+                # A scraper's request is usually there by now: served without a selector round trip.
+                self._step(conn, selectors.EVENT_READ)
+            except BlockingIOError:
+                pass
+            except OSError:
+                self._close(conn)
+                continue
+            if conn.sock.fileno() in self.conns and not conn.watched:
+                self._watch(conn, selectors.EVENT_READ)
 
     def _refuse(self, sock: socket.socket) -> None:
         """503 at once, without holding a descriptor beyond this call."""
@@ -516,15 +543,25 @@ class MetricsExporter:
             return NOT_ALLOWED
         if path != METRICS_PATH:
             return NOT_FOUND
-        return _reply("200 OK", self.body(), CONTENT_TYPE, head_only=method == "HEAD")
+        body = self.body()
+        if body is not self._reply_of:
+            self._reply_of = body
+            self._reply = _reply("200 OK", body, CONTENT_TYPE)
+        return self._reply[:len(self._reply) - len(body)] if method == "HEAD" else self._reply
 
     def body(self) -> bytes:
-        """The latest snapshot's text (rendered once per snapshot) and the exporter's own families."""
+        """The latest snapshot's text (rendered once per snapshot) and the exporter's own families
+        (the same bytes object while neither changed)."""
         snapshot = self.read()
+        tail = (len(self.conns), *self.dropped.values())
         if snapshot is not self._snapshot:
             self._snapshot = snapshot
             self._text = b"" if snapshot is None else render(snapshot)
-        return self._text + render_exporter(len(self.conns), self.dropped)
+        elif tail == self._tail:
+            return self._body
+        self._tail = tail
+        self._body = self._text + render_exporter(len(self.conns), self.dropped)
+        return self._body
 
     def _start_reply(self, conn: _Conn, reply: bytes, *, unread: bool) -> None:
         conn.stage = Stage.WRITING
@@ -533,7 +570,7 @@ class MetricsExporter:
         conn.unread = unread
         self._send(conn)
         if conn.stage is Stage.WRITING and conn.sock.fileno() in self.conns:
-            self.selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+            self._watch(conn, selectors.EVENT_WRITE)
 
     def _send(self, conn: _Conn) -> None:
         try:
@@ -549,11 +586,18 @@ class MetricsExporter:
         conn.sock.shutdown(socket.SHUT_WR)
         conn.stage = Stage.DRAINING
         conn.deadline = min(conn.deadline, time.monotonic() + LINGER_S)
-        self.selector.modify(conn.sock, selectors.EVENT_READ, conn)
+        self._watch(conn, selectors.EVENT_READ)
+
+    def _watch(self, conn: _Conn, events: int) -> None:
+        if conn.watched:
+            self.selector.modify(conn.sock, events, conn)
+        else:
+            self.selector.register(conn.sock, events, conn)
+            conn.watched = True
 
     def _close(self, conn: _Conn) -> None:
         fd = conn.sock.fileno()
-        if self.conns.pop(fd, None) is not None:
+        if self.conns.pop(fd, None) is not None and conn.watched:
             self.selector.unregister(conn.sock)
         conn.sock.close()
 
