@@ -9,6 +9,8 @@ The quiet phases are the anchor, measured in the same run on the same machine:
 - ``quiet_query_p50_us``, ``quiet_query_p99_us``: query round trips with nobody scraping;
 - ``scrape_query_p50_us``, ``scrape_query_p99_us``: the same while the scrapers run;
 - ``scrape_query_p50_ratio``, ``scrape_query_p99_ratio``: busy over quiet (goal p50 <= 1.2);
+- ``pair_p50_ratio_median``, ``pair_p50_ratio_p10``, ``pair_p50_ratio_p90``: the p50 ratio of each
+  busy phase to the quiet phase before it, over the pairs (the spread the machine's noise gives);
 - ``scrapes_per_s``: replies the scrapers read whole per second (200, 503 or other), and
   ``scrape_refused``, ``scrape_failed``: of those, 503s (the connection cap), and scrapes
   that got no reply at all.
@@ -41,11 +43,12 @@ from kvcr_client import Client, Span
 
 SLOT = 4 << 10
 KEYS = 64
-PHASES = 6
-"""Quiet and busy phases each (they alternate, quiet first)."""
-PHASE_S = 1.5
+PHASES = 16
+"""Quiet and busy phases each (they alternate, quiet first): short and many, so that a
+shared machine's load drifts over both alike."""
+PHASE_S = 0.6
 """How long one phase times queries."""
-SETTLE_S = 0.3
+SETTLE_S = 0.2
 """After the scrapers start or stop, how long before the next phase's timing starts."""
 SCRAPE_TIMEOUT_S = 10.0
 RESULT_TIMEOUT_S = 30.0
@@ -142,6 +145,7 @@ def bench(endpoint: str, port: int, scrapers: int) -> dict[str, Any]:
     assert worker.stdout.readline().strip() == "ready"
     quiet: list[float] = []
     busy: list[float] = []
+    pairs: list[float] = []
     scraped = {"ok": 0, "refused": 0, "failed": 0}
     busy_s = 0.0
     keys = [b"k%031d" % i for i in range(KEYS)]
@@ -169,6 +173,7 @@ def bench(endpoint: str, port: int, scrapers: int) -> dict[str, Any]:
 
             phase([])  # warm-up
             for _ in range(PHASES):
+                q, b = len(quiet), len(busy)
                 phase(quiet)
                 worker.stdin.write("go\n")
                 worker.stdin.flush()
@@ -176,6 +181,7 @@ def bench(endpoint: str, port: int, scrapers: int) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 phase(busy)
                 busy_s += time.perf_counter() - t0
+                pairs.append(percentile(busy[b:], 50) / percentile(quiet[q:], 50))
                 worker.stdin.write("stop\n")
                 worker.stdin.flush()
                 _, ok, refused, failed = worker.stdout.readline().split()
@@ -195,6 +201,8 @@ def bench(endpoint: str, port: int, scrapers: int) -> dict[str, Any]:
         "scrape_query_p50_us": percentile(busy, 50) * 1e6, "scrape_query_p99_us": percentile(busy, 99) * 1e6,
         "scrape_query_p50_ratio": percentile(busy, 50) / percentile(quiet, 50),
         "scrape_query_p99_ratio": percentile(busy, 99) / percentile(quiet, 99),
+        "pair_p50_ratio_median": percentile(pairs, 50), "pair_p50_ratio_p10": percentile(pairs, 10),
+        "pair_p50_ratio_p90": percentile(pairs, 90),
         "scrapes_per_s": total / busy_s if busy_s else 0.0,
         "scrape_refused": scraped["refused"], "scrape_failed": scraped["failed"],
     }
@@ -207,6 +215,8 @@ def report(k: dict[str, Any]) -> str:
         f"  quiet   p50 {k['quiet_query_p50_us']:8.1f} us  p99 {k['quiet_query_p99_us']:8.1f} us  (n={k['quiet_n']})",
         f"  scraped p50 {k['scrape_query_p50_us']:8.1f} us  p99 {k['scrape_query_p99_us']:8.1f} us  (n={k['busy_n']})",
         f"  ratio   p50 {k['scrape_query_p50_ratio']:.2f} (goal <= 1.2)  p99 {k['scrape_query_p99_ratio']:.2f}",
+        f"  p50 ratio per pair of phases: median {k['pair_p50_ratio_median']:.2f}, p10 {k['pair_p50_ratio_p10']:.2f}, "
+        f"p90 {k['pair_p50_ratio_p90']:.2f}",
         f"  scrapes {k['scrapes_per_s']:,.0f}/s read whole; {k['scrape_refused']} refused (503), "
         f"{k['scrape_failed']} without a reply",
     ])
