@@ -477,6 +477,10 @@ class MetricsExporter:
             except OSError:
                 self._close(conn)
                 continue
+            except Exception:
+                self._close(conn)
+                self._warn("internal", "metrics exporter: unexpected failure serving a connection", exc_info=True)
+                continue
             if conn.sock.fileno() in self.conns and not conn.watched:
                 self._watch(conn, selectors.EVENT_READ)
 

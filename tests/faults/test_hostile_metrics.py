@@ -38,9 +38,11 @@ CONNECTION_TIMEOUT_S = 5.0
 """The exporter's ``CONNECTION_TIMEOUT_S``: how long a slow socket may hold a slot."""
 DRIBBLE_S = 1.0
 """One byte per slow socket per this long."""
-FLOOD_END_S = 30.0
-"""A bound on the time until the node has refused or dropped every slow socket (it accepts
-200 a second, and the ones in its slots are dropped after ``CONNECTION_TIMEOUT_S``)."""
+FLOOD_END_S = 60.0
+"""A bound on the time until the node has refused or dropped every slow socket (about 6 s:
+it accepts 200 a second, and drops the ones in its slots after ``CONNECTION_TIMEOUT_S``;
+longer where the kernel's ``somaxconn`` is below the listen backlog and connects wait in
+SYN retries)."""
 CLIENT_FDS = 16
 """Descriptors a connected engine client may cost the node (its socket, NIXL's connection)."""
 SLOW_HEAD = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: " + b"s" * 200 + b"\r\n\r\n"
