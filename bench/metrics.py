@@ -11,7 +11,7 @@ The quiet phases are the anchor, measured in the same run on the same machine:
 - ``scrape_query_p50_ratio``, ``scrape_query_p99_ratio``: busy over quiet (goal p50 <= 1.2);
 - ``pair_p50_ratio_median``, ``pair_p50_ratio_p10``, ``pair_p50_ratio_p90``: the p50 ratio of each
   busy phase to the quiet phase before it, over the pairs (the spread the machine's noise gives);
-- ``scrapes_per_s``: replies the scrapers read whole per second (200, 503 or other), and
+- ``scrapes_per_s``: replies the scrapers read whole (200, 503 or other) per second of scraping, and
   ``scrape_refused``, ``scrape_failed``: of those, 503s (the connection cap), and scrapes
   that got no reply at all.
 
@@ -75,11 +75,14 @@ def scrape_once(port: int) -> int:
 
 def scraper_process(port: int, scrapers: int) -> None:
     """Scrape in ``scrapers`` threads between a ``go`` and a ``stop`` line on stdin; after each
-    ``stop``, print ``done OK REFUSED FAILED``. ``quit`` ends the process."""
+    ``stop``, print ``done OK REFUSED FAILED SECONDS`` (the seconds from ``go`` to the end of
+    the last scrape). ``quit`` ends the process."""
     running = threading.Event()
     quit_ = threading.Event()
     lock = threading.Lock()
     counts = {"ok": 0, "refused": 0, "failed": 0}
+    last = [0.0]
+    started = 0.0
 
     def loop() -> None:
         while not quit_.is_set():
@@ -92,6 +95,7 @@ def scraper_process(port: int, scrapers: int) -> None:
             key = "ok" if status == 200 else "refused" if status == 503 else "failed"
             with lock:
                 counts[key] += 1
+                last[0] = time.perf_counter()
 
     threads = [threading.Thread(target=loop, name=f"scraper-{i}", daemon=True) for i in range(scrapers)]
     for t in threads:
@@ -102,12 +106,13 @@ def scraper_process(port: int, scrapers: int) -> None:
         if command == "go":
             with lock:
                 counts.update(ok=0, refused=0, failed=0)
+            started = time.perf_counter()
             running.set()
         elif command == "stop":
             running.clear()
             time.sleep(SETTLE_S)  # let the scrapes in flight end, so that the next quiet phase is quiet
             with lock:
-                print(f"done {counts['ok']} {counts['refused']} {counts['failed']}", flush=True)
+                print(f"done {counts['ok']} {counts['refused']} {counts['failed']} {max(0.0, last[0] - started)}", flush=True)
         elif command == "quit":
             break
     quit_.set()
@@ -147,7 +152,7 @@ def bench(endpoint: str, port: int, scrapers: int) -> dict[str, Any]:
     busy: list[float] = []
     pairs: list[float] = []
     scraped = {"ok": 0, "refused": 0, "failed": 0}
-    busy_s = 0.0
+    scraping_s = 0.0
     keys = [b"k%031d" % i for i in range(KEYS)]
     buf = np.arange(KEYS * SLOT, dtype=np.uint64).astype(np.uint8)
     try:
@@ -178,15 +183,14 @@ def bench(endpoint: str, port: int, scrapers: int) -> dict[str, Any]:
                 worker.stdin.write("go\n")
                 worker.stdin.flush()
                 time.sleep(SETTLE_S)
-                t0 = time.perf_counter()
                 phase(busy)
-                busy_s += time.perf_counter() - t0
                 pairs.append(percentile(busy[b:], 50) / percentile(quiet[q:], 50))
                 worker.stdin.write("stop\n")
                 worker.stdin.flush()
-                _, ok, refused, failed = worker.stdout.readline().split()
+                _, ok, refused, failed, seconds = worker.stdout.readline().split()
                 for name, n in (("ok", ok), ("refused", refused), ("failed", failed)):
                     scraped[name] += int(n)
+                scraping_s += float(seconds)
             stats = client.stats().result(RESULT_TIMEOUT_S)
             assert stats["invariants"] == [], stats["invariants"]
     finally:
@@ -203,7 +207,7 @@ def bench(endpoint: str, port: int, scrapers: int) -> dict[str, Any]:
         "scrape_query_p99_ratio": percentile(busy, 99) / percentile(quiet, 99),
         "pair_p50_ratio_median": percentile(pairs, 50), "pair_p50_ratio_p10": percentile(pairs, 10),
         "pair_p50_ratio_p90": percentile(pairs, 90),
-        "scrapes_per_s": total / busy_s if busy_s else 0.0,
+        "scrapes_per_s": total / scraping_s if scraping_s else 0.0,
         "scrape_refused": scraped["refused"], "scrape_failed": scraped["failed"],
     }
 

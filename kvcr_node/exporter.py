@@ -56,13 +56,13 @@ ACCEPTS_PER_TURN = 64
 connects cannot keep the thread from the connections it serves."""
 ACCEPT_BACKOFF_S = 0.1
 """When accepting fails for want of descriptors, how long the listening socket is left alone."""
-ACCEPTS_PER_S = 200.0
+ACCEPTS_PER_S = 100.0
 """Connections accepted per second at most (served or refused), in bursts of up to
 ``ACCEPT_BURST``: what the thread does per connection is bounded, so this bounds how often it
 takes the interpreter from the progress loop however busy its scrapers are (a snapshot
 changes twice a second; Prometheus scrapes every few seconds). Connections beyond wait in
 the kernel's queue (``LISTEN_BACKLOG``), holding no descriptor of the node."""
-ACCEPT_BURST = 32
+ACCEPT_BURST = 16
 READS_PER_CONNECTION = 64
 """Reads a connection may take (its request head, then what it sends after a reply); one
 more closes it, counted: a head sent a byte at a time as fast as the peer can costs a

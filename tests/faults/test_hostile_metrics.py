@@ -39,8 +39,8 @@ CONNECTION_TIMEOUT_S = 5.0
 DRIBBLE_S = 1.0
 """One byte per slow socket per this long."""
 FLOOD_END_S = 60.0
-"""A bound on the time until the node has refused or dropped every slow socket (about 6 s:
-it accepts 200 a second, and drops the ones in its slots after ``CONNECTION_TIMEOUT_S``;
+"""A bound on the time until the node has refused or dropped every slow socket (about 10 s:
+it accepts 100 a second, and drops the ones in its slots after ``CONNECTION_TIMEOUT_S``;
 longer where the kernel's ``somaxconn`` is below the listen backlog and connects wait in
 SYN retries)."""
 CLIENT_FDS = 16
