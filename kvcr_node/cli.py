@@ -45,6 +45,7 @@ SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("log_level", str, "DEBUG, INFO, WARNING, ..."),
     ("metrics_port", int, "serve Prometheus metrics on http://ADDRESS:N/metrics (0: a free port)"),
     ("metrics_address", str, "the address the metrics port is bound on (default 127.0.0.1)"),
+    ("metrics_max_connections", int, "metrics connections served at once; one more is answered 503 (default 16)"),
     ("events_endpoint", str, "publish inventory events (stored/removed/cleared) on this ZeroMQ PUB endpoint"),
     ("events_replay_endpoint", str, "bind the event replay socket here (default: ipc PATH.replay, or the next tcp port)"),
     ("events_replay_bytes", int, "bytes the event replay requesters' queues may hold together (BUSY past it)"),

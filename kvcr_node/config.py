@@ -71,6 +71,8 @@ DEFAULT_MAX_PEERS = 64
 """Links to source nodes held at once."""
 DEFAULT_MAX_PEER_CLIENTS = 256
 """Client agents a target may have announced per peer session (the source's table)."""
+DEFAULT_METRICS_MAX_CONNECTIONS = 16
+"""Connections the metrics port serves at once: a few Prometheus servers and people with curl."""
 
 
 def default_pools() -> tuple[PoolSpec, ...]:
@@ -151,6 +153,9 @@ class NodeConfig:
     """TCP port to serve Prometheus metrics on (``/metrics``); 0 takes a free port; None serves none."""
     metrics_address: str = "127.0.0.1"
     """The address the metrics port is bound on (an IP address; 0.0.0.0 for every interface)."""
+    metrics_max_connections: int = DEFAULT_METRICS_MAX_CONNECTIONS
+    """Connections the metrics port serves at once; one more is answered 503 and closed at once
+    (architecture §4: one exporter thread serves them all)."""
     events_endpoint: str = ""
     """Where to publish inventory events (a ZeroMQ PUB endpoint, spec section 15); empty: none."""
     events_replay_endpoint: str = ""
@@ -218,6 +223,9 @@ class NodeConfig:
             ipaddress.ip_address(self.metrics_address)
         except ValueError:
             raise ConfigError("metrics_address", f"expected an IP address such as 127.0.0.1, got {self.metrics_address!r}") from None
+        if (isinstance(self.metrics_max_connections, bool) or not isinstance(self.metrics_max_connections, int)
+                or self.metrics_max_connections < 1):
+            raise ConfigError("metrics_max_connections", f"expected a positive integer, got {self.metrics_max_connections!r}")
         self._validate_events()
         return self
 
@@ -300,6 +308,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int, "lease_ttl_ms": int, "max_lease_ttl_ms": int,
     "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
     "lease_session_fraction": (int, float), "metrics_port": int, "metrics_address": str,
+    "metrics_max_connections": int,
     "events_endpoint": str, "events_replay_endpoint": str, "events_replay_bytes": int, "events_replay_requesters": int,
 }
 

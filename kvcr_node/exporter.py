@@ -1,188 +1,627 @@
-"""``/metrics`` over HTTP for Prometheus: a server thread that serves the latest snapshot.
+"""``/metrics`` over HTTP for Prometheus: one thread serving the latest snapshot's text.
 
-The thread never touches node state: each scrape turns the ``MetricsSnapshot`` the progress
-thread last published (one reference, read once) into metric families (architecture §4).
-``prometheus_client`` is imported here only, when a metrics port is configured, so a node
-runs without it otherwise (engine environments install kvcr without its dependencies).
-Names follow Prometheus conventions; the README lists them all.
+The thread never touches node state: it reads the ``MetricsSnapshot`` the progress thread
+last published (one reference, read once per scrape) and renders it to the text format at
+most once per snapshot, so a scrape costs a few system calls and sending cached bytes; the
+interpreter is held for microseconds, never for a render per scrape (architecture §4).
+
+One thread serves every connection from a selector, non-blocking: at most
+``metrics_max_connections`` are open; one more is answered 503 and closed at once. Each
+connection has ``CONNECTION_TIMEOUT_S`` from its accept to send its request head and take
+its reply, so slow or silent peers cost one descriptor each, for a bounded time, and never
+a thread. The text is rendered here, without ``prometheus_client`` (which would build an
+object per sample on every scrape), so the node needs no metrics package at all. Names
+follow Prometheus conventions; the README lists them all.
 """
 
 from __future__ import annotations
 
+import enum
+import errno
 import logging
+import math
+import selectors
 import socket
-import socketserver
 import threading
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from kvcr_node.config import ConfigError
-from kvcr_node.metrics import MetricsSnapshot
+from kvcr_node.logs import Limiter
+from kvcr_node.metrics import HistogramSnapshot, MetricsSnapshot
 
 log = logging.getLogger("kvcr.node")
 
 METRICS_PATH = "/metrics"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""The Prometheus text format, version 0.0.4."""
+CONNECTION_TIMEOUT_S = 5.0
+"""From its accept, how long a connection has to send its request head and take the whole
+reply; past it, it is closed and counted (a slowloris peer sending a byte a second, a silent
+one, or one that never reads its reply)."""
+LINGER_S = 1.0
+"""After a reply sent before the whole request was read (414, 431), how long what the peer
+still sends is read and discarded, so that it reads the reply rather than a reset."""
+MAX_REQUEST_LINE = 8192
+"""Bytes of a request line; a longer one is answered 414."""
+MAX_HEAD = 16384
+"""Bytes of a whole request head (request line and headers); a longer one is answered 431."""
+LISTEN_BACKLOG = 1024
+"""Connections the kernel queues before the thread accepts them (the kernel's ``somaxconn``
+may lower it): a burst of connects waits there, costing the node no descriptor, rather than
+in SYN retries of a second and more."""
+ACCEPTS_PER_TURN = 64
+"""Connections accepted (or refused) per readiness of the listening socket, so that a flood of
+connects cannot keep the thread from the connections it serves."""
+ACCEPT_BACKOFF_S = 0.1
+"""When accepting fails for want of descriptors, how long the listening socket is left alone."""
+ACCEPTS_PER_S = 100.0
+"""Connections accepted per second at most (served or refused), in bursts of up to
+``ACCEPT_BURST``: what the thread does per connection is bounded, so this bounds how often it
+takes the interpreter from the progress loop however busy its scrapers are (a snapshot
+changes twice a second; Prometheus scrapes every few seconds). Connections beyond wait in
+the kernel's queue (``LISTEN_BACKLOG``), holding no descriptor of the node."""
+ACCEPT_BURST = 16
+READS_PER_CONNECTION = 64
+"""Reads a connection may take (its request head, then what it sends after a reply); one
+more closes it, counted: a head sent a byte at a time as fast as the peer can costs a
+bounded number of turns, not one per byte."""
 STOP_TIMEOUT_S = 5.0
 """How long shutdown waits for the server thread to end."""
-_POLL_INTERVAL_S = 0.2
-"""How often the server thread looks for a shutdown request."""
+FAILURE_PAUSE_S = 0.1
+"""After an unexpected failure of a whole turn, how long the thread waits before the next."""
+LOG_EVERY_S = 60.0
+"""At most one line per kind of trouble (connection limit, descriptors, failure) this often;
+the next says how many were left out. The counters count every one."""
+_RECV_BYTES = 4096
 
 Read = Callable[[], MetricsSnapshot | None]
 
 
-class _Server(socketserver.ThreadingMixIn, WSGIServer):
-    """One thread per scrape, so a slow scraper holds up no other."""
-
-    daemon_threads = True
+# --------------------------------------------------------------------------- the text format
 
 
-class _Server6(_Server):
-    address_family = socket.AF_INET6
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr: a scrape every few seconds is not news."""
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
 
 
-class SnapshotCollector:
-    """A ``prometheus_client`` collector over the latest published snapshot."""
-
-    def __init__(self, read: Read) -> None:
-        self.read = read
-
-    def collect(self) -> Iterator[Any]:
-        snap = self.read()
-        if snap is None:
-            return
-        yield from families(snap)
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)  # exact, however large a counter grows
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return "NaN" if math.isnan(value) else repr(value)
 
 
-def families(s: MetricsSnapshot) -> Iterator[Any]:
-    """The metric families of one snapshot (README, "Metrics")."""
-    from prometheus_client.core import (
-        CounterMetricFamily,
-        GaugeMetricFamily,
-        HistogramMetricFamily,
-        InfoMetricFamily,
-    )
+class _Text:
+    """Builds one exposition: ``# HELP``, ``# TYPE`` and the samples of each family in turn."""
 
-    def counter(name: str, doc: str, labels: Iterable[str] = (), rows: Iterable[tuple[Any, ...]] = ()) -> Any:
-        family = CounterMetricFamily(name, doc, labels=list(labels))
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+
+    def _head(self, name: str, kind: str, doc: str) -> None:
+        self.parts.append(f"# HELP {name} {_escape_help(doc)}\n# TYPE {name} {kind}\n")
+
+    def _sample(self, name: str, labels: Iterable[tuple[str, str]], value: float) -> None:
+        text = ",".join(f'{k}="{_escape_label(v)}"' for k, v in labels)
+        self.parts.append(f"{name}{{{text}}} {_number(value)}\n" if text else f"{name} {_number(value)}\n")
+
+    def family(self, kind: str, name: str, doc: str, labels: Iterable[str] = (),
+               rows: Iterable[tuple[Any, ...]] = ()) -> None:
+        """A counter (``name`` gets ``_total``) or gauge: one sample per row of label values, then the value."""
+        if kind == "counter":
+            name += "_total"
+        self._head(name, kind, doc)
+        names = tuple(labels)
         for *values, n in rows:
-            family.add_metric([str(v) for v in values], n)
-        return family
+            self._sample(name, zip(names, (str(v) for v in values), strict=True), n)
 
-    def gauge(name: str, doc: str, labels: Iterable[str] = (), rows: Iterable[tuple[Any, ...]] = ()) -> Any:
-        family = GaugeMetricFamily(name, doc, labels=list(labels))
-        for *values, n in rows:
-            family.add_metric([str(v) for v in values], n)
-        return family
+    def info(self, name: str, doc: str, values: dict[str, str]) -> None:
+        name += "_info"
+        self._head(name, "gauge", doc)
+        self._sample(name, sorted(values.items()), 1)
 
-    yield InfoMetricFamily("kvcr_node", "The node: name, kvcr version, incarnation, newest protocol version.", value={
+    def histogram(self, name: str, doc: str, rows: Iterable[tuple[tuple[tuple[str, str], ...], HistogramSnapshot]]) -> None:
+        """Cumulative ``_bucket`` samples (``le``), ``_count`` and ``_sum`` per (labels, histogram) row."""
+        self._head(name, "histogram", doc)
+        for labels, h in rows:
+            total = 0
+            for bound, n in zip((*(repr(b) for b in h.bounds), "+Inf"), h.counts, strict=True):
+                total += n
+                self._sample(f"{name}_bucket", (*labels, ("le", bound)), total)
+            self._sample(f"{name}_count", labels, total)
+            self._sample(f"{name}_sum", labels, h.sum)
+
+    def encode(self) -> bytes:
+        return "".join(self.parts).encode()
+
+
+def render(s: MetricsSnapshot) -> bytes:
+    """The text exposition of one snapshot (README, "Metrics")."""
+    t = _Text()
+
+    def counter(name: str, doc: str, labels: Iterable[str], rows: Iterable[tuple[Any, ...]]) -> None:
+        t.family("counter", name, doc, labels, rows)
+
+    def gauge(name: str, doc: str, labels: Iterable[str], rows: Iterable[tuple[Any, ...]]) -> None:
+        t.family("gauge", name, doc, labels, rows)
+
+    t.info("kvcr_node", "The node: name, kvcr version, incarnation, newest protocol version.", {
         "node": s.node, "version": s.version, "incarnation": f"{s.incarnation:x}",
         "protocol_version": str(s.protocol_version)})
-    yield counter("kvcr_query_lookups", "Keys named in queries.", rows=[(s.lookups,)])
-    yield counter("kvcr_query_hits", "Keys queries answered hit (READY on this node).", rows=[(s.hits,)])
+    counter("kvcr_query_lookups", "Keys named in queries.", (), [(s.lookups,)])
+    counter("kvcr_query_hits", "Keys queries answered hit (READY on this node).", (), [(s.hits,)])
     by_pool = ("pool", "memory")
-    yield counter("kvcr_deposited_keys", "Objects committed by deposits, per pool they have spans in.", by_pool,
-                  [(p.name, p.memory, p.deposited_keys) for p in s.pools])
-    yield counter("kvcr_deposited_bytes", "Bytes committed by deposits.", by_pool,
-                  [(p.name, p.memory, p.deposited_bytes) for p in s.pools])
-    yield counter("kvcr_delivered_keys", "Keys delivered whole (to clients, or for peers).", by_pool,
-                  [(p.name, p.memory, p.delivered_keys) for p in s.pools])
-    yield counter("kvcr_delivered_bytes", "Bytes written out of the pool by transfers that succeeded.", by_pool,
-                  [(p.name, p.memory, p.delivered_bytes) for p in s.pools])
-    latency = HistogramMetricFamily("kvcr_request_duration_seconds", "Seconds from a request's receipt to its reply.",
-                                    labels=["operation"])
-    for kind, h in s.latency:
-        latency.add_metric([kind], h.cumulative(), h.sum)
-    yield latency
-    first = HistogramMetricFamily(
-        "kvcr_deliver_first_layer_seconds",
-        "Seconds from a deliver's receipt to its first landed transfer (layer group 0, or the whole transfer).")
-    first.add_metric([], s.first_layer.cumulative(), s.first_layer.sum)
-    yield first
-    yield gauge("kvcr_pool_capacity_bytes", "Bytes of pool memory.", by_pool,
-                [(p.name, p.memory, p.slots * p.slot_size) for p in s.pools])
-    yield gauge("kvcr_pool_used_bytes", "Bytes of the pool's slots allocated to objects.", by_pool,
-                [(p.name, p.memory, p.used_bytes) for p in s.pools])
-    yield gauge("kvcr_pool_evictable_bytes", "Bytes of slots held by objects no claim keeps.", by_pool,
-                [(p.name, p.memory, p.evictable * p.slot_size) for p in s.pools])
-    yield gauge("kvcr_pool_slots", "Slots in the pool.", by_pool, [(p.name, p.memory, p.slots) for p in s.pools])
-    yield gauge("kvcr_pool_free_slots", "Slots free.", by_pool, [(p.name, p.memory, p.free) for p in s.pools])
-    yield gauge("kvcr_pool_objects", "Objects with spans in the pool.", by_pool,
-                [(p.name, p.memory, p.objects) for p in s.pools])
-    yield counter("kvcr_evictions", "Objects evicted, per pool they had spans in.", by_pool,
-                  [(p.name, p.memory, p.evictions) for p in s.pools])
-    yield gauge("kvcr_objects", "Objects stored (READY or WRITING).", rows=[(s.objects,)])
-    yield gauge("kvcr_objects_writing", "Objects whose bytes are still arriving.", rows=[(s.writing,)])
-    yield gauge("kvcr_claims", "Claims held on objects, by kind.", ("kind",), s.claims)
-    yield gauge("kvcr_leases", "Leases held.", rows=[(s.leases,)])
-    yield gauge("kvcr_clients", "Client sessions.", rows=[(s.clients,)])
-    yield gauge("kvcr_peer_sessions", "Sessions of target nodes with this node.", rows=[(s.peer_sessions,)])
-    yield gauge("kvcr_operations_pending", "Operations in progress.", rows=[(s.operations_pending,)])
-    yield gauge("kvcr_transfers_inflight", "NIXL transfers in flight.", rows=[(s.transfers_inflight,)])
-    yield counter("kvcr_key_results", "Per-key results sent, by operation, status and error code.",
-                  ("operation", "status", "code"), s.results)
-    yield counter("kvcr_operation_failures", "Keys that failed, by operation and error code.", ("operation", "code"),
-                  [(op, code, n) for op, status, code, n in s.results if status == "failed"])
-    yield counter("kvcr_protocol_errors", "Requests refused with an error, by code.", ("code",), s.protocol_errors)
-    yield gauge("kvcr_peer_links", "Links to source nodes, by state.", ("state",), s.links)
-    yield gauge("kvcr_uncertain_writes", "Remote writes past their deadline that the source has not confirmed over.",
-                rows=[(s.uncertain_writes,)])
-    yield counter("kvcr_uncertain_writes_begun", "Remote writes that passed their deadline unanswered.",
-                  rows=[(s.counter("uncertain_writes"),)])
-    yield counter("kvcr_uncertain_writes_resolved", "Uncertain remote writes the source later confirmed over.",
-                  rows=[(s.counter("uncertain_resolved"),)])
-    yield counter("kvcr_auth_refusals", "Connections refused by CURVE authentication, by reason.", ("reason",),
-                  [("not_allowed", s.counter("auth_refused")), ("handshake_failed", s.counter("auth_handshake_failed"))])
-    yield counter("kvcr_internal_errors", "Unexpected failures the node counted and survived.",
-                  rows=[(s.counter("internal_errors"),)])
-    yield counter("kvcr_event_batches_published", "Inventory event batches published (spec section 15).",
-                  rows=[(s.counter("events_published"),)])
-    yield counter("kvcr_event_replays", "Event replay requests, by result.", ("result",),
-                  [("served", s.counter("events_replays")), ("refused", s.counter("events_replays_refused")),
-                   ("cut", s.counter("events_replay_cut")), ("busy", s.counter("events_replays_busy"))])
+    counter("kvcr_deposited_keys", "Objects committed by deposits, per pool they have spans in.", by_pool,
+            [(p.name, p.memory, p.deposited_keys) for p in s.pools])
+    counter("kvcr_deposited_bytes", "Bytes committed by deposits.", by_pool,
+            [(p.name, p.memory, p.deposited_bytes) for p in s.pools])
+    counter("kvcr_delivered_keys", "Keys delivered whole (to clients, or for peers).", by_pool,
+            [(p.name, p.memory, p.delivered_keys) for p in s.pools])
+    counter("kvcr_delivered_bytes", "Bytes written out of the pool by transfers that succeeded.", by_pool,
+            [(p.name, p.memory, p.delivered_bytes) for p in s.pools])
+    t.histogram("kvcr_request_duration_seconds", "Seconds from a request's receipt to its reply.",
+                [((("operation", kind),), h) for kind, h in s.latency])
+    t.histogram("kvcr_deliver_first_layer_seconds",
+                "Seconds from a deliver's receipt to its first landed transfer (layer group 0, or the whole transfer).",
+                [((), s.first_layer)])
+    gauge("kvcr_pool_capacity_bytes", "Bytes of pool memory.", by_pool,
+          [(p.name, p.memory, p.slots * p.slot_size) for p in s.pools])
+    gauge("kvcr_pool_used_bytes", "Bytes of the pool's slots allocated to objects.", by_pool,
+          [(p.name, p.memory, p.used_bytes) for p in s.pools])
+    gauge("kvcr_pool_evictable_bytes", "Bytes of slots held by objects no claim keeps.", by_pool,
+          [(p.name, p.memory, p.evictable * p.slot_size) for p in s.pools])
+    gauge("kvcr_pool_slots", "Slots in the pool.", by_pool, [(p.name, p.memory, p.slots) for p in s.pools])
+    gauge("kvcr_pool_free_slots", "Slots free.", by_pool, [(p.name, p.memory, p.free) for p in s.pools])
+    gauge("kvcr_pool_objects", "Objects with spans in the pool.", by_pool, [(p.name, p.memory, p.objects) for p in s.pools])
+    counter("kvcr_evictions", "Objects evicted, per pool they had spans in.", by_pool,
+            [(p.name, p.memory, p.evictions) for p in s.pools])
+    gauge("kvcr_objects", "Objects stored (READY or WRITING).", (), [(s.objects,)])
+    gauge("kvcr_objects_writing", "Objects whose bytes are still arriving.", (), [(s.writing,)])
+    gauge("kvcr_claims", "Claims held on objects, by kind.", ("kind",), s.claims)
+    gauge("kvcr_leases", "Leases held.", (), [(s.leases,)])
+    gauge("kvcr_clients", "Client sessions.", (), [(s.clients,)])
+    gauge("kvcr_peer_sessions", "Sessions of target nodes with this node.", (), [(s.peer_sessions,)])
+    gauge("kvcr_operations_pending", "Operations in progress.", (), [(s.operations_pending,)])
+    gauge("kvcr_transfers_inflight", "NIXL transfers in flight.", (), [(s.transfers_inflight,)])
+    counter("kvcr_key_results", "Per-key results sent, by operation, status and error code.",
+            ("operation", "status", "code"), s.results)
+    counter("kvcr_operation_failures", "Keys that failed, by operation and error code.", ("operation", "code"),
+            [(op, code, n) for op, status, code, n in s.results if status == "failed"])
+    counter("kvcr_protocol_errors", "Requests refused with an error, by code.", ("code",), s.protocol_errors)
+    gauge("kvcr_peer_links", "Links to source nodes, by state.", ("state",), s.links)
+    gauge("kvcr_uncertain_writes", "Remote writes past their deadline that the source has not confirmed over.", (),
+          [(s.uncertain_writes,)])
+    counter("kvcr_uncertain_writes_begun", "Remote writes that passed their deadline unanswered.", (),
+            [(s.counter("uncertain_writes"),)])
+    counter("kvcr_uncertain_writes_resolved", "Uncertain remote writes the source later confirmed over.", (),
+            [(s.counter("uncertain_resolved"),)])
+    counter("kvcr_auth_refusals", "Connections refused by CURVE authentication, by reason.", ("reason",),
+            [("not_allowed", s.counter("auth_refused")), ("handshake_failed", s.counter("auth_handshake_failed"))])
+    counter("kvcr_internal_errors", "Unexpected failures the node counted and survived.", (),
+            [(s.counter("internal_errors"),)])
+    counter("kvcr_event_batches_published", "Inventory event batches published (spec section 15).", (),
+            [(s.counter("events_published"),)])
+    counter("kvcr_event_replays", "Event replay requests, by result.", ("result",),
+            [("served", s.counter("events_replays")), ("refused", s.counter("events_replays_refused")),
+             ("cut", s.counter("events_replay_cut")), ("busy", s.counter("events_replays_busy"))])
+    return t.encode()
+
+
+class Dropped(enum.Enum):
+    """Why the exporter closed a connection without serving it (``kvcr_metrics_connections_dropped_total``)."""
+
+    LIMIT = "limit"
+    """``metrics_max_connections`` were open: answered 503 at once."""
+    TIMEOUT = "timeout"
+    """No whole request, or the reply not taken, within ``CONNECTION_TIMEOUT_S``."""
+    TRICKLE = "trickle"
+    """The request head came in more than ``READS_PER_CONNECTION`` pieces."""
+
+
+def _exporter_template() -> str:
+    """The exporter's own families with ``{}`` for each value: open connections, then drops by reason."""
+    t = _Text()
+    t.family("gauge", "kvcr_metrics_connections", "Connections open to the metrics port.", (), [(0,)])
+    t.family("counter", "kvcr_metrics_connections_dropped", "Metrics connections closed unserved, by reason.",
+             ("reason",), [(reason.value, 0) for reason in Dropped])
+    lines = "".join(t.parts).replace("{", "{{").replace("}", "}}").splitlines(keepends=True)
+    return "".join(line if line.startswith("#") else line.removesuffix(" 0\n") + " {}\n" for line in lines)
+
+
+_EXPORTER_TEMPLATE = _exporter_template()
+
+
+def render_exporter(open_connections: int, dropped: dict[Dropped, int]) -> bytes:
+    """The exporter's own families: what it refused and dropped, and what is open (this scrape's one too).
+    One ``str.format`` per scrape: these change between snapshots."""
+    return _EXPORTER_TEMPLATE.format(open_connections, *(dropped[reason] for reason in Dropped)).encode()
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+def _reply(status: str, body: bytes, content_type: str = "text/plain; charset=utf-8", *, head_only: bool = False,
+           extra: str = "") -> bytes:
+    head = (f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{extra}"
+            "Connection: close\r\n\r\n").encode()
+    return head if head_only else head + body
+
+
+REFUSED = _reply("503 Service Unavailable", b"kvcr-node: too many metrics connections; try again\n",
+                 extra="Retry-After: 1\r\n")
+"""What a connection past ``metrics_max_connections`` is sent before it is closed."""
+NOT_FOUND = _reply("404 Not Found", f"kvcr-node serves {METRICS_PATH} only\n".encode())
+BAD_REQUEST = _reply("400 Bad Request", b"kvcr-node: not an HTTP request\n")
+NOT_ALLOWED = _reply("405 Method Not Allowed", b"kvcr-node: GET or HEAD only\n", extra="Allow: GET, HEAD\r\n")
+URI_TOO_LONG = _reply("414 URI Too Long", f"kvcr-node: a request line has at most {MAX_REQUEST_LINE} bytes\n".encode())
+HEAD_TOO_LARGE = _reply("431 Request Header Fields Too Large",
+                        f"kvcr-node: a request head has at most {MAX_HEAD} bytes\n".encode())
+
+
+class TokenBucket:
+    """``rate`` takes per second at most, ``burst`` at once (exporter thread only)."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.clock = clock
+        self.tokens = float(burst)
+        self.at = clock()
+
+    def _refill(self) -> float:
+        now = self.clock()
+        self.tokens = min(float(self.burst), self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        return now
+
+    def take(self) -> bool:
+        self._refill()
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+    def give_back(self) -> None:
+        self.tokens = min(float(self.burst), self.tokens + 1.0)
+
+    def next_at(self) -> float:
+        """When the next take succeeds."""
+        now = self._refill()
+        return now + max(0.0, 1.0 - self.tokens) / self.rate
+
+
+class Stage(enum.Enum):
+    READING = "reading"
+    """Reading the request head."""
+    WRITING = "writing"
+    """Sending the reply."""
+    DRAINING = "draining"
+    """Reply sent and the write side shut: reading and discarding until the peer closes."""
+
+
+class _Conn:
+    __slots__ = ("deadline", "head", "out", "reads", "sock", "stage", "unread", "watched")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.stage = Stage.READING
+        self.head = bytearray()
+        self.out = memoryview(b"")
+        self.deadline = deadline
+        self.reads = 0
+        self.watched = False
+        """Registered with the selector (a connection served at its accept never is)."""
+        self.unread = False
+        """The peer sent (or may still send) bytes past the head: linger before closing."""
+
+
+def request_line(head: bytes) -> tuple[str, str, str] | None:
+    """The request line of a whole head as (method, path, version); None when it is not HTTP/1."""
+    line = head.split(b"\n", 1)[0].rstrip(b"\r")
+    parts = line.split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+        return None
+    try:
+        method, target, version = (p.decode("ascii") for p in parts)
+    except UnicodeDecodeError:
+        return None
+    return method, target.split("?", 1)[0], version
 
 
 class MetricsExporter:
-    """The HTTP server thread: ``/metrics`` from the latest snapshot, 404 for any other path."""
+    """The server thread: ``/metrics`` from the latest snapshot, 404 for any other path."""
 
-    def __init__(self, address: str, port: int, read: Read) -> None:
+    def __init__(self, address: str, port: int, read: Read, max_connections: int = 16) -> None:
+        self.read = read
+        self.max_connections = max_connections
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            from prometheus_client import CollectorRegistry, make_wsgi_app
-        except ImportError as exc:
-            raise ImportError(f"metrics_port: serving metrics needs the prometheus-client package ({exc})") from exc
-
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(SnapshotCollector(read))  # type: ignore[arg-type]
-        metrics_app = make_wsgi_app(registry)
-
-        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-            if environ.get("PATH_INFO") == METRICS_PATH:
-                return metrics_app(environ, start_response)  # type: ignore[no-any-return]
-            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-            return [f"kvcr-node serves {METRICS_PATH} only\n".encode()]
-
-        server_class = _Server6 if ":" in address else _Server
-        try:
-            self.server = make_server(address, port, app, server_class=server_class, handler_class=_QuietHandler)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((address, port))
+            listener.listen(LISTEN_BACKLOG)
+            listener.setblocking(False)
         except OSError as exc:
+            listener.close()
             raise ConfigError("metrics_port", f"cannot serve on {address} port {port}: {exc.strerror or exc}") from exc
-        self.port: int = self.server.server_address[1]
+        self.listener = listener
+        self.port: int = listener.getsockname()[1]
         """The port bound (the one asked for, or a free one for 0)."""
-        self.thread = threading.Thread(
-            target=self.server.serve_forever, args=(_POLL_INTERVAL_S,), name="kvcr-metrics", daemon=True)
+        opened: list[socket.socket | selectors.BaseSelector] = [listener]
+        try:  # descriptors may run out here too: then nothing is left open
+            self._wake_r, self._wake_w = socket.socketpair()
+            opened += (self._wake_r, self._wake_w)
+            self._wake_r.setblocking(False)
+            self._wake_w.setblocking(False)
+            self.selector = selectors.DefaultSelector()
+            opened.append(self.selector)
+            self.selector.register(listener, selectors.EVENT_READ, None)
+            self.selector.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
+        except BaseException:
+            for thing in opened:
+                thing.close()
+            raise
+        self.conns: dict[int, _Conn] = {}
+        """Open connections by descriptor (exporter thread only)."""
+        self.dropped = dict.fromkeys(Dropped, 0)
+        self._limiter = Limiter(burst=1, window=LOG_EVERY_S)
+        self._accepts = TokenBucket(ACCEPTS_PER_S, ACCEPT_BURST)
+        self._accepting_at: float | None = None
+        """While accepting is paused (the accept rate spent, or no descriptor left): when to resume."""
+        self._snapshot: MetricsSnapshot | None = None
+        self._text = b""
+        """``render`` of ``_snapshot``: rendered once per snapshot, at its first scrape."""
+        self._tail: tuple[int, ...] = ()
+        self._body = b""
+        """``_text`` and the exporter's families for ``_tail`` (open connections, drops)."""
+        self._reply_of = b""
+        self._reply = b""
+        """The 200 reply (head and body) whose body is ``_reply_of``."""
+        self._stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name="kvcr-metrics", daemon=True)
         self.thread.start()
 
+    # ------------------------------------------------------------------ the thread
+
+    def _serve(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._turn()
+                except Exception:  # one bad turn must not end the exporter; the node serves on
+                    self._warn("internal", "metrics exporter: unexpected failure (serving on)", exc_info=True)
+                    self._stopping.wait(FAILURE_PAUSE_S)  # a failure that repeats must not spin
+        finally:
+            for conn in list(self.conns.values()):
+                self._close(conn)
+            self.selector.close()
+            self.listener.close()
+            self._wake_r.close()
+
+    def _turn(self) -> None:
+        now = time.monotonic()
+        waits = [c.deadline for c in self.conns.values()]
+        if self._accepting_at is not None:
+            waits.append(self._accepting_at)
+        timeout = max(0.0, min(waits) - now) if waits else None
+        for key, mask in self.selector.select(timeout):
+            if key.data is None:
+                self._accept()
+            elif key.data is self._wake_r:
+                self._drain_wake()
+            else:
+                conn: _Conn = key.data
+                try:
+                    self._step(conn, mask)
+                except OSError:
+                    self._close(conn)  # reset, or gone: nothing to answer
+                except Exception:
+                    self._close(conn)
+                    self._warn("internal", "metrics exporter: unexpected failure serving a connection", exc_info=True)
+        now = time.monotonic()
+        for conn in [c for c in self.conns.values() if c.deadline <= now]:
+            if conn.stage is not Stage.DRAINING:
+                self.dropped[Dropped.TIMEOUT] += 1
+            self._close(conn)
+        if self._accepting_at is not None and now >= self._accepting_at:
+            self._accepting_at = None
+            self.selector.register(self.listener, selectors.EVENT_READ, None)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(64):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _pause_accepting(self, until: float) -> None:
+        """Leave the listening socket alone until ``until``: its queue waits in the kernel."""
+        if self._accepting_at is None:
+            self.selector.unregister(self.listener)
+        self._accepting_at = until
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPTS_PER_TURN):
+            if not self._accepts.take():
+                self._pause_accepting(self._accepts.next_at())
+                return
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                self._accepts.give_back()
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # The connection stays queued; retrying at once would spin on a readable listener.
+                    self._pause_accepting(time.monotonic() + ACCEPT_BACKOFF_S)
+                    self._warn("descriptors", "metrics port: cannot accept (%s); pausing %.1f s",
+                               exc.strerror, ACCEPT_BACKOFF_S)
+                return  # ECONNABORTED and the like: that peer is gone already
+            sock.setblocking(False)
+            if len(self.conns) >= self.max_connections:
+                self._refuse(sock)
+                continue
+            conn = _Conn(sock, time.monotonic() + CONNECTION_TIMEOUT_S)
+            self.conns[sock.fileno()] = conn
+            try:
+                # A scraper's request is usually there by now: served without a selector round trip.
+                self._step(conn, selectors.EVENT_READ)
+            except BlockingIOError:
+                pass
+            except OSError:
+                self._close(conn)
+                continue
+            except Exception:
+                self._close(conn)
+                self._warn("internal", "metrics exporter: unexpected failure serving a connection", exc_info=True)
+                continue
+            if conn.sock.fileno() in self.conns and not conn.watched:
+                self._watch(conn, selectors.EVENT_READ)
+
+    def _refuse(self, sock: socket.socket) -> None:
+        """503 at once, without holding a descriptor beyond this call."""
+        self.dropped[Dropped.LIMIT] += 1
+        self._warn("limit", "metrics port: %d connections open (metrics_max_connections); answered 503",
+                   len(self.conns))
+        try:
+            try:
+                while sock.recv(_RECV_BYTES):  # read what came, so that closing sends no reset over the reply
+                    pass
+            except BlockingIOError:
+                pass
+            sock.send(REFUSED)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        sock.close()
+
+    def _step(self, conn: _Conn, mask: int) -> None:
+        if conn.stage is Stage.WRITING:
+            if mask & selectors.EVENT_WRITE:
+                self._send(conn)
+            return
+        data = conn.sock.recv(_RECV_BYTES)
+        if not data:
+            self._close(conn)  # the peer closed (or, draining, read our reply and left)
+            return
+        conn.reads += 1
+        if conn.reads > READS_PER_CONNECTION:
+            if conn.stage is Stage.READING:
+                self.dropped[Dropped.TRICKLE] += 1
+            self._close(conn)
+            return
+        if conn.stage is Stage.DRAINING:
+            return
+        conn.head += data
+        end = conn.head.find(b"\r\n\r\n")
+        size = end + 4 if end >= 0 else -1
+        if end < 0 and (lf := conn.head.find(b"\n\n")) >= 0:
+            size = lf + 2
+        if size < 0:
+            if b"\n" not in conn.head and len(conn.head) > MAX_REQUEST_LINE:
+                self._start_reply(conn, URI_TOO_LONG, unread=True)
+            elif len(conn.head) > MAX_HEAD:
+                self._start_reply(conn, HEAD_TOO_LARGE, unread=True)
+            return
+        line_end = conn.head.find(b"\n")
+        if line_end > MAX_REQUEST_LINE:
+            self._start_reply(conn, URI_TOO_LONG, unread=len(conn.head) > size)
+            return
+        if size > MAX_HEAD:
+            self._start_reply(conn, HEAD_TOO_LARGE, unread=len(conn.head) > size)
+            return
+        self._start_reply(conn, self._respond(bytes(conn.head[:size])), unread=len(conn.head) > size)
+
+    def _respond(self, head: bytes) -> bytes:
+        request = request_line(head)
+        if request is None:
+            return BAD_REQUEST
+        method, path, _ = request
+        if method not in ("GET", "HEAD"):
+            return NOT_ALLOWED
+        if path != METRICS_PATH:
+            return NOT_FOUND
+        body = self.body()
+        if body is not self._reply_of:
+            self._reply_of = body
+            self._reply = _reply("200 OK", body, CONTENT_TYPE)
+        return self._reply[:len(self._reply) - len(body)] if method == "HEAD" else self._reply
+
+    def body(self) -> bytes:
+        """The latest snapshot's text (rendered once per snapshot) and the exporter's own families
+        (the same bytes object while neither changed)."""
+        snapshot = self.read()
+        tail = (len(self.conns), *self.dropped.values())
+        if snapshot is not self._snapshot:
+            self._snapshot = snapshot
+            self._text = b"" if snapshot is None else render(snapshot)
+        elif tail == self._tail:
+            return self._body
+        self._tail = tail
+        self._body = self._text + render_exporter(len(self.conns), self.dropped)
+        return self._body
+
+    def _start_reply(self, conn: _Conn, reply: bytes, *, unread: bool) -> None:
+        conn.stage = Stage.WRITING
+        conn.head = bytearray()
+        conn.out = memoryview(reply)
+        conn.unread = unread
+        self._send(conn)
+        if conn.stage is Stage.WRITING and conn.sock.fileno() in self.conns:
+            self._watch(conn, selectors.EVENT_WRITE)
+
+    def _send(self, conn: _Conn) -> None:
+        try:
+            sent = conn.sock.send(conn.out)
+        except BlockingIOError:
+            return
+        conn.out = conn.out[sent:]
+        if conn.out:
+            return
+        if not conn.unread:
+            self._close(conn)  # all was read: closing sends the rest of the reply, then FIN
+            return
+        conn.sock.shutdown(socket.SHUT_WR)
+        conn.stage = Stage.DRAINING
+        conn.deadline = min(conn.deadline, time.monotonic() + LINGER_S)
+        self._watch(conn, selectors.EVENT_READ)
+
+    def _watch(self, conn: _Conn, events: int) -> None:
+        if conn.watched:
+            self.selector.modify(conn.sock, events, conn)
+        else:
+            self.selector.register(conn.sock, events, conn)
+            conn.watched = True
+
+    def _close(self, conn: _Conn) -> None:
+        fd = conn.sock.fileno()
+        if self.conns.pop(fd, None) is not None and conn.watched:
+            self.selector.unregister(conn.sock)
+        conn.sock.close()
+
+    def _warn(self, code: str, message: str, *args: Any, exc_info: bool = False) -> None:
+        left_out = self._limiter.admit(code)
+        if left_out is not None:
+            suffix = f" ({left_out} more like it left out before this line)" if left_out else ""
+            log.warning(message + suffix, *args, exc_info=exc_info)
+
+    # ------------------------------------------------------------------ other threads
+
     def close(self) -> None:
-        """Stop serving, close the listening socket, and join the thread (bounded)."""
-        self.server.shutdown()
-        self.server.server_close()
+        """Stop serving, close every connection and the listening socket, and join the thread (bounded)."""
+        self._stopping.set()
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
         self.thread.join(STOP_TIMEOUT_S)
+        self._wake_w.close()
         if self.thread.is_alive():
             log.warning("the metrics server thread did not stop within %.0f s", STOP_TIMEOUT_S)
+            self.listener.close()

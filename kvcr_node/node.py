@@ -157,7 +157,8 @@ class Node:
             self.leases, self.links, self.transfers, self.counters, self.protocol_errors)
         publisher.publish()
         try:
-            self.exporter = MetricsExporter(config.metrics_address, config.metrics_port, lambda: publisher.latest)
+            self.exporter = MetricsExporter(config.metrics_address, config.metrics_port, lambda: publisher.latest,
+                                            config.metrics_max_connections)
         except BaseException:
             self._close_sockets()
             self.bound.close()

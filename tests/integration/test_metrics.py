@@ -5,7 +5,7 @@ queries and delivers (with known hits, misses and failures) the counters moved b
 those amounts, the latency histograms counted them, the byte counters equal the spans'
 sizes, and failures carry their code. Two nodes show their link, the bytes the source
 wrote for the target, and an uncertain write until it resolves; CURVE refusals are counted
-by reason. Scraping while the node works changes nothing it answers; an unknown path is
+by reason. Eight busy scrapers while the node works change nothing it answers; an unknown path is
 404; the port closes when the node stops.
 """
 
@@ -38,6 +38,7 @@ LAYOUT = plain_layout(4, size=SLOT)
 POOL = (("memory", "dram"), ("pool", "kv"))
 UNCERTAIN_DEADLINE_MS = 1000
 REFUSAL_S = 5.0
+BUSY_SCRAPERS = 8
 
 
 @pytest.fixture
@@ -122,24 +123,28 @@ def test_scraping_under_load_changes_nothing_the_node_answers(node: NodeProcess,
                 failures.append(exc)
                 return
 
-    thread = threading.Thread(target=scraper, name="scraper", daemon=True)
-    thread.start()
+    # Busy scrapers, fewer than the connection limit: each is served (the accept rate shared), none refused.
+    threads = [threading.Thread(target=scraper, name=f"scraper-{i}", daemon=True) for i in range(BUSY_SCRAPERS)]
+    for thread in threads:
+        thread.start()
     try:
         for round_ in range(10):
             o = StoredObject(client, reg, f"load{round_}".encode(), LAYOUT, seed=100 + round_)
             assert client.deliver({o.key: o.spans}).result(RESULT_TIMEOUT_S)[o.key].status is KeyStatus.OK
             assert_bytes_equal(o.dst, o.src, f"round {round_}")
             assert client.query([o.key, b"nothing"]).result(RESULT_TIMEOUT_S)[o.key].presence is Presence.HIT
-        assert wait_until(lambda: len(scrapes) >= 3, PUBLISHED_S)
+        assert wait_until(lambda: len(scrapes) >= 3 * BUSY_SCRAPERS, PUBLISHED_S)
     finally:
         stop.set()
-        thread.join(SCRAPE_TIMEOUT_S)
+        for thread in threads:
+            thread.join(SCRAPE_TIMEOUT_S)
     assert not failures, failures
     st = assert_clean(client)
     assert st["objects"] == 10 and st["counters"].get("internal_errors", 0) == 0
     after = settled(port, lambda s: sample(s, "kvcr_query_lookups_total") == 20)
     assert sample(after, "kvcr_query_hits_total") == 10
     assert sample(after, "kvcr_delivered_bytes_total", *POOL) == 10 * LAYOUT.nbytes
+    assert sample(after, "kvcr_metrics_connections_dropped_total", ("reason", "limit")) == 0
 
 
 def test_an_unknown_path_is_404_and_the_node_goes_on(node: NodeProcess, client: Client) -> None:

@@ -1,4 +1,4 @@
-"""Descriptors and resident memory of a process (this one or a node), from /proc; the client
+"""Descriptors, threads and resident memory of a process (this one or a node), from /proc; the client
 churn tests' snapshot of this process."""
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ one object per operation costs over thousands of operations."""
 def fd_count(pid: int | None = None) -> int:
     """Open descriptors of process ``pid`` (None: this process)."""
     return len(os.listdir(f"/proc/{'self' if pid is None else pid}/fd"))
+
+
+def thread_count(pid: int | None = None) -> int:
+    """Threads of process ``pid`` (None: this process), every one the kernel knows of (Python's and native)."""
+    return len(os.listdir(f"/proc/{'self' if pid is None else pid}/task"))
 
 
 def rss_kib(pid: int | None = None) -> int:

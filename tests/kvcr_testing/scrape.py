@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import urllib.request
 from collections.abc import Callable
 
@@ -35,6 +36,21 @@ def get(port: int, path: str = "/metrics") -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=SCRAPE_TIMEOUT_S) as reply:
         body: bytes = reply.read()
     return body.decode()
+
+
+def raw_request(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send ``request`` as it is on a fresh connection and read the reply to its end: the
+    status (0 when the reply is not HTTP), its headers (lower-case names) and its body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=SCRAPE_TIMEOUT_S) as sock:
+        sock.sendall(request)
+        reply = bytearray()
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = bytes(reply).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    m = re.match(r"HTTP/1\.[01] (\d{3}) ", lines[0])
+    headers = dict((k.strip().lower(), v.strip()) for k, _, v in (line.partition(":") for line in lines[1:]))
+    return (int(m.group(1)) if m else 0), headers, body
 
 
 def parse(text: str) -> Samples:

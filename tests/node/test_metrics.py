@@ -8,6 +8,8 @@ the same node (loopback) is parsed with ``prometheus_client``'s text parser.
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcr_node.cli import _parser, build_config
 from kvcr_node.config import ConfigError, NodeConfig, from_mapping
-from kvcr_node.metrics import LATENCY_BUCKETS_S, Histogram, MetricsSnapshot
+from kvcr_node.exporter import READS_PER_CONNECTION, Dropped, MetricsExporter, TokenBucket, render, request_line
+from kvcr_node.metrics import LATENCY_BUCKETS_S, Histogram, MetricsSnapshot, PoolSnapshot
 from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import (
     Completion,
@@ -39,6 +42,7 @@ from kvcr_protocol import (
     SrcSpan,
     deliver_columns,
 )
+from kvcr_testing.health import wait_until
 from kvcr_testing.nodes import TRANSFER_TIMEOUT_S, ClientAgent, NodeDriver, node_driver
 from kvcr_testing.patterns import pattern
 from kvcr_testing.scrape import get, scrape
@@ -249,25 +253,26 @@ def test_metrics_settings_from_toml_and_flags() -> None:
     assert (flags.metrics_port, flags.metrics_address) == (0, "0.0.0.0")
 
 
-def test_a_node_without_a_metrics_port_runs_without_prometheus_client(ipc_dir: Path) -> None:
-    """Engine environments install kvcr without its dependencies: nothing may import
-    prometheus_client unless a metrics port is set, and then the error names the setting."""
+def test_a_node_serves_metrics_without_prometheus_client(ipc_dir: Path) -> None:
+    """Engine environments install kvcr without its dependencies: the node imports no metrics
+    package, with or without a metrics port (the exporter writes the text format itself)."""
     script = f"""
-import sys
+import sys, urllib.request
 sys.modules["prometheus_client"] = None  # any import of it fails
 from kvcr_node.config import NodeConfig
 from kvcr_node.node import Node
 node = Node(NodeConfig(endpoint="ipc://{ipc_dir}/bare.sock", log_level="WARNING"))
 node.request_stop()
 node.run()
-try:
-    Node(NodeConfig(endpoint="ipc://{ipc_dir}/bare2.sock", metrics_port=0))
-except ImportError as exc:
-    print("refused:", exc)
+node = Node(NodeConfig(endpoint="ipc://{ipc_dir}/bare2.sock", log_level="WARNING", metrics_port=0))
+with urllib.request.urlopen(f"http://127.0.0.1:{{node.metrics_port}}/metrics", timeout=10) as reply:
+    print("served:", reply.status, reply.headers["Content-Type"], "kvcr_node_info" in reply.read().decode())
+node.request_stop()
+node.run()
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
-    assert "refused: metrics_port:" in done.stdout, done.stdout
+    assert "served: 200 text/plain; version=0.0.4; charset=utf-8 True" in done.stdout, done.stdout
     assert not list(ipc_dir.glob("bare*.sock"))
 
 
@@ -293,3 +298,118 @@ def test_the_readme_lists_every_metric_served(driver: NodeDriver) -> None:
     assert {"kvcr_node_info", "kvcr_query_hits_total", "kvcr_request_duration_seconds"} <= served
     missing = sorted(name for name in served if f"`{name}`" not in readme)
     assert not missing, f"README's metrics table lacks {missing}"
+
+
+# --------------------------------------------------------------------------- the exporter in process
+
+
+def hostile_snapshot() -> MetricsSnapshot:
+    """Label values with quotes, backslashes and newlines, counters past 2**53, every histogram bucket used."""
+    h = Histogram()
+    for value in (0.00005, 0.0003, 0.002, 0.7, 40.0):
+        h.observe(value)
+    weird = 'we"ird\\p\nool'
+    pools = (PoolSnapshot("kv", "dram", SLOT, SLOTS, 10, 3, 7, 2, 11, 45056, 5, 20480),
+             PoolSnapshot(weird, "hbm:0", 65536, 8, 8, 0, 0, 0, 0, 0, 0, 0))
+    return MetricsSnapshot(
+        node='n"ode\\x\ny', version="1.2.3", incarnation=0xABC123, protocol_version=5, lookups=2**60 + 1, hits=3,
+        pools=pools, objects=7, writing=1, claims=(("handles", 1), ("operations", 2), ("leases", 0)), leases=4,
+        clients=2, peer_sessions=1, operations_pending=3, transfers_inflight=2,
+        latency=tuple((kind, h.frozen()) for kind in ("query", "deposit", "deliver", "fetch")),
+        first_layer=Histogram().frozen(), results=(("deliver", "failed", "NOT_FOUND", 2), ("deposit", "stored", "", 5)),
+        protocol_errors=(("BAD_REQUEST", 3),), links=(("connecting", 0), ("ready", 1), ("down", 2)),
+        uncertain_writes=1, counters=(("auth_refused", 1), ("events_replays", 4), ("uncertain_writes", 2)))
+
+
+def test_the_text_format_keeps_hostile_labels_and_exact_counters() -> None:
+    s = hostile_snapshot()
+    text = render(s).decode()
+    assert f"kvcr_query_lookups_total {2**60 + 1}\n" in text  # an int, not a float that rounds it
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["kvcr_query_lookups"].type == "counter"
+    (info,) = families["kvcr_node_info"].samples
+    assert info.labels == {"node": s.node, "version": "1.2.3", "incarnation": "abc123", "protocol_version": "5"}
+    used = {(x.labels["pool"], x.labels["memory"]): x.value for x in families["kvcr_pool_used_bytes"].samples}
+    assert used == {("kv", "dram"): (SLOTS - 10) * SLOT, (s.pools[1].name, "hbm:0"): 0}
+    buckets = [(x.labels["le"], x.value) for x in families["kvcr_request_duration_seconds"].samples
+               if x.name.endswith("_bucket") and x.labels["operation"] == "query"]
+    assert buckets == [(le, float(n)) for le, n in s.latency[0][1].cumulative()]
+    failures = [(x.labels, x.value) for x in families["kvcr_operation_failures"].samples]
+    assert failures == [({"operation": "deliver", "code": "NOT_FOUND"}, 2)]
+    assert all(f.documentation for f in families.values())
+
+
+def test_the_text_is_rendered_once_per_snapshot(ipc_dir: Path) -> None:
+    """The same bytes for every scrape of one snapshot; a new snapshot's at its first scrape."""
+    first = hostile_snapshot()
+    latest: list[MetricsSnapshot] = [first]
+    exporter = MetricsExporter("127.0.0.1", 0, lambda: latest[0])
+    try:
+        assert exporter.body().startswith(render(first))
+        cached = exporter._text
+        assert exporter.body().startswith(render(first)) and exporter._text is cached
+        latest[0] = second = dataclasses.replace(first, hits=99)
+        assert b"kvcr_query_hits_total 99\n" in exporter.body() and exporter._text is not cached
+        assert exporter._snapshot is second
+    finally:
+        exporter.close()
+
+
+def test_a_head_sent_in_too_many_pieces_is_dropped(ipc_dir: Path) -> None:
+    exporter = MetricsExporter("127.0.0.1", 0, hostile_snapshot)
+    try:
+        with socket.create_connection(("127.0.0.1", exporter.port), timeout=5) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+            def reads() -> int:
+                conns = list(exporter.conns.values())
+                return conns[0].reads if conns else -1
+
+            for i in range(READS_PER_CONNECTION):
+                sock.sendall(b"G")
+                assert wait_until(lambda i=i: reads() == i + 1, 5), (i, reads())  # one read per byte
+            sock.sendall(b"E")
+            assert sock.recv(4096) == b""  # closed unanswered
+        assert wait_until(lambda: not exporter.conns, 5)
+        assert exporter.dropped == {Dropped.LIMIT: 0, Dropped.TIMEOUT: 0, Dropped.TRICKLE: 1}
+    finally:
+        exporter.close()
+
+
+def test_the_accept_rate_is_a_token_bucket() -> None:
+    now = [100.0]
+    bucket = TokenBucket(rate=8.0, burst=3, clock=lambda: now[0])  # times exact in binary
+    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
+    assert bucket.next_at() == 100.125
+    now[0] += 0.0625
+    assert not bucket.take()
+    now[0] += 0.0625
+    assert bucket.take() and not bucket.take()
+    now[0] += 60  # idle for long: a burst again, never more
+    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
+    bucket.give_back()
+    assert bucket.take() and not bucket.take()
+
+
+@pytest.mark.parametrize(("head", "parsed"), [
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", ("GET", "/metrics", "HTTP/1.1")),
+    (b"GET /metrics?name[]=x HTTP/1.0\n\n", ("GET", "/metrics", "HTTP/1.0")),
+    (b"GET /metrics HTTP/2\r\n\r\n", None), (b"GET /metrics\r\n\r\n", None), (b"GET  /metrics HTTP/1.1\r\n\r\n", None),
+    (b"G\xc3\xa9T /metrics HTTP/1.1\r\n\r\n", None), (b"\r\n\r\n", None),
+])
+def test_request_lines(head: bytes, parsed: tuple[str, str, str] | None) -> None:
+    assert request_line(head) == parsed
+
+
+@pytest.mark.parametrize("value", [0, -1, "16", True, 1.5])
+def test_a_bad_connection_limit_names_its_field(value: Any) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_mapping({"metrics_max_connections": value})
+    assert err.value.field == "metrics_max_connections"
+
+
+def test_the_connection_limit_from_toml_and_flags() -> None:
+    assert NodeConfig().metrics_max_connections == 16
+    assert from_mapping({"metrics_max_connections": 4}).metrics_max_connections == 4
+    flags = build_config(_parser().parse_args(["--metrics-port", "0", "--metrics-max-connections", "2"]))
+    assert flags.metrics_max_connections == 2
