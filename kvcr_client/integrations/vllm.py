@@ -39,6 +39,8 @@ scheduler process (``KVConnectorRole.SCHEDULER``) and once in each worker proces
 (``kvcr_client.integrations.vllm_scheduler``) or ``KvcrWorker`` (``.vllm_worker``); it
 forwards each call to that side. The two share no state, only what vLLM passes between them
 (``KvcrConnectorMetadata``) and the stats type (``kvcr_client.integrations.vllm_common``).
+What a test needs of a worker (each block's bytes, to prove them equal) it gets through a
+``BlockObserver`` that ``extra_config["block_observer"]`` names (``.vllm_worker``).
 
 Counts go through vLLM's own stats path: each connector instance (scheduler and workers)
 counts in a ``KvcrConnectorStats`` that ``get_kv_connector_stats`` hands over (and starts
