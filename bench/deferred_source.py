@@ -1,10 +1,11 @@
-"""``kvcr-node`` whose source side submits peer writes a loop turn late (measurement only).
+"""``kvcr-node`` whose source side submits peer writes late (measurement only).
 
 The product submits a peer write's READY keys in the turn that decoded the request
 (architecture §4). To measure what that saves, ``bench/remote.py`` starts one source node
-through this launcher, which sets ``kvcr_node.source.SUBMIT_WRITES_NEXT_TURN`` in its own
-process and then runs the node exactly as ``kvcr-node`` does (same flags). Nothing else
-sets the hook.
+through this launcher: ``DeferredSourceNode`` hands the node a ``source_submit`` hook that
+holds each submission, and runs what it holds at the end of the loop turn, after the
+turn's timed steps, as a second queue would. It runs the node exactly as ``kvcr-node`` does
+(same flags). Nothing in the product holds a write.
 
 Run: ``python bench/deferred_source.py --endpoint ipc:///tmp/x.sock --pool kv:64KiB:64``.
 """
@@ -12,10 +13,28 @@ Run: ``python bench/deferred_source.py --endpoint ipc:///tmp/x.sock --pool kv:64
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
-import kvcr_node.source
 from kvcr_node.cli import main
+from kvcr_node.config import NodeConfig
+from kvcr_node.node import Node
+
+
+class DeferredSourceNode(Node):
+    """A node that submits its source side's READY writes at the end of the turn that decoded them."""
+
+    def __init__(self, config: NodeConfig, **kwargs: Any) -> None:
+        self.held: list[Callable[[], None]] = []
+        """Submissions decoded this turn, not made yet."""
+        super().__init__(config, source_submit=self.held.append, **kwargs)
+
+    def _turn(self, events: dict[Any, int], filling: bool) -> None:
+        super()._turn(events, filling)
+        while self.held:
+            # A submission that fails is logged and counted like any step of the loop.
+            self._guarded("deferred write", self.held.pop(0))
+
 
 if __name__ == "__main__":
-    kvcr_node.source.SUBMIT_WRITES_NEXT_TURN = True
-    sys.exit(main())
+    sys.exit(main(node_class=DeferredSourceNode))

@@ -10,7 +10,7 @@ Measured in one run:
 2. remote deliver throughput (1024 spans of 64 KiB, 64 MiB) against raw NIXL WRITE of
    the same descriptors;
 3. inline against deferred submission on the source (first layer; a source node started
-   through ``deferred_source.py``, which submits peer writes a loop turn late).
+   through ``deferred_source.py``, which submits peer writes late in the turn).
 
 Run: ``python bench/remote.py`` (under a minute); ``--json`` adds one line with
 ``ttfl_ratio``, ``first_layer_fraction`` and ``remote_deliver_ratio``. Ratios matter, not

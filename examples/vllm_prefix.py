@@ -21,6 +21,9 @@ leased, and vLLM recomputes them (``kv_load_failure_policy="recompute"``).
 ``--connector module.Class`` loads a subclass of the connector instead (the tests load one
 that kills the source node after its lease), ``--extra JSON`` adds to its extra config.
 
+Each block's bytes in vLLM's cache are hashed as saved and as loaded by the connector's
+block observer, ``vllm_digests.BlockDigests`` (beside this file), named in its extra config.
+
 The counts reported are vLLM's own: the connectors' ``KvcrConnectorStats``, aggregated by
 vLLM each step and read back from its Prometheus counters (``LLM.get_metrics``).
 
@@ -46,6 +49,7 @@ from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 from vllm.inputs import TokensPrompt
 from vllm.v1.metrics.reader import Counter
+from vllm_digests import BlockDigests
 
 from kvcr_client.integrations import vllm as kvcr_vllm
 
@@ -68,8 +72,8 @@ def engine(node: str, source: str | None, layers: int, max_batched_tokens: int, 
     folder = Path(tempfile.mkdtemp(prefix="kvcr-tiny-llama-"))
     (folder / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": layers}))
     # The model's folder differs per process: both engines name the model the same way.
-    extra: dict[str, Any] = {"endpoint": node, "pool": "kv", "verify": True, "model_id": "kvcr-tiny-llama-dummy",
-                             **more}
+    extra: dict[str, Any] = {"endpoint": node, "pool": "kv", "block_observer": "vllm_digests:BlockDigests",
+                             "model_id": "kvcr-tiny-llama-dummy", **more}
     module, _, name = connector.rpartition(".")
     if source:
         extra["source"] = source
@@ -122,7 +126,7 @@ def main() -> int:
         first = generate(llm, tokens)
         report["first"] = first
         report["saved"] = counts(llm)
-        first["digests"] = dict(kvcr_vllm.DIGESTS["saved"])
+        first["digests"] = dict(BlockDigests.saved_digests)
         Path(args.out).write_text(json.dumps(first))
     if args.role in ("both", "load"):
         before = counts(llm)
@@ -131,7 +135,7 @@ def main() -> int:
         report["second"] = second
         report["same_tokens"] = second["tokens"] == reference["tokens"]
         report["same_logprobs"] = second["logprobs"] == reference["logprobs"]
-        loaded = kvcr_vllm.DIGESTS["loaded"]
+        loaded = BlockDigests.loaded_digests
         report["blocks_verified"] = sorted(loaded) == sorted(reference["digests"]) and all(
             loaded[k] == reference["digests"][k] for k in loaded)
         # Loaded blocks whose bytes are those the reference computed (some may have failed).

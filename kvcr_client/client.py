@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, cast, overload
+from typing import Any, ClassVar, cast, overload
 
 from kvcr_client.buffers import BufferError, describe
 from kvcr_client.core import ClientCore
@@ -288,6 +288,8 @@ class _Base:
 
     core: ClientCore
     _regions: dict[int, RegionHandle]
+    core_class: ClassVar[type[ClientCore]] = ClientCore
+    """The session core a client runs on; a subclass may name a subclass of it (tests do, to lose notifications)."""
 
     def _init(
         self, endpoint: str, name: str | None, max_version: int, curve: CurveKeys | None = None,
@@ -303,7 +305,7 @@ class _Base:
         if curve is not None:
             keys = (_z85(curve.server_public, "curve.server_public"), _z85(curve.public, "curve.public"),
                     _z85(curve.secret, "curve.secret"))
-        self.core = ClientCore(endpoint, name, max_version, curve=keys)
+        self.core = self.core_class(endpoint, name, max_version, curve=keys)
         self._regions = {}
         self._use_lock = threading.Lock()
         """Guards ``RegionHandle.users`` (a leaf lock: taken with or without the core's I/O lock)."""

@@ -8,12 +8,15 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcr_io import package_version
 from kvcr_io.endpoints import default_endpoint
 from kvcr_node.config import ConfigError, NodeConfig, load_toml, pool_from_flag
 from kvcr_node.logs import configure as configure_logs
+
+if TYPE_CHECKING:
+    from kvcr_node.node import Node
 
 SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("name", str, "node name shown to clients and peers"),
@@ -84,8 +87,9 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
     return dataclasses.replace(config, **changes).validated()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``kvcr-node``."""
+def main(argv: list[str] | None = None, node_class: type[Node] | None = None) -> int:
+    """Entry point of ``kvcr-node``; ``node_class`` runs a subclass of ``Node`` instead (a
+    benchmark's, ``bench/deferred_source.py``), with the same flags."""
     args = _parser().parse_args(argv)
     try:
         config = build_config(args)
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvcr_node.node import Node
 
     try:
-        node = Node(config)
+        node = (node_class or Node)(config)
     except (GpuUnavailable, ImportError, ValueError) as exc:
         print(f"kvcr-node: error: {exc}", file=sys.stderr)
         return 2

@@ -52,7 +52,7 @@ from kvcr_node.ops.query import Queries
 from kvcr_node.outbox import Outbox
 from kvcr_node.router import Router
 from kvcr_node.sessions import Sessions
-from kvcr_node.source import Source
+from kvcr_node.source import Source, SubmitWrite
 from kvcr_node.stats import Stats
 from kvcr_node.store import Store
 from kvcr_node.target import Target
@@ -73,11 +73,14 @@ class Node:
     """A kvcr node. ``run()`` is the progress loop; ``request_stop()`` ends it cleanly."""
 
     def __init__(
-        self, config: NodeConfig, context: zmq.Context[Any] | None = None, clock: Callable[[], float] = time.monotonic
+        self, config: NodeConfig, context: zmq.Context[Any] | None = None, clock: Callable[[], float] = time.monotonic,
+        *, source_submit: SubmitWrite | None = None,
     ) -> None:
         self.config = config.validated()
         self.clock = clock
         """Protocol time (deadlines, liveness, links); tests pass a fake one. Shutdown waits in real time."""
+        self._source_submit = source_submit
+        """Where the source side's READY writes are submitted when not at once (measurement only: ``Source``)."""
         self.versions = supported_up_to(config.protocol_version)
         self.incarnation = secrets.randbits(63) | 1
         self.store = Store(config.pools, make_policy(config.policy), config.low_watermark)
@@ -195,6 +198,7 @@ class Node:
         self.source = Source(
             config, self.sessions, self.operations, self.deliveries, self.remote_agents, self.outbox, self.counters,
             self.protocol_errors, self.versions, self.incarnation, self.agent.name, self.agent.metadata,
+            submit_write=self._source_submit,
         )
         self.stats = Stats(
             config, self.incarnation, self.versions, self.store, self.sessions, self.operations, self.target, self.leases,
@@ -280,9 +284,6 @@ class Node:
                 link = self.links.socks.get(sock)
                 if link is not None:  # an earlier step may have closed it
                     self._guarded("peer link", functools.partial(self.links.drain, link))
-        if self.source.next_turn:
-            for submit in self.source.submit_held():
-                self._guarded("deferred write", submit)
         if filling:
             # A source is writing into our pools (a fetch): our agent is the
             # target of that transfer and needs progress too (architecture §6).
@@ -316,7 +317,7 @@ class Node:
 
     def _wait_events(self, pacer: Pacer, filling: bool) -> dict[Any, int]:
         """Poll the sockets: at once while transfers run, else until the next timer."""
-        if self.transfers.inflight or self.source.next_turn or filling:
+        if self.transfers.inflight or filling:
             events = dict(self._poller.poll(0))
             if not events:
                 # In flight: spin briefly, then poll NIXL at a short, bounded interval.

@@ -45,11 +45,11 @@ from kvcr_protocol.versions import LEASES_VERSION
 
 log = logging.getLogger("kvcr.node")
 
-SUBMIT_WRITES_NEXT_TURN = False
-"""Measurement hook, never set by the product: a node whose process sets it submits a peer
-write's READY keys a loop turn after decoding the request, as a second queue would, instead
-of in the decoding turn. Only ``bench/deferred_source.py`` sets it, in a node it starts
-itself, to compare the two (``bench/remote.py``)."""
+SubmitWrite = Callable[[Callable[[], None]], None]
+"""Where a peer write's submission goes when it is not made at once: handed the call that
+claims the READY keys and submits the WRITE, it runs it when it chooses. The product has
+none (architecture §4: submitted in the turn that decoded the request); a measurement
+passes one to ``Node`` (``bench/deferred_source.py`` holds it to the end of the turn)."""
 
 
 class Source:
@@ -59,7 +59,7 @@ class Source:
         self, config: NodeConfig, sessions: Sessions, operations: Operations, deliveries: Deliveries,
         agents: RemoteAgents, outbox: Outbox, counters: collections.Counter[str],
         protocol_errors: collections.Counter[str], versions: Sequence[int], incarnation: int,
-        agent_name: str, metadata: Callable[[], bytes],
+        agent_name: str, metadata: Callable[[], bytes], *, submit_write: SubmitWrite | None = None,
     ) -> None:
         self.config = config
         self.sessions = sessions
@@ -74,8 +74,8 @@ class Source:
         self.agent_name = agent_name
         self.metadata = metadata
         """Our agent's NIXL metadata (sent in ``peer_welcome``)."""
-        self.next_turn: list[Callable[[], None]] = []
-        """Submissions held for the next loop turn (only with ``SUBMIT_WRITES_NEXT_TURN``)."""
+        self.submit_write = submit_write
+        """Given each READY write's submission instead of making it at once (measurement only)."""
 
     def on_peer_hello(self, identity: bytes, msg: PeerHello) -> None:
         try:
@@ -170,19 +170,14 @@ class Source:
         op.resume = resume
         # A source never forwards: request_id None names no hint.
         ready, _ = self.operations.sort_items(op, wanted.keys, None)
-        if ready and SUBMIT_WRITES_NEXT_TURN:
+        if ready and self.submit_write is not None:
             self.counters["writes_deferred"] += 1
-            self.next_turn.append(lambda: self.deliveries.deliver_ready(ready, op, wanted))
+            self.submit_write(lambda: self.deliveries.deliver_ready(ready, op, wanted))
             return
         if ready:
             # architecture §4: claims taken and the WRITE submitted in the turn that decoded the request.
             self.counters["writes_inline"] += 1
         self.deliveries.deliver_ready(ready, op, wanted)
-
-    def submit_held(self) -> list[Callable[[], None]]:
-        """The submissions held for this turn (the loop runs each, guarded)."""
-        held, self.next_turn = self.next_turn, []
-        return held
 
     def write_settled(self, peer: PeerSession, op: Operation, results: tuple[KeyResult, ...]) -> None:
         """A write is over here: remember it for probes, and answer ``write_done`` while the session lasts."""

@@ -30,6 +30,7 @@ from kvcr_client import (
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, StoredObject
 from kvcr_testing.nodes import frozen
+from kvcr_testing.notifications import LossyClient
 from kvcr_testing.patterns import KiB, assert_bytes_equal
 
 SLOT = 16 * KiB
@@ -63,9 +64,9 @@ def check_groups_in_order(s: StoredObject, handle: DeliverHandle) -> None:
 @pytest.mark.parametrize("drop", [False, True], ids=["notified", "notifications-lost"])
 def test_groups_complete_in_order_locally(node_factory: Callable[..., Any], drop: bool) -> None:
     node = node_factory(*NODE_ARGS)
-    with Client(node.endpoint, name="plans") as client:
+    with LossyClient(node.endpoint, name="plans") as client:
         assert client.core.version >= 3  # plans and notifications
-        client.core.drop_notifications = drop
+        client.core.losing = drop
         reg = Registrar(client)
         s = StoredObject(client, reg, b"plan/obj", LAYOUT, 31)
         before = slot_accounting(stats(client))

@@ -141,8 +141,8 @@ def main() -> int:
     sched = scheduler(endpoint)
     connector = sched.connector
     assert isinstance(connector, KvcrConnector), type(connector)
-    loaded_keys = block_keys(LOADED_PROMPT, BLOCK, connector.salt)
-    chunked_keys = block_keys(CHUNKED_PROMPT, BLOCK, connector.salt)
+    loaded_keys = block_keys(LOADED_PROMPT, BLOCK, connector.connector_scheduler.settings.salt)
+    chunked_keys = block_keys(CHUNKED_PROMPT, BLOCK, connector.connector_scheduler.settings.salt)
     deposit_blocks(endpoint, loaded_keys[:2])
     prompts = {"loaded": LOADED_PROMPT, "chunked": CHUNKED_PROMPT}
     report: dict[str, Any] = {"loaded_keys": [k.hex() for k in loaded_keys],

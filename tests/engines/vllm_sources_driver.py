@@ -43,7 +43,7 @@ from vllm_scheduler_driver import BLOCK, LAYERS, NUM_BLOCKS, SLOT, scheduler, st
 
 from kvcr_client import Client, Span
 from kvcr_client.integrations.blocks import block_keys
-from kvcr_client.integrations.vllm import KvcrConnector, KvcrConnectorMetadata, _Load
+from kvcr_client.integrations.vllm import BlockLoad, KvcrConnector, KvcrConnectorMetadata
 
 PROMPT_TOKENS = 100
 """Three full blocks of 32 beyond the token that is always computed: 96 tokens to match."""
@@ -185,7 +185,7 @@ def main_run(a: str, b: str, c: str, folder: Path) -> tuple[dict[str, Any], Sche
     sched = scheduler(a, {**MAIN_EXTRA, "allowed_sources": [b]})
     connector = sched.connector
     assert isinstance(connector, KvcrConnector)
-    salt = connector.salt
+    salt = connector.connector_scheduler.settings.salt
     bad = hostile(silent_ipc, port, c)
     requests: dict[str, tuple[str, list[int], Any]] = {}
     for i, (label, params) in enumerate(bad.items()):
@@ -213,12 +213,12 @@ def frozen_run(a: str, folder: Path) -> dict[str, Any]:
     sched = scheduler(a, {"allowed_sources": [endpoint], "lookup_timeout_s": FROZEN_TIMEOUT_S})
     connector = sched.connector
     assert isinstance(connector, KvcrConnector)
-    deposit(a, block_keys(prompt(90)[:-1], BLOCK, connector.salt))
+    deposit(a, block_keys(prompt(90)[:-1], BLOCK, connector.connector_scheduler.settings.salt))
     report = drive(sched, {"frozen": ("frozen", prompt(91), {"kvcr_endpoint": endpoint}),
                            "innocent": ("innocent", prompt(90), None)})
     report["endpoint"] = endpoint
-    report["lookup_timeout_s"] = connector.lookup_timeout_s
-    report["lookup_wait_s"] = connector.lookup_wait_s
+    report["lookup_timeout_s"] = connector.connector_scheduler.settings.lookup_timeout_s
+    report["lookup_wait_s"] = connector.connector_scheduler.settings.lookup_wait_s
     sched.shutdown()
     report["frozen_connections"] = connections(frozen)
     return report
@@ -234,14 +234,14 @@ def worker_run(sched: Scheduler, b: str, c: str, folder: Path) -> dict[str, Any]
     # [blocks, ...]: a block's K and V together, one span of one slot per layer.
     caches = {name: torch.zeros(NUM_BLOCKS, 2, BLOCK, 2, 32, dtype=torch.float32) for name in layers}
     worker.register_kv_caches(caches)
-    keys = block_keys(prompt(50)[:-1], BLOCK, connector.salt)
+    keys = block_keys(prompt(50)[:-1], BLOCK, connector.connector_scheduler.settings.salt)
     deposit(b, keys)
     loads = [
-        _Load("w-url", keys, [1, 2, 3], "http://127.0.0.1/"),
-        _Load("w-silent", keys, [4, 5, 6], f"tcp://127.0.0.1:{silent.getsockname()[1]}"),
-        _Load("w-other", keys, [7, 8, 9], c),
-        _Load("w-mismatch", keys, [10], None),
-        _Load("w-ok", keys, [20, 21, 22], b, "w-ok"),
+        BlockLoad("w-url", keys, [1, 2, 3], "http://127.0.0.1/"),
+        BlockLoad("w-silent", keys, [4, 5, 6], f"tcp://127.0.0.1:{silent.getsockname()[1]}"),
+        BlockLoad("w-other", keys, [7, 8, 9], c),
+        BlockLoad("w-mismatch", keys, [10], None),
+        BlockLoad("w-ok", keys, [20, 21, 22], b, "w-ok"),
     ]
     worker.bind_connector_metadata(KvcrConnectorMetadata(loads=loads))
     worker.start_load_kv(None)

@@ -17,6 +17,7 @@ from kvcr_client import ErrorCode, GroupFailed, GroupState
 from kvcr_testing.health import counter
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
 from kvcr_testing.nodes import frozen
+from kvcr_testing.notifications import LossyClient
 from kvcr_testing.patterns import assert_bytes_equal
 from kvcr_testing.remote import FAILED, OK, Dest, expect, poll_stats, warm_link
 
@@ -28,10 +29,11 @@ SLACK_S = 3.0
 
 @pytest.mark.parametrize("drop", [False, True], ids=["notified", "notifications-lost"])
 def test_groups_land_in_order_across_nodes(sites: Any, drop: bool) -> None:
-    a, b = sites.start("a", "b")
+    a, b = sites.start(("a", {"client_class": LossyClient}), "b")
     src = b.deposit(b"k", LAYOUT, seed=1)
     warm_link(a, b, b"k", LAYOUT, src, "r")
-    a.client.core.drop_notifications = drop
+    assert isinstance(a.client, LossyClient)
+    a.client.core.losing = drop
     for key_count in (1, 2):
         # Two keys: one block of two rows, cut out and forwarded as they came.
         keys = [b"k"] if key_count == 1 else [b"k", b"k2"]

@@ -22,6 +22,7 @@ import numpy as np
 from kvcr_io.agent import Agent
 from kvcr_node.config import NodeConfig
 from kvcr_node.node import Node
+from kvcr_node.source import SubmitWrite
 from kvcr_protocol import CURRENT_VERSION, Hello, MemoryKind, Message, Region, Welcome, decode, encode
 
 START_TIMEOUT_S = 30.0
@@ -260,10 +261,13 @@ class NodeDriver:
 
 
 @contextmanager
-def node_driver(config: NodeConfig, clock: FakeClock | None = None) -> Iterator[NodeDriver]:
-    """A ``NodeDriver`` over a node built from ``config``; shut down (without its loop) on exit."""
+def node_driver(
+    config: NodeConfig, clock: FakeClock | None = None, source_submit: SubmitWrite | None = None
+) -> Iterator[NodeDriver]:
+    """A ``NodeDriver`` over a node built from ``config`` (``source_submit``: the node's hook for
+    peer writes' submissions); shut down (without its loop) on exit."""
     clock = clock or FakeClock()
-    node = Node(config, clock=clock)
+    node = Node(config, clock=clock, source_submit=source_submit)
     try:
         yield NodeDriver(node, clock)
     finally:

@@ -72,8 +72,8 @@ class Site:
             self.client.close()
 
 
-def open_site(node: Any, name: str, max_version: int = CURRENT_VERSION) -> Site:
-    client = Client(node.endpoint, name=name, max_version=max_version)
+def open_site(node: Any, name: str, max_version: int = CURRENT_VERSION, client_class: type[Client] = Client) -> Site:
+    client = client_class(node.endpoint, name=name, max_version=max_version)
     return Site(node, client, Registrar(client))
 
 
@@ -119,13 +119,14 @@ class Sites:
     def start(self, *specs: str | tuple[str, dict[str, Any]]) -> list[Site]:
         """Several sites at once (node and client start-ups overlap).
 
-        A spec is a name, or ``(name, {"pools": ..., "args": ..., "client_version": ...})``.
+        A spec is a name, or ``(name, {"pools": ..., "args": ..., "client_version": ...,
+        "client_class": ...})``.
         """
         named = [(spec, {}) if isinstance(spec, str) else spec for spec in specs]
 
         def one(name: str, kw: dict[str, Any]) -> Site:
             node = self.node_factory(*kw.get("pools", POOLS), *kw.get("args", ()))
-            return open_site(node, name, kw.get("client_version", CURRENT_VERSION))
+            return open_site(node, name, kw.get("client_version", CURRENT_VERSION), kw.get("client_class", Client))
 
         with ThreadPoolExecutor(len(named)) as pool:
             futures = [pool.submit(one, name, kw) for name, kw in named]

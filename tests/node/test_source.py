@@ -8,7 +8,7 @@ own buffers, compared byte for byte.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,6 @@ import msgpack
 import numpy as np
 import pytest
 
-import kvcr_node.source
 from kvcr_io.agent import TransferError
 from kvcr_node.config import NodeConfig
 from kvcr_node.poolspec import PoolSpec
@@ -202,22 +201,23 @@ def store_object(d: NodeDriver, client: ClientAgent) -> np.ndarray:
 
 @pytest.mark.parametrize("next_turn", [False, True], ids=["inline", "next-turn"])
 def test_a_write_lands_every_byte_in_the_client_memory(
-    ipc_dir: Path, target: ClientAgent, client: ClientAgent, monkeypatch: pytest.MonkeyPatch, next_turn: bool
+    ipc_dir: Path, target: ClientAgent, client: ClientAgent, next_turn: bool
 ) -> None:
     """A READY object is claimed and written in the turn that decoded the request; with the
-    benchmark's hook set, a turn later (bench/deferred_source.py). The same bytes land."""
-    monkeypatch.setattr(kvcr_node.source, "SUBMIT_WRITES_NEXT_TURN", next_turn)
+    benchmark's hook given to the node, when the hook runs it (bench/deferred_source.py: at
+    the end of the turn). The same bytes land."""
+    held: list[Callable[[], None]] = []
     dst = client.buffers[1]
     dst[:] = 0
-    with node_driver(config(ipc_dir)) as d:
+    with node_driver(config(ipc_dir), source_submit=held.append if next_turn else None) as d:
         src = store_object(d, client)
         peer_hello(d, b"p", target)
         announce(d, b"p", client, 2)
         replies = d.receive(b"p", write(3, client.name))
         if next_turn:
             assert replies == [] and d.stats()["transfers"]["in_flight"] == 0
-            for submit in d.node.source.submit_held():
-                submit()
+            assert len(held) == 1
+            held.pop()()
             replies = d.sent(b"p")
         d.finish_transfers(client)
         done = only(replies + d.sent(b"p"), WriteDone)

@@ -1,0 +1,213 @@
+"""vLLM: what the connector's scheduler side and worker side have in common.
+
+The two sides run in different processes (vLLM's scheduler in the engine core, each
+worker in its own), so they share no state: only the ``KvcrConnectorMetadata`` vLLM hands
+from the scheduler to the workers every step, the ``KvcrConnectorStats`` each side counts
+in (vLLM aggregates them), and the settings both read from the same
+``kv_connector_extra_config`` (``Settings``, checked alike on either side).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from kvcr_client.integrations.sources import SourcePolicy
+from kvcr_protocol import DEFAULT_LIMITS
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+LOAD_TIMEOUT_S = 30.0
+"""Default deadline of a step's load (``extra_config["load_timeout_s"]``): past it the node
+fails the blocks not delivered, and vLLM recomputes them."""
+LOAD_TIMEOUT_MAX_S = 3600.0
+"""The largest ``load_timeout_s`` accepted."""
+LOOKUP_TIMEOUT_S = 0.2
+"""Default ``extra_config["lookup_timeout_s"]``: the longest a request's lookup (its hint and
+lease, through its source's dial) may take; past it the request is a miss. Meanwhile vLLM's
+scheduler is answered "not yet" and schedules the others."""
+LOOKUP_WAIT_S = 0.02
+"""Default ``extra_config["lookup_wait_s"]``: the longest one scheduler call waits for a lookup
+it has just started (a lease at the engine's own node is answered well within it)."""
+LOOKUP_TIMEOUT_MAX_S = 60.0
+"""The largest ``lookup_timeout_s`` accepted."""
+
+COUNTERS: dict[str, str] = {
+    "leases": "Leases that held at least one block beyond what vLLM had computed (scheduler).",
+    "matched_tokens": "Prompt tokens the leases let vLLM skip computing (scheduler).",
+    "loads": "Delivers started, one per request with blocks to load in a step (worker).",
+    "layer_waits": "Waits for a layer's group of blocks before its attention (worker).",
+    "blocks_loaded": "Blocks that landed in vLLM's KV cache, every layer (worker).",
+    "load_errors": "Layer groups or delivers that failed (worker).",
+    "blocks_failed": "Block ids reported to vLLM as failed to load, to be recomputed (worker).",
+    "saves": "Deposits issued, one per step that computed blocks to save (worker).",
+    "blocks_saved": "Blocks stored in the node (worker).",
+    "save_errors": "Deposits that failed as a whole (worker).",
+    "sources_refused": "Requests whose kv_transfer_params named a source that is not allowed, or no endpoint: "
+                       "looked up without it, nothing dialled (scheduler); loads naming one (worker).",
+    "lookups_timed_out": "Lookups not answered within lookup_timeout_s: a miss (scheduler).",
+    "lookup_errors": "Lookups that failed (the node refused or was lost, the request could not be looked up): "
+                     "a miss (scheduler).",
+}
+"""What a connector counts: name -> what it means."""
+
+
+@dataclass
+class KvcrConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """One connector's counts (``COUNTERS``) since it last handed them over: plain ints in
+    ``data``, so that they cross from worker to scheduler to logger as they are."""
+
+    def __post_init__(self) -> None:
+        for name in COUNTERS:
+            self.data.setdefault(name, 0)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(COUNTERS, 0)
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.data[name] += n
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Sum ``other`` into this one (workers, scheduler and intervals alike)."""
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + int(value)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: int(value) for name, value in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvcrPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """The counts as Prometheus counters ``vllm:kvcr_<name>_total``, one child per engine."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            name: create_metric_per_engine(self._counter_cls(name=f"vllm:kvcr_{name}", documentation=doc,
+                                                             labelnames=labelnames), per_engine_labelvalues)
+            for name, doc in COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if name in self.counters and value:
+                self.counters[name][engine_idx].inc(value)
+
+
+class Counts:
+    """A side's ``KvcrConnectorStats`` since vLLM last took them (vLLM may ask from another thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = KvcrConnectorStats()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats.add(name, n)
+
+    def take(self) -> KvcrConnectorStats | None:
+        """The counts since the last call (None if there are none), then afresh."""
+        with self._lock:
+            stats, self._stats = self._stats, KvcrConnectorStats()
+        return None if stats.is_empty() else stats
+
+
+@dataclass
+class BlockLoad:
+    """A request's blocks to load (or to save) in a step: keys and the vLLM block ids they fill."""
+
+    request_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    source: str | None = None
+    """The node that holds the blocks when it is not ours (the worker hints it in its own session):
+    one the operator allowed, as the operator spelled it."""
+    hint_id: str | None = None
+    """The request id the hint goes under (``hint_id``: vLLM's, or a digest of one the protocol cannot carry)."""
+
+
+@dataclass
+class KvcrConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the workers do this step: blocks to load (before the forward) and to save (after)."""
+
+    loads: list[BlockLoad] = field(default_factory=list)
+    saves: list[BlockLoad] = field(default_factory=list)
+
+
+def hint_id(request_id: object) -> str:
+    """The id a request's hint goes under: vLLM's request id where the protocol can carry it
+    (printable, at most ``max_text`` bytes; an API server may take it from a request header),
+    else a digest of it, so that no request id can make a hint fail."""
+    text = str(request_id)
+    if text and text.isprintable() and len(text) <= DEFAULT_LIMITS.max_text // 4:
+        return text
+    return "kvcr-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def brief(exc: BaseException) -> str:
+    """An error for a log line, cut short (it may quote what a request carried)."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _seconds(extra: dict[str, Any], name: str, default: float, most: float, *, zero: bool = False) -> float:
+    """``extra[name]``, a number of seconds in (0, ``most``] (or [0, ``most``] with ``zero``); a
+    clear error naming the key otherwise."""
+    value = extra.get(name, default)
+    low = "[0" if zero else "(0"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            (0 <= value if zero else 0 < value) and value <= most):
+        raise ValueError(f"KvcrConnector: kv_connector_extra_config[{name!r}] must be seconds in {low}, {most:g}], "
+                         f"not {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The connector's settings, from ``kv_connector_extra_config`` and vLLM's config (``read``)."""
+
+    extra: dict[str, Any]
+    """The extra config itself (a side may read a key of its own, a subclass one of its own)."""
+    endpoint: str
+    source: str | None
+    """The endpoint of another node that may hold the blocks (a hint per request)."""
+    sources: SourcePolicy
+    """What a request's ``kv_transfer_params`` may name: this node, ``source``, ``allowed_sources``."""
+    pool: str
+    load_timeout_s: float
+    lookup_timeout_s: float
+    lookup_wait_s: float
+    block_size: int
+    salt: bytes
+    """What block keys are salted with: the model (engines that share blocks must agree on it:
+    its id, or its path), its dtype and the block size."""
+
+    @classmethod
+    def read(cls, vllm_config: VllmConfig) -> Settings:
+        """Check and read the settings; a clear error naming the key for a bad one."""
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        if "endpoint" not in extra:
+            raise ValueError("KvcrConnector needs kv_connector_extra_config['endpoint'], the node's endpoint")
+        endpoint = str(extra["endpoint"])
+        source = None if extra.get("source") is None else str(extra["source"])
+        sources = SourcePolicy(endpoint, source, extra.get("allowed_sources", ()), "KvcrConnector: kv_connector_extra_config")
+        pool = str(extra.get("pool", "kv"))
+        load_timeout_s = _seconds(extra, "load_timeout_s", LOAD_TIMEOUT_S, LOAD_TIMEOUT_MAX_S)
+        lookup_timeout_s = _seconds(extra, "lookup_timeout_s", LOOKUP_TIMEOUT_S, LOOKUP_TIMEOUT_MAX_S)
+        lookup_wait_s = _seconds(extra, "lookup_wait_s", min(LOOKUP_WAIT_S, lookup_timeout_s), lookup_timeout_s, zero=True)
+        block_size = int(vllm_config.cache_config.block_size)
+        model_id = extra.get("model_id") or vllm_config.model_config.model
+        salt = f"{model_id}|{vllm_config.model_config.dtype}|{block_size}".encode()
+        return cls(extra, endpoint, source, sources, pool, load_timeout_s, lookup_timeout_s, lookup_wait_s, block_size,
+                   salt)

@@ -1,0 +1,327 @@
+"""vLLM: the connector's scheduler side (``KvcrScheduler``), in vLLM's scheduler process.
+
+``get_num_new_matched_tokens`` leases the prompt's blocks and counts the leading ones held
+(here, or at the node ``extra_config["source"]`` names, through a hint), so an admitted
+request cannot lose them; ``update_state_after_alloc`` notes where they go;
+``build_connector_meta`` tells the workers what to load and save (``KvcrConnectorMetadata``,
+all that reaches them); ``request_finished`` releases the lease and names this node in
+``kv_transfer_params``. A request that arrives with those params has its blocks looked for
+at the node they name only where the operator allowed it (``SourcePolicy``). The lookup never
+holds the scheduler: its hint and lease are sent without waiting, the call waits
+``lookup_wait_s`` at most, then answers "not yet" (None) until the lease is in, and a miss
+past ``lookup_timeout_s``. No call raises into vLLM: the worst is a miss, counted and logged
+once per cause (``CauseLog``).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvcr_client.client import Client
+from kvcr_client.errors import KvcrError
+from kvcr_client.integrations.blocks import block_keys
+from kvcr_client.integrations.sources import CauseLog, Refusal
+from kvcr_client.integrations.vllm_common import BlockLoad, Counts, KvcrConnectorMetadata, Settings, brief, hint_id
+from kvcr_client.leases import LeaseHandle
+from kvcr_client.results import OpHandle
+from kvcr_protocol import DEFAULT_LIMITS
+
+log = logging.getLogger("kvcr.vllm")
+
+SAVED_MEMORY = 65536
+"""Block keys the scheduler remembers having saved (least recently saved forgotten first): it
+skips saving them again; a forgotten one saved again is answered DUPLICATE by the node."""
+
+
+@dataclass
+class _Saving:
+    """A request whose prompt blocks are being saved, step by step (chunked prefill)."""
+
+    keys: list[bytes]
+    """One key per full block of the prompt."""
+    block_ids: list[int]
+    prompt_tokens: int
+    saved: int = 0
+    """Blocks before this one are saved (or were loaded, or were cached already)."""
+
+
+class _Stage(enum.Enum):
+    """Where a request's lookup is."""
+
+    IN_FLIGHT = "hint and lease sent, no answer yet"
+    LEASED = "the lease answered"
+    MISSED = "a miss for good: timed out, failed or held nothing new"
+    ADMITTED = "vLLM allocated the request's blocks: a later call (a preempted request) looks afresh"
+
+
+@dataclass
+class _Lookup:
+    """One request's lookup on the scheduler side: its hint and lease, sent without waiting."""
+
+    keys: list[bytes]
+    source: str | None
+    hint_id: str | None
+    lease: OpHandle[LeaseHandle] | None
+    started: float
+    stage: _Stage = _Stage.IN_FLIGHT
+    held: LeaseHandle | None = None
+    counted: bool = False
+
+
+class KvcrScheduler:
+    """The scheduler side of ``KvcrConnector``: lookups, leases, and what each step loads and saves."""
+
+    def __init__(self, settings: Settings, kv_cache_config: Any) -> None:
+        self.settings = settings
+        self.counts = Counts()
+        self._causes = CauseLog(log)
+        """Refusals and failures a request can cause are logged once per cause and window, not per request."""
+        self.client = Client(settings.endpoint, name="vllm-scheduler")
+        layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 0
+        self.max_blocks = min(DEFAULT_LIMITS.max_keys, DEFAULT_LIMITS.max_spans // max(1, 2 * layers))
+        """The most blocks a request leases and loads: what one message may carry (two spans a layer)."""
+        self._lookups: dict[str, _Lookup] = {}
+        self._abandoned: list[OpHandle[LeaseHandle]] = []
+        """Leases given up on while in flight: released as they come in (``_sweep``)."""
+        self._keys: dict[str, list[bytes]] = {}
+        self._leases: dict[str, LeaseHandle] = {}
+        self._loads: list[BlockLoad] = []
+        self._saving: dict[str, _Saving] = {}
+        self._saved: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` a lease holds for the request; None ("not yet")
+        while its lookup is in flight, for at most ``lookup_timeout_s``, then a miss. Never
+        raises: whatever the request carries, the worst it gets is a miss."""
+        try:
+            return self._matched(request, num_computed_tokens), False
+        except Exception as exc:
+            # The boundary with vLLM: an exception here would stop its engine.
+            self.counts.add("lookup_errors")
+            self._causes.warn(f"lookup:{type(exc).__name__}", "kvcr: a request could not be looked up (%s): a miss",
+                              brief(exc))
+            lookup = self._lookups.get(getattr(request, "request_id", None))  # type: ignore[arg-type]
+            if lookup is not None:
+                self._give_up(lookup)
+            return 0, False
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> int | None:
+        self._sweep()
+        request_id = request.request_id
+        lookup = self._lookups.get(request_id)
+        wait = 0.0
+        if lookup is None or lookup.stage is _Stage.ADMITTED:
+            tokens = list(request.prompt_token_ids or [])
+            keys = block_keys(tokens[:-1], self.settings.block_size, self.settings.salt)[: self.max_blocks]  # one token is always computed
+            if not keys:
+                return 0
+            if lookup is not None and lookup.hint_id is not None:
+                self.client.discard_hint(lookup.hint_id)
+            lookup = self._start_lookup(request, keys)
+            self._lookups[request_id] = lookup
+            wait = self.settings.lookup_wait_s
+        if lookup.stage is _Stage.IN_FLIGHT:
+            self._poll_lookup(lookup, wait)
+        if lookup.stage is _Stage.IN_FLIGHT:
+            return None
+        if lookup.stage is not _Stage.LEASED or lookup.held is None:
+            return 0
+        lease = lookup.held
+        held = lease.held_prefix() * self.settings.block_size
+        if held <= num_computed_tokens:
+            if lease.id and lease.ended is None:
+                lease.release()  # not waited for: the reply is read in the background
+            lookup.stage, lookup.held = _Stage.MISSED, None
+            return 0
+        old = self._leases.get(request_id)
+        if old is not None and old is not lease and old.ended is None and old.id:
+            old.release()
+        self._leases[request_id] = lease
+        self._keys[request_id] = lookup.keys
+        if not lookup.counted:
+            lookup.counted = True
+            self.counts.add("leases")
+            self.counts.add("matched_tokens", held - num_computed_tokens)
+        return held - num_computed_tokens
+
+    def _start_lookup(self, request: Any, keys: list[bytes]) -> _Lookup:
+        """Send the request's hint (where its source is an allowed one) and lease, waiting for neither:
+        the node reads a session's messages in order, so the lease finds the hint."""
+        verdict = self.settings.sources.judge(getattr(request, "kv_transfer_params", None))
+        if verdict.refused is not None:
+            self._refused(verdict.refused)
+        hinted = hint_id(request.request_id) if verdict.source is not None else None
+        lookup = _Lookup(keys, verdict.source, hinted, None, time.monotonic())
+        if verdict.source is not None and hinted is not None:
+            self.client.submit_hint(hinted, verdict.source, keys)
+        lookup.lease = self.client.lease(keys, request_id=hinted)
+        return lookup
+
+    def _refused(self, why: Refusal) -> None:
+        self.counts.add("sources_refused")
+        self._causes.warn(f"source:{why.name}", "kvcr: a request named %s; looked up without it, nothing dialled "
+                          "(allowed: this node, extra_config source and allowed_sources)", why.value)
+
+    def _poll_lookup(self, lookup: _Lookup, wait: float) -> None:
+        """Take the lease's answer if it is in (waiting up to ``wait`` for it); give up past the bound."""
+        handle = lookup.lease
+        assert handle is not None
+        remaining = lookup.started + self.settings.lookup_timeout_s - time.monotonic()
+        if not handle.done() and wait > 0 and remaining > 0:
+            try:
+                handle.result(min(wait, remaining))
+            except (TimeoutError, KvcrError):
+                pass  # read below
+        if handle.done():
+            try:
+                lookup.held = handle.result(0)
+            except (KvcrError, TimeoutError) as exc:
+                self.counts.add("lookup_errors")
+                self._causes.warn(f"lease:{type(exc).__name__}", "kvcr: a lease failed (%s): a miss", brief(exc))
+                lookup.stage = _Stage.MISSED
+            else:
+                lookup.stage = _Stage.LEASED
+            return
+        if time.monotonic() - lookup.started >= self.settings.lookup_timeout_s:
+            self.counts.add("lookups_timed_out")
+            self._causes.warn("lookup:timeout", "kvcr: a lookup%s took over lookup_timeout_s (%.3f s): a miss",
+                              f" at {lookup.source}" if lookup.source else "", self.settings.lookup_timeout_s)
+            self._give_up(lookup)
+
+    def _give_up(self, lookup: _Lookup) -> None:
+        """A miss for good; a lease still in flight is released once it comes in."""
+        if lookup.stage is _Stage.IN_FLIGHT and lookup.lease is not None:
+            self._abandoned.append(lookup.lease)
+        lookup.stage, lookup.held = _Stage.MISSED, None
+
+    def _sweep(self) -> None:
+        """Release the leases given up on that came in since (each is answered within the
+        client's control deadline, so the list drains)."""
+        if not self._abandoned:
+            return
+        waiting = []
+        for handle in self._abandoned:
+            if not handle.done():
+                waiting.append(handle)
+                continue
+            try:
+                lease = handle.result(0)
+            except (KvcrError, TimeoutError):
+                continue
+            if lease.id and lease.ended is None:
+                lease.release()
+        self._abandoned = waiting
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        try:
+            lookup = self._lookups.get(request.request_id)
+            if lookup is not None:
+                if lookup.stage is _Stage.IN_FLIGHT:  # admitted without it (vLLM skipped the prefix cache)
+                    self._give_up(lookup)
+                lookup.stage = _Stage.ADMITTED
+            if num_external_tokens <= 0:
+                return
+            keys = self._keys.get(request.request_id, [])
+            block_ids = list(blocks.get_block_ids()[0])
+            first = request.num_computed_tokens // self.settings.block_size
+            count = num_external_tokens // self.settings.block_size
+            source, hinted = (lookup.source, lookup.hint_id) if lookup is not None else (None, None)
+            self._loads.append(BlockLoad(request.request_id, keys[first : first + count], block_ids[first : first + count],
+                                     source, hinted))
+        except Exception as exc:
+            # The boundary with vLLM: an exception here would stop its engine.
+            self._causes.warn(f"alloc:{type(exc).__name__}", "kvcr: noting a request's blocks failed (%s)", brief(exc))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvcrConnectorMetadata:
+        """What the workers load and save this step. Never raises: a request whose saves cannot
+        be worked out is not saved (the loads stand, so vLLM is told of any that fail)."""
+        meta = KvcrConnectorMetadata(loads=self._loads)
+        self._loads = []
+        try:
+            self._sweep()
+            self._plan_saves(meta, scheduler_output)
+        except Exception as exc:
+            # The boundary with vLLM: an exception here would stop its engine.
+            self._causes.warn(f"meta:{type(exc).__name__}", "kvcr: saves of this step not planned (%s)", brief(exc))
+        return meta
+
+    def _plan_saves(self, meta: KvcrConnectorMetadata, scheduler_output: Any) -> None:
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tokens = list(new.prompt_token_ids or [])
+            # Blocks vLLM counts computed (loaded from kvcr, or in its own cache) are not saved.
+            saving = _Saving(block_keys(tokens, self.settings.block_size, self.settings.salt), list(new.block_ids[0]), len(tokens),
+                             new.num_computed_tokens // self.settings.block_size)
+            self._saving[new.req_id] = saving
+            self._save_computed(meta, new.req_id, saving, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._saving.get(req_id)
+            if tracked is None:
+                continue
+            saving, new_ids = tracked, cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted and resumed: its blocks start afresh
+                saving.block_ids = list(new_ids[0]) if new_ids else []
+                saving.saved = min(saving.saved, cached.num_computed_tokens[i] // self.settings.block_size)
+            elif new_ids:
+                saving.block_ids.extend(new_ids[0])
+            self._save_computed(meta, req_id, saving, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+
+    def _save_computed(self, meta: KvcrConnectorMetadata, request_id: str, saving: _Saving, computed: int) -> None:
+        """Add to ``meta.saves`` the prompt blocks this step completes that are not saved yet."""
+        end = min(min(computed, saving.prompt_tokens) // self.settings.block_size, len(saving.keys), len(saving.block_ids))
+        fresh = [(saving.keys[b], saving.block_ids[b]) for b in range(saving.saved, end)
+                 if saving.keys[b] not in self._saved]
+        saving.saved = max(saving.saved, end)
+        if not fresh:
+            return
+        meta.saves.append(BlockLoad(request_id, [k for k, _ in fresh], [b for _, b in fresh]))
+        for k, _ in fresh:
+            self._saved[k] = None
+        while len(self._saved) > SAVED_MEMORY:
+            self._saved.popitem(last=False)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks that failed to load are recomputed by vLLM: save them once they are."""
+        invalid = connector_output.invalid_block_ids
+        if not invalid:
+            return
+        for saving in self._saving.values():
+            first = next((b for b, block_id in enumerate(saving.block_ids[: saving.saved]) if block_id in invalid), None)
+            if first is not None:
+                saving.saved = first
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Let go of the request's lease and hint (waiting for neither); name this node for a
+        decode engine elsewhere (which may use it where its operator allowed this node)."""
+        try:
+            request_id = request.request_id
+            lease = self._leases.pop(request_id, None)
+            self._keys.pop(request_id, None)
+            self._saving.pop(request_id, None)
+            lookup = self._lookups.pop(request_id, None)
+            if lookup is not None:
+                held = lookup.held
+                if held is not None and held is not lease and held.id and held.ended is None:
+                    held.release()
+                self._give_up(lookup)
+                if lookup.hint_id is not None:
+                    self.client.discard_hint(lookup.hint_id)
+            if lease is not None and lease.ended is None and lease.id:
+                lease.release()
+            self._sweep()
+        except Exception as exc:
+            # The boundary with vLLM: an exception here would stop its engine.
+            self._causes.warn(f"finish:{type(exc).__name__}", "kvcr: ending a request failed (%s)", brief(exc))
+        return False, {"kvcr_endpoint": self.settings.endpoint}
+
+    def shutdown(self) -> None:
+        for lease in list(self._leases.values()):
+            if lease.ended is None and lease.id:
+                lease.release()
+        self.client.close()

@@ -1,0 +1,300 @@
+"""vLLM: the connector's worker side (``KvcrWorker``), in each of vLLM's worker processes.
+
+``register_kv_caches`` registers each layer's tensor once; ``start_load_kv`` sends one
+deliver per request of the step's metadata (``KvcrConnectorMetadata``, from the scheduler
+side: all this side knows of it) with a layer plan (group i: layer i of every block);
+``wait_for_layer_load(layer)`` waits for that layer's group only; ``wait_for_save``
+deposits the full prompt blocks the step computed. A block that failed to load is reported
+by ``get_block_ids_with_load_errors``, never a hang, and vLLM recomputes it with
+``kv_load_failure_policy="recompute"``. No call raises into vLLM.
+
+``extra_config["block_observer"]`` (a verification aid, ``"module:Class"``) names a
+``BlockObserver`` subclass each worker makes without arguments and shows every block's bytes
+in vLLM's cache as saved, and as loaded once every layer landed: a test proves with it that
+the bytes the model read are the bytes another engine computed. In vLLM's in-process engine
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the observer lives in the caller's process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvcr_client.client import Client, RegionHandle, Span
+from kvcr_client.errors import GroupFailed, KvcrError
+from kvcr_client.integrations.sources import CauseLog
+from kvcr_client.integrations.vllm_common import BlockLoad, Counts, KvcrConnectorMetadata, Settings, brief, hint_id
+from kvcr_client.results import DeliverHandle
+
+log = logging.getLogger("kvcr.vllm")
+
+WAIT_S = 30.0
+"""How long a deposit may take."""
+REPLY_SLACK_S = 5.0
+"""How much longer than the deadline a layer waits for the node to say it failed."""
+
+
+class BlockObserver:
+    """Shown blocks' bytes in vLLM's cache (``extra_config["block_observer"]``): ``parts`` are the
+    block's bytes in each layer, in span order, valid during the call only."""
+
+    def saved(self, key: bytes, parts: list[memoryview]) -> None:
+        """Block ``key`` as deposited."""
+
+    def loaded(self, key: bytes, parts: list[memoryview]) -> None:
+        """Block ``key`` once every layer of it landed."""
+
+
+def load_observer(name: object) -> BlockObserver | None:
+    """The ``BlockObserver`` that ``"module:Class"`` names, made without arguments (None for
+    None); a clear error naming the key otherwise. A class that is not a ``BlockObserver``
+    subclass is refused unrun."""
+    if name is None:
+        return None
+    what = f"KvcrConnector: kv_connector_extra_config['block_observer'] {name!r}"
+    if not isinstance(name, str) or ":" not in name:
+        raise ValueError(f"{what} must be 'module:Class'")
+    module_name, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{what} cannot be loaded: {exc}") from exc
+    if not isinstance(cls, type) or not issubclass(cls, BlockObserver):
+        raise ValueError(f"{what} is not a BlockObserver subclass (got {type(cls).__name__})")
+    try:
+        return cls()
+    except Exception as exc:
+        raise ValueError(f"{what} cannot be made without arguments: {exc}") from exc
+
+
+@dataclass
+class _Pending:
+    """A request's deliver in this step, until its last layer."""
+
+    handle: DeliverHandle
+    blocks: dict[bytes, list[int]]
+    """Key -> the vLLM block ids it fills."""
+    request_id: str
+    hint_id: str | None
+    group_failed: bool = False
+
+
+class KvcrWorker:
+    """The worker side of ``KvcrConnector``: the KV cache registered, each step's loads and saves."""
+
+    def __init__(self, settings: Settings, kv_cache_config: Any) -> None:
+        self.settings = settings
+        self.kv_cache_config = kv_cache_config
+        self.observer = load_observer(settings.extra.get("block_observer"))
+        self.counts = Counts()
+        self._causes = CauseLog(log)
+        self.client = Client(settings.endpoint, name="vllm-worker")
+        self._layers: list[str] = []
+        self._regions: dict[str, RegionHandle] = {}
+        self._tensors: dict[str, Any] = {}
+        """Layer -> its paged KV tensor's bytes."""
+        self._block_bytes: dict[str, int] = {}
+        self._split: dict[str, int] = {}
+        """Layer -> the byte offset of its V half (0: K and V of a block are one span)."""
+        self._handles: list[_Pending] = []
+        self._failed: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self.kv_cache_config.num_blocks if self.kv_cache_config is not None else None
+        for name, tensor in kv_caches.items():
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError(f"KvcrConnector: layer {name} is not a contiguous CPU tensor")
+            if tensor.shape[0] == 2 and (num_blocks is None or tensor.shape[1] == num_blocks):
+                self._split[name] = tensor[1].data_ptr() - tensor[0].data_ptr()  # [2, blocks, ...]: K then V
+                self._block_bytes[name] = tensor[0, 0].numel() * tensor.element_size()
+            else:
+                self._split[name] = 0  # [blocks, ...]: a block's K and V together
+                self._block_bytes[name] = tensor[0].numel() * tensor.element_size()
+            self._tensors[name] = tensor.view(torch.uint8).reshape(-1).numpy()
+            self._regions[name] = self.client.register(self._tensors[name])
+            self._layers.append(name)
+        log.info("kvcr: %d layers registered (shape %s), %d bytes per layer block", len(self._layers),
+                 tuple(next(iter(kv_caches.values())).shape) if kv_caches else (),
+                 next(iter(self._block_bytes.values()), 0))
+
+    def _spans(self, block_id: int, pool: str = "") -> list[Span]:
+        spans = []
+        for name in self._layers:
+            size, split, region = self._block_bytes[name], self._split[name], self._regions[name]
+            if split:
+                spans.append(Span(f"{name}.k", region, block_id * size, size, pool))
+                spans.append(Span(f"{name}.v", region, split + block_id * size, size, pool))
+            else:
+                spans.append(Span(name, region, block_id * size, size, pool))
+        return spans
+
+    def _parts(self, block_id: int) -> list[memoryview]:
+        """One block's bytes in vLLM's cache, every layer, in span order (for the observer)."""
+        parts = []
+        for span in self._spans(block_id):
+            tensor = self._tensors[span.name.removesuffix(".k").removesuffix(".v")]
+            parts.append(memoryview(tensor[span.offset : span.offset + span.length]))
+        return parts
+
+    def _observe(self, saved: bool, key: bytes, block_id: int) -> None:
+        """Show the observer a block; one that fails is logged, and changes no outcome."""
+        assert self.observer is not None
+        try:
+            (self.observer.saved if saved else self.observer.loaded)(key, self._parts(block_id))
+        except Exception as exc:
+            self._causes.warn(f"observer:{type(exc).__name__}", "kvcr: the block observer failed (%s)", brief(exc))
+
+    def _plan(self) -> list[list[str]]:
+        return [[f"{n}.k", f"{n}.v"] if self._split[n] else [n] for n in self._layers]
+
+    def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
+        """One deliver per request of the step's ``meta`` with a layer plan; a request whose blocks
+        a source holds hints that source in this worker's own session first (hints are per
+        session). Never raises: a load that cannot start (a source not allowed here, an argument
+        the node refuses) has its blocks reported failed, and vLLM recomputes them."""
+        self._handles = []
+        try:
+            if not isinstance(meta, KvcrConnectorMetadata):
+                raise TypeError(f"the step's metadata is {type(meta).__name__}, not KvcrConnectorMetadata")
+            loads = list(meta.loads)
+        except Exception as exc:
+            # The boundary with vLLM: an exception here would stop its engine.
+            self._causes.warn(f"load:{type(exc).__name__}", "kvcr: no loads this step (%s)", brief(exc))
+            return
+        for load in loads:
+            try:
+                self._start_load(load)
+            except Exception as exc:
+                # The boundary with vLLM: an exception here would stop its engine.
+                self.counts.add("load_errors")
+                self._failed.update(int(b) for b in load.block_ids)
+                self._causes.warn(f"load:{type(exc).__name__}", "kvcr: a load could not start (%s); its blocks "
+                                  "are recomputed", brief(exc))
+
+    def _start_load(self, load: BlockLoad) -> None:
+        if not load.keys:
+            return
+        hinted = None
+        if load.source is not None:
+            if not self.settings.sources.permits(load.source):
+                self.counts.add("sources_refused")
+                raise ValueError("the load names a source that is not allowed here, nothing dialled")
+            hinted = load.hint_id if load.hint_id is not None else hint_id(load.request_id)
+            # Not waited for: the node reads the session's messages in order, so the deliver finds it.
+            self.client.submit_hint(hinted, load.source, load.keys)
+        try:
+            objects = {key: self._spans(block_id) for key, block_id in zip(load.keys, load.block_ids, strict=True)}
+            blocks = {key: [block_id] for key, block_id in zip(load.keys, load.block_ids, strict=True)}
+            self.counts.add("loads")
+            handle = self.client.deliver(objects, request_id=hinted, plan=self._plan(),
+                                         deadline_ms=int(self.settings.load_timeout_s * 1000))
+        except BaseException:
+            if hinted is not None:
+                self.client.discard_hint(hinted)
+            raise
+        self._handles.append(_Pending(handle, blocks, load.request_id, hinted))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Wait for this layer's group of every load of the step; never raises (a layer that
+        does not land fails its load, whose blocks vLLM then recomputes)."""
+        if not self._handles or layer_name not in self._regions:
+            return
+        try:
+            self._wait_layer(layer_name)
+        except Exception as exc:
+            # The boundary with vLLM: an exception here would stop its engine.
+            self._causes.warn(f"layer:{type(exc).__name__}", "kvcr: waiting for a layer failed (%s)", brief(exc))
+            for pending in self._handles:
+                self._failed.update(b for ids in pending.blocks.values() for b in ids)
+            self._handles = []
+
+    def _wait_layer(self, layer_name: str) -> None:
+        group = self._layers.index(layer_name)
+        self.counts.add("layer_waits")
+        for pending in self._handles:
+            try:
+                pending.handle.wait(group, self.settings.load_timeout_s + REPLY_SLACK_S)
+            except (GroupFailed, KvcrError, TimeoutError) as exc:
+                log.warning("kvcr: layer %s failed to load for %s (%s)", layer_name, pending.request_id, exc)
+                pending.group_failed = True
+                self.counts.add("load_errors")
+        if group == len(self._layers) - 1:
+            for pending in self._handles:
+                self._settle(pending)
+            self._handles = []
+
+    def _settle(self, pending: _Pending) -> None:
+        """After the last layer: which of a request's blocks vLLM must recompute.
+
+        The blocks whose key did not load, when the node says which; vLLM recomputes from
+        the first of them and keeps the blocks before it, which did land. A layer that
+        failed while every key loaded in the end (a lost notification, a timeout) leaves no
+        telling which layer the forward read early: then every block is reported."""
+        blocks = pending.blocks
+        try:
+            results = pending.handle.result(self.settings.load_timeout_s + REPLY_SLACK_S)
+        except (KvcrError, TimeoutError) as exc:
+            failed = set(blocks)
+            self.counts.add("load_errors")
+            log.warning("kvcr: load for %s failed: %s", pending.request_id, exc)
+        else:
+            failed = {key for key in blocks if key not in results or not results[key].ok}
+            for key in failed:
+                log.warning("kvcr: block %s not loaded: %s", key.hex()[:12], results[key] if key in results else "no answer")
+            if pending.group_failed and not failed:
+                failed = set(blocks)
+            self.counts.add("blocks_loaded", sum(1 for key in blocks if key not in failed))
+            if self.observer is not None:
+                for key, ids in blocks.items():
+                    if key not in failed:
+                        self._observe(False, key, ids[0])
+        for key in failed:
+            self._failed.update(blocks[key])
+        if failed:
+            log.warning("kvcr: %d of %d blocks of %s to be recomputed", len(failed), len(blocks), pending.request_id)
+        if pending.hint_id is not None:
+            self.client.discard_hint(pending.hint_id)
+
+    def wait_for_save(self, meta: KVConnectorMetadata | None) -> None:
+        """Deposit the blocks the step's ``meta`` says it computed; never raises (a save that fails is counted)."""
+        try:
+            self._save(meta)
+        except Exception as exc:
+            # The boundary with vLLM: an exception here would stop its engine.
+            self.counts.add("save_errors")
+            self._causes.warn(f"save:{type(exc).__name__}", "kvcr: saving failed (%s)", brief(exc))
+
+    def _save(self, meta: KVConnectorMetadata | None) -> None:
+        if meta is None:
+            return
+        if not isinstance(meta, KvcrConnectorMetadata):
+            raise TypeError(f"the step's metadata is {type(meta).__name__}, not KvcrConnectorMetadata")
+        objects = {key: self._spans(block_id, self.settings.pool) for save in meta.saves
+                   for key, block_id in zip(save.keys, save.block_ids, strict=True)}
+        if not objects:
+            return
+        try:
+            # Synchronous: the blocks may be reused once this step is over.
+            self.counts.add("saves")
+            results = self.client.deposit(objects, optional=True).result(WAIT_S)
+            self.counts.add("blocks_saved", sum(1 for r in results.values() if r.ok))
+            if self.observer is not None:
+                for save in meta.saves:
+                    for key, block_id in zip(save.keys, save.block_ids, strict=True):
+                        self._observe(True, key, block_id)
+        except (KvcrError, TimeoutError) as exc:
+            self.counts.add("save_errors")
+            log.warning("kvcr: saving %d blocks failed: %s", len(objects), exc)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        self.counts.add("blocks_failed", len(failed))
+        return failed
+
+    def shutdown(self) -> None:
+        self.client.close()
