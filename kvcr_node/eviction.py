@@ -15,7 +15,6 @@ outnumber the live ones, so every removal costs O(1) amortized and a victim O(lo
 from __future__ import annotations
 
 import heapq
-import importlib
 import inspect
 import logging
 import math
@@ -23,6 +22,8 @@ import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Generic, Protocol, TypeVar, cast
+
+from kvcr_io.plugins import load_class
 
 Layout = tuple[tuple[str, str], ...]
 """An object's spans in order, each ``(span name, pool name)``."""
@@ -209,13 +210,7 @@ def make_policy(name: str) -> EvictionPolicy:
     if name in _POLICIES:
         return _POLICIES[name]()
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"eviction policy {name!r} cannot be loaded: {exc}") from exc
-        if not isinstance(cls, type) or not issubclass(cls, EvictionPolicy):
-            raise ValueError(f"eviction policy {name!r} is not an EvictionPolicy subclass (got {type(cls).__name__})")
+        cls = load_class(name, EvictionPolicy, f"eviction policy {name!r}")  # type: ignore[type-abstract]  # checked below
         if inspect.isabstract(cls):
             raise ValueError(f"eviction policy {name!r} is abstract: it must define score()")
         try:

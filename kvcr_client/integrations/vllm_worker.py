@@ -17,7 +17,6 @@ the bytes the model read are the bytes another engine computed. In vLLM's in-pro
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ from kvcr_client.errors import GroupFailed, KvcrError
 from kvcr_client.integrations.sources import CauseLog
 from kvcr_client.integrations.vllm_common import BlockLoad, Counts, KvcrConnectorMetadata, Settings, brief, hint_id
 from kvcr_client.results import DeliverHandle
+from kvcr_io.plugins import load_class
 
 log = logging.getLogger("kvcr.vllm")
 
@@ -59,13 +59,7 @@ def load_observer(name: object) -> BlockObserver | None:
     what = f"KvcrConnector: kv_connector_extra_config['block_observer'] {name!r}"
     if not isinstance(name, str) or ":" not in name:
         raise ValueError(f"{what} must be 'module:Class'")
-    module_name, _, attr = name.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{what} cannot be loaded: {exc}") from exc
-    if not isinstance(cls, type) or not issubclass(cls, BlockObserver):
-        raise ValueError(f"{what} is not a BlockObserver subclass (got {type(cls).__name__})")
+    cls = load_class(name, BlockObserver, what)
     try:
         return cls()
     except Exception as exc:
