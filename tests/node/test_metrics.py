@@ -24,8 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcr_node.cli import _parser, build_config
 from kvcr_node.config import ConfigError, NodeConfig, from_mapping
-from kvcr_node.exporter import READS_PER_CONNECTION, Dropped, MetricsExporter, TokenBucket, render, request_line
+from kvcr_node.exporter import READS_PER_CONNECTION, MetricsExporter, TokenBucket, request_line
 from kvcr_node.metrics import LATENCY_BUCKETS_S, Histogram, MetricsSnapshot, PoolSnapshot
+from kvcr_node.metrics_text import Dropped, render
 from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import (
     Completion,
