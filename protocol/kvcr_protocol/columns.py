@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from kvcr_protocol.errors import ErrorCode, RemoteProtocolError
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
@@ -330,6 +330,60 @@ def deposit_columns(items: Sequence[DepositItem]) -> DepositColumns:
     block = DepositColumns(tuple(item.key for item in items), NUL.join(names), regions, offsets, lengths, NUL.join(pools))
     block.check(DEFAULT_LIMITS)
     return block
+
+
+_Item = TypeVar("_Item")
+_Shape = TypeVar("_Shape")
+
+
+def layout_runs(items: Sequence[_Item], shape: Callable[[int, _Item], _Shape]) -> list[tuple[_Shape, int, int]]:
+    """``(shape, start, stop)`` of each run of consecutive items whose ``shape(n, item)`` is
+    equal: the keys one column block can carry (spec section 6.7)."""
+    if not items:
+        return []
+    runs: list[tuple[_Shape, int, int]] = []
+    start, current = 0, shape(0, items[0])
+    for n in range(1, len(items)):
+        this = shape(n, items[n])
+        if this != current:
+            runs.append((current, start, n))
+            start, current = n, this
+    runs.append((current, start, len(items)))
+    return runs
+
+
+def deliver_blocks(
+    items: Sequence[DeliverItem], groups: Sequence[Sequence[int]] | None = None
+) -> tuple[DeliverColumns, ...]:
+    """A deliver's items as column blocks, one per run of consecutive keys with one layout
+    and one plan (spec section 6.7); none, to send them as records, when a span name holds NUL.
+
+    ``groups`` is each item's group number per span (a layer plan; empty: one group), or
+    None for no plan at all.
+    """
+
+    def shape(n: int, item: DeliverItem) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+        names, _, _, lengths = zip(*item.spans, strict=True)
+        return names, lengths, tuple(groups[n]) if groups is not None else ()
+
+    runs = layout_runs(items, shape)
+    if any(NUL in name for (names, _, _), _, _ in runs for name in names):
+        return ()
+    return tuple(deliver_columns(items[start:stop], plan) for (_, _, plan), start, stop in runs)
+
+
+def deposit_blocks(items: Sequence[DepositItem]) -> tuple[DepositColumns, ...]:
+    """A deposit's items as column blocks, one per run of consecutive keys with one layout
+    (names, pools, lengths); none, to send them as records, when a name or pool holds NUL."""
+
+    def shape(n: int, item: DepositItem) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
+        names, pools, _, _, lengths = zip(*item.spans, strict=True)
+        return names, pools, lengths
+
+    runs = layout_runs(items, shape)
+    if any(NUL in text for (names, pools, _), _, _ in runs for text in names + pools):
+        return ()
+    return tuple(deposit_columns(items[start:stop]) for _, start, stop in runs)
 
 
 # -------------------------------------------------------------------- query columns
