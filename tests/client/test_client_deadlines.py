@@ -119,4 +119,4 @@ def test_node_lost_ends_the_session_and_releases_its_regions(
         assert wait_until(lambda: client.core.lost, SETTLE_S)
         assert s.dst_region.in_use == 0 and client.tables()["timed_out"] == 0
         assert_bytes_equal(s.dst, s.sentinel, "destination of a node killed while frozen")
-        client._unregister_check(s.dst_region)  # no operation holds it any more
+        client._regions.check_unregister(s.dst_region)  # no operation holds it any more

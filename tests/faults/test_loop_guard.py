@@ -81,7 +81,7 @@ def test_bad_endpoint_hint_does_not_stop_the_node(node_factory: Callable[..., An
     none): a hint naming a malformed endpoint, then a deliver and a fetch that would use it.
     Either the hint is refused when it arrives, or the keys fail BAD_ENDPOINT; the node
     survives both and keeps nothing."""
-    monkeypatch.setattr("kvcr_client.client.endpoint_problem", lambda endpoint: None)
+    monkeypatch.setattr("kvcr_client.operations.endpoint_problem", lambda endpoint: None)
     node = node_factory("--pool", "kv:64KiB:32")
     with Client(node.endpoint, name="hostile") as client:
         reg = Registrar(client)

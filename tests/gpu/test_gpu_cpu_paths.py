@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from kvcr_client.buffers import BufferError, BufferInfo, describe
-from kvcr_client.client import RegionHandle, _Base
 from kvcr_client.errors import ArgumentError
+from kvcr_client.regions import RegionHandle, describe_region
 from kvcr_node.config import NodeConfig, from_mapping, hbm_device, pool_from_flag
 from kvcr_node.gpu import GpuUnavailable, allocate_hbm
 from kvcr_node.memory import PoolMemory
@@ -160,9 +160,7 @@ class Tensor:
 
 def _region_of(buffer: Any, region_id: int = 7) -> RegionHandle:
     """The region handle exactly as ``Client.register`` builds it, before NIXL sees it."""
-    base = _Base.__new__(_Base)
-    base._next_region = region_id
-    return base._describe(buffer)
+    return describe_region(buffer, region_id)
 
 
 @pytest.mark.parametrize("device", [0, 1, 7])
