@@ -67,6 +67,26 @@ def test_the_node_parts_import_one_way() -> None:
     assert order.index("kvcr_node.records") < order.index("kvcr_node.operations") < order.index("kvcr_node.node")
 
 
+def test_the_client_parts_import_one_way() -> None:
+    """checks <- regions <- spans <- operations <- client, with no cycle (architecture §1)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGES["kvcr_client"].glob("*.py")):
+        deps = graph.setdefault(module_name(path), set())
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "kvcr_client":
+                deps.update(f"kvcr_client.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvcr_client."):
+                deps.add(node.module)
+    graph["kvcr_client"].discard("kvcr_client")
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        pytest.fail(f"an import cycle inside kvcr_client: {exc.args[1]}")
+    parts = [f"kvcr_client.{part}" for part in ("checks", "regions", "spans", "operations", "client")]
+    upward = {part: sorted(graph[part] & set(parts[i + 1:])) for i, part in enumerate(parts)}
+    assert {part: above for part, above in upward.items() if above} == {}
+
+
 ENGINE_PACKAGES = {"torch", "transformers", "vllm", "sglang", "cupy"}
 """Engines and their tensors: only an integration imports them (cupy only the GPU paths)."""
 GPU_MODULES = {"kvcr_node/gpu.py", "kvcr_client/buffers.py", "kvcr_node/memory.py"}
