@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -29,6 +28,7 @@ from kvcr_io.zmq_flags import POLLIN as _POLLIN
 from kvcr_node import logs
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.peers import Answer, Ask, LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWrite, WriteStage
 from kvcr_node.records import ClientSession, Operation
 from kvcr_protocol import (
@@ -117,7 +117,7 @@ class Links:
     def __init__(
         self, owner: LinkOwner, config: NodeConfig, context: zmq.Context[Any], poller: zmq.Poller,
         agents: RemoteAgents, hello: Callable[[int], PeerHello], versions: Sequence[int],
-        counters: Counter[str], protocol_errors: Counter[str], clock: Callable[[], float],
+        counters: Counters, protocol_errors: ProtocolErrors, clock: Callable[[], float],
         curve: tuple[bytes, bytes, bytes] | None = None,
     ) -> None:
         self.owner = owner
@@ -179,7 +179,7 @@ class Links:
         except zmq.ZMQError as exc:
             _close_quietly(sock, monitor)
             code = ErrorCode.BAD_ENDPOINT if exc.errno in _BAD_ENDPOINT_ERRNOS else ErrorCode.PEER_UNREACHABLE
-            self.counters["link_failures"] += 1
+            self.counters.inc(Count.LINK_FAILURES)
             raise LinkError(code, f"cannot connect to the source {endpoint!r}: {exc.strerror}") from exc
         except BaseException:
             _close_quietly(sock, monitor)
@@ -201,7 +201,7 @@ class Links:
         agent: str, client: ClientSession | None, partial: bool,
     ) -> RemoteWrite:
         """A write on ``link`` for the items ``indices`` of ``op``; ``submit`` sends it."""
-        self.counters["remote_writes"] += 1
+        self.counters.inc(Count.REMOTE_WRITES)
         return RemoteWrite(link, next(self._ids), op, indices, items, agent, client, partial, op.deadline)
 
     def submit(self, write: RemoteWrite) -> None:
@@ -252,7 +252,7 @@ class Links:
                 return  # the socket is full: the next check tries again
             link.forgets.discard(agent)
             link.clients_sent.pop(agent, None)
-            self.counters["peer_forgets_sent"] += 1
+            self.counters.inc(Count.PEER_FORGETS_SENT)
 
     # ------------------------------------------------------------------ lease requests
 
@@ -272,7 +272,7 @@ class Links:
             return
         ask = Ask(build, answer, self.clock() + wait_s, incarnation)
         if len(link.asks) + len(link.asks_queued) + len(link.abandoned) >= ASKS_PER_LINK:
-            self.counters["lease_asks_refused"] += 1
+            self.counters.inc(Count.LEASE_ASKS_REFUSED)
             answer(None, ErrorCode.PEER_UNREACHABLE)
         elif link.state is LinkState.READY:
             self._send_ask(link, ask)
@@ -292,7 +292,7 @@ class Links:
         frame = encode(msg, link.version)
         if link.ask_bytes + len(frame) > ASK_BYTES_PER_LINK:
             # The source has not read what was sent before: nothing more joins the queue.
-            self.counters["lease_asks_refused"] += 1
+            self.counters.inc(Count.LEASE_ASKS_REFUSED)
             ask.answer(None, ErrorCode.PEER_UNREACHABLE)
             return
         try:
@@ -312,7 +312,7 @@ class Links:
             return False
         size, grants = late
         link.ask_bytes -= size
-        self.counters["lease_asks_late"] += 1
+        self.counters.inc(Count.LEASE_ASKS_LATE)
         if grants and isinstance(msg, LeaseReply) and msg.lease:
             lease = msg.lease
             self.ask(link.endpoint, lambda i: ReleaseLease(i, lease), _ignore, LATE_RELEASE_S, link.incarnation)
@@ -429,7 +429,7 @@ class Links:
             try:
                 msg = decode(frame, link.version or self.versions[-1])
             except RemoteProtocolError as exc:
-                self.protocol_errors[exc.code.name] += 1
+                self.protocol_errors.inc(exc.code)
                 if (left_out := logs.limiter.admit(exc.code.name)) is not None:  # a broken peer cannot flood the log
                     log.warning("undecodable message from peer %s: %s %s", link.endpoint, exc.code.name, exc.reason[:200],
                                 extra={"code": exc.code.name, "session": link.node or link.endpoint, "role": "source",
@@ -490,13 +490,13 @@ class Links:
         if agent is not None:
             # The source refused a client's announcement: the writes sent after it fail
             # there (agent not announced); announce again with the client's next write.
-            self.counters["peer_client_refused"] += 1
+            self.counters.inc(Count.PEER_CLIENT_REFUSED)
             link.clients_sent.pop(agent, None)
             log.warning("peer %s refused client %s: %s", link.endpoint, agent, msg.reason)
         if write is not None and isinstance(msg, Refuse) and self._may_retry(link, write, msg):
             # The source forgot the client (max_peer_clients): announce it again, retry once.
             write.retried = True
-            self.counters["writes_retried"] += 1
+            self.counters.inc(Count.WRITES_RETRIED)
             assert write.client is not None
             link.clients_sent.pop(write.client.agent, None)
             link.writes.pop(write.id, None)
@@ -532,7 +532,7 @@ class Links:
         if restarted:
             # A new incarnation: its predecessor's writes are void, and whatever it was
             # writing is over (it is gone).
-            self.counters["peer_restarts"] += 1
+            self.counters.inc(Count.PEER_RESTARTS)
             for write in list(link.writes.values()):
                 self.end_write(write, ErrorCode.PEER_RESTARTED, "the source restarted")
             queued_asks, link.asks_queued = link.asks_queued, []  # asked of the new one below
@@ -591,7 +591,7 @@ class Links:
         for link in list(self):
             if not link.busy and now - link.last_used >= idle_s:
                 # Nothing outstanding and unused for peer_idle_ms: close it (spec section 5.3).
-                self.counters["links_closed_idle"] += 1
+                self.counters.inc(Count.LINKS_CLOSED_IDLE)
                 self.retire(link)
                 continue
             if link.state is LinkState.READY and link.next_heartbeat <= now and self.config.heartbeat_ms:
@@ -611,7 +611,7 @@ class Links:
                 # Without a session since it went down, for peer_dead_ms (reconnected to a
                 # listener that never welcomes counts too): the source is taken as gone, and
                 # its leases with it.
-                self.counters["source_leases_dead"] += len(link.leases)
+                self.counters.inc(Count.SOURCE_LEASES_DEAD, len(link.leases))
                 self._lose_leases(link, ErrorCode.PEER_UNREACHABLE)
             for write in list(link.queued):
                 if write.deadline <= now:
@@ -620,7 +620,7 @@ class Links:
             for write in list(link.writes.values()):
                 if write.state is WriteStage.SENT and write.deadline <= now:
                     write.state = WriteStage.UNCERTAIN
-                    self.counters["uncertain_writes"] += 1
+                    self.counters.inc(Count.UNCERTAIN_WRITES)
                     self.owner.write_uncertain(write)
                 if write.state is not WriteStage.UNCERTAIN:
                     continue
@@ -635,7 +635,7 @@ class Links:
                     write.probe_id = next(self._ids)
                     link.probes[write.probe_id] = write
                     write.next_probe = now + PROBE_INTERVAL_S
-                    self.counters["probes_sent"] += 1
+                    self.counters.inc(Count.PROBES_SENT)
                     self._send(link, Probe(write.probe_id, write.id))
             if link.forgets:
                 self._send_forgets(link)
@@ -648,7 +648,7 @@ class Links:
         for ask_id in late:
             ask = link.asks.pop(ask_id)
             link.abandoned[ask_id] = (ask.size, ask.grants)
-            self.counters["lease_asks_timed_out"] += 1
+            self.counters.inc(Count.LEASE_ASKS_TIMED_OUT)
             ask.answer(None, ErrorCode.PEER_UNREACHABLE)
 
     def next_wakeup(self, now: float) -> float | None:
@@ -708,10 +708,10 @@ class Links:
         """At ``max_peers`` links: close the least recently used idle one, or refuse (PEER_LIMIT)."""
         idle = [link for link in self if not link.busy]
         if not idle:
-            self.counters["peer_limit_refusals"] += 1
+            self.counters.inc(Count.PEER_LIMIT_REFUSALS)
             raise LinkError(ErrorCode.PEER_LIMIT, f"cannot open a link to {endpoint!r}: this node holds max_peers="
                             f"{self.config.max_peers} links to other sources, each with writes outstanding; retry later")
-        self.counters["links_evicted"] += 1
+        self.counters.inc(Count.LINKS_EVICTED)
         self.retire(min(idle, key=lambda link: link.last_used))
 
     def retire(self, link: PeerLink) -> None:

@@ -15,7 +15,6 @@ the ROUTER socket: they put what to send in the ``Outbox``, and the loop sends i
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import secrets
@@ -35,6 +34,7 @@ from kvcr_io.zmq_flags import SNDMORE as _SNDMORE
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.auth import CurveServer
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.event_publisher import EventPublisher
 from kvcr_node.eviction import make_policy
@@ -99,8 +99,8 @@ class Node:
             raise
         self.transfers = Transfers(self.agent, self.local)
 
-        self.protocol_errors: collections.Counter[str] = collections.Counter()
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.protocol_errors = ProtocolErrors()
+        self.counters = Counters()
         self._own_context = context is None
         self.context = context or zmq.Context()
         self.events: EventPublisher | None = None
@@ -339,7 +339,7 @@ class Node:
 
     def internal_failure(self, what: str, exc: BaseException) -> None:
         """Count an unexpected failure; log it with its traceback (at most every few seconds per kind)."""
-        self.counters["internal_errors"] += 1
+        self.counters.inc(Count.INTERNAL_ERRORS)
         now = self.clock()
         if now >= self._failure_logged.get(what, 0.0):
             self._failure_logged[what] = now + _FAILURE_LOG_INTERVAL_S
@@ -395,7 +395,7 @@ class Node:
                 sock.send(identity, _NOBLOCK | _SNDMORE)
                 sock.send(payload, _NOBLOCK)
             except zmq.Again:
-                self.counters["send_dropped"] += 1
+                self.counters.inc(Count.SEND_DROPPED)
 
     # ------------------------------------------------------------------ shutdown
 

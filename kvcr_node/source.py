@@ -11,13 +11,13 @@ are all READY is claimed and its WRITE submitted in the turn that decoded it
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Callable, Sequence
 
 from kvcr_node import logs
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.operations import Operations
 from kvcr_node.ops.deliver import Deliveries
 from kvcr_node.outbox import Outbox
@@ -57,8 +57,8 @@ class Source:
 
     def __init__(
         self, config: NodeConfig, sessions: Sessions, operations: Operations, deliveries: Deliveries,
-        agents: RemoteAgents, outbox: Outbox, counters: collections.Counter[str],
-        protocol_errors: collections.Counter[str], versions: Sequence[int], incarnation: int,
+        agents: RemoteAgents, outbox: Outbox, counters: Counters,
+        protocol_errors: ProtocolErrors, versions: Sequence[int], incarnation: int,
         agent_name: str, metadata: Callable[[], bytes], *, submit_write: SubmitWrite | None = None,
     ) -> None:
         self.config = config
@@ -101,7 +101,7 @@ class Source:
                 self.sessions.retired.append(old)
         if session is None:
             return
-        self.counters["peer_hellos"] += 1
+        self.counters.inc(Count.PEER_HELLOS)
         log.info("peer %s (incarnation %x) joined at version %d", msg.node, msg.incarnation, version)
         self.outbox.reply(session, PeerWelcome(
             msg.id, version, self.config.name, self.incarnation, self.agent_name, self.metadata()))
@@ -123,9 +123,9 @@ class Source:
         this session does not hold changes nothing: forgetting is idempotent, answered ack."""
         if peer.clients.pop(msg.agent, None) is None:
             # Never announced here, forgotten or evicted already, or another session's client.
-            self.counters["peer_forgets_unknown"] += 1
+            self.counters.inc(Count.PEER_FORGETS_UNKNOWN)
         else:
-            self.counters["peer_clients_forgotten"] += 1
+            self.counters.inc(Count.PEER_CLIENTS_FORGOTTEN)
             self.agents.forget(msg.agent)
         self.outbox.reply(peer, Ack(msg.id))
 
@@ -139,7 +139,7 @@ class Source:
         running = {op.agent for op in peer.ops.values()}
         for agent in [a for a in peer.clients if a not in running][:excess]:
             del peer.clients[agent]
-            self.counters["peer_clients_evicted"] += 1
+            self.counters.inc(Count.PEER_CLIENTS_EVICTED)
             self.agents.release(agent)
 
     def on_write(self, peer: PeerSession, msg: WriteRequest) -> None:
@@ -147,7 +147,7 @@ class Source:
         if regions is not None and msg.agent != peer.agent:
             peer.clients.move_to_end(msg.agent)
         if regions is None:
-            self.protocol_errors[ErrorCode.BAD_STATE.name] += 1
+            self.protocol_errors.inc(ErrorCode.BAD_STATE)
             refused = ProtocolError(ErrorCode.BAD_STATE, f"agent {msg.agent!r} was not announced (peer_client first)")
             logs.refusal("write", msg.id, refused, peer.name, peer.identity, True)
             self.outbox.reply(peer, Refuse(msg.id, refused.code, refused.reason))
@@ -164,19 +164,19 @@ class Source:
         op.report = lambda results: self.write_settled(peer, op, results)
 
         def resume(i: int) -> None:
-            self.counters["writes_deferred"] += 1
+            self.counters.inc(Count.WRITES_DEFERRED)
             self.deliveries.deliver_ready([i], op, wanted)
 
         op.resume = resume
         # A source never forwards: request_id None names no hint.
         ready, _ = self.operations.sort_items(op, wanted.keys, None)
         if ready and self.submit_write is not None:
-            self.counters["writes_deferred"] += 1
+            self.counters.inc(Count.WRITES_DEFERRED)
             self.submit_write(lambda: self.deliveries.deliver_ready(ready, op, wanted))
             return
         if ready:
             # architecture §4: claims taken and the WRITE submitted in the turn that decoded the request.
-            self.counters["writes_inline"] += 1
+            self.counters.inc(Count.WRITES_INLINE)
         self.deliveries.deliver_ready(ready, op, wanted)
 
     def write_settled(self, peer: PeerSession, op: Operation, results: tuple[KeyResult, ...]) -> None:

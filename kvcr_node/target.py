@@ -10,7 +10,6 @@ operation's results, the fill committed or abandoned, and handles. A client's
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ import zmq
 from kvcr_io.agent import TransferError
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.links import LinkError, Links
 from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Failure, Operations
@@ -62,8 +62,8 @@ class Target:
     def __init__(
         self, config: NodeConfig, context: zmq.Context[Any], poller: zmq.Poller, agents: RemoteAgents,
         hello: Callable[[int], PeerHello], versions: Sequence[int], store: Store, memories: dict[str, PoolMemory],
-        operations: Operations, outbox: Outbox, counters: collections.Counter[str],
-        protocol_errors: collections.Counter[str], clock: Callable[[], float], agent_name: str, failure: Failure,
+        operations: Operations, outbox: Outbox, counters: Counters,
+        protocol_errors: ProtocolErrors, clock: Callable[[], float], agent_name: str, failure: Failure,
         curve: tuple[bytes, bytes, bytes] | None = None,
     ) -> None:
         self.store = store
@@ -154,7 +154,7 @@ class Target:
         op = write.op
         operations = self.operations
         if was_uncertain:
-            self.counters["uncertain_resolved"] += 1
+            self.counters.inc(Count.UNCERTAIN_RESOLVED)
             for entry in write.fills or ():
                 self.store.abandon(entry)
                 operations.wake(entry.key)
@@ -195,9 +195,9 @@ class Target:
                     try:
                         self.agents.agent.notify(write.client.agent, payload)
                     except TransferError:
-                        self.counters["notify_failed"] += 1
+                        self.counters.inc(Count.NOTIFY_FAILED)
                     else:
-                        self.counters["notified_for_source"] += 1
+                        self.counters.inc(Count.NOTIFIED_FOR_SOURCE)
 
     def write_progress(self, write: RemoteWrite, msg: Progress) -> None:
         """A version-3 source reports groups delivered (spec section 6.8): pass them on under the client's item indices."""
@@ -241,7 +241,7 @@ class Target:
         # The regions take no new work meanwhile (the caller withdrew them already).
         session.withdrawals[request_id] = Withdrawal(tuple(regions), records)
         self.withdrawing[session.identity] = session
-        self.counters["unregions_held"] += 1
+        self.counters.inc(Count.UNREGIONS_HELD)
         return True
 
     def release_withdrawals(self) -> None:
