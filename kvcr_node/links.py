@@ -31,9 +31,11 @@ from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.peers import Answer, Ask, LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWrite, WriteStage
 from kvcr_node.records import ClientSession, Operation
+from kvcr_node.store import ObjectEntry
 from kvcr_protocol import (
     Ack,
     Bye,
+    DeliverColumns,
     DeliverItem,
     Error,
     ErrorCode,
@@ -54,6 +56,7 @@ from kvcr_protocol import (
     ReleaseLease,
     RemoteProtocolError,
     WriteDone,
+    WriteNotify,
     WriteRequest,
     WriteState,
     decode,
@@ -198,11 +201,14 @@ class Links:
 
     def new_write(
         self, op: Operation, link: PeerLink, indices: list[int], items: tuple[DeliverItem, ...],
-        agent: str, client: ClientSession | None, partial: bool,
+        agent: str, client: ClientSession | None, partial: bool, *, columns: tuple[DeliverColumns, ...] = (),
+        notify: WriteNotify | None = None, regions: frozenset[int] = frozenset(), fills: list[ObjectEntry] | None = None,
     ) -> RemoteWrite:
-        """A write on ``link`` for the items ``indices`` of ``op``; ``submit`` sends it."""
+        """A write on ``link`` for the items ``indices`` of ``op``, whole (the fields
+        ``RemoteWrite`` documents); ``submit`` sends it."""
         self.counters.inc(Count.REMOTE_WRITES)
-        return RemoteWrite(link, next(self._ids), op, indices, items, agent, client, partial, op.deadline)
+        return RemoteWrite(link, next(self._ids), op, indices, items, agent, client, partial, op.deadline, fills=fills,
+                           columns=columns, notify=notify, regions=regions)
 
     def submit(self, write: RemoteWrite) -> None:
         """Send ``write`` now if its link's session is up, else when it is."""

@@ -83,10 +83,8 @@ class MetricsPublisher:
             )
             for name, p in store.pool_stats().items()
         )
-        results = []
-        for outcome, n in self.operations.outcomes.items():
-            operation, status, *code = outcome.split(".", 2)
-            results.append((operation, status.lower(), code[0] if code else "", n))
+        results = [(kind.value, status.value.lower(), code.name if code is not None else "", n)
+                   for (kind, status, code), n in self.operations.outcomes.items()]
         states = collections.Counter(link.state.value for link in self.links)
         sessions = list(self.sessions)
         peers = sum(1 for s in sessions if isinstance(s, PeerSession))

@@ -21,7 +21,7 @@ from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.operations import Operations
 from kvcr_node.ops.deliver import Deliveries
 from kvcr_node.outbox import Outbox
-from kvcr_node.records import Operation, PeerSession, Plan
+from kvcr_node.records import Operation, OpKind, PeerSession, Plan
 from kvcr_node.sessions import Sessions
 from kvcr_node.wanted import Wanted
 from kvcr_protocol import (
@@ -153,21 +153,22 @@ class Source:
             self.outbox.reply(peer, Refuse(msg.id, refused.code, refused.reason))
             return
         wanted = Wanted(msg.items, msg.columns)
-        op = self.operations.admit(peer, msg.id, "write", len(wanted), msg.deadline_ms)
-        if op is None:
-            return
-        op.agent, op.regions, op.exact = msg.agent, regions, not msg.partial
         notify = msg.notify
-        # Spec section 6.10: the payloads name the client's deliver and its item indices.
-        op.plan = Plan(wanted.group_counts(), wanted.planned,
-                       notify=None if notify is None else (notify.token, notify.request, notify.item_indices()))
-        op.report = lambda results: self.write_settled(peer, op, results)
 
-        def resume(i: int) -> None:
+        def resume(op: Operation, i: int) -> None:
             self.counters.inc(Count.WRITES_DEFERRED)
             self.deliveries.deliver_ready([i], op, wanted)
 
-        op.resume = resume
+        op = self.operations.admit(
+            peer, msg.id, OpKind.WRITE, len(wanted), msg.deadline_ms, agent=msg.agent, regions=regions,
+            exact=not msg.partial,
+            # Spec section 6.10: the payloads name the client's deliver and its item indices.
+            plan=Plan(wanted.group_counts(), wanted.planned,
+                      notify=None if notify is None else (notify.token, notify.request, notify.item_indices())),
+            resume=resume, report=lambda op, results: self.write_settled(peer, op, results),
+        )
+        if op is None:
+            return
         # A source never forwards: request_id None names no hint.
         ready, _ = self.operations.sort_items(op, wanted.keys, None)
         if ready and self.submit_write is not None:
@@ -195,7 +196,7 @@ class Source:
             if not isinstance(session, PeerSession) or session.incarnation != peer.incarnation:
                 continue
             op = session.ops.get(msg.op)
-            if op is not None and op.kind == "write":
+            if op is not None and op.kind is OpKind.WRITE:
                 state = WriteState.IN_FLIGHT if any(t.running for t in op.transfers) else WriteState.WAITING
                 break
             if msg.op in session.done:

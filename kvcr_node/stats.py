@@ -91,7 +91,7 @@ class Stats:
             "transfers": self.transfers.stats(),
             "peers": self.target.links.stats(),
             "peer_sessions": sum(1 for s in sessions if isinstance(s, PeerSession)),
-            "outcomes": dict(self.operations.outcomes),
+            "outcomes": self.operations.outcome_counts(),
             "protocol_errors": self.protocol_errors.snapshot(),
             "counters": self.counters.snapshot(),
             "projection_cache": {"size": len(self.projections), "hits": self.projections.hits, "misses": self.projections.misses},

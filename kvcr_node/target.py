@@ -105,14 +105,15 @@ class Target:
             self.operations.settle(op)
             return
         items, columns = wanted.forward(keep)
-        write = self.links.new_write(op, link, keep, items, client.agent, client, partial)
-        write.columns = columns
-        write.regions = frozenset(rid for i in keep for rid in wanted.region_ids(i))
         plan = op.plan
+        notify = None
         if plan is not None and plan.notify is not None:
             token, request, _ = plan.notify
-            write.notify = WriteNotify(token, request, pack((plan.client_index(i) for i in keep), U32))
-        op.remote += 1
+            notify = WriteNotify(token, request, pack((plan.client_index(i) for i in keep), U32))
+        write = self.links.new_write(
+            op, link, keep, items, client.agent, client, partial, columns=columns, notify=notify,
+            regions=frozenset(rid for i in keep for rid in wanted.region_ids(i)))
+        op.remote_sent()
         self.links.submit(write)
 
     def remote_fetch(self, op: Operation, source: str, fills: list[tuple[int, ObjectEntry]]) -> None:
@@ -138,9 +139,9 @@ class Target:
         except BaseException:
             self.operations.abandon_fills([entry for _, entry in fills])
             raise
-        write = self.links.new_write(op, link, [i for i, _ in fills], tuple(items), self.agent_name, None, False)
-        write.fills = [entry for _, entry in fills]
-        op.remote += 1
+        write = self.links.new_write(op, link, [i for i, _ in fills], tuple(items), self.agent_name, None, False,
+                                     fills=[entry for _, entry in fills])
+        op.remote_sent()
         self.links.submit(write)
 
     # ------------------------------------------------------------------ what the links report (LinkOwner)
@@ -159,7 +160,7 @@ class Target:
                 self.store.abandon(entry)
                 operations.wake(entry.key)
             return
-        op.remote -= 1
+        op.remote_answered()
         plan = op.plan
         for n, i in enumerate(write.indices):
             result = from_source(results[n]) if n < len(results) else None
@@ -212,7 +213,7 @@ class Target:
     def write_uncertain(self, write: RemoteWrite) -> None:
         """The deadline passed with the write unanswered: fail the items, keep the memory."""
         op = write.op
-        op.remote -= 1
+        op.remote_answered()
         for i in write.indices:
             op.fail(i, ErrorCode.DESTINATION_UNCERTAIN,
                     f"the deadline passed; the source {write.link.endpoint} may still write the destination until it confirms")

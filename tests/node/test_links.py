@@ -22,7 +22,7 @@ from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.links import PROBE_INTERVAL_S, LinkError, Links
 from kvcr_node.peers import LinkState, RemoteWrite, WriteStage
-from kvcr_node.records import ClientSession, Operation
+from kvcr_node.records import ClientSession, Operation, OpKind
 from kvcr_protocol import (
     SUPPORTED_VERSIONS,
     Ack,
@@ -168,7 +168,7 @@ def world(ipc_dir: Path) -> Iterator[World]:
 
 def operation(clock: Clock, deadline_s: float, keys: int = 1) -> Operation:
     session = ClientSession(b"client", "engine", "client-agent", VERSION)
-    return Operation(session, 1, "deliver", clock.now + deadline_s, [None] * keys)
+    return Operation(session, 1, OpKind.DELIVER, clock.now + deadline_s, [None] * keys)
 
 
 def items(n: int = 1) -> tuple[DeliverItem, ...]:
@@ -319,7 +319,7 @@ def client_session(name: str = "client-agent") -> ClientSession:
 
 def client_write(world: World, link: Any, client: ClientSession, deadline_s: float = 5) -> RemoteWrite:
     """Submit a write into ``client``'s memory on ``link``."""
-    op = Operation(client, 1, "deliver", world.clock.now + deadline_s, [None])
+    op = Operation(client, 1, OpKind.DELIVER, world.clock.now + deadline_s, [None])
     write = world.links.new_write(op, link, [0], items(), client.agent, client, False)
     world.links.submit(write)
     return write
