@@ -115,15 +115,20 @@ def _close_quietly(sock: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | 
 
 
 class Links:
-    """Every link of this node to a source node (the target side of spec section 12)."""
+    """Every link of this node to a source node (the target side of spec section 12).
+
+    The node makes it and hands it to ``Target``, which it then reports to (``owner``), and
+    to ``Leases`` (``lease_owner``): the I/O stays here, and a test can hand either a fake.
+    """
 
     def __init__(
-        self, owner: LinkOwner, config: NodeConfig, context: zmq.Context[Any], poller: zmq.Poller,
+        self, config: NodeConfig, context: zmq.Context[Any], poller: zmq.Poller,
         agents: RemoteAgents, hello: Callable[[int], PeerHello], versions: Sequence[int],
         counters: Counters, protocol_errors: ProtocolErrors, clock: Callable[[], float],
-        curve: tuple[bytes, bytes, bytes] | None = None,
+        curve: tuple[bytes, bytes, bytes] | None = None, *, owner: LinkOwner | None = None,
     ) -> None:
         self.owner = owner
+        """Who each write's end is reported to (``Target``; the node sets it)."""
         self.config = config
         self.context = context
         self.poller = poller
@@ -145,6 +150,14 @@ class Links:
 
     def __iter__(self) -> Iterator[PeerLink]:
         return iter(self.by_endpoint.values())
+
+    @property
+    def reports(self) -> LinkOwner:
+        """``owner``, which every link's writes need (a write cannot exist before it is set)."""
+        owner = self.owner
+        if owner is None:
+            raise RuntimeError("Links has no owner: the node sets Target as its owner before any write")
+        return owner
 
     def __len__(self) -> int:
         return len(self.by_endpoint)
@@ -225,7 +238,7 @@ class Links:
         link.writes.pop(write.id, None)
         link.probes.pop(write.probe_id, None)
         link.last_used = self.clock()
-        self.owner.write_over(write, code, reason, results, was_uncertain)
+        self.reports.write_over(write, code, reason, results, was_uncertain)
 
     def forget_client(self, agent: str) -> None:
         """A client's session ended: no link announces it any more (it is announced afresh if
@@ -450,13 +463,13 @@ class Links:
 
     def _message_failed(self, link: PeerLink, msg: Message, exc: Exception) -> None:
         """Handling a source's message raised: count it; the write it answers (if any) fails ``INTERNAL``."""
-        self.owner.internal_failure(f"peer {msg.TAG}", exc)
+        self.reports.internal_failure(f"peer {msg.TAG}", exc)
         write = link.writes.get(getattr(msg, "id", -1))
         if write is not None and write.state is not WriteStage.DONE:
             try:
                 self.end_write(write, ErrorCode.INTERNAL, f"the node failed while handling the source's {msg.TAG}")
             except Exception as again:
-                self.owner.internal_failure("ending a write", again)
+                self.reports.internal_failure("ending a write", again)
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:
         ask = link.asks.pop(msg.id, None) if isinstance(msg, (LeaseReply, Ack, Error)) else None
@@ -482,7 +495,7 @@ class Links:
         elif isinstance(msg, Progress):
             write = link.writes.get(msg.id)
             if write is not None:
-                self.owner.write_progress(write, msg)
+                self.reports.write_progress(write, msg)
         elif isinstance(msg, Ack):
             link.announcing.pop(msg.id, None)
         elif isinstance(msg, (Refuse, Error)):
@@ -627,7 +640,7 @@ class Links:
                 if write.state is WriteStage.SENT and write.deadline <= now:
                     write.state = WriteStage.UNCERTAIN
                     self.counters.inc(Count.UNCERTAIN_WRITES)
-                    self.owner.write_uncertain(write)
+                    self.reports.write_uncertain(write)
                 if write.state is not WriteStage.UNCERTAIN:
                     continue
                 dead_for = now - link.down_since if link.down_since is not None else 0.0

@@ -9,8 +9,9 @@ interval.
 ``Node`` owns the sockets, the poller, the memory and the loop, and wires the parts that
 own the state (architecture §1): ``Router`` (requests in), ``Sessions``, ``Operations``
 and the operation families in ``kvcr_node.ops``, ``Target`` (remote writes we ask for,
-over ``Links``), ``Source`` (what peers ask of us) and ``Stats``. Those parts never touch
-the ROUTER socket: they put what to send in the ``Outbox``, and the loop sends it.
+over the ``Links`` made here and handed to it), ``Source`` (what peers ask of us) and
+``Stats``. Those parts never touch the ROUTER socket: they put what to send in the
+``Outbox``, and the loop sends it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from kvcr_node.eviction import make_policy
 from kvcr_node.exporter import MetricsExporter
 from kvcr_node.inventory import Inventory
 from kvcr_node.leases import Leases
+from kvcr_node.links import Links
 from kvcr_node.memory import PoolMemory
 from kvcr_node.metrics import Metrics
 from kvcr_node.metrics_publisher import MetricsPublisher
@@ -178,12 +180,15 @@ class Node:
         self.operations = Operations(
             config, self.store, self.transfers, self.remote_agents, self.outbox, self.clock, self.endpoint, failure,
             self.metrics)
-        self.target = Target(
-            config, self.context, self._poller, self.remote_agents, self._peer_hello, self.versions, self.store,
-            self.memories, self.operations, self.outbox, self.counters, self.protocol_errors, self.clock,
-            self.agent.name, failure, self.curve.peer_keys if self.curve is not None else None,
+        self.links = Links(
+            config, self.context, self._poller, self.remote_agents, self._peer_hello, self.versions, self.counters,
+            self.protocol_errors, self.clock, self.curve.peer_keys if self.curve is not None else None,
         )
-        self.links = self.target.links
+        self.target = Target(
+            self.links, self.remote_agents, self.store, self.memories, self.operations, self.outbox, self.counters,
+            self.agent.name, failure,
+        )
+        self.links.owner = self.target
         self.leases = Leases(config, self.store, self.outbox, self.links, self.clock, self.endpoint)
         self.links.lease_owner = self.leases
         self.leases.session_count = lambda: sum(1 for s in self.sessions.table.values() if s.regions or s.leases)

@@ -10,15 +10,11 @@ operation's results, the fill committed or abandoned, and handles. A client's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
-
-import zmq
+from collections.abc import Sequence
 
 from kvcr_io.agent import TransferError
 from kvcr_node.agents import RemoteAgents
-from kvcr_node.config import NodeConfig
-from kvcr_node.counters import Count, Counters, ProtocolErrors
+from kvcr_node.counters import Count, Counters
 from kvcr_node.links import LinkError, Links
 from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Failure, Operations
@@ -34,7 +30,6 @@ from kvcr_protocol import (
     ErrorCode,
     KeyResult,
     KeyStatus,
-    PeerHello,
     Progress,
     ProtocolError,
     Region,
@@ -57,14 +52,14 @@ def from_source(result: KeyResult) -> KeyResult:
 
 
 class Target:
-    """Remote writes on behalf of our operations, and the ``unregions`` they hold (a ``LinkOwner``)."""
+    """Remote writes on behalf of our operations, and the ``unregions`` they hold (a ``LinkOwner``).
+
+    ``links`` is handed in (the node makes it, and makes this its owner): all the socket
+    work is there, so a test can drive this with a fake."""
 
     def __init__(
-        self, config: NodeConfig, context: zmq.Context[Any], poller: zmq.Poller, agents: RemoteAgents,
-        hello: Callable[[int], PeerHello], versions: Sequence[int], store: Store, memories: dict[str, PoolMemory],
-        operations: Operations, outbox: Outbox, counters: Counters,
-        protocol_errors: ProtocolErrors, clock: Callable[[], float], agent_name: str, failure: Failure,
-        curve: tuple[bytes, bytes, bytes] | None = None,
+        self, links: Links, agents: RemoteAgents, store: Store, memories: dict[str, PoolMemory],
+        operations: Operations, outbox: Outbox, counters: Counters, agent_name: str, failure: Failure,
     ) -> None:
         self.store = store
         self.memories = memories
@@ -76,7 +71,7 @@ class Target:
         self.agent_name = agent_name
         self.failure = failure
         self.agents = agents
-        self.links = Links(self, config, context, poller, agents, hello, versions, counters, protocol_errors, clock, curve)
+        self.links = links
         self.withdrawing: dict[bytes, ClientSession] = {}
         """Sessions with an ``unregions`` whose ack is held, by identity."""
 

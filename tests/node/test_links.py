@@ -157,9 +157,9 @@ def world(ipc_dir: Path) -> Iterator[World]:
     agents = RemoteAgents(FakeAgent(), lambda name: AgentUse.HELD, clock)  # type: ignore[arg-type]
     counters = Counters()
     links = Links(
-        owner, CONFIG, context, poller, agents,
+        CONFIG, context, poller, agents,
         lambda i: PeerHello(i, SUPPORTED_VERSIONS, "target", 7, "target-agent", b"target-agent"),
-        SUPPORTED_VERSIONS, counters, ProtocolErrors(), clock,
+        SUPPORTED_VERSIONS, counters, ProtocolErrors(), clock, owner=owner,
     )
     yield World(links, owner, clock, context, ipc_dir, counters)
     links.close_all()
