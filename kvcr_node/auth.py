@@ -8,7 +8,6 @@ endpoint) lets in only the public keys on the allow-list, and counts every refus
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from pathlib import Path
 from typing import Any, cast
 
@@ -21,6 +20,7 @@ from kvcr_io.zmq_flags import EVENTS as _EVENTS
 from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
 from kvcr_io.zmq_flags import POLLIN as _POLLIN
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Count, Counters
 
 log = logging.getLogger("kvcr.node")
 
@@ -72,7 +72,7 @@ class CurveServer:
     counts its failed handshake. Its sockets go into the loop's poller (``sockets``).
     """
 
-    def __init__(self, context: zmq.Context[Any], router: zmq.Socket[bytes], config: NodeConfig, counters: Counter[str]) -> None:
+    def __init__(self, context: zmq.Context[Any], router: zmq.Socket[bytes], config: NodeConfig, counters: Counters) -> None:
         self.counters = counters
         self.secret = read_key(config.curve_secret_key)
         self.public = read_key(config.curve_public_key)
@@ -113,9 +113,9 @@ class CurveServer:
             request = self.zap.recv_multipart(_NOBLOCK)
             reply, user = zap_reply(request, self.allowed)
             if user is not None:
-                self.counters["auth_accepted"] += 1
+                self.counters.inc(Count.AUTH_ACCEPTED)
             else:
-                self.counters["auth_refused"] += 1
+                self.counters.inc(Count.AUTH_REFUSED)
                 key = z85.encode(request[6]).decode() if len(request) > 6 and len(request[6]) == 32 else "(none)"
                 log.warning("refused a connection: CURVE key %s is not on the allow-list", key)
             self.zap.send_multipart(reply)
@@ -124,7 +124,7 @@ class CurveServer:
         while cast(int, self.monitor.getsockopt(_EVENTS)) & _POLLIN:
             event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             if event["event"] in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-                self.counters["auth_handshake_failed"] += 1
+                self.counters.inc(Count.AUTH_HANDSHAKE_FAILED)
                 log.warning("refused a connection that failed the CURVE handshake")
 
     def close(self) -> None:

@@ -9,7 +9,6 @@ What to send comes from the sans-I/O ``Inventory``, when and to whom from ``Repl
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvcr_io.zmq_flags import EVENTS as _EVENTS
 from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
 from kvcr_io.zmq_flags import POLLIN as _POLLIN
+from kvcr_node.counters import Count, Counters
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.inventory import Inventory
 from kvcr_node.replays import REPLAY_BYTES, REPLAY_HWM, REPLAY_REQUESTERS, Replays, Sent
@@ -47,7 +47,7 @@ class EventPublisher:
 
     def __init__(
         self, context: zmq.Context[Any], endpoint: str, replay: str, inventory: Inventory,
-        counters: collections.Counter[str], clock: Callable[[], float] = time.monotonic,
+        counters: Counters, clock: Callable[[], float] = time.monotonic,
         replay_bytes: int = REPLAY_BYTES, replay_requesters: int = REPLAY_REQUESTERS,
     ) -> None:
         self.inventory = inventory
@@ -82,7 +82,7 @@ class EventPublisher:
         too slow to take them loses them to its queue's limit, sees the gap and replays."""
         for seq, payload in self.inventory.take():
             self.pub.send_multipart((EVENTS_TOPIC, encode_seq(seq), payload), _NOBLOCK)
-            self.counters["events_published"] += 1
+            self.counters.inc(Count.EVENTS_PUBLISHED)
 
     def serve(self) -> None:
         """Take at most ``REPLAY_REQUESTS_PER_TURN`` replay requests (``pump`` sends the answers)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import LeaseCount, LeaseCounters
 from kvcr_node.outbox import Outbox
 from kvcr_node.records import ClientSession, PeerSession
 from kvcr_node.store import ObjectEntry, ObjectState, Store
@@ -149,13 +150,13 @@ class Leases:
         self._expiry: list[tuple[float, int]] = []
         """(expires, lease id), a heap; an entry whose lease was renewed or ended is skipped."""
         self._asking: dict[int, LeaseRecord] = {}
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters = LeaseCounters()
 
     # ------------------------------------------------------------------ requests
 
     def on_lease(self, session: ClientSession, msg: Lease) -> None:
         if len(session.leases) >= self.config.max_leases_per_session:
-            self.counters["refused_lease_limit"] += 1
+            self.counters.inc(LeaseCount.REFUSED_LEASE_LIMIT)
             self.outbox.refuse(session, msg.id, ProtocolError(
                 ErrorCode.LEASE_LIMIT, f"this session holds {len(session.leases)} leases, the most the node allows "
                 "(max_leases_per_session); release some first"))
@@ -179,7 +180,7 @@ class Leases:
                     if session.leased_slots + 1 > self.config.max_leased_slots_per_session:
                         # A key asked of a source counts one slot while it waits (spec section
                         # 6.11): a flood of pending leases meets the session's limit.
-                        self.counters["keys_refused_limit"] += 1
+                        self.counters.inc(LeaseCount.KEYS_REFUSED_LIMIT)
                         status[i], tier[i] = LeaseStatus.LEASE_LIMIT, _REMOTE_TIER_INDEX
                         continue
                     remote.setdefault(hint[0], []).append(i)
@@ -194,7 +195,7 @@ class Leases:
                 self._hold(record, entry)
                 status[i] = LeaseStatus.LEASED
             else:
-                self.counters["keys_refused_limit"] += 1
+                self.counters.inc(LeaseCount.KEYS_REFUSED_LIMIT)
                 status[i] = LeaseStatus.LEASE_LIMIT
         self.store.claim_all(record.entries)
         self.table[record.id] = record
@@ -218,7 +219,7 @@ class Leases:
         record.ttl_ms = ttl
         record.expires = self.clock() + ttl / 1000
         self._schedule(record)
-        self.counters["renewed"] += 1
+        self.counters.inc(LeaseCount.RENEWED)
         for hold in record.sources:
             if hold.state is HoldState.HELD:
                 self._renew_at_source(record, hold, ttl)
@@ -228,7 +229,7 @@ class Leases:
         record = self._own(session, msg.id, msg.lease)
         if record is None:
             return
-        self.counters["released"] += 1
+        self.counters.inc(LeaseCount.RELEASED)
         self.end_lease(record)
         self.outbox.reply(session, Ack(msg.id))
 
@@ -237,7 +238,7 @@ class Leases:
         another session's lease, an ended or a released one are all unknown here."""
         record = self.table.get(lease) if lease in session.leases else None
         if record is None or record.session is not session:
-            self.counters["unknown_lease"] += 1
+            self.counters.inc(LeaseCount.UNKNOWN_LEASE)
             self.outbox.refuse(session, request_id, ProtocolError(
                 ErrorCode.UNKNOWN_LEASE, f"lease {lease} is not held by this session (never granted, released or ended)",
                 "lease"))
@@ -264,7 +265,7 @@ class Leases:
                 status[i], tier[i] = status[j], tier[j]
         lease = record.id
         if record.holds_anything:
-            self.counters["granted"] += 1
+            self.counters.inc(LeaseCount.GRANTED)
         else:
             self._forget(record)
             lease = 0
@@ -365,7 +366,7 @@ class Leases:
         for lease in list(session.leases):
             record = self.table.get(lease)
             if record is not None:
-                self.counters["ended_with_session"] += 1
+                self.counters.inc(LeaseCount.ENDED_WITH_SESSION)
                 self.end_lease(record)
 
     def carry_over(self, old: ClientSession, new: ClientSession) -> None:
@@ -380,7 +381,7 @@ class Leases:
             new.leases.add(lease)
             new.leased_slots += record.slots
             new.pool_slots.update(record.pool_slots)
-            self.counters["carried_over"] += 1
+            self.counters.inc(LeaseCount.CARRIED_OVER)
         old.leases.clear()
         old.leased_slots = 0
         old.pool_slots.clear()
@@ -402,7 +403,7 @@ class Leases:
             expires, lease = heapq.heappop(self._expiry)
             record = self.table.get(lease)
             if record is not None and record.expires == expires:
-                self.counters["expired"] += 1
+                self.counters.inc(LeaseCount.EXPIRED)
                 self.end_lease(record, ErrorCode.LEASE_EXPIRED, f"lease {lease} was not renewed within {record.ttl_ms} ms")
         for record in [r for r in self._asking.values() if r.reply is not None and r.reply.deadline <= now]:
             for hold in record.sources:
@@ -425,7 +426,7 @@ class Leases:
 
     def _ask_source(self, record: LeaseRecord, hold: SourceHold) -> None:
         keys, ttl = hold.keys, record.ttl_ms
-        self.counters["asked_sources"] += 1
+        self.counters.inc(LeaseCount.ASKED_SOURCES)
         self.links.ask(hold.endpoint, lambda i: Lease(i, keys, None, ttl),
                        lambda reply, code: self._source_answered(record, hold, reply, code), SOURCE_ANSWER_S)
 
@@ -508,7 +509,7 @@ class Leases:
         """The source no longer holds ``hold``'s keys: the client is told which."""
         self.links.release_lease(hold.endpoint, hold.source_lease)
         hold.state = HoldState.ENDED
-        self.counters["lost_at_source"] += 1
+        self.counters.inc(LeaseCount.LOST_AT_SOURCE)
         if record.holds_anything:
             self._tell(record.session, record.id, code, reason, hold.held)
         else:
@@ -537,7 +538,7 @@ class Leases:
         whether the source still holds it; one it does not is lost (PEER_UNREACHABLE)."""
         now = self.clock()
         for record, hold in self._holds(link.endpoint):
-            self.counters["resumed_at_source"] += 1
+            self.counters.inc(LeaseCount.RESUMED_AT_SOURCE)
             left_ms = max(1, int((record.expires - now) * 1000))
             self._renew_at_source(record, hold, left_ms, ErrorCode.PEER_UNREACHABLE)
 
@@ -558,7 +559,7 @@ class Leases:
             "objects": len(self.holders),
             "pinned_slots": dict(self.pinned),
             "at_sources": sum(1 for r in self.table.values() for h in r.sources if h.state is HoldState.HELD),
-            **dict(self.counters),
+            **self.counters.snapshot(),
         }
 
     def sizes(self) -> dict[str, int]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -29,11 +28,14 @@ from kvcr_io.zmq_flags import POLLIN as _POLLIN
 from kvcr_node import logs
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.peers import Answer, Ask, LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWrite, WriteStage
 from kvcr_node.records import ClientSession, Operation
+from kvcr_node.store import ObjectEntry
 from kvcr_protocol import (
     Ack,
     Bye,
+    DeliverColumns,
     DeliverItem,
     Error,
     ErrorCode,
@@ -54,6 +56,7 @@ from kvcr_protocol import (
     ReleaseLease,
     RemoteProtocolError,
     WriteDone,
+    WriteNotify,
     WriteRequest,
     WriteState,
     decode,
@@ -112,15 +115,20 @@ def _close_quietly(sock: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | 
 
 
 class Links:
-    """Every link of this node to a source node (the target side of spec section 12)."""
+    """Every link of this node to a source node (the target side of spec section 12).
+
+    The node makes it and hands it to ``Target``, which it then reports to (``owner``), and
+    to ``Leases`` (``lease_owner``): the I/O stays here, and a test can hand either a fake.
+    """
 
     def __init__(
-        self, owner: LinkOwner, config: NodeConfig, context: zmq.Context[Any], poller: zmq.Poller,
+        self, config: NodeConfig, context: zmq.Context[Any], poller: zmq.Poller,
         agents: RemoteAgents, hello: Callable[[int], PeerHello], versions: Sequence[int],
-        counters: Counter[str], protocol_errors: Counter[str], clock: Callable[[], float],
-        curve: tuple[bytes, bytes, bytes] | None = None,
+        counters: Counters, protocol_errors: ProtocolErrors, clock: Callable[[], float],
+        curve: tuple[bytes, bytes, bytes] | None = None, *, owner: LinkOwner | None = None,
     ) -> None:
         self.owner = owner
+        """Who each write's end is reported to (``Target``; the node sets it)."""
         self.config = config
         self.context = context
         self.poller = poller
@@ -142,6 +150,14 @@ class Links:
 
     def __iter__(self) -> Iterator[PeerLink]:
         return iter(self.by_endpoint.values())
+
+    @property
+    def reports(self) -> LinkOwner:
+        """``owner``, which every link's writes need (a write cannot exist before it is set)."""
+        owner = self.owner
+        if owner is None:
+            raise RuntimeError("Links has no owner: the node sets Target as its owner before any write")
+        return owner
 
     def __len__(self) -> int:
         return len(self.by_endpoint)
@@ -179,7 +195,7 @@ class Links:
         except zmq.ZMQError as exc:
             _close_quietly(sock, monitor)
             code = ErrorCode.BAD_ENDPOINT if exc.errno in _BAD_ENDPOINT_ERRNOS else ErrorCode.PEER_UNREACHABLE
-            self.counters["link_failures"] += 1
+            self.counters.inc(Count.LINK_FAILURES)
             raise LinkError(code, f"cannot connect to the source {endpoint!r}: {exc.strerror}") from exc
         except BaseException:
             _close_quietly(sock, monitor)
@@ -198,11 +214,14 @@ class Links:
 
     def new_write(
         self, op: Operation, link: PeerLink, indices: list[int], items: tuple[DeliverItem, ...],
-        agent: str, client: ClientSession | None, partial: bool,
+        agent: str, client: ClientSession | None, partial: bool, *, columns: tuple[DeliverColumns, ...] = (),
+        notify: WriteNotify | None = None, regions: frozenset[int] = frozenset(), fills: list[ObjectEntry] | None = None,
     ) -> RemoteWrite:
-        """A write on ``link`` for the items ``indices`` of ``op``; ``submit`` sends it."""
-        self.counters["remote_writes"] += 1
-        return RemoteWrite(link, next(self._ids), op, indices, items, agent, client, partial, op.deadline)
+        """A write on ``link`` for the items ``indices`` of ``op``, whole (the fields
+        ``RemoteWrite`` documents); ``submit`` sends it."""
+        self.counters.inc(Count.REMOTE_WRITES)
+        return RemoteWrite(link, next(self._ids), op, indices, items, agent, client, partial, op.deadline, fills=fills,
+                           columns=columns, notify=notify, regions=regions)
 
     def submit(self, write: RemoteWrite) -> None:
         """Send ``write`` now if its link's session is up, else when it is."""
@@ -219,7 +238,7 @@ class Links:
         link.writes.pop(write.id, None)
         link.probes.pop(write.probe_id, None)
         link.last_used = self.clock()
-        self.owner.write_over(write, code, reason, results, was_uncertain)
+        self.reports.write_over(write, code, reason, results, was_uncertain)
 
     def forget_client(self, agent: str) -> None:
         """A client's session ended: no link announces it any more (it is announced afresh if
@@ -252,7 +271,7 @@ class Links:
                 return  # the socket is full: the next check tries again
             link.forgets.discard(agent)
             link.clients_sent.pop(agent, None)
-            self.counters["peer_forgets_sent"] += 1
+            self.counters.inc(Count.PEER_FORGETS_SENT)
 
     # ------------------------------------------------------------------ lease requests
 
@@ -272,7 +291,7 @@ class Links:
             return
         ask = Ask(build, answer, self.clock() + wait_s, incarnation)
         if len(link.asks) + len(link.asks_queued) + len(link.abandoned) >= ASKS_PER_LINK:
-            self.counters["lease_asks_refused"] += 1
+            self.counters.inc(Count.LEASE_ASKS_REFUSED)
             answer(None, ErrorCode.PEER_UNREACHABLE)
         elif link.state is LinkState.READY:
             self._send_ask(link, ask)
@@ -292,7 +311,7 @@ class Links:
         frame = encode(msg, link.version)
         if link.ask_bytes + len(frame) > ASK_BYTES_PER_LINK:
             # The source has not read what was sent before: nothing more joins the queue.
-            self.counters["lease_asks_refused"] += 1
+            self.counters.inc(Count.LEASE_ASKS_REFUSED)
             ask.answer(None, ErrorCode.PEER_UNREACHABLE)
             return
         try:
@@ -312,7 +331,7 @@ class Links:
             return False
         size, grants = late
         link.ask_bytes -= size
-        self.counters["lease_asks_late"] += 1
+        self.counters.inc(Count.LEASE_ASKS_LATE)
         if grants and isinstance(msg, LeaseReply) and msg.lease:
             lease = msg.lease
             self.ask(link.endpoint, lambda i: ReleaseLease(i, lease), _ignore, LATE_RELEASE_S, link.incarnation)
@@ -429,7 +448,7 @@ class Links:
             try:
                 msg = decode(frame, link.version or self.versions[-1])
             except RemoteProtocolError as exc:
-                self.protocol_errors[exc.code.name] += 1
+                self.protocol_errors.inc(exc.code)
                 if (left_out := logs.limiter.admit(exc.code.name)) is not None:  # a broken peer cannot flood the log
                     log.warning("undecodable message from peer %s: %s %s", link.endpoint, exc.code.name, exc.reason[:200],
                                 extra={"code": exc.code.name, "session": link.node or link.endpoint, "role": "source",
@@ -444,13 +463,13 @@ class Links:
 
     def _message_failed(self, link: PeerLink, msg: Message, exc: Exception) -> None:
         """Handling a source's message raised: count it; the write it answers (if any) fails ``INTERNAL``."""
-        self.owner.internal_failure(f"peer {msg.TAG}", exc)
+        self.reports.internal_failure(f"peer {msg.TAG}", exc)
         write = link.writes.get(getattr(msg, "id", -1))
         if write is not None and write.state is not WriteStage.DONE:
             try:
                 self.end_write(write, ErrorCode.INTERNAL, f"the node failed while handling the source's {msg.TAG}")
             except Exception as again:
-                self.owner.internal_failure("ending a write", again)
+                self.reports.internal_failure("ending a write", again)
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:
         ask = link.asks.pop(msg.id, None) if isinstance(msg, (LeaseReply, Ack, Error)) else None
@@ -476,7 +495,7 @@ class Links:
         elif isinstance(msg, Progress):
             write = link.writes.get(msg.id)
             if write is not None:
-                self.owner.write_progress(write, msg)
+                self.reports.write_progress(write, msg)
         elif isinstance(msg, Ack):
             link.announcing.pop(msg.id, None)
         elif isinstance(msg, (Refuse, Error)):
@@ -490,13 +509,13 @@ class Links:
         if agent is not None:
             # The source refused a client's announcement: the writes sent after it fail
             # there (agent not announced); announce again with the client's next write.
-            self.counters["peer_client_refused"] += 1
+            self.counters.inc(Count.PEER_CLIENT_REFUSED)
             link.clients_sent.pop(agent, None)
             log.warning("peer %s refused client %s: %s", link.endpoint, agent, msg.reason)
         if write is not None and isinstance(msg, Refuse) and self._may_retry(link, write, msg):
             # The source forgot the client (max_peer_clients): announce it again, retry once.
             write.retried = True
-            self.counters["writes_retried"] += 1
+            self.counters.inc(Count.WRITES_RETRIED)
             assert write.client is not None
             link.clients_sent.pop(write.client.agent, None)
             link.writes.pop(write.id, None)
@@ -532,7 +551,7 @@ class Links:
         if restarted:
             # A new incarnation: its predecessor's writes are void, and whatever it was
             # writing is over (it is gone).
-            self.counters["peer_restarts"] += 1
+            self.counters.inc(Count.PEER_RESTARTS)
             for write in list(link.writes.values()):
                 self.end_write(write, ErrorCode.PEER_RESTARTED, "the source restarted")
             queued_asks, link.asks_queued = link.asks_queued, []  # asked of the new one below
@@ -591,7 +610,7 @@ class Links:
         for link in list(self):
             if not link.busy and now - link.last_used >= idle_s:
                 # Nothing outstanding and unused for peer_idle_ms: close it (spec section 5.3).
-                self.counters["links_closed_idle"] += 1
+                self.counters.inc(Count.LINKS_CLOSED_IDLE)
                 self.retire(link)
                 continue
             if link.state is LinkState.READY and link.next_heartbeat <= now and self.config.heartbeat_ms:
@@ -611,7 +630,7 @@ class Links:
                 # Without a session since it went down, for peer_dead_ms (reconnected to a
                 # listener that never welcomes counts too): the source is taken as gone, and
                 # its leases with it.
-                self.counters["source_leases_dead"] += len(link.leases)
+                self.counters.inc(Count.SOURCE_LEASES_DEAD, len(link.leases))
                 self._lose_leases(link, ErrorCode.PEER_UNREACHABLE)
             for write in list(link.queued):
                 if write.deadline <= now:
@@ -620,8 +639,8 @@ class Links:
             for write in list(link.writes.values()):
                 if write.state is WriteStage.SENT and write.deadline <= now:
                     write.state = WriteStage.UNCERTAIN
-                    self.counters["uncertain_writes"] += 1
-                    self.owner.write_uncertain(write)
+                    self.counters.inc(Count.UNCERTAIN_WRITES)
+                    self.reports.write_uncertain(write)
                 if write.state is not WriteStage.UNCERTAIN:
                     continue
                 dead_for = now - link.down_since if link.down_since is not None else 0.0
@@ -635,7 +654,7 @@ class Links:
                     write.probe_id = next(self._ids)
                     link.probes[write.probe_id] = write
                     write.next_probe = now + PROBE_INTERVAL_S
-                    self.counters["probes_sent"] += 1
+                    self.counters.inc(Count.PROBES_SENT)
                     self._send(link, Probe(write.probe_id, write.id))
             if link.forgets:
                 self._send_forgets(link)
@@ -648,7 +667,7 @@ class Links:
         for ask_id in late:
             ask = link.asks.pop(ask_id)
             link.abandoned[ask_id] = (ask.size, ask.grants)
-            self.counters["lease_asks_timed_out"] += 1
+            self.counters.inc(Count.LEASE_ASKS_TIMED_OUT)
             ask.answer(None, ErrorCode.PEER_UNREACHABLE)
 
     def next_wakeup(self, now: float) -> float | None:
@@ -708,10 +727,10 @@ class Links:
         """At ``max_peers`` links: close the least recently used idle one, or refuse (PEER_LIMIT)."""
         idle = [link for link in self if not link.busy]
         if not idle:
-            self.counters["peer_limit_refusals"] += 1
+            self.counters.inc(Count.PEER_LIMIT_REFUSALS)
             raise LinkError(ErrorCode.PEER_LIMIT, f"cannot open a link to {endpoint!r}: this node holds max_peers="
                             f"{self.config.max_peers} links to other sources, each with writes outstanding; retry later")
-        self.counters["links_evicted"] += 1
+        self.counters.inc(Count.LINKS_EVICTED)
         self.retire(min(idle, key=lambda link: link.last_used))
 
     def retire(self, link: PeerLink) -> None:

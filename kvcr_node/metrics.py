@@ -15,6 +15,8 @@ import collections
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kvcr_node.counters import Count
+
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )
@@ -159,7 +161,7 @@ class MetricsSnapshot:
     """(state, links) for every link state."""
     uncertain_writes: int
     counters: tuple[tuple[str, int], ...]
-    """The node's event counters (auth refusals, internal errors, ...), by name."""
+    """The node's event counters (auth refusals, internal errors, ...), by name (``Count`` values)."""
 
-    def counter(self, name: str) -> int:
-        return dict(self.counters).get(name, 0)
+    def counter(self, count: Count) -> int:
+        return dict(self.counters).get(count.value, 0)

@@ -14,6 +14,7 @@ import time
 
 from kvcr_io import package_version
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Counters, ProtocolErrors
 from kvcr_node.leases import Leases
 from kvcr_node.links import Links
 from kvcr_node.metrics import Metrics, MetricsSnapshot, PoolSnapshot
@@ -34,7 +35,7 @@ class MetricsPublisher:
     def __init__(
         self, config: NodeConfig, incarnation: int, protocol_version: int, metrics: Metrics, store: Store,
         operations: Operations, sessions: Sessions, leases: Leases, links: Links, transfers: Transfers,
-        counters: collections.Counter[str], protocol_errors: collections.Counter[str],
+        counters: Counters, protocol_errors: ProtocolErrors,
     ) -> None:
         self.config = config
         self.incarnation = incarnation
@@ -82,10 +83,8 @@ class MetricsPublisher:
             )
             for name, p in store.pool_stats().items()
         )
-        results = []
-        for outcome, n in self.operations.outcomes.items():
-            operation, status, *code = outcome.split(".", 2)
-            results.append((operation, status.lower(), code[0] if code else "", n))
+        results = [(kind.value, status.value.lower(), code.name if code is not None else "", n)
+                   for (kind, status, code), n in self.operations.outcomes.items()]
         states = collections.Counter(link.state.value for link in self.links)
         sessions = list(self.sessions)
         peers = sum(1 for s in sessions if isinstance(s, PeerSession))
@@ -98,9 +97,9 @@ class MetricsPublisher:
             leases=len(self.leases.table), clients=len(sessions) - peers, peer_sessions=peers,
             operations_pending=sum(len(s.ops) for s in sessions), transfers_inflight=len(self.transfers.inflight),
             latency=tuple((kind, h.frozen()) for kind, h in m.latency.items()), first_layer=m.first_layer.frozen(),
-            results=tuple(sorted(results)), protocol_errors=tuple(sorted(self.protocol_errors.items())),
+            results=tuple(sorted(results)), protocol_errors=tuple(sorted(self.protocol_errors.snapshot().items())),
             links=tuple((state.value, states[state.value]) for state in LinkState),
             uncertain_writes=sum(1 for link in self.links for w in link.writes.values()
                                  if w.state is WriteStage.UNCERTAIN),
-            counters=tuple(sorted(self.counters.items())),
+            counters=tuple(sorted(self.counters.snapshot().items())),
         )

@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from kvcr_node.counters import Count
 from kvcr_node.metrics import HistogramSnapshot, MetricsSnapshot
 
 
@@ -132,18 +133,18 @@ def render(s: MetricsSnapshot) -> bytes:
     gauge("kvcr_uncertain_writes", "Remote writes past their deadline that the source has not confirmed over.", (),
           [(s.uncertain_writes,)])
     counter("kvcr_uncertain_writes_begun", "Remote writes that passed their deadline unanswered.", (),
-            [(s.counter("uncertain_writes"),)])
+            [(s.counter(Count.UNCERTAIN_WRITES),)])
     counter("kvcr_uncertain_writes_resolved", "Uncertain remote writes the source later confirmed over.", (),
-            [(s.counter("uncertain_resolved"),)])
+            [(s.counter(Count.UNCERTAIN_RESOLVED),)])
     counter("kvcr_auth_refusals", "Connections refused by CURVE authentication, by reason.", ("reason",),
-            [("not_allowed", s.counter("auth_refused")), ("handshake_failed", s.counter("auth_handshake_failed"))])
+            [("not_allowed", s.counter(Count.AUTH_REFUSED)), ("handshake_failed", s.counter(Count.AUTH_HANDSHAKE_FAILED))])
     counter("kvcr_internal_errors", "Unexpected failures the node counted and survived.", (),
-            [(s.counter("internal_errors"),)])
+            [(s.counter(Count.INTERNAL_ERRORS),)])
     counter("kvcr_event_batches_published", "Inventory event batches published (spec section 15).", (),
-            [(s.counter("events_published"),)])
+            [(s.counter(Count.EVENTS_PUBLISHED),)])
     counter("kvcr_event_replays", "Event replay requests, by result.", ("result",),
-            [("served", s.counter("events_replays")), ("refused", s.counter("events_replays_refused")),
-             ("cut", s.counter("events_replay_cut")), ("busy", s.counter("events_replays_busy"))])
+            [("served", s.counter(Count.EVENTS_REPLAYS)), ("refused", s.counter(Count.EVENTS_REPLAYS_REFUSED)),
+             ("cut", s.counter(Count.EVENTS_REPLAY_CUT)), ("busy", s.counter(Count.EVENTS_REPLAYS_BUSY))])
     return t.encode()
 
 

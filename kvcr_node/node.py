@@ -9,13 +9,13 @@ interval.
 ``Node`` owns the sockets, the poller, the memory and the loop, and wires the parts that
 own the state (architecture §1): ``Router`` (requests in), ``Sessions``, ``Operations``
 and the operation families in ``kvcr_node.ops``, ``Target`` (remote writes we ask for,
-over ``Links``), ``Source`` (what peers ask of us) and ``Stats``. Those parts never touch
-the ROUTER socket: they put what to send in the ``Outbox``, and the loop sends it.
+over the ``Links`` made here and handed to it), ``Source`` (what peers ask of us) and
+``Stats``. Those parts never touch the ROUTER socket: they put what to send in the
+``Outbox``, and the loop sends it.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import secrets
@@ -35,12 +35,14 @@ from kvcr_io.zmq_flags import SNDMORE as _SNDMORE
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.auth import CurveServer
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.event_publisher import EventPublisher
 from kvcr_node.eviction import make_policy
 from kvcr_node.exporter import MetricsExporter
 from kvcr_node.inventory import Inventory
 from kvcr_node.leases import Leases
+from kvcr_node.links import Links
 from kvcr_node.memory import PoolMemory
 from kvcr_node.metrics import Metrics
 from kvcr_node.metrics_publisher import MetricsPublisher
@@ -99,8 +101,8 @@ class Node:
             raise
         self.transfers = Transfers(self.agent, self.local)
 
-        self.protocol_errors: collections.Counter[str] = collections.Counter()
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.protocol_errors = ProtocolErrors()
+        self.counters = Counters()
         self._own_context = context is None
         self.context = context or zmq.Context()
         self.events: EventPublisher | None = None
@@ -178,12 +180,15 @@ class Node:
         self.operations = Operations(
             config, self.store, self.transfers, self.remote_agents, self.outbox, self.clock, self.endpoint, failure,
             self.metrics)
-        self.target = Target(
-            config, self.context, self._poller, self.remote_agents, self._peer_hello, self.versions, self.store,
-            self.memories, self.operations, self.outbox, self.counters, self.protocol_errors, self.clock,
-            self.agent.name, failure, self.curve.peer_keys if self.curve is not None else None,
+        self.links = Links(
+            config, self.context, self._poller, self.remote_agents, self._peer_hello, self.versions, self.counters,
+            self.protocol_errors, self.clock, self.curve.peer_keys if self.curve is not None else None,
         )
-        self.links = self.target.links
+        self.target = Target(
+            self.links, self.remote_agents, self.store, self.memories, self.operations, self.outbox, self.counters,
+            self.agent.name, failure,
+        )
+        self.links.owner = self.target
         self.leases = Leases(config, self.store, self.outbox, self.links, self.clock, self.endpoint)
         self.links.lease_owner = self.leases
         self.leases.session_count = lambda: sum(1 for s in self.sessions.table.values() if s.regions or s.leases)
@@ -339,7 +344,7 @@ class Node:
 
     def internal_failure(self, what: str, exc: BaseException) -> None:
         """Count an unexpected failure; log it with its traceback (at most every few seconds per kind)."""
-        self.counters["internal_errors"] += 1
+        self.counters.inc(Count.INTERNAL_ERRORS)
         now = self.clock()
         if now >= self._failure_logged.get(what, 0.0):
             self._failure_logged[what] = now + _FAILURE_LOG_INTERVAL_S
@@ -395,7 +400,7 @@ class Node:
                 sock.send(identity, _NOBLOCK | _SNDMORE)
                 sock.send(payload, _NOBLOCK)
             except zmq.Again:
-                self.counters["send_dropped"] += 1
+                self.counters.inc(Count.SEND_DROPPED)
 
     # ------------------------------------------------------------------ shutdown
 

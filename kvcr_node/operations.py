@@ -21,10 +21,10 @@ from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.metrics import Metrics
 from kvcr_node.outbox import REASON_MAX, Outbox
-from kvcr_node.records import ClientSession, Operation
+from kvcr_node.records import ClientSession, Operation, OpKind, Plan, Report, Resume
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import Move, Transfers
-from kvcr_protocol import Completion, ErrorCode, KeyResult, KeyStatus, Progress, ProtocolError, Release
+from kvcr_protocol import Completion, ErrorCode, KeyResult, KeyStatus, Progress, ProtocolError, Region, Release
 from kvcr_protocol.columns import U32, pack
 from kvcr_protocol.versions import COLUMNS_VERSION
 
@@ -32,6 +32,15 @@ log = logging.getLogger("kvcr.node")
 
 Failure = Callable[[str, BaseException], None]
 """Counts and logs an unexpected failure (the node's ``internal_failure``)."""
+
+Outcome = tuple[OpKind, KeyStatus, ErrorCode | None]
+"""One kind of per-key result sent: the operation, the status, the code (None for 0)."""
+
+
+def outcome_name(outcome: Outcome) -> str:
+    """How ``stats`` names an outcome: ``deliver.OK``, ``fetch.FAILED.TIMEOUT``."""
+    kind, status, code = outcome
+    return f"{kind.value}.{status.value}" + (f".{code.name}" if code is not None else "")
 
 
 class Operations:
@@ -58,15 +67,20 @@ class Operations:
         self._next_handle = 1
         self.claims = 0
         """Claims held by operations in progress (the others are ``handles``)."""
-        self.outcomes: collections.Counter[str] = collections.Counter()
-        """Per-key results sent, by request, status and code."""
+        self.outcomes: collections.Counter[Outcome] = collections.Counter()
+        """Per-key results sent, by operation, status and code (named at the edge: ``outcome_name``)."""
         self.progressing: dict[int, Operation] = {}
         """Operations whose groups advanced since the last ``progress`` went out (by ``id()``)."""
 
     # ------------------------------------------------------------------ admission
 
-    def admit(self, session: ClientSession, msg_id: int, kind: str, n: int, deadline_ms: int) -> Operation | None:
-        """A new operation of ``n`` items, or None after refusing the request."""
+    def admit(
+        self, session: ClientSession, msg_id: int, kind: OpKind, n: int, deadline_ms: int, *, agent: str = "",
+        regions: dict[int, Region] | None = None, exact: bool = False, plan: Plan | None = None,
+        resume: Resume | None = None, report: Report | None = None,
+    ) -> Operation | None:
+        """A new operation of ``n`` items, whole (the fields ``Operation`` documents), or None
+        after refusing the request. ``agent`` empty: the session's own."""
         if msg_id in session.ops:
             self.outbox.refuse(session, msg_id, ProtocolError(ErrorCode.BAD_STATE, f"operation {msg_id} is already in progress", "id"))
             return None
@@ -76,9 +90,16 @@ class Operations:
             return None
         ms = deadline_ms or self.config.deadline_ms
         now = self.clock()
-        op = Operation(session, msg_id, kind, now + ms / 1000, [None] * n, received=now)
+        op = Operation(
+            session, msg_id, kind, now + ms / 1000, [None] * n, resume=resume, report=report, agent=agent,
+            regions={} if regions is None else regions, exact=exact, plan=plan, received=now,
+        )
         session.ops[msg_id] = op
         return op
+
+    def outcome_counts(self) -> dict[str, int]:
+        """``stats`` ``outcomes``: name -> keys, for each outcome sent."""
+        return {outcome_name(outcome): n for outcome, n in self.outcomes.items()}
 
     @staticmethod
     def unique_keys(op: Operation, keys: Sequence[bytes]) -> list[bool]:
@@ -148,7 +169,7 @@ class Operations:
             indices = op.waiting.pop(key, [])
             if op.resume is not None:
                 for i in indices:
-                    op.resume(i)
+                    op.resume(op, i)
             self.settle(op)
 
     def unwait(self, op: Operation, key: bytes) -> list[int]:
@@ -211,12 +232,13 @@ class Operations:
             op.fail_unresolved(ErrorCode.INTERNAL)
         results = tuple(r for r in op.results if r is not None)
         self.outbox.settled(op.session, op.kind, op.id, results)
+        outcomes, kind = self.outcomes, op.kind
         for r in results:
-            self.outcomes[f"{op.kind}.{r.status.value}" + (f".{ErrorCode(r.code).name}" if r.code else "")] += 1
+            outcomes[(kind, r.status, ErrorCode(r.code) if r.code else None)] += 1
         self.metrics.request_done(op.kind, op.received)
         self.progressing.pop(id(op), None)  # the reply's done column says it all
         if op.report is not None:
-            op.report(results)
+            op.report(op, results)
         elif op.session.closing:
             # A closed session's handles from this op were never handed out: release them.
             for r in results:

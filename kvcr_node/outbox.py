@@ -13,6 +13,7 @@ import collections
 from collections.abc import Sequence
 
 from kvcr_node import logs
+from kvcr_node.counters import ProtocolErrors
 from kvcr_node.records import ClientSession, PeerSession
 from kvcr_protocol import Error, KeyResult, Message, ProtocolError, encode
 from kvcr_protocol.operations import allowed_refusal, allowed_result
@@ -27,7 +28,7 @@ PATH_MAX = 256
 class Outbox:
     """Encoded frames to send, in order, and the request in hand."""
 
-    def __init__(self, protocol_errors: collections.Counter[str]) -> None:
+    def __init__(self, protocol_errors: ProtocolErrors) -> None:
         self.frames: list[tuple[bytes, bytes]] = []
         """(identity, payload) pairs the loop has not sent yet."""
         self.protocol_errors = protocol_errors
@@ -63,7 +64,7 @@ class Outbox:
         sender without one); ``request`` names its type when it is not the request in hand."""
         request = request or (self.request[2] if self.request is not None else None)
         self.check_refusal(request, exc.code)
-        self.protocol_errors[exc.code.name] += 1
+        self.protocol_errors.inc(exc.code)
         identity, version = (to, BASE_VERSION) if isinstance(to, bytes) else (to.identity, to.version)
         logs.refusal(request, request_id, exc, None if isinstance(to, bytes) else to.name, identity,
                      isinstance(to, PeerSession))

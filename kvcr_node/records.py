@@ -1,12 +1,15 @@
 """The records the parts of a node share: client and peer sessions, withdrawals, operations.
 
 Plain data: the module that owns each table changes its records (``kvcr_node.sessions``
-the sessions, ``kvcr_node.operations`` the operations; architecture §1).
+the sessions, ``kvcr_node.operations`` the operations; architecture §1). An ``Operation``
+is made whole by ``Operations.admit``; after that the other parts change it only through
+its methods (a result set, a remote write begun or answered, the first landing).
 """
 
 from __future__ import annotations
 
 import collections
+import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -97,21 +100,37 @@ class PeerSession(ClientSession):
             self.done.popitem(last=False)
 
 
+class OpKind(enum.StrEnum):
+    """What an operation serves: the type tag of the request that made it."""
+
+    DEPOSIT = "deposit"
+    DELIVER = "deliver"
+    FETCH = "fetch"
+    WRITE = "write"
+    """A peer's write (this node is its source, spec section 12)."""
+
+
+Resume = Callable[["Operation", int], None]
+"""Continues one waiting item of an operation once its key is READY (or gone)."""
+Report = Callable[["Operation", tuple[KeyResult, ...]], None]
+"""Sends an operation's results when they do not go back as a client's ``complete``."""
+
+
 @dataclass
 class Operation:
     """One batch request in progress: a result slot per item, transfers, waits."""
 
     session: ClientSession
     id: int
-    kind: str
+    kind: OpKind
     deadline: float
     results: list[KeyResult | None]
     transfers: list[Transfer] = field(default_factory=list)
     waiting: dict[bytes, list[int]] = field(default_factory=dict)
     """Keys still WRITING that items wait on (key -> item indices)."""
-    resume: Callable[[int], None] | None = None
+    resume: Resume | None = None
     """Continues one waiting item once its key is READY (or gone)."""
-    report: Callable[[tuple[KeyResult, ...]], None] | None = None
+    report: Report | None = None
     """Sends the results when they do not go back as a client's ``complete`` (a peer write's
     ``write_done``); called once, when the operation settles."""
     aborted: bool = False
@@ -139,6 +158,21 @@ class Operation:
 
     def fail(self, index: int, code: int, reason: str) -> None:
         self.set(index, KeyResult(KeyStatus.FAILED, code, reason))
+
+    def remote_sent(self) -> None:
+        """A remote write for some of its items went to a source (settling waits for its answer)."""
+        self.remote += 1
+
+    def remote_answered(self) -> None:
+        """A remote write of it is answered, or given up as uncertain."""
+        self.remote -= 1
+
+    def first_landing(self) -> bool:
+        """A transfer of it landed: True the first time only (its first-layer latency)."""
+        if self.landed:
+            return False
+        self.landed = True
+        return True
 
     @property
     def settled(self) -> bool:

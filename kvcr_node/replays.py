@@ -30,6 +30,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvcr_node.counters import Count, Counters
 from kvcr_node.inventory import BATCH_MAX_BYTES, REPLAY_MAX_BYTES, Inventory
 from kvcr_protocol import ErrorCode
 from kvcr_protocol.events import END_SEQ_FRAME, encode_seq
@@ -110,7 +111,7 @@ class Replays:
     """The requesters tracked, their answers in progress, and the bytes their queues may hold."""
 
     def __init__(
-        self, inventory: Inventory, counters: collections.Counter[str], clock: Callable[[], float],
+        self, inventory: Inventory, counters: Counters, clock: Callable[[], float],
         budget: int = REPLAY_BYTES, max_requesters: int = REPLAY_REQUESTERS,
     ) -> None:
         self.inventory = inventory
@@ -143,7 +144,7 @@ class Replays:
         """A replay request from ``identity`` (the frames after it), on connection ``fd``."""
         opened = self.inventory.open(frames)
         if isinstance(opened, bytes):
-            self.counters["events_replays_refused"] += 1
+            self.counters.inc(Count.EVENTS_REPLAYS_REFUSED)
             self._send_end(identity, opened, send)
             return
         requester = self.requesters.get(identity)
@@ -152,13 +153,13 @@ class Replays:
             if old is not None:  # that connection is gone (its descriptor was reused), not yet reported
                 self._forget(old, unreported=True)
             if len(self.requesters) >= self.max_requesters:
-                self.counters["events_replays_busy"] += 1
+                self.counters.inc(Count.EVENTS_REPLAYS_BUSY)
                 reason = f"the node answers {self.max_requesters} replay requesters at most; ask again later"
                 self._send_end(identity, self.inventory.end(ErrorCode.BUSY, reason, "replay"), send)
                 return
             requester = self._track(identity, fd)
         if requester.answer is not None:
-            self.counters["events_replays_busy"] += 1
+            self.counters.inc(Count.EVENTS_REPLAYS_BUSY)
             reason = "an answer to this requester is still being sent: read it whole before asking again"
             self._send_end(identity, self.inventory.end(ErrorCode.BUSY, reason, "replay"), send)
             return
@@ -209,7 +210,7 @@ class Replays:
                 sends, size = sends + 1, size + nbytes
                 answer.since, answer.stall, answer.backoff = now, Stall.NONE, 0.0
                 if last:
-                    self.counters["events_replays"] += 1
+                    self.counters.inc(Count.EVENTS_REPLAYS)
                     requester.answer = None
                     done = True
                     break
@@ -240,7 +241,7 @@ class Replays:
         answer = requester.answer
         assert answer is not None
         requester.answer = None
-        self.counters["events_replay_cut"] += 1
+        self.counters.inc(Count.EVENTS_REPLAY_CUT)
         why = ("the requester's queue stayed full (it does not read)" if answer.stall is Stall.QUEUE
                else "the node's replay budget stayed in use by other requesters")
         reason = f"answer cut before seq {answer.next}, stopped {REPLAY_STALL_S:g} s: {why}; ask again from there"

@@ -10,12 +10,12 @@ stays answerable to probes until they end.
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
 from kvcr_node.agents import AgentUse, RemoteAgents
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Count, Counters
 from kvcr_node.leases import Leases
 from kvcr_node.operations import Operations
 from kvcr_node.outbox import Outbox
@@ -67,7 +67,7 @@ class Sessions:
 
     def __init__(
         self, config: NodeConfig, store: Store, operations: Operations, target: Target, leases: Leases, agents: RemoteAgents,
-        transfers: Transfers, outbox: Outbox, counters: collections.Counter[str], clock: Callable[[], float],
+        transfers: Transfers, outbox: Outbox, counters: Counters, clock: Callable[[], float],
         versions: Sequence[int], incarnation: int, agent_name: str, pool_info: tuple[PoolInfo, ...],
     ) -> None:
         self.config = config
@@ -166,7 +166,7 @@ class Sessions:
         )
         if session is None:
             return
-        self.counters["hellos"] += 1
+        self.counters.inc(Count.HELLOS)
         log.info("client %s (agent %s) joined at version %d", msg.client, session.agent, version)
         self.outbox.reply(session, Welcome(
             msg.id, version, self.config.name, self.incarnation, self.agent_name, self.pool_info, self.config.heartbeat_ms))
@@ -292,7 +292,7 @@ class Sessions:
         grace = self.config.client_grace_ms / 1000
         for session in [s for s in self.table.values() if now - s.last_seen > grace]:
             peer = isinstance(session, PeerSession)
-            self.counters["peers_expired" if peer else "clients_expired"] += 1
+            self.counters.inc(Count.PEERS_EXPIRED if peer else Count.CLIENTS_EXPIRED)
             log.warning("%s %s silent for %.1f s: dropping its session", "peer" if peer else "client",
                         session.name, now - session.last_seen)
             self.end(session)
@@ -305,7 +305,7 @@ class Sessions:
         """Tell every client about each pool whose reclaimable slots fell under the low watermark."""
         for pool in self.store.take_capacity_events():
             stats = self.store.pool_stats()[pool]
-            self.counters["capacity_events"] += 1
+            self.counters.inc(Count.CAPACITY_EVENTS)
             for session in self.clients():
                 session.events += 1
                 self.outbox.reply(session, CapacityEvent(session.events, pool, stats["free"] + stats["evictable"], stats["total"]))

@@ -11,17 +11,17 @@ are all READY is claimed and its WRITE submitted in the turn that decoded it
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Callable, Sequence
 
 from kvcr_node import logs
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.operations import Operations
 from kvcr_node.ops.deliver import Deliveries
 from kvcr_node.outbox import Outbox
-from kvcr_node.records import Operation, PeerSession, Plan
+from kvcr_node.records import Operation, OpKind, PeerSession, Plan
 from kvcr_node.sessions import Sessions
 from kvcr_node.wanted import Wanted
 from kvcr_protocol import (
@@ -57,8 +57,8 @@ class Source:
 
     def __init__(
         self, config: NodeConfig, sessions: Sessions, operations: Operations, deliveries: Deliveries,
-        agents: RemoteAgents, outbox: Outbox, counters: collections.Counter[str],
-        protocol_errors: collections.Counter[str], versions: Sequence[int], incarnation: int,
+        agents: RemoteAgents, outbox: Outbox, counters: Counters,
+        protocol_errors: ProtocolErrors, versions: Sequence[int], incarnation: int,
         agent_name: str, metadata: Callable[[], bytes], *, submit_write: SubmitWrite | None = None,
     ) -> None:
         self.config = config
@@ -101,7 +101,7 @@ class Source:
                 self.sessions.retired.append(old)
         if session is None:
             return
-        self.counters["peer_hellos"] += 1
+        self.counters.inc(Count.PEER_HELLOS)
         log.info("peer %s (incarnation %x) joined at version %d", msg.node, msg.incarnation, version)
         self.outbox.reply(session, PeerWelcome(
             msg.id, version, self.config.name, self.incarnation, self.agent_name, self.metadata()))
@@ -123,9 +123,9 @@ class Source:
         this session does not hold changes nothing: forgetting is idempotent, answered ack."""
         if peer.clients.pop(msg.agent, None) is None:
             # Never announced here, forgotten or evicted already, or another session's client.
-            self.counters["peer_forgets_unknown"] += 1
+            self.counters.inc(Count.PEER_FORGETS_UNKNOWN)
         else:
-            self.counters["peer_clients_forgotten"] += 1
+            self.counters.inc(Count.PEER_CLIENTS_FORGOTTEN)
             self.agents.forget(msg.agent)
         self.outbox.reply(peer, Ack(msg.id))
 
@@ -139,7 +139,7 @@ class Source:
         running = {op.agent for op in peer.ops.values()}
         for agent in [a for a in peer.clients if a not in running][:excess]:
             del peer.clients[agent]
-            self.counters["peer_clients_evicted"] += 1
+            self.counters.inc(Count.PEER_CLIENTS_EVICTED)
             self.agents.release(agent)
 
     def on_write(self, peer: PeerSession, msg: WriteRequest) -> None:
@@ -147,36 +147,37 @@ class Source:
         if regions is not None and msg.agent != peer.agent:
             peer.clients.move_to_end(msg.agent)
         if regions is None:
-            self.protocol_errors[ErrorCode.BAD_STATE.name] += 1
+            self.protocol_errors.inc(ErrorCode.BAD_STATE)
             refused = ProtocolError(ErrorCode.BAD_STATE, f"agent {msg.agent!r} was not announced (peer_client first)")
             logs.refusal("write", msg.id, refused, peer.name, peer.identity, True)
             self.outbox.reply(peer, Refuse(msg.id, refused.code, refused.reason))
             return
         wanted = Wanted(msg.items, msg.columns)
-        op = self.operations.admit(peer, msg.id, "write", len(wanted), msg.deadline_ms)
-        if op is None:
-            return
-        op.agent, op.regions, op.exact = msg.agent, regions, not msg.partial
         notify = msg.notify
-        # Spec section 6.10: the payloads name the client's deliver and its item indices.
-        op.plan = Plan(wanted.group_counts(), wanted.planned,
-                       notify=None if notify is None else (notify.token, notify.request, notify.item_indices()))
-        op.report = lambda results: self.write_settled(peer, op, results)
 
-        def resume(i: int) -> None:
-            self.counters["writes_deferred"] += 1
+        def resume(op: Operation, i: int) -> None:
+            self.counters.inc(Count.WRITES_DEFERRED)
             self.deliveries.deliver_ready([i], op, wanted)
 
-        op.resume = resume
+        op = self.operations.admit(
+            peer, msg.id, OpKind.WRITE, len(wanted), msg.deadline_ms, agent=msg.agent, regions=regions,
+            exact=not msg.partial,
+            # Spec section 6.10: the payloads name the client's deliver and its item indices.
+            plan=Plan(wanted.group_counts(), wanted.planned,
+                      notify=None if notify is None else (notify.token, notify.request, notify.item_indices())),
+            resume=resume, report=lambda op, results: self.write_settled(peer, op, results),
+        )
+        if op is None:
+            return
         # A source never forwards: request_id None names no hint.
         ready, _ = self.operations.sort_items(op, wanted.keys, None)
         if ready and self.submit_write is not None:
-            self.counters["writes_deferred"] += 1
+            self.counters.inc(Count.WRITES_DEFERRED)
             self.submit_write(lambda: self.deliveries.deliver_ready(ready, op, wanted))
             return
         if ready:
             # architecture §4: claims taken and the WRITE submitted in the turn that decoded the request.
-            self.counters["writes_inline"] += 1
+            self.counters.inc(Count.WRITES_INLINE)
         self.deliveries.deliver_ready(ready, op, wanted)
 
     def write_settled(self, peer: PeerSession, op: Operation, results: tuple[KeyResult, ...]) -> None:
@@ -195,7 +196,7 @@ class Source:
             if not isinstance(session, PeerSession) or session.incarnation != peer.incarnation:
                 continue
             op = session.ops.get(msg.op)
-            if op is not None and op.kind == "write":
+            if op is not None and op.kind is OpKind.WRITE:
                 state = WriteState.IN_FLIGHT if any(t.running for t in op.transfers) else WriteState.WAITING
                 break
             if msg.op in session.done:

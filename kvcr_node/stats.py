@@ -7,13 +7,13 @@ node's (claims match handles and operations; no code sent out of place, spec sec
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
 from typing import Any
 
 from kvcr_io import package_version
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Counters, ProtocolErrors
 from kvcr_node.inventory import Inventory
 from kvcr_node.leases import Leases
 from kvcr_node.metrics import Metrics
@@ -34,8 +34,8 @@ class Stats:
     def __init__(
         self, config: NodeConfig, incarnation: int, versions: Sequence[int], store: Store, sessions: Sessions,
         operations: Operations, target: Target, leases: Leases, transfers: Transfers, agents: RemoteAgents,
-        projections: ProjectionCache, outbox: Outbox, counters: collections.Counter[str],
-        protocol_errors: collections.Counter[str], metrics: Metrics,
+        projections: ProjectionCache, outbox: Outbox, counters: Counters,
+        protocol_errors: ProtocolErrors, metrics: Metrics,
     ) -> None:
         self.config = config
         self.incarnation = incarnation
@@ -91,9 +91,9 @@ class Stats:
             "transfers": self.transfers.stats(),
             "peers": self.target.links.stats(),
             "peer_sessions": sum(1 for s in sessions if isinstance(s, PeerSession)),
-            "outcomes": dict(self.operations.outcomes),
-            "protocol_errors": dict(self.protocol_errors),
-            "counters": dict(self.counters),
+            "outcomes": self.operations.outcome_counts(),
+            "protocol_errors": self.protocol_errors.snapshot(),
+            "counters": self.counters.snapshot(),
             "projection_cache": {"size": len(self.projections), "hits": self.projections.hits, "misses": self.projections.misses},
             "policy": {"name": policy.name, "failures": getattr(policy, "failures", 0)},
             "tables": self.table_sizes(),

@@ -10,15 +10,11 @@ operation's results, the fill committed or abandoned, and handles. A client's
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Callable, Sequence
-from typing import Any
-
-import zmq
+from collections.abc import Sequence
 
 from kvcr_io.agent import TransferError
 from kvcr_node.agents import RemoteAgents
-from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Count, Counters
 from kvcr_node.links import LinkError, Links
 from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Failure, Operations
@@ -34,7 +30,6 @@ from kvcr_protocol import (
     ErrorCode,
     KeyResult,
     KeyStatus,
-    PeerHello,
     Progress,
     ProtocolError,
     Region,
@@ -57,14 +52,14 @@ def from_source(result: KeyResult) -> KeyResult:
 
 
 class Target:
-    """Remote writes on behalf of our operations, and the ``unregions`` they hold (a ``LinkOwner``)."""
+    """Remote writes on behalf of our operations, and the ``unregions`` they hold (a ``LinkOwner``).
+
+    ``links`` is handed in (the node makes it, and makes this its owner): all the socket
+    work is there, so a test can drive this with a fake."""
 
     def __init__(
-        self, config: NodeConfig, context: zmq.Context[Any], poller: zmq.Poller, agents: RemoteAgents,
-        hello: Callable[[int], PeerHello], versions: Sequence[int], store: Store, memories: dict[str, PoolMemory],
-        operations: Operations, outbox: Outbox, counters: collections.Counter[str],
-        protocol_errors: collections.Counter[str], clock: Callable[[], float], agent_name: str, failure: Failure,
-        curve: tuple[bytes, bytes, bytes] | None = None,
+        self, links: Links, agents: RemoteAgents, store: Store, memories: dict[str, PoolMemory],
+        operations: Operations, outbox: Outbox, counters: Counters, agent_name: str, failure: Failure,
     ) -> None:
         self.store = store
         self.memories = memories
@@ -76,7 +71,7 @@ class Target:
         self.agent_name = agent_name
         self.failure = failure
         self.agents = agents
-        self.links = Links(self, config, context, poller, agents, hello, versions, counters, protocol_errors, clock, curve)
+        self.links = links
         self.withdrawing: dict[bytes, ClientSession] = {}
         """Sessions with an ``unregions`` whose ack is held, by identity."""
 
@@ -105,14 +100,15 @@ class Target:
             self.operations.settle(op)
             return
         items, columns = wanted.forward(keep)
-        write = self.links.new_write(op, link, keep, items, client.agent, client, partial)
-        write.columns = columns
-        write.regions = frozenset(rid for i in keep for rid in wanted.region_ids(i))
         plan = op.plan
+        notify = None
         if plan is not None and plan.notify is not None:
             token, request, _ = plan.notify
-            write.notify = WriteNotify(token, request, pack((plan.client_index(i) for i in keep), U32))
-        op.remote += 1
+            notify = WriteNotify(token, request, pack((plan.client_index(i) for i in keep), U32))
+        write = self.links.new_write(
+            op, link, keep, items, client.agent, client, partial, columns=columns, notify=notify,
+            regions=frozenset(rid for i in keep for rid in wanted.region_ids(i)))
+        op.remote_sent()
         self.links.submit(write)
 
     def remote_fetch(self, op: Operation, source: str, fills: list[tuple[int, ObjectEntry]]) -> None:
@@ -138,9 +134,9 @@ class Target:
         except BaseException:
             self.operations.abandon_fills([entry for _, entry in fills])
             raise
-        write = self.links.new_write(op, link, [i for i, _ in fills], tuple(items), self.agent_name, None, False)
-        write.fills = [entry for _, entry in fills]
-        op.remote += 1
+        write = self.links.new_write(op, link, [i for i, _ in fills], tuple(items), self.agent_name, None, False,
+                                     fills=[entry for _, entry in fills])
+        op.remote_sent()
         self.links.submit(write)
 
     # ------------------------------------------------------------------ what the links report (LinkOwner)
@@ -154,12 +150,12 @@ class Target:
         op = write.op
         operations = self.operations
         if was_uncertain:
-            self.counters["uncertain_resolved"] += 1
+            self.counters.inc(Count.UNCERTAIN_RESOLVED)
             for entry in write.fills or ():
                 self.store.abandon(entry)
                 operations.wake(entry.key)
             return
-        op.remote -= 1
+        op.remote_answered()
         plan = op.plan
         for n, i in enumerate(write.indices):
             result = from_source(results[n]) if n < len(results) else None
@@ -195,9 +191,9 @@ class Target:
                     try:
                         self.agents.agent.notify(write.client.agent, payload)
                     except TransferError:
-                        self.counters["notify_failed"] += 1
+                        self.counters.inc(Count.NOTIFY_FAILED)
                     else:
-                        self.counters["notified_for_source"] += 1
+                        self.counters.inc(Count.NOTIFIED_FOR_SOURCE)
 
     def write_progress(self, write: RemoteWrite, msg: Progress) -> None:
         """A version-3 source reports groups delivered (spec section 6.8): pass them on under the client's item indices."""
@@ -212,7 +208,7 @@ class Target:
     def write_uncertain(self, write: RemoteWrite) -> None:
         """The deadline passed with the write unanswered: fail the items, keep the memory."""
         op = write.op
-        op.remote -= 1
+        op.remote_answered()
         for i in write.indices:
             op.fail(i, ErrorCode.DESTINATION_UNCERTAIN,
                     f"the deadline passed; the source {write.link.endpoint} may still write the destination until it confirms")
@@ -241,7 +237,7 @@ class Target:
         # The regions take no new work meanwhile (the caller withdrew them already).
         session.withdrawals[request_id] = Withdrawal(tuple(regions), records)
         self.withdrawing[session.identity] = session
-        self.counters["unregions_held"] += 1
+        self.counters.inc(Count.UNREGIONS_HELD)
         return True
 
     def release_withdrawals(self) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvcr_node.operations import Failure, Operations
-from kvcr_node.records import ClientSession, Operation, Plan
+from kvcr_node.records import ClientSession, Operation, OpKind, Plan
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_node.target import Target
 from kvcr_node.transfers import Move, list_moves, run_moves, uniform_columns
@@ -86,12 +86,13 @@ class Deliveries:
 
     def on_deliver(self, session: ClientSession, msg: Deliver) -> None:
         wanted = Wanted(msg.items, msg.columns)
-        op = self.operations.admit(session, msg.id, "deliver", len(wanted), msg.deadline_ms)
+        op = self.operations.admit(
+            session, msg.id, OpKind.DELIVER, len(wanted), msg.deadline_ms, agent=session.agent, regions=session.regions,
+            plan=Plan(wanted.group_counts(), wanted.planned, notify=(msg.notify, msg.id, None) if msg.notify else None),
+            resume=lambda op, i: self.deliver_ready([i], op, wanted),
+        )
         if op is None:
             return
-        op.agent, op.regions = session.agent, session.regions
-        op.plan = Plan(wanted.group_counts(), wanted.planned, notify=(msg.notify, msg.id, None) if msg.notify else None)
-        op.resume = lambda i: self.deliver_ready([i], op, wanted)
         ready, remote = self.operations.sort_items(op, wanted.keys, msg.request_id)
         self.deliver_ready(ready, op, wanted)
         for source, indices in remote.items():
@@ -212,10 +213,8 @@ class Deliveries:
         delivered = metrics.delivered_bytes
         for move in moves:
             delivered[move[0]] += move[3]
-        if not op.landed:
-            op.landed = True
-            if op.kind == "deliver":
-                metrics.first_landed(op.received)
+        if op.first_landing() and op.kind is OpKind.DELIVER:
+            metrics.first_landed(op.received)
 
     # ------------------------------------------------------------------ moves
 

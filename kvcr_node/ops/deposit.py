@@ -15,7 +15,7 @@ import numpy as np
 
 from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Operations
-from kvcr_node.records import ClientSession, Operation
+from kvcr_node.records import ClientSession, Operation, OpKind
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import Move, run_moves, uniform_columns
 from kvcr_protocol import (
@@ -44,12 +44,12 @@ class Deposits:
         blocks = [_ColumnBlock(block, f"columns[{b}]", self.memories) for b, block in enumerate(msg.columns)]
         where = [(b, r) for b, block in enumerate(msg.columns) for r in range(len(block.keys))]
         keys = [item.key for item in msg.items] if not blocks else [k for block in msg.columns for k in block.keys]
-        op = self.operations.admit(session, msg.id, "deposit", len(keys), msg.deadline_ms)
-        if op is None:
-            return
         # An item whose key another writer holds WRITING waits for that writer's outcome
         # and is then tried again from the start (spec section 9: DUPLICATE means stored).
-        op.resume = lambda i: self.deposit_items(op, msg, [i], blocks, where)
+        op = self.operations.admit(session, msg.id, OpKind.DEPOSIT, len(keys), msg.deadline_ms,
+                                   resume=lambda op, i: self.deposit_items(op, msg, [i], blocks, where))
+        if op is None:
+            return
         unique = self.operations.unique_keys(op, keys)
         self.deposit_items(op, msg, [i for i in range(len(keys)) if unique[i]], blocks, where)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Operations
-from kvcr_node.records import ClientSession, Operation
+from kvcr_node.records import ClientSession, Operation, OpKind
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
 from kvcr_node.target import Target
 from kvcr_protocol import ErrorCode, Fetch, FetchItem, KeyResult, KeyStatus
@@ -25,11 +25,11 @@ class Fetches:
         self.target = target
 
     def on_fetch(self, session: ClientSession, msg: Fetch) -> None:
-        op = self.operations.admit(session, msg.id, "fetch", len(msg.items), msg.deadline_ms)
+        items = msg.items
+        op = self.operations.admit(session, msg.id, OpKind.FETCH, len(items), msg.deadline_ms,
+                                   resume=lambda op, i: self.fetch_ready(op, i, items[i]))
         if op is None:
             return
-        items = msg.items
-        op.resume = lambda i: self.fetch_ready(op, i, items[i])
         ready, remote = self.operations.sort_items(op, [item.key for item in items], msg.request_id)
         for i in ready:
             self.fetch_ready(op, i, items[i])

@@ -8,7 +8,6 @@ alone and checked deterministically (spec sections 5.3 and 12).
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,9 +19,10 @@ import zmq
 
 from kvcr_node.agents import AgentUse, RemoteAgents
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.links import PROBE_INTERVAL_S, LinkError, Links
 from kvcr_node.peers import LinkState, RemoteWrite, WriteStage
-from kvcr_node.records import ClientSession, Operation
+from kvcr_node.records import ClientSession, Operation, OpKind
 from kvcr_protocol import (
     SUPPORTED_VERSIONS,
     Ack,
@@ -125,7 +125,7 @@ class World:
     clock: Clock
     context: zmq.Context[Any]
     ipc: Path
-    counters: collections.Counter[str]
+    counters: Counters
 
     def endpoint(self, name: str) -> str:
         return f"ipc://{self.ipc}/{name}.sock"
@@ -155,11 +155,11 @@ def world(ipc_dir: Path) -> Iterator[World]:
     clock = Clock()
     owner = Owner()
     agents = RemoteAgents(FakeAgent(), lambda name: AgentUse.HELD, clock)  # type: ignore[arg-type]
-    counters: collections.Counter[str] = collections.Counter()
+    counters = Counters()
     links = Links(
-        owner, CONFIG, context, poller, agents,
+        CONFIG, context, poller, agents,
         lambda i: PeerHello(i, SUPPORTED_VERSIONS, "target", 7, "target-agent", b"target-agent"),
-        SUPPORTED_VERSIONS, counters, collections.Counter(), clock,
+        SUPPORTED_VERSIONS, counters, ProtocolErrors(), clock, owner=owner,
     )
     yield World(links, owner, clock, context, ipc_dir, counters)
     links.close_all()
@@ -168,7 +168,7 @@ def world(ipc_dir: Path) -> Iterator[World]:
 
 def operation(clock: Clock, deadline_s: float, keys: int = 1) -> Operation:
     session = ClientSession(b"client", "engine", "client-agent", VERSION)
-    return Operation(session, 1, "deliver", clock.now + deadline_s, [None] * keys)
+    return Operation(session, 1, OpKind.DELIVER, clock.now + deadline_s, [None] * keys)
 
 
 def items(n: int = 1) -> tuple[DeliverItem, ...]:
@@ -278,7 +278,7 @@ def test_links_are_capped_and_idle_ones_close(world: World) -> None:
     third = world.links.open(world.endpoint("c"))
     assert [link.endpoint for link in world.links] == [second.endpoint, third.endpoint]
     assert first.closed and len(world.links.socks) == sockets
-    assert world.counters["links_evicted"] == 1
+    assert world.counters[Count.LINKS_EVICTED] == 1
     # With a write queued on each, a third endpoint is refused PEER_LIMIT.
     for link in (second, third):
         world.links.submit(world.links.new_write(operation(world.clock, 60), link, [0], items(), "a", None, False))
@@ -291,7 +291,7 @@ def test_links_are_capped_and_idle_ones_close(world: World) -> None:
     world.clock.now += CONFIG.peer_idle_ms / 1000
     world.links.check(world.clock.now)
     assert [link.endpoint for link in world.links] == [third.endpoint]
-    assert idle.closed and world.counters["links_closed_idle"] == 1
+    assert idle.closed and world.counters[Count.LINKS_CLOSED_IDLE] == 1
     assert world.links.next_wakeup(world.clock.now) is not None  # the busy link's write deadline
 
 
@@ -319,7 +319,7 @@ def client_session(name: str = "client-agent") -> ClientSession:
 
 def client_write(world: World, link: Any, client: ClientSession, deadline_s: float = 5) -> RemoteWrite:
     """Submit a write into ``client``'s memory on ``link``."""
-    op = Operation(client, 1, "deliver", world.clock.now + deadline_s, [None])
+    op = Operation(client, 1, OpKind.DELIVER, world.clock.now + deadline_s, [None])
     write = world.links.new_write(op, link, [0], items(), client.agent, client, False)
     world.links.submit(write)
     return write
@@ -359,13 +359,13 @@ def test_a_client_that_left_is_forgotten_at_its_source(world: World) -> None:
     leave(world, client)
     forget = source.recv()
     assert isinstance(forget, PeerForget) and forget.agent == client.agent
-    assert not link.forgets and not link.clients_sent and world.counters["peer_forgets_sent"] == 1
+    assert not link.forgets and not link.clients_sent and world.counters[Count.PEER_FORGETS_SENT] == 1
     source.send(Ack(forget.id))
     world.drain_until(lambda: True)
     leave(world, client)  # twice: the link no longer knows it, nothing more is sent
     fetch = marker(world, source, link)
     assert isinstance(first := source.recv(), WriteRequest) and first.id == fetch, first
-    assert world.links.sizes()["forgets"] == 0 and world.counters["peer_forgets_sent"] == 1
+    assert world.links.sizes()["forgets"] == 0 and world.counters[Count.PEER_FORGETS_SENT] == 1
 
 
 def test_the_forget_waits_for_every_write_of_the_client(world: World) -> None:
@@ -396,7 +396,7 @@ def test_the_forget_waits_for_every_write_of_the_client(world: World) -> None:
     world.drain_until(lambda: not link.forgets)
     forget = source.recv()
     assert isinstance(forget, PeerForget) and forget.agent == client.agent
-    assert world.counters["peer_forgets_sent"] == 1
+    assert world.counters[Count.PEER_FORGETS_SENT] == 1
 
 
 def test_a_source_below_version_5_is_told_nothing(world: World) -> None:
@@ -413,7 +413,7 @@ def test_a_source_below_version_5_is_told_nothing(world: World) -> None:
     leave(world, client)
     fetch = marker(world, source, link)
     assert isinstance(first := source.recv(), WriteRequest) and first.id == fetch, first
-    assert not link.forgets and not link.clients_sent and world.counters["peer_forgets_sent"] == 0
+    assert not link.forgets and not link.clients_sent and world.counters[Count.PEER_FORGETS_SENT] == 0
 
 
 def test_a_queued_write_of_a_client_that_left_goes_first_then_the_forget(world: World) -> None:
@@ -457,7 +457,7 @@ def test_a_client_back_under_the_same_agent_is_not_forgotten(world: World) -> No
     world.drain_until(lambda: not link.writes)
     fetch = marker(world, source, link)
     assert isinstance(first := source.recv(), WriteRequest) and first.id == fetch, first
-    assert world.counters["peer_forgets_sent"] == 0 and link.clients_sent == {back.agent: back.regions_version}
+    assert world.counters[Count.PEER_FORGETS_SENT] == 0 and link.clients_sent == {back.agent: back.regions_version}
 
 
 def test_a_reconnected_session_is_not_told_of_clients_it_never_knew(world: World) -> None:

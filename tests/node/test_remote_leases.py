@@ -25,6 +25,7 @@ import zmq
 
 from kvcr_node import links as links_module
 from kvcr_node.config import NodeConfig
+from kvcr_node.counters import Count, LeaseCount
 from kvcr_node.leases import SOURCE_ANSWER_S
 from kvcr_node.peers import LinkState, PeerLink
 from kvcr_node.poolspec import PoolSpec
@@ -225,7 +226,7 @@ def test_a_lease_asked_of_a_silent_source_answers_in_time_and_holds_nothing_afte
         assert isinstance(release, ReleaseLease) and release.lease == 78
         source.send(Ack(release.id))
         pump(d, lambda: not link.asks, "the release was not answered")
-        assert link.ask_bytes == 0 and d.node.counters["lease_asks_late"] == 1
+        assert link.ask_bytes == 0 and d.node.counters[Count.LEASE_ASKS_LATE] == 1
         at_rest(d)
     source.close()
 
@@ -253,7 +254,7 @@ def test_a_link_sends_a_source_that_does_not_read_a_bounded_number_of_bytes(
         assert [statuses(r) for r in d.sent(b"c")] == [[LeaseStatus.UNREACHABLE] * 8] * 2
         # Given up, their bytes still count: the queue to the source does not grow.
         assert statuses(d.receive(b"c", Lease(6, keys, "r"))[0]) == [LeaseStatus.UNREACHABLE] * 8
-        assert d.node.counters["lease_asks_refused"] == 2
+        assert d.node.counters[Count.LEASE_ASKS_REFUSED] == 2
         at_rest(d)
         # The source answers them (refusing, as for a session it dropped): the bytes are free again.
         for ask in (first, second):
@@ -463,5 +464,5 @@ def test_a_source_carries_a_reconnecting_targets_leases_over(ipc_dir: Path, agen
         refused = d.receive(b"t3", ReleaseLease(2, lease))
         assert isinstance(refused[0], Error) and refused[0].code == ErrorCode.UNKNOWN_LEASE
         assert d.receive(b"t2", ReleaseLease(4, lease)) == [Ack(4)]
-        assert d.node.leases.counters["carried_over"] == 1
+        assert d.node.leases.counters[LeaseCount.CARRIED_OVER] == 1
         at_rest(d)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 
+from kvcr_node.counters import Count, Counters
 from kvcr_node.eviction import make_policy
 from kvcr_node.inventory import BATCH_MAX_BYTES, Inventory
 from kvcr_node.replays import (
@@ -91,8 +92,8 @@ def due(replays: Replays, clock: FakeClock) -> float:
     return max(0.0, retry - clock())
 
 
-def make(inventory: Inventory, **kw: int) -> tuple[Replays, Queues, FakeClock, collections.Counter[str]]:
-    counters: collections.Counter[str] = collections.Counter()
+def make(inventory: Inventory, **kw: int) -> tuple[Replays, Queues, FakeClock, Counters]:
+    counters = Counters()
     clock = FakeClock()
     return Replays(inventory, counters, clock, **kw), Queues(), clock, counters
 
@@ -113,7 +114,7 @@ def test_a_reader_gets_the_whole_answer_over_turns_each_bounded() -> None:
         assert turns < TURNS
     whole, served = inventory.replay(encode_replay_request(3))
     assert served and q.received[b"a"] == whole and turns > 1
-    assert counters["events_replays"] == 1 and counters["events_replay_cut"] == 0
+    assert counters[Count.EVENTS_REPLAYS] == 1 and counters[Count.EVENTS_REPLAY_CUT] == 0
     assert replays.sizes()["events_replay_answers"] == 0 and replays.sizes()["events_replay_requesters"] == 1
 
 
@@ -138,7 +139,7 @@ def test_a_requester_that_does_not_read_holds_its_window_then_is_cut() -> None:
         replays.pump(q.send)
         # What the node counts is an upper bound of what is queued, and within one requester's bytes.
         assert q.held(b"hog") <= replays.queued <= REQUESTER_BYTES
-    assert len(q.queues[b"hog"]) == REPLAY_HWM and counters["events_replay_cut"] == 0
+    assert len(q.queues[b"hog"]) == REPLAY_HWM and counters[Count.EVENTS_REPLAY_CUT] == 0
     # Stalled, it is tried again later and later, not every turn.
     assert due(replays, clock) >= REPLAY_RETRY_S
     for _ in range(5):
@@ -147,10 +148,10 @@ def test_a_requester_that_does_not_read_holds_its_window_then_is_cut() -> None:
     assert due(replays, clock) > 8 * REPLAY_RETRY_S
     # Asking again while the answer is being sent: refused BUSY (here the full queue loses the refusal).
     replays.request(b"hog", 9, encode_replay_request(0), q.send)
-    assert counters["events_replays_busy"] == 1
+    assert counters[Count.EVENTS_REPLAYS_BUSY] == 1
     clock.advance(REPLAY_STALL_S)
     replays.pump(q.send)
-    assert counters["events_replay_cut"] == 1 and not replays.active
+    assert counters[Count.EVENTS_REPLAY_CUT] == 1 and not replays.active
     assert replays.sizes() == {"events_replay_requesters": 1, "events_replay_answers": 0,
                                "events_replay_queued_bytes": replays.queued}
     # Reading at last, it asks again and gets the whole answer.
@@ -164,7 +165,7 @@ def test_a_requester_that_does_not_read_holds_its_window_then_is_cut() -> None:
         replays.pump(q.send)
         q.read(b"hog")
     whole, _ = inventory.replay(encode_replay_request(0))
-    assert q.received[b"hog"] == whole and counters["events_replays"] == 1
+    assert q.received[b"hog"] == whole and counters[Count.EVENTS_REPLAYS] == 1
 
 
 def test_the_total_budget_holds_and_an_answer_waiting_on_it_is_cut_saying_why() -> None:
@@ -179,7 +180,7 @@ def test_the_total_budget_holds_and_an_answer_waiting_on_it_is_cut_saying_why() 
         assert sum(q.held(h) for h in hogs) <= replays.queued <= 2 * REQUESTER_BYTES
     clock.advance(REPLAY_STALL_S)
     replays.pump(q.send)
-    assert counters["events_replay_cut"] == 4 and not replays.active
+    assert counters[Count.EVENTS_REPLAY_CUT] == 4 and not replays.active
     reasons = [end.reason for h in hogs for end in ends(list(q.queues[h]))]
     assert reasons and all(end.code == ErrorCode.BUSY for h in hogs for end in ends(list(q.queues[h])))
     assert any("budget" in r for r in reasons), reasons
@@ -198,7 +199,7 @@ def test_requesters_past_the_bound_are_refused_and_the_table_follows_connections
         replays.request(who, 10 + n, encode_replay_request(0), q.send)
     [refusal] = ends(list(q.queues[b"c"]))
     assert (refusal.code, refusal.path) == (ErrorCode.BUSY, "replay") and "2 replay requesters" in refusal.reason
-    assert counters["events_replays_busy"] == 1 and replays.sizes()["events_replay_requesters"] == 2
+    assert counters[Count.EVENTS_REPLAYS_BUSY] == 1 and replays.sizes()["events_replay_requesters"] == 2
     # a leaves (its descriptor closed): c is answered when it asks again.
     q.disconnect(b"a")
     replays.disconnected(10)
@@ -231,7 +232,7 @@ def test_hostile_requests_are_refused_and_not_tracked() -> None:
     for frames in ([b"", b"\x01"], [b"\x00" * 8], [], [b"", (10**6).to_bytes(8, "big")]):
         replays.request(b"x", 3, frames, q.send)
     assert [e.code for e in ends(list(q.queues[b"x"]))] == [ErrorCode.MALFORMED] * 3 + [ErrorCode.OUT_OF_RANGE]
-    assert counters["events_replays_refused"] == 4 and replays.requesters == {} and not replays.active
+    assert counters[Count.EVENTS_REPLAYS_REFUSED] == 4 and replays.requesters == {} and not replays.active
 
 
 def test_a_requester_that_left_mid_answer_is_forgotten() -> None:
