@@ -24,7 +24,7 @@ from kvcr_node.links import PROBE_INTERVAL_S, LinkError, Links
 from kvcr_node.peers import LinkState, RemoteWrite, WriteStage
 from kvcr_node.records import ClientSession, Operation
 from kvcr_protocol import (
-    SUPPORTED_VERSIONS,
+    PROTOCOL_VERSIONS,
     Ack,
     DeliverItem,
     DstSpan,
@@ -49,7 +49,7 @@ from kvcr_protocol import (
 RECV_TIMEOUT_MS = 5000
 """A frame reaches the other side within this (bounded waits; never a sleep)."""
 POLL_SLICE_MS = 50
-VERSION = max(SUPPORTED_VERSIONS)
+VERSION = max(PROTOCOL_VERSIONS)
 
 
 class Clock:
@@ -158,8 +158,8 @@ def world(ipc_dir: Path) -> Iterator[World]:
     counters: collections.Counter[str] = collections.Counter()
     links = Links(
         owner, CONFIG, context, poller, agents,
-        lambda i: PeerHello(i, SUPPORTED_VERSIONS, "target", 7, "target-agent", b"target-agent"),
-        SUPPORTED_VERSIONS, counters, collections.Counter(), clock,
+        lambda i: PeerHello(i, PROTOCOL_VERSIONS, "target", 7, "target-agent", b"target-agent"),
+        PROTOCOL_VERSIONS, counters, collections.Counter(), clock,
     )
     yield World(links, owner, clock, context, ipc_dir, counters)
     links.close_all()
@@ -179,7 +179,7 @@ def ready_link(world: World, source: Source, version: int = VERSION) -> Any:
     """Open a link to ``source`` and answer its hello (agreeing on ``version``): the link's session is up."""
     link = world.links.open(source.endpoint)
     hello = source.recv()
-    assert isinstance(hello, PeerHello) and hello.versions == SUPPORTED_VERSIONS
+    assert isinstance(hello, PeerHello) and hello.versions == PROTOCOL_VERSIONS
     source.send(PeerWelcome(hello.id, version, "source", 42, "source-agent", b"source-agent"))
     world.drain_until(lambda: link.state is LinkState.READY)
     assert link.incarnation == 42
