@@ -6,9 +6,11 @@ msgpack frames and back, validating every field; ``versions`` negotiates; ``colu
 holds version 3's column encodings (span columns with layer plans, query columns);
 ``notify`` the NIXL notification payload; ``events`` the inventory event stream (spec
 section 15, its own framing and version); ``leases`` version 4's lease answers; ``plans`` a client's per-group completion; ``projection`` maps named span subsets onto
-stored layouts; ``descriptors`` checks spans against announced regions.
+stored layouts; ``descriptors`` checks spans against announced regions; ``session_rules``
+the rules of a session (what may be sent when, reply versions, unique ids), for both ends.
 """
 
+from kvcr_protocol import session_rules
 from kvcr_protocol.codec import decode, encode, peek_id
 from kvcr_protocol.columns import (
     PREFIX_ALL,
@@ -41,6 +43,7 @@ from kvcr_protocol.notify import (
 from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, RequestCodes
 from kvcr_protocol.plans import GroupEvent, GroupState, PlanProgress
 from kvcr_protocol.projection import Projection, ProjectionCache, compute_projection
+from kvcr_protocol.session_rules import Role, SessionState
 from kvcr_protocol.versions import (
     BASE_VERSION,
     CLIENT_GONE_VERSION,
@@ -91,6 +94,8 @@ __all__ = [
     "QueryColumns",
     "RemoteProtocolError",
     "RequestCodes",
+    "Role",
+    "SessionState",
     "SpanColumns",
     "WriteNotify",
     "canonical_endpoint",
@@ -112,5 +117,6 @@ __all__ = [
     "record_items",
     "resolve_columns",
     "resolve_span",
+    "session_rules",
     "supported_up_to",
 ]

@@ -158,7 +158,6 @@ class _KeyResults(Message):
     of its layer plan were delivered in a row from the first (spec section 6.8).
     """
 
-    REPLY: ClassVar[bool] = True
     id: int
     results: tuple[KeyResult, ...]
     done: bytes = b""
@@ -379,7 +378,7 @@ class StatsReply(Message):
     FIELDS = _fields(Field("stats", AnyMap()))
 
 
-@message("complete")
+@message("complete", reply=True)
 class Completion(_KeyResults):
     """Node -> client: one result per item of a deposit, deliver, fetch or release, in order."""
 
@@ -502,7 +501,7 @@ class WriteRequest(Message):
             )
 
 
-@message("write_done")
+@message("write_done", reply=True)
 class WriteDone(_KeyResults):
     """Source -> target: the write's outcome per key; no transfer of it can touch the destination now."""
 
