@@ -30,7 +30,7 @@ from kvcr_node import logs
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.peers import Answer, Ask, LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWrite, WriteStage
-from kvcr_node.records import ClientSession, Operation
+from kvcr_node.records import Operation, Session
 from kvcr_protocol import (
     Ack,
     Bye,
@@ -198,7 +198,7 @@ class Links:
 
     def new_write(
         self, op: Operation, link: PeerLink, indices: list[int], items: tuple[DeliverItem, ...],
-        agent: str, client: ClientSession | None, partial: bool,
+        agent: str, client: Session | None, partial: bool,
     ) -> RemoteWrite:
         """A write on ``link`` for the items ``indices`` of ``op``; ``submit`` sends it."""
         self.counters["remote_writes"] += 1

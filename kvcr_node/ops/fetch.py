@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Operations
-from kvcr_node.records import ClientSession, Operation
+from kvcr_node.records import Operation, Session
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
 from kvcr_node.target import Target
 from kvcr_protocol import ErrorCode, Fetch, FetchItem, KeyResult, KeyStatus
@@ -24,7 +24,7 @@ class Fetches:
         self.operations = operations
         self.target = target
 
-    def on_fetch(self, session: ClientSession, msg: Fetch) -> None:
+    def on_fetch(self, session: Session, msg: Fetch) -> None:
         op = self.operations.admit(session, msg.id, "fetch", len(msg.items), msg.deadline_ms)
         if op is None:
             return

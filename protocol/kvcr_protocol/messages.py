@@ -416,13 +416,15 @@ class CapacityEvent(Message):
 
 @message("heartbeat")
 class Heartbeat(_IdOnly):
-    """Either direction: I am alive. ``id`` counts heartbeats."""
+    """Client (or target node) -> node: I am alive; ``id`` counts heartbeats. The node answers
+    with a heartbeat of the same ``id``, which expects no answer (spec section 5.2)."""
 
 
 
 @message("bye")
 class Bye(_IdOnly):
-    """Client -> node: closing; drop this client's handles and regions."""
+    """Client (or target node) -> node: closing; drop this session's handles, hints, leases
+    and regions. Answered ``ack`` before the session ends (spec section 5.2)."""
 
 
 

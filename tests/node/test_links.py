@@ -22,7 +22,7 @@ from kvcr_node.agents import AgentUse, RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.links import PROBE_INTERVAL_S, LinkError, Links
 from kvcr_node.peers import LinkState, RemoteWrite, WriteStage
-from kvcr_node.records import ClientSession, Operation
+from kvcr_node.records import Operation, Session
 from kvcr_protocol import (
     PROTOCOL_VERSIONS,
     Ack,
@@ -167,7 +167,7 @@ def world(ipc_dir: Path) -> Iterator[World]:
 
 
 def operation(clock: Clock, deadline_s: float, keys: int = 1) -> Operation:
-    session = ClientSession(b"client", "engine", "client-agent", VERSION)
+    session = Session(b"client", "engine", "client-agent", VERSION)
     return Operation(session, 1, "deliver", clock.now + deadline_s, [None] * keys)
 
 
@@ -313,11 +313,11 @@ def test_a_restarted_source_voids_the_writes_of_its_predecessor(world: World) ->
 # --------------------------------------------------------------------------- a client left (version 5)
 
 
-def client_session(name: str = "client-agent") -> ClientSession:
-    return ClientSession(b"client", "engine", name, VERSION, b"md")
+def client_session(name: str = "client-agent") -> Session:
+    return Session(b"client", "engine", name, VERSION, b"md")
 
 
-def client_write(world: World, link: Any, client: ClientSession, deadline_s: float = 5) -> RemoteWrite:
+def client_write(world: World, link: Any, client: Session, deadline_s: float = 5) -> RemoteWrite:
     """Submit a write into ``client``'s memory on ``link``."""
     op = Operation(client, 1, "deliver", world.clock.now + deadline_s, [None])
     write = world.links.new_write(op, link, [0], items(), client.agent, client, False)
@@ -334,7 +334,7 @@ def received_write(source: Source, write: RemoteWrite) -> None:
     assert isinstance(msg, WriteRequest) and msg.id == write.id, msg
 
 
-def leave(world: World, client: ClientSession) -> None:
+def leave(world: World, client: Session) -> None:
     """The client's session ends, as ``Sessions.close`` does it."""
     client.closing = True
     world.links.forget_client(client.agent)
