@@ -28,6 +28,7 @@ from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import (
     Ack,
     Bye,
+    CapacityEvent,
     Completion,
     Deposit,
     DepositItem,
@@ -134,7 +135,8 @@ def assert_no_session(d: NodeDriver, identity: bytes) -> None:
 
 
 def test_hello_is_always_encoded_at_version_1() -> None:
-    """4.2: "`hello` and `peer_hello` are always encoded with `v` = 1 (section 7).\""""
+    """4.2: "`hello` and `peer_hello` are always encoded with `v` = 1 (section 7)."
+    """
     for msg in (SAMPLES["hello"], SAMPLES["peer_hello"]):
         for version in kp.PROTOCOL_VERSIONS:
             assert envelope_version(encode(msg, version)) == 1
@@ -178,7 +180,8 @@ def test_a_reply_carries_the_id_of_its_request_and_each_request_gets_exactly_one
 def test_an_undecodable_frame_is_answered_with_its_id_or_0(driver: NodeDriver, agent: ClientAgent) -> None:
     """5.1: "A receiver that cannot decode a frame but can read an unsigned integer `id`
     from it MUST reply `error` with that id, the code and the path. If it cannot read the
-    id it MUST count the frame and reply `error` with id 0.\""""
+    id it MUST count the frame and reply `error` with id 0."
+    """
     d = driver
     d.hello(b"c", agent)
     bad = msgpack.packb({"v": V, "t": "query", "id": 41, "keys": "not a list"})
@@ -192,7 +195,8 @@ def test_an_undecodable_frame_is_answered_with_its_id_or_0(driver: NodeDriver, a
 
 
 def test_malformed_input_disturbs_no_other_session(driver: NodeDriver, agent: ClientAgent) -> None:
-    """5.1: "Malformed input MUST NOT stop a node or disturb any other session.\""""
+    """5.1: "Malformed input MUST NOT stop a node or disturb any other session."
+    """
     d = driver
     d.hello(b"good", agent)
     for junk in (b"", b"\x93\x01\x02", b"\xc1", msgpack.packb({"v": V}), msgpack.packb({"v": V, "t": "nope", "id": 3})):
@@ -209,7 +213,8 @@ def test_replies_travel_at_version_1_before_agreement_and_at_the_agreed_version_
 ) -> None:
     """5.1: "Before a version is agreed, replies (including `error`) MUST be encoded at
     version 1. After agreement, every message of the session MUST be encoded at the agreed
-    version.\""""
+    version."
+    """
     d = driver
     d.node.router.receive([b"new", encode(Query(3, (b"k",)), 2)])  # no session yet
     assert [envelope_version(p) for p in frames_to(d, b"new")] == [1]
@@ -221,6 +226,51 @@ def test_replies_travel_at_version_1_before_agreement_and_at_the_agreed_version_
     assert [envelope_version(p) for p in payloads] == [2, 2, 2]
 
 
+# --------------------------------------------------------------------------- 7: versions of a session
+
+
+def test_a_hello_is_read_by_the_rules_of_version_1_whatever_its_v(driver: NodeDriver, agent: ClientAgent) -> None:
+    """7: "`hello` and `peer_hello` MUST be encoded with `v` = 1, and a receiver MUST read
+    them by the rules of version 1 whatever their `v`, so that endpoints of any version can
+    open a session."
+    """
+    d = driver
+    for identity, v in ((b"future", 9), (b"v3", 3)):
+        obj = msgpack.unpackb(encode(hello(agent, 4, versions=(1, 2, 3)), 1), raw=False)
+        obj["v"] = v
+        d.receive_frames([identity, msgpack.packb(obj, use_bin_type=True)])
+        assert only(d.sent(identity, 3), Welcome, 4).version == 3
+
+
+def test_no_common_version_is_refused_unsupported_version_at_version_1(driver: NodeDriver, agent: ClientAgent) -> None:
+    """7: "If the sets do not meet, it MUST reply `error` with `UNSUPPORTED_VERSION`, encoded
+    at version 1."
+    """
+    d = driver
+    d.node.router.receive([b"new", encode(hello(agent, 2, versions=(V + 1, V + 7)), 1)])
+    payloads = frames_to(d, b"new")
+    assert len(payloads) == 1 and envelope_version(payloads[0]) == 1
+    refused = only([decode(payloads[0], V)], Error, 2)
+    assert (refused.code, refused.path) == (ErrorCode.UNSUPPORTED_VERSION, "versions")
+    assert len(d.node.sessions) == 0
+
+
+def test_a_message_above_the_agreed_version_is_refused(driver: NodeDriver, agent: ClientAgent) -> None:
+    """7: "After agreement, a receiver MUST refuse a message whose `v` is above the agreed
+    version or is not a version it speaks, with `UNSUPPORTED_VERSION`. It MAY accept a
+    message at a lower version it speaks"
+    """
+    d = driver
+    only(d.receive(b"c", hello(agent, 1, versions=(1, 2)), 2), Welcome, 1)
+    d.node.router.receive([b"c", encode(Query(2, (b"k",)), 3)])
+    payloads = frames_to(d, b"c")
+    assert len(payloads) == 1 and envelope_version(payloads[0]) == 2
+    assert only([decode(payloads[0], 2)], Error, 2).code == ErrorCode.UNSUPPORTED_VERSION
+    d.node.router.receive([b"c", encode(Query(3, (b"k",)), 1)])  # a lower version it speaks: read
+    assert only(d.sent(b"c", 2), QueryReply, 3)
+    assert d.node.sessions.get(b"c") is not None
+
+
 # --------------------------------------------------------------------------- 5.2: the client session
 
 
@@ -228,7 +278,8 @@ def test_replies_travel_at_version_1_before_agreement_and_at_the_agreed_version_
 def test_every_message_before_hello_is_refused_bad_state(driver: NodeDriver, tag: str) -> None:
     """5.2: "A node MUST reply `error` with `BAD_STATE` to every other message from an
     identity that has no session, `heartbeat` and `bye` included"; 5.3: "A MUST NOT send
-    any other message before `peer_welcome`.\""""
+    any other message before `peer_welcome`."
+    """
     d = driver
     d.node.router.receive([b"nobody", encode(sample(tag, 9), V)])
     payloads = frames_to(d, b"nobody")
@@ -239,7 +290,8 @@ def test_every_message_before_hello_is_refused_bad_state(driver: NodeDriver, tag
 
 def test_a_hello_ends_the_identitys_session_and_opens_a_new_one(driver: NodeDriver, agent: ClientAgent) -> None:
     """5.2: "A `hello` from an identity that has a session ends that session (as `bye`
-    would) and opens a new one.\""""
+    would) and opens a new one."
+    """
     d = driver
     d.hello(b"c", agent)
     old = d.node.sessions.get(b"c")
@@ -280,7 +332,8 @@ def test_a_region_id_withdrawn_and_acknowledged_is_free_again(driver: NodeDriver
 
 def test_a_session_whose_node_sends_no_heartbeats_is_not_dropped_for_silence(ipc_dir: Path, agent: ClientAgent) -> None:
     """5.2: "A node whose `welcome.heartbeat_ms` is 0 MUST NOT end a session for silence
-    (its clients send no heartbeats)\""""
+    (its clients send no heartbeats)"
+    """
     with node_driver(config(ipc_dir, heartbeat_ms=0)) as d:
         assert d.hello(b"c", agent).heartbeat_ms == 0
         d.tick(10 * GRACE_MS / 1000)
@@ -303,7 +356,8 @@ def test_a_silent_session_ends_after_the_grace_period(driver: NodeDriver, agent:
 
 def test_a_node_refuses_a_span_outside_every_announced_region(driver: NodeDriver, agent: ClientAgent) -> None:
     """5.2: "A node MUST refuse a span that lies outside every region the client announced
-    and has not withdrawn (`BAD_DESCRIPTOR`, per key).\""""
+    and has not withdrawn (`BAD_DESCRIPTOR`, per key)."
+    """
     d = driver
     d.hello(b"c", agent)
     outside = Deposit(2, (DepositItem(b"k", (SrcSpan("L0", "kv", 1, 4 * SLOT, SLOT),)),))
@@ -314,6 +368,39 @@ def test_a_node_refuses_a_span_outside_every_announced_region(driver: NodeDriver
     assert d.receive(b"c", UnregisterRegions(4, (1,))) == [Ack(4)]
     (result,) = only(d.receive(b"c", deposit(5)), Completion, 5).results
     assert (result.status, result.code) == (KeyStatus.FAILED, ErrorCode.BAD_DESCRIPTOR)
+
+
+def test_capacity_goes_once_to_each_client_when_a_pool_crosses_under_its_watermark(
+    ipc_dir: Path, agent: ClientAgent
+) -> None:
+    """5.2: "It is edge-triggered: a node MUST send it once to each connected client when the
+    pool crosses under its low watermark, and not again for that pool until the pool has
+    risen to or above the watermark and fallen under it again." and "`id` counts the events
+    of the session ... from 1. A client MUST NOT reply." (a peer session is no client: it
+    gets none)."""
+    peer = ClientAgent("rules-peer")
+    try:
+        with node_driver(config(ipc_dir, low_watermark=0.5)) as d:
+            d.hello(b"a", agent)
+            d.hello(b"b", agent)
+            only(d.receive(b"p", peer_hello(peer)), PeerWelcome, 1)
+            held = tuple(DepositItem(f"k{k}".encode(), (SrcSpan("L0", "kv", 1, (k % 4) * SLOT, SLOT),)) for k in range(5))
+            assert d.receive(b"a", Deposit(2, held, no_evict=True)) == []
+            d.finish_transfers(agent)
+            done = only(d.sent(b"a"), Completion, 2)
+            assert [r.status for r in done.results] == [KeyStatus.STORED] * 5
+            d.tick()
+            for identity in (b"a", b"b"):
+                event = only(d.sent(identity), CapacityEvent, 1)
+                assert (event.pool, event.reclaimable, event.total) == ("kv", 3, 8)
+            assert d.sent(b"p") == []
+            assert d.receive(b"a", Deposit(3, (DepositItem(b"k5", held[0].spans),), no_evict=True)) == []
+            d.finish_transfers(agent)
+            only(d.sent(b"a"), Completion, 3)
+            d.tick()
+            assert d.sent(b"a") == [] and d.sent(b"b") == []  # still under: not again
+    finally:
+        peer.close()
 
 
 # --------------------------------------------------------------------------- 5.3 and 10.1: roles and stopping
@@ -341,7 +428,8 @@ def test_a_refused_peer_hello_travels_at_version_1_and_ends_the_identitys_sessio
     driver: NodeDriver, agent: ClientAgent
 ) -> None:
     """5.3: "A `peer_hello` ends the session its identity had, whatever its answer, as a
-    client's `hello` does (section 5.2); an `error` answering it travels at version 1.\""""
+    client's `hello` does (section 5.2); an `error` answering it travels at version 1."
+    """
     d = driver
     only(d.receive(b"a", peer_hello(agent)), PeerWelcome, 1)
     d.node.router.receive([b"a", encode(peer_hello(agent, 2, versions=(99,)), 1)])
