@@ -18,7 +18,7 @@ from kvcr_io.endpoints import default_endpoint
 from kvcr_node.logs import LOG_FORMATS
 from kvcr_node.poolspec import PoolSpec
 from kvcr_node.replays import REPLAY_BYTES, REPLAY_REQUESTERS, REQUESTER_BYTES
-from kvcr_protocol import CURRENT_VERSION, SUPPORTED_VERSIONS, Limits
+from kvcr_protocol import CURRENT_VERSION, PROTOCOL_VERSIONS, Limits
 from kvcr_protocol.events import replay_endpoint
 
 
@@ -196,8 +196,8 @@ class NodeConfig:
             raise ConfigError("lease_session_fraction", f"expected a fraction in [0, 1], got {self.lease_session_fraction!r}")
         if not 0.0 <= self.low_watermark < 1.0:
             raise ConfigError("low_watermark", f"expected a fraction in [0, 1), got {self.low_watermark!r}")
-        if self.protocol_version not in SUPPORTED_VERSIONS:
-            raise ConfigError("protocol_version", f"expected one of {list(SUPPORTED_VERSIONS)}, got {self.protocol_version!r}")
+        if self.protocol_version not in PROTOCOL_VERSIONS:
+            raise ConfigError("protocol_version", f"expected one of {list(PROTOCOL_VERSIONS)}, got {self.protocol_version!r}")
         for name in ("deadline_ms", "heartbeat_ms", "batch", "projection_cache", "peer_dead_ms",
                      "client_grace_ms", "max_clients", "max_pending", "max_frame", "peer_idle_ms", "max_peers",
                      "max_peer_clients", "max_hints_per_session", "max_hinted_keys_per_session", "lease_ttl_ms",

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import LeaseCount, LeaseCounters
 from kvcr_node.outbox import Outbox
-from kvcr_node.records import ClientSession, PeerSession
+from kvcr_node.records import Session
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_protocol import (
     Ack,
@@ -40,6 +40,7 @@ from kvcr_protocol import (
     ProtocolError,
     ReleaseLease,
     RenewLease,
+    Role,
 )
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class LeaseRecord:
     """One lease: its session, time to live, the objects it claims here, its keys at sources."""
 
     id: int
-    session: ClientSession
+    session: Session
     ttl_ms: int
     expires: float
     entries: list[ObjectEntry] = field(default_factory=list)
@@ -154,7 +155,7 @@ class Leases:
 
     # ------------------------------------------------------------------ requests
 
-    def on_lease(self, session: ClientSession, msg: Lease) -> None:
+    def on_lease(self, session: Session, msg: Lease) -> None:
         if len(session.leases) >= self.config.max_leases_per_session:
             self.counters.inc(LeaseCount.REFUSED_LEASE_LIMIT)
             self.outbox.refuse(session, msg.id, ProtocolError(
@@ -167,7 +168,7 @@ class Leases:
         record = LeaseRecord(next(self._ids), session, ttl, now + ttl / 1000)
         keys = msg.keys
         status, tier = bytearray(len(keys)), bytearray(len(keys))
-        hint = None if isinstance(session, PeerSession) or msg.request_id is None else session.hints.get(msg.request_id)
+        hint = None if session.role is Role.PEER or msg.request_id is None else session.hints.get(msg.request_id)
         remote: dict[str, list[int]] = {}
         seen: set[bytes] = set()
         for i, key in enumerate(keys):
@@ -211,7 +212,7 @@ class Leases:
             return
         self._answer(record, msg.id, keys, status, tier)
 
-    def on_renew(self, session: ClientSession, msg: RenewLease) -> None:
+    def on_renew(self, session: Session, msg: RenewLease) -> None:
         record = self._own(session, msg.id, msg.lease)
         if record is None:
             return
@@ -225,7 +226,7 @@ class Leases:
                 self._renew_at_source(record, hold, ttl)
         self.outbox.reply(session, LeaseReply(msg.id, record.id, ttl))
 
-    def on_unlease(self, session: ClientSession, msg: ReleaseLease) -> None:
+    def on_unlease(self, session: Session, msg: ReleaseLease) -> None:
         record = self._own(session, msg.id, msg.lease)
         if record is None:
             return
@@ -233,7 +234,7 @@ class Leases:
         self.end_lease(record)
         self.outbox.reply(session, Ack(msg.id))
 
-    def _own(self, session: ClientSession, request_id: int, lease: int) -> LeaseRecord | None:
+    def _own(self, session: Session, request_id: int, lease: int) -> LeaseRecord | None:
         """The session's own lease ``lease``, or None after refusing the request UNKNOWN_LEASE:
         another session's lease, an ended or a released one are all unknown here."""
         record = self.table.get(lease) if lease in session.leases else None
@@ -274,7 +275,7 @@ class Leases:
 
     # ------------------------------------------------------------------ holding
 
-    def shares(self, session: ClientSession) -> dict[str, int]:
+    def shares(self, session: Session) -> dict[str, int]:
         """Pool -> the slots ``session``'s leases may hold there: its share of the pool's lease
         budget, ceil(max(lease_session_fraction, 1/sessions) * budget), counting the sessions
         that announced memory or hold leases, and this one (spec section 6.11)."""
@@ -282,7 +283,7 @@ class Leases:
         fraction = max(self.config.lease_session_fraction, 1 / max(1, sessions))
         return {pool: min(limit, math.ceil(fraction * limit)) for pool, limit in self.pin_limit.items()}
 
-    def _fits(self, session: ClientSession, entry: ObjectEntry, shares: dict[str, int]) -> bool:
+    def _fits(self, session: Session, entry: ObjectEntry, shares: dict[str, int]) -> bool:
         """Whether holding ``entry`` keeps the session (its slots, its share of each pool) and
         every pool within the lease limits."""
         slots = len(entry.info.layout)
@@ -361,7 +362,7 @@ class Leases:
         self._asking.pop(record.id, None)
         record.reply = None
 
-    def end_session_leases(self, session: ClientSession) -> None:
+    def end_session_leases(self, session: Session) -> None:
         """The session ended: every lease it holds ends with it (spec section 6.11)."""
         for lease in list(session.leases):
             record = self.table.get(lease)
@@ -369,7 +370,7 @@ class Leases:
                 self.counters.inc(LeaseCount.ENDED_WITH_SESSION)
                 self.end_lease(record)
 
-    def carry_over(self, old: ClientSession, new: ClientSession) -> None:
+    def carry_over(self, old: Session, new: Session) -> None:
         """A target reconnected (same incarnation, a new peer session): the leases of its old
         session go on in the new one, with their ids, so that a brief outage loses none
         (spec section 6.11)."""
@@ -391,7 +392,7 @@ class Leases:
         for record in list(self.table.values()):
             self.end_lease(record, code, reason)
 
-    def _tell(self, session: ClientSession, lease: int, code: ErrorCode, reason: str, keys: tuple[bytes, ...]) -> None:
+    def _tell(self, session: Session, lease: int, code: ErrorCode, reason: str, keys: tuple[bytes, ...]) -> None:
         session.events += 1
         self.outbox.reply(session, LeaseEnded(session.events, lease, int(code), reason, keys))
 

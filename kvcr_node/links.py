@@ -30,7 +30,7 @@ from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.peers import Answer, Ask, LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWrite, WriteStage
-from kvcr_node.records import ClientSession, Operation
+from kvcr_node.records import Operation, Session
 from kvcr_node.store import ObjectEntry
 from kvcr_protocol import (
     Ack,
@@ -214,7 +214,7 @@ class Links:
 
     def new_write(
         self, op: Operation, link: PeerLink, indices: list[int], items: tuple[DeliverItem, ...],
-        agent: str, client: ClientSession | None, partial: bool, *, columns: tuple[DeliverColumns, ...] = (),
+        agent: str, client: Session | None, partial: bool, *, columns: tuple[DeliverColumns, ...] = (),
         notify: WriteNotify | None = None, regions: frozenset[int] = frozenset(), fills: list[ObjectEntry] | None = None,
     ) -> RemoteWrite:
         """A write on ``link`` for the items ``indices`` of ``op``, whole (the fields

@@ -20,10 +20,10 @@ from kvcr_node.links import Links
 from kvcr_node.metrics import Metrics, MetricsSnapshot, PoolSnapshot
 from kvcr_node.operations import Operations
 from kvcr_node.peers import LinkState, WriteStage
-from kvcr_node.records import PeerSession
 from kvcr_node.sessions import Sessions
 from kvcr_node.store import Store
 from kvcr_node.transfers import Transfers
+from kvcr_protocol import Role
 
 METRICS_PUBLISH_INTERVAL_S = 0.5
 """How stale a scrape may be; also how often an idle node with an exporter wakes to publish."""
@@ -87,7 +87,7 @@ class MetricsPublisher:
                    for (kind, status, code), n in self.operations.outcomes.items()]
         states = collections.Counter(link.state.value for link in self.links)
         sessions = list(self.sessions)
-        peers = sum(1 for s in sessions if isinstance(s, PeerSession))
+        peers = sum(1 for s in sessions if s.role is Role.PEER)
         return MetricsSnapshot(
             node=self.config.name, version=self.version, incarnation=self.incarnation,
             protocol_version=self.protocol_version, lookups=m.lookups, hits=m.hits, pools=pools,

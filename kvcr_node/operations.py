@@ -21,10 +21,10 @@ from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.metrics import Metrics
 from kvcr_node.outbox import REASON_MAX, Outbox
-from kvcr_node.records import ClientSession, Operation, OpKind, Plan, Report, Resume
+from kvcr_node.records import Operation, OpKind, Plan, Report, Resume, Session
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import Move, Transfers
-from kvcr_protocol import Completion, ErrorCode, KeyResult, KeyStatus, Progress, ProtocolError, Region, Release
+from kvcr_protocol import Completion, ErrorCode, KeyResult, KeyStatus, Progress, ProtocolError, Region, Release, session_rules
 from kvcr_protocol.columns import U32, pack
 from kvcr_protocol.versions import COLUMNS_VERSION
 
@@ -63,7 +63,7 @@ class Operations:
         """What the request path counts for the metrics exporter (latencies, bytes)."""
         self.waiters: dict[bytes, list[Operation]] = {}
         """WRITING key -> the operations waiting on it."""
-        self.handles: dict[int, tuple[ClientSession, ObjectEntry]] = {}
+        self.handles: dict[int, tuple[Session, ObjectEntry]] = {}
         self._next_handle = 1
         self.claims = 0
         """Claims held by operations in progress (the others are ``handles``)."""
@@ -75,14 +75,15 @@ class Operations:
     # ------------------------------------------------------------------ admission
 
     def admit(
-        self, session: ClientSession, msg_id: int, kind: OpKind, n: int, deadline_ms: int, *, agent: str = "",
+        self, session: Session, msg_id: int, kind: OpKind, n: int, deadline_ms: int, *, agent: str = "",
         regions: dict[int, Region] | None = None, exact: bool = False, plan: Plan | None = None,
         resume: Resume | None = None, report: Report | None = None,
     ) -> Operation | None:
         """A new operation of ``n`` items, whole (the fields ``Operation`` documents), or None
         after refusing the request. ``agent`` empty: the session's own."""
-        if msg_id in session.ops:
-            self.outbox.refuse(session, msg_id, ProtocolError(ErrorCode.BAD_STATE, f"operation {msg_id} is already in progress", "id"))
+        conflict = session_rules.request_id_conflict(msg_id, session.ops)
+        if conflict is not None:
+            self.outbox.refuse(session, msg_id, conflict)
             return None
         if len(session.ops) >= self.config.max_pending:
             # Back-pressure: refuse rather than queue without bound.
@@ -143,7 +144,7 @@ class Operations:
                 ready.append(i)
         return ready, remote
 
-    def hinted_source(self, session: ClientSession, request_id: str | None, key: bytes) -> str | None:
+    def hinted_source(self, session: Session, request_id: str | None, key: bytes) -> str | None:
         """The endpoint ``session``'s hint for a request names for ``key`` (never this node itself).
 
         Only the session's own hints count (spec section 5.2): another client's hint under
@@ -274,7 +275,7 @@ class Operations:
             plan.progressed.clear()
             self.outbox.reply(op.session, Progress(op.id, pack(items, U32), pack((plan.delivered[i] for i in items), U32)))
 
-    def end_session(self, session: ClientSession) -> None:
+    def end_session(self, session: Session) -> None:
         """The session closed: abort what can be aborted, release its handle claims.
 
         Operations with a transfer in flight keep their claims until it is terminal.
@@ -323,7 +324,7 @@ class Operations:
 
     # ------------------------------------------------------------------ handles
 
-    def new_handle(self, session: ClientSession, entry: ObjectEntry) -> int:
+    def new_handle(self, session: Session, entry: ObjectEntry) -> int:
         """A handle claim on ``entry`` for ``session`` (a fetch, a ``no_evict`` deposit)."""
         handle = self._next_handle
         self._next_handle += 1
@@ -331,7 +332,7 @@ class Operations:
         session.handles.add(handle)
         return handle
 
-    def release_handle(self, session: ClientSession, handle: int) -> bool:
+    def release_handle(self, session: Session, handle: int) -> bool:
         held = self.handles.get(handle)
         if held is None or held[0] is not session:
             return False
@@ -340,7 +341,7 @@ class Operations:
         self.store.unclaim(held[1], accessed=False)
         return True
 
-    def on_release(self, session: ClientSession, msg: Release) -> None:
+    def on_release(self, session: Session, msg: Release) -> None:
         results = []
         for i, handle in enumerate(msg.handles):
             if self.release_handle(session, handle):

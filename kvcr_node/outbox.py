@@ -14,10 +14,9 @@ from collections.abc import Sequence
 
 from kvcr_node import logs
 from kvcr_node.counters import ProtocolErrors
-from kvcr_node.records import ClientSession, PeerSession
-from kvcr_protocol import Error, KeyResult, Message, ProtocolError, encode
+from kvcr_node.records import Session
+from kvcr_protocol import Error, KeyResult, Message, ProtocolError, Role, encode, session_rules
 from kvcr_protocol.operations import allowed_refusal, allowed_result
-from kvcr_protocol.versions import BASE_VERSION
 
 REASON_MAX = 1024
 """Longest reason an ``error`` or a key result carries (spec section 10)."""
@@ -56,18 +55,20 @@ class Outbox:
             self.answered = True
         self.frames.append((identity, encode(msg, version)))
 
-    def reply(self, session: ClientSession, msg: Message) -> None:
+    def reply(self, session: Session, msg: Message) -> None:
         self.send(session.identity, msg, session.version)
 
-    def refuse(self, to: ClientSession | bytes, request_id: int, exc: ProtocolError, request: str | None = None) -> None:
-        """Answer a request with ``error``, at the session's version (the base version for a
-        sender without one); ``request`` names its type when it is not the request in hand."""
+    def refuse(self, to: Session | bytes, request_id: int, exc: ProtocolError, request: str | None = None) -> None:
+        """Answer a request with ``error``, at the version the session rules give it (the
+        session's; version 1 for a sender without one and for a refused hello, spec section
+        5.1); ``request`` names its type when it is not the request in hand."""
         request = request or (self.request[2] if self.request is not None else None)
         self.check_refusal(request, exc.code)
         self.protocol_errors.inc(exc.code)
-        identity, version = (to, BASE_VERSION) if isinstance(to, bytes) else (to.identity, to.version)
+        identity, session_version = (to, None) if isinstance(to, bytes) else (to.identity, to.version)
+        version = session_rules.reply_version(request, Error.TAG, session_version)
         logs.refusal(request, request_id, exc, None if isinstance(to, bytes) else to.name, identity,
-                     isinstance(to, PeerSession))
+                     not isinstance(to, bytes) and to.role is Role.PEER)
         self.send(identity, Error(request_id, int(exc.code), exc.reason[:REASON_MAX], exc.path[:PATH_MAX]), version)
 
     def check_refusal(self, request: str | None, code: int) -> None:
@@ -75,10 +76,10 @@ class Outbox:
         if not allowed_refusal(request, code):
             self.undeclared_codes[f"{request or 'undecoded frame'}: error {code}"] += 1
 
-    def settled(self, session: ClientSession, request: str, request_id: int, results: Sequence[KeyResult]) -> None:
+    def settled(self, session: Session, request: str, request_id: int, results: Sequence[KeyResult]) -> None:
         """An operation's results are about to go out: check their codes, log its failures once."""
         self.check_results(request, results)
-        logs.results(request, request_id, results, session.name, session.identity, isinstance(session, PeerSession))
+        logs.results(request, request_id, results, session.name, session.identity, session.role is Role.PEER)
 
     def check_results(self, request: str, results: Sequence[KeyResult]) -> None:
         """Count per-key codes the spec does not list for the request (section 10.1)."""

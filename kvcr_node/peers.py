@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import zmq
 
-from kvcr_node.records import ClientSession, Operation
+from kvcr_node.records import Operation, Session
 from kvcr_node.store import ObjectEntry
 from kvcr_protocol import DeliverColumns, DeliverItem, ErrorCode, KeyResult, LeaseEnded, Message, Progress, WriteNotify
 
@@ -55,7 +55,7 @@ class RemoteWrite:
     items: tuple[DeliverItem, ...]
     agent: str
     """Whose memory the source writes into: the client's agent, or ours for a fetch."""
-    client: ClientSession | None
+    client: Session | None
     """The client whose metadata and regions the source needs first (None for a fetch)."""
     partial: bool
     deadline: float

@@ -1,4 +1,4 @@
-"""The records the parts of a node share: client and peer sessions, withdrawals, operations.
+"""The records the parts of a node share: sessions (a client's or a peer's), withdrawals, operations.
 
 Plain data: the module that owns each table changes its records (``kvcr_node.sessions``
 the sessions, ``kvcr_node.operations`` the operations; architecture §1). An ``Operation``
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvcr_node.transfers import Transfer
-from kvcr_protocol import KeyResult, KeyStatus, Notification, Region, encode_notification
+from kvcr_protocol import KeyResult, KeyStatus, Notification, Region, Role, encode_notification
 from kvcr_protocol.columns import U32, pack
 
 Hint = tuple[str, frozenset[bytes]]
@@ -43,8 +43,30 @@ class Withdrawal:
 
 
 @dataclass
-class ClientSession:
-    """One client that said hello on the node's ROUTER socket."""
+class PeerState:
+    """What a peer session holds beyond what every session does (spec section 5.3).
+
+    The session's ``regions`` are the target's pools; ``clients`` the regions of the
+    target's clients that this (source) node may write into, by their agent name.
+    """
+
+    incarnation: int = 0
+    """The target's incarnation (its write ids are unique per incarnation, for probes)."""
+    clients: collections.OrderedDict[str, dict[int, Region]] = field(default_factory=collections.OrderedDict)
+    """Announced client agent -> its regions, least recently used first (bounded by the node)."""
+    done: collections.OrderedDict[int, None] = field(default_factory=collections.OrderedDict)
+    """Writes of this session that ended, most recent last (probes answer DONE for them)."""
+
+    def remember_done(self, op_id: int) -> None:
+        self.done[op_id] = None
+        while len(self.done) > RECENT_WRITES:
+            self.done.popitem(last=False)
+
+
+@dataclass
+class Session:
+    """One session on the node's ROUTER socket: an engine's client, or (with ``peer``) a
+    target node's peer session. Its role says which requests it may send (``kvcr_protocol.session_rules``)."""
 
     identity: bytes
     name: str
@@ -74,30 +96,32 @@ class ClientSession:
     pool_slots: collections.Counter[str] = field(default_factory=collections.Counter)
     """Pool -> slots of that pool those leases hold here (bounded by the session's share of
     the pool's lease budget, spec section 6.11)."""
+    peer: PeerState | None = None
+    """The peer part of a peer session (None: a client's session)."""
+
+    @property
+    def role(self) -> Role:
+        """A peer session's or a client's: what opened it (``peer_hello`` or ``hello``)."""
+        return Role.CLIENT if self.peer is None else Role.PEER
+
+    def as_peer(self) -> PeerState:
+        """The peer part; the router hands peer requests to peer sessions only."""
+        if self.peer is None:
+            raise TypeError(f"session {self.name!r} is a client's, not a peer's")
+        return self.peer
+
+    def held_regions(self) -> set[int]:
+        """The region ids the session holds: announced and not withdrawn, or withdrawn by an
+        ``unregions`` whose ack is held (an ``abort`` puts those back; spec section 5.2)."""
+        held = set(self.regions)
+        for withdrawal in self.withdrawals.values():
+            held.update(withdrawal.records)
+        return held
 
     def forget_hints(self) -> None:
         """Drop every hint (bye or expiry: hints end with their session)."""
         self.hints.clear()
         self.hinted_keys = 0
-
-
-@dataclass
-class PeerSession(ClientSession):
-    """A target node that opened a peer session with this (source) node.
-
-    ``regions`` are the target's pools; ``clients`` the regions of the target's clients
-    that this node may write into, by their agent name.
-    """
-
-    incarnation: int = 0
-    clients: collections.OrderedDict[str, dict[int, Region]] = field(default_factory=collections.OrderedDict)
-    """Announced client agent -> its regions, least recently used first (bounded by the node)."""
-    done: collections.OrderedDict[int, None] = field(default_factory=collections.OrderedDict)
-
-    def remember_done(self, op_id: int) -> None:
-        self.done[op_id] = None
-        while len(self.done) > RECENT_WRITES:
-            self.done.popitem(last=False)
 
 
 class OpKind(enum.StrEnum):
@@ -120,7 +144,7 @@ Report = Callable[["Operation", tuple[KeyResult, ...]], None]
 class Operation:
     """One batch request in progress: a result slot per item, transfers, waits."""
 
-    session: ClientSession
+    session: Session
     id: int
     kind: OpKind
     deadline: float

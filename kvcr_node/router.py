@@ -1,9 +1,10 @@
 """Requests in: decode each frame, hand it to the part of the node that owns it, refuse the rest.
 
 One frame from the ROUTER socket is decoded at its sender's version (spec section 4),
-checked against the sender's standing (hello first; client and peer requests differ; a
-stopping node takes only what ends things) and dispatched by type through a handler
-table. Nothing raised while handling one message stops the node: the request is
+checked against the sender's standing by the protocol's session rules
+(``kvcr_protocol.session_rules``: hello first; client and peer requests differ; a stopping
+node takes only what ends things) and dispatched by type through the handler table of
+the session's role. Nothing raised while handling one message stops the node: the request is
 answered ``INTERNAL`` (or its operation's remaining items are, spec section 5.1), and
 the failure is counted and logged (architecture §4).
 """
@@ -20,7 +21,7 @@ from kvcr_node.ops.deposit import Deposits
 from kvcr_node.ops.fetch import Fetches
 from kvcr_node.ops.query import Queries
 from kvcr_node.outbox import Outbox
-from kvcr_node.records import ClientSession, Operation, PeerSession
+from kvcr_node.records import Operation, Session
 from kvcr_node.sessions import Sessions
 from kvcr_node.source import Source
 from kvcr_node.stats import Stats
@@ -48,20 +49,19 @@ from kvcr_protocol import (
     ReleaseLease,
     RemoteProtocolError,
     RenewLease,
+    Role,
+    SessionState,
     StatsRequest,
     SubmitHint,
     UnregisterRegions,
     WriteRequest,
     decode,
     peek_id,
+    session_rules,
 )
 
 M = TypeVar("M", bound=Message)
 To = TypeVar("To")
-S = TypeVar("S", bound=ClientSession)
-
-WHILE_STOPPING = (Release, ReleaseLease, Bye, Heartbeat, StatsRequest, PeerForget)
-"""What a stopping node still serves: requests that end or release things, and stats."""
 
 class Handlers(dict[type[Message], Callable[[To, Message], None]]):
     """Message type -> the handler of that type, taking whom it is from (a session or an identity)."""
@@ -91,15 +91,15 @@ class Router:
         """Set at shutdown: new sessions and new work are refused SHUTTING_DOWN."""
         self.hellos = Handlers[bytes]().add(Hello, sessions.on_hello).add(PeerHello, source.on_peer_hello)
 
-        def either(table: Handlers[S]) -> Handlers[S]:
+        def either(table: Handlers[Session]) -> Handlers[Session]:
             """What clients and peers alike may send."""
             return (
                 table.add(StatsRequest, stats.on_stats).add(Heartbeat, sessions.on_heartbeat).add(Bye, sessions.on_bye)
                 .add(Lease, leases.on_lease).add(RenewLease, leases.on_renew).add(ReleaseLease, leases.on_unlease)
             )
 
-        self.client_handlers = either(
-            Handlers[ClientSession]()
+        client_handlers = either(
+            Handlers[Session]()
             .add(RegisterRegions, sessions.on_regions)
             .add(UnregisterRegions, sessions.on_unregions)
             .add(Deposit, deposits.on_deposit)
@@ -111,13 +111,15 @@ class Router:
             .add(SubmitHint, sessions.on_hint)
             .add(DiscardHint, sessions.on_unhint)
         )
-        self.peer_handlers = either(
-            Handlers[PeerSession]()
+        peer_handlers = either(
+            Handlers[Session]()
             .add(PeerClient, source.on_peer_client)
             .add(WriteRequest, source.on_write)
             .add(Probe, source.on_probe)
             .add(PeerForget, source.on_peer_forget)
         )
+        self.handlers: dict[Role, Handlers[Session]] = {Role.CLIENT: client_handlers, Role.PEER: peer_handlers}
+        """The handler table of each role's requests (what each may send: the session rules)."""
 
     def receive(self, frames: list[bytes]) -> None:
         """Handle one multipart message from the ROUTER socket; whatever happens, it is answered."""
@@ -147,35 +149,28 @@ class Router:
             return
         msg_id: int = getattr(msg, "id", 0)
         self.outbox.request = (identity, msg_id, msg.TAG)
+        if session is None:
+            refused = session_rules.refusal(None, SessionState.IDLE, msg.TAG, stopping=self.stopping)
+        else:
+            refused = session_rules.refusal(session.role, SessionState.OPEN, msg.TAG, stopping=self.stopping)
+        if refused is not None:
+            # A refused hello travels at version 1 whatever session its identity has (spec
+            # section 5.1; ``Outbox.refuse`` asks the rules for the version).
+            self.outbox.refuse(session or identity, msg_id, refused)
+            return
         hello = self.hellos.get(type(msg))
         if hello is not None:
-            if self.stopping:
-                self.outbox.refuse(self.sessions.addressee(identity), msg_id, ProtocolError(
-                    ErrorCode.SHUTTING_DOWN, "the node is stopping"))
-                return
             hello(identity, msg)
-        elif session is None:
-            self.outbox.refuse(identity, msg_id, ProtocolError(ErrorCode.BAD_STATE, "say hello first"))
-        elif isinstance(session, PeerSession):
-            self._dispatch(session, msg, self.peer_handlers.get(type(msg)), "a peer")
-        else:
-            self._dispatch(session, msg, self.client_handlers.get(type(msg)), "a client")
-
-    def _dispatch(self, session: S, msg: Message, handler: Callable[[S, Message], None] | None, what: str) -> None:
-        msg_id: int = getattr(msg, "id", 0)
-        if handler is None:
-            self.outbox.refuse(session, msg_id, ProtocolError(ErrorCode.BAD_STATE, f"{msg.TAG} is not {what} request"))
             return
-        if self.stopping and not isinstance(msg, WHILE_STOPPING):
-            self.outbox.refuse(session, msg_id, ProtocolError(ErrorCode.SHUTTING_DOWN, "the node is stopping"))
-            return
+        assert session is not None  # the rules refuse every other message without a session
+        handler = self.handlers[session.role][type(msg)]
         before = session.ops.get(msg_id)
         try:
             handler(session, msg)
         except Exception as exc:
             self._handler_failed(session, msg, before, exc)
 
-    def _handler_failed(self, session: ClientSession, msg: Message, before: Operation | None, exc: Exception) -> None:
+    def _handler_failed(self, session: Session, msg: Message, before: Operation | None, exc: Exception) -> None:
         """One message's handler raised: fail that message ``INTERNAL``, release what it set aside.
 
         An operation it registered is broken: its items that no transfer or remote write

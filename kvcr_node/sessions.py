@@ -19,7 +19,7 @@ from kvcr_node.counters import Count, Counters
 from kvcr_node.leases import Leases
 from kvcr_node.operations import Operations
 from kvcr_node.outbox import Outbox
-from kvcr_node.records import ClientSession, PeerSession
+from kvcr_node.records import Session
 from kvcr_node.store import Store
 from kvcr_node.target import Target
 from kvcr_node.transfers import Transfers
@@ -36,12 +36,14 @@ from kvcr_protocol import (
     ProtocolError,
     Region,
     RegisterRegions,
+    Role,
     SubmitHint,
     UnregisterRegions,
     Welcome,
     endpoint_problem,
     negotiate,
 )
+from kvcr_protocol.session_rules import region_conflict
 
 log = logging.getLogger("kvcr.node")
 
@@ -56,10 +58,10 @@ def checked_regions(regions: Sequence[Region]) -> dict[int, Region]:
             raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, "a region needs an address and a length", f"regions[{i}]")
         if region.address + region.length > MAX_ADDRESS:
             raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, "the region wraps around the address space", f"regions[{i}].length")
-    by_id = {r.region: r for r in regions}
-    if len(by_id) != len(regions):
-        raise ProtocolError(ErrorCode.BAD_DESCRIPTOR, "a region id is announced twice", "regions")
-    return by_id
+    refused = region_conflict((), [r.region for r in regions])
+    if refused is not None:
+        raise refused
+    return {r.region: r for r in regions}
 
 
 class Sessions:
@@ -84,32 +86,32 @@ class Sessions:
         self.incarnation = incarnation
         self.agent_name = agent_name
         self.pool_info = pool_info
-        self.table: dict[bytes, ClientSession] = {}
+        self.table: dict[bytes, Session] = {}
         """Open sessions by ROUTER identity."""
-        self.retired: list[ClientSession] = []
+        self.retired: list[Session] = []
         """Closed peer sessions whose writes are still running."""
         self._next_liveness = 0.0
 
     def __len__(self) -> int:
         return len(self.table)
 
-    def __iter__(self) -> Iterator[ClientSession]:
+    def __iter__(self) -> Iterator[Session]:
         return iter(self.table.values())
 
-    def get(self, identity: bytes) -> ClientSession | None:
+    def get(self, identity: bytes) -> Session | None:
         return self.table.get(identity)
 
-    def addressee(self, identity: bytes) -> ClientSession | bytes:
+    def addressee(self, identity: bytes) -> Session | bytes:
         """Whom a refusal to ``identity`` goes to: its session (at its version), else the bare identity."""
         return self.table.get(identity) or identity
 
-    def clients(self) -> list[ClientSession]:
-        return [s for s in self.table.values() if not isinstance(s, PeerSession)]
+    def clients(self) -> list[Session]:
+        return [s for s in self.table.values() if s.role is Role.CLIENT]
 
     # ------------------------------------------------------------------ opening
 
     def announce(
-        self, to: ClientSession | bytes, request_id: int, agent_md: bytes, regions: Sequence[Region], expect: str = "",
+        self, to: Session | bytes, request_id: int, agent_md: bytes, regions: Sequence[Region], expect: str = "",
     ) -> tuple[str, dict[int, Region]] | None:
         """Load an announced NIXL agent and check its regions; None after refusing the request.
 
@@ -135,8 +137,8 @@ class Sessions:
 
     def open_session(
         self, identity: bytes, request_id: int, agent_md: bytes, regions: Sequence[Region],
-        make: Callable[[str], ClientSession],
-    ) -> ClientSession | None:
+        make: Callable[[str], Session],
+    ) -> Session | None:
         """Load the sender's NIXL metadata, make its session and take its regions; None after a refusal."""
         announced = self.announce(self.addressee(identity), request_id, agent_md, regions)
         if announced is None:
@@ -148,21 +150,24 @@ class Sessions:
         return session
 
     def on_hello(self, identity: bytes, msg: Hello) -> None:
-        try:
-            version = negotiate(self.versions, msg.versions)
-        except ProtocolError as exc:
-            self.outbox.refuse(self.addressee(identity), msg.id, exc)
-            return
+        # Spec section 5.2: a hello ends the identity's session first, whatever its answer
+        # (its sender starts over); a refused one leaves the identity with none, answered at
+        # version 1 (section 5.1: the hello's versions are not agreed).
         old = self.table.get(identity)
         if old is not None:
             self.close(old)
+        try:
+            version = negotiate(self.versions, msg.versions)
+        except ProtocolError as exc:
+            self.outbox.refuse(identity, msg.id, exc)
+            return
         if len(self.clients()) >= self.config.max_clients:
             self.outbox.refuse(self.addressee(identity), msg.id, ProtocolError(
                 ErrorCode.TOO_MANY_CLIENTS, f"this node serves at most {self.config.max_clients} clients"))
             return
         session = self.open_session(
             identity, msg.id, msg.agent_md, msg.regions,
-            lambda agent: ClientSession(identity, msg.client, agent, version, msg.agent_md),
+            lambda agent: Session(identity, msg.client, agent, version, msg.agent_md),
         )
         if session is None:
             return
@@ -173,7 +178,12 @@ class Sessions:
 
     # ------------------------------------------------------------------ regions
 
-    def on_regions(self, session: ClientSession, msg: RegisterRegions) -> None:
+    def on_regions(self, session: Session, msg: RegisterRegions) -> None:
+        refused = region_conflict(session.held_regions(), [r.region for r in msg.regions])
+        if refused is not None:
+            # Spec section 5.2: region ids are unique in a session; nothing of it is taken.
+            self.outbox.refuse(session, msg.id, refused)
+            return
         announced = self.announce(session, msg.id, msg.agent_md, msg.regions, expect=session.agent)
         if announced is None:
             return
@@ -182,7 +192,7 @@ class Sessions:
         session.regions_version += 1
         self.outbox.reply(session, Ack(msg.id))
 
-    def on_unregions(self, session: ClientSession, msg: UnregisterRegions) -> None:
+    def on_unregions(self, session: Session, msg: UnregisterRegions) -> None:
         records = {rid: region for rid in msg.regions if (region := session.regions.pop(rid, None)) is not None}
         session.regions_version += 1
         if self.target.hold(session, msg.id, msg.regions, records):
@@ -191,7 +201,7 @@ class Sessions:
             return
         self.outbox.reply(session, Ack(msg.id))
 
-    def on_abort(self, session: ClientSession, msg: Abort) -> None:
+    def on_abort(self, session: Session, msg: Abort) -> None:
         op = session.ops.get(msg.op)
         if op is None and msg.op in session.withdrawals:
             self.outbox.reply(session, Ack(msg.id))
@@ -205,7 +215,7 @@ class Sessions:
 
     # ------------------------------------------------------------------ hints
 
-    def on_hint(self, session: ClientSession, msg: SubmitHint) -> None:
+    def on_hint(self, session: Session, msg: SubmitHint) -> None:
         problem = endpoint_problem(msg.endpoint)
         if problem is not None:
             # Spec section 5.2: only endpoints this node can dial are kept, so that no
@@ -234,7 +244,7 @@ class Sessions:
         session.hinted_keys = total
         self.outbox.reply(session, Ack(msg.id))
 
-    def on_unhint(self, session: ClientSession, msg: DiscardHint) -> None:
+    def on_unhint(self, session: Session, msg: DiscardHint) -> None:
         old = session.hints.pop(msg.request_id, None)
         if old is not None:
             session.hinted_keys -= len(old[1])
@@ -242,21 +252,21 @@ class Sessions:
 
     # ------------------------------------------------------------------ liveness and the end
 
-    def on_heartbeat(self, session: ClientSession, msg: Heartbeat) -> None:
+    def on_heartbeat(self, session: Session, msg: Heartbeat) -> None:
         self.outbox.reply(session, Heartbeat(msg.id))
 
-    def on_bye(self, session: ClientSession, msg: Bye) -> None:
+    def on_bye(self, session: Session, msg: Bye) -> None:
         self.outbox.reply(session, Ack(msg.id))
         self.end(session)
 
-    def end(self, session: ClientSession) -> None:
+    def end(self, session: Session) -> None:
         """Close a session that ends (bye, silence); a peer's running writes stay answerable to probes."""
         self.close(session)
-        if session.ops and isinstance(session, PeerSession):
+        if session.ops and session.role is Role.PEER:
             # Only peer sessions retire (probes look there); a client's ops hold their session.
             self.retired.append(session)
 
-    def close(self, session: ClientSession) -> None:
+    def close(self, session: Session) -> None:
         """Abort what can be aborted and release the session's handle claims and agents.
 
         Operations with a transfer in flight keep their claims until it is terminal.
@@ -269,14 +279,14 @@ class Sessions:
         if self.table.get(session.identity) is session:
             del self.table[session.identity]
         self.agents.release(session.agent)
-        if not isinstance(session, PeerSession):
+        if session.peer is None:
             # Sources forget it too: told so at version 5 (peer_forget, once none of its
             # writes may run), else in time (max_peer_clients); announce it afresh if it returns.
             self.target.links.forget_client(session.agent)
         else:
             # The agents its target announced go with it (spec section 5.3, bye).
-            announced = list(session.clients)
-            session.clients.clear()
+            announced = list(session.peer.clients)
+            session.peer.clients.clear()
             for agent in announced:
                 self.agents.release(agent)
 
@@ -291,7 +301,7 @@ class Sessions:
             self.agents.release_pending()
         grace = self.config.client_grace_ms / 1000
         for session in [s for s in self.table.values() if now - s.last_seen > grace]:
-            peer = isinstance(session, PeerSession)
+            peer = session.role is Role.PEER
             self.counters.inc(Count.PEERS_EXPIRED if peer else Count.CLIENTS_EXPIRED)
             log.warning("%s %s silent for %.1f s: dropping its session", "peer" if peer else "client",
                         session.name, now - session.last_seen)
@@ -318,8 +328,8 @@ class Sessions:
         for session in self.table.values():
             if session.agent == name:
                 return AgentUse.HELD
-            if isinstance(session, PeerSession):
-                if name in session.clients:
+            if session.peer is not None:
+                if name in session.peer.clients:
                     return AgentUse.HELD
                 running = running or any(op.agent == name for op in session.ops.values())
         if any(link.agent == name for link in self.target.links):

@@ -21,7 +21,7 @@ from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.operations import Operations
 from kvcr_node.ops.deliver import Deliveries
 from kvcr_node.outbox import Outbox
-from kvcr_node.records import Operation, OpKind, PeerSession, Plan
+from kvcr_node.records import Operation, OpKind, PeerState, Plan, Session
 from kvcr_node.sessions import Sessions
 from kvcr_node.wanted import Wanted
 from kvcr_protocol import (
@@ -78,27 +78,31 @@ class Source:
         """Given each READY write's submission instead of making it at once (measurement only)."""
 
     def on_peer_hello(self, identity: bytes, msg: PeerHello) -> None:
-        try:
-            version = negotiate(self.versions, msg.versions)
-        except ProtocolError as exc:
-            self.outbox.refuse(self.sessions.addressee(identity), msg.id, exc)
-            return
         # A reconnecting target opens a new session (a new identity); its old sessions
         # retire: their writes run to the end and stay answerable to probes. The leases of
         # the same target process (its incarnation) go on in the new session (spec section 6.11).
+        # As for a client's hello (spec section 5.2), they end whatever the answer; a refusal
+        # travels at version 1 (section 5.1).
         olds = [s for s in self.sessions
-                if s.identity == identity or (isinstance(s, PeerSession) and s.incarnation == msg.incarnation)]
-        session = self.sessions.open_session(
+                if s.identity == identity or (s.peer is not None and s.peer.incarnation == msg.incarnation)]
+        refused: ProtocolError | None = None
+        try:
+            version = negotiate(self.versions, msg.versions)
+        except ProtocolError as exc:
+            version, refused = 0, exc
+        session = None if refused is not None else self.sessions.open_session(
             identity, msg.id, msg.agent_md, msg.regions,
-            lambda agent: PeerSession(identity, msg.node, agent, version, msg.agent_md, incarnation=msg.incarnation),
+            lambda agent: Session(identity, msg.node, agent, version, msg.agent_md, peer=PeerState(msg.incarnation)),
         )
         for old in olds:
-            if (session is not None and isinstance(old, PeerSession) and old.incarnation == msg.incarnation
+            if (session is not None and old.peer is not None and old.peer.incarnation == msg.incarnation
                     and version >= LEASES_VERSION):
                 self.sessions.leases.carry_over(old, session)
             self.sessions.close(old)
             if old.ops:
                 self.sessions.retired.append(old)
+        if refused is not None:
+            self.outbox.refuse(identity, msg.id, refused)
         if session is None:
             return
         self.counters.inc(Count.PEER_HELLOS)
@@ -106,22 +110,23 @@ class Source:
         self.outbox.reply(session, PeerWelcome(
             msg.id, version, self.config.name, self.incarnation, self.agent_name, self.metadata()))
 
-    def on_peer_client(self, peer: PeerSession, msg: PeerClient) -> None:
+    def on_peer_client(self, peer: Session, msg: PeerClient) -> None:
         announced = self.sessions.announce(peer, msg.id, msg.agent_md, msg.regions)
         if announced is None:
             return
         agent, regions = announced
-        peer.clients[agent] = regions
-        peer.clients.move_to_end(agent)
+        clients = peer.as_peer().clients
+        clients[agent] = regions
+        clients.move_to_end(agent)
         self._bound_peer_clients(peer)
         self.outbox.reply(peer, Ack(msg.id))
 
-    def on_peer_forget(self, peer: PeerSession, msg: PeerForget) -> None:
+    def on_peer_forget(self, peer: Session, msg: PeerForget) -> None:
         """The target's client left (spec section 5.3, version 5): forget it in this peer
         session only, as if never announced. Its agent goes once nothing names it (a
         running write keeps the regions it was accepted with and runs to the end). An agent
         this session does not hold changes nothing: forgetting is idempotent, answered ack."""
-        if peer.clients.pop(msg.agent, None) is None:
+        if peer.as_peer().clients.pop(msg.agent, None) is None:
             # Never announced here, forgotten or evicted already, or another session's client.
             self.counters.inc(Count.PEER_FORGETS_UNKNOWN)
         else:
@@ -129,23 +134,25 @@ class Source:
             self.agents.forget(msg.agent)
         self.outbox.reply(peer, Ack(msg.id))
 
-    def _bound_peer_clients(self, peer: PeerSession) -> None:
+    def _bound_peer_clients(self, peer: Session) -> None:
         """Forget the least recently used announced clients beyond ``max_peer_clients`` (spec
         section 5.3), except those a running write of this peer names: that table is then
         over the bound by at most the peer's operations in progress (``max_pending``)."""
-        excess = len(peer.clients) - self.config.max_peer_clients
+        clients = peer.as_peer().clients
+        excess = len(clients) - self.config.max_peer_clients
         if excess <= 0:
             return
         running = {op.agent for op in peer.ops.values()}
-        for agent in [a for a in peer.clients if a not in running][:excess]:
-            del peer.clients[agent]
+        for agent in [a for a in clients if a not in running][:excess]:
+            del clients[agent]
             self.counters.inc(Count.PEER_CLIENTS_EVICTED)
             self.agents.release(agent)
 
-    def on_write(self, peer: PeerSession, msg: WriteRequest) -> None:
-        regions = peer.regions if msg.agent == peer.agent else peer.clients.get(msg.agent)
+    def on_write(self, peer: Session, msg: WriteRequest) -> None:
+        clients = peer.as_peer().clients
+        regions = peer.regions if msg.agent == peer.agent else clients.get(msg.agent)
         if regions is not None and msg.agent != peer.agent:
-            peer.clients.move_to_end(msg.agent)
+            clients.move_to_end(msg.agent)
         if regions is None:
             self.protocol_errors.inc(ErrorCode.BAD_STATE)
             refused = ProtocolError(ErrorCode.BAD_STATE, f"agent {msg.agent!r} was not announced (peer_client first)")
@@ -180,26 +187,27 @@ class Source:
             self.counters.inc(Count.WRITES_INLINE)
         self.deliveries.deliver_ready(ready, op, wanted)
 
-    def write_settled(self, peer: PeerSession, op: Operation, results: tuple[KeyResult, ...]) -> None:
+    def write_settled(self, peer: Session, op: Operation, results: tuple[KeyResult, ...]) -> None:
         """A write is over here: remember it for probes, and answer ``write_done`` while the session lasts."""
-        peer.remember_done(op.id)
+        peer.as_peer().remember_done(op.id)
         if not peer.closing:
             self.outbox.reply(peer, WriteDone(op.id, results, op.done_column()))
         elif not peer.ops and peer in self.sessions.retired:
             self.sessions.retired.remove(peer)
 
-    def on_probe(self, peer: PeerSession, msg: Probe) -> None:
+    def on_probe(self, peer: Session, msg: Probe) -> None:
         # Write ids are unique per target incarnation: look through every session of it,
         # retired ones included (a write from before a reconnect may still be running).
         state = WriteState.UNKNOWN
+        incarnation = peer.as_peer().incarnation
         for session in [*self.sessions, *self.sessions.retired]:
-            if not isinstance(session, PeerSession) or session.incarnation != peer.incarnation:
+            if session.peer is None or session.peer.incarnation != incarnation:
                 continue
             op = session.ops.get(msg.op)
             if op is not None and op.kind is OpKind.WRITE:
                 state = WriteState.IN_FLIGHT if any(t.running for t in op.transfers) else WriteState.WAITING
                 break
-            if msg.op in session.done:
+            if msg.op in session.peer.done:
                 state = WriteState.DONE
                 break
         self.outbox.reply(peer, ProbeReply(msg.id, msg.op, state, self.incarnation))

@@ -19,13 +19,13 @@ from kvcr_node.leases import Leases
 from kvcr_node.metrics import Metrics
 from kvcr_node.operations import Operations
 from kvcr_node.outbox import Outbox
-from kvcr_node.records import ClientSession, PeerSession
+from kvcr_node.records import Session
 from kvcr_node.replays import Replays
 from kvcr_node.sessions import Sessions
 from kvcr_node.store import Store
 from kvcr_node.target import Target
 from kvcr_node.transfers import Transfers
-from kvcr_protocol import ProjectionCache, StatsReply, StatsRequest
+from kvcr_protocol import ProjectionCache, Role, StatsReply, StatsRequest
 
 
 class Stats:
@@ -60,7 +60,7 @@ class Stats:
         self.replays: Replays | None = None
         """Its replay requesters and their answers in progress."""
 
-    def on_stats(self, session: ClientSession, msg: StatsRequest) -> None:
+    def on_stats(self, session: Session, msg: StatsRequest) -> None:
         self.outbox.reply(session, StatsReply(msg.id, self.snapshot()))
 
     def snapshot(self) -> dict[str, Any]:
@@ -86,11 +86,11 @@ class Stats:
                 "leases": self.leases.claims,
             },
             "leases": self.leases.stats(),
-            "clients": sum(1 for s in sessions if not isinstance(s, PeerSession)),
+            "clients": sum(1 for s in sessions if s.role is Role.CLIENT),
             "operations_pending": sum(len(s.ops) for s in sessions),
             "transfers": self.transfers.stats(),
             "peers": self.target.links.stats(),
-            "peer_sessions": sum(1 for s in sessions if isinstance(s, PeerSession)),
+            "peer_sessions": sum(1 for s in sessions if s.role is Role.PEER),
             "outcomes": self.operations.outcome_counts(),
             "protocol_errors": self.protocol_errors.snapshot(),
             "counters": self.counters.snapshot(),
@@ -103,7 +103,7 @@ class Stats:
     def table_sizes(self) -> dict[str, int]:
         """Entries in the node's per-session and per-peer tables, for soaks and operators."""
         sessions = self.sessions
-        peers = [s for s in (*sessions, *sessions.retired) if isinstance(s, PeerSession)]
+        peers = [s.peer for s in (*sessions, *sessions.retired) if s.peer is not None]
         clients = sessions.clients()
         return {
             "sessions": len(sessions),

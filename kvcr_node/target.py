@@ -20,7 +20,7 @@ from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Failure, Operations
 from kvcr_node.outbox import REASON_MAX, Outbox
 from kvcr_node.peers import RemoteWrite, WriteStage
-from kvcr_node.records import ClientSession, Operation, Plan, Withdrawal
+from kvcr_node.records import Operation, Plan, Session, Withdrawal
 from kvcr_node.store import ObjectEntry, Store
 from kvcr_node.wanted import Wanted
 from kvcr_protocol import (
@@ -72,13 +72,13 @@ class Target:
         self.failure = failure
         self.agents = agents
         self.links = links
-        self.withdrawing: dict[bytes, ClientSession] = {}
+        self.withdrawing: dict[bytes, Session] = {}
         """Sessions with an ``unregions`` whose ack is held, by identity."""
 
     # ------------------------------------------------------------------ writes
 
     def remote_write(
-        self, op: Operation, source: str, indices: list[int], wanted: Wanted, client: ClientSession, partial: bool,
+        self, op: Operation, source: str, indices: list[int], wanted: Wanted, client: Session, partial: bool,
     ) -> None:
         """Ask ``source`` to write objects straight into the client's memory (spec section 12).
 
@@ -219,7 +219,7 @@ class Target:
 
     # ------------------------------------------------------------------ withdrawals (spec section 12)
 
-    def regions_reserved(self, session: ClientSession, regions: Sequence[int]) -> bool:
+    def regions_reserved(self, session: Session, regions: Sequence[int]) -> bool:
         """Whether a remote write that is not over may still write into one of the client's ``regions``."""
         wanted = set(regions)
         for link in self.links:
@@ -230,7 +230,7 @@ class Target:
                     return True
         return False
 
-    def hold(self, session: ClientSession, request_id: int, regions: Sequence[int], records: dict[int, Region]) -> bool:
+    def hold(self, session: Session, request_id: int, regions: Sequence[int], records: dict[int, Region]) -> bool:
         """Hold the ack of an ``unregions`` while a write may still reach its regions; False if none can."""
         if not self.regions_reserved(session, regions):
             return False
@@ -250,7 +250,7 @@ class Target:
             if not session.withdrawals:
                 del self.withdrawing[identity]
 
-    def cancel_withdrawal(self, session: ClientSession, request_id: int) -> None:
+    def cancel_withdrawal(self, session: Session, request_id: int) -> None:
         """The client aborted a held ``unregions``: its regions are announced again, and the
         request is refused whole (``error`` ABORTED: nothing of it was done)."""
         withdrawal = session.withdrawals.pop(request_id)
@@ -262,7 +262,7 @@ class Target:
         self.outbox.refuse(session, request_id, ProtocolError(
             ErrorCode.ABORTED, "aborted: the regions stay announced; the client must keep them registered"), "unregions")
 
-    def drop_withdrawals(self, session: ClientSession) -> None:
+    def drop_withdrawals(self, session: Session) -> None:
         """The session ended: its held ``unregions`` end unanswered."""
         session.withdrawals.clear()
         if self.withdrawing.get(session.identity) is session:

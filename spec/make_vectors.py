@@ -228,7 +228,7 @@ def value_json(wt: WireType[Any], value: Any, omit_defaults: bool) -> Any:
     return value
 
 
-def fields_json(obj: m.Message | Record, omit_defaults: bool = False, version: int = kp.LATEST_VERSION) -> dict[str, Any]:
+def fields_json(obj: m.Message | Record, omit_defaults: bool = False, version: int = kp.CURRENT_VERSION) -> dict[str, Any]:
     """The JSON form of a message or record: field names to values, in declared order.
 
     A field of version 3 or later that the vector's ``version`` lacks is left out (it holds

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvcr_node.operations import Failure, Operations
-from kvcr_node.records import ClientSession, Operation, OpKind, Plan
+from kvcr_node.records import Operation, OpKind, Plan, Session
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_node.target import Target
 from kvcr_node.transfers import Move, list_moves, run_moves, uniform_columns
@@ -84,7 +84,7 @@ class Deliveries:
         b, r = wanted.where[i]
         return self.column_moves(op, entry, wanted.blocks[b], r)
 
-    def on_deliver(self, session: ClientSession, msg: Deliver) -> None:
+    def on_deliver(self, session: Session, msg: Deliver) -> None:
         wanted = Wanted(msg.items, msg.columns)
         op = self.operations.admit(
             session, msg.id, OpKind.DELIVER, len(wanted), msg.deadline_ms, agent=session.agent, regions=session.regions,

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Operations
-from kvcr_node.records import ClientSession, Operation, OpKind
+from kvcr_node.records import Operation, OpKind, Session
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import Move, run_moves, uniform_columns
 from kvcr_protocol import (
@@ -40,7 +40,7 @@ class Deposits:
         self.memories = memories
         self.operations = operations
 
-    def on_deposit(self, session: ClientSession, msg: Deposit) -> None:
+    def on_deposit(self, session: Session, msg: Deposit) -> None:
         blocks = [_ColumnBlock(block, f"columns[{b}]", self.memories) for b, block in enumerate(msg.columns)]
         where = [(b, r) for b, block in enumerate(msg.columns) for r in range(len(block.keys))]
         keys = [item.key for item in msg.items] if not blocks else [k for block in msg.columns for k in block.keys]
@@ -155,7 +155,7 @@ class Deposits:
             op.fail(i, ErrorCode.UNKNOWN_POOL, f"items[{i}].spans: unknown pool")
 
     def _uniform_source(
-        self, session: ClientSession, columns: tuple[tuple[Any, ...], ...]
+        self, session: Session, columns: tuple[tuple[Any, ...], ...]
     ) -> tuple[str, int, Region, np.ndarray] | None:
         """(pool, slot size, region, offsets) for deposit spans of one pool and one region whose
         lengths are the slot size and which lie inside the region; else None (checked per span).
@@ -167,7 +167,7 @@ class Deposits:
         uniform = uniform_columns(session.regions, ids, offsets, lengths, mem.spec.slot_size)
         return None if uniform is None else (pools[0], mem.spec.slot_size, *uniform)
 
-    def _source_moves(self, session: ClientSession, spans: Sequence[SrcSpan], path: str) -> list[tuple[int, int, Region]]:
+    def _source_moves(self, session: Session, spans: Sequence[SrcSpan], path: str) -> list[tuple[int, int, Region]]:
         """Check a deposit's spans (pool, size, region) and resolve them to client addresses."""
         memories = self.memories
         for j, span in enumerate(spans):

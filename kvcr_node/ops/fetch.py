@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Operations
-from kvcr_node.records import ClientSession, Operation, OpKind
+from kvcr_node.records import Operation, OpKind, Session
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
 from kvcr_node.target import Target
 from kvcr_protocol import ErrorCode, Fetch, FetchItem, KeyResult, KeyStatus
@@ -24,7 +24,7 @@ class Fetches:
         self.operations = operations
         self.target = target
 
-    def on_fetch(self, session: ClientSession, msg: Fetch) -> None:
+    def on_fetch(self, session: Session, msg: Fetch) -> None:
         items = msg.items
         op = self.operations.admit(session, msg.id, OpKind.FETCH, len(items), msg.deadline_ms,
                                    resume=lambda op, i: self.fetch_ready(op, i, items[i]))

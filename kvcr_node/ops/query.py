@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from kvcr_node.metrics import Metrics
 from kvcr_node.outbox import Outbox
-from kvcr_node.records import ClientSession
+from kvcr_node.records import Session
 from kvcr_node.store import LOOKUP_ABSENT, ObjectState, Store, lookup_code
 from kvcr_protocol import COLUMNS_VERSION, PRESENCE_BY_CODE, PRESENCE_CODE, Presence, Query, QueryColumns, QueryReply
 
@@ -50,7 +50,7 @@ class Queries:
         self._tier = bytes(tier)
         """Lookup code -> index into ``tiers``."""
 
-    def on_query(self, session: ClientSession, msg: Query) -> None:
+    def on_query(self, session: Session, msg: Query) -> None:
         received = self.metrics.clock()
         hint = session.hints.get(msg.request_id) if msg.request_id is not None else None
         hinted = hint[1] if hint is not None else None

@@ -6,9 +6,11 @@ msgpack frames and back, validating every field; ``versions`` negotiates; ``colu
 holds version 3's column encodings (span columns with layer plans, query columns);
 ``notify`` the NIXL notification payload; ``events`` the inventory event stream (spec
 section 15, its own framing and version); ``leases`` version 4's lease answers; ``plans`` a client's per-group completion; ``projection`` maps named span subsets onto
-stored layouts; ``descriptors`` checks spans against announced regions.
+stored layouts; ``descriptors`` checks spans against announced regions; ``session_rules``
+the rules of a session (what may be sent when, reply versions, unique ids), for both ends.
 """
 
+from kvcr_protocol import session_rules
 from kvcr_protocol.codec import decode, encode, peek_id
 from kvcr_protocol.columns import (
     PREFIX_ALL,
@@ -44,16 +46,15 @@ from kvcr_protocol.notify import (
 from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, RequestCodes
 from kvcr_protocol.plans import GroupEvent, GroupState, PlanProgress
 from kvcr_protocol.projection import Projection, ProjectionCache, compute_projection
+from kvcr_protocol.session_rules import Role, SessionState
 from kvcr_protocol.versions import (
     BASE_VERSION,
     CLIENT_GONE_VERSION,
     COLUMNS_VERSION,
     CURRENT_VERSION,
-    LATEST_VERSION,
     LEASES_VERSION,
     PARTIAL_LAYOUT_VERSION,
     PROTOCOL_VERSIONS,
-    SUPPORTED_VERSIONS,
     negotiate,
     supported_up_to,
 )
@@ -68,7 +69,6 @@ __all__ = [
     "DEFAULT_LIMITS",
     "HELD",
     "IPC_PATH_MAX",
-    "LATEST_VERSION",
     "LEASES_VERSION",
     "MESSAGE_BY_TAG",
     "NOTIFICATION_SIZE",
@@ -78,7 +78,6 @@ __all__ = [
     "PRESENCE_CODE",
     "PROTOCOL_VERSIONS",
     "REQUEST_CODES",
-    "SUPPORTED_VERSIONS",
     "DeliverColumns",
     "DepositColumns",
     "ErrorCode",
@@ -98,6 +97,8 @@ __all__ = [
     "QueryColumns",
     "RemoteProtocolError",
     "RequestCodes",
+    "Role",
+    "SessionState",
     "SpanColumns",
     "WriteNotify",
     "canonical_endpoint",
@@ -122,5 +123,6 @@ __all__ = [
     "record_items",
     "resolve_columns",
     "resolve_span",
+    "session_rules",
     "supported_up_to",
 ]

@@ -158,7 +158,6 @@ class _KeyResults(Message):
     of its layer plan were delivered in a row from the first (spec section 6.8).
     """
 
-    REPLY: ClassVar[bool] = True
     id: int
     results: tuple[KeyResult, ...]
     done: bytes = b""
@@ -379,7 +378,7 @@ class StatsReply(Message):
     FIELDS = _fields(Field("stats", AnyMap()))
 
 
-@message("complete")
+@message("complete", reply=True)
 class Completion(_KeyResults):
     """Node -> client: one result per item of a deposit, deliver, fetch or release, in order."""
 
@@ -417,13 +416,15 @@ class CapacityEvent(Message):
 
 @message("heartbeat")
 class Heartbeat(_IdOnly):
-    """Either direction: I am alive. ``id`` counts heartbeats."""
+    """Client (or target node) -> node: I am alive; ``id`` counts heartbeats. The node answers
+    with a heartbeat of the same ``id``, which expects no answer (spec section 5.2)."""
 
 
 
 @message("bye")
 class Bye(_IdOnly):
-    """Client -> node: closing; drop this client's handles and regions."""
+    """Client (or target node) -> node: closing; drop this session's handles, hints, leases
+    and regions. Answered ``ack`` before the session ends (spec section 5.2)."""
 
 
 
@@ -502,7 +503,7 @@ class WriteRequest(Message):
             )
 
 
-@message("write_done")
+@message("write_done", reply=True)
 class WriteDone(_KeyResults):
     """Source -> target: the write's outcome per key; no transfer of it can touch the destination now."""
 

@@ -7,9 +7,9 @@ Version 4 adds leases: ``lease``, ``lease_reply``, ``renew``, ``unlease`` and ``
 Version 5 is opened by ``peer_forget`` (a target tells a source that a client it announced
 left); further version-5 additions follow.
 
-This package encodes and decodes every version in ``PROTOCOL_VERSIONS``. What an endpoint
-offers is its own choice: the reference node and client speak ``SUPPORTED_VERSIONS``
-(up to ``CURRENT_VERSION``), every version the protocol defines.
+``PROTOCOL_VERSIONS`` names every version the protocol defines; this package encodes and
+decodes each, and the reference node and client offer them all by default (up to
+``CURRENT_VERSION``; an endpoint told to speak less offers ``supported_up_to(its cap)``).
 """
 
 from __future__ import annotations
@@ -34,14 +34,10 @@ client it announced left, so the source forgets it at once instead of at its
 ``max_peer_clients`` bound."""
 
 PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5)
-"""Every version this package can encode and decode."""
-LATEST_VERSION = PROTOCOL_VERSIONS[-1]
-"""The newest version the written protocol defines."""
-
-SUPPORTED_VERSIONS: tuple[int, ...] = PROTOCOL_VERSIONS
-"""The versions the reference node and client speak."""
-CURRENT_VERSION = SUPPORTED_VERSIONS[-1]
-"""What the reference endpoints offer by default: the highest of ``SUPPORTED_VERSIONS``."""
+"""Every version the protocol defines: this package encodes and decodes each, and the
+reference node and client speak each."""
+CURRENT_VERSION = PROTOCOL_VERSIONS[-1]
+"""The newest version: what the reference endpoints offer up to by default."""
 
 
 def supported_up_to(max_version: int) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ def test_protocol_version_line() -> None:
     assert len(lines) == 1
     match = re.fullmatch(r"Protocol-Version: (\d+)", lines[0])
     assert match is not None
-    assert int(match.group(1)) == kp.LATEST_VERSION
+    assert int(match.group(1)) == kp.CURRENT_VERSION
     assert SPEC.index(lines[0]) < 200, "the version line belongs near the top"
 
 
@@ -176,4 +176,4 @@ def test_every_version_is_in_the_negotiation_examples() -> None:
             with pytest.raises(kp.ProtocolError):
                 kp.negotiate(a, b)
     assert {int(v) for ours, _, _ in rows for v in ours.split(", ")} == set(kp.PROTOCOL_VERSIONS)
-    assert f"defines versions 1 to {kp.LATEST_VERSION}" in versions
+    assert f"defines versions 1 to {kp.CURRENT_VERSION}" in versions

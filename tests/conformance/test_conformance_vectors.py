@@ -89,7 +89,7 @@ def test_valid_vector(vec: dict[str, Any]) -> None:
     assert kp.encode(msg, vec["version"]) == frame
     assert kp.decode(frame, vec["version"]) == msg
     # A frame stays readable by an endpoint that speaks more.
-    assert kp.decode(frame, kp.LATEST_VERSION) == msg
+    assert kp.decode(frame, kp.CURRENT_VERSION) == msg
     assert frame[1:3] == b"\xa1v" and frame[3] == vec["wire_version"]
     for alt in vec.get("accept", []):
         assert kp.decode(bytes.fromhex(alt["hex"]), vec["version"]) == msg, alt["description"]
@@ -277,7 +277,7 @@ def test_lease_messages_are_refused_below_version_4(vec: dict[str, Any]) -> None
         obj = msgpack.unpackb(frame, raw=False)
         obj["v"] = version
         with pytest.raises(kp.RemoteProtocolError) as lower:
-            kp.decode(msgpack.packb(obj, use_bin_type=True), kp.LATEST_VERSION)
+            kp.decode(msgpack.packb(obj, use_bin_type=True), kp.CURRENT_VERSION)
         assert (lower.value.code, lower.value.path) == (kp.ErrorCode.UNKNOWN_TYPE, "t")
 
 

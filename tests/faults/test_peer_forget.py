@@ -41,7 +41,7 @@ import zmq
 from kvcr_io.agent import Agent
 from kvcr_protocol import (
     CLIENT_GONE_VERSION,
-    SUPPORTED_VERSIONS,
+    PROTOCOL_VERSIONS,
     Ack,
     Bye,
     Error,
@@ -244,7 +244,7 @@ class RawPeer:
 
     def hello(self) -> None:
         region = Region(0, MemoryKind.DRAM, 0, int(self.buf.ctypes.data), self.buf.nbytes)
-        msg = PeerHello(1, SUPPORTED_VERSIONS, "forget-raw", secrets.randbits(62) | 1, self.agent.name,
+        msg = PeerHello(1, PROTOCOL_VERSIONS, "forget-raw", secrets.randbits(62) | 1, self.agent.name,
                         self.agent.metadata(), (region,))
         welcome = self.request(encode(msg, 1), 1)
         assert isinstance(welcome, PeerWelcome) and welcome.version == CLIENT_GONE_VERSION, welcome

@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from kvcr_client import ArgumentError, AsyncClient, Client, ErrorCode, LeaseHandle, LeaseStatus, NodeError, Span
-from kvcr_protocol import SUPPORTED_VERSIONS, Hello, Lease, LeaseReply, ReleaseLease, Welcome, decode, encode
+from kvcr_protocol import PROTOCOL_VERSIONS, Hello, Lease, LeaseReply, ReleaseLease, Welcome, decode, encode
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
 from kvcr_testing.nodes import ClientAgent, NodeProcess
@@ -249,9 +249,9 @@ def test_a_silent_client_loses_its_leases(node_factory: Callable[..., NodeProces
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(n.endpoint)
         try:
-            sock.send(encode(Hello(1, SUPPORTED_VERSIONS, "silent", agent.name, agent.metadata), 1))
+            sock.send(encode(Hello(1, PROTOCOL_VERSIONS, "silent", agent.name, agent.metadata), 1))
             assert sock.poll(RAW_TIMEOUT_MS)
-            welcome = decode(sock.recv(), max(SUPPORTED_VERSIONS))
+            welcome = decode(sock.recv(), max(PROTOCOL_VERSIONS))
             assert isinstance(welcome, Welcome), welcome
             version = welcome.version
             sock.send(encode(Lease(2, (b"x", b"y"), None, 60_000), version))

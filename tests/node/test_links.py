@@ -22,9 +22,9 @@ from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.links import PROBE_INTERVAL_S, LinkError, Links
 from kvcr_node.peers import LinkState, RemoteWrite, WriteStage
-from kvcr_node.records import ClientSession, Operation, OpKind
+from kvcr_node.records import Operation, OpKind, Session
 from kvcr_protocol import (
-    SUPPORTED_VERSIONS,
+    PROTOCOL_VERSIONS,
     Ack,
     DeliverItem,
     DstSpan,
@@ -49,7 +49,7 @@ from kvcr_protocol import (
 RECV_TIMEOUT_MS = 5000
 """A frame reaches the other side within this (bounded waits; never a sleep)."""
 POLL_SLICE_MS = 50
-VERSION = max(SUPPORTED_VERSIONS)
+VERSION = max(PROTOCOL_VERSIONS)
 
 
 class Clock:
@@ -158,8 +158,8 @@ def world(ipc_dir: Path) -> Iterator[World]:
     counters = Counters()
     links = Links(
         CONFIG, context, poller, agents,
-        lambda i: PeerHello(i, SUPPORTED_VERSIONS, "target", 7, "target-agent", b"target-agent"),
-        SUPPORTED_VERSIONS, counters, ProtocolErrors(), clock, owner=owner,
+        lambda i: PeerHello(i, PROTOCOL_VERSIONS, "target", 7, "target-agent", b"target-agent"),
+        PROTOCOL_VERSIONS, counters, ProtocolErrors(), clock, owner=owner,
     )
     yield World(links, owner, clock, context, ipc_dir, counters)
     links.close_all()
@@ -167,7 +167,7 @@ def world(ipc_dir: Path) -> Iterator[World]:
 
 
 def operation(clock: Clock, deadline_s: float, keys: int = 1) -> Operation:
-    session = ClientSession(b"client", "engine", "client-agent", VERSION)
+    session = Session(b"client", "engine", "client-agent", VERSION)
     return Operation(session, 1, OpKind.DELIVER, clock.now + deadline_s, [None] * keys)
 
 
@@ -179,7 +179,7 @@ def ready_link(world: World, source: Source, version: int = VERSION) -> Any:
     """Open a link to ``source`` and answer its hello (agreeing on ``version``): the link's session is up."""
     link = world.links.open(source.endpoint)
     hello = source.recv()
-    assert isinstance(hello, PeerHello) and hello.versions == SUPPORTED_VERSIONS
+    assert isinstance(hello, PeerHello) and hello.versions == PROTOCOL_VERSIONS
     source.send(PeerWelcome(hello.id, version, "source", 42, "source-agent", b"source-agent"))
     world.drain_until(lambda: link.state is LinkState.READY)
     assert link.incarnation == 42
@@ -313,11 +313,11 @@ def test_a_restarted_source_voids_the_writes_of_its_predecessor(world: World) ->
 # --------------------------------------------------------------------------- a client left (version 5)
 
 
-def client_session(name: str = "client-agent") -> ClientSession:
-    return ClientSession(b"client", "engine", name, VERSION, b"md")
+def client_session(name: str = "client-agent") -> Session:
+    return Session(b"client", "engine", name, VERSION, b"md")
 
 
-def client_write(world: World, link: Any, client: ClientSession, deadline_s: float = 5) -> RemoteWrite:
+def client_write(world: World, link: Any, client: Session, deadline_s: float = 5) -> RemoteWrite:
     """Submit a write into ``client``'s memory on ``link``."""
     op = Operation(client, 1, OpKind.DELIVER, world.clock.now + deadline_s, [None])
     write = world.links.new_write(op, link, [0], items(), client.agent, client, False)
@@ -334,7 +334,7 @@ def received_write(source: Source, write: RemoteWrite) -> None:
     assert isinstance(msg, WriteRequest) and msg.id == write.id, msg
 
 
-def leave(world: World, client: ClientSession) -> None:
+def leave(world: World, client: Session) -> None:
     """The client's session ends, as ``Sessions.close`` does it."""
     client.closing = True
     world.links.forget_client(client.agent)

@@ -25,12 +25,12 @@ from kvcr_node.metrics import Metrics
 from kvcr_node.operations import Operations
 from kvcr_node.outbox import Outbox
 from kvcr_node.peers import RemoteWrite, WriteStage
-from kvcr_node.records import ClientSession, Operation, OpKind, Plan
+from kvcr_node.records import Operation, OpKind, Plan, Session
 from kvcr_node.store import Store
 from kvcr_node.target import Target
 from kvcr_node.wanted import Wanted
 from kvcr_protocol import (
-    SUPPORTED_VERSIONS,
+    PROTOCOL_VERSIONS,
     Ack,
     Completion,
     DeliverItem,
@@ -44,7 +44,7 @@ from kvcr_protocol import (
     decode,
 )
 
-VERSION = SUPPORTED_VERSIONS[-1]
+VERSION = PROTOCOL_VERSIONS[-1]
 SOURCE = "ipc:///tmp/kvcr-test-target/source.sock"
 """The one endpoint the fake links open (nothing listens there: no socket is made)."""
 REGION = Region(1, MemoryKind.DRAM, 0, 0x10000, 1 << 20)
@@ -96,7 +96,7 @@ class FakeLinks:
 
     def new_write(
         self, op: Operation, link: FakeLink, indices: list[int], items: tuple[DeliverItem, ...], agent: str,
-        client: ClientSession | None, partial: bool, **whole: object,
+        client: Session | None, partial: bool, **whole: object,
     ) -> RemoteWrite:
         link_: Any = link  # a FakeLink stands for the PeerLink
         return RemoteWrite(link_, next(self._ids), op, indices, items, agent, client, partial, op.deadline, **whole)  # type: ignore[arg-type]
@@ -120,7 +120,7 @@ class World:
     operations: Operations
     outbox: Outbox
     counters: Counters
-    client: ClientSession
+    client: Session
     failures: list[str]
 
     def sent(self) -> list[Message]:
@@ -158,7 +158,7 @@ def world() -> World:
                             failure, Metrics(clock))
     links = FakeLinks()
     target = Target(links, agents, store, {}, operations, outbox, counters, "target-agent", failure)  # type: ignore[arg-type]
-    client = ClientSession(b"client", "engine", "client-agent", VERSION, regions={1: REGION})
+    client = Session(b"client", "engine", "client-agent", VERSION, regions={1: REGION})
     return World(target, links, operations, outbox, counters, client, failures)
 
 

@@ -68,9 +68,9 @@ def test_no_common_version(ours: tuple[int, ...], theirs: tuple[int, ...]) -> No
 
 def test_negotiation_ignores_unknown_newer_versions() -> None:
     assert kp.negotiate((1, 2), (1, 2, 3, 17)) == 2
-    assert kp.negotiate(kp.SUPPORTED_VERSIONS, (1, 2, 3, 17)) == 3
-    assert kp.negotiate(kp.SUPPORTED_VERSIONS, (1, 2, 3, 4, 17)) == 4
-    assert kp.negotiate(kp.SUPPORTED_VERSIONS, (1, 2, 3, 4, 5, 17)) == 5
+    assert kp.negotiate(kp.PROTOCOL_VERSIONS, (1, 2, 3, 17)) == 3
+    assert kp.negotiate(kp.PROTOCOL_VERSIONS, (1, 2, 3, 4, 17)) == 4
+    assert kp.negotiate(kp.PROTOCOL_VERSIONS, (1, 2, 3, 4, 5, 17)) == 5
 
 
 def test_supported_up_to() -> None:
@@ -79,8 +79,7 @@ def test_supported_up_to() -> None:
     assert kp.supported_up_to(3) == (1, 2, 3)
     assert kp.supported_up_to(4) == (1, 2, 3, 4)
     assert kp.supported_up_to(5) == (1, 2, 3, 4, 5)
-    assert kp.supported_up_to(kp.CURRENT_VERSION) == kp.SUPPORTED_VERSIONS
-    assert kp.supported_up_to(kp.LATEST_VERSION) == kp.PROTOCOL_VERSIONS
+    assert kp.supported_up_to(kp.CURRENT_VERSION) == kp.PROTOCOL_VERSIONS
 
 
 @pytest.mark.parametrize("cap", [0, 6, -1, 99])
@@ -93,12 +92,13 @@ def test_version_constants() -> None:
     assert kp.BASE_VERSION == 1
     assert kp.COLUMNS_VERSION == 3
     assert kp.LEASES_VERSION == 4
-    assert kp.PROTOCOL_VERSIONS == (1, 2, 3, 4, 5) and kp.LATEST_VERSION == kp.CLIENT_GONE_VERSION == 5
-    # The reference node and client offer every version the package speaks.
-    assert kp.SUPPORTED_VERSIONS == kp.PROTOCOL_VERSIONS
-    assert kp.CURRENT_VERSION == max(kp.SUPPORTED_VERSIONS) == 5
-    assert kp.PARTIAL_LAYOUT_VERSION in kp.SUPPORTED_VERSIONS
-    assert set(kp.SUPPORTED_VERSIONS) <= set(kp.PROTOCOL_VERSIONS)
+    assert kp.PROTOCOL_VERSIONS == (1, 2, 3, 4, 5) and kp.CURRENT_VERSION == kp.CLIENT_GONE_VERSION == 5
+    # One tuple names the versions, one constant the newest: the reference node and client
+    # offer every version the package speaks.
+    assert kp.CURRENT_VERSION == max(kp.PROTOCOL_VERSIONS) == 5
+    assert kp.PARTIAL_LAYOUT_VERSION in kp.PROTOCOL_VERSIONS
+    for stale in ("SUPPORTED_VERSIONS", "LATEST_VERSION"):
+        assert not hasattr(kp, stale) and not hasattr(kp.versions, stale)
 
 
 # ----------------------------------------------------------- must-understand
@@ -196,7 +196,7 @@ def test_bang_partial_on_deliver_is_refused() -> None:
 
 
 def test_unknown_optional_fields_are_ignored() -> None:
-    for version in kp.SUPPORTED_VERSIONS:
+    for version in kp.PROTOCOL_VERSIONS:
         obj = unpack(kp.encode(Query(3, (b"k",), "r"), version))
         obj["x_new"] = [1, 2, {"a": b"b"}]
         obj["priority"] = 9
@@ -245,7 +245,7 @@ def test_version_1_frames_are_readable_by_version_2() -> None:
     assert kp.decode(kp.encode(WHOLE, 1), 2) == WHOLE
 
 
-@pytest.mark.parametrize("version", [0, kp.LATEST_VERSION + 1])
+@pytest.mark.parametrize("version", [0, kp.CURRENT_VERSION + 1])
 def test_cannot_encode_at_an_unknown_version(version: int) -> None:
     with pytest.raises(LocalProtocolError) as info:
         kp.encode(WHOLE, version)
