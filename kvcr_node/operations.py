@@ -24,7 +24,17 @@ from kvcr_node.outbox import REASON_MAX, Outbox
 from kvcr_node.records import Operation, OpKind, Plan, Report, Resume, Session
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import Move, Transfers
-from kvcr_protocol import Completion, ErrorCode, KeyResult, KeyStatus, Progress, ProtocolError, Region, Release, session_rules
+from kvcr_protocol import (
+    Completion,
+    ErrorCode,
+    KeyResult,
+    KeyStatus,
+    Progress,
+    ProtocolError,
+    Region,
+    Release,
+    session_rules,
+)
 from kvcr_protocol.columns import U32, pack
 from kvcr_protocol.versions import COLUMNS_VERSION
 
