@@ -1,4 +1,4 @@
-"""The client core: the DEALER socket, the NIXL agent and the pending requests.
+"""The client core: the I/O around the client's session, its socket, NIXL agent, lock and threads.
 
 Whoever holds the core's I/O lock owns the socket and the agent; the lock is held only for
 short turns that never block (send, read what has arrived, progress the agent), never
@@ -33,7 +33,8 @@ observer). The session changes only with the lock held. The background thread lo
 between turns without the lock, so it never walks its tables there: it reads a count of
 memory-touching requests and the nearest deadline, both kept up to date where the tables change.
 The pieces of I/O are split by concern: ``requests`` (the futures), ``transport`` (the
-socket and its monitor), ``waiters`` (leader and followers), ``loops`` (event loop readers).
+socket and its monitor), ``waiters`` (leader and followers, and the background thread's
+loop), ``loops`` (event loop readers), ``actions`` (the session's events carried out).
 
 A request that may touch client memory and gets no answer within its deadline (plus a
 grace) fails for its waiter with ``OperationTimeout``, but the node may still be moving
@@ -91,6 +92,7 @@ from kvcr_protocol import (
 )
 
 log = logging.getLogger("kvcr.client")
+
 
 def _agent_name(client: str) -> str:
     """A unique NIXL agent name within the protocol's name limit: the client's name cut to fit."""
