@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-import kvcr_client.core
+import kvcr_client.session
 from kvcr_client import AsyncClient, Client, KeyStatus, OperationTimeout, Presence, Span
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import Layout, Registrar, StoredObject
@@ -145,7 +145,7 @@ def test_many_threads_beside_the_background_thread(node_factory: Callable[..., A
 def test_timed_out_operations_are_all_released(node_factory: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Hundreds of delivers time out in the client; the node answers them late; nothing is left."""
     node = node_factory(*NODE_ARGS)
-    monkeypatch.setattr(kvcr_client.core, "_GRACE_S", 0.0)
+    monkeypatch.setattr(kvcr_client.session, "_GRACE_S", 0.0)
     with Client(node.endpoint, name="late-churn") as client:
         reg = Registrar(client)
         f = Fixture(client, reg, b"late/obj")

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-import kvcr_client.core
+import kvcr_client.session
 from kvcr_client import ArgumentError, Client, KeyStatus, NodeLostError, OperationTimeout, Span
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import Layout, Registrar, StoredObject
@@ -58,7 +58,7 @@ def test_timed_out_operations_keep_their_regions_until_the_node_answers(
     node_factory: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     node = node_factory(*NODE_ARGS)
-    monkeypatch.setattr(kvcr_client.core, "_GRACE_S", SHORT_GRACE_S)
+    monkeypatch.setattr(kvcr_client.session, "_GRACE_S", SHORT_GRACE_S)
     with Client(node.endpoint, name="late") as client:
         reg = Registrar(client)
         s = StoredObject(client, reg, b"late/obj", LAYOUT, 11)
@@ -102,7 +102,7 @@ def test_node_lost_ends_the_session_and_releases_its_regions(
 ) -> None:
     """A node that dies ends the session: pending and timed-out operations let go of their regions."""
     node = node_factory(*NODE_ARGS)
-    monkeypatch.setattr(kvcr_client.core, "_GRACE_S", SHORT_GRACE_S)
+    monkeypatch.setattr(kvcr_client.session, "_GRACE_S", SHORT_GRACE_S)
     with Client(node.endpoint, name="lost") as client:
         reg = Registrar(client)
         s = StoredObject(client, reg, b"lost/obj", LAYOUT, 11)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-import kvcr_client.core
+import kvcr_client.session
 from kvcr_client import (
     ArgumentError,
     AsyncClient,
@@ -185,7 +185,7 @@ def test_no_reply_by_the_deadline_fails_the_waiting_groups_and_keeps_the_memory(
     """Spec section 6.10: with neither notification nor reply, the groups fail TIMEOUT at the
     client's deadline and the destination stays registered until the late reply."""
     node = node_factory(*NODE_ARGS)
-    monkeypatch.setattr(kvcr_client.core, "_GRACE_S", SHORT_GRACE_S)
+    monkeypatch.setattr(kvcr_client.session, "_GRACE_S", SHORT_GRACE_S)
     with Client(node.endpoint, name="late") as client:
         reg = Registrar(client)
         s = StoredObject(client, reg, b"plan/late", LAYOUT, 45)

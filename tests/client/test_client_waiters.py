@@ -38,10 +38,10 @@ GIVE_UP_S = 0.3
 
 def _at_rest(core: ClientCore) -> None:
     """Nobody waits, nobody leads, nothing is pending."""
-    assert core._waiters == 0 and not core._leading and not core._followers, (
-        core._waiters, core._leading, len(core._followers)
+    assert core.waiters.count == 0 and not core.waiters.leading and not core.waiters.followers, (
+        core.waiters.count, core.waiters.leading, len(core.waiters.followers)
     )
-    assert core._loop_waiting == 0
+    assert core.waiters.loop_waiting == 0
     assert core.tables()["pending"] == 0
 
 
@@ -116,14 +116,14 @@ def test_follower_leads_when_the_leader_gives_up(node_factory: Callable[..., Any
         with frozen(node):
             leader = threading.Thread(target=first, name="leader")
             leader.start()
-            assert wait_until(lambda: core._leading, SETTLE_S)
+            assert wait_until(lambda: core.waiters.leading, SETTLE_S)
             follower = threading.Thread(target=second, name="follower")
             follower.start()
-            assert wait_until(lambda: len(core._followers) == 1, SETTLE_S)
+            assert wait_until(lambda: len(core.waiters.followers) == 1, SETTLE_S)
             leader.join(SETTLE_S)
             assert outcome.get("first") == "gave up"
             # The follower leads now, still waiting on the frozen node.
-            assert wait_until(lambda: core._leading and core._leader_thread == follower.ident, SETTLE_S)
+            assert wait_until(lambda: core.waiters.leading and core.waiters.leader_thread == follower.ident, SETTLE_S)
         follower.join(SETTLE_S)
         assert not follower.is_alive(), "the follower was never woken to lead"
         assert outcome["second"][b"handover/b"].presence is Presence.MISS
@@ -202,7 +202,7 @@ async def test_awaited_reply_is_read_by_the_awaiting_loop(node_factory: Callable
                 readers: list[int] = []
                 handle.future.add_done_callback(lambda _, readers=readers: readers.append(threading.get_ident()))
                 task = asyncio.ensure_future(_awaited(handle))
-                assert await _until(lambda: core.tables()["loops"] == 1 and core._loop_waiting == 1)
+                assert await _until(lambda: core.tables()["loops"] == 1 and core.waiters.loop_waiting == 1)
                 assert not handle.future.done()
             result = await asyncio.wait_for(task, RESULT_TIMEOUT_S)
             assert result[b"loop-reads/k"].presence is Presence.MISS

@@ -90,10 +90,10 @@ def run_stall(args: argparse.Namespace) -> None:
         handle = client.deposit({key: spans_for(breg, names, pool, slot)}, deadline_ms=args.deadline_ms)
     core = client.core
     end = time.monotonic() + 5
-    while handle.op_id not in core._pending and not handle.future.done() and time.monotonic() < end:
+    while handle.op_id not in core.session.pending and not handle.future.done() and time.monotonic() < end:
         time.sleep(0.001)
     core._io.acquire()  # from here on nothing progresses, reads or heartbeats in this client
-    sent = handle.op_id in core._pending or handle.future.done()  # future.done(): handle.done() would drive the client
+    sent = handle.op_id in core.session.pending or handle.future.done()  # future.done(): handle.done() would drive the client
     time.sleep(0.05)  # let ZeroMQ's I/O thread put the request on the wire
     emit("issued", op=args.op, key=key.decode(), held=handles, sent=sent, done=handle.future.done())
     time.sleep(args.linger)
@@ -364,7 +364,7 @@ def run_deliver(args: argparse.Namespace) -> None:
             # Sent, then no progress for a while: a transfer into our memory stalls (UCX over TCP).
             core = client.core
             end = time.monotonic() + 5
-            while handle.op_id not in core._pending and not handle.future.done() and time.monotonic() < end:
+            while handle.op_id not in core.session.pending and not handle.future.done() and time.monotonic() < end:
                 time.sleep(0.001)
             with core._io:
                 emit("issued")
