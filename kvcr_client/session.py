@@ -35,9 +35,11 @@ from kvcr_protocol import (
     Bye,
     CapacityEvent,
     Error,
+    ErrorCode,
     Heartbeat,
     Hello,
     LeaseEnded,
+    LocalProtocolError,
     Message,
     Notification,
     Progress,
@@ -46,8 +48,9 @@ from kvcr_protocol import (
     decode,
     decode_notification,
     encode,
+    session_rules,
 )
-from kvcr_protocol.session_rules import SessionState
+from kvcr_protocol.session_rules import Role, SessionState
 
 H = TypeVar("H")
 """The caller's handle for a request (the core's future); the session never looks inside it."""
@@ -147,10 +150,12 @@ Event: TypeAlias = (
 class InFlight(Generic[H]):
     """What the session keeps for one request it sent."""
 
-    __slots__ = ("deadline", "handle", "holds", "observed", "touches_memory")
+    __slots__ = ("deadline", "handle", "holds", "observed", "tag", "touches_memory")
 
-    def __init__(self, handle: H, deadline: float, touches_memory: bool, holds: bool, observed: bool) -> None:
+    def __init__(self, handle: H, tag: str, deadline: float, touches_memory: bool, holds: bool, observed: bool) -> None:
         self.handle = handle
+        self.tag = tag
+        """The request's type: what may answer it is the session rules' (``session_rules.answers``)."""
         self.deadline = deadline
         """When the client stops waiting (caller's clock); infinite for a deadline left to the node."""
         self.touches_memory = touches_memory
@@ -245,8 +250,12 @@ class ClientSession(Generic[H]):
         refusal = self.refusal()
         if refusal is not None:
             raise refusal
-        frame = encode(message, self.version or self.versions[0])
         kind = type(message)
+        if not session_rules.allowed(Role.CLIENT, self.state, kind.TAG):
+            raise LocalProtocolError(
+                ErrorCode.BAD_STATE, f"{kind.TAG} may not be sent while the session is {self.state.value} (spec section 5.2)", "t",
+            )
+        frame = encode(message, self.version or self.versions[0])
         if kind is Hello:
             self._hello_id = op_id
             if not self.connected:
@@ -254,7 +263,7 @@ class ClientSession(Generic[H]):
         elif kind is Bye and self.connected:
             self._bye_id = op_id
             self.state = SessionState.CLOSING
-        entry = InFlight(handle, now + timeout_s + _GRACE_S, touches_memory, holds, observed)
+        entry = InFlight(handle, kind.TAG, now + timeout_s + _GRACE_S, touches_memory, holds, observed)
         self.pending[op_id] = entry
         if entry.deadline < self.nearest:
             self.nearest = entry.deadline
@@ -320,6 +329,9 @@ class ClientSession(Generic[H]):
         events: list[Event[H]] = [Settled(handle)] if entry.holds else []
         if isinstance(msg, Error):
             events.append(Failed(handle, NodeError(msg.code, msg.reason, msg.path)))
+        elif msg.TAG not in session_rules.answers(Role.CLIENT, entry.tag):
+            # Not what answers that request (spec section 5.1): it fails, the session goes on.
+            events.append(Failed(handle, NodeError(ErrorCode.WRONG_TYPE, f"{msg.TAG} does not answer {entry.tag}", "t")))
         else:
             events.append(Replied(handle, msg))
         return events

@@ -118,14 +118,15 @@ def allowed(role: Role, state: SessionState, tag: str) -> bool:
     """Whether the opener of a ``role`` session may send ``tag`` while the session is ``state``.
 
     Its hello first and nothing else before the answer (sections 5.2 and 5.3), its role's
-    requests while open, nothing after ``bye`` or once the session is over (a new session
-    starts from IDLE).
+    requests while open, and a hello again on an open session (it ends that session and
+    opens another, section 5.2); nothing after ``bye`` or once the session is over (a new
+    session starts from IDLE).
     """
     rules = RULES[role]
     if state is SessionState.IDLE:
         return tag == rules.opening
     if state is SessionState.OPEN:
-        return tag in rules.replies
+        return tag in rules.replies or tag == rules.opening
     return False
 
 

@@ -231,11 +231,37 @@ def test_a_hello_with_no_common_version_is_refused_and_a_later_one_opens(ipc_dir
         assert isinstance(refused, Failed) and refused.handle == "hello"
         assert isinstance(refused.error, NodeError) and refused.error.code == ErrorCode.UNSUPPORTED_VERSION
         assert (s.state, s.version, s.welcome, s.connected) == (SessionState.IDLE, 0, None, False)
-        # Before a welcome the node answers what its rules forbid: one place for those errors.
-        pair.send("early", lambda i: Query(i, (b"k",)))
-        (early,) = pair.flush()
-        assert isinstance(early, Failed) and isinstance(early.error, NodeError) and early.error.code == ErrorCode.BAD_STATE
+        # Before a welcome only a hello may go (the session rules both ends read): refused here.
+        with pytest.raises(LocalProtocolError) as early:
+            pair.send("early", lambda i: Query(i, (b"k",)))
+        assert early.value.code == ErrorCode.BAD_STATE and early.value.path == "t" and s.pending == {}
         assert opened(pair).version == CURRENT_VERSION and s.state is SessionState.OPEN
+
+
+def test_the_session_rules_the_node_reads_are_the_sessions_too(ipc_dir: Path, agent: ClientAgent) -> None:
+    """One table (``kvcr_protocol.session_rules``): what the node would refuse the session does
+    not send, and a reply that does not answer its request fails that request alone."""
+    with node_driver(config(ipc_dir)) as d:
+        pair = Pair(d, agent)
+        s = pair.session
+        for early in (Query(1, (b"k",)), Bye(1)):
+            with pytest.raises(LocalProtocolError):
+                s.send(1, early, pair.now(), 1.0, "early")
+        opened(pair)
+        # A hello again on an open session ends it and opens another (spec section 5.2).
+        assert opened(pair).version == CURRENT_VERSION and s.state is SessionState.OPEN
+        # The node's answer to a query is a query_reply: an ack in its place fails the query only.
+        frame = s.send(70, Query(70, (b"k",)), pair.now(), 1.0, "query")
+        assert frame and s.pending.keys() == {70}
+        (wrong,) = s.receive(encode(Ack(70), s.version), pair.now())
+        assert isinstance(wrong, Failed) and wrong.handle == "query"
+        assert isinstance(wrong.error, NodeError) and wrong.error.code == ErrorCode.WRONG_TYPE
+        assert s.pending == {} and s.state is SessionState.OPEN
+        # Nothing but the bye's answer after a bye.
+        pair.send("bye", lambda i: Bye(i))
+        with pytest.raises(LocalProtocolError):
+            s.send(71, Query(71, (b"k",)), pair.now(), 1.0, "late")
+        assert pair.flush() == [Replied("bye", Ack(pair.ops["bye"]))] and s.state is SessionState.CLOSED
 
 
 def test_a_message_that_does_not_encode_is_never_in_flight(ipc_dir: Path, agent: ClientAgent) -> None:

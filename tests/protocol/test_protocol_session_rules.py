@@ -84,6 +84,8 @@ def test_what_the_opener_may_send(role: Role) -> None:
     for tag in other.requests - rules.requests:
         assert not allowed(role, SessionState.OPEN, tag), tag
     assert not allowed(role, SessionState.HELLO_SENT, rules.opening)
+    assert allowed(role, SessionState.OPEN, rules.opening)  # a hello ends the session and opens another
+    assert not allowed(role, SessionState.CLOSING, rules.opening)
 
 
 @pytest.mark.parametrize("role", list(Role))
