@@ -28,7 +28,7 @@ from kvcr_client import Client, ErrorCode, KeyStatus, NodeError, Span
 from kvcr_node.config import NodeConfig
 from kvcr_node.node import Node
 from kvcr_node.poolspec import PoolSpec
-from kvcr_protocol import Query
+from kvcr_protocol import Query, Role
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
 from kvcr_testing.nodes import inprocess_node
@@ -160,7 +160,7 @@ def test_handler_exception_fails_the_message_with_internal(
         caplog.set_level(logging.ERROR, logger="kvcr.node")
 
         # A whole request fails: the error reply echoes its id.
-        monkeypatch.setitem(node.router.client_handlers, Query, boom)
+        monkeypatch.setitem(node.router.handlers[Role.CLIENT], Query, boom)
         with pytest.raises(NodeError) as err:
             client.query([b"local"]).result(RESULT_TIMEOUT_S)
         assert err.value.code is ErrorCode.INTERNAL, err.value
