@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvcr_client.errors import NodeError
 from kvcr_client.requests import Request, settle
 from kvcr_client.session import (
     Capacity,
+    ClientSession,
     Event,
     Failed,
     LeaseEnd,
@@ -26,18 +27,28 @@ from kvcr_client.session import (
     Undecodable,
     Unmatched,
 )
-from kvcr_protocol import ErrorCode, ProtocolError
-
-if TYPE_CHECKING:
-    from kvcr_client.core import ClientCore
+from kvcr_client.transport import Transport
+from kvcr_client.waiters import Waiters
+from kvcr_protocol import CapacityEvent, ErrorCode, LeaseEnded, ProtocolError
 
 log = logging.getLogger("kvcr.client")
+
+
+class Owner(Protocol):
+    """What the actions use of the core that owns them (``ClientCore``): its session,
+    transport, waiters and callbacks. A protocol, so this module never imports the core."""
+
+    session: ClientSession[Request]
+    transport: Transport
+    waiters: Waiters
+    on_capacity: Callable[[CapacityEvent], None] | None
+    on_lease_end: Callable[[LeaseEnded], None] | None
 
 
 class Actions:
     """Carries out a core's session events (lock held), one handler per event type."""
 
-    def __init__(self, core: ClientCore) -> None:
+    def __init__(self, core: Owner) -> None:
         self.core = core
         self._by_type: dict[type, Callable[[Any], None]] = {
             Replied: self._replied, Failed: self._failed, Settled: self._settled, Observed: self._observed,

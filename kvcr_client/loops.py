@@ -12,16 +12,31 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from kvcr_client.waiters import _PARK_S
-
-if TYPE_CHECKING:
-    from kvcr_client.core import ClientCore
+from kvcr_client.requests import Request
+from kvcr_client.session import ClientSession
+from kvcr_client.transport import Transport
+from kvcr_client.waiters import _PARK_S, Waiters
+from kvcr_io.wake import WakePipe
 
 SOCKET_READY = 1
 MONITOR_READY = 2
 """What ``select`` found readable: the socket's descriptor, the monitor's."""
+
+
+class Owner(Protocol):
+    """What the loop readers use of the core that owns them (``ClientCore``): its lock,
+    session, transport, waiters and turns. A protocol, so this module never imports the core."""
+
+    session: ClientSession[Request]
+    transport: Transport
+    waiters: Waiters
+    _io: Any
+    _reading: int
+    _bg_wakeup: WakePipe
+
+    def _turn(self, ready: int = 0) -> None: ...
 
 
 class LoopReader:
@@ -63,7 +78,7 @@ def _copy_outcome(source: Future[Any], target: asyncio.Future[Any]) -> None:
 class LoopReaders:
     """The event loops that watch the core's socket (changed with the I/O lock held)."""
 
-    def __init__(self, core: ClientCore) -> None:
+    def __init__(self, core: Owner) -> None:
         self.core = core
         self.loops: dict[asyncio.AbstractEventLoop, LoopReader] = {}
 

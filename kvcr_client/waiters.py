@@ -16,12 +16,12 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from kvcr_client.requests import Request
+from kvcr_client.session import ClientSession
 from kvcr_io.pacing import Pacer
-
-if TYPE_CHECKING:
-    from kvcr_client.core import ClientCore
+from kvcr_io.wake import WakePipe
 
 _IDLE_S = 0.2
 """While requests are pending, the longest a waiter or the background thread blocks before it
@@ -36,6 +36,26 @@ _PARK_MAX_S = 0.02
 request sent within ``_PARK_S`` of a caller's wait that nobody waits on is read within this."""
 _CLOSE_TIMEOUT_S = 5.0
 """How long ``close`` waits for the node to acknowledge ``bye`` and for the thread to end."""
+
+
+class Owner(Protocol):
+    """What the waiters use of the core that owns them (``ClientCore``): its lock, session,
+    wake pipes and turns. A protocol, so this module never imports the core above it."""
+
+    session: ClientSession[Request]
+    _io: Any
+    _closed: bool
+    _reading: int
+    _wakeup: WakePipe
+    _bg_wakeup: WakePipe
+    _watch: tuple[int, ...]
+    _bg_watch: tuple[int, ...]
+
+    def _turn(self, ready: int = 0) -> None: ...
+    def _select(self, watch: tuple[int, ...], wait_s: float | None, wakeup: WakePipe) -> int: ...
+    def _due(self) -> float: ...
+    def _idle_timeout(self) -> float | None: ...
+    def _wake(self) -> None: ...
 
 
 class Follower:
@@ -54,7 +74,7 @@ class Follower:
 class Waiters:
     """Who waits on the core's results; every field but ``resume`` changes under ``lock`` (a leaf lock)."""
 
-    def __init__(self, core: ClientCore) -> None:
+    def __init__(self, core: Owner) -> None:
         self.core = core
         self.lock = threading.Lock()
         """Guards who waits: the leader, the followers, the counts below (a leaf lock)."""

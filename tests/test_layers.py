@@ -68,7 +68,9 @@ def test_the_node_parts_import_one_way() -> None:
 
 
 def test_the_client_parts_import_one_way() -> None:
-    """checks <- regions <- spans <- operations <- client, with no cycle (architecture §1)."""
+    """checks <- regions <- spans <- operations <- client, and the core's parts below the core
+    (session <- waiters <- loops, actions <- core: a part names its owner by a protocol), with
+    no cycle (architecture §1)."""
     graph: dict[str, set[str]] = {}
     for path in sorted(PACKAGES["kvcr_client"].glob("*.py")):
         deps = graph.setdefault(module_name(path), set())
@@ -82,9 +84,11 @@ def test_the_client_parts_import_one_way() -> None:
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as exc:
         pytest.fail(f"an import cycle inside kvcr_client: {exc.args[1]}")
-    parts = [f"kvcr_client.{part}" for part in ("checks", "regions", "spans", "operations", "client")]
-    upward = {part: sorted(graph[part] & set(parts[i + 1:])) for i, part in enumerate(parts)}
-    assert {part: above for part, above in upward.items() if above} == {}
+    for chain in (("checks", "regions", "spans", "operations", "client"),
+                  ("session", "waiters", "loops", "core"), ("session", "waiters", "actions", "core")):
+        parts = [f"kvcr_client.{part}" for part in chain]
+        upward = {part: sorted(graph[part] & set(parts[i + 1:])) for i, part in enumerate(parts)}
+        assert {part: above for part, above in upward.items() if above} == {}, chain
 
 
 ENGINE_PACKAGES = {"torch", "transformers", "vllm", "sglang", "cupy"}
