@@ -336,14 +336,12 @@ class ClientCore:
         elif self.transport.sock is None:
             error = NodeLostError(f"not connected to {self.endpoint}; call reconnect()")
         else:
-            error = session.refusal()
-        if error is None:
-            try:
+            try:  # the session refuses what its state forbids, or what does not encode
                 frame = session.send(
                     op_id, build(op_id), time.monotonic(), timeout_s, pending,
                     pending.touches_memory, pending.on_settled is not None, pending.observer is not None,
                 )
-            except LocalProtocolError as exc:
+            except (LocalProtocolError, NodeLostError, ClientClosed) as exc:
                 error = exc
         if error is not None:
             pending.set_exception(error)

@@ -12,6 +12,7 @@ node serve it or how does it refuse it (``refusal``), at which version does a re
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Collection, Container, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -55,15 +56,23 @@ class RoleRules:
     events: frozenset[str]
     """What the node sends on the session unasked, or about a request still in flight."""
 
-    @property
+    @functools.cached_property
     def requests(self) -> frozenset[str]:
         """What the opener may send once the session is open."""
         return frozenset(self.replies)
 
-    @property
+    @functools.cached_property
     def node_sends(self) -> frozenset[str]:
         """Every message the node may send on the open session."""
         return frozenset({"error"}).union(*self.replies.values(), self.events)
+
+    @functools.cached_property
+    def answering(self) -> Mapping[str, frozenset[str]]:
+        """Each message the opener sends -> what answers it, ``error`` included (worked out once:
+        the client asks for every reply it reads)."""
+        table = {tag: answer | {"error"} for tag, answer in self.replies.items()}
+        table[self.opening] = frozenset({self.welcome, "error"})
+        return table
 
 
 def _answers(**replies: str) -> dict[str, frozenset[str]]:
@@ -142,12 +151,12 @@ def accepts(role: Role, state: SessionState, tag: str) -> bool:
     return False
 
 
+_ERROR_ONLY = frozenset({"error"})
+
+
 def answers(role: Role, request: str) -> frozenset[str]:
     """What answers ``request`` on a ``role`` session, ``error`` included (section 5.1: exactly one of them)."""
-    rules = RULES[role]
-    if request == rules.opening:
-        return frozenset({rules.welcome, "error"})
-    return rules.replies.get(request, frozenset()) | {"error"}
+    return RULES[role].answering.get(request, _ERROR_ONLY)
 
 
 def refusal(role: Role | None, state: SessionState, tag: str, *, stopping: bool = False) -> ProtocolError | None:
