@@ -181,6 +181,20 @@ class FakeClock:
             self._now += seconds
 
 
+class NamedAgent:
+    """The node's NIXL agent as its remote-agent table sees it, without NIXL: a peer's
+    metadata is that peer's agent name, and progress does nothing."""
+
+    def add_remote(self, metadata: bytes) -> str:
+        return metadata.decode()
+
+    def remove_remote(self, name: str) -> None:
+        pass
+
+    def progress(self) -> None:
+        pass
+
+
 class ClientAgent:
     """A NIXL agent of the test with registered buffers, announced to a node as regions 1, 2, ..."""
 

@@ -45,6 +45,7 @@ from kvcr_protocol import (
     decode,
     encode,
 )
+from kvcr_testing.nodes import NamedAgent
 
 RECV_TIMEOUT_MS = 5000
 """A frame reaches the other side within this (bounded waits; never a sleep)."""
@@ -58,19 +59,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class FakeAgent:
-    """What RemoteAgents asks of NIXL: metadata is the agent's name."""
-
-    def add_remote(self, metadata: bytes) -> str:
-        return metadata.decode()
-
-    def remove_remote(self, name: str) -> None:
-        pass
-
-    def progress(self) -> None:
-        pass
 
 
 @dataclass
@@ -154,7 +142,7 @@ def world(ipc_dir: Path) -> Iterator[World]:
     poller = zmq.Poller()
     clock = Clock()
     owner = Owner()
-    agents = RemoteAgents(FakeAgent(), lambda name: AgentUse.HELD, clock)  # type: ignore[arg-type]
+    agents = RemoteAgents(NamedAgent(), lambda name: AgentUse.HELD, clock)  # type: ignore[arg-type]
     counters = Counters()
     links = Links(
         CONFIG, context, poller, agents,

@@ -43,29 +43,12 @@ from kvcr_protocol import (
     Region,
     decode,
 )
+from kvcr_testing.nodes import FakeClock, NamedAgent
 
 VERSION = PROTOCOL_VERSIONS[-1]
 SOURCE = "ipc:///tmp/kvcr-test-target/source.sock"
 """The one endpoint the fake links open (nothing listens there: no socket is made)."""
 REGION = Region(1, MemoryKind.DRAM, 0, 0x10000, 1 << 20)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FakeAgent:
-    """What RemoteAgents asks of NIXL: metadata is the agent's name."""
-
-    def add_remote(self, metadata: bytes) -> str:
-        return metadata.decode()
-
-    def remove_remote(self, name: str) -> None:
-        pass
 
 
 @dataclass
@@ -152,7 +135,7 @@ def world() -> World:
 
     store = Store(config.pools, make_policy(config.policy), config.low_watermark)
     counters, outbox = Counters(), Outbox(ProtocolErrors())
-    agents = RemoteAgents(FakeAgent(), lambda name: AgentUse.HELD, clock)  # type: ignore[arg-type]
+    agents = RemoteAgents(NamedAgent(), lambda name: AgentUse.HELD, clock)  # type: ignore[arg-type]
     # No transfer runs here: every key is forwarded to a source.
     operations = Operations(config, store, None, agents, outbox, clock, "ipc:///tmp/kvcr-test-target/node.sock",  # type: ignore[arg-type]
                             failure, Metrics(clock))
