@@ -43,6 +43,7 @@ from kvcr_protocol import (
     Message,
     Notification,
     Progress,
+    ProtocolError,
     RemoteProtocolError,
     Welcome,
     decode,
@@ -255,6 +256,10 @@ class ClientSession(Generic[H]):
             raise LocalProtocolError(
                 ErrorCode.BAD_STATE, f"{kind.TAG} may not be sent while the session is {self.state.value} (spec section 5.2)", "t",
             )
+        conflict = session_rules.request_id_conflict(op_id, self.pending)
+        if conflict is not None or op_id <= 0:
+            # Ids are unique among the requests in flight and never 0 (spec section 5.1).
+            raise LocalProtocolError(ErrorCode.BAD_STATE, conflict.reason if conflict else f"request id {op_id} is not positive", "id")
         frame = encode(message, self.version or self.versions[0])
         if kind is Hello:
             self._hello_id = op_id
@@ -321,13 +326,16 @@ class ClientSession(Generic[H]):
             return [Unmatched(msg)]
         if entry.touches_memory:
             self.touching -= 1
+        problem: ProtocolError | None = None
         if op_id == self._hello_id:
-            self._hello_answered(msg, now)
+            problem = self._hello_answered(msg, now)
         elif op_id == self._bye_id and self.state is SessionState.CLOSING:
             self.state = SessionState.CLOSED
         handle = entry.handle
         events: list[Event[H]] = [Settled(handle)] if entry.holds else []
-        if isinstance(msg, Error):
+        if problem is not None:
+            events.append(Failed(handle, problem))
+        elif isinstance(msg, Error):
             events.append(Failed(handle, NodeError(msg.code, msg.reason, msg.path)))
         elif msg.TAG not in session_rules.answers(Role.CLIENT, entry.tag):
             # Not what answers that request (spec section 5.1): it fails, the session goes on.
@@ -336,9 +344,17 @@ class ClientSession(Generic[H]):
             events.append(Replied(handle, msg))
         return events
 
-    def _hello_answered(self, msg: Message, now: float) -> None:
-        """Welcomed: the session is open at the version agreed; refused: no session yet."""
+    def _hello_answered(self, msg: Message, now: float) -> ProtocolError | None:
+        """Welcomed: the session is open at the version agreed; refused: no session yet. A
+        welcome at a version the client did not offer closes the session (spec section 5.2):
+        nothing more goes on it, and the hello fails with that problem."""
         self._hello_id = 0
+        if isinstance(msg, Welcome) and msg.version not in self.versions:
+            self.state = SessionState.CLOSED
+            return RemoteProtocolError(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"the node chose version {msg.version}, which is not one offered ({list(self.versions)})", "version",
+            )
         if isinstance(msg, Welcome):
             self.version = msg.version
             self.welcome = msg
@@ -347,6 +363,7 @@ class ClientSession(Generic[H]):
             self.next_heartbeat = now  # the next ``timeouts`` schedules the first
         elif self.state is SessionState.HELLO_SENT:
             self.state = SessionState.IDLE
+        return None
 
     def notified(self, payload: bytes) -> list[Event[H]]:
         """A kvcr notification drained from the client's agent: to the pending request it names
