@@ -190,30 +190,7 @@ class Grants:
         n = len(items)
         codes: list[int] = [0] * n
         counts = [1 + max(g, default=0) for g in groups] if groups is not None else [1] * n
-        plans: dict[tuple[int, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]] = {}
-        for k, (item, grant) in enumerate(zip(items, granted, strict=True)):
-            try:
-                indices = compute_projection(grant.names, tuple(span.name for span in item.spans)).indices
-            except ProtocolError:
-                codes[k] = ErrorCode.LAYOUT_SUBSET_INVALID
-                continue
-            numbers = groups[k] if groups is not None and groups[k] else (0,) * len(item.spans)
-            moves = []
-            for span, index, g in zip(item.spans, indices, numbers, strict=True):
-                pool = node.pools[grant.pools[index]]
-                if span.length != pool.slot_size:
-                    codes[k] = ErrorCode.SIZE_MISMATCH
-                    break
-                region = regions[span.region]
-                moves.append((g, region, span, pool, grant.slots[index]))
-            if codes[k]:
-                continue
-            for g, region, span, pool, slot in moves:
-                local, remote, owners = plans.setdefault((g, region.kind, pool.kind), ([], [], []))
-                _append(local, remote, (region.address + span.offset, span.length, region.device),
-                        (pool.address + slot * pool.slot_size, span.length, pool.device))
-                if not owners or owners[-1] != k:
-                    owners.append(k)
+        plans = self._plan(items, granted, groups, regions, codes)
         deadline = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_READ_S)
         if self.hook is not None:
             self.hook("posting")
@@ -261,6 +238,58 @@ class Grants:
             for k, code in enumerate(codes)
         ]
         return results, done
+
+    def _plan(
+        self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], groups: Sequence[tuple[int, ...]] | None,
+        regions: Mapping[int, RegionHandle], codes: list[int],
+    ) -> dict[tuple[int, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]]:
+        """The descriptor pairs of every READ, per (group, local kind, remote kind), with the
+        items each carries; spans that continue the previous pair on both sides merge into
+        it (most objects sit in consecutive slots). Keys whose names or sizes do not fit
+        get their code and no descriptor."""
+        assert self.node is not None
+        pools = self.node.pools
+        plans: dict[tuple[int, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]] = {}
+        for k, (item, grant) in enumerate(zip(items, granted, strict=True)):
+            try:
+                indices = compute_projection(grant.names, tuple(span.name for span in item.spans)).indices
+            except ProtocolError:
+                codes[k] = ErrorCode.LAYOUT_SUBSET_INVALID
+                continue
+            if any(span.length != pools[grant.pools[i]].slot_size for span, i in zip(item.spans, indices, strict=True)):
+                codes[k] = ErrorCode.SIZE_MISMATCH
+                continue
+            numbers = groups[k] if groups is not None and groups[k] else (0,) * len(item.spans)
+            key: tuple[int, MemoryKind, MemoryKind] | None = None
+            local: list[Desc] = []
+            remote: list[Desc] = []
+            # The run being built: its start on both sides, its length, and where it ends.
+            l0 = r0 = size = l_end = r_end = l_dev = r_dev = -1
+            for span, index, g in zip(item.spans, indices, numbers, strict=True):
+                pool = pools[grant.pools[index]]
+                region = regions[span.region]
+                laddr = region.address + span.offset
+                raddr = pool.address + grant.slots[index] * pool.slot_size
+                here = (g, region.kind, pool.kind)
+                if here == key and laddr == l_end and raddr == r_end and region.device == l_dev and pool.device == r_dev:
+                    size += span.length
+                    l_end += span.length
+                    r_end += span.length
+                    continue
+                if size >= 0:
+                    local.append((l0, size, l_dev))
+                    remote.append((r0, size, r_dev))
+                if here != key:
+                    local, remote, owners = plans.setdefault(here, ([], [], []))
+                    if not owners or owners[-1] != k:
+                        owners.append(k)
+                    key = here
+                l0, r0, size, l_dev, r_dev = laddr, raddr, span.length, region.device, pool.device
+                l_end, r_end = laddr + size, raddr + size
+            if size >= 0:
+                local.append((l0, size, l_dev))
+                remote.append((r0, size, r_dev))
+        return plans
 
     def _post(
         self, agent: str, plans: Mapping[tuple[int, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]],
@@ -372,18 +401,6 @@ class Grants:
         if held and lease.ended is None:
             return 0
         return ErrorCode.LEASE_EXPIRED if now >= expired_by else ErrorCode.LEASE_LOST
-
-
-def _append(local: list[Desc], remote: list[Desc], mine: Desc, theirs: Desc) -> None:
-    """Add a pair of descriptors, merged into the previous pair when both continue it."""
-    if local:
-        a, b = local[-1], remote[-1]
-        if a[0] + a[1] == mine[0] and a[2] == mine[2] and b[0] + b[1] == theirs[0] and b[2] == theirs[2]:
-            local[-1] = (a[0], a[1] + mine[1], a[2])
-            remote[-1] = (b[0], b[1] + theirs[1], b[2])
-            return
-    local.append(mine)
-    remote.append(theirs)
 
 
 _REASONS: dict[int, str] = {
