@@ -170,6 +170,8 @@ class Leases:
         self.granted = 0
         """Leases whose reply carried a read grant, alive now: while any is, the node
         progresses its agent for the reads the grants allow (spec section 6.12)."""
+        self.granted_at = -math.inf
+        """When a grant was last given or a granted lease renewed: its client reads soon."""
 
     # ------------------------------------------------------------------ requests
 
@@ -241,6 +243,8 @@ class Leases:
         record.expires = self.clock() + ttl / 1000
         self._schedule(record)
         self.counters.inc(LeaseCount.RENEWED)
+        if record.granted:
+            self.granted_at = self.clock()
         for hold in record.sources:
             if hold.state is HoldState.HELD:
                 self._renew_at_source(record, hold, ttl)
@@ -310,6 +314,7 @@ class Leases:
         """The read grant of a lease answered now: the slots of every key it holds here."""
         record.granted = True
         self.granted += 1
+        self.granted_at = self.clock()
         self.counters.inc(LeaseCount.READ_GRANTS)
         assert self.grant_node is not None
         rows = grant_rows(record.entries, keys, status, self.pool_index)

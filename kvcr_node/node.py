@@ -68,9 +68,13 @@ _SHUTDOWN_DRAIN_S = 10.0
 _FAILED_POLL_S = 0.05
 """After a failed poll the loop waits this long, so a failing poll cannot spin."""
 GRANT_PROGRESS_S = 0.001
-"""While any read grant is outstanding, the agent is progressed at least this often: over
-transports whose RMA needs the target side progressed (UCX over TCP), a client's READ of
-the pools waits for it (spec section 6.12)."""
+"""For ``GRANT_BURST_S`` after a read grant is given or renewed, the agent is progressed at
+least this often: a client's first READ of the pools sets up its connection to our agent,
+which needs both ends progressed (spec section 6.12, architecture §6)."""
+GRANT_BURST_S = 0.5
+GRANT_IDLE_PROGRESS_S = 0.05
+"""Later, while grants are outstanding, this often: READs over shared memory or CMA need no
+progress of ours, and a pace of 1 ms would cost the idle node a tenth of a core."""
 _FAILURE_LOG_INTERVAL_S = 10.0
 """An internal failure of one kind is logged (with its traceback) at most this often; each is counted."""
 
@@ -343,8 +347,12 @@ class Node:
         """Progress the agent every ``GRANT_PROGRESS_S`` while read grants are outstanding."""
         now = self.clock()
         if now >= self._next_grant_progress:
-            self._next_grant_progress = now + GRANT_PROGRESS_S
+            self._next_grant_progress = now + self._grant_pace(now)
             self.agent.progress()
+
+    def _grant_pace(self, now: float) -> float:
+        """How often the agent is progressed for the outstanding read grants."""
+        return GRANT_PROGRESS_S if now - self.leases.granted_at < GRANT_BURST_S else GRANT_IDLE_PROGRESS_S
 
     def _wait_events(self, pacer: Pacer, filling: bool) -> dict[Any, int]:
         """Poll the sockets: at once while transfers run, else until the next timer."""
@@ -386,7 +394,8 @@ class Node:
                    if t is not None]
         longest = _IDLE_POLL_MS
         if self.leases.granted:
-            longest = max(1, int(GRANT_PROGRESS_S * 1000))  # reads the grants allow need our agent's progress
+            # Reads the grants allow need our agent's progress (``_progress_for_grants``).
+            longest = max(0, min(longest, int((self._next_grant_progress - now) * 1000) + 1))
         if self.publisher is not None:
             # Idle or not, the next snapshot goes out on time (in real time).
             longest = min(longest, int(self.publisher.due_in() * 1000) + 1)
