@@ -178,8 +178,10 @@ class Grants:
     def deliver(
         self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], groups: Sequence[tuple[int, ...]] | None,
         regions: Mapping[int, RegionHandle], deadline_ms: int, on_group: Callable[[list[int], int], None] | None = None,
-    ) -> tuple[list[KeyResult], list[int]]:
-        """READ ``items`` under their grants; per item its result and groups delivered in a row.
+    ) -> tuple[list[KeyResult], list[int], bool]:
+        """READ ``items`` under their grants; per item its result and groups delivered in a
+        row, and whether every READ ended (False: one may still write the destination, whose
+        regions must stay in use).
 
         ``on_group(items, g)`` reports group ``g`` landed (and checked) for those items before
         the whole deliver ends.
@@ -237,7 +239,7 @@ class Grants:
                 KeyStatus.FAILED, int(code or ErrorCode.LEASE_LOST), _REASONS.get(int(code), "the read under the grant failed"))
             for k, code in enumerate(codes)
         ]
-        return results, done
+        return results, done, all(r.state is not XferStatus.RUNNING for r in reads)
 
     def _plan(
         self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], groups: Sequence[tuple[int, ...]] | None,

@@ -333,12 +333,13 @@ class Operations:
         table = self._regions
         table.hold(op_id, "deliver", regions)
         try:
-            results, done = self._grants.deliver(items, granted, groups, table.by_id, deadline_ms, on_group)
+            results, done, ended = self._grants.deliver(items, granted, groups, table.by_id, deadline_ms, on_group)
         except BaseException as exc:
             table.settle(op_id, regions)
             fut.set_exception(exc)
             raise
-        table.settle(op_id, regions)
+        if ended:  # else a READ past its deadline may still land: its regions stay in use
+            table.settle(op_id, regions)
         if isinstance(handle, DeliverHandle):
             reply = Completion(op_id, tuple(results), pack(done, U32))
             self.core.call(lambda: handle.apply(handle.progress.on_reply(reply))).result()
