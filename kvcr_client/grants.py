@@ -110,6 +110,7 @@ class Grants:
         self.core = core
         self.node: NodeAgent | None = None
         self._keys: dict[bytes, GrantedKey] = {}
+        self._sweep_at = PRUNE_SLACK
         self.hook: Hook | None = None
         self.reads = 0
         """Delivers served by READs under grants."""
@@ -135,8 +136,11 @@ class Grants:
         for i, names, pools, slots in grant.keys(DEFAULT_LIMITS):
             if max(pools, default=0) < len(node.pools):
                 self._keys[keys[i]] = GrantedKey(lease, names, pools, tuple(slots))
-        if len(self._keys) > 2 * len(keys) + PRUNE_SLACK:
+        if len(self._keys) > self._sweep_at:
+            # Keys of ended leases go in one sweep once the table doubled since the last, so
+            # a sweep costs O(1) per key added, however many keys live leases grant.
             self._keys = {k: g for k, g in self._keys.items() if g.lease.ended is None}
+            self._sweep_at = 2 * len(self._keys) + PRUNE_SLACK
 
     def _load(self, node: GrantNode) -> None:
         """Load the node's agent into ours; its pools must be the session's pools."""
@@ -154,6 +158,7 @@ class Grants:
     def forget(self) -> None:
         """A new session: grants of the old one are void."""
         self._keys.clear()
+        self._sweep_at = PRUNE_SLACK
         self.node = None
 
     def cover(self, items: Sequence[DeliverItem]) -> list[GrantedKey] | None:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from kvcr_client import AsyncClient, Client, ErrorCode, KeyStatus, LeaseStatus, NodeError, Span
-from kvcr_client.grants import MARGIN_FRACTION, MARGIN_S
+from kvcr_client.grants import MARGIN_FRACTION, MARGIN_S, PRUNE_SLACK
 from kvcr_protocol import DEFAULT_LIMITS, RenewLease
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
@@ -257,6 +257,21 @@ def test_a_huge_lease_stays_within_the_span_limit(client: Client, register: Regi
     assert res[k].ok and np.array_equal(dst, src)
     assert posted(client) == before
     lease.release().result(RESULT_TIMEOUT_S)
+
+
+def test_granted_keys_of_ended_leases_do_not_pile_up(client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
+    k = key("obj")
+    put(client, register, k, seed=11, layers=1)
+    for _ in range(3 * PRUNE_SLACK):
+        client.lease([k]).result(RESULT_TIMEOUT_S).release().result(RESULT_TIMEOUT_S)
+    assert len(client._grants) <= 1
+    others = [key(f"o{i}") for i in range(8)]
+    for i, other in enumerate(others):
+        put(client, register, other, seed=20 + i, layers=1)
+    for _ in range(PRUNE_SLACK // 4):
+        for other in others:
+            client.lease([other]).result(RESULT_TIMEOUT_S).release().result(RESULT_TIMEOUT_S)
+    assert len(client._grants) <= len(others) + 1  # one entry per key, the last grant of it
 
 
 @pytest.mark.parametrize("how", ["client_transfers off", "version 4"])
