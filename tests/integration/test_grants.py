@@ -260,18 +260,16 @@ def test_a_huge_lease_stays_within_the_span_limit(client: Client, register: Regi
 
 
 def test_granted_keys_of_ended_leases_do_not_pile_up(client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
-    k = key("obj")
-    put(client, register, k, seed=11, layers=1)
-    for _ in range(3 * PRUNE_SLACK):
-        client.lease([k]).result(RESULT_TIMEOUT_S).release().result(RESULT_TIMEOUT_S)
-    assert len(client._grants) <= 1
-    others = [key(f"o{i}") for i in range(8)]
-    for i, other in enumerate(others):
-        put(client, register, other, seed=20 + i, layers=1)
-    for _ in range(PRUNE_SLACK // 4):
-        for other in others:
-            client.lease([other]).result(RESULT_TIMEOUT_S).release().result(RESULT_TIMEOUT_S)
-    assert len(client._grants) <= len(others) + 1  # one entry per key, the last grant of it
+    keys = [key(f"o{i}") for i in range(8)]
+    for i, k in enumerate(keys):
+        put(client, register, k, seed=20 + i, layers=1)
+    for _ in range(3 * PRUNE_SLACK // len(keys)):
+        for k in keys:
+            client.lease([k]).result(RESULT_TIMEOUT_S).release().result(RESULT_TIMEOUT_S)
+    # One entry per key (its last grant), none of a live lease, and the table bounded.
+    table = client._grants._keys
+    assert set(keys) <= set(table) and len(table) <= 2 * PRUNE_SLACK
+    assert all(granted.lease.ended is not None for granted in table.values())
 
 
 @pytest.mark.parametrize("how", ["client_transfers off", "version 4"])
