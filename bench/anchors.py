@@ -25,14 +25,27 @@ def echo(msg: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
-def serve(endpoint: str, handlers: Mapping[str, Handler]) -> None:
-    """Bind a ROUTER at ``endpoint``, say ``ready``, answer each request by its ``t`` until ``quit``."""
+IDLE_PROGRESS_MS = 1
+"""How often a serving process with an agent progresses it between requests: as often as a
+kvcr node does while read grants are outstanding, so that a consumer's READ of its memory
+(connection set-up included) completes over any transport."""
+
+
+def serve(endpoint: str, handlers: Mapping[str, Handler], idle: Callable[[], object] | None = None) -> None:
+    """Bind a ROUTER at ``endpoint``, say ``ready``, answer each request by its ``t`` until ``quit``.
+
+    ``idle``, when given, runs every ``IDLE_PROGRESS_MS`` while no request is waiting (a
+    NIXL agent's progress: the target of a READ needs it too, architecture §6).
+    """
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(endpoint)
     print("ready", flush=True)
     try:
         while True:
+            if idle is not None:
+                while not sock.poll(IDLE_PROGRESS_MS):
+                    idle()
             ident, frame = sock.recv_multipart()
             msg = msgpack.unpackb(frame)
             if msg["t"] == "quit":

@@ -6,14 +6,18 @@ anchor's, so that both see the same machine (other work on it shifts both):
 1. deliver of a 64 MiB object of 64 KiB spans through the node, against a raw NIXL WRITE
    of the same descriptors from a bare NIXL process into the same kind of client buffer
    (timed in the writer, and end to end with a raw ZeroMQ trigger);
-2. deposit of the same object under new keys against a raw NIXL READ of the same descriptors;
-3. query round trips against a raw ZeroMQ DEALER/ROUTER msgpack echo: one key with the blocking
+2. deliver of the same object leased with a read grant (spec section 6.12): the client READs
+   the node's pools itself, against a raw NIXL READ of the same descriptors by a bare agent in
+   this process from the raw writer's registered buffer (prepared once, and as one descriptor
+   built per request: kvcr merges contiguous slots);
+3. deposit of the same object under new keys against a raw NIXL READ of the same descriptors;
+4. query round trips against a raw ZeroMQ DEALER/ROUTER msgpack echo: one key with the blocking
    ``Client`` and with ``AsyncClient``; then ``bench/lookups.py``'s lookups at engine scale
    (1,000 keys against an echo of the same sizes, a prefix query, 5,000 queries in flight);
-4. admission into a full pool as evictable objects in an unrelated pool grow 1k..100k;
-5. the CPU use of the node and of an idle client process while it is connected, and
+5. admission into a full pool as evictable objects in an unrelated pool grow 1k..100k;
+6. the CPU use of the node and of an idle client process while it is connected, and
    index memory per stored object at 100,000 objects;
-6. with ``--plot`` or ``--sweep``: deliver throughput against span size (4 KiB .. 1 MiB
+7. with ``--plot`` or ``--sweep``: deliver throughput against span size (4 KiB .. 1 MiB
    spans, 16 MiB each) against a raw NIXL WRITE of the same descriptors.
 
 Run: ``python bench/local.py`` (under a minute; ``--quick``: about 15 s). Ratios matter,
@@ -21,7 +25,10 @@ not absolute times. Progress goes to stderr (``--quiet``: none). ``--plot FILE``
 PNG (``bench/plots.py``): the latency distributions of each kvcr measurement beside its raw
 anchor, and throughput against span size. With ``--json`` the report goes to stderr and
 stdout carries one JSON object: ``query_ratio`` and ``query_ratio_async`` (query p50 / echo p50), ``deliver_ratio``
-(raw NIXL WRITE p50 / kvcr deliver p50, list of spans), ``deposit_ratio`` (raw NIXL READ p50
+(raw NIXL WRITE p50 / kvcr deliver p50, list of spans), ``grant_deliver_ratio`` (raw NIXL READ
+p50 of the same 1024 descriptors / kvcr deliver p50 under a read grant; ``_merged``: against one
+descriptor), ``grant_deliver_ms`` and ``raw_grant_read_ms`` (their medians) and
+``grant_deliver_spread`` and ``raw_grant_read_spread`` ((p90 - p10) / median), ``deposit_ratio`` (raw NIXL READ p50
 / kvcr deposit p50), ``idle_cpu_percent`` (node and idle client process together, % of a core),
 ``query_1000_us``, ``query_1000_ratio``, ``prefix_1000_us`` and ``pipelined_queries_per_s``
 (from ``bench/lookups.py``); after a sweep also ``deliver_ratio_<N>k`` per span size.
@@ -102,6 +109,10 @@ def raw_writer(endpoint: str) -> None:
                 peer["name"], [(peer["addr"] + i * span, span, 0) for i in range(count)], "DRAM")
         return local[span], peer["dlist"][span]
 
+    def md(msg: dict[str, Any]) -> dict[str, Any]:
+        """This agent's metadata and the pool's address: a consumer READs the pool with them."""
+        return {"t": "md", "md": agent.get_agent_metadata(), "addr": base}
+
     def write(msg: dict[str, Any]) -> dict[str, Any]:
         # The first ``n`` descriptors (all by default) of ``span`` bytes, one NIXL request.
         n = msg.get("n", SPANS)
@@ -124,7 +135,7 @@ def raw_writer(endpoint: str) -> None:
         agent.release_xfer_handle(handle)
         return {"t": "done", "s": time.perf_counter() - t0, "state": state}
 
-    serve(endpoint, {"setup": setup, "write": write, "echo": echo})
+    serve(endpoint, {"setup": setup, "write": write, "md": md, "echo": echo}, idle=agent.get_new_notifs)
 
 
 class RawNixl:
@@ -139,7 +150,15 @@ class RawNixl:
         self.dst = np.zeros(OBJECT, dtype=np.uint8)
         self.agent.register_memory([(self.dst.ctypes.data, OBJECT, 0, "")], "DRAM")
         assert peer.call({"t": "setup", "md": self.agent.get_agent_metadata(), "addr": self.dst.ctypes.data})["t"] == "ok"
-        self.runs: dict[str, list[float]] = {"write": [], "write_e2e": [], "write_merged": [], "read": []}
+        self.runs: dict[str, list[float]] = {"write": [], "write_e2e": [], "write_merged": [], "read": [],
+                                             "consumer_read": [], "consumer_read_merged": []}
+        found = peer.call({"t": "md"})
+        self.writer = self.agent.add_remote_agent(found["md"])
+        self.writer_addr = int(found["addr"])
+        base = self.dst.ctypes.data
+        self.mine = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
+        self.theirs = self.agent.prep_xfer_dlist(
+            self.writer, [(self.writer_addr + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
         self.sweep: dict[int, list[float]] = {}
         """Span size -> raw NIXL WRITE times of ``SWEEP_BYTES`` in spans of that size."""
 
@@ -153,6 +172,26 @@ class RawNixl:
         if kind == "write":
             self.runs["write_e2e"].append(time.perf_counter() - t0)
 
+    def consumer_read(self, merged: bool) -> None:
+        """One timed READ, by this process, of the writer's 1024 x 64 KiB into ``dst``: the raw
+        anchor of a deliver under a read grant (prepared lists, or one descriptor per side
+        built for the request)."""
+        agent = self.agent
+        t0 = time.perf_counter()
+        if merged:
+            ldesc = agent.get_xfer_descs(np.array([(self.dst.ctypes.data, OBJECT, 0)], dtype=np.uint64), "DRAM")
+            rdesc = agent.get_xfer_descs(np.array([(self.writer_addr, OBJECT, 0)], dtype=np.uint64), "DRAM")
+            handle = agent.initialize_xfer("READ", ldesc, rdesc, self.writer)
+        else:
+            handle = agent.make_prepped_xfer("READ", self.mine, list(range(SPANS)), self.theirs, list(range(SPANS)))
+        state = agent.transfer(handle)
+        give_up = t0 + 30
+        while state == "PROC" and time.perf_counter() < give_up:
+            state = agent.check_xfer_state(handle)
+        agent.release_xfer_handle(handle)
+        assert state == "DONE", state
+        self.runs["consumer_read_merged" if merged else "consumer_read"].append(time.perf_counter() - t0)
+
     def run_span(self, span: int) -> None:
         """One timed WRITE of ``SWEEP_BYTES`` in descriptors of ``span`` bytes."""
         reply = self.peer.call({"t": "write", "span": span, "n": SWEEP_BYTES // span}, self.agent.get_new_notifs)
@@ -164,6 +203,37 @@ class RawNixl:
 
 
 # --------------------------------------------------------------------------- kvcr
+
+
+def bench_grants(
+    client: Client, raw: RawNixl, dests: dict[str, Any], src: np.ndarray, dst: np.ndarray, reps: int, progress: Progress,
+) -> dict[str, list[float]]:
+    """Deliveries of the object under a read grant (the client READs the node's pools), each
+    followed by the raw consumer READs of the same descriptors; the kvcr times per form."""
+    progress.step(f"deliver {OBJECT >> 20} MiB under a read grant against raw NIXL READ, {reps} times")
+    lease = client.lease([b"obj"]).result(30)
+    if len(client._grants) != 1:
+        raise AssertionError("the node granted no read of the leased object (client_transfers off?)")
+    reads = client._grants.reads
+    for how, dest in dests.items():
+        dst[:] = 0
+        assert client.deliver(dest).result(30)[b"obj"].ok
+        if not np.array_equal(src, dst):
+            raise AssertionError(f"bytes read under the grant differ from the deposited bytes ({how})")
+    times: dict[str, list[float]] = {"list": [], "prepared": []}
+    for rep in range(reps):
+        progress.tick("grant deliveries", rep, reps)
+        for how, dest in dests.items():
+            t0 = time.perf_counter()
+            res = client.deliver(dest).result(30)
+            times[how].append(time.perf_counter() - t0)
+            assert res[b"obj"].ok, res
+        raw.consumer_read(merged=False)
+        raw.consumer_read(merged=True)
+    if client._grants.reads != reads + 2 + 2 * reps:
+        raise AssertionError("a deliver of the leased object went to the node")
+    lease.release().result(30)
+    return times
 
 
 def cpu_seconds(pid: int) -> float:
@@ -279,6 +349,7 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, 
                 assert res[b"obj"].ok, res
             raw.run("write")
             raw.run("write_merged")
+        granted = bench_grants(client, raw, dests, src, dst, reps, progress)
         progress.step(f"one-key queries against a raw ZeroMQ echo, {queries} each with Client and AsyncClient")
         queried = bench_queries(client, endpoint, peer, queries)
         # Deposits of the same 64 MiB under new keys: each evicts the oldest object (FIFO).
@@ -304,8 +375,10 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, 
         stats = client.stats().result(5)
         assert stats["invariants"] == [], stats["invariants"]
     samples = {**queried, "deliver": times["list"], "deliver_prepared": times["prepared"], "deposit": deposits,
+               "grant_deliver": granted["list"], "grant_deliver_prepared": granted["prepared"],
                **{f"raw_{name}": runs for name, runs in raw.runs.items()}}
     return {**{name: summary(queried[name]) for name in queried}, "deliver": summary(times["list"]),
+            "grant_deliver": summary(granted["list"]), "grant_deliver_prepared": summary(granted["prepared"]),
             "deliver_prepared": summary(times["prepared"]), "deposit": summary(deposits), "raw": raw.summaries(),
             "samples": samples, "sweep": {span: {"kvcr": swept[span], "raw": raw.sweep[span]} for span in swept}}
 
@@ -336,6 +409,12 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
         "query_ratio_async": k["query_async"]["median"] / k["echo"]["median"],
         "deliver_ratio": r["write"]["median"] / k["deliver"]["median"],
         "deposit_ratio": r["read"]["median"] / k["deposit"]["median"],
+        "grant_deliver_ratio": r["consumer_read"]["median"] / k["grant_deliver"]["median"],
+        "grant_deliver_ratio_merged": r["consumer_read_merged"]["median"] / k["grant_deliver"]["median"],
+        "grant_deliver_ms": k["grant_deliver"]["median"] * 1e3,
+        "grant_deliver_spread": k["grant_deliver"]["spread"],
+        "raw_grant_read_ms": r["consumer_read"]["median"] * 1e3,
+        "raw_grant_read_spread": r["consumer_read"]["spread"],
         "idle_cpu_percent": (k["idle_cpu"] + k["client_idle_cpu"]) * 100,
         **lookups.figures(k["lookups"]),
     }
@@ -354,6 +433,13 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
         ratio = r["write"]["median"] / k[name]["median"]
         ratio_e2e = r["write_e2e"]["median"] / k[name]["median"]
         say(f"  ratio kvcr / raw NIXL, {label}: {ratio:.2f} (goal >= 0.9); against raw NIXL + trigger: {ratio_e2e:.2f}")
+    say("deliver of the same object under a read grant (the client READs the node's pool), against raw NIXL READ")
+    say(f"  kvcr deliver, list of spans      {fmt_gbps(OBJECT, k['grant_deliver'])}")
+    say(f"  kvcr deliver, prepared dest.     {fmt_gbps(OBJECT, k['grant_deliver_prepared'])}")
+    say(f"  raw NIXL READ, 1024 descriptors  {fmt_gbps(OBJECT, r['consumer_read'])}")
+    say(f"  raw NIXL READ, one merged desc   {fmt_gbps(OBJECT, r['consumer_read_merged'])}")
+    say(f"  ratio kvcr / raw NIXL READ: {figures['grant_deliver_ratio']:.2f} (goal >= 0.95); "
+        f"against one merged descriptor: {figures['grant_deliver_ratio_merged']:.2f}")
     say("deposit of the same object under a new key (evicting one), against raw NIXL READ")
     say(f"  kvcr deposit, list of spans      {fmt_gbps(OBJECT, k['deposit'])}")
     say(f"  raw NIXL READ (in the reader)    {fmt_gbps(OBJECT, r['read'])}")
@@ -412,7 +498,7 @@ def main() -> int:
     reps = 8 if args.quick else args.reps
     queries = 1000 if args.quick else args.queries
     sweep = args.sweep or args.plot is not None
-    progress = Progress("local", 7 + sweep, enabled=not args.quiet)
+    progress = Progress("local", 8 + sweep, enabled=not args.quiet)
     pools = ["--pool", f"kv:64KiB:{2 * SPANS}"]
     if sweep:
         pools += [arg for span in SWEEP_SPANS for arg in ("--pool", f"{sweep_pool(span)}:{span}:{SWEEP_BYTES // span}")]

@@ -23,6 +23,7 @@ from kvcr_client import checks
 from kvcr_client import spans as _spans
 from kvcr_client.core import ClientCore
 from kvcr_client.errors import ArgumentError, ClientClosed, NodeError, NodeLostError, OperationTimeout
+from kvcr_client.grants import GrantedKey, Grants
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.regions import RegionHandle, RegionTable
 from kvcr_client.results import DeliverHandle, GroupDone, KeyOutcome, OpHandle, Presences, Results
@@ -30,6 +31,7 @@ from kvcr_client.spans import Destination, LayerPlan, Span
 from kvcr_protocol import (
     COLUMNS_VERSION,
     DEFAULT_LIMITS,
+    GRANTS_VERSION,
     LEASES_VERSION,
     PRESENCE_CODE,
     Abort,
@@ -49,6 +51,7 @@ from kvcr_protocol import (
     Message,
     PoolInfo,
     Presence,
+    Progress,
     Query,
     QueryColumns,
     QueryReply,
@@ -65,6 +68,7 @@ from kvcr_protocol import (
     endpoint_problem,
 )
 from kvcr_protocol import Deliver as DeliverMsg
+from kvcr_protocol.columns import U32, pack
 
 log = logging.getLogger("kvcr.client")
 
@@ -98,6 +102,8 @@ class Operations:
         """Completions dropped from the full ``poll_completed`` queue (``max_completed``)."""
         self._leases: dict[int, LeaseHandle] = {}
         """Live leases by id, so that the node's ``lease_end`` reaches their handles (lock held)."""
+        self._grants = Grants(core)
+        """The slots leases granted this session, read by ``deliver`` (spec section 6.12)."""
         self.core.on_lease_end = self._lease_ended
 
     def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
@@ -139,7 +145,7 @@ class Operations:
     def tables(self) -> dict[str, int]:
         """Sizes of the client's tables (for monitoring, and churn tests that check nothing grows)."""
         return {**self.core.tables(), "completed": len(self._completed), "regions": len(self._regions),
-                "leases": len(self._leases)}
+                "leases": len(self._leases), "granted_keys": len(self._grants)}
 
     @property
     def pools(self) -> dict[str, PoolInfo]:
@@ -263,6 +269,10 @@ class Operations:
         partial = checks.flag(partial, "partial")
         frozen, keys, regions = _spans.span_items(objects, DeliverItem, self, self._regions.by_id, None)
         groups = None if plan is None else _spans.plan_groups(frozen, plan)
+        granted = self._grants.cover(frozen)
+        if granted is not None:
+            # Every key is leased with a read grant: READ it ourselves, no node turn (spec section 6.12).
+            return self._read_granted(frozen, keys, granted, groups, deadline_ms, regions)
         # Version 1 sessions cannot carry the flag; their remote deliveries name whole layouts.
         flag = partial and self.core.version >= 2
         columns: tuple[DeliverColumns, ...] = ()
@@ -295,6 +305,47 @@ class Operations:
         handle.future = fut
         fut.add_done_callback(lambda f: _end_groups(handle, f))
         fut.add_done_callback(lambda _: self._queue_completed(handle))
+        return handle
+
+    def _read_granted(
+        self, items: tuple[DeliverItem, ...], keys: list[bytes], granted: list[GrantedKey],
+        groups: list[tuple[int, ...]] | None, deadline_ms: int, regions: set[RegionHandle],
+    ) -> OpHandle[Results[KeyOutcome]] | DeliverHandle:
+        """A deliver served by READs under grants (``Grants.deliver``); its handle is resolved
+        when it returns, its groups reported as they land and pass the lease check."""
+        op_id = self.core.next_id()
+        fut: Future[Results[KeyOutcome]] = Future()
+        handle: OpHandle[Results[KeyOutcome]] | DeliverHandle
+        on_group = None
+        if groups is None:
+            handle = self._handle(op_id, "deliver", fut)
+        else:
+            planned = DeliverHandle(op_id, fut, keys, [max(g, default=0) + 1 for g in groups], 0, None, self.core.wait,
+                                    self.core.poll)
+            planned.on_group = self._queue_completed
+            fut.add_done_callback(lambda _: self._queue_completed(planned))
+            handle = planned
+
+            def on_group(members: list[int], group: int) -> None:
+                event = Progress(op_id, pack(members, U32), pack([group + 1] * len(members), U32))
+                self.core.call(lambda: planned.observe(event)).result()
+
+        table = self._regions
+        table.hold(op_id, "deliver", regions)
+        try:
+            results, done, ended = self._grants.deliver(items, granted, groups, table.by_id, deadline_ms, on_group)
+        except BaseException as exc:
+            table.settle(op_id, regions)
+            fut.set_exception(exc)
+            raise
+        if ended:  # else a READ past its deadline may still land: its regions stay in use
+            table.settle(op_id, regions)
+        if isinstance(handle, DeliverHandle):
+            reply = Completion(op_id, tuple(results), pack(done, U32))
+            self.core.call(lambda: handle.apply(handle.progress.on_reply(reply))).result()
+        fut.set_result(Results([
+            (k, KeyOutcome(r.status, code_of(r.code), r.reason, None)) for k, r in zip(keys, results, strict=True)
+        ]))
         return handle
 
     def fetch(
@@ -405,7 +456,9 @@ class Operations:
 
     # ------------------------------------------------------------------ leases
 
-    def lease(self, keys: Iterable[bytes], request_id: str | None = None, ttl_ms: int = 0) -> OpHandle[LeaseHandle]:
+    def lease(
+        self, keys: Iterable[bytes], request_id: str | None = None, ttl_ms: int = 0, read: bool = True,
+    ) -> OpHandle[LeaseHandle]:
         """Hold ``keys`` from now through every delivery of them (spec section 6.11).
 
         The handle resolves to a ``LeaseHandle`` that says per key what is held: here
@@ -413,10 +466,17 @@ class Operations:
         not (``MISS``, ``PENDING``, ``LEASE_LIMIT``, ``ADVISORY``, ``UNREACHABLE``: treat as a
         miss). Held keys cannot be evicted until the lease is released, expires (``ttl_ms``,
         0: the node's default) or its session ends. Needs a node speaking version 4.
+
+        ``read`` (version 5): ask for a read grant, so that a ``deliver`` of the held keys
+        READs them from the node's pools with this client's agent (spec section 6.12); a
+        node with ``client_transfers`` off, or below version 5, grants none, and they travel
+        by the node as before.
         """
         request_id = checks.optional_request_id(request_id)
         ks = checks.keys(keys, "keys")
         ttl = checks.uint(ttl_ms, "ttl_ms", 0xFFFFFFFF)
+        read = checks.flag(read, "read") and self.core.version >= GRANTS_VERSION
+        node_md = read and self._grants.wants_node()
         self._need_leases()
         core = self.core
         asked_at = time.monotonic()
@@ -433,9 +493,11 @@ class Operations:
             handle = LeaseHandle(msg.lease, msg.ttl_ms, ks, msg.columns, asked_at, self.renew_lease, self.release_lease, live)
             if msg.lease:
                 self._leases[msg.lease] = handle
+                if msg.grant is not None and live():
+                    self._grants.add(handle, ks, msg.grant)
             return handle
 
-        op_id, fut = core.request(lambda i: Lease(i, ks, request_id, ttl), convert, CONTROL_TIMEOUT_S)
+        op_id, fut = core.request(lambda i: Lease(i, ks, request_id, ttl, read, node_md), convert, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "lease", fut)
 
     def renew_lease(self, lease: LeaseHandle, ttl_ms: int = 0) -> OpHandle[int]:
@@ -498,6 +560,7 @@ class Operations:
         """Open a session (again), announcing every registered region."""
         self._token = _new_token()  # a late notification of the old session matches nothing
         self._leases.clear()  # leases end with their session: their handles say NODE_LOST
+        self._grants.forget()  # and so do their grants
         return self.core.hello(self._regions.wires(), timeout_s)
 
 

@@ -131,6 +131,22 @@ class Agent:
             raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
         return handle, self._post(op, handle)
 
+    def start_listed(
+        self, op: str, local_kind: MemoryKind, local: Sequence[Desc], remote_kind: MemoryKind, remote: Sequence[Desc],
+        remote_agent: str,
+    ) -> tuple[Any, XferStatus]:
+        """Create and post a transfer between descriptor lists made for it (no prepared
+        lists: a client's READ under a grant names slots it learnt a moment ago)."""
+        try:
+            local_descs = self._nixl.get_xfer_descs(list(local), _MEM[local_kind])
+            remote_descs = self._nixl.get_xfer_descs(list(remote), _MEM[remote_kind])
+            handle = self._nixl.initialize_xfer(op, local_descs, remote_descs, remote_agent)
+        except Exception as exc:
+            raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
+        if not handle:
+            raise TransferError(f"NIXL could not create the {op}")
+        return handle, self._post(op, handle)
+
     def _post(self, op: str, handle: Any) -> XferStatus:
         """Post a created transfer; a request NIXL refuses to post is released here."""
         try:

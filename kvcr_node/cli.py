@@ -70,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     for field, kind, text in SETTINGS:
         p.add_argument("--" + field.replace("_", "-"), type=kind, help=text)
+    p.add_argument(
+        "--client-transfers", action=argparse.BooleanOptionalAction, default=None,
+        help="grant clients reads of leased slots, so they move the bytes themselves (default on; spec section 6.12)",
+    )
     p.add_argument("--version", action="version", version=f"kvcr-node {package_version()}")
     return p
 
@@ -78,7 +82,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
     """Defaults, then the TOML file, then flags."""
     config = load_toml(args.config) if args.config else NodeConfig()
     changes: dict[str, Any] = {}
-    for attr in ("endpoint", *(field for field, _, _ in SETTINGS)):
+    for attr in ("endpoint", "client_transfers", *(field for field, _, _ in SETTINGS)):
         value = getattr(args, attr)
         if value is not None:
             changes[attr] = value

@@ -121,6 +121,10 @@ class NodeConfig:
     """The share of each pool's lease budget one session may hold: at most
     ceil(max(this, 1/sessions) * budget) slots, so that one client cannot starve the others
     (spec section 6.11); 1 lets any session take the whole budget."""
+    client_transfers: bool = True
+    """Grant clients reads of the slots their leases hold (spec section 6.12), so they READ
+    leased objects with their own agents; off, leases answer without slots and leased keys
+    travel by ``deliver`` (the node-driven path)."""
     max_frame: int = 8 << 20
     """Bytes in one control frame; larger ones are refused (TOO_LARGE) or cut off."""
     curve_secret_key: str = ""
@@ -194,6 +198,8 @@ class NodeConfig:
             raise ConfigError("lease_pool_fraction", f"expected a fraction in [0, 1], got {self.lease_pool_fraction!r}")
         if isinstance(self.lease_session_fraction, bool) or not 0.0 <= self.lease_session_fraction <= 1.0:
             raise ConfigError("lease_session_fraction", f"expected a fraction in [0, 1], got {self.lease_session_fraction!r}")
+        if not isinstance(self.client_transfers, bool):
+            raise ConfigError("client_transfers", f"expected true or false, got {self.client_transfers!r}")
         if not 0.0 <= self.low_watermark < 1.0:
             raise ConfigError("low_watermark", f"expected a fraction in [0, 1), got {self.low_watermark!r}")
         if self.protocol_version not in PROTOCOL_VERSIONS:
@@ -308,7 +314,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int, "lease_ttl_ms": int, "max_lease_ttl_ms": int,
     "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
     "lease_session_fraction": (int, float), "metrics_port": int, "metrics_address": str,
-    "metrics_max_connections": int,
+    "metrics_max_connections": int, "client_transfers": bool,
     "events_endpoint": str, "events_replay_endpoint": str, "events_replay_bytes": int, "events_replay_requesters": int,
 }
 

@@ -128,6 +128,8 @@ class LeaseCount(enum.Enum):
     """Holds a source no longer keeps (the client is told which keys)."""
     RESUMED_AT_SOURCE = "resumed_at_source"
     """Holds asked again of a source whose link came back."""
+    READ_GRANTS = "read_grants"
+    """Leases answered with a read grant (spec section 6.12)."""
 
 
 K = TypeVar("K", bound=enum.Enum)

@@ -24,16 +24,20 @@ from typing import TYPE_CHECKING
 
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import LeaseCount, LeaseCounters
+from kvcr_node.grants import grant_rows
 from kvcr_node.outbox import Outbox
 from kvcr_node.records import Session
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_protocol import (
+    GRANTS_VERSION,
     Ack,
     Error,
     ErrorCode,
+    GrantNode,
     Lease,
     LeaseColumns,
     LeaseEnded,
+    LeaseGrant,
     LeaseReply,
     LeaseStatus,
     Message,
@@ -41,6 +45,7 @@ from kvcr_protocol import (
     ReleaseLease,
     RenewLease,
     Role,
+    grant_columns,
 )
 
 if TYPE_CHECKING:
@@ -117,6 +122,12 @@ class LeaseRecord:
     """Pool -> slots of ``entries`` there, counted against the session's share of the pool."""
     sources: list[SourceHold] = field(default_factory=list)
     reply: PendingReply | None = None
+    read: bool = False
+    """The lease asked for a read grant and may get one (spec section 6.12)."""
+    node_md: bool = False
+    """... with the node's agent (``GrantNode``)."""
+    granted: bool = False
+    """Its reply carried a grant: while it lasts, the client may READ the node's pools."""
 
     @property
     def holds_anything(self) -> bool:
@@ -152,6 +163,15 @@ class Leases:
         """(expires, lease id), a heap; an entry whose lease was renewed or ended is skipped."""
         self._asking: dict[int, LeaseRecord] = {}
         self.counters = LeaseCounters()
+        self.grant_node: Callable[[Session], GrantNode] | None = None
+        """What a grant's ``node`` says to a session (the node sets it; None: no grants)."""
+        self.pool_index: dict[str, int] = {}
+        """Pool name -> its index in ``welcome.pools`` (the node sets it)."""
+        self.granted = 0
+        """Leases whose reply carried a read grant, alive now: while any is, the node
+        progresses its agent for the reads the grants allow (spec section 6.12)."""
+        self.granted_at = -math.inf
+        """When a grant was last given or a granted lease renewed: its client reads soon."""
 
     # ------------------------------------------------------------------ requests
 
@@ -166,6 +186,8 @@ class Leases:
         ttl = self._granted(msg.ttl_ms)
         shares = self.shares(session)
         record = LeaseRecord(next(self._ids), session, ttl, now + ttl / 1000)
+        if msg.read and self.grants_for(session):
+            record.read, record.node_md = True, msg.node_md
         keys = msg.keys
         status, tier = bytearray(len(keys)), bytearray(len(keys))
         hint = None if session.role is Role.PEER or msg.request_id is None else session.hints.get(msg.request_id)
@@ -221,10 +243,15 @@ class Leases:
         record.expires = self.clock() + ttl / 1000
         self._schedule(record)
         self.counters.inc(LeaseCount.RENEWED)
+        if record.granted:
+            self.granted_at = self.clock()
         for hold in record.sources:
             if hold.state is HoldState.HELD:
                 self._renew_at_source(record, hold, ttl)
-        self.outbox.reply(session, LeaseReply(msg.id, record.id, ttl))
+        # Version 5: whether every key held at the grant still is (a lease that is still
+        # known held its local keys throughout; keys lost at a source break it).
+        held = session.version >= GRANTS_VERSION and not any(h.state is HoldState.ENDED and h.held for h in record.sources)
+        self.outbox.reply(session, LeaseReply(msg.id, record.id, ttl, None, held))
 
     def on_unlease(self, session: Session, msg: ReleaseLease) -> None:
         record = self._own(session, msg.id, msg.lease)
@@ -270,8 +297,28 @@ class Leases:
         else:
             self._forget(record)
             lease = 0
+        held = bool(lease) and record.session.version >= GRANTS_VERSION
+        grant = self._grant(record, keys, status) if lease and record.read else None
         self.outbox.reply(record.session, LeaseReply(request_id, lease, record.ttl_ms,
-                                                     LeaseColumns(bytes(status), bytes(tier), self.tiers)))
+                                                     LeaseColumns(bytes(status), bytes(tier), self.tiers), held, grant))
+
+    # ------------------------------------------------------------------ read grants
+
+    def grants_for(self, session: Session) -> bool:
+        """Whether ``session`` may get read grants: a client of version 5 or later, and
+        ``client_transfers`` on (spec section 6.12)."""
+        return (self.config.client_transfers and self.grant_node is not None and session.role is Role.CLIENT
+                and session.version >= GRANTS_VERSION)
+
+    def _grant(self, record: LeaseRecord, keys: Sequence[bytes], status: bytearray) -> LeaseGrant:
+        """The read grant of a lease answered now: the slots of every key it holds here."""
+        record.granted = True
+        self.granted += 1
+        self.granted_at = self.clock()
+        self.counters.inc(LeaseCount.READ_GRANTS)
+        assert self.grant_node is not None
+        rows = grant_rows(record.entries, keys, status, self.pool_index)
+        return grant_columns(rows, self.grant_node(record.session) if record.node_md else None)
 
     # ------------------------------------------------------------------ holding
 
@@ -359,6 +406,9 @@ class Leases:
         record.pool_slots.clear()
         record.session.leases.discard(record.id)
         self.table.pop(record.id, None)
+        if record.granted:
+            record.granted = False
+            self.granted -= 1
         self._asking.pop(record.id, None)
         record.reply = None
 
@@ -560,6 +610,7 @@ class Leases:
             "objects": len(self.holders),
             "pinned_slots": dict(self.pinned),
             "at_sources": sum(1 for r in self.table.values() for h in r.sources if h.state is HoldState.HELD),
+            "with_grants": self.granted,
             **self.counters.snapshot(),
         }
 
@@ -569,6 +620,9 @@ class Leases:
     def check_invariants(self) -> list[str]:
         """Holders, pinned slots and each session's slots recounted from the leases."""
         breaches: list[str] = []
+        granted = sum(1 for r in self.table.values() if r.granted)
+        if granted != self.granted:
+            breaches.append(f"{self.granted} leases counted with grants, {granted} in the table")
         holders: collections.Counter[bytes] = collections.Counter()
         slots: collections.Counter[int] = collections.Counter()
         pool_slots: dict[int, collections.Counter[str]] = {}

@@ -59,7 +59,7 @@ from kvcr_node.stats import Stats
 from kvcr_node.store import Store
 from kvcr_node.target import Target
 from kvcr_node.transfers import LocalLists, Transfers
-from kvcr_protocol import ErrorCode, Limits, PeerHello, PoolInfo, ProjectionCache, Region, supported_up_to
+from kvcr_protocol import ErrorCode, GrantNode, Limits, PeerHello, PoolInfo, ProjectionCache, Region, supported_up_to
 
 log = logging.getLogger("kvcr.node")
 
@@ -67,6 +67,14 @@ _IDLE_POLL_MS = 1000
 _SHUTDOWN_DRAIN_S = 10.0
 _FAILED_POLL_S = 0.05
 """After a failed poll the loop waits this long, so a failing poll cannot spin."""
+GRANT_PROGRESS_S = 0.001
+"""For ``GRANT_BURST_S`` after a read grant is given or renewed, the agent is progressed at
+least this often: a client's first READ of the pools sets up its connection to our agent,
+which needs both ends progressed (spec section 6.12, architecture §6)."""
+GRANT_BURST_S = 0.5
+GRANT_IDLE_PROGRESS_S = 0.05
+"""Later, while grants are outstanding, this often: READs over shared memory or CMA need no
+progress of ours, and a pace of 1 ms would cost the idle node a tenth of a core."""
 _FAILURE_LOG_INTERVAL_S = 10.0
 """An internal failure of one kind is logged (with its traceback) at most this often; each is counted."""
 
@@ -191,6 +199,9 @@ class Node:
         self.links.owner = self.target
         self.leases = Leases(config, self.store, self.outbox, self.links, self.clock, self.endpoint)
         self.links.lease_owner = self.leases
+        self.leases.grant_node = self._grant_node
+        self.leases.pool_index = {spec.name: i for i, spec in enumerate(config.pools)}
+        self._next_grant_progress = 0.0
         self.leases.session_count = lambda: sum(1 for s in self.sessions.table.values() if s.regions or s.leases)
         pool_info = tuple(PoolInfo(s.name, s.slot_size, s.slot_count, s.memory) for s in config.pools)
         self.sessions = Sessions(
@@ -216,6 +227,16 @@ class Node:
             Queries(self.store, self.outbox, self.metrics), self.leases, self.source, self.stats, self.outbox, self.versions,
             Limits(max_frame=config.max_frame), self.clock, failure,
         )
+
+    def _grant_node(self, session: object) -> GrantNode:
+        """What a read grant tells a client's agent (spec section 6.12): the node's agent and
+        the registration of every pool, in ``welcome.pools`` order, and its grace period."""
+        pools = tuple(
+            Region(i, mem.kind, mem.nixl_device, mem.address, mem.spec.size)
+            for i, mem in enumerate(self.memories[spec.name] for spec in self.config.pools)
+        )
+        grace = self.config.client_grace_ms if self.config.heartbeat_ms else 0
+        return GrantNode(self.agent.name, self.agent.metadata(), pools, grace)
 
     def _start_events(self) -> EventPublisher:
         """Bind the event stream's sockets and have the store report to its inventory."""
@@ -295,6 +316,8 @@ class Node:
             self._guarded("agent progress", self.agent.progress)
         if not self.transfers.inflight:  # polling transfers progresses the agent
             self._guarded("agent progress", self.remote_agents.progress_idle)
+            if self.leases.granted:
+                self._guarded("agent progress", self._progress_for_grants)
         self._guarded("transfer completion", self.transfers.poll)
         if self.operations.progressing:
             self._guarded("progress", self.operations.flush_progress)
@@ -319,6 +342,17 @@ class Node:
                 self._guarded("event replay", self.events.pump)
             if self.events.inventory.pending:
                 self._guarded("inventory events", self.events.publish)
+
+    def _progress_for_grants(self) -> None:
+        """Progress the agent every ``GRANT_PROGRESS_S`` while read grants are outstanding."""
+        now = self.clock()
+        if now >= self._next_grant_progress:
+            self._next_grant_progress = now + self._grant_pace(now)
+            self.agent.progress()
+
+    def _grant_pace(self, now: float) -> float:
+        """How often the agent is progressed for the outstanding read grants."""
+        return GRANT_PROGRESS_S if now - self.leases.granted_at < GRANT_BURST_S else GRANT_IDLE_PROGRESS_S
 
     def _wait_events(self, pacer: Pacer, filling: bool) -> dict[Any, int]:
         """Poll the sockets: at once while transfers run, else until the next timer."""
@@ -359,6 +393,9 @@ class Node:
                                self.leases.next_expiry() if self.leases.table else None)
                    if t is not None]
         longest = _IDLE_POLL_MS
+        if self.leases.granted:
+            # Reads the grants allow need our agent's progress (``_progress_for_grants``).
+            longest = max(0, min(longest, int((self._next_grant_progress - now) * 1000) + 1))
         if self.publisher is not None:
             # Idle or not, the next snapshot goes out on time (in real time).
             longest = min(longest, int(self.publisher.due_in() * 1000) + 1)

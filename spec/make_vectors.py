@@ -3,7 +3,7 @@
 ``python spec/make_vectors.py`` rewrites every file of ``spec/vectors/`` deterministically:
 ``valid.json`` and ``invalid.json`` (versions 1 and 2), ``valid-v3.json`` and
 ``invalid-v3.json``, ``valid-v4.json`` and ``invalid-v4.json`` (leases), ``valid-v5.json`` and
-``invalid-v5.json`` (``peer_forget``), and
+``invalid-v5.json`` (``peer_forget``, read grants), and
 ``notify.json``, and ``events.json`` (the inventory event stream). The JSON files, not this script, are
 the source of truth: tests read them. ``python spec/make_vectors.py --tables`` prints the
 field tables of ``kvcr-protocol.md`` as generated from the code's ``FIELDS``.
@@ -153,6 +153,8 @@ RECORDS: tuple[type[Record], ...] = (
     QueryColumns,
     WriteNotify,
     LeaseColumns,
+    kp.GrantNode,
+    kp.LeaseGrant,
 )
 ENUMS: tuple[type[enum.Enum], ...] = (m.MemoryKind, m.KeyStatus, m.Presence, m.WriteState)
 
@@ -1045,7 +1047,45 @@ def v5_instances() -> list[Valid]:
             description="the client announced in peer-client left node A: B forgets it (answered ack)",
         ),
         Valid("ack-peer-forget", m.Ack(310), versions=(5,), description="B forgot the client, or held no such client"),
+        Valid(
+            "lease-read",
+            m.Lease(320, (K1, K2, K3), None, 5000, read=True, node_md=True),
+            versions=(5,),
+            accept=accept_variants,
+            description="a read lease (section 6.12) that also asks for the node's agent metadata and pool registrations",
+        ),
+        Valid(
+            "lease-reply-grant",
+            m.LeaseReply(320, LEASE_ID, 5000, GRANT_COLUMNS, True, GRANT),
+            versions=(5,),
+            description="K1 (two spans in pool full) and K3 (one span in swa) granted, K2 missed; the node's agent once",
+        ),
+        Valid(
+            "lease-reply-grant-cached",
+            m.LeaseReply(321, LEASE_ID + 1, 5000, GRANT_COLUMNS, True, dataclasses.replace(GRANT, node=None)),
+            versions=(5,),
+            description="a read lease that did not ask for node_md: the client cached the node's agent",
+        ),
+        Valid(
+            "lease-reply-no-grant",
+            m.LeaseReply(322, LEASE_ID + 2, 5000, GRANT_COLUMNS, True),
+            versions=(5,),
+            description="a read lease answered without a grant (client_transfers off): the node-driven path",
+        ),
+        Valid("lease-reply-renew-held", m.LeaseReply(323, LEASE_ID, 5000, None, True), versions=(5,),
+              description="a renewal: the lease held every key without a break"),
+        Valid("lease-reply-renew-broken", m.LeaseReply(324, LEASE_ID, 5000, None, False), versions=(5,),
+              description="a renewal of a lease that lost keys at a source: not held without a break"),
     ]
+
+
+GRANT_COLUMNS = LeaseColumns(bytes([LeaseStatus.LEASED, LeaseStatus.MISS, LeaseStatus.LEASED]), bytes([0, 1, 0]), ("dram", ""))
+"""K1 and K3 held here in DRAM, K2 missed: the answers of the version-5 grant vectors."""
+GRANT = kp.grant_columns(
+    [(("k", "v"), [(0, 7), (0, 8)]), None, (("state",), [(1, 4095)])],
+    kp.GrantNode("kvcr-node-a", MD_NODE_A, POOL_REGIONS_A[:2], 10_000),
+)
+"""A read grant of K1 (slots 7 and 8 of pool 0) and K3 (slot 4095 of pool 1), with the node's agent."""
 
 
 def accept_short_columns(message: m.Message, version: int) -> list[tuple[str, bytes]]:
@@ -1426,6 +1466,30 @@ def invalid_v5_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     yield ("peer-forget-agent-129", _pack({**forget, "agent": "a" * 129}), 5, "TOO_LARGE", "an agent name of 129 bytes (limit 128)")
     yield ("peer-forget-id-negative", _pack({**forget, "id": -1}), 5, "OUT_OF_RANGE", "a negative request id")
     yield ("peer-forget-unknown-bang", _pack({**forget, "!all": True}), 5, "MUST_UNDERSTAND", "an unknown must-understand field on a version-5 message")
+    lease = {"v": 5, "t": "lease", "id": 320, "keys": [K1], "request_id": None, "ttl_ms": 0, "!read": True}
+    yield ("lease-read-int", _pack({**lease, "!read": 1}), 5, "WRONG_TYPE", "read as an integer, not a bool")
+    yield ("lease-node-md-nil", _pack({**lease, "!node_md": None}), 5, "WRONG_TYPE", "node_md nil")
+    reply = _wire(m.LeaseReply(320, LEASE_ID, 5000, GRANT_COLUMNS, True, GRANT), 5)
+    grant = reply["!grant"]
+    yield ("lease-read-at-4", _pack({**lease, "v": 4}), 5, "MUST_UNDERSTAND", "a version-4 lease knows no !read")
+    yield ("lease-reply-grant-at-4", _pack({**reply, "v": 4}), 5, "MUST_UNDERSTAND", "a version-4 lease_reply knows no !held or !grant")
+    yield ("lease-reply-held-int", _pack({**reply, "!held": 1}), 5, "WRONG_TYPE", "held as an integer")
+    yield ("lease-reply-grant-without-columns", _pack({**reply, "columns": None}), 5, "OUT_OF_RANGE",
+           "a grant with no per-key answers")
+    yield ("lease-reply-grant-short", _pack({**reply, "!grant": [grant[0][:8], *grant[1:]]}), 5, "OUT_OF_RANGE",
+           "a grant of two keys for three answers")
+    yield ("lease-reply-grant-layout-past-table", _pack({**reply, "!grant": [bytes([3, 0, 0, 0]) + grant[0][4:], *grant[1:]]}), 5,
+           "OUT_OF_RANGE", "a key's layout index past the table of two layouts")
+    yield ("lease-reply-grant-spans-short", _pack({**reply, "!grant": [grant[0], grant[1], grant[2][:2], grant[3][:8], grant[4]]}), 5,
+           "OUT_OF_RANGE", "two granted spans where the layouts name three")
+    yield ("lease-reply-grant-slot-mismatch", _pack({**reply, "!grant": [grant[0], grant[1], grant[2], grant[3][:8], grant[4]]}), 5,
+           "OUT_OF_RANGE", "two slots for three pools")
+    yield ("lease-reply-grant-slot-odd", _pack({**reply, "!grant": [grant[0], grant[1], grant[2], grant[3][:11], grant[4]]}), 5,
+           "OUT_OF_RANGE", "a slot column that is not whole u32s")
+    yield ("lease-reply-grant-65537-spans", _pack({**reply, "!grant": [grant[0], grant[1], bytes(65537), bytes(4 * 65537), grant[4]]}), 5,
+           "TOO_MANY", "65537 granted spans (limit 65536)")
+    yield ("lease-reply-grant-md-too-large", _pack({**reply, "!grant": [*grant[:4], [grant[4][0], bytes((4 << 20) + 1), grant[4][2]]]}), 5,
+           "TOO_LARGE", "node agent metadata above max_metadata")
 
 
 def notify_vectors() -> dict[str, Any]:

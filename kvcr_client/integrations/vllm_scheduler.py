@@ -159,7 +159,9 @@ class KvcrScheduler:
         lookup = _Lookup(keys, verdict.source, hinted, None, time.monotonic())
         if verdict.source is not None and hinted is not None:
             self.client.submit_hint(hinted, verdict.source, keys)
-        lookup.lease = self.client.lease(keys, request_id=hinted)
+        # No read grant: the workers deliver, each in a session of its own, which a grant of
+        # this session's would not reach (spec section 6.12).
+        lookup.lease = self.client.lease(keys, request_id=hinted, read=False)
         return lookup
 
     def _refused(self, why: Refusal) -> None:

@@ -30,6 +30,7 @@ from kvcr_protocol.columns import (
 from kvcr_protocol.descriptors import Extent, check_span_sizes, resolve_columns, resolve_span
 from kvcr_protocol.endpoints import IPC_PATH_MAX, canonical_endpoint, endpoint_problem
 from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, code_of
+from kvcr_protocol.grants import GrantNode, LeaseGrant, grant_columns
 from kvcr_protocol.leases import HELD, LeaseColumns, LeaseStatus
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
 from kvcr_protocol.messages import *  # noqa: F403 - the message catalogue is the API
@@ -52,6 +53,7 @@ from kvcr_protocol.versions import (
     CLIENT_GONE_VERSION,
     COLUMNS_VERSION,
     CURRENT_VERSION,
+    GRANTS_VERSION,
     LEASES_VERSION,
     PARTIAL_LAYOUT_VERSION,
     PROTOCOL_VERSIONS,
@@ -67,6 +69,7 @@ __all__ = [
     "COLUMNS_VERSION",
     "CURRENT_VERSION",
     "DEFAULT_LIMITS",
+    "GRANTS_VERSION",
     "HELD",
     "IPC_PATH_MAX",
     "LEASES_VERSION",
@@ -82,9 +85,11 @@ __all__ = [
     "DepositColumns",
     "ErrorCode",
     "Extent",
+    "GrantNode",
     "GroupEvent",
     "GroupState",
     "LeaseColumns",
+    "LeaseGrant",
     "LeaseStatus",
     "Limits",
     "LocalProtocolError",
@@ -114,6 +119,7 @@ __all__ = [
     "encode",
     "encode_notification",
     "endpoint_problem",
+    "grant_columns",
     "is_notification",
     "item_count",
     "layout_runs",

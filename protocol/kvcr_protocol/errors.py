@@ -99,6 +99,9 @@ class ErrorCode(enum.IntEnum):
     """The node failed while handling the request; the failure is logged and counted, the node goes on."""
     LEASE_EXPIRED = 310
     """A lease reached the end of its time to live unrenewed; its keys are no longer held."""
+    LEASE_LOST = 311
+    """A read under a lease's grant may have overlapped the end of the lease (its session
+    ended, it was released, or it could not be confirmed): its bytes are not returned."""
 
     # 400-499: admission.
     BUSY = 400

@@ -26,6 +26,7 @@ from kvcr_protocol.columns import (
     unpack,
 )
 from kvcr_protocol.errors import ErrorCode, RemoteProtocolError
+from kvcr_protocol.grants import LeaseGrant
 from kvcr_protocol.leases import LeaseColumns
 from kvcr_protocol.limits import Limits
 from kvcr_protocol.notify import WriteNotify
@@ -575,26 +576,48 @@ class Lease(Message):
     """Client -> node (or target -> source): hold these keys until the lease ends.
 
     ``request_id`` names the session's hint for keys not held here; ``ttl_ms`` 0 asks for
-    the node's default time to live.
+    the node's default time to live. ``read`` (version 5) asks for a read grant of the keys
+    held here (spec section 6.12), ``node_md`` for what the client's agent needs to use it.
     """
 
     id: int
     keys: tuple[bytes, ...]
     request_id: str | None = None
     ttl_ms: int = 0
-    FIELDS = _fields(Field("keys", _KEYS), _F_REQUEST_ID, _F_TTL)
+    read: bool = False
+    node_md: bool = False
+    FIELDS = _fields(
+        Field("keys", _KEYS), _F_REQUEST_ID, _F_TTL,
+        Field("read", Bool(), False, since=5, must_understand=True),
+        Field("node_md", Bool(), False, since=5, must_understand=True),
+    )
 
 
 @message("lease_reply", reply=True, since=4)
 class LeaseReply(Message):
     """Node -> client: the lease (0: none, nothing is held) and its granted time to live;
-    for a ``lease``, what it holds per key (``columns``, in key order); none for a ``renew``."""
+    for a ``lease``, what it holds per key (``columns``, in key order); none for a ``renew``.
+
+    Version 5: ``held`` says the lease has held every key it held when granted, without a
+    break, up to this reply; ``grant`` the slots a ``read`` lease lets the client READ.
+    """
 
     id: int
     lease: int
     ttl_ms: int
     columns: LeaseColumns | None = None
-    FIELDS = _fields(_F_LEASE, Field("ttl_ms", UInt(_U32)), Field("columns", Opt(RecordType(LeaseColumns)), None))
+    held: bool = False
+    grant: LeaseGrant | None = None
+    FIELDS = _fields(
+        _F_LEASE, Field("ttl_ms", UInt(_U32)), Field("columns", Opt(RecordType(LeaseColumns)), None),
+        Field("held", Bool(), False, since=5, must_understand=True),
+        Field("grant", Opt(RecordType(LeaseGrant)), None, since=5, must_understand=True),
+    )
+
+    def check(self, limits: Limits) -> None:
+        if self.grant is not None and (self.columns is None or len(self.grant) != len(self.columns)):
+            have = 0 if self.columns is None else len(self.columns)
+            raise RemoteProtocolError(ErrorCode.OUT_OF_RANGE, f"a grant of {len(self.grant)} keys for {have} answers", "grant")
 
 
 @message("renew", since=4)

@@ -5,7 +5,7 @@ Version 1 is the base protocol. Version 2 adds the must-understand partial-layou
 per-group progress, NIXL completion notifications, query columns and prefix queries.
 Version 4 adds leases: ``lease``, ``lease_reply``, ``renew``, ``unlease`` and ``lease_end``.
 Version 5 is opened by ``peer_forget`` (a target tells a source that a client it announced
-left); further version-5 additions follow.
+left) and adds read grants under leases (``read``, ``node_md``, ``held``, ``grant``).
 
 ``PROTOCOL_VERSIONS`` names every version the protocol defines; this package encodes and
 decodes each, and the reference node and client offer them all by default (up to
@@ -27,6 +27,10 @@ columns and prefix queries."""
 
 LEASES_VERSION = 4
 """The first version with leases (spec section 6.11), on client and peer sessions."""
+
+GRANTS_VERSION = 5
+"""The first version with read grants (spec section 6.12): ``read`` and ``node_md`` on
+``lease``, ``held`` and ``grant`` on ``lease_reply``."""
 
 CLIENT_GONE_VERSION = 5
 """The first version with ``peer_forget`` (spec section 5.3): a target tells a source that a

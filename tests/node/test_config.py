@@ -312,6 +312,21 @@ def test_hint_limits_from_the_file_and_flags() -> None:
     assert (config.max_hints_per_session, config.max_hinted_keys_per_session) == (4, 16)
 
 
+def test_client_transfers_from_the_file_and_flags(tmp_path: Path) -> None:
+    """Spec section 6.12: read grants are on by default; TOML and a flag turn them off (or on)."""
+    assert NodeConfig().client_transfers is True
+    assert from_mapping({"client_transfers": False}).client_transfers is False
+    assert build_config(_args("--no-client-transfers")).client_transfers is False
+    path = tmp_path / "node.toml"
+    path.write_text("client_transfers = false\n")
+    assert build_config(_args("--config", str(path))).client_transfers is False
+    assert build_config(_args("--config", str(path), "--client-transfers")).client_transfers is True
+    for bad in (1, "false"):
+        with pytest.raises(ConfigError) as err:
+            from_mapping({"client_transfers": bad})
+        assert err.value.field == "client_transfers"
+
+
 def test_heartbeat_zero_disables_heartbeats() -> None:
     """Spec section 5.2: heartbeat_ms 0 disables heartbeats (and with them silence-based expiry)."""
     assert from_mapping({"heartbeat_ms": 0}).heartbeat_ms == 0

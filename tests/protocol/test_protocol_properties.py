@@ -87,6 +87,11 @@ COLUMN_STRATEGIES: dict[type[Any], st.SearchStrategy[Any]] = {
         max_size=SMALL,
     ).map(QueryColumns.from_results),
     WriteNotify: st.builds(WriteNotify, st.integers(1, (1 << 32) - 1), st.integers(0, (1 << 64) - 1), st.just(b"")),
+    kp.LeaseGrant: st.lists(
+        st.none() | st.tuples(_NAMES, st.integers(0, 3), st.integers(0, (1 << 32) - 1)), max_size=SMALL,
+    ).map(lambda rows: kp.grant_columns([
+        None if row is None else (tuple(row[0]), [(row[1], (row[2] + j) % (1 << 32)) for j in range(len(row[0]))]) for row in rows
+    ])),
     kp.LeaseColumns: st.lists(st.tuples(st.sampled_from(list(kp.LeaseStatus)), st.integers(0, 2)), max_size=SMALL).map(
         lambda rows: kp.LeaseColumns(bytes(s for s, _ in rows), bytes(t for _, t in rows), ("", "remote", "dram"))
     ),
@@ -106,6 +111,11 @@ def coherent(msg: Message) -> Message:
         changes["prefix"] = msg.prefix & kp.PREFIX_ALL
     if isinstance(msg, kp.QueryReply) and msg.columns is not None and msg.results:
         changes["results"] = ()
+    if isinstance(msg, kp.LeaseReply) and msg.grant is not None:
+        # A grant answers the keys of its lease: one row per answer, none without answers.
+        n = 0 if msg.columns is None else len(msg.columns)
+        changes["grant"] = None if msg.columns is None else kp.grant_columns(
+            [(("a", "b"), [(0, i), (1, i)]) if i % 2 else None for i in range(n)], msg.grant.node)
     msg = dataclasses.replace(msg, **changes) if changes else msg  # type: ignore[type-var]
     if isinstance(msg, kp.WriteRequest) and msg.notify is not None:
         items = pack(range(kp.item_count(msg)), U32)

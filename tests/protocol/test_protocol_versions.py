@@ -259,15 +259,18 @@ def test_what_each_version_adds() -> None:
         (3, "deposit", "!columns"), (3, "deliver", "!columns"), (3, "deliver", "!notify"), (3, "write", "!columns"),
         (3, "write", "!notify"), (3, "query", "!prefix"), (3, "query_reply", "!columns"),
         (3, "complete", "done"), (3, "write_done", "done"),
+        (5, "lease", "!read"), (5, "lease", "!node_md"), (5, "lease_reply", "!held"), (5, "lease_reply", "!grant"),
     }
     assert {(cls.SINCE, cls.TAG) for cls in kp.ALL_MESSAGES if cls.SINCE > 1} == {
         (3, "progress"), (4, "lease"), (4, "lease_reply"), (4, "renew"), (4, "unlease"), (4, "lease_end"),
         (5, "peer_forget"),
     }
-    # Versions 4 and 5 add messages only: no field of an older message, nothing must-understand.
+    # Version 4 adds messages only, nothing must-understand; version 5's fields (read grants,
+    # on version-4 messages) are all must-understand, so a frame that does not use them is
+    # the version-4 frame with v = 5.
     for cls in kp.ALL_MESSAGES:
         if cls.SINCE in (kp.LEASES_VERSION, kp.CLIENT_GONE_VERSION):
-            assert not any(f.must_understand for f in cls.FIELDS), cls.TAG
+            assert all(f.must_understand == (f.since == kp.GRANTS_VERSION) for f in cls.FIELDS), cls.TAG
     # Everything version 3 adds that changes what a message means is must-understand.
     for cls in kp.ALL_MESSAGES:
         for f in cls.FIELDS:

@@ -1,0 +1,420 @@
+"""Reads under read grants (spec section 6.12): the client moves leased bytes itself.
+
+A version-5 ``lease`` asks for a read grant; the node answers with the pool and slot of
+every span it holds, and once per session with its agent and pool registrations, which
+``Grants`` loads into the client's own agent. A ``deliver`` whose keys are all granted
+then posts NIXL READs from the node's pools into the client's registered memory, one
+transfer per group of its plan (and per pair of memory kinds), and learns completion from
+its own agent: no control message. ``Grants`` owns the granted slots and the node's agent.
+
+A read is valid only if its lease held for the whole read (a slot of an ended lease may
+hold another object's bytes). ``Grants`` checks, once the READs completed, that the lease
+has not ended in the client's view and that the time is still inside the lease's granted
+time to live and the node's grace period, minus a margin; else it confirms with a
+``renew`` whose reply must say the lease held without a break. A key that fails fails
+``LEASE_EXPIRED`` or ``LEASE_LOST``: its bytes are never reported as the key's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvcr_client.core import ClientCore
+from kvcr_client.errors import ClientClosed, NodeError, NodeLostError, OperationTimeout
+from kvcr_client.leases import LeaseHandle
+from kvcr_client.regions import RegionHandle
+from kvcr_io.agent import Desc, TransferError, XferStatus
+from kvcr_io.pacing import Pacer
+from kvcr_protocol import (
+    DEFAULT_LIMITS,
+    DeliverItem,
+    ErrorCode,
+    GrantNode,
+    KeyResult,
+    KeyStatus,
+    LeaseGrant,
+    LeaseReply,
+    MemoryKind,
+    Message,
+    ProtocolError,
+    RenewLease,
+    Welcome,
+    compute_projection,
+)
+
+MARGIN_S = 0.05
+"""The fixed part of the safety margin a read's lease must still have left (spec section 6.12)."""
+MARGIN_FRACTION = 1 / 8
+"""... and the part in proportion to the shorter of the time to live and the grace period:
+clocks of two hosts drift, and the node's turn that ends a lease is not instant."""
+CONFIRM_TIMEOUT_S = 10.0
+"""How long a confirmation (``renew``) is waited for; no answer fails the keys ``LEASE_LOST``."""
+DEFAULT_READ_S = 30.0
+"""How long READs of a deliver with deadline 0 may take."""
+PRUNE_SLACK = 1024
+"""Granted keys of ended leases tolerated in the table before it is swept."""
+
+Hook = Callable[[str], None]
+"""Called with ``"posting"`` before a deliver's READs are posted and ``"posted"`` after:
+tests freeze a reader there. Not a setting of the product."""
+
+
+@dataclass(frozen=True, slots=True)
+class GrantedKey:
+    """One key a lease lets this client READ: its stored span names, and per span its pool
+    (an index into ``welcome.pools``) and slot."""
+
+    lease: LeaseHandle
+    names: tuple[str, ...]
+    pools: bytes
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodePool:
+    """Where one of the node's pools is, as its registration says."""
+
+    kind: MemoryKind
+    device: int
+    address: int
+    slot_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeAgent:
+    """The node's agent as loaded into ours, for one session (``welcome``)."""
+
+    name: str
+    pools: tuple[NodePool, ...]
+    grace_s: float
+    welcome: Welcome
+
+
+@dataclass(eq=False)
+class _Read:
+    """One posted transfer: the group it belongs to, and its NIXL request."""
+
+    group: int
+    handle: Any
+    state: XferStatus
+
+
+class Grants:
+    """The granted slots of this session's leases, the node's agent, and the READs of a deliver."""
+
+    def __init__(self, core: ClientCore) -> None:
+        self.core = core
+        self.node: NodeAgent | None = None
+        self._keys: dict[bytes, GrantedKey] = {}
+        self._sweep_at = PRUNE_SLACK
+        self.hook: Hook | None = None
+        self.reads = 0
+        """Delivers served by READs under grants."""
+        self.confirmed = 0
+        """Checks that needed a ``renew`` to confirm the lease."""
+        self.refused = 0
+        """Keys failed because their lease may not have held for the whole read."""
+
+    # ------------------------------------------------------------------ what is granted
+
+    def wants_node(self) -> bool:
+        """Whether a ``lease`` should ask for the node's agent (``!node_md``): not yet loaded
+        for this session."""
+        return self.node is None or self.node.welcome is not self.core.welcome
+
+    def add(self, lease: LeaseHandle, keys: Sequence[bytes], grant: LeaseGrant) -> None:
+        """A ``lease_reply`` carried ``grant`` for ``lease`` (its keys in request order)."""
+        if grant.node is not None:
+            self._load(grant.node)
+        node = self.node
+        if node is None or node.welcome is not self.core.welcome:
+            return  # no agent to read with: the keys travel by deliver
+        for i, names, pools, slots in grant.keys(DEFAULT_LIMITS):
+            if max(pools, default=0) < len(node.pools):
+                self._keys[keys[i]] = GrantedKey(lease, names, pools, tuple(slots))
+        if len(self._keys) > self._sweep_at:
+            # Keys of ended leases go in one sweep once the table doubled since the last, so
+            # a sweep costs O(1) per key added, however many keys live leases grant.
+            self._keys = {k: g for k, g in self._keys.items() if g.lease.ended is None}
+            self._sweep_at = 2 * len(self._keys) + PRUNE_SLACK
+
+    def _load(self, node: GrantNode) -> None:
+        """Load the node's agent into ours; its pools must be the session's pools."""
+        welcome = self.core.welcome
+        if welcome is None or len(node.pools) != len(welcome.pools):
+            return
+        pools = []
+        for i, (region, info) in enumerate(zip(node.pools, welcome.pools, strict=True)):
+            if region.region != i or info.slot_size * info.slot_count > region.length:
+                return
+            pools.append(NodePool(region.kind, region.device, region.address, info.slot_size))
+        name = self.core.call(lambda: self.core.agent.add_remote(node.agent_md)).result()
+        self.node = NodeAgent(name, tuple(pools), node.grace_ms / 1000 if node.grace_ms else math.inf, welcome)
+
+    def forget(self) -> None:
+        """A new session: grants of the old one are void."""
+        self._keys.clear()
+        self._sweep_at = PRUNE_SLACK
+        self.node = None
+
+    def cover(self, items: Sequence[DeliverItem]) -> list[GrantedKey] | None:
+        """The grants of every key of a deliver, or None when one key has none (or its lease
+        ended): such a deliver goes to the node."""
+        node = self.node
+        if node is None or node.welcome is not self.core.welcome or not items:
+            return None
+        out = []
+        for item in items:
+            granted = self._keys.get(item.key)
+            if granted is None or granted.lease.ended is not None or item.key in granted.lease.lost:
+                return None
+            out.append(granted)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    # ------------------------------------------------------------------ reading
+
+    def deliver(
+        self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], groups: Sequence[tuple[int, ...]] | None,
+        regions: Mapping[int, RegionHandle], deadline_ms: int, on_group: Callable[[list[int], int], None] | None = None,
+    ) -> tuple[list[KeyResult], list[int], bool]:
+        """READ ``items`` under their grants; per item its result and groups delivered in a
+        row, and whether every READ ended (False: one may still write the destination, whose
+        regions must stay in use).
+
+        ``on_group(items, g)`` reports group ``g`` landed (and checked) for those items before
+        the whole deliver ends.
+        """
+        node = self.node
+        assert node is not None
+        self.reads += 1
+        n = len(items)
+        codes: list[int] = [0] * n
+        counts = [1 + max(g, default=0) for g in groups] if groups is not None else [1] * n
+        plans = self._plan(items, granted, groups, regions, codes)
+        deadline = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_READ_S)
+        if self.hook is not None:
+            self.hook("posting")
+        reads = self._post(node.name, plans, codes, items)
+        if self.hook is not None:
+            self.hook("posted")
+        done = [0] * n
+        group_count = max(counts, default=0)
+        for g in range(group_count):
+            ok = self._wait(reads, g, deadline)
+            members = [k for k in range(n) if not codes[k] and counts[k] > g]
+            if not ok:
+                for k in members:
+                    codes[k] = ErrorCode.TRANSFER_FAILED if ok is False else ErrorCode.DESTINATION_UNCERTAIN
+                continue
+            verdicts = self._check(items, granted, members, time.monotonic(), confirm=False)
+            landed = []
+            for k in members:
+                verdict = verdicts[k]
+                if verdict is None:
+                    continue  # only a confirmation can tell: the check after the last group
+                if verdict:
+                    codes[k] = verdict
+                    self.refused += 1
+                elif done[k] == g:
+                    done[k] = g + 1
+                    landed.append(k)
+            if landed and on_group is not None and g < group_count - 1:
+                on_group(landed, g)
+        self._release(reads)
+        # Keys whose READs all landed but whose lease the clock alone could not vouch for:
+        # confirm (a renew), once per lease, after the last READ.
+        unsure = [k for k in range(n) if not codes[k] and done[k] < counts[k]]
+        if unsure:
+            verdicts = self._check(items, granted, unsure, time.monotonic(), confirm=True)
+            for k in unsure:
+                if verdicts[k]:
+                    codes[k] = int(verdicts[k] or ErrorCode.LEASE_LOST)
+                    self.refused += 1
+                else:
+                    done[k] = counts[k]
+        results = [
+            KeyResult(KeyStatus.OK) if not code and done[k] == counts[k] else KeyResult(
+                KeyStatus.FAILED, int(code or ErrorCode.LEASE_LOST), _REASONS.get(int(code), "the read under the grant failed"))
+            for k, code in enumerate(codes)
+        ]
+        return results, done, all(r.state is not XferStatus.RUNNING for r in reads)
+
+    def _plan(
+        self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], groups: Sequence[tuple[int, ...]] | None,
+        regions: Mapping[int, RegionHandle], codes: list[int],
+    ) -> dict[tuple[int, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]]:
+        """The descriptor pairs of every READ, per (group, local kind, remote kind), with the
+        items each carries; spans that continue the previous pair on both sides merge into
+        it (most objects sit in consecutive slots). Keys whose names or sizes do not fit
+        get their code and no descriptor."""
+        assert self.node is not None
+        pools = self.node.pools
+        plans: dict[tuple[int, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]] = {}
+        for k, (item, grant) in enumerate(zip(items, granted, strict=True)):
+            try:
+                indices = compute_projection(grant.names, tuple(span.name for span in item.spans)).indices
+            except ProtocolError:
+                codes[k] = ErrorCode.LAYOUT_SUBSET_INVALID
+                continue
+            if any(span.length != pools[grant.pools[i]].slot_size for span, i in zip(item.spans, indices, strict=True)):
+                codes[k] = ErrorCode.SIZE_MISMATCH
+                continue
+            numbers = groups[k] if groups is not None and groups[k] else (0,) * len(item.spans)
+            key: tuple[int, MemoryKind, MemoryKind] | None = None
+            local: list[Desc] = []
+            remote: list[Desc] = []
+            # The run being built: its start on both sides, its length, and where it ends.
+            l0 = r0 = size = l_end = r_end = l_dev = r_dev = -1
+            for span, index, g in zip(item.spans, indices, numbers, strict=True):
+                pool = pools[grant.pools[index]]
+                region = regions[span.region]
+                laddr = region.address + span.offset
+                raddr = pool.address + grant.slots[index] * pool.slot_size
+                here = (g, region.kind, pool.kind)
+                if here == key and laddr == l_end and raddr == r_end and region.device == l_dev and pool.device == r_dev:
+                    size += span.length
+                    l_end += span.length
+                    r_end += span.length
+                    continue
+                if size >= 0:
+                    local.append((l0, size, l_dev))
+                    remote.append((r0, size, r_dev))
+                if here != key:
+                    local, remote, owners = plans.setdefault(here, ([], [], []))
+                    if not owners or owners[-1] != k:
+                        owners.append(k)
+                    key = here
+                l0, r0, size, l_dev, r_dev = laddr, raddr, span.length, region.device, pool.device
+                l_end, r_end = laddr + size, raddr + size
+            if size >= 0:
+                local.append((l0, size, l_dev))
+                remote.append((r0, size, r_dev))
+        return plans
+
+    def _post(
+        self, agent: str, plans: Mapping[tuple[int, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]],
+        codes: list[int], items: Sequence[DeliverItem],
+    ) -> list[_Read]:
+        """Post one READ per group and pair of memory kinds, in group order; a READ NIXL
+        refuses fails the keys it carries."""
+        core = self.core
+        reads: list[_Read] = []
+
+        def post() -> None:
+            for (g, local_kind, remote_kind), (local, remote, owners) in sorted(plans.items(), key=lambda p: p[0][0]):
+                try:
+                    handle, state = core.agent.start_listed("READ", local_kind, local, remote_kind, remote, agent)
+                except TransferError:
+                    for k in set(owners):
+                        codes[k] = ErrorCode.TRANSFER_FAILED
+                    continue
+                reads.append(_Read(g, handle, state))
+
+        core.call(post).result()
+        return reads
+
+    def _wait(self, reads: list[_Read], group: int, deadline: float) -> bool | None:
+        """Wait for the READs of ``group``: True all done, False one failed, None the
+        deadline passed first (a READ may still land)."""
+        mine = [r for r in reads if r.group == group]
+        pacer = Pacer()
+        agent = self.core.agent
+        while True:
+            running = [r for r in mine if r.state is XferStatus.RUNNING]
+            if not running:
+                return all(r.state is XferStatus.DONE for r in mine)
+            if time.monotonic() >= deadline:
+                return None
+
+            def look(running: list[_Read] = running) -> None:
+                for r in running:
+                    r.state = agent.state(r.handle)
+
+            self.core.call(look).result()
+            delay = pacer.next()
+            if delay:
+                time.sleep(delay)
+
+    def _release(self, reads: list[_Read]) -> None:
+        agent = self.core.agent
+
+        def release() -> None:
+            for r in reads:
+                if r.state is not XferStatus.RUNNING:
+                    agent.release(r.handle)
+
+        self.core.call(release).result()
+
+    # ------------------------------------------------------------------ validity
+
+    def _check(
+        self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], members: list[int], now: float, confirm: bool,
+    ) -> dict[int, int | None]:
+        """Per member: 0 when its lease held through ``now``, a code when it may not have,
+        None when only a confirmation could tell and ``confirm`` is off. One check per lease."""
+        by_lease: dict[int, int | None] = {}
+        out: dict[int, int | None] = {}
+        for k in members:
+            lease = granted[k].lease
+            if id(lease) in by_lease:
+                verdict = by_lease[id(lease)]
+            else:
+                verdict = by_lease[id(lease)] = self._held(lease, now, confirm)
+            out[k] = ErrorCode.LEASE_LOST if verdict == 0 and items[k].key in lease.lost else verdict
+        return out
+
+    def _held(self, lease: LeaseHandle, now: float, confirm: bool) -> int | None:
+        """Whether ``lease`` held through ``now`` (spec section 6.12): 0, or the code its keys
+        fail with; None when only a ``renew`` could tell and ``confirm`` is off."""
+        ended = lease.ended
+        if ended is not None:
+            return ErrorCode.LEASE_EXPIRED if ended == ErrorCode.LEASE_EXPIRED else ErrorCode.LEASE_LOST
+        node = self.node
+        grace = node.grace_s if node is not None else math.inf
+        ttl_s = lease.ttl_ms / 1000
+        asked = lease.expires_at - ttl_s
+        span = min(ttl_s, grace)
+        if now < asked + span - (MARGIN_S + span * MARGIN_FRACTION):
+            return 0
+        if not confirm:
+            return None
+        return self._confirm(lease, now)
+
+    def _confirm(self, lease: LeaseHandle, now: float) -> int:
+        """Ask the node whether ``lease`` held without a break (a ``renew``, spec section 6.12)."""
+        self.confirmed += 1
+        expired_by = lease.expires_at
+        asked_at = time.monotonic()
+
+        def convert(msg: Message) -> bool:
+            if not isinstance(msg, LeaseReply) or msg.lease != lease.id:
+                raise ValueError(f"expected lease_reply for lease {lease.id}, got {msg.TAG}")
+            if msg.held:
+                lease.renewed(msg.ttl_ms, asked_at)
+            return msg.held
+
+        try:
+            _, future = self.core.request(lambda i: RenewLease(i, lease.id, 0), convert, CONFIRM_TIMEOUT_S)
+            held = bool(self.core.wait(future, CONFIRM_TIMEOUT_S + 1))
+        except (NodeError, NodeLostError, OperationTimeout, ClientClosed, TimeoutError, ValueError):
+            held = False
+        if held and lease.ended is None:
+            return 0
+        return ErrorCode.LEASE_EXPIRED if now >= expired_by else ErrorCode.LEASE_LOST
+
+
+_REASONS: dict[int, str] = {
+    ErrorCode.LEASE_EXPIRED: "the lease may have expired during the read: its bytes are not the key's",
+    ErrorCode.LEASE_LOST: "the lease may have ended during the read: its bytes are not the key's",
+    ErrorCode.LAYOUT_SUBSET_INVALID: "the span names are neither the stored layout nor a valid ordered subset",
+    ErrorCode.SIZE_MISMATCH: "a span length differs from the slot size of its pool",
+    ErrorCode.TRANSFER_FAILED: "NIXL failed the READ",
+    ErrorCode.DESTINATION_UNCERTAIN: "the READ did not complete in time; it may still write the destination",
+}

@@ -1,0 +1,293 @@
+"""Read grants against real ``kvcr-node`` processes (spec section 6.12), on one node.
+
+A version-5 lease gives the client the slots of its keys; ``deliver`` then READs them with
+the client's own agent, byte for byte, whole, as a subset and with a layer plan, and the
+node posts nothing. The node-driven path stays for ``client_transfers = false`` and for
+sessions below version 5. A read is never returned when its lease may not have held for
+the whole read: a reader frozen past its lease fails ``LEASE_EXPIRED``, also when the slot
+was reused meanwhile with other bytes; a reader late within the time to live is confirmed
+with a ``renew``. Another session's lease gives nothing, and huge leases stay in limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from kvcr_client import AsyncClient, Client, ErrorCode, KeyStatus, LeaseStatus, NodeError, Span
+from kvcr_client.grants import MARGIN_FRACTION, MARGIN_S, PRUNE_SLACK
+from kvcr_protocol import DEFAULT_LIMITS, RenewLease
+from kvcr_testing.health import assert_clean, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
+from kvcr_testing.nodes import NodeProcess, running_node, short_ipc_dir
+from kvcr_testing.patterns import KiB, pattern
+
+SLOT = 4 * KiB
+SLOTS = 64
+LAYERS = 8
+
+pytestmark = pytest.mark.usefixtures("node_left_clean")
+
+
+@pytest.fixture(scope="module")
+def node_args() -> tuple[str, ...]:
+    # FIFO, so that fresh deposits evict the oldest objects and reuse their slots.
+    return ("--pool", f"kv:4KiB:{SLOTS}", "--policy", "fifo", "--lease-pool-fraction", "1")
+
+
+@pytest.fixture
+def hook(client: Client) -> Iterator[Callable[[Callable[[str], None]], None]]:
+    """Install a hook the client's grant reads call at ``posting`` and ``posted``."""
+
+    def install(fn: Callable[[str], None]) -> None:
+        client._grants.hook = fn
+
+    yield install
+    client._grants.hook = None
+
+
+def put(client: Client, register: Registrar, key: bytes, seed: int, layers: int = LAYERS) -> np.ndarray:
+    src = pattern(layers * SLOT, seed)
+    region = register(src)
+    res = client.deposit({key: [Span(f"L{i}", region, i * SLOT, SLOT, "kv") for i in range(layers)]}).result(RESULT_TIMEOUT_S)
+    assert res.all_ok, res
+    return src
+
+
+def posted(client: Client) -> int:
+    """Transfers the node posted so far."""
+    return int(stats(client)["transfers"]["posted"])
+
+
+def test_a_read_lease_grants_slots_and_deliver_reads_them_without_the_node(client: Client, register: Registrar,
+                                                                           key: Callable[[str], bytes]) -> None:
+    k = key("obj")
+    src = put(client, register, k, seed=1)
+    lease = client.lease([k, key("absent")], ttl_ms=30_000).result(RESULT_TIMEOUT_S)
+    assert lease.status(k) is LeaseStatus.LEASED and lease.status(key("absent")) is LeaseStatus.MISS
+    assert stats(client)["leases"]["with_grants"] == 1
+    before, reads = posted(client), client._grants.reads
+    dst = np.zeros(LAYERS * SLOT, np.uint8)
+    region = register(dst)
+
+    # Whole object.
+    res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S)
+    assert res[k].ok, res
+    assert np.array_equal(dst, src)
+
+    # An ordered subset, into other places.
+    dst[:] = 0
+    res = client.deliver({k: [Span("L2", region, 0, SLOT), Span("L5", region, 3 * SLOT, SLOT)]}).result(RESULT_TIMEOUT_S)
+    assert res[k].ok, res
+    assert np.array_equal(dst[:SLOT], src[2 * SLOT:3 * SLOT]) and np.array_equal(dst[3 * SLOT:4 * SLOT], src[5 * SLOT:6 * SLOT])
+    assert not dst[SLOT:3 * SLOT].any() and not dst[4 * SLOT:].any()
+
+    # A layer plan: one group per layer, each reported delivered.
+    dst[:] = 0
+    plan = [[f"L{i}"] for i in range(LAYERS)]
+    handle = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)]}, plan=plan)
+    for g in range(LAYERS):
+        handle.wait(g, RESULT_TIMEOUT_S)
+    assert handle.result(RESULT_TIMEOUT_S)[k].ok
+    assert np.array_equal(dst, src)
+
+    assert client._grants.reads == reads + 3
+    assert posted(client) == before, "the node posted a transfer for a granted deliver"
+    lease.release().result(RESULT_TIMEOUT_S)
+    assert stats(client)["leases"]["with_grants"] == 0
+
+    # Released: the next deliver goes to the node again, and still lands byte for byte.
+    dst[:] = 0
+    res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S)
+    assert res[k].ok and np.array_equal(dst, src)
+    assert posted(client) == before + 1
+
+
+def test_bad_destinations_fail_before_anything_is_read(client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
+    k = key("obj")
+    put(client, register, k, seed=2, layers=3)
+    lease = client.lease([k]).result(RESULT_TIMEOUT_S)
+    dst = pattern(3 * SLOT, 7)
+    kept = dst.copy()
+    region = register(dst)
+    res = client.deliver({k: [Span("L2", region, 0, SLOT), Span("L0", region, SLOT, SLOT)]}).result(RESULT_TIMEOUT_S)
+    assert res[k].status is KeyStatus.FAILED and res[k].code is ErrorCode.LAYOUT_SUBSET_INVALID
+    res = client.deliver({k: [Span(f"L{i}", region, i * 1024, 1024) for i in range(3)]}).result(RESULT_TIMEOUT_S)
+    assert res[k].status is KeyStatus.FAILED and res[k].code is ErrorCode.SIZE_MISMATCH
+    assert np.array_equal(dst, kept)
+    lease.release().result(RESULT_TIMEOUT_S)
+
+
+def test_a_reader_frozen_past_its_lease_fails_lease_expired(client: Client, register: Registrar, key: Callable[[str], bytes],
+                                                            hook: Callable[[Callable[[str], None]], None]) -> None:
+    k = key("obj")
+    put(client, register, k, seed=3)
+    lease = client.lease([k], ttl_ms=300).result(RESULT_TIMEOUT_S)
+    dst = np.zeros(LAYERS * SLOT, np.uint8)
+    region = register(dst)
+    hook(lambda stage: time.sleep(0.6) if stage == "posted" else None)  # frozen mid-read, past the ttl
+    res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S)
+    assert res[k].status is KeyStatus.FAILED and res[k].code is ErrorCode.LEASE_EXPIRED, res
+    assert lease.ended is ErrorCode.LEASE_EXPIRED
+    assert wait_until(lambda: stats(client)["leases"]["held"] == 0, RESULT_TIMEOUT_S), "the node did not expire the lease"
+
+
+def test_a_slot_reused_after_expiry_is_detected_not_returned(client: Client, register: Registrar, key: Callable[[str], bytes],
+                                                            hook: Callable[[Callable[[str], None]], None]) -> None:
+    k = key("old")
+    old = put(client, register, k, seed=4, layers=1)
+    lease = client.lease([k], ttl_ms=300).result(RESULT_TIMEOUT_S)
+    dst = np.zeros(SLOT, np.uint8)
+    region = register(dst)
+    fresh: list[np.ndarray] = []
+
+    def reuse(stage: str) -> None:
+        if stage != "posting":
+            return
+        # The reader stalls between its check of the grant and its READ; meanwhile the lease
+        # expires, the object is evicted and its slot refilled with other bytes.
+        assert wait_until(lambda: stats(client)["leases"]["held"] == 0, RESULT_TIMEOUT_S), "the node did not expire the lease"
+        for i in range(SLOTS):
+            fresh.append(put(client, register, key(f"new{i}"), seed=100 + i, layers=1))
+        assert client.query([k]).result(RESULT_TIMEOUT_S)[k].presence.name == "MISS"
+
+    hook(reuse)
+    res = client.deliver({k: [Span("L0", region, 0, SLOT)]}).result(RESULT_TIMEOUT_S)
+    assert res[k].status is KeyStatus.FAILED and res[k].code is ErrorCode.LEASE_EXPIRED, res
+    # The READ did land another object's bytes (the slot was reused): the client did not
+    # report them as the key's.
+    assert not np.array_equal(dst, old)
+    assert any(np.array_equal(dst, f) for f in fresh)
+    assert lease.ended is ErrorCode.LEASE_EXPIRED
+
+
+def test_a_late_reader_within_the_lease_is_confirmed_by_a_renew(client: Client, register: Registrar, key: Callable[[str], bytes],
+                                                                hook: Callable[[Callable[[str], None]], None]) -> None:
+    k = key("obj")
+    src = put(client, register, k, seed=5)
+    ttl_ms = 1000
+    lease = client.lease([k], ttl_ms=ttl_ms).result(RESULT_TIMEOUT_S)
+    trusted = ttl_ms / 1000 - (MARGIN_S + ttl_ms / 1000 * MARGIN_FRACTION)  # the clock alone vouches this long
+    asked = lease.expires_at - ttl_ms / 1000
+    dst = np.zeros(LAYERS * SLOT, np.uint8)
+    region = register(dst)
+    confirmed = client._grants.confirmed
+    hook(lambda stage: time.sleep(max(0.0, asked + trusted + 0.02 - time.monotonic())) if stage == "posted" else None)
+    res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S)
+    assert res[k].ok, res
+    assert np.array_equal(dst, src)
+    assert client._grants.confirmed == confirmed + 1
+    assert lease.expires_at > asked + ttl_ms / 1000, "the confirmation renewed the lease"
+    lease.release().result(RESULT_TIMEOUT_S)
+
+
+def test_a_lease_released_mid_read_fails_lease_lost(client: Client, register: Registrar, key: Callable[[str], bytes],
+                                                    hook: Callable[[Callable[[str], None]], None]) -> None:
+    k = key("obj")
+    put(client, register, k, seed=9)
+    lease = client.lease([k]).result(RESULT_TIMEOUT_S)
+    dst = np.zeros(LAYERS * SLOT, np.uint8)
+    region = register(dst)
+    hook(lambda stage: lease.release().result(RESULT_TIMEOUT_S) if stage == "posted" else None)
+    res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S)
+    assert res[k].status is KeyStatus.FAILED and res[k].code is ErrorCode.LEASE_LOST, res
+
+
+def test_the_async_client_reads_under_grants_too(node: NodeProcess, key: Callable[[str], bytes]) -> None:
+    k = key("obj")
+
+    async def run() -> None:
+        async with await AsyncClient.connect(node.endpoint, name="itest-grants-async") as c:
+            src = pattern(LAYERS * SLOT, 10)
+            dst = np.zeros(LAYERS * SLOT, np.uint8)
+            rs, rd = await c.register(src), await c.register(dst)
+            assert (await c.deposit({k: [Span(f"L{i}", rs, i * SLOT, SLOT, "kv") for i in range(LAYERS)]})).all_ok
+            lease = await c.lease([k], ttl_ms=1000)
+            # Late enough that the clock alone cannot vouch: the confirmation runs in the loop.
+            c._grants.hook = lambda stage: time.sleep(0.9) if stage == "posted" else None
+            res = await c.deliver({k: [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(LAYERS)]})
+            assert res[k].ok and np.array_equal(dst, src) and c._grants.reads == 1 and c._grants.confirmed == 1
+            await lease.release()
+            await c.unregister(rs)
+            await c.unregister(rd)
+
+    asyncio.run(run())
+
+
+def test_another_sessions_lease_gives_no_grant(node: NodeProcess, client: Client, register: Registrar,
+                                               key: Callable[[str], bytes]) -> None:
+    k = key("obj")
+    src = put(client, register, k, seed=6)
+    lease = client.lease([k]).result(RESULT_TIMEOUT_S)
+    with Client(node.endpoint, name="itest-grants-other") as other:
+        dst = np.zeros(LAYERS * SLOT, np.uint8)
+        region = other.register(dst)
+        # Its deliver of keys another session leased goes to the node: it holds no grant.
+        before = posted(client)
+        res = other.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S)
+        assert res[k].ok and np.array_equal(dst, src)
+        assert posted(client) == before + 1 and len(other._grants) == 0
+        # Confirming a read under another session's lease id is refused: such a read would fail.
+        forged = other._grants._confirm(lease, time.monotonic())
+        assert forged == ErrorCode.LEASE_LOST
+        with pytest.raises(NodeError) as info:
+            other.core.wait(other.core.request(lambda i: RenewLease(i, lease.id, 0), lambda m: m, 5.0)[1], 6.0)
+        assert info.value.code is ErrorCode.UNKNOWN_LEASE
+        other.unregister(region)
+    lease.release().result(RESULT_TIMEOUT_S)
+
+
+def test_a_huge_lease_stays_within_the_span_limit(client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
+    k = key("obj")
+    layers = 32
+    src = put(client, register, k, seed=7, layers=layers)
+    count = DEFAULT_LIMITS.max_keys
+    lease = client.lease([k] * count, ttl_ms=30_000).result(RESULT_TIMEOUT_S)
+    assert lease.held_prefix() == count
+    # 4096 repetitions of 32 spans are twice max_spans: the grant stops at the limit, and
+    # the key it covers reads byte for byte.
+    dst = np.zeros(layers * SLOT, np.uint8)
+    region = register(dst)
+    before = posted(client)
+    res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(layers)]}).result(RESULT_TIMEOUT_S)
+    assert res[k].ok and np.array_equal(dst, src)
+    assert posted(client) == before
+    lease.release().result(RESULT_TIMEOUT_S)
+
+
+def test_granted_keys_of_ended_leases_do_not_pile_up(client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
+    keys = [key(f"o{i}") for i in range(8)]
+    for i, k in enumerate(keys):
+        put(client, register, k, seed=20 + i, layers=1)
+    for _ in range(3 * PRUNE_SLACK // len(keys)):
+        for k in keys:
+            client.lease([k]).result(RESULT_TIMEOUT_S).release().result(RESULT_TIMEOUT_S)
+    # One entry per key (its last grant), none of a live lease, and the table bounded.
+    table = client._grants._keys
+    assert set(keys) <= set(table) and len(table) <= 2 * PRUNE_SLACK
+    assert all(granted.lease.ended is not None for granted in table.values())
+
+
+@pytest.mark.parametrize("how", ["client_transfers off", "version 4"])
+def test_without_grants_leased_keys_travel_by_the_node(how: str) -> None:
+    args = ("--pool", "kv:4KiB:16", *(("--no-client-transfers",) if how == "client_transfers off" else ()))
+    with short_ipc_dir("nog") as d, running_node(d, "n", *args) as node, Client(
+        node.endpoint, name="itest-grants-none", max_version=4 if how == "version 4" else 5,
+    ) as c:
+        src = pattern(2 * SLOT, 8)
+        r = c.register(src)
+        assert c.deposit({b"k": [Span("a", r, 0, SLOT, "kv"), Span("b", r, SLOT, SLOT, "kv")]}).result(RESULT_TIMEOUT_S).all_ok
+        lease = c.lease([b"k"]).result(RESULT_TIMEOUT_S)
+        assert lease.status(b"k") is LeaseStatus.LEASED and len(c._grants) == 0
+        assert stats(c)["leases"]["with_grants"] == 0
+        dst = np.zeros(2 * SLOT, np.uint8)
+        rd = c.register(dst)
+        res = c.deliver({b"k": [Span("a", rd, 0, SLOT), Span("b", rd, SLOT, SLOT)]}).result(RESULT_TIMEOUT_S)
+        assert res[b"k"].ok and np.array_equal(dst, src)
+        assert c._grants.reads == 0 and stats(c)["transfers"]["posted"] == 2
+        lease.release().result(RESULT_TIMEOUT_S)
+        assert_clean(c)
