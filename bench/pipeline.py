@@ -5,20 +5,46 @@ the engine runs a fixed CPU-bound kernel per layer, calibrated to cost about one
 transfer time. Progressive: ``handle.wait(i)`` then the kernel on layer i, for each i.
 Whole then compute: wait for the whole object, then the 32 kernels. ``overlap_speedup`` =
 whole-then-compute time / progressive time (2.0 is the ideal when compute equals
-transfer), across nodes (client on node A, object on node B) and locally (client on B).
+transfer), measured across nodes (client on node A, object on node B), locally by the
+node (client on B, no lease) and locally under a read grant (client on B, the object
+leased with ``read=True``: the client READs B's pools itself, spec section 6.12). Across
+nodes the node-driven path runs: a lease held at a hinted source grants no read yet.
 
-Run: ``python bench/pipeline.py`` (under a minute); ``--json`` adds one line with
-``overlap_speedup`` (across nodes). Ratios matter, not absolute times.
+The anchor runs in the same run: a raw NIXL progressive pipeline between two bare
+processes. A holder registers the same 32 layers of 1 MiB (the same bytes); this process
+READs them with a bare agent of its own into a registered buffer, layer by layer, and
+runs the same kernel with the same cost per layer on each layer once it landed. Two raw
+forms are timed, and the faster is the anchor: an I/O thread that posts one READ per
+layer in turn while the engine computes, and the 32 READs posted at once then waited
+one by one. Each raw run follows the kvcr run it anchors, so both see the same machine;
+the raw buffer starts zeroed and is compared byte for byte with the pattern at the end.
+``pipeline_vs_raw`` = kvcr progressive time / raw progressive time (1.0: kvcr costs
+nothing over the bare transport).
+
+Run: ``python bench/pipeline.py`` (about a minute); ``--json`` prints one JSON object of
+the figures after the report: ``overlap_speedup`` (across nodes), ``overlap_speedup_local``
+(the node delivers, locally), ``grant_overlap_speedup`` (locally under a read grant),
+``raw_overlap_speedup`` (the raw pipeline's whole-then-compute / progressive, with the
+kernel of the grant run), ``pipeline_vs_raw`` (across nodes), ``pipeline_vs_raw_local``
+(under a read grant; by the node where it grants none), ``pipeline_vs_raw_local_node``
+(locally by the node), ``progressive_ms``, ``raw_progressive_ms`` and their spreads
+((p90 - p10) / median) per run, suffixed as the ratios, and ``grant_used`` (1 when the
+local node granted the read and every timed deliver read the pools itself). Ratios
+matter, not absolute times.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import mmap
 import os
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +52,24 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from anchors import Peer, serve
 from procs import process_group, spawn
 from remote import LAYER, LAYER_PLAN, LAYERS, node_flags
 from stats import fmt_us, summary
 
 from kvcr_client import Client, Span
+from kvcr_io.agent import load_nixl
+
+OBJECT = LAYERS * LAYER
+LEASE_TTL_MS = 120_000
+"""The grant run's lease: held through all its deliveries (well under a minute)."""
+RAW_TIMEOUT_S = 10.0
+"""How long one raw READ may take before the anchor fails."""
+
+
+def pattern() -> np.ndarray:
+    """The object's bytes, the same in kvcr's deposit and in the raw holder's buffer (never zero)."""
+    return (np.arange(OBJECT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
 
 
 def kernel(layer: np.ndarray, words: int) -> int:
@@ -66,7 +105,121 @@ def calibrate(target_s: float) -> int:
     return words
 
 
-def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None, runs: int) -> dict[str, Any]:
+# --------------------------------------------------------------------------- raw anchor
+
+
+def raw_holder(endpoint: str) -> None:
+    """A bare NIXL process holding the object's 32 layers, registered once, for a consumer to READ."""
+    nixl = load_nixl()
+    agent = nixl.nixl_agent("raw-holder", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    buf = mmap.mmap(-1, OBJECT, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pool = np.frombuffer(buf, dtype=np.uint8)
+    pool[:] = pattern()
+    agent.register_memory([(pool.ctypes.data, OBJECT, 0, "")], "DRAM")
+
+    def setup(msg: dict[str, Any]) -> dict[str, Any]:
+        agent.add_remote_agent(msg["md"])
+        return {"t": "md", "md": agent.get_agent_metadata(), "addr": pool.ctypes.data}
+
+    # The target of a READ is progressed too (architecture §6), as a node with grants out is.
+    serve(endpoint, {"setup": setup}, idle=agent.get_new_notifs)
+
+
+class RawPipeline:
+    """This process's side of the raw anchor: a bare agent READing the holder's layers into
+    a registered buffer of its own, one prepared descriptor per layer on each side."""
+
+    def __init__(self, peer: Peer) -> None:
+        nixl = load_nixl()
+        logging.getLogger("nixl").setLevel(logging.WARNING)  # its start-up lines at INFO
+        self.agent = agent = nixl.nixl_agent("raw-consumer", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.dst = np.zeros(OBJECT, dtype=np.uint8)
+        base = self.dst.ctypes.data
+        agent.register_memory([(base, OBJECT, 0, "")], "DRAM")
+        found = peer.call({"t": "setup", "md": agent.get_agent_metadata()}, agent.get_new_notifs)
+        holder = agent.add_remote_agent(found["md"])
+        addr = int(found["addr"])
+        self.mine = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base + i * LAYER, LAYER, 0) for i in range(LAYERS)], "DRAM")
+        self.theirs = agent.prep_xfer_dlist(holder, [(addr + i * LAYER, LAYER, 0) for i in range(LAYERS)], "DRAM")
+        self.views = [self.dst[i * LAYER : (i + 1) * LAYER] for i in range(LAYERS)]
+
+    def post(self, layers: list[int]) -> Any:
+        """Post one READ of ``layers``; its handle."""
+        handle = self.agent.make_prepped_xfer("READ", self.mine, layers, self.theirs, layers)
+        state = self.agent.transfer(handle)
+        if state == "ERR":
+            raise RuntimeError("raw NIXL READ failed to post")
+        return handle
+
+    def finish(self, handle: Any) -> None:
+        """Wait for one READ to complete, then release it."""
+        state = self.agent.check_xfer_state(handle)
+        give_up = time.perf_counter() + RAW_TIMEOUT_S
+        while state == "PROC" and time.perf_counter() < give_up:
+            state = self.agent.check_xfer_state(handle)
+        self.agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL READ ended {state}")
+
+    def transfer(self) -> None:
+        """The whole object, one READ of the 32 descriptors."""
+        self.finish(self.post(list(range(LAYERS))))
+
+    def whole_then_compute(self, kwords: int) -> float:
+        t0 = time.perf_counter()
+        self.transfer()
+        for view in self.views:
+            kernel(view, kwords)
+        return time.perf_counter() - t0
+
+    def progressive_posted(self, kwords: int) -> float:
+        """The 32 READs posted at once, then each waited for and computed on in order."""
+        t0 = time.perf_counter()
+        handles = [self.post([i]) for i in range(LAYERS)]
+        for i, handle in enumerate(handles):
+            self.finish(handle)
+            kernel(self.views[i], kwords)
+        return time.perf_counter() - t0
+
+    def progressive_thread(self, kwords: int) -> float:
+        """An I/O thread posts one READ per layer in turn and says when each completed; the
+        engine computes on layer i once it landed (NIXL's post releases the GIL)."""
+        landed = [threading.Event() for _ in range(LAYERS)]
+        failed: list[BaseException] = []
+
+        def io() -> None:
+            try:
+                for i in range(LAYERS):
+                    self.finish(self.post([i]))
+                    landed[i].set()
+            except BaseException as exc:  # passed to the engine thread, which raises it
+                failed.append(exc)
+                for event in landed:
+                    event.set()
+
+        t0 = time.perf_counter()
+        thread = threading.Thread(target=io, name="raw-io")
+        thread.start()
+        for i in range(LAYERS):
+            if not landed[i].wait(RAW_TIMEOUT_S):
+                failed.append(TimeoutError(f"raw layer {i} did not land"))
+            if failed:
+                break
+            kernel(self.views[i], kwords)
+        thread.join(RAW_TIMEOUT_S)
+        if failed:
+            raise failed[0]
+        return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- kvcr
+
+
+def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None, runs: int,
+            raw: RawPipeline) -> dict[str, Any]:
+    """The kvcr progressive and whole-then-compute runs, each followed by the raw pipeline's
+    with the same kernel; the kernel is matched to one layer of kvcr's transfer."""
+
     def transfer_only() -> float:
         t0 = time.perf_counter()
         assert client.deliver({b"layers": layers}, request_id=request_id).result(10).all_ok
@@ -75,6 +228,11 @@ def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None
     for _ in range(3):
         transfer_only()
     t_transfer = statistics.median(transfer_only() for _ in range(runs))
+    raw_transfer = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        raw.transfer()
+        raw_transfer.append(time.perf_counter() - t0)
     kwords = calibrate(t_transfer / LAYERS)
     views = [dst[i * LAYER : (i + 1) * LAYER] for i in range(LAYERS)]
 
@@ -100,47 +258,130 @@ def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None
         for i in range(LAYERS):
             kernel(views[i], kwords)
         compute.append(time.perf_counter() - t0)
-    prog, whole = [], []
-    for _ in range(runs):  # interleaved: both see the same machine load
-        prog.append(progressive())
-        whole.append(whole_then_compute())
-    return {"transfer": t_transfer, "compute": statistics.median(compute), "kernel_words": kwords,
-            "progressive": summary(prog), "whole": summary(whole),
-            "speedup": statistics.median(whole) / statistics.median(prog)}
+    forms: dict[str, Callable[[], float]] = {
+        "progressive": progressive, "whole": whole_then_compute,
+        "raw_thread": lambda: raw.progressive_thread(kwords), "raw_posted": lambda: raw.progressive_posted(kwords),
+        "raw_whole": lambda: raw.whole_then_compute(kwords),
+    }
+    for form in forms.values():  # warm: the first raw READs connect
+        form()
+    raw.dst[:] = 0
+    samples: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(runs):  # interleaved: every form sees the same machine load
+        for name, form in forms.items():
+            samples[name].append(form())
+    if not np.array_equal(raw.dst, pattern()):
+        raise AssertionError("the raw anchor's READs did not move the holder's bytes")
+    s = {name: summary(times) for name, times in samples.items()}
+    raw_form = min(("raw_thread", "raw_posted"), key=lambda name: s[name]["median"])
+    return {"transfer": t_transfer, "raw_transfer": summary(raw_transfer), "compute": statistics.median(compute),
+            "kernel_words": kwords, **s, "raw": raw_form,
+            "speedup": s["whole"]["median"] / s["progressive"]["median"],
+            "raw_speedup": s["raw_whole"]["median"] / s[raw_form]["median"],
+            "vs_raw": s["progressive"]["median"] / s[raw_form]["median"]}
+
+
+def measure_granted(client: Client, dst: np.ndarray, layers: Any, runs: int, raw: RawPipeline) -> dict[str, Any]:
+    """``measure`` of the local deliveries with the object leased for a read grant first; the
+    result says whether the node granted it and every timed deliver READ the pools itself."""
+    lease = client.lease([b"layers"], ttl_ms=LEASE_TTL_MS, read=True).result(10)
+    if b"layers" not in lease.held:
+        raise AssertionError(f"the local node did not lease the object: {lease[b'layers']!r}")
+    try:
+        granted = len(client._grants) == 1
+        reads = client._grants.reads
+        result = measure(client, dst, layers, None, runs, raw)
+        # Warm-up and timed: 3 + runs transfers, 1 + runs progressive, 1 + runs whole.
+        result["granted"] = granted and client._grants.reads == reads + 5 + 3 * runs
+    finally:
+        lease.release().result(10)
+    return result
+
+
+RUNS = {"across nodes": "", "local, by the node": "_local_node", "local, under a read grant": "_local"}
+"""Each measured run and the suffix of its ``--json`` figures."""
+
+
+def figures(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    out: dict[str, float] = {
+        "overlap_speedup": results["across nodes"]["speedup"],
+        "overlap_speedup_local": results["local, by the node"]["speedup"],
+        "grant_overlap_speedup": results["local, under a read grant"]["speedup"],
+        "raw_overlap_speedup": results["local, under a read grant"]["raw_speedup"],
+        "grant_used": float(results["local, under a read grant"]["granted"]),
+    }
+    for where, suffix in RUNS.items():
+        r = results[where]
+        out[f"pipeline_vs_raw{suffix}"] = r["vs_raw"]
+        out[f"progressive_ms{suffix}"] = r["progressive"]["median"] * 1e3
+        out[f"progressive_spread{suffix}"] = r["progressive"]["spread"]
+        out[f"raw_progressive_ms{suffix}"] = r[r["raw"]]["median"] * 1e3
+        out[f"raw_progressive_spread{suffix}"] = r[r["raw"]]["spread"]
+    return out
+
+
+def report(results: dict[str, dict[str, Any]]) -> None:
+    print(f"load average {os.getloadavg()[0]:.2f} (cores {os.cpu_count()})")
+    for where, r in results.items():
+        print(f"{where}: {LAYERS} layers of {LAYER >> 20} MiB, transfer {r['transfer'] * 1e3:.2f} ms "
+              f"(raw NIXL READ {r['raw_transfer']['median'] * 1e3:.2f} ms), compute {r['compute'] * 1e3:.2f} ms "
+              f"(kernel over {r['kernel_words'] * 4 / LAYER:.2f} layers' bytes per layer)")
+        if where == "across nodes":
+            print("  node-driven: B writes into the client (a lease at a hinted source grants no read yet)")
+        elif "granted" in r:
+            print("  " + ("the client READs B's pools under the lease's read grant" if r["granted"] else
+                          "B granted no read (client_transfers off, or a deliver went by the node): node-driven"))
+        print(f"  kvcr progressive (compute on layer i once it landed)  {fmt_us(r['progressive'])}  spread {r['progressive']['spread']:.2f}")
+        print(f"  kvcr whole object, then compute                       {fmt_us(r['whole'])}  spread {r['whole']['spread']:.2f}")
+        print(f"  raw progressive, I/O thread READs layer by layer      {fmt_us(r['raw_thread'])}  spread {r['raw_thread']['spread']:.2f}")
+        print(f"  raw progressive, 32 READs posted at once              {fmt_us(r['raw_posted'])}  spread {r['raw_posted']['spread']:.2f}")
+        print(f"  raw whole object (one READ), then compute             {fmt_us(r['raw_whole'])}  spread {r['raw_whole']['spread']:.2f}")
+        print(f"  overlap_speedup {r['speedup']:.2f} (raw {r['raw_speedup']:.2f}); pipeline_vs_raw {r['vs_raw']:.2f} "
+              f"(goal <= 1.15; anchor: the raw {'I/O thread' if r['raw'] == 'raw_thread' else 'posted'} form)")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--raw-holder", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--json", action="store_true", help="also print one JSON object with overlap_speedup")
+    parser.add_argument("--json", action="store_true", help="also print one JSON object of the figures")
     args = parser.parse_args()
-    src = (np.arange(LAYERS * LAYER, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
+    if args.raw_holder:
+        raw_holder(args.raw_holder)
+        return 0
+    src = pattern()
+    # The grant run leases all 32 layers of the layer pool.
+    flags = [*node_flags(), "--lease-pool-fraction", "1", "--lease-session-fraction", "1"]
     with process_group("pbench") as (run, procs):
         for name in ("a", "b"):
-            procs.append(spawn("-m", "kvcr_node.cli", *node_flags(), "--endpoint", f"ipc://{run}/{name}.sock"))
+            procs.append(spawn("-m", "kvcr_node.cli", *flags, "--endpoint", f"ipc://{run}/{name}.sock"))
+        procs.append(spawn(__file__, "--raw-holder", f"ipc://{run}/raw.sock"))
         a, b = f"ipc://{run}/a.sock", f"ipc://{run}/b.sock"
-        with Client(b, name="owner") as owner, Client(a, name="engine") as eng:
-            region = owner.register(src)
-            spans = [Span(f"L{i}", region, i * LAYER, LAYER, "layer") for i in range(LAYERS)]
-            assert owner.deposit({b"layers": spans}).result(30).all_ok
-            eng.submit_hint("pipe", b, [b"layers"]).result(5)
-            results = {}
-            for where, client, rid in (("across nodes", eng, "pipe"), ("local", owner, None)):
-                dst = np.zeros(LAYERS * LAYER, dtype=np.uint8)
-                rd = client.register(dst)
-                layers = client.destination([Span(f"L{i}", rd, i * LAYER, LAYER) for i in range(LAYERS)])
-                results[where] = measure(client, dst, layers, rid, args.runs)
-                if not np.array_equal(dst, src):
-                    raise AssertionError(f"delivered bytes differ ({where})")
-    print(f"load average {os.getloadavg()[0]:.2f} (cores {os.cpu_count()})")
-    for where, r in results.items():
-        print(f"{where}: {LAYERS} layers of {LAYER >> 20} MiB, transfer {r['transfer'] * 1e3:.2f} ms, "
-              f"compute {r['compute'] * 1e3:.2f} ms (kernel over {r['kernel_words'] * 4 / LAYER:.2f} layers' bytes per layer)")
-        print(f"  progressive (compute on layer i once it landed)  {fmt_us(r['progressive'])}")
-        print(f"  whole object, then compute                       {fmt_us(r['whole'])}")
-        print(f"  overlap_speedup {r['speedup']:.2f}")
+        peer = Peer(f"ipc://{run}/raw.sock")
+        try:
+            raw = RawPipeline(peer)
+            with Client(b, name="owner") as owner, Client(a, name="engine") as eng:
+                region = owner.register(src)
+                spans = [Span(f"L{i}", region, i * LAYER, LAYER, "layer") for i in range(LAYERS)]
+                assert owner.deposit({b"layers": spans}).result(30).all_ok
+                eng.submit_hint("pipe", b, [b"layers"]).result(5)
+                results = {}
+                for where, client, rid in (("across nodes", eng, "pipe"), ("local, by the node", owner, None),
+                                           ("local, under a read grant", owner, None)):
+                    dst = np.zeros(OBJECT, dtype=np.uint8)
+                    rd = client.register(dst)
+                    layers = client.destination([Span(f"L{i}", rd, i * LAYER, LAYER) for i in range(LAYERS)])
+                    if rid is None and "grant" in where:
+                        results[where] = measure_granted(client, dst, layers, args.runs, raw)
+                    else:
+                        results[where] = measure(client, dst, layers, rid, args.runs, raw)
+                    if not np.array_equal(dst, src):
+                        raise AssertionError(f"delivered bytes differ ({where})")
+        finally:
+            peer.close()
+    report(results)
     if args.json:
-        print(json.dumps({"overlap_speedup": round(results["across nodes"]["speedup"], 3)}))
+        print(json.dumps({name: round(value, 3) for name, value in figures(results).items()}))
     return 0
 
 
