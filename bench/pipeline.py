@@ -320,10 +320,16 @@ def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None
     if not np.array_equal(raw.dst, pattern()):
         raise AssertionError("the raw anchor's READs did not move the holder's bytes")
     s = {name: summary(times) for name, times in samples.items()}
-    raw_form = min(RAW_FORMS, key=lambda name: s[name]["median"])
     return {"transfer": t_transfer, "raw_transfer": summary(raw_transfer), "compute": statistics.median(compute),
-            "kernel_words": kwords, **s, "raw": raw_form,
-            "speedup": s["whole"]["median"] / s["progressive"]["median"],
+            "kernel_words": kwords, **s, **ratios(s)}
+
+
+def ratios(s: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """From the summaries of one run's forms: the raw anchor (the fastest raw progressive
+    form), ``speedup`` (kvcr whole-then-compute / progressive), ``raw_speedup`` (the same of
+    the raw pipeline, against its anchor) and ``vs_raw`` (kvcr progressive / the anchor), by medians."""
+    raw_form = min(RAW_FORMS, key=lambda name: s[name]["median"])
+    return {"raw": raw_form, "speedup": s["whole"]["median"] / s["progressive"]["median"],
             "raw_speedup": s["raw_whole"]["median"] / s[raw_form]["median"],
             "vs_raw": s["progressive"]["median"] / s[raw_form]["median"]}
 
