@@ -401,7 +401,7 @@ def report(results: dict[str, dict[str, Any]]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--raw-holder", help=argparse.SUPPRESS)
-    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=20, help="timed runs of each form (interleaved)")
     parser.add_argument("--json", action="store_true", help="also print one JSON object of the figures")
     args = parser.parse_args()
     if args.raw_holder:
