@@ -13,14 +13,12 @@ nodes the node-driven path runs: a lease held at a hinted source grants no read 
 The anchor runs in the same run: a raw NIXL progressive pipeline between two bare
 processes. A holder registers the same 32 layers of 1 MiB (the same bytes); this process
 READs them with a bare agent of its own into a registered buffer, layer by layer, and
-runs the same kernel with the same cost per layer on each layer once it landed. Three raw
-forms are timed, and the fastest is the anchor: an I/O thread that posts one READ per
-layer in turn while the engine computes; the 32 READs posted at once, then waited one by
-one; and a ZeroMQ trigger after which the holder WRITEs layer by layer, each WRITE with a
-NIXL notification (the shape of a node-driven deliver). Each raw run follows the kvcr run
-it anchors, so both see the same machine. Each raw form is checked alone once (the raw
-buffer zeroed, one run, compared byte for byte with the pattern), and the buffer is
-compared again after the timed runs.
+runs the same kernel with the same cost per layer on each layer once it landed. Two raw
+forms are timed, and the faster is the anchor: an I/O thread that posts one READ per
+layer in turn while the engine computes, and the 32 READs posted at once, then waited
+one by one. Each raw run follows the kvcr run it anchors, so both see the same machine.
+Each raw form is checked alone once (the raw buffer zeroed, one run, compared byte for
+byte with the pattern), and the buffer is compared again after the timed runs.
 ``pipeline_vs_raw`` = kvcr progressive time / raw progressive time (1.0: kvcr costs
 nothing over the bare transport).
 
@@ -51,7 +49,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,8 +66,7 @@ LEASE_TTL_MS = 120_000
 """The grant run's lease: held through all its deliveries (well under a minute)."""
 RAW_TIMEOUT_S = 10.0
 """How long one raw transfer may take before the anchor fails."""
-RAW_FORMS = {"raw_thread": "an I/O thread READs layer by layer", "raw_posted": "32 READs posted at once",
-             "raw_pushed": "the holder WRITEs layer by layer"}
+RAW_FORMS = {"raw_thread": "an I/O thread READs layer by layer", "raw_posted": "32 READs posted at once"}
 """The raw progressive forms; the fastest of them in a run is its anchor."""
 
 
@@ -116,39 +112,20 @@ def calibrate(target_s: float) -> int:
 
 
 def raw_holder(endpoint: str) -> None:
-    """A bare NIXL process holding the object's 32 layers, registered once: a consumer READs
-    them, or on a ``push`` request this process WRITEs them into the consumer layer by layer,
-    each WRITE carrying its layer's index as a NIXL notification."""
+    """A bare NIXL process holding the object's 32 layers, registered once, for a consumer to READ."""
     nixl = load_nixl()
     agent = nixl.nixl_agent("raw-holder", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     buf = mmap.mmap(-1, OBJECT, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     pool = np.frombuffer(buf, dtype=np.uint8)
     pool[:] = pattern()
-    base = pool.ctypes.data
-    agent.register_memory([(base, OBJECT, 0, "")], "DRAM")
-    mine = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base + i * LAYER, LAYER, 0) for i in range(LAYERS)], "DRAM")
-    consumer: dict[str, Any] = {}
+    agent.register_memory([(pool.ctypes.data, OBJECT, 0, "")], "DRAM")
 
     def setup(msg: dict[str, Any]) -> dict[str, Any]:
-        name = agent.add_remote_agent(msg["md"])
-        consumer["dlist"] = agent.prep_xfer_dlist(
-            name, [(msg["addr"] + i * LAYER, LAYER, 0) for i in range(LAYERS)], "DRAM")
-        return {"t": "md", "md": agent.get_agent_metadata(), "addr": base}
-
-    def push(msg: dict[str, Any]) -> dict[str, Any]:
-        for i in range(LAYERS):
-            handle = agent.make_prepped_xfer("WRITE", mine, [i], consumer["dlist"], [i], str(i).encode())
-            state = agent.transfer(handle)
-            give_up = time.perf_counter() + RAW_TIMEOUT_S
-            while state == "PROC" and time.perf_counter() < give_up:
-                state = agent.check_xfer_state(handle)
-            agent.release_xfer_handle(handle)
-            if state != "DONE":
-                return {"t": "done", "state": state}
-        return {"t": "done", "state": "DONE"}
+        agent.add_remote_agent(msg["md"])
+        return {"t": "md", "md": agent.get_agent_metadata(), "addr": pool.ctypes.data}
 
     # The target of a READ is progressed too (architecture §6), as a node with grants out is.
-    serve(endpoint, {"setup": setup, "push": push}, idle=agent.get_new_notifs)
+    serve(endpoint, {"setup": setup}, idle=agent.get_new_notifs)
 
 
 class RawPipeline:
@@ -162,8 +139,7 @@ class RawPipeline:
         self.dst = np.zeros(OBJECT, dtype=np.uint8)
         base = self.dst.ctypes.data
         agent.register_memory([(base, OBJECT, 0, "")], "DRAM")
-        self.peer = peer
-        found = peer.call({"t": "setup", "md": agent.get_agent_metadata(), "addr": base}, agent.get_new_notifs)
+        found = peer.call({"t": "setup", "md": agent.get_agent_metadata()}, agent.get_new_notifs)
         holder = agent.add_remote_agent(found["md"])
         addr = int(found["addr"])
         self.mine = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base + i * LAYER, LAYER, 0) for i in range(LAYERS)], "DRAM")
@@ -206,26 +182,6 @@ class RawPipeline:
         for i, handle in enumerate(handles):
             self.finish(handle)
             kernel(self.views[i], kwords)
-        return time.perf_counter() - t0
-
-    def progressive_pushed(self, kwords: int) -> float:
-        """A ZeroMQ trigger, then the holder WRITEs layer by layer; the engine computes on
-        layer i once its notification arrived (the shape of a node-driven deliver)."""
-        sock = self.peer.sock
-        t0 = time.perf_counter()
-        sock.send(msgpack.packb({"t": "push"}))
-        give_up = t0 + RAW_TIMEOUT_S
-        landed = 0
-        for i in range(LAYERS):
-            while landed <= i:
-                for payloads in self.agent.get_new_notifs().values():
-                    landed += len(payloads)  # in order: one holder, one WRITE after the other
-                if time.perf_counter() > give_up:
-                    raise TimeoutError(f"raw layer {i} was not written")
-            kernel(self.views[i], kwords)
-        reply = msgpack.unpackb(sock.recv())
-        if reply["state"] != "DONE":
-            raise RuntimeError(f"raw NIXL WRITE ended {reply['state']}")
         return time.perf_counter() - t0
 
     def progressive_thread(self, kwords: int) -> float:
@@ -308,7 +264,6 @@ def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None
     forms: dict[str, Callable[[], float]] = {
         "progressive": progressive, "whole": whole_then_compute,
         "raw_thread": lambda: raw.progressive_thread(kwords), "raw_posted": lambda: raw.progressive_posted(kwords),
-        "raw_pushed": lambda: raw.progressive_pushed(kwords),
         "raw_whole": lambda: raw.whole_then_compute(kwords),
     }
     expected = pattern()
