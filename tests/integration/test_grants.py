@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -232,8 +233,9 @@ def test_another_sessions_lease_gives_no_grant(node: NodeProcess, client: Client
         assert res[k].ok and np.array_equal(dst, src)
         assert posted(client) == before + 1 and len(other._grants) == 0
         # Confirming a read under another session's lease id is refused: such a read would fail.
-        forged = other._grants._confirm(lease, time.monotonic())
-        assert forged == ErrorCode.LEASE_LOST
+        forged: Future[int] = Future()
+        other._grants.confirm(lease, time.monotonic(), forged.set_result)
+        assert other.core.wait(forged, 6.0) == ErrorCode.LEASE_LOST
         with pytest.raises(NodeError) as info:
             other.core.wait(other.core.request(lambda i: RenewLease(i, lease.id, 0), lambda m: m, 5.0)[1], 6.0)
         assert info.value.code is ErrorCode.UNKNOWN_LEASE
