@@ -181,10 +181,11 @@ class ClientCore:
 
     # ------------------------------------------------------------------ caller side
 
-    def call(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Run ``fn`` holding the I/O lock (it may use the socket and the agent)."""
+    def call(self, fn: Callable[[], Any], closed: bool = False) -> Future[Any]:
+        """Run ``fn`` holding the I/O lock (it may use the socket and the agent); ``closed``:
+        even once the client is closed (to let go of what a caller still holds in the agent)."""
         future: Future[Any] = Future()
-        if self._closed:
+        if self._closed and not closed:
             future.set_exception(ClientClosed("the client is closed"))
             return future
         with self._io:

@@ -202,7 +202,8 @@ class Grants:
         core.call(job.post).result()
         if self.hook is not None:
             self.hook("posted")
-        core.call(lambda: core.reads.add(job)).result()
+        if core.call(lambda: core.reads.add(job)).exception() is not None:
+            core.call(job.close, closed=True)  # closed meanwhile: group 0 is let go of here
         core.pace()
 
     def _plan(

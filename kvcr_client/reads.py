@@ -21,14 +21,12 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvcr_client.errors import ClientClosed
+from kvcr_client.leases import LeaseHandle
 from kvcr_io.agent import Agent, Desc, TransferError, XferStatus
 from kvcr_protocol import DeliverItem, ErrorCode, KeyResult, KeyStatus, MemoryKind
-
-if TYPE_CHECKING:
-    from kvcr_client.grants import GrantedKey, Grants
 
 CLOSE_DRAIN_S = 5.0
 """How long ``close`` waits for READs still running before it lets go of them."""
@@ -38,6 +36,26 @@ Post = tuple[int, MemoryKind, list[Desc], MemoryKind, list[Desc], list[int]]
 """One READ to post: its group, local kind and descriptors, remote kind and descriptors, the items it carries."""
 Finished = Callable[[list[KeyResult] | BaseException, list[int]], None]
 """The deliver's outcome (lock held): per item its result and groups delivered in a row, or the error."""
+
+
+class Granted(Protocol):
+    """A key's grant (``GrantedKey``): the lease it is read under."""
+
+    @property
+    def lease(self) -> LeaseHandle: ...
+
+
+class Validity(Protocol):
+    """What a ``GrantRead`` asks of the grants (``Grants``, above the core: named by a
+    protocol, so this part of the core never imports it): the lease checks and the test hook."""
+
+    hook: Callable[[str], Any] | None
+    refused: int
+
+    def check(
+        self, items: Sequence[DeliverItem], granted: Sequence[Any], members: list[int], now: float,
+    ) -> dict[int, int | None]: ...
+    def confirm(self, lease: LeaseHandle, now: float, then: Callable[[int], None]) -> None: ...
 
 
 class Phase(enum.Enum):
@@ -61,7 +79,7 @@ class GrantRead:
     """One deliver's READs under grants: posted group by group, polled, checked, resolved."""
 
     def __init__(
-        self, grants: Grants, agent: Agent, remote: str, items: Sequence[DeliverItem], granted: Sequence[GrantedKey],
+        self, grants: Validity, agent: Agent, remote: str, items: Sequence[DeliverItem], granted: Sequence[Granted],
         counts: list[int], posts: list[Post], codes: list[int], deadline: float,
         landed: Callable[[list[int], int], None] | None, finished: Finished, quiet: Callable[[], None],
     ) -> None:
