@@ -221,11 +221,14 @@ class Waiters:
     def _drive_nested(self, future: Future[Any], end: float | None) -> Any:
         """Wait from a callback that runs inside this thread's read (lock held): read on, nested."""
         core = self.core
+        pacer = Pacer()
         while not future.done():
             now = time.monotonic()
             if end is not None and now >= end:
                 raise FutureTimeout()
             wait_s = _IDLE_S if end is None else min(_IDLE_S, end - now)
+            if core._busy():  # the agent needs pacing (READs under grants among them)
+                wait_s = min(wait_s, 0.0 if core.reads.posting else pacer.next())
             core._turn(core._select(core._watch, wait_s, core._wakeup))
         return future.result(0)
 
