@@ -360,9 +360,9 @@ class ClientCore:
             settle(pending)
 
     def _busy(self) -> bool:
-        """Whether requests that may touch client memory are pending, or READs under grants
-        run: whoever reads paces the agent (safe without the lock)."""
-        return self.session.touching > 0 or len(self.reads) > 0
+        """Whether requests that may touch client memory are pending, or a deliver under
+        grants is unresolved: whoever reads paces the agent (safe without the lock)."""
+        return self.session.touching > 0 or self.reads.live
 
     def pace(self) -> None:
         """READs under grants were handed to the turns: wake whoever reads to pace from now
@@ -441,7 +441,7 @@ class ClientCore:
         """The next time (monotonic) a deadline or the heartbeat needs a turn."""
         session = self.session
         due = session.next_due()
-        if session.timed_out or session.lingering:
+        if session.timed_out or session.lingering or self.reads:
             due = min(due, time.monotonic() + _LATE_PROGRESS_S)  # their transfers need our agent's progress
         return due
 

@@ -279,6 +279,12 @@ class Reads:
     def posting(self) -> bool:
         return any(job.posting for job in self.running)
 
+    @property
+    def live(self) -> bool:
+        """Whether a deliver is unresolved (its READs are paced); READs left running past a
+        deadline are only looked at at the late interval."""
+        return any(job.phase is not Phase.OVER for job in self.running)
+
     def add(self, job: GrantRead) -> None:
         """Take ``job`` (group 0 already posted): look at it once now, without posting more."""
         if not job.step(time.monotonic(), post=False):
