@@ -202,8 +202,10 @@ class Grants:
         core.call(job.post).result()
         if self.hook is not None:
             self.hook("posted")
-        if core.call(lambda: core.reads.add(job)).exception() is not None:
-            core.call(job.close, closed=True)  # closed meanwhile: group 0 is let go of here
+        error = core.call(lambda: core.reads.add(job)).exception()
+        if error is not None:  # closed meanwhile: group 0's READ is let go of here
+            core.call(job.close, closed=True)
+            raise error
         core.pace()
 
     def _plan(
