@@ -64,6 +64,7 @@ import zmq
 from kvcr_client.actions import Actions
 from kvcr_client.errors import ClientClosed, NodeError, NodeLostError
 from kvcr_client.loops import MONITOR_READY, SOCKET_READY, LoopReaders
+from kvcr_client.reads import Reads
 from kvcr_client.requests import Request, settle
 from kvcr_client.session import ClientSession
 from kvcr_client.transport import Link, Transport
@@ -155,6 +156,8 @@ class ClientCore:
         """Takes the node's ``lease_end`` events (lock held)."""
         self._apply = Actions(self)
         """Carries out the session's events (lock held)."""
+        self.reads = Reads()
+        """Delivers under read grants whose READs the turns post and poll (lock held)."""
         self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
         self._thread.start()
 
@@ -178,10 +181,11 @@ class ClientCore:
 
     # ------------------------------------------------------------------ caller side
 
-    def call(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Run ``fn`` holding the I/O lock (it may use the socket and the agent)."""
+    def call(self, fn: Callable[[], Any], closed: bool = False) -> Future[Any]:
+        """Run ``fn`` holding the I/O lock (it may use the socket and the agent); ``closed``:
+        even once the client is closed (to let go of what a caller still holds in the agent)."""
         future: Future[Any] = Future()
-        if self._closed:
+        if self._closed and not closed:
             future.set_exception(ClientClosed("the client is closed"))
             return future
         with self._io:
@@ -280,6 +284,7 @@ class ClientCore:
         self.waiters.resume.set()
         self._thread.join(timeout)
         with self._io:
+            self.reads.close()  # no READ left running into our memory
             self._apply(self.session.close())
             self._close_socket()
             self.loops.release_all()
@@ -355,13 +360,21 @@ class ClientCore:
             settle(pending)
 
     def _busy(self) -> bool:
-        """Whether requests that may touch client memory are pending (safe without the lock)."""
-        return self.session.touching > 0
+        """Whether requests that may touch client memory are pending, or a deliver under
+        grants is unresolved: whoever reads paces the agent (safe without the lock)."""
+        return self.session.touching > 0 or self.reads.live
+
+    def pace(self) -> None:
+        """READs under grants were handed to the turns: wake whoever reads to pace from now
+        (a parked background thread too, when no caller waits)."""
+        self.waiters.pacing_starts()
+        self.waiters.resume.set()
 
     def tables(self) -> dict[str, int]:
         """Sizes of the core's tables: requests pending, timed out awaiting the node, event loops reading."""
         session = self.session
-        return {"pending": len(session.pending), "timed_out": len(session.timed_out), "loops": len(self.loops)}
+        return {"pending": len(session.pending), "timed_out": len(session.timed_out), "loops": len(self.loops),
+                "reads": len(self.reads)}
 
     def timed_out_ids(self) -> frozenset[int]:
         """Ids of memory-touching requests the client stopped waiting for and the node has not answered."""
@@ -396,6 +409,8 @@ class ClientCore:
         now = time.monotonic()
         if now >= session.nearest or now >= session.next_heartbeat:
             self._apply(session.timeouts(now))
+        if self.reads:
+            self.reads.step(now)  # post the next group of each, poll the rest (architecture §4)
 
     def _drain_notifications(self) -> None:
         """Lock held: progress the agent and read each kvcr notification that arrived."""
@@ -426,7 +441,7 @@ class ClientCore:
         """The next time (monotonic) a deadline or the heartbeat needs a turn."""
         session = self.session
         due = session.next_due()
-        if session.timed_out or session.lingering:
+        if session.timed_out or session.lingering or self.reads:
             due = min(due, time.monotonic() + _LATE_PROGRESS_S)  # their transfers need our agent's progress
         return due
 

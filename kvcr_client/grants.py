@@ -5,7 +5,9 @@ every span it holds, and once per session with its agent and pool registrations,
 ``Grants`` loads into the client's own agent. A ``deliver`` whose keys are all granted
 then posts NIXL READs from the node's pools into the client's registered memory, one
 transfer per group of its plan (and per pair of memory kinds), and learns completion from
-its own agent: no control message. ``Grants`` owns the granted slots and the node's agent.
+its own agent: no control message. ``Grants`` owns the granted slots and the node's agent,
+and plans the descriptors; ``kvcr_client.reads`` runs the READs group by group in the
+core's turns.
 
 A read is valid only if its lease held for the whole read (a slot of an ended lease may
 hold another object's bytes). ``Grants`` checks, once the READs completed, that the lease
@@ -20,22 +22,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from kvcr_client.core import ClientCore
-from kvcr_client.errors import ClientClosed, NodeError, NodeLostError, OperationTimeout
 from kvcr_client.leases import LeaseHandle
+from kvcr_client.reads import Finished, GrantRead
 from kvcr_client.regions import RegionHandle
-from kvcr_io.agent import Desc, TransferError, XferStatus
-from kvcr_io.pacing import Pacer
+from kvcr_io.agent import Desc
 from kvcr_protocol import (
     DEFAULT_LIMITS,
     DeliverItem,
     ErrorCode,
     GrantNode,
-    KeyResult,
-    KeyStatus,
     LeaseGrant,
     LeaseReply,
     MemoryKind,
@@ -58,9 +58,11 @@ DEFAULT_READ_S = 30.0
 PRUNE_SLACK = 1024
 """Granted keys of ended leases tolerated in the table before it is swept."""
 
-Hook = Callable[[str], None]
-"""Called with ``"posting"`` before a deliver's READs are posted and ``"posted"`` after:
-tests freeze a reader there. Not a setting of the product."""
+Hook = Callable[[str], Any]
+"""Called in the caller's thread with ``"posting"`` before a deliver's group 0 is posted and
+``"posted"`` after (tests freeze a reader there), and in the core's turn, lock held, with
+``"posting g"`` before group ``g`` > 0 is posted: returning False defers that post to a
+later turn (tests hold a group back). Not a setting of the product."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +94,6 @@ class NodeAgent:
     pools: tuple[NodePool, ...]
     grace_s: float
     welcome: Welcome
-
-
-@dataclass(eq=False)
-class _Read:
-    """One posted transfer: the group it belongs to, and its NIXL request."""
-
-    group: int
-    handle: Any
-    state: XferStatus
 
 
 class Grants:
@@ -182,14 +175,16 @@ class Grants:
 
     def deliver(
         self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], groups: Sequence[tuple[int, ...]] | None,
-        regions: Mapping[int, RegionHandle], deadline_ms: int, on_group: Callable[[list[int], int], None] | None = None,
-    ) -> tuple[list[KeyResult], list[int], bool]:
-        """READ ``items`` under their grants; per item its result and groups delivered in a
-        row, and whether every READ ended (False: one may still write the destination, whose
-        regions must stay in use).
+        regions: Mapping[int, RegionHandle], deadline_ms: int, landed: Callable[[list[int], int], None] | None,
+        finished: Finished, quiet: Callable[[], None],
+    ) -> None:
+        """READ ``items`` under their grants: post group 0 here, then leave the rest to the
+        core's turns (``GrantRead``), and return at once.
 
-        ``on_group(items, g)`` reports group ``g`` landed (and checked) for those items before
-        the whole deliver ends.
+        ``landed(items, g)`` reports group ``g`` landed (and checked) for those items before
+        the whole deliver ends; ``finished`` gives per item its result and groups delivered
+        in a row (or the error); ``quiet`` says no READ runs any more (the destination's
+        regions may go). All three run with the I/O lock held.
         """
         node = self.node
         assert node is not None
@@ -197,54 +192,21 @@ class Grants:
         n = len(items)
         codes: list[int] = [0] * n
         counts = [1 + max(g, default=0) for g in groups] if groups is not None else [1] * n
-        plans = self._plan(items, granted, groups, regions, codes)
+        posts = [(g, lk, local, rk, remote, owners) for (g, lk, rk), (local, remote, owners)
+                 in self._plan(items, granted, groups, regions, codes).items()]
         deadline = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_READ_S)
+        core = self.core
+        job = GrantRead(self, core.agent, node.name, items, granted, counts, posts, codes, deadline, landed, finished, quiet)
         if self.hook is not None:
             self.hook("posting")
-        reads = self._post(node.name, plans, codes, items)
+        core.call(job.post).result()
         if self.hook is not None:
             self.hook("posted")
-        done = [0] * n
-        group_count = max(counts, default=0)
-        for g in range(group_count):
-            ok = self._wait(reads, g, deadline)
-            members = [k for k in range(n) if not codes[k] and counts[k] > g]
-            if not ok:
-                for k in members:
-                    codes[k] = ErrorCode.TRANSFER_FAILED if ok is False else ErrorCode.DESTINATION_UNCERTAIN
-                continue
-            verdicts = self._check(items, granted, members, time.monotonic(), confirm=False)
-            landed = []
-            for k in members:
-                verdict = verdicts[k]
-                if verdict is None:
-                    continue  # only a confirmation can tell: the check after the last group
-                if verdict:
-                    codes[k] = verdict
-                    self.refused += 1
-                elif done[k] == g:
-                    done[k] = g + 1
-                    landed.append(k)
-            if landed and on_group is not None and g < group_count - 1:
-                on_group(landed, g)
-        self._release(reads)
-        # Keys whose READs all landed but whose lease the clock alone could not vouch for:
-        # confirm (a renew), once per lease, after the last READ.
-        unsure = [k for k in range(n) if not codes[k] and done[k] < counts[k]]
-        if unsure:
-            verdicts = self._check(items, granted, unsure, time.monotonic(), confirm=True)
-            for k in unsure:
-                if verdicts[k]:
-                    codes[k] = int(verdicts[k] or ErrorCode.LEASE_LOST)
-                    self.refused += 1
-                else:
-                    done[k] = counts[k]
-        results = [
-            KeyResult(KeyStatus.OK) if not code and done[k] == counts[k] else KeyResult(
-                KeyStatus.FAILED, int(code or ErrorCode.LEASE_LOST), _REASONS.get(int(code), "the read under the grant failed"))
-            for k, code in enumerate(codes)
-        ]
-        return results, done, all(r.state is not XferStatus.RUNNING for r in reads)
+        error = core.call(lambda: core.reads.add(job)).exception()
+        if error is not None:  # closed meanwhile: group 0's READ is let go of here
+            core.call(job.close, closed=True)
+            raise error
+        core.pace()
 
     def _plan(
         self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], groups: Sequence[tuple[int, ...]] | None,
@@ -298,67 +260,13 @@ class Grants:
                 remote.append((r0, size, r_dev))
         return plans
 
-    def _post(
-        self, agent: str, plans: Mapping[tuple[int, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]],
-        codes: list[int], items: Sequence[DeliverItem],
-    ) -> list[_Read]:
-        """Post one READ per group and pair of memory kinds, in group order; a READ NIXL
-        refuses fails the keys it carries."""
-        core = self.core
-        reads: list[_Read] = []
-
-        def post() -> None:
-            for (g, local_kind, remote_kind), (local, remote, owners) in sorted(plans.items(), key=lambda p: p[0][0]):
-                try:
-                    handle, state = core.agent.start_listed("READ", local_kind, local, remote_kind, remote, agent)
-                except TransferError:
-                    for k in set(owners):
-                        codes[k] = ErrorCode.TRANSFER_FAILED
-                    continue
-                reads.append(_Read(g, handle, state))
-
-        core.call(post).result()
-        return reads
-
-    def _wait(self, reads: list[_Read], group: int, deadline: float) -> bool | None:
-        """Wait for the READs of ``group``: True all done, False one failed, None the
-        deadline passed first (a READ may still land)."""
-        mine = [r for r in reads if r.group == group]
-        pacer = Pacer()
-        agent = self.core.agent
-        while True:
-            running = [r for r in mine if r.state is XferStatus.RUNNING]
-            if not running:
-                return all(r.state is XferStatus.DONE for r in mine)
-            if time.monotonic() >= deadline:
-                return None
-
-            def look(running: list[_Read] = running) -> None:
-                for r in running:
-                    r.state = agent.state(r.handle)
-
-            self.core.call(look).result()
-            delay = pacer.next()
-            if delay:
-                time.sleep(delay)
-
-    def _release(self, reads: list[_Read]) -> None:
-        agent = self.core.agent
-
-        def release() -> None:
-            for r in reads:
-                if r.state is not XferStatus.RUNNING:
-                    agent.release(r.handle)
-
-        self.core.call(release).result()
-
     # ------------------------------------------------------------------ validity
 
-    def _check(
-        self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], members: list[int], now: float, confirm: bool,
+    def check(
+        self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], members: list[int], now: float,
     ) -> dict[int, int | None]:
         """Per member: 0 when its lease held through ``now``, a code when it may not have,
-        None when only a confirmation could tell and ``confirm`` is off. One check per lease."""
+        None when only a confirmation (``confirm``) could tell. One check per lease."""
         by_lease: dict[int, int | None] = {}
         out: dict[int, int | None] = {}
         for k in members:
@@ -366,13 +274,13 @@ class Grants:
             if id(lease) in by_lease:
                 verdict = by_lease[id(lease)]
             else:
-                verdict = by_lease[id(lease)] = self._held(lease, now, confirm)
+                verdict = by_lease[id(lease)] = self._held(lease, now)
             out[k] = ErrorCode.LEASE_LOST if verdict == 0 and items[k].key in lease.lost else verdict
         return out
 
-    def _held(self, lease: LeaseHandle, now: float, confirm: bool) -> int | None:
+    def _held(self, lease: LeaseHandle, now: float) -> int | None:
         """Whether ``lease`` held through ``now`` (spec section 6.12): 0, or the code its keys
-        fail with; None when only a ``renew`` could tell and ``confirm`` is off."""
+        fail with; None when only a ``renew`` could tell."""
         ended = lease.ended
         if ended is not None:
             return ErrorCode.LEASE_EXPIRED if ended == ErrorCode.LEASE_EXPIRED else ErrorCode.LEASE_LOST
@@ -383,12 +291,13 @@ class Grants:
         span = min(ttl_s, grace)
         if now < asked + span - (MARGIN_S + span * MARGIN_FRACTION):
             return 0
-        if not confirm:
-            return None
-        return self._confirm(lease, now)
+        return None
 
-    def _confirm(self, lease: LeaseHandle, now: float) -> int:
-        """Ask the node whether ``lease`` held without a break (a ``renew``, spec section 6.12)."""
+
+    def confirm(self, lease: LeaseHandle, now: float, then: Callable[[int], None]) -> None:
+        """Ask the node whether ``lease`` held without a break (a ``renew``, spec section 6.12);
+        ``then`` gets 0 or the code its keys fail with once the reply (or its failure) is in,
+        lock held. Nothing waits here: whoever takes the core's turns reads the reply."""
         self.confirmed += 1
         expired_by = lease.expires_at
         asked_at = time.monotonic()
@@ -400,21 +309,12 @@ class Grants:
                 lease.renewed(msg.ttl_ms, asked_at)
             return msg.held
 
-        try:
-            _, future = self.core.request(lambda i: RenewLease(i, lease.id, 0), convert, CONFIRM_TIMEOUT_S)
-            held = bool(self.core.wait(future, CONFIRM_TIMEOUT_S + 1))
-        except (NodeError, NodeLostError, OperationTimeout, ClientClosed, TimeoutError, ValueError):
-            held = False
-        if held and lease.ended is None:
-            return 0
-        return ErrorCode.LEASE_EXPIRED if now >= expired_by else ErrorCode.LEASE_LOST
+        def replied(future: Future[Any]) -> None:
+            held = future.exception() is None and bool(future.result())
+            if held and lease.ended is None:
+                then(0)
+            else:
+                then(ErrorCode.LEASE_EXPIRED if now >= expired_by else ErrorCode.LEASE_LOST)
 
-
-_REASONS: dict[int, str] = {
-    ErrorCode.LEASE_EXPIRED: "the lease may have expired during the read: its bytes are not the key's",
-    ErrorCode.LEASE_LOST: "the lease may have ended during the read: its bytes are not the key's",
-    ErrorCode.LAYOUT_SUBSET_INVALID: "the span names are neither the stored layout nor a valid ordered subset",
-    ErrorCode.SIZE_MISMATCH: "a span length differs from the slot size of its pool",
-    ErrorCode.TRANSFER_FAILED: "NIXL failed the READ",
-    ErrorCode.DESTINATION_UNCERTAIN: "the READ did not complete in time; it may still write the destination",
-}
+        _, future = self.core.request(lambda i: RenewLease(i, lease.id, 0), convert, CONFIRM_TIMEOUT_S)
+        future.add_done_callback(replied)

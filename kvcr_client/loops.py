@@ -37,6 +37,7 @@ class Owner(Protocol):
     _bg_wakeup: WakePipe
 
     def _turn(self, ready: int = 0) -> None: ...
+    def _busy(self) -> bool: ...
 
 
 class LoopReader:
@@ -123,7 +124,7 @@ class LoopReaders:
             with waiters.lock:
                 waiters.loop_waiting += 1
                 waiters.orphaned = False
-            if core.session.touching:
+            if core._busy():
                 waiters.resume.set()  # the loop cannot pace the agent: the background thread does
             elif waiters.selecting:
                 core._bg_wakeup.wake()  # move the background thread off the socket: the loop reads

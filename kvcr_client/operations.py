@@ -44,6 +44,7 @@ from kvcr_protocol import (
     ErrorCode,
     Fetch,
     FetchItem,
+    KeyResult,
     LayoutSpan,
     Lease,
     LeaseEnded,
@@ -311,41 +312,46 @@ class Operations:
         self, items: tuple[DeliverItem, ...], keys: list[bytes], granted: list[GrantedKey],
         groups: list[tuple[int, ...]] | None, deadline_ms: int, regions: set[RegionHandle],
     ) -> OpHandle[Results[KeyOutcome]] | DeliverHandle:
-        """A deliver served by READs under grants (``Grants.deliver``); its handle is resolved
-        when it returns, its groups reported as they land and pass the lease check."""
+        """A deliver served by READs under grants (``Grants.deliver``): its handle returns once
+        group 0 is posted; the core's turns post the rest, report each group as it lands and
+        passes the lease check, and resolve the handle after the last."""
         op_id = self.core.next_id()
         fut: Future[Results[KeyOutcome]] = Future()
         handle: OpHandle[Results[KeyOutcome]] | DeliverHandle
-        on_group = None
         if groups is None:
             handle = self._handle(op_id, "deliver", fut)
         else:
             planned = DeliverHandle(op_id, fut, keys, [max(g, default=0) + 1 for g in groups], 0, None, self.core.wait,
                                     self.core.poll)
             planned.on_group = self._queue_completed
+            fut.add_done_callback(lambda f: _end_groups(planned, f))
             fut.add_done_callback(lambda _: self._queue_completed(planned))
             handle = planned
 
-            def on_group(members: list[int], group: int) -> None:
-                event = Progress(op_id, pack(members, U32), pack([group + 1] * len(members), U32))
-                self.core.call(lambda: planned.observe(event)).result()
+        def landed(members: list[int], group: int) -> None:  # lock held
+            if isinstance(handle, DeliverHandle):
+                handle.observe(Progress(op_id, pack(members, U32), pack([group + 1] * len(members), U32)))
+
+        def finished(results: list[KeyResult] | BaseException, done: list[int]) -> None:  # lock held
+            if isinstance(results, BaseException):
+                fut.set_exception(results)
+                return
+            if isinstance(handle, DeliverHandle):
+                handle.apply(handle.progress.on_reply(Completion(op_id, tuple(results), pack(done, U32))))
+            fut.set_result(Results([
+                (k, KeyOutcome(r.status, code_of(r.code), r.reason, None)) for k, r in zip(keys, results, strict=True)
+            ]))
 
         table = self._regions
         table.hold(op_id, "deliver", regions)
         try:
-            results, done, ended = self._grants.deliver(items, granted, groups, table.by_id, deadline_ms, on_group)
+            self._grants.deliver(items, granted, groups, table.by_id, deadline_ms, landed, finished,
+                                 lambda: table.settle(op_id, regions))
         except BaseException as exc:
             table.settle(op_id, regions)
-            fut.set_exception(exc)
+            if not fut.done():
+                fut.set_exception(exc)
             raise
-        if ended:  # else a READ past its deadline may still land: its regions stay in use
-            table.settle(op_id, regions)
-        if isinstance(handle, DeliverHandle):
-            reply = Completion(op_id, tuple(results), pack(done, U32))
-            self.core.call(lambda: handle.apply(handle.progress.on_reply(reply))).result()
-        fut.set_result(Results([
-            (k, KeyOutcome(r.status, code_of(r.code), r.reason, None)) for k, r in zip(keys, results, strict=True)
-        ]))
         return handle
 
     def fetch(

@@ -56,6 +56,9 @@ class Owner(Protocol):
     def _due(self) -> float: ...
     def _idle_timeout(self) -> float | None: ...
     def _wake(self) -> None: ...
+    def _busy(self) -> bool: ...
+    @property
+    def reads(self) -> Any: ...
 
 
 class Follower:
@@ -197,9 +200,9 @@ class Waiters:
             if end is not None and now >= end:
                 raise FutureTimeout()
             wait_s: float | None
-            if session.touching:
+            if core._busy():
                 pacer = pacer or Pacer()
-                wait_s = pacer.next()
+                wait_s = 0.0 if core.reads.posting else pacer.next()
             else:
                 if pacer is not None:
                     pacer.reset()
@@ -218,11 +221,14 @@ class Waiters:
     def _drive_nested(self, future: Future[Any], end: float | None) -> Any:
         """Wait from a callback that runs inside this thread's read (lock held): read on, nested."""
         core = self.core
+        pacer = Pacer()
         while not future.done():
             now = time.monotonic()
             if end is not None and now >= end:
                 raise FutureTimeout()
             wait_s = _IDLE_S if end is None else min(_IDLE_S, end - now)
+            if core._busy():  # the agent needs pacing (READs under grants among them)
+                wait_s = min(wait_s, 0.0 if core.reads.posting else pacer.next())
             core._turn(core._select(core._watch, wait_s, core._wakeup))
         return future.result(0)
 
@@ -241,7 +247,7 @@ class Waiters:
         while not core._closed:
             self.resume.clear()
             now = time.monotonic()
-            busy = session.touching > 0
+            busy = core._busy()
             with self.lock:
                 if not session.pending:
                     self.orphaned = False
@@ -265,7 +271,7 @@ class Waiters:
             park = _PARK_S
             wait_s: float | None
             if busy:
-                wait_s = pacer.next()
+                wait_s = 0.0 if core.reads.posting else pacer.next()
             else:
                 pacer.reset()
                 wait_s = core._idle_timeout()

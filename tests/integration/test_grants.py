@@ -12,13 +12,25 @@ with a ``renew``. Another session's lease gives nothing, and huge leases stay in
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
 
-from kvcr_client import AsyncClient, Client, ErrorCode, KeyStatus, LeaseStatus, NodeError, Span
+from kvcr_client import (
+    AsyncClient,
+    Client,
+    ClientClosed,
+    ErrorCode,
+    GroupState,
+    KeyStatus,
+    LeaseStatus,
+    NodeError,
+    Span,
+)
 from kvcr_client.grants import MARGIN_FRACTION, MARGIN_S, PRUNE_SLACK
 from kvcr_protocol import DEFAULT_LIMITS, RenewLease
 from kvcr_testing.health import assert_clean, stats, wait_until
@@ -232,8 +244,9 @@ def test_another_sessions_lease_gives_no_grant(node: NodeProcess, client: Client
         assert res[k].ok and np.array_equal(dst, src)
         assert posted(client) == before + 1 and len(other._grants) == 0
         # Confirming a read under another session's lease id is refused: such a read would fail.
-        forged = other._grants._confirm(lease, time.monotonic())
-        assert forged == ErrorCode.LEASE_LOST
+        forged: Future[int] = Future()
+        other._grants.confirm(lease, time.monotonic(), forged.set_result)
+        assert other.core.wait(forged, 6.0) == ErrorCode.LEASE_LOST
         with pytest.raises(NodeError) as info:
             other.core.wait(other.core.request(lambda i: RenewLease(i, lease.id, 0), lambda m: m, 5.0)[1], 6.0)
         assert info.value.code is ErrorCode.UNKNOWN_LEASE
@@ -291,3 +304,138 @@ def test_without_grants_leased_keys_travel_by_the_node(how: str) -> None:
         assert c._grants.reads == 0 and stats(c)["transfers"]["posted"] == 2
         lease.release().result(RESULT_TIMEOUT_S)
         assert_clean(c)
+
+
+def hold_back(group: int, until: Callable[[], bool], stages: list[str]) -> Callable[[str], bool | None]:
+    """A hook that records every stage and defers the post of ``group`` while ``until()`` is false."""
+
+    def hook(stage: str) -> bool | None:
+        stages.append(stage)
+        return False if stage == f"posting {group}" and not until() else None
+
+    return hook
+
+
+def test_group_0_is_usable_before_the_last_group_is_posted(client: Client, register: Registrar, key: Callable[[str], bytes],
+                                                           hook: Callable[[Callable[[str], None]], None]) -> None:
+    k = key("obj")
+    src = put(client, register, k, seed=11)
+    lease = client.lease([k]).result(RESULT_TIMEOUT_S)
+    dst = np.zeros(LAYERS * SLOT, np.uint8)
+    region = register(dst)
+    seen = threading.Event()
+    stages: list[str] = []
+    hook(hold_back(LAYERS - 1, seen.is_set, stages))
+    plan = [[f"L{i}"] for i in range(LAYERS)]
+    handle = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)]}, plan=plan)
+    handle.wait(0, RESULT_TIMEOUT_S)
+    # Group 0 is delivered and its bytes usable while the last group is not even posted.
+    assert np.array_equal(dst[:SLOT], src[:SLOT])
+    assert handle.state(LAYERS - 1) is GroupState.PENDING and not handle.done()
+    assert f"posted {LAYERS - 1}" not in stages and not dst[(LAYERS - 1) * SLOT:].any()
+    seen.set()
+    res = handle.result(RESULT_TIMEOUT_S)
+    assert res[k].ok and np.array_equal(dst, src)
+    assert all(handle.state(g) is GroupState.DELIVERED for g in range(LAYERS))
+    # Group 0 in the caller's thread, the others one per turn, in group order.
+    posts = [s for s in stages if s.startswith("posting ")]
+    assert stages[:2] == ["posting", "posted"]
+    assert [int(s.split()[1]) for s in dict.fromkeys(posts)] == list(range(1, LAYERS))
+    assert wait_until(lambda: client.tables()["reads"] == 0, RESULT_TIMEOUT_S)
+    lease.release().result(RESULT_TIMEOUT_S)
+
+
+def test_an_async_deliver_under_grants_leaves_the_loop_running(node: NodeProcess, key: Callable[[str], bytes]) -> None:
+    k = key("obj")
+    ticks = 0
+    TICKS = 50
+
+    async def other() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async def run() -> None:
+        async with await AsyncClient.connect(node.endpoint, name="itest-grants-loop") as c:
+            src = pattern(LAYERS * SLOT, 12)
+            dst = np.zeros(LAYERS * SLOT, np.uint8)
+            rs, rd = await c.register(src), await c.register(dst)
+            assert (await c.deposit({k: [Span(f"L{i}", rs, i * SLOT, SLOT, "kv") for i in range(LAYERS)]})).all_ok
+            lease = await c.lease([k])
+            stages: list[str] = []
+            released: list[int] = []
+
+            def until() -> bool:
+                # The last group is posted only once the loop ran the other task TICKS more
+                # times: a deliver that blocked the loop would hold it back for good.
+                if ticks - start >= TICKS:
+                    released.append(ticks - start)
+                    return True
+                return False
+
+            c._grants.hook = hold_back(LAYERS - 1, until, stages)
+            task = asyncio.create_task(other())
+            await asyncio.sleep(0)
+            start = ticks
+            handle = c.deliver({k: [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(LAYERS)]},
+                               plan=[[f"L{i}"] for i in range(LAYERS)])
+            await handle.group(0)
+            res = await asyncio.wait_for(handle, RESULT_TIMEOUT_S)
+            task.cancel()
+            assert res[k].ok and np.array_equal(dst, src)
+            assert released and released[0] >= TICKS, "the loop did not run while the deliver was outstanding"
+            c._grants.hook = None
+            await lease.release()
+            await c.unregister(rs)
+            await c.unregister(rd)
+
+    asyncio.run(run())
+
+
+def test_a_deadline_passing_mid_deliver_fails_what_was_not_read(client: Client, register: Registrar, key: Callable[[str], bytes],
+                                                                hook: Callable[[Callable[[str], None]], None]) -> None:
+    k = key("obj")
+    src = put(client, register, k, seed=13)
+    lease = client.lease([k]).result(RESULT_TIMEOUT_S)
+    dst = np.zeros(LAYERS * SLOT, np.uint8)
+    region = register(dst)
+    hook(hold_back(LAYERS - 1, lambda: False, []))  # the last group is never posted
+    plan = [[f"L{i}"] for i in range(LAYERS)]
+    handle = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)]}, plan=plan, deadline_ms=200)
+    res = handle.result(RESULT_TIMEOUT_S)
+    assert res[k].status is KeyStatus.FAILED and res[k].code is ErrorCode.TIMEOUT, res
+    assert all(handle.state(g) is GroupState.DELIVERED for g in range(LAYERS - 1))
+    assert handle.state(LAYERS - 1) is GroupState.FAILED
+    assert np.array_equal(dst[:(LAYERS - 1) * SLOT], src[:(LAYERS - 1) * SLOT]) and not dst[(LAYERS - 1) * SLOT:].any()
+    assert wait_until(lambda: client.tables()["reads"] == 0, RESULT_TIMEOUT_S)
+    assert not region.users, "the destination is still in use"
+    lease.release().result(RESULT_TIMEOUT_S)
+
+
+def test_close_during_a_grant_deliver_leaves_no_read_running(node: NodeProcess, client: Client, key: Callable[[str], bytes]) -> None:
+    k = key("obj")
+    src = pattern(LAYERS * SLOT, 14)
+    dst = np.zeros(LAYERS * SLOT, np.uint8)
+    c = Client(node.endpoint, name="itest-grants-close")
+    baseline = c.tables()
+    try:
+        rs, rd = c.register(src), c.register(dst)
+        assert c.deposit({k: [Span(f"L{i}", rs, i * SLOT, SLOT, "kv") for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S).all_ok
+        lease = c.lease([k]).result(RESULT_TIMEOUT_S)
+        c._grants.hook = hold_back(LAYERS - 1, lambda: False, [])
+        handle = c.deliver({k: [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(LAYERS)]},
+                           plan=[[f"L{i}"] for i in range(LAYERS)])
+        handle.wait(LAYERS - 2, RESULT_TIMEOUT_S)
+        assert c.tables()["reads"] == 1 and rd.users
+    finally:
+        c.close()
+    with pytest.raises(ClientClosed):
+        handle.result(RESULT_TIMEOUT_S)
+    assert handle.state(LAYERS - 1) is GroupState.FAILED
+    assert c.core.reads.running == [] and not rd.users and not rs.users
+    # Every table is back where it was, but for the lease (the client's, not the deliver's).
+    after = c.tables()
+    assert after == {**baseline, "leases": 1, "granted_keys": 1}, (after, baseline, lease)
+    assert not dst[(LAYERS - 1) * SLOT:].any() and np.array_equal(dst[:SLOT], src[:SLOT])
+    assert wait_until(lambda: stats(client)["leases"]["held"] == 0, RESULT_TIMEOUT_S), "the node kept the closed session's lease"

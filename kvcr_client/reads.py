@@ -1,0 +1,312 @@
+"""A deliver's READs under grants, run by the client core's turns (spec section 6.12).
+
+``Grants.deliver`` posts group 0 in the caller's thread and hands the rest to a
+``GrantRead``: whoever takes the core's turns (a waiting caller, an event loop's
+background thread, ``poll``) posts the next group, one group per turn in group order, and
+polls the READs posted so far from the client's own agent, paced like memory-touching
+requests (architecture §4). So a caller computes on group 0 while later groups are
+copied: NIXL's post releases the GIL, and on transports that copy inside the post (CMA)
+one group is one layer's copy. Each group that landed and passed the lease check resolves
+on the handle; after the last, keys the clock cannot vouch for wait for a ``renew``'s
+reply, sent with ``core.request``, which finishes the deliver when it arrives: no turn
+ever blocks. The destination stays in use until every READ is terminal.
+
+``Reads`` is the core's table of them (I/O lock held throughout).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvcr_client.errors import ClientClosed
+from kvcr_client.leases import LeaseHandle
+from kvcr_io.agent import Agent, Desc, TransferError, XferStatus
+from kvcr_protocol import DeliverItem, ErrorCode, KeyResult, KeyStatus, MemoryKind
+
+CLOSE_DRAIN_S = 5.0
+"""How long ``close`` waits for READs still running before it lets go of them."""
+CLOSE_POLL_S = 0.001
+
+Post = tuple[int, MemoryKind, list[Desc], MemoryKind, list[Desc], list[int]]
+"""One READ to post: its group, local kind and descriptors, remote kind and descriptors, the items it carries."""
+Finished = Callable[[list[KeyResult] | BaseException, list[int]], None]
+"""The deliver's outcome (lock held): per item its result and groups delivered in a row, or the error."""
+
+
+class Granted(Protocol):
+    """A key's grant (``GrantedKey``): the lease it is read under."""
+
+    @property
+    def lease(self) -> LeaseHandle: ...
+
+
+class Validity(Protocol):
+    """What a ``GrantRead`` asks of the grants (``Grants``, above the core: named by a
+    protocol, so this part of the core never imports it): the lease checks and the test hook."""
+
+    hook: Callable[[str], Any] | None
+    refused: int
+
+    def check(
+        self, items: Sequence[DeliverItem], granted: Sequence[Any], members: list[int], now: float,
+    ) -> dict[int, int | None]: ...
+    def confirm(self, lease: LeaseHandle, now: float, then: Callable[[int], None]) -> None: ...
+
+
+class Phase(enum.Enum):
+    READING = "reading"
+    CONFIRMING = "confirming"
+    """Every group is over; ``renew`` replies are awaited for keys the clock cannot vouch for."""
+    OVER = "over"
+    """The handle is resolved; READs past the deadline may still run (the destination stays in use)."""
+
+
+@dataclass(eq=False)
+class _Read:
+    """One posted transfer: the group it belongs to, and its NIXL request."""
+
+    group: int
+    handle: Any
+    state: XferStatus
+
+
+class GrantRead:
+    """One deliver's READs under grants: posted group by group, polled, checked, resolved."""
+
+    def __init__(
+        self, grants: Validity, agent: Agent, remote: str, items: Sequence[DeliverItem], granted: Sequence[Granted],
+        counts: list[int], posts: list[Post], codes: list[int], deadline: float,
+        landed: Callable[[list[int], int], None] | None, finished: Finished, quiet: Callable[[], None],
+    ) -> None:
+        self.grants = grants
+        self.agent = agent
+        self.remote = remote
+        self.items = items
+        self.granted = granted
+        self.counts = counts
+        self.posts = sorted(posts, key=lambda p: p[0])
+        self.codes = codes
+        self.deadline = deadline
+        self.landed = landed
+        self.finished = finished
+        self.quiet = quiet
+        self.phase = Phase.READING
+        self.next = 0
+        """The next post (an index into ``posts``)."""
+        self.posted = 0
+        """Groups posted so far (every group below this number)."""
+        self.group = 0
+        """The next group to report."""
+        self.group_count = max(counts, default=0)
+        self.done = [0] * len(items)
+        self.reads: list[_Read] = []
+        self.expired = False
+        self.held = False
+        """The test hook deferred the next post (``Grants.hook``)."""
+        self._confirming = 0
+
+    @property
+    def posting(self) -> bool:
+        """Whether groups are left to post now: the next turn should come at once."""
+        return self.phase is Phase.READING and not self.expired and not self.held and self.next < len(self.posts)
+
+    def post(self) -> None:
+        """Post every READ of the next group (one per pair of memory kinds); a READ NIXL
+        refuses fails the keys it carries."""
+        if self.next >= len(self.posts):
+            self.posted = self.group_count
+            return
+        group = self.posts[self.next][0]
+        while self.next < len(self.posts) and self.posts[self.next][0] == group:
+            g, local_kind, local, remote_kind, remote, owners = self.posts[self.next]
+            self.next += 1
+            try:
+                handle, state = self.agent.start_listed("READ", local_kind, local, remote_kind, remote, self.remote)
+            except TransferError:
+                for k in set(owners):
+                    self.codes[k] = ErrorCode.TRANSFER_FAILED
+                continue
+            self.reads.append(_Read(g, handle, state))
+        self.posted = group + 1 if self.next < len(self.posts) else self.group_count
+
+    def step(self, now: float, post: bool = True) -> bool:
+        """One turn (lock held): post the next group, poll the READs, report the groups that
+        ended; True once the deliver is over and no READ runs (the table drops it)."""
+        if self.phase is Phase.READING:
+            if now >= self.deadline:
+                self.expired = True
+            elif post and self.next < len(self.posts):
+                hook = self.grants.hook
+                self.held = hook is not None and hook(f"posting {self.posts[self.next][0]}") is False
+                if not self.held:
+                    self.post()
+        running = False
+        for r in self.reads:
+            if r.state is XferStatus.RUNNING:
+                r.state = self.agent.state(r.handle)
+                running = running or r.state is XferStatus.RUNNING
+        if self.phase is Phase.READING:
+            while self.group < self.group_count and self._report(self.group, now):
+                self.group += 1
+            if self.group >= self.group_count:
+                self._confirm(now)
+        if self.phase is Phase.OVER and not running:
+            self._release()
+            return True
+        return False
+
+    def _report(self, g: int, now: float) -> bool:
+        """Report group ``g`` if it is over (landed, failed, or past the deadline)."""
+        mine = [r for r in self.reads if r.group == g]
+        over = self.posted > g and all(r.state is not XferStatus.RUNNING for r in mine)
+        if not over and not self.expired:
+            return False
+        codes, done = self.codes, self.done
+        members = [k for k in range(len(self.items)) if not codes[k] and self.counts[k] > g]
+        if not over:
+            # Past the deadline: a READ still running may write the destination; a group
+            # never posted writes nothing.
+            code = ErrorCode.DESTINATION_UNCERTAIN if self.posted > g else ErrorCode.TIMEOUT
+            for k in members:
+                codes[k] = code
+            return True
+        if not all(r.state is XferStatus.DONE for r in mine):
+            for k in members:
+                codes[k] = ErrorCode.TRANSFER_FAILED
+            return True
+        verdicts = self.grants.check(self.items, self.granted, members, now)
+        landed = []
+        for k in members:
+            verdict = verdicts[k]
+            if verdict is None:
+                continue  # only a confirmation can tell: the check after the last group
+            if verdict:
+                codes[k] = verdict
+                self.grants.refused += 1
+            elif done[k] == g:
+                done[k] = g + 1
+                landed.append(k)
+        if landed and self.landed is not None and g < self.group_count - 1:
+            self.landed(landed, g)
+        return True
+
+    def _confirm(self, now: float) -> None:
+        """Every group is over: keys whose READs all landed but whose lease the clock alone
+        could not vouch for are confirmed with one ``renew`` per lease; the last reply finishes."""
+        self.phase = Phase.CONFIRMING
+        unsure = [k for k in range(len(self.items)) if not self.codes[k] and self.done[k] < self.counts[k]]
+        verdicts = self.grants.check(self.items, self.granted, unsure, now)
+        leases: dict[int, list[int]] = {}
+        for k in unsure:
+            verdict = verdicts[k]
+            if verdict is None:
+                leases.setdefault(id(self.granted[k].lease), []).append(k)
+            else:
+                self._verdict([k], verdict)
+        self._confirming = len(leases)
+        if not leases:
+            self._finish()
+        for members in leases.values():
+            lease = self.granted[members[0]].lease
+            self.grants.confirm(lease, now, functools.partial(self._confirmed, members))
+
+    def _confirmed(self, members: list[int], code: int) -> None:
+        """A ``renew``'s reply (or its failure) for the lease of ``members`` (lock held)."""
+        if self.phase is not Phase.CONFIRMING:
+            return  # closed meanwhile
+        self._verdict(members, code)
+        self._confirming -= 1
+        if not self._confirming:
+            self._finish()
+
+    def _verdict(self, members: list[int], code: int) -> None:
+        for k in members:
+            if code == 0 and self.items[k].key in self.granted[k].lease.lost:
+                code = ErrorCode.LEASE_LOST
+            if code:
+                self.codes[k] = code
+                self.grants.refused += 1
+            else:
+                self.done[k] = self.counts[k]
+
+    def _finish(self) -> None:
+        self.phase = Phase.OVER
+        done = self.done
+        results = [
+            KeyResult(KeyStatus.OK) if not code and done[k] == self.counts[k] else KeyResult(
+                KeyStatus.FAILED, int(code or ErrorCode.LEASE_LOST), REASONS.get(int(code), "the read under the grant failed"))
+            for k, code in enumerate(self.codes)
+        ]
+        self.finished(results, done)
+
+    def _release(self) -> None:
+        for r in self.reads:
+            self.agent.release(r.handle)
+        self.reads.clear()
+        self.quiet()
+
+    def close(self) -> None:
+        """The client closes (lock held): nothing more is posted, READs still running are
+        waited for (bounded), then let go; an unresolved deliver fails ``ClientClosed``."""
+        resolved = self.phase is Phase.OVER
+        self.phase = Phase.OVER
+        end = time.monotonic() + CLOSE_DRAIN_S
+        while any(r.state is XferStatus.RUNNING for r in self.reads) and time.monotonic() < end:
+            time.sleep(CLOSE_POLL_S)
+            for r in self.reads:
+                if r.state is XferStatus.RUNNING:
+                    r.state = self.agent.state(r.handle)
+        self._release()
+        if not resolved:
+            self.finished(ClientClosed("the client is closed"), self.done)
+
+
+class Reads:
+    """The core's deliveries under grants in progress (I/O lock held)."""
+
+    def __init__(self) -> None:
+        self.running: list[GrantRead] = []
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    @property
+    def posting(self) -> bool:
+        return any(job.posting for job in self.running)
+
+    @property
+    def live(self) -> bool:
+        """Whether a deliver is unresolved (its READs are paced); READs left running past a
+        deadline are only looked at at the late interval."""
+        return any(job.phase is not Phase.OVER for job in self.running)
+
+    def add(self, job: GrantRead) -> None:
+        """Take ``job`` (group 0 already posted): look at it once now, without posting more."""
+        if not job.step(time.monotonic(), post=False):
+            self.running.append(job)
+
+    def step(self, now: float) -> None:
+        for job in list(self.running):
+            if job.step(now):
+                self.running.remove(job)
+
+    def close(self) -> None:
+        running, self.running = self.running, []
+        for job in running:
+            job.close()
+
+
+REASONS: dict[int, str] = {
+    ErrorCode.LEASE_EXPIRED: "the lease may have expired during the read: its bytes are not the key's",
+    ErrorCode.LEASE_LOST: "the lease may have ended during the read: its bytes are not the key's",
+    ErrorCode.LAYOUT_SUBSET_INVALID: "the span names are neither the stored layout nor a valid ordered subset",
+    ErrorCode.SIZE_MISMATCH: "a span length differs from the slot size of its pool",
+    ErrorCode.TRANSFER_FAILED: "NIXL failed the READ",
+    ErrorCode.DESTINATION_UNCERTAIN: "the READ did not complete in time; it may still write the destination",
+    ErrorCode.TIMEOUT: "the deadline passed before the READ was posted",
+}
