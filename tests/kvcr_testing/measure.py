@@ -50,9 +50,9 @@ class Snapshot:
         gc.collect()  # objects in reference cycles hold descriptors until collected
         return cls(fd_count(), rss_kib(), dict(client.tables()))
 
-    def assert_back_within(self, before: Snapshot, what: str) -> None:
+    def assert_back_within(self, before: Snapshot, what: str, rss_slack_kib: int = RSS_SLACK_KIB) -> None:
         """Descriptors and RSS within the slack of ``before``; every table as small as before."""
         assert self.fds <= before.fds + FD_SLACK, (what, "descriptors", before.fds, self.fds)
-        assert self.rss_kib <= before.rss_kib + RSS_SLACK_KIB, (what, "RSS KiB", before.rss_kib, self.rss_kib)
+        assert self.rss_kib <= before.rss_kib + rss_slack_kib, (what, "RSS KiB", before.rss_kib, self.rss_kib)
         grown = {k: (before.tables.get(k, 0), v) for k, v in self.tables.items() if v > before.tables.get(k, 0)}
         assert not grown, (what, "tables grew", grown)
