@@ -105,6 +105,10 @@ class GrantRead:
         self.group_count = max(counts, default=0)
         self.done = [0] * len(items)
         self.reads: list[_Read] = []
+        self.by_group: dict[int, list[_Read]] = {}
+        """The READs posted for each group (a group's report looks at its own alone)."""
+        self.running: list[_Read] = []
+        """The READs not yet terminal: the only ones a turn polls."""
         self.expired = False
         self.held = False
         """The test hook deferred the next post (``Grants.hook``)."""
@@ -131,7 +135,11 @@ class GrantRead:
                 for k in set(owners):
                     self.codes[k] = ErrorCode.TRANSFER_FAILED
                 continue
-            self.reads.append(_Read(g, handle, state))
+            read = _Read(g, handle, state)
+            self.reads.append(read)
+            self.by_group.setdefault(g, []).append(read)
+            if state is XferStatus.RUNNING:
+                self.running.append(read)
         self.posted = group + 1 if self.next < len(self.posts) else self.group_count
 
     def step(self, now: float, post: bool = True) -> bool:
@@ -145,11 +153,11 @@ class GrantRead:
                 self.held = hook is not None and hook(f"posting {self.posts[self.next][0]}") is False
                 if not self.held:
                     self.post()
-        running = False
-        for r in self.reads:
-            if r.state is XferStatus.RUNNING:
+        if self.running:
+            for r in self.running:
                 r.state = self.agent.state(r.handle)
-                running = running or r.state is XferStatus.RUNNING
+            self.running = [r for r in self.running if r.state is XferStatus.RUNNING]
+        running = bool(self.running)
         if self.phase is Phase.READING:
             while self.group < self.group_count and self._report(self.group, now):
                 self.group += 1
@@ -162,12 +170,13 @@ class GrantRead:
 
     def _report(self, g: int, now: float) -> bool:
         """Report group ``g`` if it is over (landed, failed, or past the deadline)."""
-        mine = [r for r in self.reads if r.group == g]
+        mine = self.by_group.get(g, ())
         over = self.posted > g and all(r.state is not XferStatus.RUNNING for r in mine)
         if not over and not self.expired:
             return False
         codes, done = self.codes, self.done
-        members = [k for k in range(len(self.items)) if not codes[k] and self.counts[k] > g]
+        counts = self.counts
+        members = [k for k in range(len(counts)) if not codes[k] and counts[k] > g]
         if not over:
             # Past the deadline: a READ still running may write the destination; a group
             # never posted writes nothing.
@@ -248,6 +257,8 @@ class GrantRead:
         for r in self.reads:
             self.agent.release(r.handle)
         self.reads.clear()
+        self.by_group.clear()
+        self.running.clear()
         self.quiet()
 
     def close(self) -> None:
@@ -256,11 +267,11 @@ class GrantRead:
         resolved = self.phase is Phase.OVER
         self.phase = Phase.OVER
         end = time.monotonic() + CLOSE_DRAIN_S
-        while any(r.state is XferStatus.RUNNING for r in self.reads) and time.monotonic() < end:
+        while self.running and time.monotonic() < end:
             time.sleep(CLOSE_POLL_S)
-            for r in self.reads:
-                if r.state is XferStatus.RUNNING:
-                    r.state = self.agent.state(r.handle)
+            for r in self.running:
+                r.state = self.agent.state(r.handle)
+            self.running = [r for r in self.running if r.state is XferStatus.RUNNING]
         self._release()
         if not resolved:
             self.finished(ClientClosed("the client is closed"), self.done)
