@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -49,7 +50,7 @@ class Actions:
     """Carries out a core's session events (lock held), one handler per event type."""
 
     def __init__(self, core: Owner) -> None:
-        self.core = core
+        self.core: Owner = weakref.proxy(core)  # the core owns this part: no cycle keeps a closed core alive
         self._by_type: dict[type, Callable[[Any], None]] = {
             Replied: self._replied, Failed: self._failed, Settled: self._settled, Observed: self._observed,
             Capacity: self._capacity, LeaseEnd: self._lease_end, SendFrame: self._send_frame,

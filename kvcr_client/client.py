@@ -123,12 +123,14 @@ class Client(Operations):
     def close(self) -> None:
         """Bye to the node, deregister every buffer, stop the I/O thread."""
         core = self.core
-        if core._closed:
+        if core.closed:
             return
         try:
             core.close()
         finally:
             self._regions.deregister_all()
+            self._leases.clear()  # the session's leases and grants end with it
+            self._grants.forget()
 
 
 class AsyncClient(Operations):

@@ -137,20 +137,20 @@ class ClientCore:
         """NIXL notifications drained from our agent: matched to a pending request, ignored, malformed."""
         self.capacity_events = self.session.capacity_events
         self.transport = Transport(endpoint, self.context, curve)
-        self._io = threading.RLock()
+        self.io_lock = threading.RLock()
         self.waiters = Waiters(self)
         """Who waits: the leader, its followers, the event loops with awaiters."""
         self.loops = LoopReaders(self)
-        self._reading = 0
+        self.reading = 0
         """How deep the lock holder is in reading replies (read and written with the lock held)."""
-        self._wakeup = WakePipe()
+        self.wakeup = WakePipe()
         """Wakes a leading caller (its result came in on another thread, pacing starts, close)."""
-        self._bg_wakeup = WakePipe()
+        self.bg_wakeup = WakePipe()
         """Wakes the background thread (callers began waiting, a new socket, close)."""
-        self._watch: tuple[int, ...] = (self._wakeup.read_fd,)
-        self._bg_watch: tuple[int, ...] = (self._bg_wakeup.read_fd,)
+        self.watch: tuple[int, ...] = (self.wakeup.read_fd,)
+        self.bg_watch: tuple[int, ...] = (self.bg_wakeup.read_fd,)
         self._ids = itertools.count(1)
-        self._closed = False
+        self.closed = False
         self.on_capacity: Callable[[CapacityEvent], None] | None = None
         self.on_lease_end: Callable[[LeaseEnded], None] | None = None
         """Takes the node's ``lease_end`` events (lock held)."""
@@ -185,16 +185,16 @@ class ClientCore:
         """Run ``fn`` holding the I/O lock (it may use the socket and the agent); ``closed``:
         even once the client is closed (to let go of what a caller still holds in the agent)."""
         future: Future[Any] = Future()
-        if self._closed and not closed:
+        if self.closed and not closed:
             future.set_exception(ClientClosed("the client is closed"))
             return future
-        with self._io:
+        with self.io_lock:
             try:
                 future.set_result(fn())
             except Exception as exc:
                 future.set_exception(exc)
             finally:
-                if not self._reading:
+                if not self.reading:
                     self._drain_socket()
         return future
 
@@ -220,14 +220,14 @@ class ClientCore:
         if op_id is None:
             op_id = next(self._ids)
         fut = Request(convert, touches_memory, on_settled, observer)
-        if self._closed:
+        if self.closed:
             fut.set_exception(ClientClosed("the client is closed"))
             settle(fut)
             return op_id, fut
         # Every holder keeps the lock only for a short turn: wait for it.
-        with self._io:
+        with self.io_lock:
             self._send_request(op_id, build, timeout_s, fut)
-            if not self._reading:  # from a callback inside a read: that read goes on after it
+            if not self.reading:  # from a callback inside a read: that read goes on after it
                 self._drain_socket()
         waiters = self.waiters
         if waiters.parked and not (waiters.count or waiters.loop_waiting) and self.session.last_sent - waiters.waited_at > _PARK_S:
@@ -258,19 +258,19 @@ class ClientCore:
         For engines that look at their operations once per step (``poll_completed``,
         ``done``) rather than wait on them.
         """
-        if self._closed or not self._io.acquire(blocking=False):
+        if self.closed or not self.io_lock.acquire(blocking=False):
             return
         try:
             # Not from inside a read (a done-callback that looks at another handle): that
             # read goes on after the callback, and reading again there would nest dispatches.
-            if not self._reading:
-                self._turn(MONITOR_READY)
+            if not self.reading:
+                self.turn(MONITOR_READY)
         finally:
-            self._io.release()
+            self.io_lock.release()
 
     def close(self, timeout: float = _CLOSE_TIMEOUT_S) -> None:
         """Say bye (best effort), stop the background thread and release the socket."""
-        if self._closed:
+        if self.closed:
             return
         if self.connected and not self.lost:
             _, fut = self.request(lambda i: Bye(i), lambda m: None, min(timeout, 2.0))
@@ -278,25 +278,28 @@ class ClientCore:
                 self.wait(fut, timeout)
             except Exception:
                 log.debug("bye was not acknowledged", exc_info=True)
-        self._closed = True
-        self._wakeup.wake()
-        self._bg_wakeup.wake()
+        self.closed = True
+        self.wakeup.wake()
+        self.bg_wakeup.wake()
         self.waiters.resume.set()
         self._thread.join(timeout)
-        with self._io:
+        with self.io_lock:
             self.reads.close()  # no READ left running into our memory
             self._apply(self.session.close())
             self._close_socket()
             self.loops.release_all()
-        self._wakeup.close()
-        self._bg_wakeup.close()
+        self.wakeup.close()
+        self.bg_wakeup.close()
+        # The callbacks name the client above: without them nothing the core holds leads
+        # back to it, so a closed client and its NIXL agent go without the cyclic collector.
+        self.on_capacity = self.on_lease_end = None
         if self._own_context:
             self.context.term()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         """Wake the background thread (and a leading caller) to look at the state again."""
-        self._bg_wakeup.wake()
-        self._wakeup.wake()
+        self.bg_wakeup.wake()
+        self.wakeup.wake()
 
     # ------------------------------------------------------------------ socket (lock held)
 
@@ -305,23 +308,23 @@ class ClientCore:
         self._close_socket()
         transport = self.transport
         transport.open()
-        self._watch = (*transport.fds, self._wakeup.read_fd)
-        self._bg_watch = (*transport.fds, self._bg_wakeup.read_fd)
+        self.watch = (*transport.fds, self.wakeup.read_fd)
+        self.bg_watch = (*transport.fds, self.bg_wakeup.read_fd)
         self.session.reopen()
         self._drain_monitor()  # its descriptor signals only once what is there was read
-        self._wake()  # waiters select on the new descriptors
+        self.wake()  # waiters select on the new descriptors
         self.loops.rewatch()
 
     def _close_socket(self) -> None:
-        self._watch = (self._wakeup.read_fd,)
-        self._bg_watch = (self._bg_wakeup.read_fd,)
+        self.watch = (self.wakeup.read_fd,)
+        self.bg_watch = (self.bg_wakeup.read_fd,)
         self.transport.close()
 
     def hello(self, regions: tuple[Region, ...], timeout_s: float) -> Future[Any]:
         """Open the session: version agreement, our metadata and regions."""
-        with self._io:
+        with self.io_lock:
             self.open_socket()
-            if not self._thread.is_alive() and not self._closed:
+            if not self._thread.is_alive() and not self.closed:
                 self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
                 self._thread.start()
             op_id = self.next_id()
@@ -336,7 +339,7 @@ class ClientCore:
         session = self.session
         error: Exception | None = None
         frame = b""
-        if self._closed:
+        if self.closed:
             error = ClientClosed("the client is closed")
         elif self.transport.sock is None:
             error = NodeLostError(f"not connected to {self.endpoint}; call reconnect()")
@@ -359,7 +362,7 @@ class ClientCore:
             pending.set_exception(NodeLostError(f"the node at {self.endpoint} is not reachable"))
             settle(pending)
 
-    def _busy(self) -> bool:
+    def busy(self) -> bool:
         """Whether requests that may touch client memory are pending, or a deliver under
         grants is unresolved: whoever reads paces the agent (safe without the lock)."""
         return self.session.touching > 0 or self.reads.live
@@ -380,7 +383,7 @@ class ClientCore:
         """Ids of memory-touching requests the client stopped waiting for and the node has not answered."""
         return frozenset(list(self.session.timed_out))
 
-    def _select(self, watch: tuple[int, ...], wait_s: float | None, wakeup: WakePipe) -> int:
+    def select_ready(self, watch: tuple[int, ...], wait_s: float | None, wakeup: WakePipe) -> int:
         """Block in select on ``watch`` (no lock held) up to ``wait_s`` (None: until readable); what
         is readable (``SOCKET_READY``, ``MONITOR_READY``)."""
         try:
@@ -396,7 +399,7 @@ class ClientCore:
             return 0
         return (SOCKET_READY if fds[0] in readable else 0) | (MONITOR_READY if fds[1] in readable else 0)
 
-    def _turn(self, ready: int = 0) -> None:
+    def turn(self, ready: int = 0) -> None:
         """One turn with the lock held: read what arrived, progress the agent while needed, timers."""
         if ready & MONITOR_READY:
             self._drain_monitor()
@@ -432,12 +435,12 @@ class ClientCore:
         except Exception as exc:  # the background thread must not die silently
             self.waiters.selecting = False
             log.exception("kvcr client background thread failed; the session is lost until reconnect()")
-            with self._io:
+            with self.io_lock:
                 # Nobody would read the replies of later requests: refuse them at once
                 # (NodeLostError) until reconnect() starts a new thread with a new session.
                 self._apply(self.session.lose(NodeLostError(f"the client background thread failed: {exc!r}; call reconnect()")))
 
-    def _due(self) -> float:
+    def due(self) -> float:
         """The next time (monotonic) a deadline or the heartbeat needs a turn."""
         session = self.session
         due = session.next_due()
@@ -445,9 +448,9 @@ class ClientCore:
             due = min(due, time.monotonic() + _LATE_PROGRESS_S)  # their transfers need our agent's progress
         return due
 
-    def _idle_timeout(self) -> float | None:
+    def idle_timeout(self) -> float | None:
         """How long a reader may block in select with nothing in flight (None: until woken)."""
-        wait_s = self._due() - time.monotonic()
+        wait_s = self.due() - time.monotonic()
         if self.session.pending and wait_s > _IDLE_S:
             wait_s = _IDLE_S
         return None if wait_s == math.inf else max(0.0, wait_s)
@@ -470,7 +473,7 @@ class ClientCore:
         sock = self.transport.sock
         if sock is None:
             return
-        self._reading += 1
+        self.reading += 1
         try:
             if readable:
                 try:
@@ -482,4 +485,4 @@ class ClientCore:
             while sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
                 self._apply(self.session.receive(sock.recv(_NOBLOCK), time.monotonic()))
         finally:
-            self._reading -= 1
+            self.reading -= 1

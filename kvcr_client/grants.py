@@ -148,6 +148,14 @@ class Grants:
         name = self.core.call(lambda: self.core.agent.add_remote(node.agent_md)).result()
         self.node = NodeAgent(name, tuple(pools), node.grace_ms / 1000 if node.grace_ms else math.inf, welcome)
 
+    def drop(self, lease: LeaseHandle) -> None:
+        """``lease`` ended: its grants go now (they name the lease, which names the client)."""
+        keys = self._keys
+        for key in lease.keys:
+            granted = keys.get(key)
+            if granted is not None and granted.lease is lease:
+                del keys[key]
+
     def forget(self) -> None:
         """A new session: grants of the old one are void."""
         self._keys.clear()

@@ -11,6 +11,7 @@ import asyncio
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -32,12 +33,12 @@ class Owner(Protocol):
     session: ClientSession[Request]
     transport: Transport
     waiters: Waiters
-    _io: Any
-    _reading: int
-    _bg_wakeup: WakePipe
+    io_lock: Any
+    reading: int
+    bg_wakeup: WakePipe
 
-    def _turn(self, ready: int = 0) -> None: ...
-    def _busy(self) -> bool: ...
+    def turn(self, ready: int = 0) -> None: ...
+    def busy(self) -> bool: ...
 
 
 class LoopReader:
@@ -80,7 +81,7 @@ class LoopReaders:
     """The event loops that watch the core's socket (changed with the I/O lock held)."""
 
     def __init__(self, core: Owner) -> None:
-        self.core = core
+        self.core: Owner = weakref.proxy(core)  # the core owns this part: no cycle keeps a closed core alive
         self.loops: dict[asyncio.AbstractEventLoop, LoopReader] = {}
 
     def __len__(self) -> int:
@@ -114,7 +115,7 @@ class LoopReaders:
         core = self.core
         reader = self.loops.get(loop)
         if reader is None or reader.generation != core.transport.generation:
-            with core._io:
+            with core.io_lock:
                 reader = self._watch_from(loop, reader)
             if reader is None:
                 return None
@@ -124,10 +125,10 @@ class LoopReaders:
             with waiters.lock:
                 waiters.loop_waiting += 1
                 waiters.orphaned = False
-            if core._busy():
+            if core.busy():
                 waiters.resume.set()  # the loop cannot pace the agent: the background thread does
             elif waiters.selecting:
-                core._bg_wakeup.wake()  # move the background thread off the socket: the loop reads
+                core.bg_wakeup.wake()  # move the background thread off the socket: the loop reads
         return reader
 
     def _watch_from(self, loop: asyncio.AbstractEventLoop, reader: LoopReader | None) -> LoopReader | None:
@@ -177,7 +178,11 @@ class LoopReaders:
             reader.release_due = True
             reader.loop.call_later(later, self._release_idle, reader)
             return
-        with self.core._io:
+        lock = self._lock()
+        if lock is None:
+            self._unwatch(reader)
+            return
+        with lock:
             self.release(reader)
 
     def release(self, reader: LoopReader) -> None:
@@ -200,8 +205,20 @@ class LoopReaders:
             self.release(reader)
 
     def _release_later(self, reader: LoopReader) -> None:
-        with self.core._io:
+        lock = self._lock()
+        if lock is None:
             self._unwatch(reader)
+            return
+        with lock:
+            self._unwatch(reader)
+
+    def _lock(self) -> Any:
+        """The core's I/O lock, or None when the core is gone: a callback the loop runs later
+        may outlive a closed core (which let go of every loop in ``release_all``)."""
+        try:
+            return self.core.io_lock
+        except ReferenceError:
+            return None
 
     @staticmethod
     def _unwatch(reader: LoopReader) -> None:
@@ -214,10 +231,13 @@ class LoopReaders:
 
     def _loop_turn(self, monitor: bool) -> None:
         """The socket (or its monitor) is readable in a loop with awaiters: read, in the loop's thread."""
+        lock = self._lock()
+        if lock is None:
+            return
         core = self.core
-        with core._io:
-            if not core._reading and core.transport.sock is not None:
-                core._turn(MONITOR_READY if monitor else SOCKET_READY)
+        with lock:
+            if not core.reading and core.transport.sock is not None:
+                core.turn(MONITOR_READY if monitor else SOCKET_READY)
 
     def rewatch(self) -> None:
         """I/O lock held, a new socket: each loop that reads watches it from now on."""
@@ -232,7 +252,10 @@ class LoopReaders:
                 self._unwatch(reader)
 
     def _rewatch_later(self, loop: asyncio.AbstractEventLoop) -> None:
-        with self.core._io:
+        lock = self._lock()
+        if lock is None:
+            return
+        with lock:
             reader = self.loops.get(loop)
             if reader is not None and reader.generation != self.core.transport.generation:
                 self._watch_from(loop, reader)

@@ -10,7 +10,6 @@ per-key results; a deliver with a layer plan returns a ``DeliverHandle`` fed gro
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import secrets
@@ -21,8 +20,9 @@ from typing import Any, ClassVar, overload
 
 from kvcr_client import checks
 from kvcr_client import spans as _spans
+from kvcr_client.completions import Completions
 from kvcr_client.core import ClientCore
-from kvcr_client.errors import ArgumentError, ClientClosed, NodeError, NodeLostError, OperationTimeout
+from kvcr_client.errors import ArgumentError, NodeError
 from kvcr_client.grants import GrantedKey, Grants
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.regions import RegionHandle, RegionTable
@@ -94,13 +94,9 @@ class Operations:
     def __init__(self, core: ClientCore, max_completed: int = DEFAULT_MAX_COMPLETED) -> None:
         self.core = core
         self._regions = RegionTable(core)
-        self._completed: collections.deque[OpHandle[Any] | GroupDone] = collections.deque(maxlen=max_completed)
+        self._completions = Completions(max_completed)
         self._token = _new_token()
         """This session's notification token (spec section 6.10): a new one per session."""
-        self._polling = False
-        """Whether the engine polls (it called ``poll_completed``): only then are completions queued."""
-        self.completed_dropped = 0
-        """Completions dropped from the full ``poll_completed`` queue (``max_completed``)."""
         self._leases: dict[int, LeaseHandle] = {}
         """Live leases by id, so that the node's ``lease_end`` reaches their handles (lock held)."""
         self._grants = Grants(core)
@@ -109,20 +105,8 @@ class Operations:
 
     def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
         handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait, self.core.poll, self.core.wait_async)
-        fut.add_done_callback(lambda _: self._queue_completed(handle))
+        self._completions.when_done(fut, handle)
         return handle
-
-    def _queue_completed(self, handle: OpHandle[Any] | GroupDone) -> None:
-        """Queue a completion (or a layer group's end) for ``poll_completed``: only for a
-        polling engine, only if nobody waited on the operation."""
-        if not self._polling or (handle.handle if isinstance(handle, GroupDone) else handle).waited:
-            return
-        queue = self._completed
-        if len(queue) == queue.maxlen:
-            self.completed_dropped += 1
-            if self.completed_dropped == 1:
-                log.warning("poll_completed queue full (%d): dropping the oldest completions", queue.maxlen)
-        queue.append(handle)  # a full deque drops its oldest entry
 
     def poll_completed(self) -> list[OpHandle[Any] | GroupDone]:
         """The operations that completed since the last call, for engines that poll once per step.
@@ -136,16 +120,18 @@ class Operations:
         ``completed_dropped``). An engine that waits on or awaits its handles, and never
         calls this, keeps no queue at all.
         """
-        self._polling = True
+        self._completions.polling = True
         self.core.poll()
-        out = []
-        while self._completed:
-            out.append(self._completed.popleft())
-        return out
+        return self._completions.drain()
+
+    @property
+    def completed_dropped(self) -> int:
+        """Completions dropped from the full ``poll_completed`` queue (``max_completed``)."""
+        return self._completions.dropped
 
     def tables(self) -> dict[str, int]:
         """Sizes of the client's tables (for monitoring, and churn tests that check nothing grows)."""
-        return {**self.core.tables(), "completed": len(self._completed), "regions": len(self._regions),
+        return {**self.core.tables(), "completed": len(self._completions), "regions": len(self._regions),
                 "leases": len(self._leases), "granted_keys": len(self._grants)}
 
     @property
@@ -294,7 +280,7 @@ class Operations:
         reply (spec section 6.10)."""
         op_id = self.core.next_id()
         handle = DeliverHandle(op_id, Future(), keys, counts, token, self._abort, self.core.wait, self.core.poll)
-        handle.on_group = self._queue_completed
+        handle.on_group = self._completions.add
 
         def reply(msg: Message) -> None:
             assert isinstance(msg, Completion)
@@ -304,8 +290,7 @@ class Operations:
 
         fut = self._send_op(op_id, "deliver", keys, build, deadline_ms, True, regions, reply, handle.observe)
         handle.future = fut
-        fut.add_done_callback(lambda f: _end_groups(handle, f))
-        fut.add_done_callback(lambda _: self._queue_completed(handle))
+        self._completions.when_done(fut, handle, planned=True)
         return handle
 
     def _read_granted(
@@ -323,9 +308,8 @@ class Operations:
         else:
             planned = DeliverHandle(op_id, fut, keys, [max(g, default=0) + 1 for g in groups], 0, None, self.core.wait,
                                     self.core.poll)
-            planned.on_group = self._queue_completed
-            fut.add_done_callback(lambda f: _end_groups(planned, f))
-            fut.add_done_callback(lambda _: self._queue_completed(planned))
+            planned.on_group = self._completions.add
+            self._completions.when_done(fut, planned, planned=True)
             handle = planned
 
         def landed(members: list[int], group: int) -> None:  # lock held
@@ -489,7 +473,7 @@ class Operations:
         welcome = core.welcome
 
         def live() -> bool:
-            return not core._closed and not core.lost and core.welcome is welcome
+            return not core.closed and not core.lost and core.welcome is welcome
 
         def convert(msg: Message) -> LeaseHandle:
             if not isinstance(msg, LeaseReply) or msg.columns is None:
@@ -529,6 +513,7 @@ class Operations:
         lease.released = True
         lease.end(ErrorCode.OK, "released")
         self._leases.pop(lease.id, None)
+        self._grants.drop(lease)
         op_id, fut = self.core.request(lambda i: ReleaseLease(i, lease.id), checks.ack, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "unlease", fut)
 
@@ -553,6 +538,7 @@ class Operations:
         handle.end(msg.code, msg.reason, msg.keys)
         if handle.ended is not None:
             del self._leases[msg.lease]
+            self._grants.drop(handle)
 
     def stats(self) -> OpHandle[dict[str, Any]]:
         def convert(msg: Message) -> dict[str, Any]:
@@ -572,20 +558,3 @@ class Operations:
 
 def _new_token() -> int:
     return secrets.randbits(32) or 1
-
-
-def _end_groups(handle: DeliverHandle, future: Future[Any]) -> None:
-    """A planned deliver ended without a reply to read (spec section 6.10): its groups not yet
-    delivered fail with the reason (the client's deadline, the session's loss, a refusal)."""
-    exc = future.exception()
-    if exc is None:
-        return
-    if isinstance(exc, OperationTimeout):
-        code = int(ErrorCode.TIMEOUT)
-    elif isinstance(exc, (NodeLostError, ClientClosed)):
-        code = int(ErrorCode.NODE_LOST)
-    elif isinstance(exc, NodeError):
-        code = int(exc.code)
-    else:
-        code = int(ErrorCode.INTERNAL)
-    handle.apply(handle.progress.end(code))

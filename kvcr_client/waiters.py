@@ -14,6 +14,7 @@ import collections
 import math
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
@@ -43,20 +44,20 @@ class Owner(Protocol):
     wake pipes and turns. A protocol, so this module never imports the core above it."""
 
     session: ClientSession[Request]
-    _io: Any
-    _closed: bool
-    _reading: int
-    _wakeup: WakePipe
-    _bg_wakeup: WakePipe
-    _watch: tuple[int, ...]
-    _bg_watch: tuple[int, ...]
+    io_lock: Any
+    closed: bool
+    reading: int
+    wakeup: WakePipe
+    bg_wakeup: WakePipe
+    watch: tuple[int, ...]
+    bg_watch: tuple[int, ...]
 
-    def _turn(self, ready: int = 0) -> None: ...
-    def _select(self, watch: tuple[int, ...], wait_s: float | None, wakeup: WakePipe) -> int: ...
-    def _due(self) -> float: ...
-    def _idle_timeout(self) -> float | None: ...
-    def _wake(self) -> None: ...
-    def _busy(self) -> bool: ...
+    def turn(self, ready: int = 0) -> None: ...
+    def select_ready(self, watch: tuple[int, ...], wait_s: float | None, wakeup: WakePipe) -> int: ...
+    def due(self) -> float: ...
+    def idle_timeout(self) -> float | None: ...
+    def wake(self) -> None: ...
+    def busy(self) -> bool: ...
     @property
     def reads(self) -> Any: ...
 
@@ -78,7 +79,7 @@ class Waiters:
     """Who waits on the core's results; every field but ``resume`` changes under ``lock`` (a leaf lock)."""
 
     def __init__(self, core: Owner) -> None:
-        self.core = core
+        self.core: Owner = weakref.proxy(core)  # the core owns this part: no cycle keeps a closed core alive
         self.lock = threading.Lock()
         """Guards who waits: the leader, the followers, the counts below (a leaf lock)."""
         self.count = 0
@@ -103,7 +104,7 @@ class Waiters:
         """Block until ``future`` is done, leading or following (see the module)."""
         core = self.core
         end = None if timeout is None else time.monotonic() + timeout
-        if core._reading and core._io._is_owned():  # type: ignore[attr-defined]
+        if core.reading and core.io_lock._is_owned():  # type: ignore[attr-defined]
             return self._drive_nested(future, end)  # from a callback inside our own read
         follower = None
         with self.lock:
@@ -116,7 +117,7 @@ class Waiters:
                 self._lead_as(future)
             selecting = self.selecting
         if selecting:
-            core._bg_wakeup.wake()  # move the background thread off the socket's descriptor
+            core.bg_wakeup.wake()  # move the background thread off the socket's descriptor
         leading = follower is None
         try:
             if follower is not None:
@@ -176,7 +177,7 @@ class Waiters:
     def pacing_starts(self) -> None:
         """The first memory-touching request: whoever reads must now progress the agent at a short interval."""
         if self.leading or self.selecting:
-            self.core._wake()  # a leader or the background thread blocked for longer: pace from now
+            self.core.wake()  # a leader or the background thread blocked for longer: pace from now
         if self.loop_waiting:
             self.resume.set()  # event loops cannot pace: the background thread does
 
@@ -184,7 +185,7 @@ class Waiters:
         """``future``'s outcome is in: wake the leader if it is its and another thread read it
         (the leader may be in select)."""
         if future is self.leader_future and self.leader_thread != threading.get_ident():
-            self.core._wakeup.wake()
+            self.core.wakeup.wake()
 
     def _lead(self, future: Future[Any], end: float | None) -> None:
         """Select on the socket without the lock, then take a turn with it, until ``future`` is done."""
@@ -192,7 +193,7 @@ class Waiters:
         session = core.session
         pacer: Pacer | None = None
         while not future.done():
-            if core._closed:
+            if core.closed:
                 # close() fails every pending request once the background thread has ended.
                 future.exception(_CLOSE_TIMEOUT_S if end is None else max(0.0, end - time.monotonic()))
                 return
@@ -200,7 +201,7 @@ class Waiters:
             if end is not None and now >= end:
                 raise FutureTimeout()
             wait_s: float | None
-            if core._busy():
+            if core.busy():
                 pacer = pacer or Pacer()
                 wait_s = 0.0 if core.reads.posting else pacer.next()
             else:
@@ -214,9 +215,9 @@ class Waiters:
                 wait_s = None if due == math.inf else min(max(0.0, due - now), _IDLE_S if session.pending else math.inf)
             if end is not None and (wait_s is None or end - now < wait_s):
                 wait_s = end - now
-            ready = core._select(core._watch, wait_s, core._wakeup)
-            with core._io:
-                core._turn(ready)
+            ready = core.select_ready(core.watch, wait_s, core.wakeup)
+            with core.io_lock:
+                core.turn(ready)
 
     def _drive_nested(self, future: Future[Any], end: float | None) -> Any:
         """Wait from a callback that runs inside this thread's read (lock held): read on, nested."""
@@ -227,9 +228,9 @@ class Waiters:
             if end is not None and now >= end:
                 raise FutureTimeout()
             wait_s = _IDLE_S if end is None else min(_IDLE_S, end - now)
-            if core._busy():  # the agent needs pacing (READs under grants among them)
+            if core.busy():  # the agent needs pacing (READs under grants among them)
                 wait_s = min(wait_s, 0.0 if core.reads.posting else pacer.next())
-            core._turn(core._select(core._watch, wait_s, core._wakeup))
+            core.turn(core.select_ready(core.watch, wait_s, core.wakeup))
         return future.result(0)
 
     def serve(self) -> None:
@@ -244,10 +245,10 @@ class Waiters:
         session = core.session
         pacer = Pacer()
         park = _PARK_S
-        while not core._closed:
+        while not core.closed:
             self.resume.clear()
             now = time.monotonic()
-            busy = core._busy()
+            busy = core.busy()
             with self.lock:
                 if not session.pending:
                     self.orphaned = False
@@ -261,11 +262,11 @@ class Waiters:
                 self.parked = parked
                 self.selecting = not parked
             if parked:
-                self.resume.wait(max(0.0, min(park, core._due() - now)))
+                self.resume.wait(max(0.0, min(park, core.due() - now)))
                 self.parked = False
-                if not core._closed and time.monotonic() >= core._due():
-                    with core._io:  # a deadline or heartbeat nobody else is awake for
-                        core._turn()
+                if not core.closed and time.monotonic() >= core.due():
+                    with core.io_lock:  # a deadline or heartbeat nobody else is awake for
+                        core.turn()
                 park = min(2 * park, _PARK_MAX_S)
                 continue
             park = _PARK_S
@@ -274,12 +275,12 @@ class Waiters:
                 wait_s = 0.0 if core.reads.posting else pacer.next()
             else:
                 pacer.reset()
-                wait_s = core._idle_timeout()
-            ready = core._select(core._bg_watch, wait_s, core._bg_wakeup)
+                wait_s = core.idle_timeout()
+            ready = core.select_ready(core.bg_watch, wait_s, core.bg_wakeup)
             self.selecting = False
-            if core._closed:
+            if core.closed:
                 break
             if self.count:
                 continue  # a caller leads now: its turns read (the monitor too)
-            with core._io:
-                core._turn(ready)
+            with core.io_lock:
+                core.turn(ready)

@@ -94,8 +94,8 @@ def _storm(client: Client, node: Any, key: bytes) -> list[OpHandle[Any]]:
         # whether memory-touching requests are pending and how long it may sleep.
         try:
             while any(t.is_alive() for t in threads):
-                client.core._busy()
-                client.core._idle_timeout()
+                client.core.busy()
+                client.core.idle_timeout()
         except BaseException as exc:
             errors.append(exc)
 
@@ -121,7 +121,7 @@ def test_background_thread_failure_is_logged_and_fails_fast(
     with Client(node.endpoint, name="bgfail") as client:
         core = client.core
         fired = threading.Event()
-        original = core._idle_timeout
+        original = core.idle_timeout
 
         def broken() -> float:
             if threading.current_thread() is core._thread and not fired.is_set():
@@ -130,8 +130,8 @@ def test_background_thread_failure_is_logged_and_fails_fast(
             return original()
 
         with caplog.at_level(logging.ERROR, logger="kvcr.client"):
-            monkeypatch.setattr(core, "_idle_timeout", broken)
-            core._wake()
+            monkeypatch.setattr(core, "idle_timeout", broken)
+            core.wake()
             assert wait_until(lambda: not core._thread.is_alive(), 10.0)
         assert fired.is_set()
         assert any("background thread failed" in r.getMessage() for r in caplog.records), caplog.records

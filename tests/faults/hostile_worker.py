@@ -92,7 +92,7 @@ def run_stall(args: argparse.Namespace) -> None:
     end = time.monotonic() + 5
     while handle.op_id not in core.session.pending and not handle.future.done() and time.monotonic() < end:
         time.sleep(0.001)
-    core._io.acquire()  # from here on nothing progresses, reads or heartbeats in this client
+    core.io_lock.acquire()  # from here on nothing progresses, reads or heartbeats in this client
     sent = handle.op_id in core.session.pending or handle.future.done()  # future.done(): handle.done() would drive the client
     time.sleep(0.05)  # let ZeroMQ's I/O thread put the request on the wire
     emit("issued", op=args.op, key=key.decode(), held=handles, sent=sent, done=handle.future.done())
@@ -366,7 +366,7 @@ def run_deliver(args: argparse.Namespace) -> None:
             end = time.monotonic() + 5
             while handle.op_id not in core.session.pending and not handle.future.done() and time.monotonic() < end:
                 time.sleep(0.001)
-            with core._io:
+            with core.io_lock:
                 emit("issued")
                 time.sleep(args.pause)
         else:
