@@ -119,7 +119,7 @@ def test_granted_reads_over_tcp_and_a_frozen_node_under_a_read(sites: Sites) -> 
     try:
         done = holder.ask(f"deliver obj {SPANS} 7 0 {DEADLINE_MS}", DEADLINE_MS / 1000 + 30)
         assert done["status"] == "FAILED" and done["code"] == "DESTINATION_UNCERTAIN", done
-        assert done["seconds"] < DEADLINE_MS / 1000 + 2, done
+        assert done["seconds"] < DEADLINE_MS / 1000 + 5, done  # at its deadline, not at the read timeout
         # The READ may still write the destination: the client keeps it until it ends.
         assert holder.ask("tables")["tables"]["reads"] == 1
     finally:
