@@ -198,6 +198,7 @@ def test_a_frozen_grant_holder_ends_by_silence_and_others_read_on() -> None:
             node.stop()
 
 
+@pytest.mark.slow  # 15-22 s here: 2000 granted cycles and 150 sessions
 @pytest.mark.timeout(180)
 def test_granted_lease_churn_leaves_nothing_behind(node_factory: Callable[..., Any]) -> None:
     node = node_factory("--pool", "kv:4KiB:256", "--lease-pool-fraction", "1")
