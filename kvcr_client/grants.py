@@ -104,6 +104,9 @@ class Grants:
         self.node: NodeAgent | None = None
         self._keys: dict[bytes, GrantedKey] = {}
         self._sweep_at = PRUNE_SLACK
+        self._stale: set[str] = set()
+        """Node agents of ended sessions, still loaded in ours: removed once no READ runs on
+        them, unless the next session's grant loads the same agent again (a reconnect)."""
         self.hook: Hook | None = None
         self.reads = 0
         """Delivers served by READs under grants."""
@@ -145,7 +148,7 @@ class Grants:
             if region.region != i or info.slot_size * info.slot_count > region.length:
                 return
             pools.append(NodePool(region.kind, region.device, region.address, info.slot_size))
-        name = self.core.call(lambda: self.core.agent.add_remote(node.agent_md)).result()
+        name = self.core.call(lambda: self._add(node.agent_md)).result()
         self.node = NodeAgent(name, tuple(pools), node.grace_ms / 1000 if node.grace_ms else math.inf, welcome)
 
     def drop(self, lease: LeaseHandle) -> None:
@@ -156,11 +159,40 @@ class Grants:
             if granted is not None and granted.lease is lease:
                 del keys[key]
 
+    def _add(self, metadata: bytes) -> str:
+        """Load the node's agent (lock held); the agents of ended sessions go, but this one."""
+        name = self.core.agent.add_remote(metadata)
+        self._stale.discard(name)  # the same node again: keep its connection
+        self.drop_stale()
+        return name
+
+    def drop_stale(self) -> None:
+        """Remove the node agents of ended sessions that no READ runs on any more (lock held)."""
+        if not self._stale:
+            return
+        running = {job.remote for job in self.core.reads.running}
+        for name in self._stale - running:
+            self._stale.discard(name)
+            try:
+                self.core.agent.remove_remote(name)
+            except Exception:  # already gone (NIXL refused): nothing more to free
+                continue
+
     def forget(self) -> None:
-        """A new session: grants of the old one are void."""
+        """A new session: grants of the old one are void. Its node agent stays loaded until
+        the next grant loads the node's agent: the same one (a reconnect to the same node
+        keeps its connection; removing the agent of a live process would leave it open), or
+        another, and then it goes once no READ runs on it."""
         self._keys.clear()
         self._sweep_at = PRUNE_SLACK
-        self.node = None
+        if self.node is not None:
+            self._stale.add(self.node.name)
+            self.node = None
+
+    @property
+    def stale(self) -> int:
+        """Node agents of ended sessions still loaded."""
+        return len(self._stale)
 
     def cover(self, items: Sequence[DeliverItem]) -> list[GrantedKey] | None:
         """The grants of every key of a deliver, or None when one key has none (or its lease

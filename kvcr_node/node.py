@@ -75,6 +75,12 @@ GRANT_BURST_S = 0.5
 GRANT_IDLE_PROGRESS_S = 0.05
 """Later, while grants are outstanding, this often: READs over shared memory or CMA need no
 progress of ours, and a pace of 1 ms would cost the idle node a tenth of a core."""
+GRANT_SERVING_CPU_S = 200e-6
+"""A progress call for grants that used this much of the loop thread's CPU served a READ
+(over UCX's TCP transport the target sends the READ's bytes inside its progress, a socket
+buffer at a time: milliseconds; an idle call costs tens of microseconds): the agent is
+progressed at ``GRANT_PROGRESS_S`` again until ``GRANT_SERVING_HOLD_S`` after the last such call."""
+GRANT_SERVING_HOLD_S = 0.05
 _FAILURE_LOG_INTERVAL_S = 10.0
 """An internal failure of one kind is logged (with its traceback) at most this often; each is counted."""
 
@@ -202,6 +208,7 @@ class Node:
         self.leases.grant_node = self._grant_node
         self.leases.pool_index = {spec.name: i for i, spec in enumerate(config.pools)}
         self._next_grant_progress = 0.0
+        self._grant_serving_until = 0.0
         self.leases.session_count = lambda: sum(1 for s in self.sessions.table.values() if s.regions or s.leases)
         pool_info = tuple(PoolInfo(s.name, s.slot_size, s.slot_count, s.memory) for s in config.pools)
         self.sessions = Sessions(
@@ -344,15 +351,20 @@ class Node:
                 self._guarded("inventory events", self.events.publish)
 
     def _progress_for_grants(self) -> None:
-        """Progress the agent every ``GRANT_PROGRESS_S`` while read grants are outstanding."""
+        """Progress the agent for the outstanding read grants, at ``_grant_pace``."""
         now = self.clock()
         if now >= self._next_grant_progress:
-            self._next_grant_progress = now + self._grant_pace(now)
+            spent = time.thread_time()
             self.agent.progress()
+            if time.thread_time() - spent >= GRANT_SERVING_CPU_S:
+                self._grant_serving_until = now + GRANT_SERVING_HOLD_S
+            self._next_grant_progress = now + self._grant_pace(now)
 
     def _grant_pace(self, now: float) -> float:
-        """How often the agent is progressed for the outstanding read grants."""
-        return GRANT_PROGRESS_S if now - self.leases.granted_at < GRANT_BURST_S else GRANT_IDLE_PROGRESS_S
+        """How often the agent is progressed for the outstanding read grants: fast just after a
+        grant or renew, and while its progress serves READs (UCX over TCP); else slowly."""
+        fast = now - self.leases.granted_at < GRANT_BURST_S or now < self._grant_serving_until
+        return GRANT_PROGRESS_S if fast else GRANT_IDLE_PROGRESS_S
 
     def _wait_events(self, pacer: Pacer, filling: bool) -> dict[Any, int]:
         """Poll the sockets: at once while transfers run, else until the next timer."""

@@ -184,3 +184,44 @@ def test_two_curve_nodes_deliver_across(node_factory: Callable[..., Any], keys: 
         for client, reg in ((client_a, reg_a), (client_b, reg_b), (client_c, reg_c)):
             assert_clean(client)
             reg.close()
+
+
+@pytest.mark.parametrize("transfers", ["on", "off"])
+def test_only_allowed_clients_get_read_grants(node_factory: Callable[..., Any], keys: Callable[[str], KeyPair],
+                                              tmp_path: Path, transfers: str) -> None:
+    """A grant hands the node's pool registrations to the client's agent (spec section 14):
+    with CURVE only an allowed client ever has a session to ask one in, and with
+    ``--no-client-transfers`` not even it gets one (its leased keys travel by the node)."""
+    server, alice, mallory = keys("server"), keys("alice"), keys("mallory")
+    node = node_factory(*POOL, "--lease-pool-fraction", "1", *curve_args(server, [alice], tmp_path, "n"),
+                        *(("--no-client-transfers",) if transfers == "off" else ()))
+    with Client(node.endpoint, name="alice", curve=curve(server, alice)) as client:
+        reg = Registrar(client)
+        src = pattern(LAYOUT.nbytes, 11)
+        region = reg(src)
+        assert client.deposit({b"g": LAYOUT.source_spans(region)}).result(RESULT_TIMEOUT_S)[b"g"].status is KeyStatus.STORED
+        lease = client.lease([b"g"]).result(RESULT_TIMEOUT_S)
+        st = stats(client)
+        posted = st["transfers"]["posted"]
+        granted = 1 if transfers == "on" else 0
+        assert len(client._grants) == granted and st["leases"]["with_grants"] == granted, st["leases"]
+        dst = pattern(LAYOUT.nbytes, 12)
+        dregion = reg(dst)
+        spans = [Span(n, dregion, o, s) for (n, _, s), o in zip(LAYOUT.spans, LAYOUT.offsets, strict=True)]
+        assert client.deliver({b"g": spans}).result(RESULT_TIMEOUT_S)[b"g"].status is KeyStatus.OK
+        assert_bytes_equal(dst, src, "a leased object delivered over CurveZMQ")
+        assert client._grants.reads == granted
+        assert stats(client)["transfers"]["posted"] == posted + 1 - granted, "who moved the bytes"
+
+        # Others cannot open a session, so they cannot ask for a grant.
+        for name, keys_ in (("mallory", curve(server, mallory)), ("plain", None)):
+            with pytest.raises(NodeError) as err:
+                Client(node.endpoint, name=name, curve=keys_, timeout=REFUSAL_S)
+            assert err.value.code == ErrorCode.UNAUTHORIZED, err.value
+        st = stats(client)
+        assert st["clients"] == 1 and st["counters"].get("hellos") == 1, st
+        assert st["leases"].get("read_grants", 0) == granted, st["leases"]
+        lease.release().result(RESULT_TIMEOUT_S)
+        assert stats(client)["leases"]["with_grants"] == 0
+        reg.close()
+        assert_clean(client)

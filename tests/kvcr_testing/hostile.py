@@ -1,8 +1,9 @@
 """Clients in processes of their own, for the fault, hostile-input and load tests.
 
 ``Worker`` runs ``tests/faults/hostile_worker.py`` (a kvcr client in a process of its own,
-which the test can stop, freeze or kill at a known point) and reads its JSON reports with
-bounded waits.
+which the test can stop, freeze or kill at a known point), or with mode ``grants``
+``tests/faults/grant_worker.py`` (a client holding read grants, driven command by command),
+and reads its JSON reports with bounded waits.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 WORKER = TESTS_DIR / "faults" / "hostile_worker.py"
+GRANT_WORKER = TESTS_DIR / "faults" / "grant_worker.py"
 
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -36,7 +38,8 @@ class Worker:
     """A ``hostile_worker.py`` process; ``expect`` reads its next report (bounded)."""
 
     def __init__(self, mode: str, endpoint: str, *args: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
-        cmd = [*prefix, sys.executable, str(WORKER), mode, endpoint, *args]
+        script = [str(GRANT_WORKER)] if mode == "grants" else [str(WORKER), mode]  # grant_worker.py has no modes
+        cmd = [*prefix, sys.executable, *script, endpoint, *args]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=worker_env(env),
@@ -76,6 +79,11 @@ class Worker:
             self.proc.stdin.flush()
         except BrokenPipeError:
             raise AssertionError(f"worker exited ({self.proc.poll()}): {self.lines}\n{self.stderr()}") from None
+
+    def ask(self, command: str, timeout: float = 60) -> dict[str, Any]:
+        """Send one command line (``grant_worker.py``) and read its report, named by its first word."""
+        self.say(command)
+        return self.expect(command.split()[0], timeout)
 
     def stderr(self) -> str:
         if self.proc.poll() is None or self.proc.stderr is None:
