@@ -10,6 +10,9 @@ KV must be A's byte for byte, its logits ``torch.equal`` to A's and its tokens t
 Both print one JSON line. (Blocks a node already held from an earlier prompt with the same
 start keep the bytes of that earlier prefill, which a prefill of another length computes
 equal only up to float rounding: the tokens agree, the logits need not to the bit.)
+``both`` runs the two, one after the other in one process, against one node: engine B's
+lease there gets a read grant where the node offers one, and its deliver READs the node's
+pools with B's own agent (``granted`` in the report; the node delivers otherwise).
 
 Run (two nodes, each with a pool whose slot is one block of one layer, 12 KiB here):
 
@@ -18,6 +21,7 @@ Run (two nodes, each with a pool whose slot is one block of one layer, 12 KiB he
     .venv-engines/bin/python examples/transformers_prefix.py deposit --node ipc:///tmp/b.sock --out /tmp/ref.pt
     .venv-engines/bin/python examples/transformers_prefix.py load --node ipc:///tmp/a.sock \\
         --source ipc:///tmp/b.sock --reference /tmp/ref.pt
+    .venv-engines/bin/python examples/transformers_prefix.py both --node ipc:///tmp/a.sock
 
 (``scripts/engines_env.sh`` makes ``.venv-engines``.)
 """
@@ -83,8 +87,7 @@ def continue_from(model: Any, cache: Any, ids: torch.Tensor, start: int) -> tupl
     return logits, tokens, first_token_s
 
 
-def deposit(args: argparse.Namespace) -> dict[str, Any]:
-    tokenizer, model = load_model()
+def deposit(args: argparse.Namespace, tokenizer: Any, model: Any) -> dict[str, Any]:
     ids = prompt_ids(tokenizer, args.tokens)
     prefix = (args.tokens - 1) // DEFAULT_BLOCK_TOKENS * DEFAULT_BLOCK_TOKENS  # at least one token left to compute
     with torch.inference_mode():
@@ -106,18 +109,19 @@ def deposit(args: argparse.Namespace) -> dict[str, Any]:
             "tokens": tokens, "text": tokenizer.decode(tokens)}
 
 
-def load(args: argparse.Namespace) -> dict[str, Any]:
-    tokenizer, model = load_model()
+def load(args: argparse.Namespace, tokenizer: Any, model: Any) -> dict[str, Any]:
     reference = torch.load(args.reference)
     ids = reference["ids"]
+    hinted = "prefix" if args.source else None
     with Client(args.node, name="engine-b") as kv:
         keys = block_keys(ids[0, :-1].tolist(), DEFAULT_BLOCK_TOKENS, SALT)
-        kv.submit_hint("prefix", args.source, keys).result(10)
+        if hinted:
+            kv.submit_hint(hinted, args.source, keys).result(10)
         t0 = time.perf_counter()
-        lease = kv.lease(keys, request_id="prefix").result(10)
+        lease = kv.lease(keys, request_id=hinted).result(10)  # a read grant where the node offers one
         held = lease.held_prefix()
         statuses = sorted({lease.status(k).name for k in keys})
-        cache = KvcrCache(kv, keys[:held], model.config, request_id="prefix")
+        cache = KvcrCache(kv, keys[:held], model.config, request_id=hinted)
         started = time.perf_counter()
         logits, tokens, compute_s = continue_from(model, cache, ids, cache.prefix_tokens)
         first_token_s = started - t0 + compute_s  # lease, deliver (overlapped with compute) and compute
@@ -125,19 +129,20 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
         delivered = cache.buffer.permute(0, 1, 3, 2, 4)  # [layers, k/v, heads, tokens, head dim]
         kv_equal = bool(torch.equal(delivered, reference["kv"][:, :, :, : cache.prefix_tokens]))
         lease.release().result(10)
-        kv.discard_hint("prefix").result(10)
+        if hinted:
+            kv.discard_hint(hinted).result(10)
     return {
         "held_blocks": held, "prefix_tokens": cache.prefix_tokens, "layer_waits": cache.layer_waits,
         "layers": model.config.num_hidden_layers, "kv_equal": kv_equal, "logits_equal": bool(torch.equal(logits, reference["logits"])),
         "tokens_equal": tokens == reference["tokens"], "tokens": tokens, "text": tokenizer.decode(tokens),
         "kvcr_first_token_s": first_token_s,
-        "lease_statuses": statuses,
+        "lease_statuses": statuses, "granted": cache.granted,
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("role", choices=("deposit", "load"))
+    parser.add_argument("role", choices=("deposit", "load", "both"))
     parser.add_argument("--node", required=True, help="the endpoint of this engine's kvcr node")
     parser.add_argument("--source", help="load: the endpoint of the node that holds the prefix")
     parser.add_argument("--tokens", type=int, default=256, help="deposit: prompt length in tokens")
@@ -145,8 +150,16 @@ def main() -> int:
     parser.add_argument("--reference", default="/tmp/kvcr-transformers-reference.pt", help="load: engine A's reference")
     args = parser.parse_args()
     torch.set_num_threads(1)  # both engines compute the same way, so their logits compare bit for bit
-    report = deposit(args) if args.role == "deposit" else load(args)
-    print(json.dumps({"role": args.role, **report}), flush=True)
+    tokenizer, model = load_model()
+    report: dict[str, Any] = {"role": args.role}
+    if args.role in ("deposit", "both"):
+        report["deposit"] = deposit(args, tokenizer, model)
+    if args.role in ("load", "both"):
+        args.reference = args.out if args.role == "both" else args.reference
+        report["load"] = load(args, tokenizer, model)
+    if args.role != "both":
+        report.update(report.pop(args.role))
+    print(json.dumps(report), flush=True)
     return 0
 
 

@@ -122,21 +122,25 @@ class Grants:
         for this session."""
         return self.node is None or self.node.welcome is not self.core.welcome
 
-    def add(self, lease: LeaseHandle, keys: Sequence[bytes], grant: LeaseGrant) -> None:
-        """A ``lease_reply`` carried ``grant`` for ``lease`` (its keys in request order)."""
+    def add(self, lease: LeaseHandle, keys: Sequence[bytes], grant: LeaseGrant) -> frozenset[bytes]:
+        """A ``lease_reply`` carried ``grant`` for ``lease`` (its keys in request order);
+        returns the keys this client may now READ itself."""
         if grant.node is not None:
             self._load(grant.node)
         node = self.node
         if node is None or node.welcome is not self.core.welcome:
-            return  # no agent to read with: the keys travel by deliver
+            return frozenset()  # no agent to read with: the keys travel by deliver
+        added = set()
         for i, names, pools, slots in grant.keys(DEFAULT_LIMITS):
             if max(pools, default=0) < len(node.pools):
                 self._keys[keys[i]] = GrantedKey(lease, names, pools, tuple(slots))
+                added.add(keys[i])
         if len(self._keys) > self._sweep_at:
             # Keys of ended leases go in one sweep once the table doubled since the last, so
             # a sweep costs O(1) per key added, however many keys live leases grant.
             self._keys = {k: g for k, g in self._keys.items() if g.lease.ended is None}
             self._sweep_at = 2 * len(self._keys) + PRUNE_SLACK
+        return frozenset(added)
 
     def _load(self, node: GrantNode) -> None:
         """Load the node's agent into ours; its pools must be the session's pools."""

@@ -42,6 +42,11 @@ class LeaseHandle:
         self.end_reason = ""
         self._lost: set[bytes] = set()
         self.released = False
+        self.grant = False
+        """Whether the node answered with a read grant (spec section 6.12): False when the
+        lease did not ask for one, or the node gives none (``client_transfers`` off)."""
+        self.granted: frozenset[bytes] = frozenset()
+        """The keys a ``deliver`` of this client READs itself while the lease lasts."""
 
     # ------------------------------------------------------------------ what it holds
 

@@ -135,6 +135,11 @@ class Operations:
                 "leases": len(self._leases), "granted_keys": len(self._grants)}
 
     @property
+    def grant_reads(self) -> int:
+        """Delivers this client served by READs under read grants (spec section 6.12)."""
+        return self._grants.reads
+
+    @property
     def pools(self) -> dict[str, PoolInfo]:
         welcome = self.core.welcome
         return {p.name: p for p in welcome.pools} if welcome else {}
@@ -481,10 +486,11 @@ class Operations:
             if len(msg.columns) != len(ks):
                 raise ValueError(f"{len(msg.columns)} answers for {len(ks)} keys")
             handle = LeaseHandle(msg.lease, msg.ttl_ms, ks, msg.columns, asked_at, self.renew_lease, self.release_lease, live)
+            handle.grant = msg.grant is not None
             if msg.lease:
                 self._leases[msg.lease] = handle
                 if msg.grant is not None and live():
-                    self._grants.add(handle, ks, msg.grant)
+                    handle.granted = self._grants.add(handle, ks, msg.grant)
             return handle
 
         op_id, fut = core.request(lambda i: Lease(i, ks, request_id, ttl, read, node_md), convert, CONTROL_TIMEOUT_S)

@@ -22,6 +22,15 @@ from, or delivered into, the host pool itself, one span per pointer the pool giv
 page (``get_page_buffer_meta``: ``k`` and ``v`` in the page-first layouts, ``L{i}.k`` and
 ``L{i}.v`` per layer in the layer-first one). The pool's slot size must then be one such
 span: layers x page tokens x KV heads x head dim x element size in the page-first layout.
+
+Read grants (spec section 6.12): SGLang looks pages up with ``batch_exists``, which holds
+nothing, so each get first takes a read lease of its pages in the backend's own session
+(``ReadLeases``) and releases it once they landed. Where the node grants them, the pages
+are READ from the node's pools by this backend's agent (counted in ``get_granted``); the
+pages it does not grant (not held) and every page of a node that grants none
+(``client_transfers = false``, below version 5) the node delivers, as before. A page whose
+read its lease may not have covered fails (``LEASE_EXPIRED``, ``LEASE_LOST``) and reads as
+missing: SGLang computes it again.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvcr_client.client import Client, RegionHandle, Span
 from kvcr_client.errors import KvcrError
+from kvcr_client.integrations.readleases import ReadLeases
 
 log = logging.getLogger("kvcr.sglang")
 
@@ -68,7 +78,9 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._host: Any = None
         self._host_regions: list[tuple[int, int, RegionHandle]] = []
         """(start address, end address, region) of each host pool buffer, for zero copy."""
-        self.counters = {"set": 0, "set_failed": 0, "get": 0, "get_missed": 0}
+        self.reads = ReadLeases(self.client)
+        self.counters = {"set": 0, "set_failed": 0, "get": 0, "get_missed": 0, "get_granted": 0}
+        """``get_granted``: pages of ``get`` READ under read grants (the rest the node delivered)."""
 
     # ------------------------------------------------------------------ staging
 
@@ -143,12 +155,12 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 chunk = list(range(start, min(start + self.staging_pages, len(keys))))
                 objects = {self._key(keys[i]): [Span(SPAN, region, slot * size, size)] for slot, i in enumerate(chunk)}
                 try:
-                    results = self.client.deliver(objects).result(CALL_TIMEOUT_S)
+                    results = self._deliver(objects)
                 except KvcrError as exc:
                     log.warning("kvcr: deliver of %d pages failed: %s", len(chunk), exc)
                     continue
                 for slot, i in enumerate(chunk):
-                    if results[self._key(keys[i])].ok:
+                    if results[self._key(keys[i])]:
                         view = targets[i].view(torch.uint8).reshape(-1)
                         view.copy_(torch.from_numpy(staging[slot * size : (slot + 1) * size]))
                         out[i] = targets[i]
@@ -156,6 +168,29 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                     else:
                         self.counters["get_missed"] += 1
         return out
+
+    def _deliver(self, objects: dict[bytes, list[Span]]) -> dict[bytes, bool]:
+        """Deliver pages, whether each landed: those a read lease of this session grants by
+        READs under it, the rest by the node; the lease ends once every page is over."""
+        lease = self.reads.lease(list(objects))
+        try:
+            granted = {k: v for k, v in objects.items() if lease is not None and k in lease.granted}
+            rest = {k: v for k, v in objects.items() if k not in granted}
+            ops = []
+            if granted:
+                op, read = self.reads.deliver(lambda: self.client.deliver(granted))
+                ops.append((op, read))
+            if rest:
+                ops.append(self.reads.deliver(lambda: self.client.deliver(rest)))
+            out: dict[bytes, bool] = {}
+            for op, read in ops:
+                results = op.result(CALL_TIMEOUT_S)
+                for key in results:
+                    out[key] = results[key].ok
+                    self.counters["get_granted"] += int(read and out[key])
+            return out
+        finally:
+            self.reads.release(lease)
 
     # ------------------------------------------------------------------ zero copy
 
@@ -220,14 +255,14 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             chunk = range(start, min(start + V1_BATCH_PAGES, len(keys)))
             objects = {self._key(keys[i]): spans[i] for i in chunk}
             try:
-                op = self.client.deliver(objects) if deliver else self.client.deposit(objects)
-                results = op.result(CALL_TIMEOUT_S)
+                results = (self._deliver(objects) if deliver else
+                           {k: r.ok for k, r in self.client.deposit(objects).result(CALL_TIMEOUT_S).items()})
             except KvcrError as exc:
                 log.warning("kvcr: %s of %d pages failed: %s", "deliver" if deliver else "deposit", len(chunk), exc)
                 self.counters[missed] += len(chunk)
                 continue
             for i in chunk:
-                out[i] = results[self._key(keys[i])].ok
+                out[i] = results[self._key(keys[i])]
                 self.counters[done if out[i] else missed] += 1
         return out
 
@@ -250,6 +285,7 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return dict(self.counters)
 
     def close(self) -> None:
+        self.reads.close()
         self._unregister_host()
         if self._region is not None:
             self.client.unregister(self._region)

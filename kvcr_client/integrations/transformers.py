@@ -12,6 +12,15 @@ deliver with a layer plan (group i: layer i of every block), and each layer wait
 own group only when the model first uses it, so layer 0 computes while later layers are
 still arriving. The bytes are the deposited ones, so the model computes exactly what it
 computed on the original cache.
+
+Read grants (spec section 6.12): lease the keys with the same ``client`` first
+(``client.lease(keys)``, which asks a read grant by default) and hold the lease until
+``close()``. Where the node grants them, the deliver READs the node's pools with the
+client's own agent, layer by layer (``KvcrCache.granted``); where it does not
+(``client_transfers = false``, a node below version 5, keys held at a source through a
+hint) the node delivers, as before. A layer whose read the lease may not have covered
+fails (``LEASE_EXPIRED``, ``LEASE_LOST``): the model's forward raises ``GroupFailed``
+rather than read bytes that may be another object's, and the caller computes the prefix.
 """
 
 from __future__ import annotations
@@ -148,8 +157,11 @@ class KvcrCache(DynamicCache):  # type: ignore[misc]
         span = block_bytes(config, block_tokens, dtype)
         spans = _spans(self.region, layers, len(keys), block_tokens, span, "")
         plan = [[f"L{i}.k", f"L{i}.v"] for i in range(layers)]
+        reads = client.grant_reads
         self.handle: DeliverHandle = client.deliver(dict(zip(keys, spans, strict=True)), request_id=request_id,
                                                     plan=plan)
+        self.granted = client.grant_reads > reads
+        """Whether the deliver READs under read grants (else the node delivers)."""
         Cache.__init__(self, layers=[_DeliveredLayer(self, i, self.prefix_tokens) for i in range(layers)])
 
     def close(self) -> None:

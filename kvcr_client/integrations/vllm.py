@@ -31,7 +31,10 @@ deposits the full prompt blocks computed this step (every chunk of a chunked pre
 scheduler remembers per request how far it has saved); a block that failed to load is
 reported by ``get_block_ids_with_load_errors``, never a hang, and vLLM recomputes it with
 ``kv_load_failure_policy="recompute"`` (and the connector saves it once recomputed). Loads are synchronous to the step (``load_async``
-False), so layers overlap with compute.
+False), so layers overlap with compute. Where the node offers read grants, each worker
+read-leases the blocks of a local load in its own session (the scheduler's lease, in
+another process, could not serve it) and READs them from the node's pools itself
+(``grant_loads``); otherwise the node delivers them (docs/architecture.md section 5).
 
 The connector is a facade, as vLLM's own NixlConnector: vLLM builds it once in its
 scheduler process (``KVConnectorRole.SCHEDULER``) and once in each worker process

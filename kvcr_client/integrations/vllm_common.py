@@ -43,6 +43,7 @@ COUNTERS: dict[str, str] = {
     "leases": "Leases that held at least one block beyond what vLLM had computed (scheduler).",
     "matched_tokens": "Prompt tokens the leases let vLLM skip computing (scheduler).",
     "loads": "Delivers started, one per request with blocks to load in a step (worker).",
+    "grant_loads": "Loads that READ the node's pools under a read grant, the rest the node delivered (worker).",
     "layer_waits": "Waits for a layer's group of blocks before its attention (worker).",
     "blocks_loaded": "Blocks that landed in vLLM's KV cache, every layer (worker).",
     "load_errors": "Layer groups or delivers that failed (worker).",

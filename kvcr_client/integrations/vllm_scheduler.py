@@ -160,7 +160,8 @@ class KvcrScheduler:
         if verdict.source is not None and hinted is not None:
             self.client.submit_hint(hinted, verdict.source, keys)
         # No read grant: the workers deliver, each in a session of its own, which a grant of
-        # this session's would not reach (spec section 6.12).
+        # this session's would not reach (spec section 6.12); each worker read-leases the
+        # blocks it loads itself (docs/architecture.md section 5, "Engines under read grants").
         lookup.lease = self.client.lease(keys, request_id=hinted, read=False)
         return lookup
 

@@ -8,6 +8,16 @@ deposits the full prompt blocks the step computed. A block that failed to load i
 by ``get_block_ids_with_load_errors``, never a hang, and vLLM recomputes it with
 ``kv_load_failure_policy="recompute"``. No call raises into vLLM.
 
+Read grants (spec section 6.12): the scheduler's lease lives in the scheduler's session, and
+a grant serves only the session that holds the lease, so the worker takes a read lease of
+its own for the blocks of each local load (``ReadLeases``), all of a step's sent before the
+first is waited for, and releases it after the load's last layer. Where the node grants
+them the deliver READs the node's pools with this worker's agent (``grant_loads`` counts
+it); where it does not (``client_transfers = false``, a node below version 5, blocks a
+source holds), the node delivers, as before. A block whose read the lease may not have
+covered fails (``LEASE_EXPIRED``, ``LEASE_LOST``) like any block that did not load: it is
+reported, never shown to vLLM with bytes that may be another block's.
+
 ``extra_config["block_observer"]`` (a verification aid, ``"module:Class"``) names a
 ``BlockObserver`` subclass each worker makes without arguments and shows every block's bytes
 in vLLM's cache as saved, and as loaded once every layer landed: a test proves with it that
@@ -26,9 +36,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvcr_client.client import Client, RegionHandle, Span
 from kvcr_client.errors import GroupFailed, KvcrError
+from kvcr_client.integrations.readleases import LEASE_WAIT_S, ReadLeases
 from kvcr_client.integrations.sources import CauseLog
 from kvcr_client.integrations.vllm_common import BlockLoad, Counts, KvcrConnectorMetadata, Settings, brief, hint_id
-from kvcr_client.results import DeliverHandle
+from kvcr_client.leases import LeaseHandle
+from kvcr_client.results import DeliverHandle, OpHandle
 from kvcr_io.plugins import load_class
 
 log = logging.getLogger("kvcr.vllm")
@@ -75,7 +87,18 @@ class _Pending:
     """Key -> the vLLM block ids it fills."""
     request_id: str
     hint_id: str | None
+    lease: LeaseHandle | None = None
+    """This worker's read lease of the blocks, released after the last layer."""
     group_failed: bool = False
+
+
+@dataclass
+class _Prepared:
+    """A load whose objects are laid out, its read lease asked for (None: the node delivers)."""
+
+    load: BlockLoad
+    objects: dict[bytes, list[Span]]
+    asked: OpHandle[LeaseHandle] | None
 
 
 class KvcrWorker:
@@ -88,6 +111,7 @@ class KvcrWorker:
         self.counts = Counts()
         self._causes = CauseLog(log)
         self.client = Client(settings.endpoint, name="vllm-worker")
+        self.reads = ReadLeases(self.client, min(LEASE_WAIT_S, settings.load_timeout_s))
         self._layers: list[str] = []
         self._regions: dict[str, RegionHandle] = {}
         self._tensors: dict[str, Any] = {}
@@ -149,8 +173,12 @@ class KvcrWorker:
     def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
         """One deliver per request of the step's ``meta`` with a layer plan; a request whose blocks
         a source holds hints that source in this worker's own session first (hints are per
-        session). Never raises: a load that cannot start (a source not allowed here, an argument
-        the node refuses) has its blocks reported failed, and vLLM recomputes them."""
+        session), one whose blocks this node holds is read-leased first (every lease of the
+        step sent before the first is waited for). Never raises: a load that cannot start (a
+        source not allowed here, an argument the node refuses) has its blocks reported failed,
+        and vLLM recomputes them."""
+        for stale in self._handles:  # a step whose last layer vLLM never waited for
+            self.reads.release(stale.lease)
         self._handles = []
         try:
             if not isinstance(meta, KvcrConnectorMetadata):
@@ -160,38 +188,62 @@ class KvcrWorker:
             # The boundary with vLLM: an exception here would stop its engine.
             self._causes.warn(f"load:{type(exc).__name__}", "kvcr: no loads this step (%s)", brief(exc))
             return
+        prepared = []
         for load in loads:
             try:
-                self._start_load(load)
+                ready = self._prepare(load)
             except Exception as exc:
                 # The boundary with vLLM: an exception here would stop its engine.
-                self.counts.add("load_errors")
-                self._failed.update(int(b) for b in load.block_ids)
-                self._causes.warn(f"load:{type(exc).__name__}", "kvcr: a load could not start (%s); its blocks "
-                                  "are recomputed", brief(exc))
+                self._load_failed(load, exc)
+                continue
+            if ready is not None:
+                prepared.append(ready)
+        for ready in prepared:
+            try:
+                self._start_load(ready)
+            except Exception as exc:
+                # The boundary with vLLM: an exception here would stop its engine.
+                self._load_failed(ready.load, exc)
 
-    def _start_load(self, load: BlockLoad) -> None:
+    def _load_failed(self, load: BlockLoad, exc: Exception) -> None:
+        self.counts.add("load_errors")
+        self._failed.update(int(b) for b in load.block_ids)
+        self._causes.warn(f"load:{type(exc).__name__}", "kvcr: a load could not start (%s); its blocks "
+                          "are recomputed", brief(exc))
+
+    def _prepare(self, load: BlockLoad) -> _Prepared | None:
+        """Lay a load's objects out and ask its read lease (blocks a source holds get no
+        grant in this version: the node delivers those)."""
         if not load.keys:
-            return
+            return None
+        if load.source is not None and not self.settings.sources.permits(load.source):
+            self.counts.add("sources_refused")
+            raise ValueError("the load names a source that is not allowed here, nothing dialled")
+        objects = {key: self._spans(block_id) for key, block_id in zip(load.keys, load.block_ids, strict=True)}
+        asked = self.reads.ask(load.keys) if load.source is None else None
+        return _Prepared(load, objects, asked)
+
+    def _start_load(self, ready: _Prepared) -> None:
+        load = ready.load
         hinted = None
         if load.source is not None:
-            if not self.settings.sources.permits(load.source):
-                self.counts.add("sources_refused")
-                raise ValueError("the load names a source that is not allowed here, nothing dialled")
             hinted = load.hint_id if load.hint_id is not None else hint_id(load.request_id)
             # Not waited for: the node reads the session's messages in order, so the deliver finds it.
             self.client.submit_hint(hinted, load.source, load.keys)
+        lease = self.reads.take(ready.asked)
         try:
-            objects = {key: self._spans(block_id) for key, block_id in zip(load.keys, load.block_ids, strict=True)}
             blocks = {key: [block_id] for key, block_id in zip(load.keys, load.block_ids, strict=True)}
             self.counts.add("loads")
-            handle = self.client.deliver(objects, request_id=hinted, plan=self._plan(),
-                                         deadline_ms=int(self.settings.load_timeout_s * 1000))
+            handle, granted = self.reads.deliver(lambda: self.client.deliver(
+                ready.objects, request_id=hinted, plan=self._plan(), deadline_ms=int(self.settings.load_timeout_s * 1000)))
         except BaseException:
+            self.reads.release(lease)
             if hinted is not None:
                 self.client.discard_hint(hinted)
             raise
-        self._handles.append(_Pending(handle, blocks, load.request_id, hinted))
+        if granted:
+            self.counts.add("grant_loads")
+        self._handles.append(_Pending(handle, blocks, load.request_id, hinted, lease))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Wait for this layer's group of every load of the step; never raises (a layer that
@@ -205,6 +257,7 @@ class KvcrWorker:
             self._causes.warn(f"layer:{type(exc).__name__}", "kvcr: waiting for a layer failed (%s)", brief(exc))
             for pending in self._handles:
                 self._failed.update(b for ids in pending.blocks.values() for b in ids)
+                self.reads.release(pending.lease)
             self._handles = []
 
     def _wait_layer(self, layer_name: str) -> None:
@@ -251,6 +304,7 @@ class KvcrWorker:
             self._failed.update(blocks[key])
         if failed:
             log.warning("kvcr: %d of %d blocks of %s to be recomputed", len(failed), len(blocks), pending.request_id)
+        self.reads.release(pending.lease)
         if pending.hint_id is not None:
             self.client.discard_hint(pending.hint_id)
 
@@ -291,4 +345,5 @@ class KvcrWorker:
         return failed
 
     def shutdown(self) -> None:
+        self.reads.close()
         self.client.close()

@@ -4,8 +4,9 @@
 page-first ``MHATokenToKVPoolHost``: pages are deposited from the host pool and delivered
 into other host pages in place, one span for a page's K and one for its V across every
 layer, byte for byte; a page never stored reads False and its memory is untouched, as is
-every byte outside the destinations; the node ends clean. The driver needs SGLang's
-import-time extras (``<engine venv>/hicache-extras``, made by ``scripts/engines_env.sh``).
+every byte outside the destinations; the node ends clean. The pages come by READs under
+the backend's read grant, or from the node with ``--no-client-transfers``, alike. The
+driver needs SGLang's import-time extras (``<engine venv>/hicache-extras``, made by ``scripts/engines_env.sh``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 from kvcr_client import Client
 from kvcr_testing.engines import ENGINE_PY, require_engines, run_script
-from kvcr_testing.health import assert_clean
+from kvcr_testing.health import assert_clean, outcome_count
 from kvcr_testing.nodes import NodeProcess
 
 TIMEOUT_S = 180.0
@@ -35,8 +36,9 @@ if not EXTRAS.is_dir():
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
-def test_zero_copy_pages_round_trip_byte_exact(node_factory: Callable[..., NodeProcess]) -> None:
-    node = node_factory("--pool", "kv:16KiB:64")
+@pytest.mark.parametrize("grants", [True, False], ids=["grants", "no-client-transfers"])
+def test_zero_copy_pages_round_trip_byte_exact(node_factory: Callable[..., NodeProcess], grants: bool) -> None:
+    node = node_factory("--pool", "kv:16KiB:64", *(() if grants else ("--no-client-transfers",)))
     r = run_script(DRIVER, node.endpoint, timeout_s=TIMEOUT_S)
     assert r["backend"] == "KvcrHiCacheStorage"
     assert r["spans_per_page"] == 2 and r["span_bytes"] == [SPAN_BYTES], r
@@ -44,7 +46,9 @@ def test_zero_copy_pages_round_trip_byte_exact(node_factory: Callable[..., NodeP
     assert r["get"] == [True] * 10 + [False], r
     assert r["pages_equal"] is True and r["layer_views_equal"] is True, r
     assert r["missing_untouched"] is True and r["rest_untouched"] is True, r
-    assert r["stats"] == {"set": 12, "set_failed": 0, "get": 10, "get_missed": 1}, r
+    assert r["stats"] == {"set": 12, "set_failed": 0, "get": 10, "get_missed": 1, "get_granted": 10 if grants else 0}, r
     with Client(node.endpoint, name="sglang-check") as c:
         st = assert_clean(c)
     assert st["objects"] == 10
+    assert st["leases"].get("read_grants", 0) == int(grants), st["leases"]
+    assert outcome_count(st, "deliver.OK") == (0 if grants else 10), st["outcomes"]

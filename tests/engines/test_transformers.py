@@ -9,6 +9,11 @@ rest. Its logits are ``torch.equal`` to A's, its tokens the same, and every laye
 for its own group once. Both nodes end clean. The engines run ``examples/transformers_prefix.py``,
 the example the README shows.
 
+On one node (``both``: the two engines one after the other in one process) engine B's
+lease gets a read grant and its deliver READs the node's pools itself, layer by layer: the
+node delivers nothing; with ``--no-client-transfers`` the node grants none and delivers
+the blocks. The logits are A's either way.
+
 Outside CI, without the engine environment, the test is skipped and says why; in CI it
 must run (``.ci/run`` makes the environment first).
 """
@@ -22,7 +27,7 @@ import pytest
 
 from kvcr_client import Client
 from kvcr_testing.engines import require_engines, run_example
-from kvcr_testing.health import assert_clean
+from kvcr_testing.health import assert_clean, outcome_count
 from kvcr_testing.nodes import NodeProcess
 
 POOL = "kv:12KiB:4096"
@@ -50,7 +55,28 @@ def test_two_engines_share_a_prefix_across_two_nodes(node_factory: Callable[...,
     assert b["logits_equal"] is True and b["tokens_equal"] is True, (a, b)
     assert b["tokens"] == a["tokens"]
     assert b["layer_waits"] == b["layers"] == 30, b  # layer by layer: each layer waited for its own group
+    assert b["granted"] is False, b  # keys held at a source get no grant: the nodes deliver them
     for node in (node_a, node_b):
         with Client(node.endpoint, name="engines-check") as c:
             st = assert_clean(c)
             assert st["leases"]["held"] == 0
+
+
+@pytest.mark.timeout(ENGINE_TIMEOUT_S)
+@pytest.mark.parametrize("grants", [True, False], ids=["grants", "no-client-transfers"])
+def test_one_node_reads_under_grants_where_offered(node_factory: Callable[..., NodeProcess], tmp_path: Path,
+                                                   grants: bool) -> None:
+    node = node_factory("--pool", POOL, *(() if grants else ("--no-client-transfers",)))
+    r = engine("both", "--node", node.endpoint, "--tokens", "200", "--out", str(tmp_path / "reference.pt"))
+    a, b = r["deposit"], r["load"]
+    assert isinstance(a, dict) and isinstance(b, dict), r
+    assert a["blocks"] == b["held_blocks"] == 12 and b["lease_statuses"] == ["LEASED"], r
+    assert b["granted"] is grants, b
+    assert b["kv_equal"] is True and b["logits_equal"] is True and b["tokens_equal"] is True, r
+    assert b["layer_waits"] == b["layers"] == 30, b
+    with Client(node.endpoint, name="engines-check") as c:
+        st = assert_clean(c)
+    assert st["leases"]["held"] == 0
+    # The node's own record: a grant and no deliver, or no grant and the twelve blocks delivered.
+    assert st["leases"].get("read_grants", 0) == int(grants), st["leases"]
+    assert outcome_count(st, "deliver.OK") == (0 if grants else 12), st["outcomes"]

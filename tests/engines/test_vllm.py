@@ -14,8 +14,11 @@ under the same model id fails to load the blocks it leased: vLLM is told which, 
 them, and generates what it generates without a cache; when only a later block fails, the
 blocks before it are kept and only the rest is recomputed. Every count is the one vLLM itself
 aggregated from the connectors (its Prometheus counters) and is checked against the
-node's own record of what it stored and delivered. Runs ``examples/vllm_prefix.py`` in
-the vLLM environment (``scripts/engines_env.sh``; skipped outside CI without it).
+node's own record of what it stored and delivered. A load from the engine's own node
+READs the node's pools under the worker's read grant (the node delivers nothing), and with
+``--no-client-transfers`` the node delivers it, to the same tokens and logprobs; blocks a
+source holds the nodes deliver. Runs ``examples/vllm_prefix.py`` in the vLLM environment
+(``scripts/engines_env.sh``; skipped outside CI without it).
 """
 
 from __future__ import annotations
@@ -39,9 +42,12 @@ TIMEOUT_S = 300.0
 HERE = Path(__file__).parent
 LOAD_TIMEOUT_S = 5.0
 """The load's deadline where the source is killed: the node gives up on it then."""
-LOADED = {"layer_waits": 4, "loads": 1, "blocks_loaded": 3, "saves": 0, "blocks_saved": 0, "save_errors": 0, "load_errors": 0, "blocks_failed": 0,
+LOADED = {"layer_waits": 4, "loads": 1, "grant_loads": 1, "blocks_loaded": 3, "saves": 0, "blocks_saved": 0, "save_errors": 0, "load_errors": 0, "blocks_failed": 0,
           "leases": 1, "matched_tokens": 96, "sources_refused": 0, "lookups_timed_out": 0, "lookup_errors": 0}
-"""Four layers, three full blocks of 32 of a 100-token prompt: one lease, one load, a wait per layer."""
+"""Four layers, three full blocks of 32 of a 100-token prompt: one lease, one load (READ under
+the worker's read grant), a wait per layer."""
+REMOTE_LOADED = {**LOADED, "grant_loads": 0}
+"""The same load, of blocks a source holds: the nodes deliver them (grants cover local keys)."""
 PATIENT = {"lookup_timeout_s": 30.0}
 """A lookup (a first dial to a source included) answered in time on a loaded machine; meanwhile
 vLLM's scheduler is told "not yet" and steps again."""
@@ -62,7 +68,8 @@ def node_record(node: NodeProcess) -> tuple[int, int]:
     return outcome_count(st, "deposit.STORED"), outcome_count(st, "deliver.OK")
 
 
-def load_failing(r: dict[str, object], blocks_loaded: int, blocks_failed: int, blocks_saved: int) -> None:
+def load_failing(r: dict[str, object], blocks_loaded: int, blocks_failed: int, blocks_saved: int,
+                 expected: dict[str, int] = LOADED) -> None:
     """A generation whose blocks failed to load: vLLM was told exactly which, recomputed them
     (and the connector saved them then: ``blocks_saved`` of them stored, where the node did
     not hold their keys already) and generated the reference's tokens; the blocks kept are
@@ -70,7 +77,7 @@ def load_failing(r: dict[str, object], blocks_loaded: int, blocks_failed: int, b
     loaded = r["loaded"]
     assert isinstance(loaded, dict)
     assert loaded["load_errors"] >= 1, loaded
-    assert loaded == {**LOADED, "blocks_loaded": blocks_loaded, "blocks_failed": blocks_failed, "saves": 1,
+    assert loaded == {**expected, "blocks_loaded": blocks_loaded, "blocks_failed": blocks_failed, "saves": 1,
                       "blocks_saved": blocks_saved, "load_errors": loaded["load_errors"]}, loaded
     assert r["blocks_matching"] == blocks_loaded, r
     assert r["same_tokens"] is True and r["same_logprobs"] is True, r
@@ -84,13 +91,16 @@ def assert_nodes_clean(*nodes: NodeProcess) -> None:
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
-def test_second_generation_loads_the_prefix_layer_by_layer(node_factory: Callable[..., NodeProcess]) -> None:
-    node = node_factory("--pool", POOL)
+@pytest.mark.parametrize("grants", [True, False], ids=["grants", "no-client-transfers"])
+def test_second_generation_loads_the_prefix_layer_by_layer(node_factory: Callable[..., NodeProcess],
+                                                            grants: bool) -> None:
+    node = node_factory("--pool", POOL, *(() if grants else ("--no-client-transfers",)))
     r = vllm("both", "--node", node.endpoint)
     assert r["saved"] == SAVED, r["saved"]
-    assert r["loaded"] == LOADED, r["loaded"]
+    assert r["loaded"] == (LOADED if grants else REMOTE_LOADED), r["loaded"]
     assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
-    assert node_record(node) == (SAVED["blocks_saved"], LOADED["blocks_loaded"])
+    # The node's own record: under the grant the worker READ the blocks, the node delivered none.
+    assert node_record(node) == (SAVED["blocks_saved"], 0 if grants else LOADED["blocks_loaded"])
     assert_nodes_clean(node)
 
 
@@ -103,7 +113,7 @@ def test_chunked_prefill_saves_every_chunk(node_factory: Callable[..., NodeProce
     assert r["saved"] == {**SAVED, "saves": 3, "blocks_saved": 9}, r["saved"]
     assert r["loaded"] == {**LOADED, "blocks_loaded": 9, "matched_tokens": 288}, r["loaded"]
     assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
-    assert node_record(node) == (9, 9)
+    assert node_record(node) == (9, 0)  # READ under the worker's grant
     assert_nodes_clean(node)
 
 
@@ -130,7 +140,7 @@ def test_across_two_nodes(node_factory: Callable[..., NodeProcess], tmp_path: Pa
     saved = vllm("save", "--node", node_b.endpoint, "--out", str(reference))
     assert saved["saved"]["blocks_saved"] == 3, saved  # type: ignore[index]
     r = vllm("load", "--node", node_a.endpoint, "--source", node_b.endpoint, "--reference", str(reference))
-    assert r["loaded"] == LOADED, r["loaded"]
+    assert r["loaded"] == REMOTE_LOADED, r["loaded"]
     assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
     # The source named per request instead, in kv_transfer_params (what the saving engine's
     # request_finished returns), as a decode engine on another host would get it: used where
@@ -138,7 +148,7 @@ def test_across_two_nodes(node_factory: Callable[..., NodeProcess], tmp_path: Pa
     # (and its blocks saved in A, which is why this run comes last).
     r = vllm("load", "--node", node_a.endpoint, "--params-source", node_b.endpoint, "--reference", str(reference),
              extra={"allowed_sources": [node_b.endpoint]})
-    assert r["loaded"] == LOADED, r["loaded"]
+    assert r["loaded"] == REMOTE_LOADED, r["loaded"]
     assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
     r = vllm("load", "--node", node_a.endpoint, "--params-source", node_b.endpoint, "--reference", str(reference))
     assert r["loaded"] == {**SAVED, "sources_refused": 1}, r["loaded"]
@@ -181,6 +191,6 @@ def test_source_killed_after_the_lease(node_factory: Callable[..., NodeProcess],
                     timeout_s=TIMEOUT_S, python=VLLM_PY,
                     env={"PYTHONPATH": os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))})
     assert node_b.proc.wait(10) == -signal.SIGKILL
-    load_failing(r, 0, 3, 3)  # recomputed, the three blocks are saved in A: the next request finds them there
+    load_failing(r, 0, 3, 3, REMOTE_LOADED)  # recomputed, the three blocks are saved in A: the next request finds them there
     assert node_record(node_a) == (3, 0)
     assert_nodes_clean(node_a)

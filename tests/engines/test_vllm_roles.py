@@ -5,7 +5,9 @@ scheduler does and as a worker does: each holds its own side only (``KvcrSchedul
 ``KvcrWorker``) and refuses the other side's calls by name. A ``block_observer`` that is not a
 ``BlockObserver`` subclass one can make is refused with an error naming the key before any
 session opens; an observer that raises on every block changes no load or save: the
-blocks land byte-exact, nothing is reported failed, the counts are those of a clean step.
+blocks land byte-exact, nothing is reported failed, the counts are those of a clean step
+(the load READ under the worker's read grant). A worker whose read lease ends mid-read
+reports every block of the load failed, for vLLM to recompute: none counts as loaded.
 """
 
 from __future__ import annotations
@@ -41,9 +43,13 @@ def test_each_role_builds_its_side_and_the_observer_is_checked(node_factory: Cal
     assert r["failed"] == [] and r["byte_exact"] is True, r
     assert r["observer_calls"] == 3 + 2, r  # three blocks loaded, two saved: each call raised
     stats = r["stats"]
-    assert {name: stats[name] for name in ("loads", "layer_waits", "blocks_loaded", "load_errors", "blocks_failed",
-                                           "saves", "blocks_saved", "save_errors")} == {
-        "loads": 1, "layer_waits": 4, "blocks_loaded": 3, "load_errors": 0, "blocks_failed": 0,
+    assert {name: stats[name] for name in ("loads", "grant_loads", "layer_waits", "blocks_loaded", "load_errors",
+                                           "blocks_failed", "saves", "blocks_saved", "save_errors")} == {
+        "loads": 1, "grant_loads": 1, "layer_waits": 4, "blocks_loaded": 3, "load_errors": 0, "blocks_failed": 0,
         "saves": 1, "blocks_saved": 2, "save_errors": 0}, stats
+    lost = r["lease_lost"]
+    assert lost["failed"] == [20, 21, 22] and lost["refused"] == 3, lost  # LEASE_LOST, never shown as loaded
+    assert {name: lost["stats"][name] for name in ("loads", "grant_loads", "blocks_loaded", "blocks_failed")} == {
+        "loads": 1, "grant_loads": 1, "blocks_loaded": 0, "blocks_failed": 3}, lost
     with Client(node.endpoint, name="vllm-roles-check") as c:
         assert_clean(c)

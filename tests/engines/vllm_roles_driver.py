@@ -6,7 +6,9 @@ role the facade holds that side only and refuses the other side's calls by name.
 ``block_observer`` (not ``module:Class``, a module that is not there, a callable that is not a
 ``BlockObserver``, a class that cannot be made) is a ``ValueError`` naming the key, raised
 before the worker opens a session. Then a worker whose observer raises on every block loads
-and saves blocks: the bytes land exactly and nothing is reported failed.
+and saves blocks: the bytes land exactly and nothing is reported failed. Last, a worker
+whose read lease ends while its READs run (released right after the first group's post):
+every block of that load is reported failed, for vLLM to recompute, none shown as loaded.
 """
 
 from __future__ import annotations
@@ -57,6 +59,33 @@ def with_extra(config: Any, **extra: object) -> Any:
     changed.kv_transfer_config.kv_connector_extra_config = {**changed.kv_transfer_config.kv_connector_extra_config,
                                                             **extra}
     return changed
+
+
+def lease_lost(sched: Any, keys: list[bytes], layers: list[str]) -> dict[str, Any]:
+    """A load under a read grant whose lease the worker's client releases mid-read."""
+    worker = KvcrConnector(sched.vllm_config, KVConnectorRole.WORKER, sched.kv_cache_config)
+    side = worker.connector_worker
+    assert side is not None
+    caches = {name: torch.zeros(NUM_BLOCKS, 2, BLOCK, 2, 32, dtype=torch.float32) for name in layers}
+    worker.register_kv_caches(caches)
+    client = side.client
+
+    def release_all(stage: str) -> None:
+        if stage == "posted":
+            for lease in list(client._leases.values()):
+                lease.release()
+
+    client._grants.hook = release_all
+    worker.bind_connector_metadata(KvcrConnectorMetadata(loads=[BlockLoad("r-lost", keys, [20, 21, 22])]))
+    worker.start_load_kv(None)
+    for name in layers:
+        worker.wait_for_layer_load(name)
+    failed = sorted(worker.get_block_ids_with_load_errors())
+    worker.clear_connector_metadata()
+    client._grants.hook = None
+    stats = worker.get_kv_connector_stats()
+    worker.shutdown()
+    return {"failed": failed, "refused": client._grants.refused, "stats": stats.data if stats is not None else {}}
 
 
 def main() -> int:
@@ -116,6 +145,7 @@ def main() -> int:
     report["stats"] = stats.data if stats is not None else {}
     report["observer_calls"] = Exploding.calls
     exploding.shutdown()
+    report["lease_lost"] = lease_lost(sched, keys, layers)
     sched.shutdown()
     print(json.dumps(report), flush=True)
     return 0
