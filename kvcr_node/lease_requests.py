@@ -129,6 +129,11 @@ class LeaseRequests:
         link = self.by_endpoint.get(endpoint)
         return link.incarnation if link is not None else 0
 
+    def version(self, endpoint: str) -> int:
+        """The version the session with the source at ``endpoint`` agreed on (0: none yet)."""
+        link = self.by_endpoint.get(endpoint)
+        return link.version if link is not None and link.state is LinkState.READY else 0
+
     def release_lease(self, endpoint: str, lease: int) -> None:
         link = self.by_endpoint.get(endpoint)
         if link is not None:

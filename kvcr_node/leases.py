@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import LeaseCount, LeaseCounters
-from kvcr_node.grants import grant_rows
+from kvcr_node.grants import Row, grant_rows
 from kvcr_node.outbox import Outbox
 from kvcr_node.records import Session
+from kvcr_node.source_grants import SourceGrants, SourceRow
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_protocol import (
     GRANTS_VERSION,
@@ -90,6 +91,8 @@ class SourceHold:
     """The keys the source holds (HELD)."""
     incarnation: int = 0
     """The source's incarnation that granted ``source_lease`` (its lease ids are its own)."""
+    rows: dict[int, Row] = field(default_factory=dict)
+    """The source's read grant: position in ``keys`` -> its row there (spec section 6.12)."""
 
 
 @dataclass(eq=False)
@@ -172,6 +175,7 @@ class Leases:
         progresses its agent for the reads the grants allow (spec section 6.12)."""
         self.granted_at = -math.inf
         """When a grant was last given or a granted lease renewed: its client reads soon."""
+        self.source_grants = SourceGrants()
 
     # ------------------------------------------------------------------ requests
 
@@ -245,13 +249,26 @@ class Leases:
         self.counters.inc(LeaseCount.RENEWED)
         if record.granted:
             self.granted_at = self.clock()
+        # Version 5: whether every key held at the grant still is (a lease that is still
+        # known held its local keys throughout; keys lost at a source break it). Keys a
+        # client READs at a source under its grant are vouched for by the source's own
+        # ``!held`` on this renewal: the reply waits for it (spec section 6.12, "Across nodes").
+        held = session.version >= GRANTS_VERSION and not any(h.state is HoldState.ENDED and h.held for h in record.sources)
+        vouching = [h for h in record.sources if h.state is HoldState.HELD and h.rows] if held else []
+        left, broken = [len(vouching)], [False]
+
+        def vouched(ok: bool) -> None:
+            left[0] -= 1
+            broken[0] = broken[0] or not ok
+            if left[0] == 0:
+                still = not broken[0] and self.table.get(record.id) is record
+                self.outbox.reply(session, LeaseReply(msg.id, record.id, ttl, None, still))
+
         for hold in record.sources:
             if hold.state is HoldState.HELD:
-                self._renew_at_source(record, hold, ttl)
-        # Version 5: whether every key held at the grant still is (a lease that is still
-        # known held its local keys throughout; keys lost at a source break it).
-        held = session.version >= GRANTS_VERSION and not any(h.state is HoldState.ENDED and h.held for h in record.sources)
-        self.outbox.reply(session, LeaseReply(msg.id, record.id, ttl, None, held))
+                self._renew_at_source(record, hold, ttl, then=vouched if hold in vouching else None)
+        if not vouching:
+            self.outbox.reply(session, LeaseReply(msg.id, record.id, ttl, None, held))
 
     def on_unlease(self, session: Session, msg: ReleaseLease) -> None:
         record = self._own(session, msg.id, msg.lease)
@@ -298,27 +315,39 @@ class Leases:
             self._forget(record)
             lease = 0
         held = bool(lease) and record.session.version >= GRANTS_VERSION
-        grant = self._grant(record, keys, status) if lease and record.read else None
+        grant = self._grant(record, keys, status, first) if lease and record.read else None
         self.outbox.reply(record.session, LeaseReply(request_id, lease, record.ttl_ms,
                                                      LeaseColumns(bytes(status), bytes(tier), self.tiers), held, grant))
 
     # ------------------------------------------------------------------ read grants
 
     def grants_for(self, session: Session) -> bool:
-        """Whether ``session`` may get read grants: a client of version 5 or later, and
-        ``client_transfers`` on (spec section 6.12)."""
-        return (self.config.client_transfers and self.grant_node is not None and session.role is Role.CLIENT
-                and session.version >= GRANTS_VERSION)
+        """Whether ``session`` may get read grants: a client, or a target passing them on to
+        its clients, of version 5 or later, and ``client_transfers`` on (spec section 6.12)."""
+        return (self.config.client_transfers and self.grant_node is not None and session.version >= GRANTS_VERSION)
 
-    def _grant(self, record: LeaseRecord, keys: Sequence[bytes], status: bytearray) -> LeaseGrant:
-        """The read grant of a lease answered now: the slots of every key it holds here."""
+    def _grant(self, record: LeaseRecord, keys: Sequence[bytes], status: bytearray, first: dict[bytes, int]) -> LeaseGrant:
+        """The read grant of a lease answered now: the slots of every key it holds here, and
+        those its sources granted for the keys they hold (a client session only)."""
         record.granted = True
         self.granted += 1
         self.granted_at = self.clock()
         self.counters.inc(LeaseCount.READ_GRANTS)
         assert self.grant_node is not None
         rows = grant_rows(record.entries, keys, status, self.pool_index)
-        return grant_columns(rows, self.grant_node(record.session) if record.node_md else None)
+        node = self.grant_node(record.session) if record.node_md else None
+        remote: dict[int, SourceRow] = {}
+        for hold in record.sources:
+            if hold.state is HoldState.HELD:
+                for k, row in hold.rows.items():
+                    remote[hold.indices[k]] = (hold.endpoint, hold.incarnation, row)
+        if not remote or record.session.role is Role.PEER:
+            return grant_columns(rows, node)
+        for i, key in enumerate(keys):
+            j = first[key]
+            if j != i and j in remote:
+                remote[i] = remote[j]  # a repeated key: the same row again, within the span limit
+        return self.source_grants.columns(record.session, rows, remote, node)
 
     # ------------------------------------------------------------------ holding
 
@@ -476,10 +505,17 @@ class Leases:
     # ------------------------------------------------------------------ keys held by sources
 
     def _ask_source(self, record: LeaseRecord, hold: SourceHold) -> None:
-        keys, ttl = hold.keys, record.ttl_ms
+        keys, ttl, read, endpoint = hold.keys, record.ttl_ms, record.read, hold.endpoint
         self.counters.inc(LeaseCount.ASKED_SOURCES)
-        self.links.ask(hold.endpoint, lambda i: Lease(i, keys, None, ttl),
-                       lambda reply, code: self._source_answered(record, hold, reply, code), SOURCE_ANSWER_S)
+
+        def build(i: int) -> Lease:
+            # Built once the peer session is up: its incarnation says whether the source's
+            # agent is cached (spec section 6.12, "Across nodes"); below 5 the flags stay off the wire.
+            if not read or self.links.version(endpoint) < GRANTS_VERSION:
+                return Lease(i, keys, None, ttl)
+            return Lease(i, keys, None, ttl, True, self.source_grants.wants_node(endpoint, self.links.incarnation(endpoint)))
+
+        self.links.ask(endpoint, build, lambda reply, code: self._source_answered(record, hold, reply, code), SOURCE_ANSWER_S)
 
     def _source_answered(self, record: LeaseRecord, hold: SourceHold, reply: Message | None, code: ErrorCode | None) -> None:
         """A source answered our lease request (or cannot): fill the client's answer."""
@@ -518,6 +554,9 @@ class Leases:
         if held and isinstance(reply, LeaseReply) and reply.lease:
             hold.state, hold.source_lease, hold.held = HoldState.HELD, reply.lease, tuple(held)
             hold.incarnation = self.links.hold_lease(hold.endpoint, reply.lease)
+            if record.read and reply.grant is not None and reply.held:
+                rows = self.source_grants.rows(hold.endpoint, hold.incarnation, reply.grant, len(hold.indices))
+                hold.rows = {k: row for k, row in rows.items() if pending.status[hold.indices[k]] == LeaseStatus.LEASED_REMOTE}
         else:
             hold.state = HoldState.ENDED
             if isinstance(reply, LeaseReply) and reply.lease:  # it holds nothing we count: let it go
@@ -543,18 +582,26 @@ class Leases:
             self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, wait_s, hold.incarnation)
         hold.state = HoldState.ENDED
 
-    def _renew_at_source(self, record: LeaseRecord, hold: SourceHold, ttl: int, lost: ErrorCode = ErrorCode.LEASE_EXPIRED) -> None:
+    def _renew_at_source(
+        self, record: LeaseRecord, hold: SourceHold, ttl: int, lost: ErrorCode = ErrorCode.LEASE_EXPIRED,
+        then: Callable[[bool], None] | None = None,
+    ) -> None:
+        """Renew ``hold`` at its source; ``then`` learns whether the source says its lease held
+        without a break up to its reply (``!held``), and the hold is still ours."""
         source_lease = hold.source_lease
         self.links.ask(hold.endpoint, lambda i: RenewLease(i, source_lease, ttl),
-                       lambda reply, code: self._renewed_at_source(record, hold, source_lease, reply, lost),
+                       lambda reply, code: self._renewed_at_source(record, hold, source_lease, reply, lost, then),
                        SOURCE_ANSWER_S, hold.incarnation)
 
     def _renewed_at_source(
         self, record: LeaseRecord, hold: SourceHold, source_lease: int, reply: Message | None, lost: ErrorCode,
+        then: Callable[[bool], None] | None = None,
     ) -> None:
-        if (isinstance(reply, Error) and reply.code == ErrorCode.UNKNOWN_LEASE and hold.state is HoldState.HELD
-                and hold.source_lease == source_lease):
+        mine = hold.state is HoldState.HELD and hold.source_lease == source_lease
+        if isinstance(reply, Error) and reply.code == ErrorCode.UNKNOWN_LEASE and mine:
             self._lost_at_source(record, hold, lost, f"the source {hold.endpoint} no longer holds them")
+        if then is not None:
+            then(mine and isinstance(reply, LeaseReply) and reply.held and reply.lease == source_lease)
 
     def _lost_at_source(self, record: LeaseRecord, hold: SourceHold, code: ErrorCode, reason: str) -> None:
         """The source no longer holds ``hold``'s keys: the client is told which."""
