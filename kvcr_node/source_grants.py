@@ -17,6 +17,9 @@ from kvcr_node.grants import Row
 from kvcr_node.records import Session
 from kvcr_protocol import DEFAULT_LIMITS, GrantNode, GrantSource, LeaseGrant, ProtocolError, grant_columns
 
+MAX_SOURCE_AGENTS = 1024
+"""Sources' agents kept at most (one per endpoint); the oldest goes first, and its next
+lease asks for its agent again."""
 SourceRow = tuple[str, int, Row]
 """A key's row at a source: the source's endpoint and incarnation, and the row there."""
 
@@ -41,6 +44,9 @@ class SourceGrants:
         node = grant.node
         if node is not None:
             if len(node.slot_size) == 4 * len(node.pools) and all(r.region == i for i, r in enumerate(node.pools)):
+                self.agents.pop(endpoint, None)
+                if len(self.agents) >= MAX_SOURCE_AGENTS:
+                    del self.agents[next(iter(self.agents))]
                 self.agents[endpoint] = (incarnation, node)
         cached = self.agents.get(endpoint)
         if cached is None or cached[0] != incarnation:
