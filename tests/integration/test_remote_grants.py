@@ -6,7 +6,8 @@ once, its agent) reaches the client through A: ``deliver`` then READs from B's p
 the client's own agent, whole, as a subset and with a layer plan, byte for byte, and
 neither node posts a transfer. A source below version 5, or with ``client_transfers`` off,
 grants nothing, and the keys travel node-driven as before. A read is never returned as
-valid when B's lease may not have held: B killed before the READ fails it, a slot B reused
+valid when B's lease may not have held: B killed before the READ, or between the groups
+of a planned read, fails it, a slot B reused
 after the lease expired is detected, and a late reader is confirmed by a renew that A
 answers only with B's word. After each test neither node holds a lease, grant or claim.
 """
@@ -222,3 +223,29 @@ def test_a_late_remote_reader_is_confirmed_with_the_sources_word(sites: Sites) -
     b.resident[b"k"] = ("kv",) * 4
     assert_site_clean(a)
     assert_site_clean(b)
+
+
+def test_a_source_killed_between_groups_fails_the_rest_of_the_read(sites: Sites) -> None:
+    (a,) = sites.start(("a", {"args": ("--peer-dead-ms", "500")}))
+    b = sites("b")
+    src = b.deposit(b"k", LAYOUT, seed=10)
+    rid = hint(a, b, [b"k"])
+    a.client.lease([b"k"], request_id=rid, ttl_ms=60_000).result(RESULT_TIMEOUT_S)
+    dst = np.zeros(LAYOUT.nbytes, np.uint8)
+    spans = spans_into(a, dst)
+
+    def kill(stage: str) -> None:
+        if stage == "posting 2":
+            b.node.kill()  # groups 0 and 1 were read; the source goes before group 2 is posted
+
+    set_hook(a.client, kill)
+    try:
+        handle = a.client.deliver({b"k": spans}, plan=[[n] for n in LAYOUT.names], deadline_ms=5000)
+        res = handle.result(RESULT_TIMEOUT_S)
+    finally:
+        set_hook(a.client, None)
+    assert not b.alive
+    assert res[b"k"].status is KeyStatus.FAILED and res[b"k"].code in FAILED_READ, res
+    assert np.array_equal(dst[:2 * SPAN], src[:2 * SPAN]), "the groups read before the kill landed"
+    poll_stats(a, lambda st: st["leases"]["held"] == 0 and st["leases"]["with_grants"] == 0, SLACK_S, "A ended the lease")
+    assert_site_clean(a, expect_peers_idle=False)
