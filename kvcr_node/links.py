@@ -27,6 +27,7 @@ from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
 from kvcr_io.zmq_flags import POLLIN as _POLLIN
 from kvcr_node import logs
 from kvcr_node.agents import RemoteAgents
+from kvcr_node.client_forgets import ClientForgets
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.lease_requests import LeaseRequests, LinkError
@@ -46,7 +47,6 @@ from kvcr_protocol import (
     LeaseReply,
     Message,
     PeerClient,
-    PeerForget,
     PeerHello,
     PeerWelcome,
     Probe,
@@ -62,7 +62,7 @@ from kvcr_protocol import (
     encode,
 )
 from kvcr_protocol.operations import SOURCE_CODES
-from kvcr_protocol.versions import CLIENT_GONE_VERSION, COLUMNS_VERSION, PARTIAL_LAYOUT_VERSION
+from kvcr_protocol.versions import COLUMNS_VERSION, PARTIAL_LAYOUT_VERSION
 
 log = logging.getLogger("kvcr.node")
 
@@ -94,7 +94,7 @@ def _close_quietly(sock: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | 
         monitor.close(0)
 
 
-class Links(LeaseRequests):
+class Links(LeaseRequests, ClientForgets):
     """Every link of this node to a source node (the target side of spec section 12).
 
     The node makes it and hands it to ``Target``, which it then reports to (``owner``), and
@@ -219,39 +219,6 @@ class Links(LeaseRequests):
         link.probes.pop(write.probe_id, None)
         link.last_used = self.clock()
         self.reports.write_over(write, code, reason, results, was_uncertain)
-
-    def forget_client(self, agent: str) -> None:
-        """A client's session ended: no link announces it any more (it is announced afresh if
-        it returns), and each source that may know it is told so, once nothing of the client
-        can still run there (``peer_forget``, spec section 5.3, version 5)."""
-        for link in self:
-            known = link.clients_sent.pop(agent, None) is not None
-            for announce_id in [i for i, a in link.announcing.items() if a == agent]:
-                del link.announcing[announce_id]
-                known = True
-            if known or any(w.agent == agent and w.client is not None for w in (*link.writes.values(), *link.queued)):
-                link.forgets.add(agent)
-                self._send_forgets(link)
-
-    def _send_forgets(self, link: PeerLink) -> None:
-        """Send ``peer_forget`` for each client that left and that no write on ``link`` names
-        any more (sent, queued or uncertain: the message follows every write for the client
-        on the connection), once the session is up (spec section 5.3). A session below
-        version 5 carries none: the source bounds its table itself (``max_peer_clients``)."""
-        if not link.forgets or link.state is not LinkState.READY or link.closed:
-            return
-        if link.version < CLIENT_GONE_VERSION:
-            for agent in link.forgets:
-                link.clients_sent.pop(agent, None)  # a queued write of the client announced it again
-            link.forgets.clear()
-            return
-        running = {w.agent for w in (*link.writes.values(), *link.queued) if w.client is not None}
-        for agent in sorted(link.forgets - running):
-            if not self._send(link, PeerForget(next(self._ids), agent)):
-                return  # the socket is full: the next check tries again
-            link.forgets.discard(agent)
-            link.clients_sent.pop(agent, None)
-            self.counters.inc(Count.PEER_FORGETS_SENT)
 
     def _send_write(self, write: RemoteWrite) -> None:
         link = write.link
