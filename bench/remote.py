@@ -10,11 +10,18 @@ Measured in one run:
 2. remote deliver throughput (1024 spans of 64 KiB, 64 MiB) against raw NIXL WRITE of
    the same descriptors;
 3. inline against deferred submission on the source (first layer; a source node started
-   through ``deferred_source.py``, which submits peer writes late in the turn).
+   through ``deferred_source.py``, which submits peer writes late in the turn);
+4. the same objects leased with a read grant passed on from B (spec section 6.12, "Across
+   nodes"): the client READs B's pools itself. First layer landed (the deliver call to
+   group 0 done) against a raw NIXL READ of one 1 MiB layer from a bare NIXL process (the
+   descriptors built per READ, as kvcr builds them); first of 32 layers against the whole
+   planned deliver; the 64 MiB of 1024 spans against a raw NIXL READ of the same
+   descriptors (prepared once).
 
 Run: ``python bench/remote.py`` (under a minute); ``--json`` adds one line with
-``ttfl_ratio``, ``first_layer_fraction`` and ``remote_deliver_ratio``. Ratios matter, not
-absolute times. Progress goes to stderr (``--quiet``: none); ``--plot FILE`` writes a PNG of
+``ttfl_ratio``, ``first_layer_fraction``, ``remote_deliver_ratio``, ``grant_ttfl_ratio``
+(goal <= 1.3), ``grant_first_layer_fraction`` (goal <= 0.1) and
+``grant_remote_deliver_ratio`` (goal >= 0.95). Ratios matter, not absolute times. Progress goes to stderr (``--quiet``: none); ``--plot FILE`` writes a PNG of
 each measurement's distribution beside its raw anchors (``bench/plots.py``).
 """
 
@@ -50,11 +57,32 @@ LAYER_PLAN = [[f"L{i}"] for i in range(LAYERS)]
 
 
 def node_flags() -> list[str]:
-    return ["--pool", f"kv:64KiB:{SPANS + 8}", "--pool", f"layer:1MiB:{LAYERS + 4}", "--log-level", "WARNING"]
+    # Leases may pin whole pools: the granted measurements lease both objects at once.
+    return ["--pool", f"kv:64KiB:{SPANS + 8}", "--pool", f"layer:1MiB:{LAYERS + 4}", "--log-level", "WARNING",
+            "--lease-pool-fraction", "1", "--lease-session-fraction", "1"]
+
+
+def raw_read(agent: Any, writer: str, local: Any, remote: Any) -> float:
+    """One raw NIXL READ by this process of ``remote`` into ``local`` (descriptor lists, or
+    prepared lists as (list, list) handles), polled until done; its time from the post."""
+    t0 = time.perf_counter()
+    if isinstance(local, tuple):
+        handle = agent.make_prepped_xfer("READ", local[0], local[1], remote[0], remote[1])
+    else:
+        handle = agent.initialize_xfer("READ", local, remote, writer)
+    state = agent.transfer(handle)
+    give_up = t0 + 30
+    while state == "PROC" and time.perf_counter() < give_up:
+        state = agent.check_xfer_state(handle)
+    elapsed = time.perf_counter() - t0
+    agent.release_xfer_handle(handle)
+    assert state == "DONE", state
+    return elapsed
 
 
 def raw_anchor(endpoint: str, reps: int) -> dict[str, Any]:
-    """Raw NIXL WRITE of one span and of 1024 spans into this process, plus raw ZeroMQ round trips."""
+    """Raw NIXL WRITE of one span and of 1024 spans into this process, raw ZeroMQ round trips,
+    and this process's raw NIXL READs of the writer's memory: one 1 MiB layer, and 1024 spans."""
     nixl = load_nixl()
     agent = nixl.nixl_agent("raw-remote-client", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     dst = np.zeros(SPAN * SPANS, dtype=np.uint8)
@@ -76,6 +104,22 @@ def raw_anchor(endpoint: str, reps: int) -> dict[str, Any]:
 
     one = [write(LAYER // SPAN, merged=True) for _ in range(reps * 4)]  # one descriptor of 1 MiB
     whole = [write(SPANS) for _ in range(reps)]
+    # The consumer's READs (the anchors of reads under grants): the writer's pool holds the same bytes.
+    found = msgpack.unpackb(_call(sock, {"t": "md"}))
+    writer, base = agent.add_remote_agent(found["md"]), int(found["addr"])
+    mine = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(dst.ctypes.data + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
+    theirs = agent.prep_xfer_dlist(writer, [(base + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
+    everything = (list(range(SPANS)),) * 2
+
+    def one_layer() -> float:
+        ldesc = agent.get_xfer_descs(np.array([(dst.ctypes.data, LAYER, 0)], dtype=np.uint64), "DRAM")
+        rdesc = agent.get_xfer_descs(np.array([(base, LAYER, 0)], dtype=np.uint64), "DRAM")
+        return raw_read(agent, writer, ldesc, rdesc)
+
+    for _ in range(3):  # the connection's set-up is not the anchor
+        one_layer()
+    read_layer = [one_layer() for _ in range(reps * 4)]
+    read_whole = [raw_read(agent, writer, (mine, everything[0]), (theirs, everything[1])) for _ in range(reps)]
     rtt = []
     for i in range(500):
         t0 = time.perf_counter()
@@ -87,8 +131,64 @@ def raw_anchor(endpoint: str, reps: int) -> dict[str, Any]:
     sock.close(0)
     ctx.term()
     samples = {"one_span_e2e": [e for e, _ in one], "one_span_xfer": [x for _, x in one],
-               "whole_xfer": [x for _, x in whole], "rtt": rtt[50:]}
+               "whole_xfer": [x for _, x in whole], "rtt": rtt[50:], "read_layer": read_layer, "read_whole": read_whole}
     return {**{name: summary(values) for name, values in samples.items()}, "samples": samples}
+
+
+def _call(sock: zmq.Socket[bytes], msg: dict[str, Any]) -> bytes:
+    sock.send(msgpack.packb(msg))
+    return sock.recv()
+
+
+def bench_grants(
+    eng: Client, layers: Any, big_spans: Any, layered: np.ndarray, big: np.ndarray, dst_layers: np.ndarray,
+    dst: np.ndarray, reps: int, progress: Progress,
+) -> dict[str, list[float]]:
+    """The objects leased at B through A with a read grant: the client READs B's pools. The
+    lease is renewed before each timed deliver, outside the timing, so that the clock alone
+    vouches for every read (spec section 6.12, "Validity")."""
+    progress.step(f"under a read grant from B: first layer and {SPANS * SPAN >> 20} MiB, {reps * 2} times each")
+    lease = eng.lease([b"layers", b"big"], request_id="bench", ttl_ms=600_000).result(10)
+    grants = eng._grants
+    if not grants.sources or len(grants) != 2:
+        raise AssertionError(f"B's grant did not reach the client (client_transfers off, or below version 5?): "
+                             f"{len(grants)} keys, {len(grants.sources)} sources, {[lease.status(k) for k in lease.keys]}")
+    reads = grants.reads
+    times: dict[str, list[float]] = {"grant_first": [], "grant_planned_all": [], "grant_whole_big": []}
+
+    def planned() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        handle = eng.deliver({b"layers": layers}, request_id="bench", plan=LAYER_PLAN)
+        handle.wait(0, 10)
+        t_first = time.perf_counter() - t0
+        assert handle.result(10)[b"layers"].ok
+        return t_first, time.perf_counter() - t0
+
+    def whole() -> float:
+        t0 = time.perf_counter()
+        res = eng.deliver({b"big": big_spans}, request_id="bench").result(30)
+        assert res[b"big"].ok, res
+        return time.perf_counter() - t0
+
+    dst_layers[:] = 0
+    dst[:] = 0
+    for _ in range(3):
+        planned()
+        whole()
+    if not np.array_equal(dst_layers, layered) or not np.array_equal(dst, big):
+        raise AssertionError("bytes read under B's grant differ from the deposited bytes")
+    for i in range(reps * 2):
+        progress.tick("granted deliveries", i, reps * 2)
+        lease.renew().result(10)
+        first, every = planned()
+        times["grant_first"].append(first)
+        times["grant_planned_all"].append(every)
+        lease.renew().result(10)
+        times["grant_whole_big"].append(whole())
+    if grants.reads != reads + 6 + 4 * reps:
+        raise AssertionError("a deliver of the leased objects went through the nodes")
+    lease.release().result(10)
+    return times
 
 
 def bench_kvcr(a: str, b: str, b_defer: str, reps: int, progress: Progress) -> dict[str, Any]:
@@ -146,17 +246,34 @@ def bench_kvcr(a: str, b: str, b_defer: str, reps: int, progress: Progress) -> d
             whole_big_prepared.append(whole(b"big", prepared))
         if not np.array_equal(dst, big):
             raise AssertionError("delivered bytes differ (big object)")
+        granted = bench_grants(eng, layers, big_spans, layered, big, dst_layers, dst, reps, progress)
         stats_b = owner.stats().result(5)
         assert stats_b["invariants"] == [] and stats_b["claims"]["total"] == 0, stats_b
         samples = {"first": [f for f, _ in runs], "planned_all": [t for _, t in runs],
                    "first_deferred": [f for f, _ in deferred], "whole_layers": whole_layers, "whole_big": whole_big,
-                   "whole_big_prepared": whole_big_prepared}
+                   "whole_big_prepared": whole_big_prepared, **granted}
         out.update({name: summary(values) for name, values in samples.items()})
         out["samples"] = samples
         out["inline_writes"] = stats_b["counters"].get("writes_inline", 0)
         out["notified"] = stats_b["transfers"].get("notified", 0)
         out["matched"] = eng.core.notifications["matched"]
     return out
+
+
+def ratios(k: dict[str, Any], r: dict[str, Any]) -> dict[str, float]:
+    """The ``--json`` figures from the kvcr and raw summaries (medians; ``_spread`` keys:
+    (p90 - p10) / median of the kvcr side of each granted figure)."""
+    anchor = r["one_span_xfer"]["median"] + r["rtt"]["median"]
+    return {
+        "ttfl_ratio": k["first"]["median"] / anchor,
+        "first_layer_fraction": k["first"]["median"] / k["planned_all"]["median"],
+        "remote_deliver_ratio": r["whole_xfer"]["median"] / k["whole_big"]["median"],
+        "grant_ttfl_ratio": k["grant_first"]["median"] / r["read_layer"]["median"],
+        "grant_first_layer_fraction": k["grant_first"]["median"] / k["grant_planned_all"]["median"],
+        "grant_remote_deliver_ratio": r["read_whole"]["median"] / k["grant_whole_big"]["median"],
+        "grant_first_spread": k["grant_first"]["spread"],
+        "grant_whole_big_spread": k["grant_whole_big"]["spread"],
+    }
 
 
 def main() -> int:
@@ -167,7 +284,7 @@ def main() -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args()
     flags = node_flags()
-    progress = Progress("remote", 4, enabled=not args.quiet)
+    progress = Progress("remote", 5, enabled=not args.quiet)
     with process_group("rbench") as (run, procs):
         progress.step("start nodes A, B and a deferred-submission B, and the raw NIXL writer")
         for name in ("a", "b"):
@@ -178,10 +295,8 @@ def main() -> int:
         k = bench_kvcr(f"ipc://{run}/a.sock", f"ipc://{run}/b.sock", f"ipc://{run}/bd.sock", args.reps, progress)
         progress.step("raw anchors: NIXL WRITE of one 1 MiB span and of the 64 MiB object, ZeroMQ round trips")
         r = raw_anchor(f"ipc://{run}/raw.sock", args.reps)
-    anchor = r["one_span_xfer"]["median"] + r["rtt"]["median"]
-    ttfl_ratio = k["first"]["median"] / anchor
-    fraction = k["first"]["median"] / k["planned_all"]["median"]
-    deliver_ratio = r["whole_xfer"]["median"] / k["whole_big"]["median"]
+    figures = ratios(k, r)
+    ttfl_ratio, fraction, deliver_ratio = figures["ttfl_ratio"], figures["first_layer_fraction"], figures["remote_deliver_ratio"]
     print(f"load average {os.getloadavg()[0]:.2f} (cores {os.cpu_count()})")
     print(f"time to first layer: {LAYERS} layers of {LAYER >> 20} MiB on node B, client on node A, one group per layer")
     print(f"  kvcr first layer landed (wait(0))      {fmt_us(k['first'])}")
@@ -204,14 +319,22 @@ def main() -> int:
     print(f"  deferred  {fmt_us(k['first_deferred'])}")
     print(f"  ratio deferred / inline: {k['first_deferred']['median'] / k['first']['median']:.2f}  "
           f"(source counted {k['inline_writes']} inline submissions)")
+    print("under a read grant passed on from B (the client READs B's pools itself; spec section 6.12)")
+    print(f"  kvcr first layer landed (wait(0))      {fmt_us(k['grant_first'])}")
+    print(f"  kvcr every layer landed (same deliver) {fmt_us(k['grant_planned_all'])}")
+    print(f"  raw NIXL READ of one 1 MiB layer       {fmt_us(r['read_layer'])}")
+    print(f"  grant_ttfl_ratio first layer / raw READ of one layer: {figures['grant_ttfl_ratio']:.2f} (goal <= 1.3)")
+    print(f"  grant_first_layer_fraction first layer / whole: {figures['grant_first_layer_fraction']:.2f} (goal <= 0.1)")
+    print(f"  kvcr {SPANS * SPAN >> 20} MiB, {SPANS} spans           {fmt_gbps(SPANS * SPAN, k['grant_whole_big'])}")
+    print(f"  raw NIXL READ, same descriptors        {fmt_gbps(SPANS * SPAN, r['read_whole'])}")
+    print(f"  grant_remote_deliver_ratio raw READ / kvcr: {figures['grant_remote_deliver_ratio']:.2f} (goal >= 0.95)")
     if args.plot is not None:
         from plots import plot_remote
 
         plot_remote(k, r, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"ttfl_ratio": round(ttfl_ratio, 3), "first_layer_fraction": round(fraction, 3),
-                          "remote_deliver_ratio": round(deliver_ratio, 3)}))
+        print(json.dumps({name: round(value, 3) for name, value in figures.items()}))
     return 0
 
 

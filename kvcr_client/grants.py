@@ -15,6 +15,11 @@ has not ended in the client's view and that the time is still inside the lease's
 time to live and the node's grace period, minus a margin; else it confirms with a
 ``renew`` whose reply must say the lease held without a break. A key that fails fails
 ``LEASE_EXPIRED`` or ``LEASE_LOST``: its bytes are never reported as the key's.
+
+A key the lease holds at a source may come with the source's grant, passed on by the node
+(section 6.12, "Across nodes"): ``Grants`` loads each source's agent once per session and
+incarnation, READs those keys from the source directly, and bounds their validity by the
+source's grace period too.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from kvcr_protocol import (
     DeliverItem,
     ErrorCode,
     GrantNode,
+    GrantSource,
     LeaseGrant,
     LeaseReply,
     MemoryKind,
@@ -57,6 +63,8 @@ DEFAULT_READ_S = 30.0
 """How long READs of a deliver with deadline 0 may take."""
 PRUNE_SLACK = 1024
 """Granted keys of ended leases tolerated in the table before it is swept."""
+MAX_SOURCES = 256
+"""Sources' agents one session loads at most; rows at more sources travel by deliver."""
 
 Hook = Callable[[str], Any]
 """Called in the caller's thread with ``"posting"`` before a deliver's group 0 is posted and
@@ -67,13 +75,14 @@ later turn (tests hold a group back). Not a setting of the product."""
 
 @dataclass(frozen=True, slots=True)
 class GrantedKey:
-    """One key a lease lets this client READ: its stored span names, and per span its pool
-    (an index into ``welcome.pools``) and slot."""
+    """One key a lease lets this client READ: its stored span names, per span its pool (an
+    index into the pools of ``agent``, the node's or a source's) and slot."""
 
     lease: LeaseHandle
     names: tuple[str, ...]
     pools: bytes
     slots: tuple[int, ...]
+    agent: NodeAgent
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +97,8 @@ class NodePool:
 
 @dataclass(frozen=True, slots=True)
 class NodeAgent:
-    """The node's agent as loaded into ours, for one session (``welcome``)."""
+    """The node's agent (or a source's) as loaded into ours, for one session (``welcome``);
+    ``grace_s``, the shortest grace period its grants' validity depends on."""
 
     name: str
     pools: tuple[NodePool, ...]
@@ -102,6 +112,8 @@ class Grants:
     def __init__(self, core: ClientCore) -> None:
         self.core = core
         self.node: NodeAgent | None = None
+        self.sources: dict[tuple[str, int], NodeAgent] = {}
+        """Sources' agents loaded this session, by (endpoint, incarnation)."""
         self._keys: dict[bytes, GrantedKey] = {}
         self._sweep_at = PRUNE_SLACK
         self._stale: set[str] = set()
@@ -130,10 +142,13 @@ class Grants:
         node = self.node
         if node is None or node.welcome is not self.core.welcome:
             return frozenset()  # no agent to read with: the keys travel by deliver
+        sources = [self._source(source, node) for source in grant.sources]
         added = set()
         for i, names, pools, slots in grant.keys(DEFAULT_LIMITS):
-            if max(pools, default=0) < len(node.pools):
-                self._keys[keys[i]] = GrantedKey(lease, names, pools, tuple(slots))
+            index = grant.source[i] if grant.source else 0
+            agent = sources[index - 1] if index else node
+            if agent is not None and max(pools, default=0) < len(agent.pools):
+                self._keys[keys[i]] = GrantedKey(lease, names, pools, tuple(slots), agent)
                 added.add(keys[i])
         if len(self._keys) > self._sweep_at:
             # Keys of ended leases go in one sweep once the table doubled since the last, so
@@ -174,13 +189,32 @@ class Grants:
         """Remove the node agents of ended sessions that no READ runs on any more (lock held)."""
         if not self._stale:
             return
-        running = {job.remote for job in self.core.reads.running}
+        running = {remote for job in self.core.reads.running for remote in job.remotes}
         for name in self._stale - running:
             self._stale.discard(name)
             try:
                 self.core.agent.remove_remote(name)
             except Exception:  # already gone (NIXL refused): nothing more to free
                 continue
+
+    def _source(self, source: GrantSource, node: NodeAgent) -> NodeAgent | None:
+        """A source's agent as loaded into ours: cached for its endpoint and incarnation, or
+        loaded now from ``source.node``; None when neither (its rows travel by deliver)."""
+        name = (source.endpoint, source.incarnation)
+        cached = self.sources.get(name)
+        if cached is not None and cached.welcome is node.welcome:
+            return cached
+        md = source.node
+        sizes = md.slot_sizes() if md is not None else []
+        if md is None or len(sizes) != len(md.pools) or any(r.region != i for i, r in enumerate(md.pools)):
+            return None
+        if any(size <= 0 for size in sizes) or len(self.sources) >= MAX_SOURCES:
+            return None
+        pools = tuple(NodePool(r.kind, r.device, r.address, size) for r, size in zip(md.pools, sizes, strict=True))
+        agent = self.core.call(lambda: self._add(md.agent_md)).result()
+        grace = min(node.grace_s, md.grace_ms / 1000 if md.grace_ms else math.inf)
+        loaded = self.sources[name] = NodeAgent(agent, pools, grace, node.welcome)
+        return loaded
 
     def forget(self) -> None:
         """A new session: grants of the old one are void. Its node agent stays loaded until
@@ -192,10 +226,12 @@ class Grants:
         if self.node is not None:
             self._stale.add(self.node.name)
             self.node = None
+        self._stale.update(source.name for source in self.sources.values())
+        self.sources.clear()
 
     @property
     def stale(self) -> int:
-        """Node agents of ended sessions still loaded."""
+        """Node agents of ended sessions still loaded (the node's and its sources')."""
         return len(self._stale)
 
     def cover(self, items: Sequence[DeliverItem]) -> list[GrantedKey] | None:
@@ -207,7 +243,8 @@ class Grants:
         out = []
         for item in items:
             granted = self._keys.get(item.key)
-            if granted is None or granted.lease.ended is not None or item.key in granted.lease.lost:
+            if granted is None or granted.lease.ended is not None or item.key in granted.lease.lost \
+                    or granted.agent.welcome is not node.welcome:
                 return None
             out.append(granted)
         return out
@@ -236,11 +273,11 @@ class Grants:
         n = len(items)
         codes: list[int] = [0] * n
         counts = [1 + max(g, default=0) for g in groups] if groups is not None else [1] * n
-        posts = [(g, lk, local, rk, remote, owners) for (g, lk, rk), (local, remote, owners)
+        posts = [(g, lk, local, rk, remote, owners, peer) for (g, peer, lk, rk), (local, remote, owners)
                  in self._plan(items, granted, groups, regions, codes).items()]
         deadline = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_READ_S)
         core = self.core
-        job = GrantRead(self, core.agent, node.name, items, granted, counts, posts, codes, deadline, landed, finished, quiet)
+        job = GrantRead(self, core.agent, items, granted, counts, posts, codes, deadline, landed, finished, quiet)
         if self.hook is not None:
             self.hook("posting")
         core.call(job.post).result()
@@ -255,15 +292,14 @@ class Grants:
     def _plan(
         self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], groups: Sequence[tuple[int, ...]] | None,
         regions: Mapping[int, RegionHandle], codes: list[int],
-    ) -> dict[tuple[int, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]]:
-        """The descriptor pairs of every READ, per (group, local kind, remote kind), with the
-        items each carries; spans that continue the previous pair on both sides merge into
-        it (most objects sit in consecutive slots). Keys whose names or sizes do not fit
-        get their code and no descriptor."""
-        assert self.node is not None
-        pools = self.node.pools
-        plans: dict[tuple[int, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]] = {}
+    ) -> dict[tuple[int, str, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]]:
+        """The descriptor pairs of every READ, per (group, remote agent, local kind, remote
+        kind), with the items each carries; spans that continue the previous pair on both
+        sides merge into it (most objects sit in consecutive slots). Keys whose names or
+        sizes do not fit get their code and no descriptor."""
+        plans: dict[tuple[int, str, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]] = {}
         for k, (item, grant) in enumerate(zip(items, granted, strict=True)):
+            pools, peer = grant.agent.pools, grant.agent.name
             try:
                 indices = compute_projection(grant.names, tuple(span.name for span in item.spans)).indices
             except ProtocolError:
@@ -273,7 +309,7 @@ class Grants:
                 codes[k] = ErrorCode.SIZE_MISMATCH
                 continue
             numbers = groups[k] if groups is not None and groups[k] else (0,) * len(item.spans)
-            key: tuple[int, MemoryKind, MemoryKind] | None = None
+            key: tuple[int, str, MemoryKind, MemoryKind] | None = None
             local: list[Desc] = []
             remote: list[Desc] = []
             # The run being built: its start on both sides, its length, and where it ends.
@@ -283,7 +319,7 @@ class Grants:
                 region = regions[span.region]
                 laddr = region.address + span.offset
                 raddr = pool.address + grant.slots[index] * pool.slot_size
-                here = (g, region.kind, pool.kind)
+                here = (g, peer, region.kind, pool.kind)
                 if here == key and laddr == l_end and raddr == r_end and region.device == l_dev and pool.device == r_dev:
                     size += span.length
                     l_end += span.length
@@ -311,25 +347,24 @@ class Grants:
     ) -> dict[int, int | None]:
         """Per member: 0 when its lease held through ``now``, a code when it may not have,
         None when only a confirmation (``confirm``) could tell. One check per lease."""
-        by_lease: dict[int, int | None] = {}
+        by_lease: dict[tuple[int, float], int | None] = {}
         out: dict[int, int | None] = {}
         for k in members:
-            lease = granted[k].lease
-            if id(lease) in by_lease:
-                verdict = by_lease[id(lease)]
+            lease, grace = granted[k].lease, granted[k].agent.grace_s
+            if (id(lease), grace) in by_lease:
+                verdict = by_lease[id(lease), grace]
             else:
-                verdict = by_lease[id(lease)] = self._held(lease, now)
+                verdict = by_lease[id(lease), grace] = self._held(lease, now, grace)
             out[k] = ErrorCode.LEASE_LOST if verdict == 0 and items[k].key in lease.lost else verdict
         return out
 
-    def _held(self, lease: LeaseHandle, now: float) -> int | None:
-        """Whether ``lease`` held through ``now`` (spec section 6.12): 0, or the code its keys
-        fail with; None when only a ``renew`` could tell."""
+    def _held(self, lease: LeaseHandle, now: float, grace: float) -> int | None:
+        """Whether ``lease`` held through ``now`` (spec section 6.12), its reads' validity
+        bounded by ``grace`` too: 0, or the code its keys fail with; None when only a
+        ``renew`` could tell."""
         ended = lease.ended
         if ended is not None:
             return ErrorCode.LEASE_EXPIRED if ended == ErrorCode.LEASE_EXPIRED else ErrorCode.LEASE_LOST
-        node = self.node
-        grace = node.grace_s if node is not None else math.inf
         ttl_s = lease.ttl_ms / 1000
         asked = lease.expires_at - ttl_s
         span = min(ttl_s, grace)

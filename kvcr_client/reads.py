@@ -32,8 +32,9 @@ CLOSE_DRAIN_S = 5.0
 """How long ``close`` waits for READs still running before it lets go of them."""
 CLOSE_POLL_S = 0.001
 
-Post = tuple[int, MemoryKind, list[Desc], MemoryKind, list[Desc], list[int]]
-"""One READ to post: its group, local kind and descriptors, remote kind and descriptors, the items it carries."""
+Post = tuple[int, MemoryKind, list[Desc], MemoryKind, list[Desc], list[int], str]
+"""One READ to post: its group, local kind and descriptors, remote kind and descriptors, the
+items it carries, and the remote agent (the node's, or a source's: spec section 6.12)."""
 Finished = Callable[[list[KeyResult] | BaseException, list[int]], None]
 """The deliver's outcome (lock held): per item its result and groups delivered in a row, or the error."""
 
@@ -79,13 +80,12 @@ class GrantRead:
     """One deliver's READs under grants: posted group by group, polled, checked, resolved."""
 
     def __init__(
-        self, grants: Validity, agent: Agent, remote: str, items: Sequence[DeliverItem], granted: Sequence[Granted],
+        self, grants: Validity, agent: Agent, items: Sequence[DeliverItem], granted: Sequence[Granted],
         counts: list[int], posts: list[Post], codes: list[int], deadline: float,
         landed: Callable[[list[int], int], None] | None, finished: Finished, quiet: Callable[[], None],
     ) -> None:
         self.grants = grants
         self.agent = agent
-        self.remote = remote
         self.items = items
         self.granted = granted
         self.counts = counts
@@ -115,6 +115,11 @@ class GrantRead:
         self._confirming = 0
 
     @property
+    def remotes(self) -> set[str]:
+        """The remote agents this deliver reads from (the node's, sources')."""
+        return {post[6] for post in self.posts}
+
+    @property
     def posting(self) -> bool:
         """Whether groups are left to post now: the next turn should come at once."""
         return self.phase is Phase.READING and not self.expired and not self.held and self.next < len(self.posts)
@@ -127,10 +132,10 @@ class GrantRead:
             return
         group = self.posts[self.next][0]
         while self.next < len(self.posts) and self.posts[self.next][0] == group:
-            g, local_kind, local, remote_kind, remote, owners = self.posts[self.next]
+            g, local_kind, local, remote_kind, remote, owners, peer = self.posts[self.next]
             self.next += 1
             try:
-                handle, state = self.agent.start_listed("READ", local_kind, local, remote_kind, remote, self.remote)
+                handle, state = self.agent.start_listed("READ", local_kind, local, remote_kind, remote, peer)
             except TransferError:
                 for k in set(owners):
                     self.codes[k] = ErrorCode.TRANSFER_FAILED

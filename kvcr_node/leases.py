@@ -13,13 +13,11 @@ source restarts, stays unreachable, or ends its own lease.
 from __future__ import annotations
 
 import collections
-import enum
 import heapq
 import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvcr_node.config import NodeConfig
@@ -27,11 +25,22 @@ from kvcr_node.counters import LeaseCount, LeaseCounters
 from kvcr_node.grants import grant_rows
 from kvcr_node.outbox import Outbox
 from kvcr_node.records import Session
+from kvcr_node.source_grants import SourceGrants, SourceRow
+from kvcr_node.source_holds import (
+    _REMOTE_TIER_INDEX,
+    SOURCE_ANSWER_S,
+    HoldState,
+    LeaseRecord,
+    PendingReply,
+    SourceHold,
+    SourceHolds,
+)
+
+__all__ = ["SOURCE_ANSWER_S", "HoldState", "LeaseRecord", "Leases", "PendingReply", "SourceHold"]
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_protocol import (
     GRANTS_VERSION,
     Ack,
-    Error,
     ErrorCode,
     GrantNode,
     Lease,
@@ -40,7 +49,6 @@ from kvcr_protocol import (
     LeaseGrant,
     LeaseReply,
     LeaseStatus,
-    Message,
     ProtocolError,
     ReleaseLease,
     RenewLease,
@@ -50,91 +58,16 @@ from kvcr_protocol import (
 
 if TYPE_CHECKING:
     from kvcr_node.links import Links
-    from kvcr_node.peers import PeerLink
 
 log = logging.getLogger("kvcr.node")
 
 REMOTE_TIER = "remote"
 """The tier a key held by a source is reported in (as for queries)."""
-SOURCE_ANSWER_S = 2.0
-"""How long a lease waits for a source's answer, whether the link is up or not (``Links``
-gives the request up then too); its keys then answer UNREACHABLE (a late answer that leased
-something is released at once)."""
 EXPIRY_SLACK = 64
 """Stale expiry entries (of leases renewed or ended) tolerated beyond twice the live leases."""
-_REMOTE_TIER_INDEX = 1
-_PASSED_ON = {LeaseStatus.MISS, LeaseStatus.PENDING, LeaseStatus.LEASE_LIMIT}
-"""A source's statuses a target passes on as they are (its LEASED becomes LEASED_REMOTE)."""
-
-class HoldState(enum.Enum):
-    """Where a lease's keys at one source stand."""
-
-    ASKING = "asking"
-    """The source was asked (or will be, once the link is up) and has not answered."""
-    HELD = "held"
-    """The source holds ``keys`` under ``source_lease``."""
-    ENDED = "ended"
 
 
-@dataclass(eq=False)
-class SourceHold:
-    """The keys of one lease that one source holds (or was asked to hold) for this node."""
-
-    endpoint: str
-    indices: list[int]
-    """The request's positions of the keys asked for."""
-    keys: tuple[bytes, ...]
-    state: HoldState = HoldState.ASKING
-    source_lease: int = 0
-    held: tuple[bytes, ...] = ()
-    """The keys the source holds (HELD)."""
-    incarnation: int = 0
-    """The source's incarnation that granted ``source_lease`` (its lease ids are its own)."""
-
-
-@dataclass(eq=False)
-class PendingReply:
-    """A ``lease`` request whose answer waits for sources."""
-
-    request_id: int
-    keys: tuple[bytes, ...]
-    status: bytearray
-    tier: bytearray
-    deadline: float
-    asking: int
-
-
-@dataclass(eq=False)
-class LeaseRecord:
-    """One lease: its session, time to live, the objects it claims here, its keys at sources."""
-
-    id: int
-    session: Session
-    ttl_ms: int
-    expires: float
-    entries: list[ObjectEntry] = field(default_factory=list)
-    slots: int = 0
-    """Slots of ``entries``, and one per key still asked of a source (``waiting``), counted
-    against the session's ``max_leased_slots_per_session``."""
-    waiting: int = 0
-    """Keys asked of sources not yet answered: a pending lease counts them (spec section 6.11)."""
-    pool_slots: collections.Counter[str] = field(default_factory=collections.Counter)
-    """Pool -> slots of ``entries`` there, counted against the session's share of the pool."""
-    sources: list[SourceHold] = field(default_factory=list)
-    reply: PendingReply | None = None
-    read: bool = False
-    """The lease asked for a read grant and may get one (spec section 6.12)."""
-    node_md: bool = False
-    """... with the node's agent (``GrantNode``)."""
-    granted: bool = False
-    """Its reply carried a grant: while it lasts, the client may READ the node's pools."""
-
-    @property
-    def holds_anything(self) -> bool:
-        return bool(self.entries) or any(h.state is not HoldState.ENDED for h in self.sources)
-
-
-class Leases:
+class Leases(SourceHolds):
     """The ``lease``, ``renew`` and ``unlease`` handlers, expiry, and the leases' accounting."""
 
     def __init__(
@@ -172,6 +105,7 @@ class Leases:
         progresses its agent for the reads the grants allow (spec section 6.12)."""
         self.granted_at = -math.inf
         """When a grant was last given or a granted lease renewed: its client reads soon."""
+        self.source_grants = SourceGrants()
 
     # ------------------------------------------------------------------ requests
 
@@ -245,13 +179,26 @@ class Leases:
         self.counters.inc(LeaseCount.RENEWED)
         if record.granted:
             self.granted_at = self.clock()
+        # Version 5: whether every key held at the grant still is (a lease that is still
+        # known held its local keys throughout; keys lost at a source break it). Keys a
+        # client READs at a source under its grant are vouched for by the source's own
+        # ``!held`` on this renewal: the reply waits for it (spec section 6.12, "Across nodes").
+        held = session.version >= GRANTS_VERSION and not any(h.state is HoldState.ENDED and h.held for h in record.sources)
+        vouching = [h for h in record.sources if h.state is HoldState.HELD and h.rows] if held else []
+        left, broken = [len(vouching)], [False]
+
+        def vouched(ok: bool) -> None:
+            left[0] -= 1
+            broken[0] = broken[0] or not ok
+            if left[0] == 0:
+                still = not broken[0] and self.table.get(record.id) is record
+                self.outbox.reply(session, LeaseReply(msg.id, record.id, ttl, None, still))
+
         for hold in record.sources:
             if hold.state is HoldState.HELD:
-                self._renew_at_source(record, hold, ttl)
-        # Version 5: whether every key held at the grant still is (a lease that is still
-        # known held its local keys throughout; keys lost at a source break it).
-        held = session.version >= GRANTS_VERSION and not any(h.state is HoldState.ENDED and h.held for h in record.sources)
-        self.outbox.reply(session, LeaseReply(msg.id, record.id, ttl, None, held))
+                self._renew_at_source(record, hold, ttl, then=vouched if hold in vouching else None)
+        if not vouching:
+            self.outbox.reply(session, LeaseReply(msg.id, record.id, ttl, None, held))
 
     def on_unlease(self, session: Session, msg: ReleaseLease) -> None:
         record = self._own(session, msg.id, msg.lease)
@@ -298,27 +245,39 @@ class Leases:
             self._forget(record)
             lease = 0
         held = bool(lease) and record.session.version >= GRANTS_VERSION
-        grant = self._grant(record, keys, status) if lease and record.read else None
+        grant = self._grant(record, keys, status, first) if lease and record.read else None
         self.outbox.reply(record.session, LeaseReply(request_id, lease, record.ttl_ms,
                                                      LeaseColumns(bytes(status), bytes(tier), self.tiers), held, grant))
 
     # ------------------------------------------------------------------ read grants
 
     def grants_for(self, session: Session) -> bool:
-        """Whether ``session`` may get read grants: a client of version 5 or later, and
-        ``client_transfers`` on (spec section 6.12)."""
-        return (self.config.client_transfers and self.grant_node is not None and session.role is Role.CLIENT
-                and session.version >= GRANTS_VERSION)
+        """Whether ``session`` may get read grants: a client, or a target passing them on to
+        its clients, of version 5 or later, and ``client_transfers`` on (spec section 6.12)."""
+        return (self.config.client_transfers and self.grant_node is not None and session.version >= GRANTS_VERSION)
 
-    def _grant(self, record: LeaseRecord, keys: Sequence[bytes], status: bytearray) -> LeaseGrant:
-        """The read grant of a lease answered now: the slots of every key it holds here."""
+    def _grant(self, record: LeaseRecord, keys: Sequence[bytes], status: bytearray, first: dict[bytes, int]) -> LeaseGrant:
+        """The read grant of a lease answered now: the slots of every key it holds here, and
+        those its sources granted for the keys they hold (a client session only)."""
         record.granted = True
         self.granted += 1
         self.granted_at = self.clock()
         self.counters.inc(LeaseCount.READ_GRANTS)
         assert self.grant_node is not None
         rows = grant_rows(record.entries, keys, status, self.pool_index)
-        return grant_columns(rows, self.grant_node(record.session) if record.node_md else None)
+        node = self.grant_node(record.session) if record.node_md else None
+        remote: dict[int, SourceRow] = {}
+        for hold in record.sources:
+            if hold.state is HoldState.HELD:
+                for k, row in hold.rows.items():
+                    remote[hold.indices[k]] = (hold.endpoint, hold.incarnation, row)
+        if not remote or record.session.role is Role.PEER:
+            return grant_columns(rows, node)
+        for i, key in enumerate(keys):
+            j = first[key]
+            if j != i and j in remote:
+                remote[i] = remote[j]  # a repeated key: the same row again, within the span limit
+        return self.source_grants.columns(record.session, rows, remote, node)
 
     # ------------------------------------------------------------------ holding
 
@@ -473,130 +432,6 @@ class Leases:
             heapq.heappop(self._expiry)  # renewed or ended: not due
         return min(times) if times else None
 
-    # ------------------------------------------------------------------ keys held by sources
-
-    def _ask_source(self, record: LeaseRecord, hold: SourceHold) -> None:
-        keys, ttl = hold.keys, record.ttl_ms
-        self.counters.inc(LeaseCount.ASKED_SOURCES)
-        self.links.ask(hold.endpoint, lambda i: Lease(i, keys, None, ttl),
-                       lambda reply, code: self._source_answered(record, hold, reply, code), SOURCE_ANSWER_S)
-
-    def _source_answered(self, record: LeaseRecord, hold: SourceHold, reply: Message | None, code: ErrorCode | None) -> None:
-        """A source answered our lease request (or cannot): fill the client's answer."""
-        if hold.state is not HoldState.ASKING or self.table.get(record.id) is not record or record.reply is None:
-            # Too late (answered UNREACHABLE, or the lease ended): hold nothing there.
-            if isinstance(reply, LeaseReply) and reply.lease:
-                self._release_granted(hold.endpoint, reply.lease)
-            return
-        pending = record.reply
-        waited = len(hold.indices)  # answered: those keys no longer count as waiting
-        record.waiting -= waited
-        record.slots -= waited
-        record.session.leased_slots -= waited
-        held: list[bytes] = []
-        columns = reply.columns if isinstance(reply, LeaseReply) else None
-        if columns is not None and len(columns) == len(hold.indices):
-            for k, i in enumerate(hold.indices):
-                answer = columns.status_of(k)
-                if answer is LeaseStatus.LEASED:
-                    pending.status[i] = LeaseStatus.LEASED_REMOTE
-                    held.append(hold.keys[k])
-                else:
-                    pending.status[i] = answer if answer in _PASSED_ON else LeaseStatus.UNREACHABLE
-                pending.tier[i] = _REMOTE_TIER_INDEX
-        else:
-            # No answer to use: a source that speaks no leases reserves nothing (ADVISORY,
-            # never a silent lease that is not one); one at its lease limit is LEASE_LIMIT;
-            # any other failure is UNREACHABLE.
-            answer = LeaseStatus.ADVISORY if code is ErrorCode.PEER_UNSUPPORTED else LeaseStatus.UNREACHABLE
-            if isinstance(reply, Error) and reply.code == ErrorCode.LEASE_LIMIT:
-                answer = LeaseStatus.LEASE_LIMIT  # the source holds as many of our leases as it allows
-            if isinstance(reply, Error):
-                log.info("source %s refused a lease (code %d): %s", hold.endpoint, reply.code, reply.reason)
-            for i in hold.indices:
-                pending.status[i], pending.tier[i] = answer, _REMOTE_TIER_INDEX
-        if held and isinstance(reply, LeaseReply) and reply.lease:
-            hold.state, hold.source_lease, hold.held = HoldState.HELD, reply.lease, tuple(held)
-            hold.incarnation = self.links.hold_lease(hold.endpoint, reply.lease)
-        else:
-            hold.state = HoldState.ENDED
-            if isinstance(reply, LeaseReply) and reply.lease:  # it holds nothing we count: let it go
-                self._release_granted(hold.endpoint, reply.lease)
-        pending.asking -= 1
-        if pending.asking == 0:
-            record.reply = None
-            self._asking.pop(record.id, None)
-            self._answer(record, pending.request_id, pending.keys, pending.status, pending.tier)
-
-    def _release_granted(self, endpoint: str, source_lease: int) -> None:
-        """A source granted a lease we do not keep: release it there (its lease id is the
-        incarnation's that answered just now)."""
-        self.links.ask(endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, SOURCE_ANSWER_S,
-                       self.links.incarnation(endpoint))
-
-    def _release_at_source(self, hold: SourceHold) -> None:
-        if hold.state is HoldState.HELD:
-            source_lease = hold.source_lease
-            self.links.release_lease(hold.endpoint, source_lease)
-            # Through an outage the release waits for the link to come back, up to peer_dead_ms.
-            wait_s = max(SOURCE_ANSWER_S, self.config.peer_dead_ms / 1000)
-            self.links.ask(hold.endpoint, lambda i: ReleaseLease(i, source_lease), _ignore, wait_s, hold.incarnation)
-        hold.state = HoldState.ENDED
-
-    def _renew_at_source(self, record: LeaseRecord, hold: SourceHold, ttl: int, lost: ErrorCode = ErrorCode.LEASE_EXPIRED) -> None:
-        source_lease = hold.source_lease
-        self.links.ask(hold.endpoint, lambda i: RenewLease(i, source_lease, ttl),
-                       lambda reply, code: self._renewed_at_source(record, hold, source_lease, reply, lost),
-                       SOURCE_ANSWER_S, hold.incarnation)
-
-    def _renewed_at_source(
-        self, record: LeaseRecord, hold: SourceHold, source_lease: int, reply: Message | None, lost: ErrorCode,
-    ) -> None:
-        if (isinstance(reply, Error) and reply.code == ErrorCode.UNKNOWN_LEASE and hold.state is HoldState.HELD
-                and hold.source_lease == source_lease):
-            self._lost_at_source(record, hold, lost, f"the source {hold.endpoint} no longer holds them")
-
-    def _lost_at_source(self, record: LeaseRecord, hold: SourceHold, code: ErrorCode, reason: str) -> None:
-        """The source no longer holds ``hold``'s keys: the client is told which."""
-        self.links.release_lease(hold.endpoint, hold.source_lease)
-        hold.state = HoldState.ENDED
-        self.counters.inc(LeaseCount.LOST_AT_SOURCE)
-        if record.holds_anything:
-            self._tell(record.session, record.id, code, reason, hold.held)
-        else:
-            self.end_lease(record, code, reason)
-
-    def source_lease_ended(self, link: PeerLink, msg: LeaseEnded) -> None:
-        """A source ended one of the leases it holds for us (its time to live passed)."""
-        for record, hold in self._holds(link.endpoint):
-            if hold.source_lease == msg.lease:
-                self._lost_at_source(record, hold, ErrorCode(msg.code) if msg.code in _ENDING_CODES else ErrorCode.LEASE_EXPIRED,
-                                     f"the source {link.endpoint} ended its lease: {msg.reason}")
-
-    def source_lost(self, link: PeerLink, code: ErrorCode) -> None:
-        """A source restarted or is gone: nothing it held for us is held any more. The client
-        hears PEER_RESTARTED or PEER_UNREACHABLE, the codes a ``lease_end`` carries (spec
-        section 10.1), whatever made the link give up."""
-        restarted = code is ErrorCode.PEER_RESTARTED
-        code = code if restarted else ErrorCode.PEER_UNREACHABLE
-        reason = "restarted" if restarted else f"is unreachable (down past peer_dead_ms={self.config.peer_dead_ms})"
-        for record, hold in self._holds(link.endpoint):
-            self._lost_at_source(record, hold, code, f"the source {link.endpoint} {reason}")
-
-    def source_resumed(self, link: PeerLink) -> None:
-        """The link came back to the same incarnation within ``peer_dead_ms``: the source kept
-        our leases (spec section 6.11). Each is renewed to its time left, which also tells
-        whether the source still holds it; one it does not is lost (PEER_UNREACHABLE)."""
-        now = self.clock()
-        for record, hold in self._holds(link.endpoint):
-            self.counters.inc(LeaseCount.RESUMED_AT_SOURCE)
-            left_ms = max(1, int((record.expires - now) * 1000))
-            self._renew_at_source(record, hold, left_ms, ErrorCode.PEER_UNREACHABLE)
-
-    def _holds(self, endpoint: str) -> list[tuple[LeaseRecord, SourceHold]]:
-        return [(r, h) for r in list(self.table.values()) for h in r.sources
-                if h.endpoint == endpoint and h.state is HoldState.HELD]
-
     # ------------------------------------------------------------------ reporting
 
     @property
@@ -667,9 +502,3 @@ class Leases:
 _NOTHING_HELD = bytes(
     LeaseStatus.MISS if code in (LeaseStatus.LEASED, LeaseStatus.LEASED_REMOTE) else code for code in range(256))
 """Translates a status column so that no key reads as held."""
-_ENDING_CODES = frozenset({ErrorCode.LEASE_EXPIRED, ErrorCode.SHUTTING_DOWN, ErrorCode.PEER_RESTARTED, ErrorCode.PEER_UNREACHABLE})
-"""Codes a source's ``lease_end`` may pass on; any other is reported as LEASE_EXPIRED."""
-
-
-def _ignore(reply: Message | None, code: ErrorCode | None) -> None:
-    """An answer nobody waits for (a release or renewal at a source is best effort)."""

@@ -27,9 +27,11 @@ from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
 from kvcr_io.zmq_flags import POLLIN as _POLLIN
 from kvcr_node import logs
 from kvcr_node.agents import RemoteAgents
+from kvcr_node.client_forgets import ClientForgets
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters, ProtocolErrors
-from kvcr_node.peers import Answer, Ask, LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWrite, WriteStage
+from kvcr_node.lease_requests import LeaseRequests, LinkError
+from kvcr_node.peers import LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWrite, WriteStage
 from kvcr_node.records import Operation, Session
 from kvcr_node.store import ObjectEntry
 from kvcr_protocol import (
@@ -41,19 +43,16 @@ from kvcr_protocol import (
     ErrorCode,
     Heartbeat,
     KeyResult,
-    Lease,
     LeaseEnded,
     LeaseReply,
     Message,
     PeerClient,
-    PeerForget,
     PeerHello,
     PeerWelcome,
     Probe,
     ProbeReply,
     Progress,
     Refuse,
-    ReleaseLease,
     RemoteProtocolError,
     WriteDone,
     WriteNotify,
@@ -63,7 +62,7 @@ from kvcr_protocol import (
     encode,
 )
 from kvcr_protocol.operations import SOURCE_CODES
-from kvcr_protocol.versions import CLIENT_GONE_VERSION, COLUMNS_VERSION, LEASES_VERSION, PARTIAL_LAYOUT_VERSION
+from kvcr_protocol.versions import COLUMNS_VERSION, PARTIAL_LAYOUT_VERSION
 
 log = logging.getLogger("kvcr.node")
 
@@ -76,29 +75,10 @@ RECONNECT_MAX_MS = 1000
 unreachable costs its link a retry a second, not ten, until the link closes idle."""
 WRITE_POLL_S = 0.05
 """With writes outstanding, the loop wakes at least this often to look at their deadlines."""
-ASK_BYTES_PER_LINK = 16 << 20
-"""Bytes of lease requests one link may have sent unanswered (those given up included,
-until their late answer or the connection's end). A source that stops reading leaves them
-in the socket's queue: this bounds what it costs the node, and a request past it answers
-UNREACHABLE at once, unsent (spec section 6.11)."""
-ASKS_PER_LINK = 1024
-"""Lease requests one link may hold at once, queued, sent or given up; one more answers
-UNREACHABLE at once."""
-LATE_RELEASE_S = 2.0
-"""How long the release of a lease a source granted after its request was given up waits."""
 TRANSPORTS = ("tcp://", "ipc://")
 """Transports a link may use (spec section 12: sources are other nodes' ROUTER endpoints)."""
 _BAD_ENDPOINT_ERRNOS = frozenset({errno.EPROTONOSUPPORT, errno.EINVAL, errno.ENAMETOOLONG, errno.ENOENT, zmq.ENOCOMPATPROTO})
 """ZeroMQ connect errors that mean the endpoint itself is wrong (others: the node cannot connect now)."""
-
-
-class LinkError(Exception):
-    """A link to a source could not be opened; the keys that needed it fail with ``code``."""
-
-    def __init__(self, code: ErrorCode, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
 
 
 def _close_quietly(sock: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | None) -> None:
@@ -114,7 +94,7 @@ def _close_quietly(sock: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | 
         monitor.close(0)
 
 
-class Links:
+class Links(LeaseRequests, ClientForgets):
     """Every link of this node to a source node (the target side of spec section 12).
 
     The node makes it and hands it to ``Target``, which it then reports to (``owner``), and
@@ -239,147 +219,6 @@ class Links:
         link.probes.pop(write.probe_id, None)
         link.last_used = self.clock()
         self.reports.write_over(write, code, reason, results, was_uncertain)
-
-    def forget_client(self, agent: str) -> None:
-        """A client's session ended: no link announces it any more (it is announced afresh if
-        it returns), and each source that may know it is told so, once nothing of the client
-        can still run there (``peer_forget``, spec section 5.3, version 5)."""
-        for link in self:
-            known = link.clients_sent.pop(agent, None) is not None
-            for announce_id in [i for i, a in link.announcing.items() if a == agent]:
-                del link.announcing[announce_id]
-                known = True
-            if known or any(w.agent == agent and w.client is not None for w in (*link.writes.values(), *link.queued)):
-                link.forgets.add(agent)
-                self._send_forgets(link)
-
-    def _send_forgets(self, link: PeerLink) -> None:
-        """Send ``peer_forget`` for each client that left and that no write on ``link`` names
-        any more (sent, queued or uncertain: the message follows every write for the client
-        on the connection), once the session is up (spec section 5.3). A session below
-        version 5 carries none: the source bounds its table itself (``max_peer_clients``)."""
-        if not link.forgets or link.state is not LinkState.READY or link.closed:
-            return
-        if link.version < CLIENT_GONE_VERSION:
-            for agent in link.forgets:
-                link.clients_sent.pop(agent, None)  # a queued write of the client announced it again
-            link.forgets.clear()
-            return
-        running = {w.agent for w in (*link.writes.values(), *link.queued) if w.client is not None}
-        for agent in sorted(link.forgets - running):
-            if not self._send(link, PeerForget(next(self._ids), agent)):
-                return  # the socket is full: the next check tries again
-            link.forgets.discard(agent)
-            link.clients_sent.pop(agent, None)
-            self.counters.inc(Count.PEER_FORGETS_SENT)
-
-    # ------------------------------------------------------------------ lease requests
-
-    def ask(
-        self, endpoint: str, build: Callable[[int], Message], answer: Answer, wait_s: float, incarnation: int = 0,
-    ) -> None:
-        """Send the source at ``endpoint`` a lease request (``build`` makes it for a message id)
-        once its session is up; ``answer`` gets the reply within ``wait_s``, or None and why
-        none came: the link cannot open, no session or no answer came in time, the link holds
-        as many requests as it may (``ASKS_PER_LINK``, ``ASK_BYTES_PER_LINK``), the source
-        speaks no leases (``PEER_UNSUPPORTED``), the connection was lost before it answered,
-        or the source is no longer ``incarnation`` (``PEER_RESTARTED``)."""
-        try:
-            link = self.open(endpoint)
-        except LinkError as exc:
-            answer(None, exc.code)
-            return
-        ask = Ask(build, answer, self.clock() + wait_s, incarnation)
-        if len(link.asks) + len(link.asks_queued) + len(link.abandoned) >= ASKS_PER_LINK:
-            self.counters.inc(Count.LEASE_ASKS_REFUSED)
-            answer(None, ErrorCode.PEER_UNREACHABLE)
-        elif link.state is LinkState.READY:
-            self._send_ask(link, ask)
-        else:
-            link.asks_queued.append(ask)
-
-    def _send_ask(self, link: PeerLink, ask: Ask) -> None:
-        if link.version < LEASES_VERSION:
-            ask.answer(None, ErrorCode.PEER_UNSUPPORTED)  # spec section 6.11: no silent lease that is not one
-            return
-        if ask.incarnation and ask.incarnation != link.incarnation:
-            ask.answer(None, ErrorCode.PEER_RESTARTED)  # it names the lease ids of a predecessor
-            return
-        assert ask.build is not None
-        ask_id = next(self._ids)
-        msg = ask.build(ask_id)
-        frame = encode(msg, link.version)
-        if link.ask_bytes + len(frame) > ASK_BYTES_PER_LINK:
-            # The source has not read what was sent before: nothing more joins the queue.
-            self.counters.inc(Count.LEASE_ASKS_REFUSED)
-            ask.answer(None, ErrorCode.PEER_UNREACHABLE)
-            return
-        try:
-            link.sock.send(frame, _NOBLOCK)
-        except zmq.Again:
-            ask.answer(None, ErrorCode.PEER_UNREACHABLE)
-            return
-        ask.build, ask.size, ask.grants = None, len(frame), isinstance(msg, Lease)
-        link.asks[ask_id] = ask
-        link.ask_bytes += ask.size
-
-    def _late_answer(self, link: PeerLink, msg: LeaseReply | Ack | Error) -> bool:
-        """An answer to a request given up: its bytes are off the queue; a lease it granted
-        is released at once (spec section 6.11). False: it answers no such request."""
-        late = link.abandoned.pop(msg.id, None)
-        if late is None:
-            return False
-        size, grants = late
-        link.ask_bytes -= size
-        self.counters.inc(Count.LEASE_ASKS_LATE)
-        if grants and isinstance(msg, LeaseReply) and msg.lease:
-            lease = msg.lease
-            self.ask(link.endpoint, lambda i: ReleaseLease(i, lease), _ignore, LATE_RELEASE_S, link.incarnation)
-        return True
-
-    def hold_lease(self, endpoint: str, lease: int) -> int:
-        """The source at ``endpoint`` holds ``lease`` for us: its link stays open meanwhile.
-        Returns the source's incarnation (whose lease id it is)."""
-        link = self.by_endpoint.get(endpoint)
-        if link is None:
-            return 0
-        link.leases.add(lease)
-        return link.incarnation
-
-    def incarnation(self, endpoint: str) -> int:
-        """The incarnation of the source at ``endpoint`` as last welcomed (0: none yet)."""
-        link = self.by_endpoint.get(endpoint)
-        return link.incarnation if link is not None else 0
-
-    def release_lease(self, endpoint: str, lease: int) -> None:
-        link = self.by_endpoint.get(endpoint)
-        if link is not None:
-            link.leases.discard(lease)
-            link.last_used = self.clock()
-
-    def _lose_asks(self, link: PeerLink, code: ErrorCode) -> None:
-        """The connection is gone: the lease requests sent on it get no answer (``code`` says
-        why), and those given up no late one; their bytes left with it."""
-        asks, link.asks = link.asks, {}
-        link.abandoned.clear()
-        link.ask_bytes = 0
-        for ask in asks.values():
-            ask.answer(None, code)
-
-    def _fail_asks(self, link: PeerLink, code: ErrorCode) -> None:
-        """Every lease request on ``link`` gets no answer (``code`` says why); what the source
-        held for us is lost with its session."""
-        self._lose_asks(link, code)
-        queued, link.asks_queued = link.asks_queued, []
-        for ask in queued:
-            ask.answer(None, code)
-        self._lose_leases(link, code)
-
-    def _lose_leases(self, link: PeerLink, code: ErrorCode) -> None:
-        if link.leases:
-            link.leases.clear()
-            if self.lease_owner is not None:
-                self.lease_owner.source_lost(link, code)
 
     def _send_write(self, write: RemoteWrite) -> None:
         link = write.link
@@ -659,17 +498,6 @@ class Links:
             if link.forgets:
                 self._send_forgets(link)
 
-    def _give_up_asks(self, link: PeerLink, now: float) -> None:
-        """Lease requests past their deadline on a live connection (a source that does not
-        answer, frozen or hostile) answer None now and free what they hold; their frames'
-        bytes stay counted until a late answer or the connection's end (spec section 6.11)."""
-        late = [ask_id for ask_id, ask in link.asks.items() if ask.deadline <= now]
-        for ask_id in late:
-            ask = link.asks.pop(ask_id)
-            link.abandoned[ask_id] = (ask.size, ask.grants)
-            self.counters.inc(Count.LEASE_ASKS_TIMED_OUT)
-            ask.answer(None, ErrorCode.PEER_UNREACHABLE)
-
     def next_wakeup(self, now: float) -> float | None:
         """When ``check`` has something to do next (None: nothing while no message arrives)."""
         if not self.by_endpoint:
@@ -757,7 +585,3 @@ class Links:
         """At shutdown: close every link's sockets."""
         for link in list(self):
             self._close(link)
-
-
-def _ignore(reply: Message | None, code: ErrorCode | None) -> None:
-    """An answer nobody waits for (the release of a lease granted too late)."""

@@ -60,6 +60,7 @@ from kvcr_node.store import Store
 from kvcr_node.target import Target
 from kvcr_node.transfers import LocalLists, Transfers
 from kvcr_protocol import ErrorCode, GrantNode, Limits, PeerHello, PoolInfo, ProjectionCache, Region, supported_up_to
+from kvcr_protocol.columns import U32, pack
 
 log = logging.getLogger("kvcr.node")
 
@@ -237,13 +238,16 @@ class Node:
 
     def _grant_node(self, session: object) -> GrantNode:
         """What a read grant tells a client's agent (spec section 6.12): the node's agent and
-        the registration of every pool, in ``welcome.pools`` order, and its grace period."""
+        the registration of every pool, in ``welcome.pools`` order, its grace period and the
+        pools' slot sizes."""
         pools = tuple(
             Region(i, mem.kind, mem.nixl_device, mem.address, mem.spec.size)
             for i, mem in enumerate(self.memories[spec.name] for spec in self.config.pools)
         )
         grace = self.config.client_grace_ms if self.config.heartbeat_ms else 0
-        return GrantNode(self.agent.name, self.agent.metadata(), pools, grace)
+        # Slot sizes too: a target passes this on to its clients, who have no welcome of ours.
+        sizes = pack([spec.slot_size for spec in self.config.pools], U32)
+        return GrantNode(self.agent.name, self.agent.metadata(), pools, grace, sizes)
 
     def _start_events(self) -> EventPublisher:
         """Bind the event stream's sockets and have the store report to its inventory."""

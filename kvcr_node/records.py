@@ -96,6 +96,9 @@ class Session:
     pool_slots: collections.Counter[str] = field(default_factory=collections.Counter)
     """Pool -> slots of that pool those leases hold here (bounded by the session's share of
     the pool's lease budget, spec section 6.11)."""
+    grant_sources: set[tuple[str, int]] = field(default_factory=set)
+    """Sources (endpoint, incarnation) whose agent a read grant gave this client (spec
+    section 6.12, "Across nodes"): later grants of them leave it out."""
     peer: PeerState | None = None
     """The peer part of a peer session (None: a client's session)."""
 

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from kvcr_io.agent import TransferError
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.counters import Count, Counters
-from kvcr_node.links import LinkError, Links
+from kvcr_node.lease_requests import LinkError
+from kvcr_node.links import Links
 from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Failure, Operations
 from kvcr_node.outbox import REASON_MAX, Outbox

@@ -155,6 +155,7 @@ RECORDS: tuple[type[Record], ...] = (
     LeaseColumns,
     kp.GrantNode,
     kp.LeaseGrant,
+    kp.GrantSource,
 )
 ENUMS: tuple[type[enum.Enum], ...] = (m.MemoryKind, m.KeyStatus, m.Presence, m.WriteState)
 
@@ -1076,6 +1077,32 @@ def v5_instances() -> list[Valid]:
               description="a renewal: the lease held every key without a break"),
         Valid("lease-reply-renew-broken", m.LeaseReply(324, LEASE_ID, 5000, None, False), versions=(5,),
               description="a renewal of a lease that lost keys at a source: not held without a break"),
+        # ---- grants across nodes (section 6.12, "Across nodes")
+        Valid(
+            "peer-lease-read",
+            m.Lease(330, (K2,), None, 5000, read=True, node_md=True),
+            versions=(5,),
+            description="a client's read lease of K2, hinted at B: A asks B for a grant too, and B's agent (none cached yet)",
+        ),
+        Valid(
+            "peer-lease-reply-grant",
+            m.LeaseReply(330, SOURCE_LEASE, 5000, lease_columns([(LeaseStatus.LEASED, "dram")]), True, SOURCE_GRANT),
+            versions=(5,),
+            description="B holds K2 in slots 3 and 4 of its pool 0 and grants them, with its agent and its pools' slot sizes",
+        ),
+        Valid(
+            "lease-reply-grant-remote",
+            m.LeaseReply(325, LEASE_ID + 3, 5000, REMOTE_GRANT_COLUMNS, True, REMOTE_GRANT),
+            versions=(5,),
+            description="A's grant to its client: K1 in A's pool 0, K2 passed on from B (source 1, with B's agent once), K3 missed",
+        ),
+        Valid(
+            "lease-reply-grant-remote-cached",
+            m.LeaseReply(326, LEASE_ID + 4, 5000, REMOTE_GRANT_COLUMNS, True, dataclasses.replace(
+                REMOTE_GRANT, sources=(kp.GrantSource(SOURCE_B, INC_B),))),
+            versions=(5,),
+            description="a later grant of B's rows to the same client session: B's agent is cached, not sent again",
+        ),
     ]
 
 
@@ -1086,6 +1113,22 @@ GRANT = kp.grant_columns(
     kp.GrantNode("kvcr-node-a", MD_NODE_A, POOL_REGIONS_A[:2], 10_000),
 )
 """A read grant of K1 (slots 7 and 8 of pool 0) and K3 (slot 4095 of pool 1), with the node's agent."""
+SOURCE_B = "tcp://10.0.0.12:5555"
+"""Source B's endpoint, as the client's hint names it."""
+NODE_B = kp.GrantNode(
+    "kvcr-node-b", MD_NODE_B, (m.Region(0, m.MemoryKind.DRAM, 0, 0x7D10_0000_0000, 64 * KiB * 1024),), 10_000,
+    kp.columns.pack([64 * KiB], "I"),
+)
+"""B's agent as it grants it to a peer session: one pool, with its slot size."""
+SOURCE_GRANT = kp.grant_columns([(("k", "v"), [(0, 3), (0, 4)])], NODE_B)
+"""B's grant to A of K2 (slots 3 and 4 of B's pool 0)."""
+REMOTE_GRANT_COLUMNS = LeaseColumns(
+    bytes([LeaseStatus.LEASED, LeaseStatus.LEASED_REMOTE, LeaseStatus.MISS]), bytes([0, 1, 2]), ("dram", "remote", ""))
+REMOTE_GRANT = kp.grant_columns(
+    [(("k", "v"), [(0, 7), (0, 8)]), (("k", "v"), [(0, 3), (0, 4)]), None], None, [0, 1, 0],
+    (kp.GrantSource(SOURCE_B, INC_B, NODE_B),),
+)
+"""A's grant to its client: K1 here, K2's rows from B (source 1 of the table), K3 none."""
 
 
 def accept_short_columns(message: m.Message, version: int) -> list[tuple[str, bytes]]:
@@ -1488,6 +1531,16 @@ def invalid_v5_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
            "OUT_OF_RANGE", "a slot column that is not whole u32s")
     yield ("lease-reply-grant-65537-spans", _pack({**reply, "!grant": [grant[0], grant[1], bytes(65537), bytes(4 * 65537), grant[4]]}), 5,
            "TOO_MANY", "65537 granted spans (limit 65536)")
+    remote = _wire(m.LeaseReply(325, LEASE_ID + 3, 5000, REMOTE_GRANT_COLUMNS, True, REMOTE_GRANT), 5)
+    rg = remote["!grant"]
+    yield ("lease-reply-grant-source-short", _pack({**remote, "!grant": [*rg[:5], rg[5][:2], rg[6]]}), 5, "OUT_OF_RANGE",
+           "a source column of two entries for three keys")
+    yield ("lease-reply-grant-source-past-table", _pack({**remote, "!grant": [*rg[:5], bytes([0, 2, 0]), rg[6]]}), 5, "OUT_OF_RANGE",
+           "a key's source index past the table of one source")
+    yield ("lease-reply-grant-source-slot-sizes", _pack({**remote, "!grant": [*rg[:6], [[rg[6][0][0], rg[6][0][1],
+           [*rg[6][0][2][:4], rg[6][0][2][4] * 2]]]]}), 5, "OUT_OF_RANGE", "a source's agent with two slot sizes for one pool")
+    yield ("lease-reply-grant-source-endpoint-bin", _pack({**remote, "!grant": [*rg[:6], [[b"tcp://10.0.0.12:5555", *rg[6][0][1:]]]]}), 5,
+           "WRONG_TYPE", "a source endpoint as bin, not str")
     yield ("lease-reply-grant-md-too-large", _pack({**reply, "!grant": [*grant[:4], [grant[4][0], bytes((4 << 20) + 1), grant[4][2]]]}), 5,
            "TOO_LARGE", "node agent metadata above max_metadata")
 

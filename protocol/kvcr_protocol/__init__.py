@@ -30,7 +30,7 @@ from kvcr_protocol.columns import (
 from kvcr_protocol.descriptors import Extent, check_span_sizes, resolve_columns, resolve_span
 from kvcr_protocol.endpoints import IPC_PATH_MAX, canonical_endpoint, endpoint_problem
 from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, code_of
-from kvcr_protocol.grants import GrantNode, LeaseGrant, grant_columns
+from kvcr_protocol.grants import GrantNode, GrantSource, LeaseGrant, grant_columns
 from kvcr_protocol.leases import HELD, LeaseColumns, LeaseStatus
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
 from kvcr_protocol.messages import *  # noqa: F403 - the message catalogue is the API
@@ -86,6 +86,7 @@ __all__ = [
     "ErrorCode",
     "Extent",
     "GrantNode",
+    "GrantSource",
     "GroupEvent",
     "GroupState",
     "LeaseColumns",

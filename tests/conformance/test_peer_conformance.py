@@ -63,7 +63,7 @@ from kvcr_protocol import (
     decode,
     encode,
 )
-from kvcr_protocol.versions import CLIENT_GONE_VERSION, LEASES_VERSION, PARTIAL_LAYOUT_VERSION
+from kvcr_protocol.versions import CLIENT_GONE_VERSION, GRANTS_VERSION, LEASES_VERSION, PARTIAL_LAYOUT_VERSION
 from kvcr_testing.health import counter, outcome_count, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar
 from kvcr_testing.nodes import short_ipc_dir, start_node
@@ -141,6 +141,30 @@ class PeerConformance:
         deliver_checked(pair.target, k, layout, src, range(2), seed=22, request_id=rid)
         lease.release().result(RESULT_TIMEOUT_S)
         assert wait_until(lambda: pair.source.stats()["leases"]["held"] == 0, RAW_TIMEOUT_S)
+
+    def test_read_lease_is_granted_at_the_source_only_at_5(self, pair: PeerPair) -> None:
+        """Spec sections 6.12 ("Across nodes") and 7: a read lease of hinted keys carries the
+        source's grant, and the client READs the source itself, only when the target, the
+        source and their peer session speak version 5; else the keys travel node-driven."""
+        if pair.target_version < LEASES_VERSION or pair.source_version < LEASES_VERSION:
+            return  # no lease holds at the source (test_lease_on_hinted_keys)
+        k = pair.key("grant")
+        layout = pair.layout(2)
+        src = pair.source.deposit(k, layout, seed=23)
+        rid = pair.hint([k])
+        client = pair.target.client
+        lease = client.lease([k], request_id=rid).result(RESULT_TIMEOUT_S)
+        assert lease.status(k) is LeaseStatus.LEASED_REMOTE
+        granted = pair.agreed >= GRANTS_VERSION
+        assert (k in client._grants._keys) is granted
+        posted = pair.source.stats()["transfers"]["posted"]
+        reads = client._grants.reads
+        deliver_checked(pair.target, k, layout, src, range(2), seed=24, request_id=rid)
+        assert (client._grants.reads == reads + 1) is granted
+        assert (pair.source.stats()["transfers"]["posted"] == posted) is granted
+        lease.release().result(RESULT_TIMEOUT_S)
+        assert wait_until(lambda: pair.source.stats()["leases"]["held"] == 0
+                          and pair.source.stats()["leases"]["with_grants"] == 0, RAW_TIMEOUT_S)
 
     def test_departed_client_is_forgotten(self, pair: PeerPair) -> None:
         """Spec sections 5.3 and 7: a client that delivered through the target and left is

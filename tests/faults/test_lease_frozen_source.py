@@ -17,8 +17,8 @@ import statistics
 import time
 
 from kvcr_client import Client, LeaseStatus
+from kvcr_node.lease_requests import ASK_BYTES_PER_LINK
 from kvcr_node.leases import SOURCE_ANSWER_S
-from kvcr_node.links import ASK_BYTES_PER_LINK
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
 from kvcr_testing.measure import fd_count, rss_kib
 from kvcr_testing.nodes import frozen

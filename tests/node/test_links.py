@@ -20,7 +20,8 @@ import zmq
 from kvcr_node.agents import AgentUse, RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters, ProtocolErrors
-from kvcr_node.links import PROBE_INTERVAL_S, LinkError, Links
+from kvcr_node.lease_requests import LinkError
+from kvcr_node.links import PROBE_INTERVAL_S, Links
 from kvcr_node.peers import LinkState, RemoteWrite, WriteStage
 from kvcr_node.records import Operation, OpKind, Session
 from kvcr_protocol import (

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvcr_node import links as links_module
+from kvcr_node import lease_requests as lease_requests_module
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, LeaseCount
 from kvcr_node.leases import SOURCE_ANSWER_S
@@ -236,7 +236,7 @@ def test_a_link_sends_a_source_that_does_not_read_a_bounded_number_of_bytes(
 ) -> None:
     keys = tuple(b"k%03d" % i + b"x" * 96 for i in range(8))
     frame = len(encode(Lease(1 << 40, keys, None, 60_000), CURRENT_VERSION))
-    monkeypatch.setattr(links_module, "ASK_BYTES_PER_LINK", 2 * frame + frame // 2)  # room for two asks
+    monkeypatch.setattr(lease_requests_module, "ASK_BYTES_PER_LINK", 2 * frame + frame // 2)  # room for two asks
     source = Source(context, f"ipc://{ipc_dir}/source.sock")
     with node_driver(config(ipc_dir)) as d:
         d.hello(b"c", agent)

@@ -20,7 +20,7 @@ from kvcr_node.agents import AgentUse, RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.eviction import make_policy
-from kvcr_node.links import LinkError
+from kvcr_node.lease_requests import LinkError
 from kvcr_node.metrics import Metrics
 from kvcr_node.operations import Operations
 from kvcr_node.outbox import Outbox

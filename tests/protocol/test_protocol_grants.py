@@ -42,12 +42,14 @@ def test_version_5_fields_cannot_travel_at_version_4_and_unused_ones_do_not_trav
         ({"pool": b"\0"}, ErrorCode.OUT_OF_RANGE),  # fewer spans than the layouts name
         ({"slot": b"\0" * 12}, ErrorCode.OUT_OF_RANGE),  # slots and pools disagree
         ({"layout": kp.columns.pack([2, 0, 1], "I")}, ErrorCode.OUT_OF_RANGE),  # past the table
+        ({"source": b"\0\0"}, ErrorCode.OUT_OF_RANGE),  # a source column shorter than the keys
+        ({"source": b"\1\0\0"}, ErrorCode.OUT_OF_RANGE),  # a source past the (empty) table
     ],
 )
 def test_a_grant_whose_columns_disagree_is_refused(change: dict[str, bytes], code: ErrorCode) -> None:
     g = grant()
     wire = msgpack.unpackb(kp.encode(LeaseReply(7, 42, 5000, ANSWERS, True, g), 5))
-    fields = dict(zip(("layout", "layouts", "pool", "slot", "node"), wire["!grant"], strict=True))
+    fields = dict(zip(("layout", "layouts", "pool", "slot", "node", "source", "sources"), wire["!grant"], strict=True))
     fields.update(change)
     wire["!grant"] = list(fields.values())
     with pytest.raises(RemoteProtocolError) as info:
@@ -71,3 +73,27 @@ def test_huge_grants_meet_the_span_limit() -> None:
     with pytest.raises(RemoteProtocolError) as info:
         kp.decode(msgpack.packb(wire, use_bin_type=True))
     assert info.value.code is ErrorCode.TOO_MANY
+
+
+def test_a_grant_passed_on_from_a_source_round_trips() -> None:
+    """A target's grant names per key the node whose pools its row indexes (spec section
+    6.12, "Across nodes"); the source's agent travels with its slot sizes."""
+    node = kp.GrantNode("kvcr-node-b", b"md-b", (kp.Region(0, kp.MemoryKind.DRAM, 0, 1 << 20, 1 << 16),), 10_000,
+                        kp.columns.pack([4096], "I"))
+    g = kp.grant_columns([(("k", "v"), [(0, 1), (0, 2)]), None, (("k",), [(0, 9)])], None, [0, 0, 1],
+                         (kp.GrantSource("tcp://127.0.0.1:5555", 3, node),))
+    back = kp.decode(kp.encode(LeaseReply(7, 42, 5000, ANSWERS, True, g), 5))
+    assert isinstance(back, LeaseReply) and back.grant == g
+    assert back.grant.source_of(0) is None and back.grant.source_of(2) == g.sources[0]
+    assert node.slot_sizes() == [4096]
+    local = kp.grant_columns([(("k",), [(0, 1)]), None, None])
+    assert local.source == b"" and local.sources == () and local.source_of(0) is None
+
+
+def test_a_source_agent_whose_slot_sizes_disagree_is_refused() -> None:
+    node = kp.GrantNode("kvcr-node-b", b"md-b", (kp.Region(0, kp.MemoryKind.DRAM, 0, 1 << 20, 1 << 16),), 0,
+                        kp.columns.pack([4096, 4096], "I"))
+    g = kp.grant_columns([(("k",), [(0, 1)]), None, None], None, [1, 0, 0], (kp.GrantSource("tcp://127.0.0.1:5555", 3, node),))
+    with pytest.raises(RemoteProtocolError) as info:
+        kp.decode(kp.encode(LeaseReply(7, 42, 5000, ANSWERS, True, g), 5))
+    assert info.value.code is ErrorCode.OUT_OF_RANGE and info.value.path.endswith("slot_size")

@@ -1,0 +1,251 @@
+"""Read grants across real node processes (spec section 6.12, "Across nodes").
+
+The client talks to node A; node B holds the objects, named to A by the client's hint. A
+read lease of them is held at B through A's peer session, and B's grant (its slots and,
+once, its agent) reaches the client through A: ``deliver`` then READs from B's pools with
+the client's own agent, whole, as a subset and with a layer plan, byte for byte, and
+neither node posts a transfer. A source below version 5, or with ``client_transfers`` off,
+grants nothing, and the keys travel node-driven as before. A read is never returned as
+valid when B's lease may not have held: B killed before the READ, or between the groups
+of a planned read, fails it, a slot B reused
+after the lease expired is detected, and a late reader is confirmed by a renew that A
+answers only with B's word. After each test neither node holds a lease, grant or claim.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvcr_client import Client, ErrorCode, KeyStatus, LeaseStatus, Span
+from kvcr_client.grants import MARGIN_FRACTION, MARGIN_S
+from kvcr_testing.health import wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
+from kvcr_testing.patterns import KiB
+from kvcr_testing.remote import Site, Sites, assert_site_clean, poll_stats
+
+LAYOUT = plain_layout(4)
+SPAN = 64 * KiB
+SLACK_S = 5.0
+FAILED_READ = {ErrorCode.TRANSFER_FAILED, ErrorCode.LEASE_LOST, ErrorCode.LEASE_EXPIRED, ErrorCode.PEER_RESTARTED,
+               ErrorCode.PEER_UNREACHABLE}
+"""What a read whose source went away may fail with (spec section 6.12): never OK."""
+
+
+def hint(a: Site, b: Site, keys: list[bytes], request_id: str = "r") -> str:
+    a.client.submit_hint(request_id, b.endpoint, keys).result(RESULT_TIMEOUT_S)
+    return request_id
+
+
+def posted(site: Site) -> int:
+    return int(site.stats()["transfers"]["posted"])
+
+
+def spans_into(site: Site, buf: np.ndarray, names: list[str] | None = None) -> list[Span]:
+    region = site.reg(buf)
+    return [Span(name, region, i * SPAN, SPAN) for i, name in enumerate(names or LAYOUT.names)]
+
+
+def set_hook(client: Client, fn: Callable[[str], Any] | None) -> None:
+    client._grants.hook = fn
+
+
+def no_grants_left(*sites: Site) -> None:
+    """Every node is back where it started: no lease, no grant outstanding."""
+    for site in sites:
+        poll_stats(site, lambda st: st["leases"]["held"] == 0 and st["leases"]["with_grants"] == 0, SLACK_S,
+                   f"{site.endpoint} let go of every lease and grant")
+
+
+def test_a_remote_read_lease_reads_from_the_source_directly(sites: Sites) -> None:
+    a, b = sites.start("a", "b")
+    here = a.deposit(b"here", LAYOUT, seed=1)
+    srcs = {k: b.deposit(k, LAYOUT, seed=2 + i) for i, k in enumerate([b"k0", b"k1"])}
+    rid = hint(a, b, [b"k0", b"k1"])
+    lease = a.client.lease([b"k0", b"k1", b"here", b"k0"], request_id=rid, ttl_ms=60_000).result(RESULT_TIMEOUT_S)
+    assert [lease.status(k) for k in (b"k0", b"k1", b"here")] == [LeaseStatus.LEASED_REMOTE] * 2 + [LeaseStatus.LEASED]
+    assert b.stats()["leases"]["with_grants"] == 1 and a.stats()["leases"]["with_grants"] == 1
+    grants = a.client._grants
+    assert len(grants.sources) == 1 and grants.node is not None
+    assert grants._keys[b"k0"].agent is not grants.node and grants._keys[b"here"].agent is grants.node
+    before = (posted(a), posted(b))
+    reads = grants.reads
+
+    # Whole objects, one at the source and one local, in one deliver.
+    dst = {k: np.zeros(LAYOUT.nbytes, np.uint8) for k in (b"k0", b"here")}
+    res = a.client.deliver({k: spans_into(a, buf) for k, buf in dst.items()}, request_id=rid).result(RESULT_TIMEOUT_S)
+    assert res.all_ok, res
+    assert np.array_equal(dst[b"k0"], srcs[b"k0"]) and np.array_equal(dst[b"here"], here)
+
+    # An ordered subset, into other places.
+    sub = np.zeros(LAYOUT.nbytes, np.uint8)
+    region = a.reg(sub)
+    res = a.client.deliver({b"k1": [Span("L1", region, 0, SPAN), Span("L3", region, 2 * SPAN, SPAN)]}).result(RESULT_TIMEOUT_S)
+    assert res[b"k1"].ok, res
+    assert np.array_equal(sub[:SPAN], srcs[b"k1"][SPAN:2 * SPAN]) and np.array_equal(sub[2 * SPAN:3 * SPAN], srcs[b"k1"][3 * SPAN:])
+    assert not sub[SPAN:2 * SPAN].any() and not sub[3 * SPAN:].any()
+
+    # A layer plan: one group per layer, each reported delivered.
+    planned = np.zeros(LAYOUT.nbytes, np.uint8)
+    handle = a.client.deliver({b"k1": spans_into(a, planned)}, plan=[[n] for n in LAYOUT.names])
+    for g in range(len(LAYOUT.names)):
+        handle.wait(g, RESULT_TIMEOUT_S)
+    assert handle.result(RESULT_TIMEOUT_S)[b"k1"].ok
+    assert np.array_equal(planned, srcs[b"k1"])
+
+    assert grants.reads == reads + 3
+    assert (posted(a), posted(b)) == before, "a node posted a transfer for a granted deliver"
+    # A second lease of the same source: its agent is cached, not sent again.
+    again = a.client.lease([b"k0"], request_id=rid).result(RESULT_TIMEOUT_S)
+    assert again.status(b"k0") is LeaseStatus.LEASED_REMOTE and len(grants.sources) == 1
+    for handle_ in (lease, again):
+        handle_.release().result(RESULT_TIMEOUT_S)
+    no_grants_left(a, b)
+    b.resident.update({k: ("kv",) * 4 for k in srcs})
+    assert_site_clean(a)
+    assert_site_clean(b)
+
+
+def node_driven(a: Site, b: Site) -> None:
+    src = b.deposit(b"k", LAYOUT, seed=5)
+    rid = hint(a, b, [b"k"])
+    lease = a.client.lease([b"k"], request_id=rid).result(RESULT_TIMEOUT_S)
+    assert lease.status(b"k") is LeaseStatus.LEASED_REMOTE
+    assert a.client._grants.cover([]) is None and b"k" not in a.client._grants._keys
+    before, reads = posted(b), a.client._grants.reads
+    dst = np.zeros(LAYOUT.nbytes, np.uint8)
+    res = a.client.deliver({b"k": spans_into(a, dst)}, request_id=rid).result(RESULT_TIMEOUT_S)
+    assert res[b"k"].ok and np.array_equal(dst, src)
+    assert a.client._grants.reads == reads and posted(b) > before, "the source did not write it"
+    lease.release().result(RESULT_TIMEOUT_S)
+    no_grants_left(a, b)
+    b.resident[b"k"] = ("kv",) * 4
+
+
+def test_a_source_with_client_transfers_off_leaves_the_node_driven_path(sites: Sites) -> None:
+    a, b = sites.start("a", ("b", {"args": ("--no-client-transfers",)}))
+    node_driven(a, b)
+
+
+def test_a_source_below_version_5_leaves_the_node_driven_path(sites: Sites) -> None:
+    a, b = sites.start("a", ("b", {"args": ("--protocol-version", "4")}))
+    node_driven(a, b)
+
+
+def test_a_source_killed_before_the_read_never_returns_bytes(sites: Sites) -> None:
+    (a,) = sites.start(("a", {"args": ("--peer-dead-ms", "500")}))
+    b = sites("b")
+    src = b.deposit(b"k", LAYOUT, seed=6)
+    rid = hint(a, b, [b"k"])
+    lease = a.client.lease([b"k"], request_id=rid, ttl_ms=60_000).result(RESULT_TIMEOUT_S)
+    assert b"k" in a.client._grants._keys
+    dst = np.zeros(LAYOUT.nbytes, np.uint8)
+    spans = spans_into(a, dst)
+
+    def kill(stage: str) -> None:
+        if stage == "posting":
+            b.node.kill()  # gone between the grant and the READ: its pools with it
+
+    set_hook(a.client, kill)
+    try:
+        res = a.client.deliver({b"k": spans}, deadline_ms=5000).result(RESULT_TIMEOUT_S)
+    finally:
+        set_hook(a.client, None)
+    assert res[b"k"].status is KeyStatus.FAILED and res[b"k"].code in FAILED_READ, res
+    assert not np.array_equal(dst, src)
+    # A learns the source is gone; the lease loses the key and ends.
+    assert wait_until(lambda: a.client.stats().result(RESULT_TIMEOUT_S) is not None and lease.ended is not None, SLACK_S)
+    poll_stats(a, lambda st: st["leases"]["held"] == 0 and st["leases"]["with_grants"] == 0, SLACK_S, "A ended the lease")
+    assert_site_clean(a, expect_peers_idle=False)
+
+
+def test_a_slot_the_source_reused_after_expiry_is_detected(sites: Sites) -> None:
+    a, b = sites.start("a", ("b", {"pools": ("--pool", "kv:64KiB:4"), "args": ("--policy", "fifo", "--lease-pool-fraction", "1",
+                                                                                "--lease-session-fraction", "1")}))
+    old = b.deposit(b"old", LAYOUT, seed=7)
+    rid = hint(a, b, [b"old"])
+    lease = a.client.lease([b"old"], request_id=rid, ttl_ms=300).result(RESULT_TIMEOUT_S)
+    assert b"old" in a.client._grants._keys
+    dst = np.zeros(LAYOUT.nbytes, np.uint8)
+    spans = spans_into(a, dst)
+    fresh: list[np.ndarray] = []
+
+    def reuse(stage: str) -> None:
+        if stage != "posting":
+            return
+        # The reader stalls between the grant and its READ; meanwhile the lease expires at
+        # both nodes, B evicts the object and refills its slots with another object's bytes.
+        poll_stats(b, lambda st: st["leases"]["held"] == 0, SLACK_S, "B's lease ended with A's")
+        fresh.append(b.deposit(b"new", LAYOUT, seed=8))
+
+    set_hook(a.client, reuse)
+    try:
+        res = a.client.deliver({b"old": spans}).result(RESULT_TIMEOUT_S)
+    finally:
+        set_hook(a.client, None)
+    assert res[b"old"].status is KeyStatus.FAILED and res[b"old"].code is ErrorCode.LEASE_EXPIRED, res
+    assert not np.array_equal(dst, old), "the slots were not reused: the test shows nothing"
+    assert sorted(dst.reshape(4, -1).tobytes()[i * SPAN:(i + 1) * SPAN] for i in range(4)) == \
+        sorted(fresh[0].reshape(4, -1).tobytes()[i * SPAN:(i + 1) * SPAN] for i in range(4))
+    assert lease.ended is ErrorCode.LEASE_EXPIRED
+    no_grants_left(a, b)
+    b.resident[b"new"] = ("kv",) * 4
+    assert_site_clean(a)
+    assert_site_clean(b)
+
+
+def test_a_late_remote_reader_is_confirmed_with_the_sources_word(sites: Sites) -> None:
+    a, b = sites.start("a", "b")
+    src = b.deposit(b"k", LAYOUT, seed=9)
+    rid = hint(a, b, [b"k"])
+    ttl_ms = 1000
+    lease = a.client.lease([b"k"], request_id=rid, ttl_ms=ttl_ms).result(RESULT_TIMEOUT_S)
+    trusted = ttl_ms / 1000 - (MARGIN_S + ttl_ms / 1000 * MARGIN_FRACTION)
+    asked = lease.expires_at - ttl_ms / 1000
+    renewed = b.stats()["leases"].get("renewed", 0)
+    confirmed = a.client._grants.confirmed
+    dst = np.zeros(LAYOUT.nbytes, np.uint8)
+    spans = spans_into(a, dst)
+    set_hook(a.client, lambda stage: time.sleep(max(0.0, asked + trusted + 0.02 - time.monotonic())) if stage == "posted" else None)
+    try:
+        res = a.client.deliver({b"k": spans}).result(RESULT_TIMEOUT_S)
+    finally:
+        set_hook(a.client, None)
+    assert res[b"k"].ok, res
+    assert np.array_equal(dst, src)
+    assert a.client._grants.confirmed == confirmed + 1
+    assert b.stats()["leases"].get("renewed", 0) == renewed + 1, "A said !held without asking the source"
+    lease.release().result(RESULT_TIMEOUT_S)
+    no_grants_left(a, b)
+    b.resident[b"k"] = ("kv",) * 4
+    assert_site_clean(a)
+    assert_site_clean(b)
+
+
+def test_a_source_killed_between_groups_fails_the_rest_of_the_read(sites: Sites) -> None:
+    (a,) = sites.start(("a", {"args": ("--peer-dead-ms", "500")}))
+    b = sites("b")
+    src = b.deposit(b"k", LAYOUT, seed=10)
+    rid = hint(a, b, [b"k"])
+    a.client.lease([b"k"], request_id=rid, ttl_ms=60_000).result(RESULT_TIMEOUT_S)
+    dst = np.zeros(LAYOUT.nbytes, np.uint8)
+    spans = spans_into(a, dst)
+
+    def kill(stage: str) -> None:
+        if stage == "posting 2":
+            b.node.kill()  # groups 0 and 1 were read; the source goes before group 2 is posted
+
+    set_hook(a.client, kill)
+    try:
+        handle = a.client.deliver({b"k": spans}, plan=[[n] for n in LAYOUT.names], deadline_ms=5000)
+        res = handle.result(RESULT_TIMEOUT_S)
+    finally:
+        set_hook(a.client, None)
+    assert not b.alive
+    assert res[b"k"].status is KeyStatus.FAILED and res[b"k"].code in FAILED_READ, res
+    assert np.array_equal(dst[:2 * SPAN], src[:2 * SPAN]), "the groups read before the kill landed"
+    poll_stats(a, lambda st: st["leases"]["held"] == 0 and st["leases"]["with_grants"] == 0, SLACK_S, "A ended the lease")
+    assert_site_clean(a, expect_peers_idle=False)
