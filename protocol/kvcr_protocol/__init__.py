@@ -45,6 +45,7 @@ from kvcr_protocol.notify import (
     is_notification,
 )
 from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, RequestCodes
+from kvcr_protocol.puts import Commit, Put, PutReply, Unput
 from kvcr_protocol.plans import GroupEvent, GroupState, PlanProgress
 from kvcr_protocol.projection import Projection, ProjectionCache, compute_projection
 from kvcr_protocol.session_rules import Role, SessionState
@@ -81,6 +82,7 @@ __all__ = [
     "PRESENCE_CODE",
     "PROTOCOL_VERSIONS",
     "REQUEST_CODES",
+    "Commit",
     "DeliverColumns",
     "DepositColumns",
     "ErrorCode",
@@ -97,6 +99,8 @@ __all__ = [
     "NotifyKind",
     "PlanProgress",
     "Projection",
+    "Put",
+    "PutReply",
     "ProjectionCache",
     "ProtocolError",
     "QueryColumns",
@@ -105,6 +109,7 @@ __all__ = [
     "Role",
     "SessionState",
     "SpanColumns",
+    "Unput",
     "WriteNotify",
     "canonical_endpoint",
     "check_span_sizes",

@@ -682,10 +682,14 @@ def record_items(msg: Deposit | Deliver | WriteRequest) -> tuple[DepositItem | D
     return tuple(item for block in msg.columns for item in block.to_items())
 
 
+# Version 5's write grants live in a module of their own (they use the declarations above).
+from kvcr_protocol.puts import PUT_MESSAGES  # noqa: E402
+
 CLIENT_MESSAGES: tuple[type[Message], ...] = (
     Hello, Welcome, RegisterRegions, UnregisterRegions, Deposit, Query, QueryReply, Deliver,
     Fetch, Release, Abort, SubmitHint, DiscardHint, StatsRequest, StatsReply, Completion, Ack,
     Error, CapacityEvent, Heartbeat, Bye, Progress, Lease, LeaseReply, RenewLease, ReleaseLease, LeaseEnded,
+    *PUT_MESSAGES,
 )
 PEER_MESSAGES: tuple[type[Message], ...] = (
     PeerHello, PeerWelcome, PeerClient, WriteRequest, WriteDone, Refuse, Probe, ProbeReply, PeerForget,
