@@ -1526,6 +1526,9 @@ def invalid_v5_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     commit = {"v": 5, "t": "commit", "id": 333, "put": PUT_ID}
     yield ("commit-put-missing", _pack({"v": 5, "t": "commit", "id": 333}), 5, "MISSING_FIELD", "a commit naming no put")
     yield ("commit-put-str", _pack({**commit, "put": "77"}), 5, "WRONG_TYPE", "the put id as a string")
+    yield ("commit-in-v4-frame", _pack({**commit, "v": 4}), 5, "UNKNOWN_TYPE", "commit does not exist at version 4")
+    yield ("put-reply-in-v4-frame", _pack({**_wire(kp.PutReply(331, 0, 0, ()), 5), "v": 4}), 5, "UNKNOWN_TYPE",
+           "put_reply does not exist at version 4")
     yield ("unput-in-v4-frame", _pack({**commit, "t": "unput", "v": 4}), 5, "UNKNOWN_TYPE", "unput does not exist at version 4")
     preply = _wire(kp.PutReply(331, PUT_ID, 2000, (OK, OK), kp.grant_columns([(("L0",), [(0, 7)]), (("L0",), [(0, 8)])])), 5)
     yield ("put-reply-grant-short", _pack({**preply, "results": preply["results"][:1]}), 5, "OUT_OF_RANGE",
