@@ -96,6 +96,8 @@ class Session:
     pool_slots: collections.Counter[str] = field(default_factory=collections.Counter)
     """Pool -> slots of that pool those leases hold here (bounded by the session's share of
     the pool's lease budget, spec section 6.11)."""
+    puts: set[int] = field(default_factory=set)
+    """The ids of this session's puts, quarantined ones included (``kvcr_node.puts`` owns them)."""
     peer: PeerState | None = None
     """The peer part of a peer session (None: a client's session)."""
 
@@ -132,6 +134,8 @@ class OpKind(enum.StrEnum):
     FETCH = "fetch"
     WRITE = "write"
     """A peer's write (this node is its source, spec section 12)."""
+    PUT = "put"
+    """A client's put (spec section 6.13): admitted and checked as a deposit, never started."""
 
 
 Resume = Callable[["Operation", int], None]

@@ -45,9 +45,9 @@ from kvcr_protocol.notify import (
     is_notification,
 )
 from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, RequestCodes
-from kvcr_protocol.puts import Commit, Put, PutReply, Unput
 from kvcr_protocol.plans import GroupEvent, GroupState, PlanProgress
 from kvcr_protocol.projection import Projection, ProjectionCache, compute_projection
+from kvcr_protocol.puts import Commit, Put, PutReply, Unput
 from kvcr_protocol.session_rules import Role, SessionState
 from kvcr_protocol.versions import (
     BASE_VERSION,
@@ -99,10 +99,10 @@ __all__ = [
     "NotifyKind",
     "PlanProgress",
     "Projection",
-    "Put",
-    "PutReply",
     "ProjectionCache",
     "ProtocolError",
+    "Put",
+    "PutReply",
     "QueryColumns",
     "RemoteProtocolError",
     "RequestCodes",

@@ -13,10 +13,10 @@ version 5 never see them.
 from __future__ import annotations
 
 from kvcr_protocol.columns import DepositColumns
+from kvcr_protocol.declare import Message, _check_items, _fields, message
 from kvcr_protocol.errors import ErrorCode, RemoteProtocolError
 from kvcr_protocol.grants import LeaseGrant
 from kvcr_protocol.limits import Limits
-from kvcr_protocol.messages import Message, _check_items, _fields, message
 from kvcr_protocol.records import U32_MAX, DepositItem, KeyResult
 from kvcr_protocol.wire import Bool, Field, Opt, RecordType, Seq, UInt
 
