@@ -122,7 +122,7 @@ class Grants:
     def add(self, lease: LeaseHandle, keys: Sequence[bytes], grant: LeaseGrant) -> None:
         """A ``lease_reply`` carried ``grant`` for ``lease`` (its keys in request order)."""
         if grant.node is not None:
-            self._load(grant.node)
+            self.load(grant.node)
         node = self.node
         if node is None or node.welcome is not self.core.welcome:
             return  # no agent to read with: the keys travel by deliver
@@ -135,7 +135,7 @@ class Grants:
             self._keys = {k: g for k, g in self._keys.items() if g.lease.ended is None}
             self._sweep_at = 2 * len(self._keys) + PRUNE_SLACK
 
-    def _load(self, node: GrantNode) -> None:
+    def load(self, node: GrantNode) -> None:
         """Load the node's agent into ours; its pools must be the session's pools."""
         welcome = self.core.welcome
         if welcome is None or len(node.pools) != len(welcome.pools):

@@ -1,0 +1,227 @@
+"""Deposits under write grants (spec section 6.13): the client WRITEs new objects itself.
+
+``Puts.put`` checks its arguments as ``deposit`` does, sends a ``put``, WRITEs every
+reserved span from the caller's registered memory into the slots the reply names (one
+transfer per pair of memory kinds, spans contiguous on both sides merged), waits for its
+own agent to report the WRITE terminal, and then sends ``commit`` (or, when the WRITE
+failed, ``unput``). Keys another writer holds (``BUSY``) go by ``deposit``, which waits
+for that writer. A session below version 5, or a node that grants no writes
+(``client_transfers`` off: it refuses ``put`` ``MUST_UNDERSTAND``), gets a plain
+``deposit``: the node-driven path.
+
+The caller's thread does the work (the WRITE over CMA is a copy inside the post); the
+handle it returns is already resolved, or resolves with the ``commit``'s reply.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from kvcr_client import checks
+from kvcr_client import spans as _spans
+from kvcr_client.errors import NodeError
+from kvcr_client.grants import NodePool
+from kvcr_client.regions import RegionHandle
+from kvcr_client.results import KeyOutcome, OpHandle, Results
+from kvcr_client.spans import Span
+from kvcr_io.agent import Desc, TransferError, XferStatus
+from kvcr_protocol import (
+    DEFAULT_LIMITS,
+    GRANTS_VERSION,
+    Ack,
+    Commit,
+    Completion,
+    DepositItem,
+    ErrorCode,
+    KeyResult,
+    KeyStatus,
+    MemoryKind,
+    Message,
+    Put,
+    PutReply,
+    Unput,
+    Welcome,
+    code_of,
+    deposit_blocks,
+)
+from kvcr_protocol.records import U32_MAX
+
+if TYPE_CHECKING:
+    from kvcr_client.operations import Operations
+
+CONTROL_TIMEOUT_S = 10.0
+"""How long a ``put``, ``commit`` or ``unput`` waits for its answer (the node answers at once)."""
+WRITE_POLL_S = 0.0002
+"""Between two looks at a WRITE still running (over CMA it is done when posted)."""
+
+Runs = dict[tuple[MemoryKind, MemoryKind], tuple[list[Desc], list[Desc]]]
+"""Per (local kind, remote kind): the local and remote descriptors of one WRITE."""
+
+
+class Puts:
+    """The puts of one client: they ride on its ``Operations`` (regions, grants, deposit)."""
+
+    def __init__(self, ops: Operations) -> None:
+        self.ops = ops
+        self.refused: Welcome | None = None
+        """The session whose node refused ``put`` (it grants no writes): deposit there."""
+        self.puts = 0
+        """Deposits that travelled as puts (the client wrote the bytes)."""
+        self.fallbacks = 0
+        """Puts sent as deposits (the node below version 5, or refusing puts)."""
+        self.hook: Any = None
+        """Called with ``"written"`` once the WRITE is terminal, before ``commit`` (tests stop
+        a client there). Not a setting of the product."""
+
+    def offered(self) -> bool:
+        core = self.ops.core
+        return core.version >= GRANTS_VERSION and (self.refused is None or self.refused is not core.welcome)
+
+    def put(
+        self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
+        ttl_ms: int = 0, deadline_ms: int = 30_000,
+    ) -> OpHandle[Results[KeyOutcome]]:
+        """Store objects as ``deposit`` does, writing their bytes from this client's agent when
+        the node grants writes; the results are a deposit's (``STORED``, ``DUPLICATE``, ...)."""
+        ops = self.ops
+        no_evict = checks.flag(no_evict, "no_evict")
+        optional = checks.flag(optional, "optional")
+        ttl_ms = checks.uint(ttl_ms, "ttl_ms", U32_MAX)
+        deadline_ms = checks.deadline(deadline_ms)
+        frozen, keys, regions = _spans.span_items(objects, DepositItem, ops, ops._regions.by_id, ops.pools)
+        if not self.offered() or not frozen:
+            self.fallbacks += 1
+            return ops.deposit(objects, no_evict, optional, deadline_ms)
+        core = ops.core
+        columns = deposit_blocks(frozen)
+        node_md = ops._grants.wants_node()
+        _, asked = core.request(lambda i: Put(i, (), no_evict, optional, ttl_ms, columns, node_md),
+                                _put_reply(len(keys)), CONTROL_TIMEOUT_S)
+        try:
+            reply: PutReply = core.wait(asked, CONTROL_TIMEOUT_S + 2)
+        except NodeError as exc:
+            if exc.code is not ErrorCode.MUST_UNDERSTAND:
+                raise
+            self.refused = core.welcome
+            self.fallbacks += 1
+            return ops.deposit(objects, no_evict, optional, deadline_ms)
+        self.puts += 1
+        results: list[KeyResult] = list(reply.results)
+        busy = [i for i, r in enumerate(results) if r.code == ErrorCode.BUSY]
+        if reply.put:
+            results = self._write(reply, frozen, results, regions)
+        if busy:
+            # Another writer holds these keys: a deposit waits for it (spec section 9).
+            later = ops.deposit({keys[i]: objects[keys[i]] for i in busy}, no_evict, optional, deadline_ms)
+            waited = core.wait(later.future, None)
+            for i in busy:
+                outcome = waited[keys[i]]
+                results[i] = KeyResult(outcome.status, outcome.code, outcome.reason, outcome.handle)
+        done: Future[Any] = Future()
+        done.set_result(Results([(k, KeyOutcome(r.status, code_of(r.code), r.reason, r.handle))
+                                 for k, r in zip(keys, results, strict=True)]))
+        return ops._handle(reply.id, "put", done)
+
+    def _write(
+        self, reply: PutReply, items: Sequence[DepositItem], results: list[KeyResult], regions: set[RegionHandle],
+    ) -> list[KeyResult]:
+        """WRITE the reserved spans, then ``commit`` (or ``unput`` when a WRITE failed);
+        the commit's results, or every reserved key failed ``TRANSFER_FAILED``."""
+        ops, core = self.ops, self.ops.core
+        grants = ops._grants
+        grant = reply.grant
+        if grant is not None and grant.node is not None:
+            grants.load(grant.node)
+        node = grants.node
+        ok = grant is not None and node is not None and node.welcome is core.welcome
+        table = ops._regions
+        table.hold(reply.id, "put", regions)
+        try:
+            if ok:
+                assert grant is not None and node is not None
+                runs = _runs(items, grant.keys(DEFAULT_LIMITS), node.pools, table.by_id)
+                ok = runs is not None and self._transfer(runs, node.name)
+        finally:
+            # No WRITE of it runs any more: the memory is the caller's again.
+            table.settle(reply.id, regions)
+        if self.hook is not None:
+            self.hook("written")
+        if not ok:
+            _, gone = core.request(lambda i: Unput(i, reply.put), _ack, CONTROL_TIMEOUT_S)
+            core.wait(gone, CONTROL_TIMEOUT_S + 2)
+            return [KeyResult(KeyStatus.FAILED, ErrorCode.TRANSFER_FAILED, "writing the reserved slots failed")
+                    if r.status is KeyStatus.OK else r for r in results]
+        _, committed = core.request(lambda i: Commit(i, reply.put), _completion(len(results)), CONTROL_TIMEOUT_S)
+        return list(core.wait(committed, CONTROL_TIMEOUT_S + 2))
+
+    def _transfer(self, runs: Runs, node: str) -> bool:
+        """Post one WRITE per pair of memory kinds and wait until each is terminal; whether all succeeded."""
+        core = self.ops.core
+        agent = core.agent
+        posted: list[tuple[Any, XferStatus]] = []
+        ok = True
+        for (local_kind, remote_kind), (local, remote) in runs.items():
+            try:
+                posted.append(core.call(functools.partial(
+                    agent.start_listed, "WRITE", local_kind, local, remote_kind, remote, node)).result())
+            except TransferError:
+                ok = False
+        for handle, state in posted:
+            while state is XferStatus.RUNNING:
+                time.sleep(WRITE_POLL_S)
+                state = core.call(functools.partial(agent.state, handle), closed=True).result()
+            core.call(functools.partial(agent.release, handle), closed=True)
+            ok = ok and state is XferStatus.DONE
+        return ok
+
+
+def _runs(
+    items: Sequence[DepositItem], granted: Any, pools: Sequence[NodePool], regions: Mapping[int, RegionHandle],
+) -> Runs | None:
+    """The descriptor pairs of the WRITEs: each reserved span from where the put said its
+    bytes lie into its slot, spans contiguous on both sides merged. None when the grant
+    does not fit the put (a pool the node's agent lacks, or a span's size)."""
+    runs: Runs = {}
+    for i, names, granted_pools, slots in granted:
+        item = items[i]
+        if len(names) != len(item.spans):
+            return None
+        for span, p, slot in zip(item.spans, granted_pools, slots, strict=True):
+            if p >= len(pools) or span.length != pools[p].slot_size:
+                return None
+            pool, region = pools[p], regions[span.region]
+            local, remote = runs.setdefault((region.kind, pool.kind), ([], []))
+            laddr, raddr = region.address + span.offset, pool.address + slot * pool.slot_size
+            if local and local[-1][0] + local[-1][1] == laddr and remote[-1][0] + remote[-1][1] == raddr \
+                    and local[-1][2] == region.device and remote[-1][2] == pool.device:
+                local[-1] = (local[-1][0], local[-1][1] + span.length, region.device)
+                remote[-1] = (remote[-1][0], remote[-1][1] + span.length, pool.device)
+            else:
+                local.append((laddr, span.length, region.device))
+                remote.append((raddr, span.length, pool.device))
+    return runs
+
+
+def _put_reply(n: int) -> Any:
+    def convert(msg: Message) -> PutReply:
+        if not isinstance(msg, PutReply) or len(msg.results) != n:
+            raise ValueError(f"expected put_reply with {n} results, got {msg.TAG}")
+        return msg
+    return convert
+
+
+def _completion(n: int) -> Any:
+    def convert(msg: Message) -> tuple[KeyResult, ...]:
+        if not isinstance(msg, Completion) or len(msg.results) != n:
+            raise ValueError(f"expected complete with {n} results, got {msg.TAG}")
+        return msg.results
+    return convert
+
+
+def _ack(msg: Message) -> None:
+    if not isinstance(msg, Ack):
+        raise ValueError(f"expected ack, got {msg.TAG}")
