@@ -19,13 +19,14 @@ import functools
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvcr_client import checks
 from kvcr_client import spans as _spans
+from kvcr_client.core import ClientCore
 from kvcr_client.errors import NodeError
-from kvcr_client.grants import NodePool
-from kvcr_client.regions import RegionHandle
+from kvcr_client.grants import Grants, NodePool
+from kvcr_client.regions import RegionHandle, RegionTable
 from kvcr_client.results import KeyOutcome, OpHandle, Results
 from kvcr_client.spans import Span
 from kvcr_io.agent import Desc, TransferError, XferStatus
@@ -41,6 +42,7 @@ from kvcr_protocol import (
     KeyStatus,
     MemoryKind,
     Message,
+    PoolInfo,
     Put,
     PutReply,
     Unput,
@@ -50,8 +52,21 @@ from kvcr_protocol import (
 )
 from kvcr_protocol.records import U32_MAX
 
-if TYPE_CHECKING:
-    from kvcr_client.operations import Operations
+
+class Owner(Protocol):
+    """What a put needs of the client's ``Operations`` (which owns ``Puts``)."""
+
+    core: ClientCore
+    _regions: RegionTable
+    _grants: Grants
+
+    @property
+    def pools(self) -> dict[str, PoolInfo]: ...
+
+    def deposit(self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
+                deadline_ms: int = ...) -> OpHandle[Results[KeyOutcome]]: ...
+
+    def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]: ...
 
 CONTROL_TIMEOUT_S = 10.0
 """How long a ``put``, ``commit`` or ``unput`` waits for its answer (the node answers at once)."""
@@ -65,7 +80,7 @@ Runs = dict[tuple[MemoryKind, MemoryKind], tuple[list[Desc], list[Desc]]]
 class Puts:
     """The puts of one client: they ride on its ``Operations`` (regions, grants, deposit)."""
 
-    def __init__(self, ops: Operations) -> None:
+    def __init__(self, ops: Owner) -> None:
         self.ops = ops
         self.refused: Welcome | None = None
         """The session whose node refused ``put`` (it grants no writes): deposit there."""
