@@ -70,6 +70,8 @@ class Owner(Protocol):
 
 CONTROL_TIMEOUT_S = 10.0
 """How long a ``put``, ``commit`` or ``unput`` waits for its answer (the node answers at once)."""
+DEFAULT_WRITE_S = 30.0
+"""How long the WRITEs of a put with deadline 0 may take."""
 WRITE_POLL_S = 0.0002
 """Between two looks at a WRITE still running (over CMA it is done when posted)."""
 
@@ -128,7 +130,8 @@ class Puts:
         results: list[KeyResult] = list(reply.results)
         busy = [i for i, r in enumerate(results) if r.code == ErrorCode.BUSY]
         if reply.put:
-            results = self._write(reply, frozen, results, regions)
+            give_up = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_WRITE_S)
+            results = self._write(reply, frozen, results, regions, give_up)
         if busy:
             # Another writer holds these keys: a deposit waits for it (spec section 9).
             later = ops.deposit({keys[i]: objects[keys[i]] for i in busy}, no_evict, optional, deadline_ms)
@@ -143,28 +146,34 @@ class Puts:
 
     def _write(
         self, reply: PutReply, items: Sequence[DepositItem], results: list[KeyResult], regions: set[RegionHandle],
+        give_up: float,
     ) -> list[KeyResult]:
         """WRITE the reserved spans, then ``commit`` (or ``unput`` when a WRITE failed);
-        the commit's results, or every reserved key failed ``TRANSFER_FAILED``."""
+        the commit's results, or every reserved key failed ``TRANSFER_FAILED``. A WRITE still
+        running at ``give_up`` is let go of and nothing is sent: it may still land, so the
+        put is left to expire into quarantine (spec section 6.13), its keys ``TIMEOUT``."""
         ops, core = self.ops, self.ops.core
         grants = ops._grants
         grant = reply.grant
         if grant is not None and grant.node is not None:
             grants.load(grant.node)
         node = grants.node
-        ok = grant is not None and node is not None and node.welcome is core.welcome
+        ok: bool | None = grant is not None and node is not None and node.welcome is core.welcome
         table = ops._regions
         table.hold(reply.id, "put", regions)
         try:
             if ok:
                 assert grant is not None and node is not None
                 runs = _runs(items, grant.keys(DEFAULT_LIMITS), node.pools, table.by_id)
-                ok = runs is not None and self._transfer(runs, node.name)
+                ok = runs is not None and self._transfer(runs, node.name, give_up)
         finally:
             # No WRITE of it runs any more: the memory is the caller's again.
             table.settle(reply.id, regions)
         if self.hook is not None:
             self.hook("written")
+        if ok is None:
+            return [KeyResult(KeyStatus.FAILED, ErrorCode.TIMEOUT, "the WRITE outlived the deadline; left to expire")
+                    if r.status is KeyStatus.OK else r for r in results]
         if not ok:
             _, gone = core.request(lambda i: Unput(i, reply.put), _ack, CONTROL_TIMEOUT_S)
             core.wait(gone, CONTROL_TIMEOUT_S + 2)
@@ -173,8 +182,9 @@ class Puts:
         _, committed = core.request(lambda i: Commit(i, reply.put), _completion(len(results)), CONTROL_TIMEOUT_S)
         return list(core.wait(committed, CONTROL_TIMEOUT_S + 2))
 
-    def _transfer(self, runs: Runs, node: str) -> bool:
-        """Post one WRITE per pair of memory kinds and wait until each is terminal; whether all succeeded."""
+    def _transfer(self, runs: Runs, node: str, give_up: float) -> bool | None:
+        """Post one WRITE per pair of memory kinds and wait until each is terminal: whether all
+        succeeded; None when one still ran at ``give_up`` (it may land later)."""
         core = self.ops.core
         agent = core.agent
         posted: list[tuple[Any, XferStatus]] = []
@@ -185,13 +195,15 @@ class Puts:
                     agent.start_listed, "WRITE", local_kind, local, remote_kind, remote, node)).result())
             except TransferError:
                 ok = False
+        uncertain = False
         for handle, state in posted:
-            while state is XferStatus.RUNNING:
+            while state is XferStatus.RUNNING and time.monotonic() < give_up:
                 time.sleep(WRITE_POLL_S)
                 state = core.call(functools.partial(agent.state, handle), closed=True).result()
             core.call(functools.partial(agent.release, handle), closed=True)
+            uncertain = uncertain or state is XferStatus.RUNNING
             ok = ok and state is XferStatus.DONE
-        return ok
+        return None if uncertain else ok
 
 
 def _runs(

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcr_client import ArgumentError, Client, ErrorCode, KeyStatus, NodeError, Span
+from kvcr_client import ArgumentError, AsyncClient, Client, ErrorCode, KeyStatus, NodeError, Span
 from kvcr_protocol import Commit, Completion, DepositItem, Put, PutReply, SrcSpan, Unput
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
@@ -103,6 +103,29 @@ def test_bad_input_is_refused_naming_the_field(client: Client, register: Registr
         client.put({key("a"): spans(region, 1)}, ttl_ms=-1)
     with pytest.raises(ArgumentError, match="pool"):
         client.put({key("a"): [Span("L0", region, 0, SLOT, "nope")]})
+    with pytest.raises(ArgumentError, match="region"):
+        client.put({key("a"): [Span("L0", region, SLOT * 2, SLOT, "kv")]})
+    with pytest.raises(ArgumentError, match="deadline_ms"):
+        client.put({key("a"): spans(region, 1)}, deadline_ms=1 << 32)
+    # The node checks what the client library would: an unknown region, a span past its end.
+    bad = ask(client, lambda i: Put(i, (DepositItem(key("b"), (SrcSpan("L0", "kv", 999, 0, SLOT),)),
+                                        DepositItem(key("c"), (SrcSpan("L0", "kv", region.region, SLOT, 2 * SLOT),)))))
+    assert isinstance(bad, PutReply) and bad.put == 0
+    assert [r.code for r in bad.results] == [ErrorCode.BAD_DESCRIPTOR, ErrorCode.SIZE_MISMATCH]
+
+
+async def test_an_async_client_puts(node: Any) -> None:
+    async with AsyncClient(node.endpoint, name="itest-puts-async") as c:
+        src = pattern(2 * SLOT, 11)
+        r = await c.register(src)
+        res = await c.put({b"async-put": spans(r, 2)})
+        assert res[b"async-put"].status is KeyStatus.STORED and c._puts.puts == 1
+        dst = np.zeros(2 * SLOT, np.uint8)
+        rd = await c.register(dst)
+        assert (await c.deliver({b"async-put": [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(2)]}))[b"async-put"].ok
+        assert np.array_equal(dst, src)
+        await c.unregister(r)
+        await c.unregister(rd)
 
 
 def raw_put(client: Client, region: Any, keys: list[bytes], ttl_ms: int = 0) -> PutReply:
