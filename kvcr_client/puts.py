@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+import numpy as np
+
 from kvcr_client import checks
 from kvcr_client import spans as _spans
 from kvcr_client.core import ClientCore
@@ -36,10 +38,12 @@ from kvcr_protocol import (
     Ack,
     Commit,
     Completion,
+    DepositColumns,
     DepositItem,
     ErrorCode,
     KeyResult,
     KeyStatus,
+    LeaseGrant,
     MemoryKind,
     Message,
     PoolInfo,
@@ -131,7 +135,7 @@ class Puts:
         busy = [i for i, r in enumerate(results) if r.code == ErrorCode.BUSY]
         if reply.put:
             give_up = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_WRITE_S)
-            results = self._write(reply, frozen, results, regions, give_up)
+            results = self._write(reply, frozen, columns, results, regions, give_up)
         if busy:
             # Another writer holds these keys: a deposit waits for it (spec section 9).
             later = ops.deposit({keys[i]: objects[keys[i]] for i in busy}, no_evict, optional, deadline_ms)
@@ -145,8 +149,8 @@ class Puts:
         return ops._handle(reply.id, "put", done)
 
     def _write(
-        self, reply: PutReply, items: Sequence[DepositItem], results: list[KeyResult], regions: set[RegionHandle],
-        give_up: float,
+        self, reply: PutReply, items: Sequence[DepositItem], columns: Sequence[DepositColumns], results: list[KeyResult],
+        regions: set[RegionHandle], give_up: float,
     ) -> list[KeyResult]:
         """WRITE the reserved spans, then ``commit`` (or ``unput`` when a WRITE failed);
         the commit's results, or every reserved key failed ``TRANSFER_FAILED``. A WRITE still
@@ -164,7 +168,9 @@ class Puts:
         try:
             if ok:
                 assert grant is not None and node is not None
-                runs = _runs(items, grant.keys(DEFAULT_LIMITS), node.pools, table.by_id)
+                runs = _column_runs(columns, grant, node.pools, table.by_id)
+                if runs is None:  # blocks of several regions, pools or lengths: span by span
+                    runs = _runs(items, grant.keys(DEFAULT_LIMITS), node.pools, table.by_id)
                 ok = runs is not None and self._transfer(runs, node.name, give_up)
         finally:
             # No WRITE of it runs any more: the memory is the caller's again.
@@ -204,6 +210,55 @@ class Puts:
             uncertain = uncertain or state is XferStatus.RUNNING
             ok = ok and state is XferStatus.DONE
         return None if uncertain else ok
+
+
+def _column_runs(
+    columns: Sequence[DepositColumns], grant: LeaseGrant, pools: Sequence[NodePool], regions: Mapping[int, RegionHandle],
+) -> Runs | None:
+    """``_runs`` a block of columns at a time: for blocks of one region, one pool and one
+    span length (an engine's usual layout), whole columns of addresses in numpy. None when a
+    block is not such a one (or the grant does not fit it): the caller goes span by span."""
+    layout = np.frombuffer(grant.layout, "<u4")
+    slots = np.frombuffer(grant.slot, "<u4").astype(np.uint64)
+    granted_pools = np.frombuffer(grant.pool, np.uint8)
+    local: list[np.ndarray] = []
+    remote: list[np.ndarray] = []
+    kinds: tuple[MemoryKind, MemoryKind] | None = None
+    devices: tuple[int, int] | None = None
+    length = 0
+    key = at = 0
+    for block in columns:
+        rows, n = len(block.keys), block.span_count
+        reserved = layout[key:key + rows] != 0
+        key += rows
+        m = int(reserved.sum())
+        if not m:
+            continue
+        if not isinstance(block.regions, int) or not isinstance(block.lengths, int) or length not in (0, block.lengths):
+            return None
+        if any(grant.layouts[int(i) - 1] != block.names for i in np.unique(layout[key - rows:key][reserved])):
+            return None
+        p = granted_pools[at:at + m * n]
+        if not len(p) or int(p.min()) != int(p.max()) or int(p[0]) >= len(pools):
+            return None
+        pool, region = pools[int(p[0])], regions[block.regions]
+        if block.lengths != pool.slot_size or kinds not in (None, (region.kind, pool.kind)) \
+                or devices not in (None, (region.device, pool.device)):
+            return None
+        kinds, devices, length = (region.kind, pool.kind), (region.device, pool.device), block.lengths
+        offsets = np.frombuffer(block.offsets, "<u8").reshape(rows, n)[reserved].ravel()
+        local.append(np.uint64(region.address) + offsets)
+        remote.append(np.uint64(pool.address) + slots[at:at + m * n] * np.uint64(pool.slot_size))
+        at += m * n
+    if kinds is None or devices is None:
+        return None
+    laddr, raddr = np.concatenate(local), np.concatenate(remote)
+    step = np.uint64(length)
+    breaks = np.flatnonzero((laddr[1:] != laddr[:-1] + step) | (raddr[1:] != raddr[:-1] + step)) + 1
+    starts = np.concatenate(([0], breaks))
+    sizes = (np.diff(np.concatenate((starts, [len(laddr)]))) * length).tolist()
+    return {kinds: (list(zip(laddr[starts].tolist(), sizes, [devices[0]] * len(sizes), strict=True)),
+                    list(zip(raddr[starts].tolist(), sizes, [devices[1]] * len(sizes), strict=True)))}
 
 
 def _runs(

@@ -84,6 +84,18 @@ def test_a_put_writes_from_the_client_and_a_deliver_returns_every_byte(client: C
     del before
 
 
+def test_a_put_of_spans_in_several_regions_writes_span_by_span(client: Client, register: Registrar,
+                                                                key: Callable[[str], bytes]) -> None:
+    a, b = pattern(4 * SLOT, 21), pattern(4 * SLOT, 22)
+    ra, rb = register(a), register(b)
+    layout = [Span(f"L{i}", ra if i % 2 else rb, (i // 2) * SLOT, SLOT, "kv") for i in range(LAYERS)]
+    res = client.put({key("mixed"): layout}).result(RESULT_TIMEOUT_S)
+    assert res[key("mixed")].status is KeyStatus.STORED and client._puts.fallbacks == 0
+    got = read_back(client, register, key("mixed"))
+    want = np.concatenate([(a if i % 2 else b)[(i // 2) * SLOT:(i // 2 + 1) * SLOT] for i in range(LAYERS)])
+    assert np.array_equal(got, want)
+
+
 def test_a_no_evict_put_returns_handles(client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
     src = pattern(2 * SLOT, 3)
     res = client.put({key("h"): spans(register(src), 2)}, no_evict=True).result(RESULT_TIMEOUT_S)
