@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -32,16 +33,20 @@ from kvcr_protocol import (
     GrantNode,
     KeyResult,
     KeyStatus,
+    LeaseGrant,
     ProtocolError,
     Put,
     PutReply,
     Unput,
-    grant_columns,
     session_rules,
 )
+from kvcr_protocol.columns import U32, pack
 from kvcr_protocol.versions import GRANTS_VERSION
 
 log = logging.getLogger("kvcr.node")
+
+_LITTLE = sys.byteorder == "little"
+"""Slots are stored as native u32 and travel little-endian: on such hosts, as they are."""
 
 
 class PutState(enum.Enum):
@@ -144,13 +149,26 @@ class Puts:
         session.puts.add(put)
         self.counts["granted"] += 1
         self.granted_at = now
-        rows: list[tuple[tuple[str, ...], list[tuple[int, int]]] | None] = [None] * len(keys)
-        for i, entry in reserved:
-            layout = entry.info.layout
-            rows[i] = (tuple(name for name, _ in layout),
-                       [(self.pool_index[pool], slot) for (_, pool), slot in zip(layout, entry.slot_view, strict=True)])
-        grant = grant_columns(rows, self.grant_node(session) if msg.node_md else None)
+        grant = self._grant(reserved, len(keys), self.grant_node(session) if msg.node_md else None)
         self.outbox.reply(session, PutReply(msg.id, put, ttl, tuple(results), grant))
+
+    def _grant(self, reserved: Fills, n: int, node: GrantNode | None) -> LeaseGrant:
+        """The slots of the reserved entries as a ``LeaseGrant`` (spec sections 6.12 and 6.13):
+        one row per key of the put; each entry's slots are already a u32 column."""
+        table: dict[str, int] = {}
+        pools: dict[str, bytes] = {}
+        layout = [0] * n
+        pool, slot = bytearray(), bytearray()
+        for i, entry in reserved:
+            spans = entry.info.layout
+            names = "\0".join(name for name, _ in spans)
+            layout[i] = table.setdefault(names, len(table) + 1)
+            column = pools.get(names)
+            if column is None:
+                column = pools[names] = bytes(self.pool_index[p] for _, p in spans)
+            pool += column
+            slot += entry.slot_view.cast("B") if _LITTLE else pack(entry.slot_view.tolist(), U32)
+        return LeaseGrant(pack(layout, U32), tuple(table), bytes(pool), bytes(slot), node)
 
     def on_commit(self, session: Session, msg: Commit) -> None:
         record = self._held(session, msg.id, msg.put)
