@@ -45,6 +45,10 @@ from kvcr_protocol.versions import GRANTS_VERSION
 
 log = logging.getLogger("kvcr.node")
 
+QUARANTINE_RETRY_S = 1.0
+"""A lost put whose quarantine passed while another session still holds its client's agent
+is looked at again this often (that session's end lets the agent go)."""
+
 _LITTLE = sys.byteorder == "little"
 """Slots are stored as native u32 and travel little-endian: on such hosts, as they are."""
 
@@ -79,6 +83,8 @@ class PutRecord:
     removed: bool = False
     """Whether the client's agent was removed from ours since it ended."""
     slots: int = field(default=0)
+    retry: float = 0.0
+    """When a lost put whose agent another session still held is looked at again."""
 
 
 class Puts:
@@ -247,11 +253,13 @@ class Puts:
                 record.removed = True
 
     def next_put_event(self) -> float | None:
-        """When ``check_puts`` has something to do next (None: no put)."""
-        if not self.table:
-            return None
+        """When ``check_puts`` has something to do next (None: nothing timed). An expired put
+        waits for its session, not for the clock; a lost one for its quarantine, then (while
+        another session still holds the agent) every ``QUARANTINE_RETRY_S``."""
         quarantine = self.config.put_quarantine_ms / 1000
-        return min(r.deadline if r.state is PutState.OPEN else r.ended + quarantine for r in self.table.values())
+        times = [r.deadline if r.state is PutState.OPEN else max(r.ended + quarantine, r.retry)
+                 for r in self.table.values() if r.state is not PutState.EXPIRED]
+        return min(times) if times else None
 
     def check_puts(self, now: float) -> None:
         """Expire puts past their time to live; free lost ones whose quarantine is over."""
@@ -263,13 +271,15 @@ class Puts:
                 self.counts["expired"] += 1
                 log.info("put %d of %s expired unfinished: %d slots quarantined", record.id, record.session.name,
                          record.slots)
-            elif record.state is PutState.LOST and now >= record.ended + quarantine:
+            elif record.state is PutState.LOST and now >= max(record.ended + quarantine, record.retry):
                 if not record.removed:
                     # Nothing else may hold the agent; once it is removed, the hook marks it.
                     self.agents.remove_unused(record.agent)
                 if record.removed:
                     self._free(record)
                     self.counts["freed_late"] += 1
+                else:
+                    record.retry = now + QUARANTINE_RETRY_S
 
     # ------------------------------------------------------------------ statistics
 

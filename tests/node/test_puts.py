@@ -107,6 +107,7 @@ def test_an_expired_put_is_quarantined_until_the_session_names_it(ipc_dir: Path,
         assert st["puts"]["expired"] == 1 and st["puts"]["quarantined_slots"] == 2 and free(d) == 6
         d.tick(5)  # past the quarantine time: the session lives, its WRITE may still come
         assert free(d) == 6 and d.stats()["writing"] == 1
+        assert d.node.puts.next_put_event() is None, "nothing timed: the idle node sleeps"
         refused = reply_of(d.receive(b"c", Commit(3, reply.put)), 3)
         assert isinstance(refused, Error) and refused.code == ErrorCode.TIMEOUT and refused.path == "put"
         assert free(d) == 8 and d.stats()["puts"]["quarantined"] == 0 and d.stats()["invariants"] == []
@@ -138,8 +139,9 @@ def test_a_lost_put_waits_while_another_session_holds_the_agent(ipc_dir: Path, a
         assert d.receive(b"c", Bye(3)) == [Ack(3)]
         d.tick(5.5)  # past the quarantine time, within c2's grace
         assert free(d) == 6, "the agent is still connected: a late WRITE could land"
+        assert d.node.puts.next_put_event() is not None
         assert d.receive(b"c2", Bye(4)) == [Ack(4)]
-        d.tick(0.1)
+        d.tick(1.1)  # looked at again once a second
         assert free(d) == 8 and d.stats()["invariants"] == []
         # A new hello from the same identity ends the old session: its agent goes, then comes back.
         d.hello(b"c", agent, request_id=5)
