@@ -155,10 +155,10 @@ class Puts:
         session.puts.add(put)
         self.counts["granted"] += 1
         self.granted_at = now
-        grant = self._grant(reserved, len(keys), self.grant_node(session) if msg.node_md else None)
+        grant = self._put_grant(reserved, len(keys), self.grant_node(session) if msg.node_md else None)
         self.outbox.reply(session, PutReply(msg.id, put, ttl, tuple(results), grant))
 
-    def _grant(self, reserved: Fills, n: int, node: GrantNode | None) -> LeaseGrant:
+    def _put_grant(self, reserved: Fills, n: int, node: GrantNode | None) -> LeaseGrant:
         """The slots of the reserved entries as a ``LeaseGrant`` (spec sections 6.12 and 6.13):
         one row per key of the put; each entry's slots are already a u32 column."""
         table: dict[str, int] = {}
