@@ -10,7 +10,9 @@ anchor's, so that both see the same machine (other work on it shifts both):
    the node's pools itself, against a raw NIXL READ of the same descriptors by a bare agent in
    this process from the raw writer's registered buffer (prepared once, and as one descriptor
    built per request: kvcr merges contiguous slots);
-3. deposit of the same object under new keys against a raw NIXL READ of the same descriptors;
+3. deposit of the same object under new keys against a raw NIXL READ of the same descriptors,
+   and put of it under new keys (spec section 6.13: the client WRITEs the slots the node
+   reserved, then commits) against a raw NIXL WRITE of the same descriptors by a bare agent;
 4. query round trips against a raw ZeroMQ DEALER/ROUTER msgpack echo: one key with the blocking
    ``Client`` and with ``AsyncClient``; then ``bench/lookups.py``'s lookups at engine scale
    (1,000 keys against an echo of the same sizes, a prefix query, 5,000 queries in flight);
@@ -30,7 +32,9 @@ stdout carries one JSON object: ``query_ratio`` and ``query_ratio_async`` (query
 p50 of the same 1024 descriptors / kvcr deliver p50 under a read grant; ``_merged``: against one
 descriptor), ``grant_deliver_ms`` and ``raw_grant_read_ms`` (their medians) and
 ``grant_deliver_spread`` and ``raw_grant_read_spread`` ((p90 - p10) / median), ``deposit_ratio`` (raw NIXL READ p50
-/ kvcr deposit p50), ``idle_cpu_percent`` (node and an idle client process holding 64 read-granted
+/ kvcr deposit p50), ``put_deposit_ratio`` (raw NIXL WRITE p50 of the same 1024 descriptors by a bare
+agent / kvcr put p50 under a write grant, put, WRITE and commit included; ``_merged``: against one
+descriptor; ``put_ms``, ``raw_put_write_ms`` and their ``_spread``), ``idle_cpu_percent`` (node and an idle client process holding 64 read-granted
 leases together, % of a core, past the node's fast progress after a grant; ``idle_node_cpu_percent``:
 the node alone) and its anchor of the same run, ``idle_cpu_percent_no_grants`` and
 ``idle_node_cpu_percent_no_grants`` (the same node and an idle client that holds no grant),
@@ -159,7 +163,8 @@ class RawNixl:
         self.agent.register_memory([(self.dst.ctypes.data, OBJECT, 0, "")], "DRAM")
         assert peer.call({"t": "setup", "md": self.agent.get_agent_metadata(), "addr": self.dst.ctypes.data})["t"] == "ok"
         self.runs: dict[str, list[float]] = {"write": [], "write_e2e": [], "write_merged": [], "read": [],
-                                             "consumer_read": [], "consumer_read_merged": []}
+                                             "consumer_read": [], "consumer_read_merged": [], "consumer_write": [],
+                                             "consumer_write_merged": []}
         found = peer.call({"t": "md"})
         self.writer = self.agent.add_remote_agent(found["md"])
         self.writer_addr = int(found["addr"])
@@ -199,6 +204,25 @@ class RawNixl:
         agent.release_xfer_handle(handle)
         assert state == "DONE", state
         self.runs["consumer_read_merged" if merged else "consumer_read"].append(time.perf_counter() - t0)
+
+    def consumer_write(self, merged: bool) -> None:
+        """One timed WRITE, by this process, of ``dst`` into the writer's 1024 x 64 KiB: the raw
+        anchor of a put under a write grant (prepared lists, or one descriptor per side)."""
+        agent = self.agent
+        t0 = time.perf_counter()
+        if merged:
+            ldesc = agent.get_xfer_descs(np.array([(self.dst.ctypes.data, OBJECT, 0)], dtype=np.uint64), "DRAM")
+            rdesc = agent.get_xfer_descs(np.array([(self.writer_addr, OBJECT, 0)], dtype=np.uint64), "DRAM")
+            handle = agent.initialize_xfer("WRITE", ldesc, rdesc, self.writer)
+        else:
+            handle = agent.make_prepped_xfer("WRITE", self.mine, list(range(SPANS)), self.theirs, list(range(SPANS)))
+        state = agent.transfer(handle)
+        give_up = t0 + 30
+        while state == "PROC" and time.perf_counter() < give_up:
+            state = agent.check_xfer_state(handle)
+        agent.release_xfer_handle(handle)
+        assert state == "DONE", state
+        self.runs["consumer_write_merged" if merged else "consumer_write"].append(time.perf_counter() - t0)
 
     def run_span(self, span: int) -> None:
         """One timed WRITE of ``SWEEP_BYTES`` in descriptors of ``span`` bytes."""
@@ -241,6 +265,32 @@ def bench_grants(
     if client._grants.reads != reads + 2 + 2 * reps:
         raise AssertionError("a deliver of the leased object went to the node")
     lease.release().result(30)
+    return times
+
+
+def bench_puts(client: Client, raw: RawNixl, rs: Any, spans: list[Span], src: np.ndarray, dst: np.ndarray, reps: int,
+               progress: Progress) -> list[float]:
+    """Puts of the object under new keys (spec section 6.13: the client WRITEs the node's pool
+    itself, then commits), each followed by the raw consumer WRITEs of the same descriptors."""
+    progress.step(f"put {OBJECT >> 20} MiB under a write grant against raw NIXL WRITE, {reps} times")
+    sources = [Span(f"L{i}", rs, i * SPAN, SPAN, "kv") for i in range(SPANS)]
+    puts = client._puts.puts
+    times = []
+    for i in range(reps):
+        progress.tick("puts", i, reps)
+        t0 = time.perf_counter()
+        res = client.put({f"put{i}".encode(): sources}).result(30)
+        times.append(time.perf_counter() - t0)
+        assert res.all_ok, res
+        raw.consumer_write(merged=False)
+        raw.consumer_write(merged=True)
+    if client._puts.puts != puts + reps:
+        raise AssertionError("a put went to the node as a deposit (client_transfers off?)")
+    dst[:] = 0
+    last = f"put{reps - 1}".encode()
+    assert client.deliver({last: spans}).result(30)[last].ok
+    if not np.array_equal(src, dst):
+        raise AssertionError("a put's bytes differ when delivered back")
     return times
 
 
@@ -376,18 +426,20 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, 
         assert client.deliver({last: spans}).result(30)[last].ok
         if not np.array_equal(src, dst):
             raise AssertionError("a deposit's bytes differ when delivered back")
+        put_times = bench_puts(client, raw, rs, spans, src, dst, reps, progress)
         swept: dict[int, list[float]] = {}
         if sweep:
             progress.step(f"deliver throughput against span size ({', '.join(f'{s >> 10} KiB' for s in SWEEP_SPANS)})")
             swept = bench_sweep(client, raw, rs, rd, reps, progress)
         stats = client.stats().result(5)
         assert stats["invariants"] == [], stats["invariants"]
-    samples = {**queried, "deliver": times["list"], "deliver_prepared": times["prepared"], "deposit": deposits,
+    samples = {**queried, "deliver": times["list"], "deliver_prepared": times["prepared"], "deposit": deposits, "put": put_times,
                "grant_deliver": granted["list"], "grant_deliver_prepared": granted["prepared"],
                **{f"raw_{name}": runs for name, runs in raw.runs.items()}}
     return {**{name: summary(queried[name]) for name in queried}, "deliver": summary(times["list"]),
             "grant_deliver": summary(granted["list"]), "grant_deliver_prepared": summary(granted["prepared"]),
-            "deliver_prepared": summary(times["prepared"]), "deposit": summary(deposits), "raw": raw.summaries(),
+            "deliver_prepared": summary(times["prepared"]), "deposit": summary(deposits), "put": summary(put_times),
+            "raw": raw.summaries(),
             "samples": samples, "sweep": {span: {"kvcr": swept[span], "raw": raw.sweep[span]} for span in swept}}
 
 
@@ -436,6 +488,12 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
         "grant_deliver_spread": k["grant_deliver"]["spread"],
         "raw_grant_read_ms": r["consumer_read"]["median"] * 1e3,
         "raw_grant_read_spread": r["consumer_read"]["spread"],
+        "put_deposit_ratio": r["consumer_write"]["median"] / k["put"]["median"],
+        "put_deposit_ratio_merged": r["consumer_write_merged"]["median"] / k["put"]["median"],
+        "put_ms": k["put"]["median"] * 1e3,
+        "put_spread": k["put"]["spread"],
+        "raw_put_write_ms": r["consumer_write"]["median"] * 1e3,
+        "raw_put_write_spread": r["consumer_write"]["spread"],
         "idle_cpu_percent": (k["idle_cpu"] + k["client_idle_cpu"]) * 100,
         "idle_node_cpu_percent": k["idle_cpu"] * 100,
         "idle_cpu_percent_no_grants": (k["idle_cpu_no_grants"] + k["client_idle_cpu_no_grants"]) * 100,
@@ -468,6 +526,12 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
     say(f"  kvcr deposit, list of spans      {fmt_gbps(OBJECT, k['deposit'])}")
     say(f"  raw NIXL READ (in the reader)    {fmt_gbps(OBJECT, r['read'])}")
     say(f"  ratio kvcr / raw NIXL: {figures['deposit_ratio']:.2f} (goal >= 0.85)")
+    say("put of the same object under a new key (the client WRITEs the node's pool, then commits), against raw NIXL WRITE")
+    say(f"  kvcr put, list of spans          {fmt_gbps(OBJECT, k['put'])}")
+    say(f"  raw NIXL WRITE, 1024 descriptors {fmt_gbps(OBJECT, r['consumer_write'])}")
+    say(f"  raw NIXL WRITE, one merged desc  {fmt_gbps(OBJECT, r['consumer_write_merged'])}")
+    say(f"  ratio kvcr / raw NIXL WRITE: {figures['put_deposit_ratio']:.2f} (goal >= 0.95); "
+        f"against one merged descriptor: {figures['put_deposit_ratio_merged']:.2f}")
     say("query round trip, each kvcr query followed by one raw echo")
     say(f"  kvcr query, Client         {fmt_us(k['query'])}")
     say(f"  kvcr query, AsyncClient    {fmt_us(k['query_async'])}")

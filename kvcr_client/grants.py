@@ -138,7 +138,7 @@ class Grants:
         """A ``lease_reply`` carried ``grant`` for ``lease`` (its keys in request order);
         returns the keys this client may now READ itself."""
         if grant.node is not None:
-            self._load(grant.node)
+            self.load(grant.node)
         node = self.node
         if node is None or node.welcome is not self.core.welcome:
             return frozenset()  # no agent to read with: the keys travel by deliver
@@ -157,7 +157,7 @@ class Grants:
             self._sweep_at = 2 * len(self._keys) + PRUNE_SLACK
         return frozenset(added)
 
-    def _load(self, node: GrantNode) -> None:
+    def load(self, node: GrantNode) -> None:
         """Load the node's agent into ours; its pools must be the session's pools."""
         welcome = self.core.welcome
         if welcome is None or len(node.pools) != len(welcome.pools):

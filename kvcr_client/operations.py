@@ -25,6 +25,7 @@ from kvcr_client.core import ClientCore
 from kvcr_client.errors import ArgumentError, NodeError
 from kvcr_client.grants import GrantedKey, Grants
 from kvcr_client.leases import LeaseHandle
+from kvcr_client.puts import Puts
 from kvcr_client.regions import RegionHandle, RegionTable
 from kvcr_client.results import DeliverHandle, GroupDone, KeyOutcome, OpHandle, Presences, Results
 from kvcr_client.spans import Destination, LayerPlan, Span
@@ -102,6 +103,7 @@ class Operations:
         self._grants = Grants(core)
         """The slots leases granted this session, read by ``deliver`` (spec section 6.12)."""
         self.core.on_lease_end = self._lease_ended
+        self._puts = Puts(self)
 
     def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
         handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait, self.core.poll, self.core.wait_async)
@@ -223,6 +225,11 @@ class Operations:
         records = () if columns else frozen
         return self._op(
             "deposit", keys, lambda i: Deposit(i, records, no_evict, optional, deadline_ms, columns), deadline_ms, True, regions)
+
+    def put(self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
+            ttl_ms: int = 0, deadline_ms: int = DEFAULT_DEADLINE_MS) -> OpHandle[Results[KeyOutcome]]:
+        """``deposit``, this client WRITEing the bytes under a write grant when the node offers one."""
+        return self._puts.put(objects, no_evict, optional, ttl_ms, deadline_ms)
 
     @overload
     def deliver(

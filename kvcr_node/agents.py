@@ -60,6 +60,8 @@ class RemoteAgents:
         self.forgotten: collections.OrderedDict[str, None] = collections.OrderedDict()
         """Names removed after a forget (bounded by ``FORGOTTEN_NAMES``)."""
         self._next_progress = 0.0
+        self.on_removed: Callable[[str], None] | None = None
+        """Told the name of each agent removed from ours (puts wait for it, spec section 6.13)."""
 
     def add(self, metadata: bytes) -> str:
         """Load (or refresh) a remote agent's metadata; returns its name. Raises what NIXL raises."""
@@ -133,7 +135,20 @@ class RemoteAgents:
         while len(self.forgotten) > FORGOTTEN_NAMES:
             self.forgotten.popitem(last=False)
 
+    def remove_unused(self, name: str) -> bool:
+        """Remove ``name`` now if it is loaded and nothing holds or runs on it; whether it is
+        no longer loaded."""
+        if name not in self.loaded:
+            return True
+        if self.use(name) is not None:
+            return False
+        self.departed.pop(name, None)
+        self._remove(name)
+        return True
+
     def _remove(self, name: str) -> None:
+        if self.on_removed is not None:
+            self.on_removed(name)
         self.loaded.discard(name)
         self.pending.discard(name)
         self.gone.discard(name)

@@ -36,6 +36,8 @@ SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("max_hinted_keys_per_session", int, "keys over one client's hints before HINT_LIMIT"),
     ("lease_ttl_ms", int, "time to live of a lease that names none"),
     ("max_lease_ttl_ms", int, "the longest time to live a lease is granted"),
+    ("put_ttl_ms", int, "time to live of a put that names none (spec section 6.13)"),
+    ("put_quarantine_ms", int, "how long the slots of a put its client lost stay quarantined, at least"),
     ("max_leases_per_session", int, "leases one client may hold before LEASE_LIMIT"),
     ("max_leased_slots_per_session", int, "slots one client's leases may hold (LEASE_LIMIT past it)"),
     ("lease_pool_fraction", float, "fraction of each pool's slots leases may pin (LEASE_LIMIT past it)"),

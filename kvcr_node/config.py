@@ -125,6 +125,16 @@ class NodeConfig:
     """Grant clients reads of the slots their leases hold (spec section 6.12), so they READ
     leased objects with their own agents; off, leases answer without slots and leased keys
     travel by ``deliver`` (the node-driven path)."""
+    put_ttl_ms: int = 30_000
+    """Time to live of a put whose request names none (spec section 6.13)."""
+    max_put_ttl_ms: int = 600_000
+    """The longest time to live a put is granted; longer asks are cut to it."""
+    max_puts_per_session: int = 64
+    """Puts one session may hold, quarantined ones included; one more is refused BUSY."""
+    put_quarantine_ms: int = 10_000
+    """How long the slots of a put that ended unfinished stay quarantined after it ended,
+    at least (and until the client's agent is removed): a WRITE its client was posting
+    then may still land (spec section 6.13)."""
     max_frame: int = 8 << 20
     """Bytes in one control frame; larger ones are refused (TOO_LARGE) or cut off."""
     curve_secret_key: str = ""
@@ -207,7 +217,8 @@ class NodeConfig:
         for name in ("deadline_ms", "heartbeat_ms", "batch", "projection_cache", "peer_dead_ms",
                      "client_grace_ms", "max_clients", "max_pending", "max_frame", "peer_idle_ms", "max_peers",
                      "max_peer_clients", "max_hints_per_session", "max_hinted_keys_per_session", "lease_ttl_ms",
-                     "max_lease_ttl_ms", "max_leases_per_session", "max_leased_slots_per_session"):
+                     "max_lease_ttl_ms", "max_leases_per_session", "max_leased_slots_per_session", "put_ttl_ms",
+                     "max_put_ttl_ms", "max_puts_per_session", "put_quarantine_ms"):
             value = getattr(self, name)
             # heartbeat_ms 0 disables heartbeats (spec section 5.2); every other count is positive.
             least = 0 if name == "heartbeat_ms" else 1
@@ -314,7 +325,8 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int, "lease_ttl_ms": int, "max_lease_ttl_ms": int,
     "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
     "lease_session_fraction": (int, float), "metrics_port": int, "metrics_address": str,
-    "metrics_max_connections": int, "client_transfers": bool,
+    "metrics_max_connections": int, "client_transfers": bool, "put_ttl_ms": int, "max_put_ttl_ms": int,
+    "max_puts_per_session": int, "put_quarantine_ms": int,
     "events_endpoint": str, "events_replay_endpoint": str, "events_replay_bytes": int, "events_replay_requesters": int,
 }
 

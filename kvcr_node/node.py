@@ -52,6 +52,7 @@ from kvcr_node.ops.deposit import Deposits
 from kvcr_node.ops.fetch import Fetches
 from kvcr_node.ops.query import Queries
 from kvcr_node.outbox import Outbox
+from kvcr_node.puts import Puts
 from kvcr_node.router import Router
 from kvcr_node.sessions import Sessions
 from kvcr_node.source import Source, SubmitWrite
@@ -229,11 +230,16 @@ class Node:
             self.transfers, self.remote_agents, projections, self.outbox, self.counters, self.protocol_errors,
             self.metrics,
         )
+        deposits = Deposits(self.store, self.memories, self.operations)
+        self.puts = Puts(config, self.store, deposits, self.operations, self.remote_agents, self.outbox, self.clock,
+                         self.leases.pool_index, self._grant_node)
+        self.sessions.puts = self.puts
+        self.stats.puts = self.puts
         self.router = Router(
-            self.sessions, self.operations, Deposits(self.store, self.memories, self.operations), self.deliveries,
+            self.sessions, self.operations, deposits, self.deliveries,
             Fetches(self.store, self.memories, self.operations, self.target),
             Queries(self.store, self.outbox, self.metrics), self.leases, self.source, self.stats, self.outbox, self.versions,
-            Limits(max_frame=config.max_frame), self.clock, failure,
+            Limits(max_frame=config.max_frame), self.clock, failure, self.puts,
         )
 
     def _grant_node(self, session: object) -> GrantNode:
@@ -327,7 +333,7 @@ class Node:
             self._guarded("agent progress", self.agent.progress)
         if not self.transfers.inflight:  # polling transfers progresses the agent
             self._guarded("agent progress", self.remote_agents.progress_idle)
-            if self.leases.granted:
+            if self.leases.granted or self.puts.table:
                 self._guarded("agent progress", self._progress_for_grants)
         self._guarded("transfer completion", self.transfers.poll)
         if self.operations.progressing:
@@ -339,6 +345,8 @@ class Node:
         self._guarded("deadlines", self.operations.check_deadlines, now)
         if self.leases.table:
             self._guarded("leases", self.leases.check, now)
+        if self.puts.table:
+            self._guarded("puts", self.puts.check_puts, now)
         self._guarded("liveness", self.sessions.check_liveness, now)
         self._guarded("capacity events", self.sessions.flush_capacity_events)
         if self.publisher is not None:
@@ -365,9 +373,10 @@ class Node:
             self._next_grant_progress = now + self._grant_pace(now)
 
     def _grant_pace(self, now: float) -> float:
-        """How often the agent is progressed for the outstanding read grants: fast just after a
-        grant or renew, and while its progress serves READs (UCX over TCP); else slowly."""
-        fast = now - self.leases.granted_at < GRANT_BURST_S or now < self._grant_serving_until
+        """How often the agent is progressed for the outstanding grants (read and write): fast
+        just after a grant or renew, and while its progress serves READs (UCX over TCP); else slowly."""
+        granted_at = max(self.leases.granted_at, self.puts.granted_at)
+        fast = now - granted_at < GRANT_BURST_S or now < self._grant_serving_until
         return GRANT_PROGRESS_S if fast else GRANT_IDLE_PROGRESS_S
 
     def _wait_events(self, pacer: Pacer, filling: bool) -> dict[Any, int]:
@@ -406,11 +415,11 @@ class Node:
     def _idle_timeout_ms(self) -> int:
         now = self.clock()
         wakeups = [t for t in (self.operations.next_deadline(), self.sessions.next_wakeup(), self.links.next_wakeup(now),
-                               self.leases.next_expiry() if self.leases.table else None)
+                               self.leases.next_expiry() if self.leases.table else None, self.puts.next_put_event())
                    if t is not None]
         longest = _IDLE_POLL_MS
-        if self.leases.granted:
-            # Reads the grants allow need our agent's progress (``_progress_for_grants``).
+        if self.leases.granted or self.puts.table:
+            # Reads and writes the grants allow need our agent's progress (``_progress_for_grants``).
             longest = max(0, min(longest, int((self._next_grant_progress - now) * 1000) + 1))
         if self.publisher is not None:
             # Idle or not, the next snapshot goes out on time (in real time).

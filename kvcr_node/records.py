@@ -99,6 +99,8 @@ class Session:
     grant_sources: set[tuple[str, int]] = field(default_factory=set)
     """Sources (endpoint, incarnation) whose agent a read grant gave this client (spec
     section 6.12, "Across nodes"): later grants of them leave it out."""
+    puts: set[int] = field(default_factory=set)
+    """The ids of this session's puts, quarantined ones included (``kvcr_node.puts`` owns them)."""
     peer: PeerState | None = None
     """The peer part of a peer session (None: a client's session)."""
 
@@ -135,6 +137,8 @@ class OpKind(enum.StrEnum):
     FETCH = "fetch"
     WRITE = "write"
     """A peer's write (this node is its source, spec section 12)."""
+    PUT = "put"
+    """A client's put (spec section 6.13): admitted and checked as a deposit, never started."""
 
 
 Resume = Callable[["Operation", int], None]

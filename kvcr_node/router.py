@@ -21,6 +21,7 @@ from kvcr_node.ops.deposit import Deposits
 from kvcr_node.ops.fetch import Fetches
 from kvcr_node.ops.query import Queries
 from kvcr_node.outbox import Outbox
+from kvcr_node.puts import Puts
 from kvcr_node.records import Operation, Session
 from kvcr_node.sessions import Sessions
 from kvcr_node.source import Source
@@ -28,6 +29,7 @@ from kvcr_node.stats import Stats
 from kvcr_protocol import (
     Abort,
     Bye,
+    Commit,
     Deliver,
     Deposit,
     DiscardHint,
@@ -43,6 +45,7 @@ from kvcr_protocol import (
     PeerHello,
     Probe,
     ProtocolError,
+    Put,
     Query,
     RegisterRegions,
     Release,
@@ -53,6 +56,7 @@ from kvcr_protocol import (
     SessionState,
     StatsRequest,
     SubmitHint,
+    Unput,
     UnregisterRegions,
     WriteRequest,
     decode,
@@ -78,7 +82,7 @@ class Router:
     def __init__(
         self, sessions: Sessions, operations: Operations, deposits: Deposits, deliveries: Deliveries,
         fetches: Fetches, queries: Queries, leases: Leases, source: Source, stats: Stats, outbox: Outbox,
-        versions: Sequence[int], limits: Limits, clock: Callable[[], float], failure: Failure,
+        versions: Sequence[int], limits: Limits, clock: Callable[[], float], failure: Failure, puts: Puts,
     ) -> None:
         self.sessions = sessions
         self.operations = operations
@@ -110,6 +114,9 @@ class Router:
             .add(Abort, sessions.on_abort)
             .add(SubmitHint, sessions.on_hint)
             .add(DiscardHint, sessions.on_unhint)
+            .add(Put, puts.on_put)
+            .add(Commit, puts.on_commit)
+            .add(Unput, puts.on_unput)
         )
         peer_handlers = either(
             Handlers[Session]()

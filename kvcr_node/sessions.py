@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from kvcr_node.agents import AgentUse, RemoteAgents
 from kvcr_node.config import NodeConfig
@@ -44,6 +45,9 @@ from kvcr_protocol import (
     negotiate,
 )
 from kvcr_protocol.session_rules import region_conflict
+
+if TYPE_CHECKING:
+    from kvcr_node.puts import Puts
 
 log = logging.getLogger("kvcr.node")
 
@@ -91,6 +95,8 @@ class Sessions:
         self.retired: list[Session] = []
         """Closed peer sessions whose writes are still running."""
         self._next_liveness = 0.0
+        self.puts: Puts | None = None
+        """The node's puts (spec section 6.13): a session's end quarantines its unfinished ones."""
 
     def __len__(self) -> int:
         return len(self.table)
@@ -278,7 +284,11 @@ class Sessions:
         self.operations.end_session(session)
         if self.table.get(session.identity) is session:
             del self.table[session.identity]
-        self.agents.release(session.agent)
+        if self.puts is not None and self.puts.end_session_puts(session):
+            # Its unfinished puts wait for its agent's removal (spec section 6.13).
+            self.agents.forget(session.agent)
+        else:
+            self.agents.release(session.agent)
         if session.peer is None:
             # Sources forget it too: told so at version 5 (peer_forget, once none of its
             # writes may run), else in time (max_peer_clients); announce it afresh if it returns.

@@ -8,7 +8,7 @@ node's (claims match handles and operations; no code sent out of place, spec sec
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcr_io import package_version
 from kvcr_node.agents import RemoteAgents
@@ -26,6 +26,9 @@ from kvcr_node.store import Store
 from kvcr_node.target import Target
 from kvcr_node.transfers import Transfers
 from kvcr_protocol import ProjectionCache, Role, StatsReply, StatsRequest
+
+if TYPE_CHECKING:
+    from kvcr_node.puts import Puts
 
 
 class Stats:
@@ -59,6 +62,8 @@ class Stats:
         """The inventory event stream's state, when the node publishes one."""
         self.replays: Replays | None = None
         """Its replay requesters and their answers in progress."""
+        self.puts: Puts | None = None
+        """The node's puts (spec section 6.13), once wired."""
 
     def on_stats(self, session: Session, msg: StatsRequest) -> None:
         self.outbox.reply(session, StatsReply(msg.id, self.snapshot()))
@@ -86,6 +91,7 @@ class Stats:
                 "leases": self.leases.claims,
             },
             "leases": self.leases.stats(),
+            "puts": self.puts.put_stats() if self.puts is not None else {},
             "clients": sum(1 for s in sessions if s.role is Role.CLIENT),
             "operations_pending": sum(len(s.ops) for s in sessions),
             "transfers": self.transfers.stats(),
@@ -126,6 +132,8 @@ class Stats:
         breaches = self.store.check_invariants()
         breaches.extend(self.operations.check_invariants(self.leases.claims))
         breaches.extend(self.leases.check_invariants())
+        if self.puts is not None:
+            breaches.extend(self.puts.check_invariants())
         for what, n in self.outbox.undeclared_codes.items():
             breaches.append(f"sent a code spec section 10.1 does not list ({what}) {n} times")
         return breaches

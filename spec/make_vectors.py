@@ -1103,6 +1103,34 @@ def v5_instances() -> list[Valid]:
             versions=(5,),
             description="a later grant of B's rows to the same client session: B's agent is cached, not sent again",
         ),
+        *put_instances(),
+    ]
+
+
+PUT_ID = 77
+"""The put node A reserves in the version-5 write-grant vectors."""
+
+
+def put_instances() -> list[Valid]:
+    """Version 5's write grants (section 6.13): put, put_reply, commit, unput."""
+    cols = kp.deposit_columns([m.DepositItem(K1, src_layout(1, 0)), m.DepositItem(K2, src_layout(1, 1664 * KiB))])
+    grant = kp.grant_columns([(("L0", "L1", "L2", "S"), [(0, 7), (0, 8), (1, 3), (2, 0)]), None],
+                             kp.GrantNode("kvcr-node-a", MD_NODE_A, POOL_REGIONS_A[:3], 10_000))
+    return [
+        Valid("put", kp.Put(330, (m.DepositItem(K1, src_layout(1, 0)),), ttl_ms=2000, node_md=True), versions=(5,),
+              accept=accept_variants, description="reserve K1's four spans; the node's agent with the slots"),
+        Valid("put-columns", kp.Put(331, (), no_evict=True, columns=(cols,)), versions=(5,),
+              description="K1 and K2 as one column block, a release handle per stored key"),
+        Valid("put-reply", kp.PutReply(331, PUT_ID, 2000, (OK, failed(E.BUSY, "items[1]: another writer holds the key")), grant),
+              versions=(5,), description="K1 reserved (slots 7, 8 of pool 0, 3 of pool 1, 0 of pool 2), K2 written by another"),
+        Valid("put-reply-nothing", kp.PutReply(332, 0, 0, (m.KeyResult(m.KeyStatus.DUPLICATE),)), versions=(5,),
+              description="K1 is already READY: nothing reserved, no put to commit"),
+        Valid("commit", kp.Commit(333, PUT_ID), versions=(5,), description="every WRITE of put 77 is done"),
+        Valid("complete-commit", m.Completion(333, (m.KeyResult(m.KeyStatus.STORED, handle=9), failed(E.BUSY, "items[1]: another writer holds the key"))),
+              versions=(5,), description="the commit's results: K1 stored with its handle, K2 as the put said"),
+        Valid("unput", kp.Unput(334, PUT_ID), versions=(5,), description="abandon put 77: no WRITE of it can land any more"),
+        Valid("error-unknown-put", m.Error(335, E.UNKNOWN_PUT, "put 77 is not held by this session", "put"), versions=(5,),
+              description="a second commit of put 77"),
     ]
 
 
@@ -1541,6 +1569,23 @@ def invalid_v5_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
            [*rg[6][0][2][:4], rg[6][0][2][4] * 2]]]]}), 5, "OUT_OF_RANGE", "a source's agent with two slot sizes for one pool")
     yield ("lease-reply-grant-source-endpoint-bin", _pack({**remote, "!grant": [*rg[:6], [[b"tcp://10.0.0.12:5555", *rg[6][0][1:]]]]}), 5,
            "WRONG_TYPE", "a source endpoint as bin, not str")
+    put = _wire(kp.Put(330, (m.DepositItem(K1, src_layout(1, 0)),), ttl_ms=2000), 5)
+    yield ("put-in-v4-frame", _pack({**put, "v": 4}), 5, "UNKNOWN_TYPE", "put does not exist at version 4")
+    yield ("put-at-4", _pack(put), 4, "UNKNOWN_TYPE", "an endpoint that speaks up to 4 knows no put message")
+    yield ("put-ttl-negative", _pack({**put, "ttl_ms": -1}), 5, "OUT_OF_RANGE", "a negative time to live")
+    yield ("put-ttl-2-32", _pack({**put, "ttl_ms": 1 << 32}), 5, "OUT_OF_RANGE", "a time to live past u32")
+    yield ("put-items-missing", _pack({k: v for k, v in put.items() if k != "items"}), 5, "MISSING_FIELD", "a put with no items field")
+    yield ("put-node-md-int", _pack({**put, "node_md": 1}), 5, "WRONG_TYPE", "node_md as an integer")
+    commit = {"v": 5, "t": "commit", "id": 333, "put": PUT_ID}
+    yield ("commit-put-missing", _pack({"v": 5, "t": "commit", "id": 333}), 5, "MISSING_FIELD", "a commit naming no put")
+    yield ("commit-put-str", _pack({**commit, "put": "77"}), 5, "WRONG_TYPE", "the put id as a string")
+    yield ("commit-in-v4-frame", _pack({**commit, "v": 4}), 5, "UNKNOWN_TYPE", "commit does not exist at version 4")
+    yield ("put-reply-in-v4-frame", _pack({**_wire(kp.PutReply(331, 0, 0, ()), 5), "v": 4}), 5, "UNKNOWN_TYPE",
+           "put_reply does not exist at version 4")
+    yield ("unput-in-v4-frame", _pack({**commit, "t": "unput", "v": 4}), 5, "UNKNOWN_TYPE", "unput does not exist at version 4")
+    preply = _wire(kp.PutReply(331, PUT_ID, 2000, (OK, OK), kp.grant_columns([(("L0",), [(0, 7)]), (("L0",), [(0, 8)])])), 5)
+    yield ("put-reply-grant-short", _pack({**preply, "results": preply["results"][:1]}), 5, "OUT_OF_RANGE",
+           "a grant of two keys for one result")
     yield ("lease-reply-grant-md-too-large", _pack({**reply, "!grant": [*grant[:4], [grant[4][0], bytes((4 << 20) + 1), grant[4][2]]]}), 5,
            "TOO_LARGE", "node agent metadata above max_metadata")
 

@@ -8,7 +8,7 @@ start (spec section 9: DUPLICATE means stored).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,11 +25,17 @@ from kvcr_protocol import (
     KeyResult,
     KeyStatus,
     ProtocolError,
+    Put,
     Region,
     SrcSpan,
     resolve_columns,
 )
 from kvcr_protocol.descriptors import ColumnExtents, resolve_spans
+
+Fills = list[tuple[int, ObjectEntry]]
+"""The items that got new WRITING entries: (item index, entry)."""
+Begin = Callable[[Operation, list[Move], Fills], None]
+"""What starts once a batch's items are placed: the deposit's READ (or a put's reservation)."""
 
 
 class Deposits:
@@ -41,9 +47,7 @@ class Deposits:
         self.operations = operations
 
     def on_deposit(self, session: Session, msg: Deposit) -> None:
-        blocks = [_ColumnBlock(block, f"columns[{b}]", self.memories) for b, block in enumerate(msg.columns)]
-        where = [(b, r) for b, block in enumerate(msg.columns) for r in range(len(block.keys))]
-        keys = [item.key for item in msg.items] if not blocks else [k for block in msg.columns for k in block.keys]
+        blocks, where, keys = self.column_blocks(msg)
         # An item whose key another writer holds WRITING waits for that writer's outcome
         # and is then tried again from the start (spec section 9: DUPLICATE means stored).
         op = self.operations.admit(session, msg.id, OpKind.DEPOSIT, len(keys), msg.deadline_ms,
@@ -58,12 +62,32 @@ class Deposits:
         where: Sequence[tuple[int, int]] = (),
     ) -> None:
         """Begin storing the items ``indices`` of a deposit: check, place, and read the source."""
-        fills: list[tuple[int, ObjectEntry]] = []
+        def read(op: Operation, moves: list[Move], fills: Fills) -> None:
+            self.operations.start(op, "READ", moves, lambda ok: self.deposit_done(op, fills, msg.no_evict, ok))
+
+        self.place(op, msg, indices, blocks, where, read)
+
+    def column_blocks(self, msg: Deposit | Put) -> tuple[list[_ColumnBlock], list[tuple[int, int]], list[bytes]]:
+        """A deposit's (or put's) column blocks, each checked once, where each key is in
+        them, and every key in item order."""
+        blocks = [_ColumnBlock(block, f"columns[{b}]", self.memories) for b, block in enumerate(msg.columns)]
+        where = [(b, r) for b, block in enumerate(msg.columns) for r in range(len(block.keys))]
+        keys = [item.key for item in msg.items] if not blocks else [k for block in msg.columns for k in block.keys]
+        return blocks, where, keys
+
+    def place(
+        self, op: Operation, msg: Deposit | Put, indices: Sequence[int], blocks: Sequence[_ColumnBlock],
+        where: Sequence[tuple[int, int]], begin: Begin, wait: bool = True,
+    ) -> None:
+        """Check and place the items ``indices`` (spec section 9's deposit rules), then
+        ``begin`` what fills the new entries. ``wait``: an item whose key another writer
+        holds waits for it (a deposit); else it fails ``BUSY`` (a put, section 6.13)."""
+        fills: Fills = []
         try:
             if blocks:
-                self._begin_columns(op, msg, indices, blocks, where, fills)
+                self._begin_columns(op, msg, indices, blocks, where, fills, begin, wait)
             else:
-                self._begin_items(op, msg, indices, fills)
+                self._begin_items(op, msg, indices, fills, begin, wait)
         except BaseException:
             # Slots set aside that no transfer took over are freed (the guard fails the items).
             if not any(t.running for t in op.transfers):
@@ -72,7 +96,7 @@ class Deposits:
             raise
 
     def _begin_items(
-        self, op: Operation, msg: Deposit, indices: Sequence[int], fills: list[tuple[int, ObjectEntry]]
+        self, op: Operation, msg: Deposit | Put, indices: Sequence[int], fills: Fills, begin: Begin, wait: bool,
     ) -> None:
         session = op.session
         moves: list[Move] = []
@@ -103,14 +127,14 @@ class Deposits:
                         for span, slot, (address, length, region) in zip(item.spans, entry.slots, item_moves, strict=True)
                     )
             else:
-                self._not_new(op, i, item.key, outcome, entry)
+                self._not_new(op, i, item.key, outcome, entry, wait)
         if fills:
-            self.operations.start(op, "READ", moves, lambda ok: self.deposit_done(op, fills, msg.no_evict, ok))
+            begin(op, moves, fills)
         self.operations.settle(op)
 
     def _begin_columns(
-        self, op: Operation, msg: Deposit, indices: Sequence[int], blocks: Sequence[_ColumnBlock],
-        where: Sequence[tuple[int, int]], fills: list[tuple[int, ObjectEntry]],
+        self, op: Operation, msg: Deposit | Put, indices: Sequence[int], blocks: Sequence[_ColumnBlock],
+        where: Sequence[tuple[int, int]], fills: Fills, begin: Begin, wait: bool,
     ) -> None:
         """As ``_begin_items`` for column blocks: each block's pools, sizes and regions are
         checked once (a column at a time), each key's moves cut out of the block's columns."""
@@ -130,16 +154,20 @@ class Deposits:
                 fills.append((i, entry))
                 moves.extend(block.row_moves(session.regions, r, entry))
             else:
-                self._not_new(op, i, key, outcome, entry)
+                self._not_new(op, i, key, outcome, entry, wait)
         if fills:
-            self.operations.start(op, "READ", moves, lambda ok: self.deposit_done(op, fills, msg.no_evict, ok))
+            begin(op, moves, fills)
         self.operations.settle(op)
 
-    def _not_new(self, op: Operation, i: int, key: bytes, outcome: DepositOutcome, entry: ObjectEntry | None) -> None:
+    def _not_new(
+        self, op: Operation, i: int, key: bytes, outcome: DepositOutcome, entry: ObjectEntry | None, wait: bool,
+    ) -> None:
         """Item ``i``'s key needs no READ: a duplicate, dropped, or refused."""
         if outcome is DepositOutcome.DUPLICATE:
             assert entry is not None
-            if entry.state is ObjectState.WRITING:
+            if entry.state is ObjectState.WRITING and not wait:
+                op.fail(i, ErrorCode.BUSY, f"items[{i}]: another writer holds the key (WRITING)")
+            elif entry.state is ObjectState.WRITING:
                 # Another deposit or a fetch is filling the key and may still fail: wait
                 # for it (spec section 9); at our deadline, TIMEOUT.
                 self.operations.wait(op, key, i)

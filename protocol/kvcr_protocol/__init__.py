@@ -47,6 +47,7 @@ from kvcr_protocol.notify import (
 from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, RequestCodes
 from kvcr_protocol.plans import GroupEvent, GroupState, PlanProgress
 from kvcr_protocol.projection import Projection, ProjectionCache, compute_projection
+from kvcr_protocol.puts import Commit, Put, PutReply, Unput
 from kvcr_protocol.session_rules import Role, SessionState
 from kvcr_protocol.versions import (
     BASE_VERSION,
@@ -81,6 +82,7 @@ __all__ = [
     "PRESENCE_CODE",
     "PROTOCOL_VERSIONS",
     "REQUEST_CODES",
+    "Commit",
     "DeliverColumns",
     "DepositColumns",
     "ErrorCode",
@@ -100,12 +102,15 @@ __all__ = [
     "Projection",
     "ProjectionCache",
     "ProtocolError",
+    "Put",
+    "PutReply",
     "QueryColumns",
     "RemoteProtocolError",
     "RequestCodes",
     "Role",
     "SessionState",
     "SpanColumns",
+    "Unput",
     "WriteNotify",
     "canonical_endpoint",
     "check_span_sizes",

@@ -75,6 +75,9 @@ class ErrorCode(enum.IntEnum):
     """An endpoint is not one this node can connect to (unknown transport, bad address or port)."""
     UNKNOWN_LEASE = 212
     """A renew or release names a lease the session does not hold (never held, released, or ended)."""
+    UNKNOWN_PUT = 213
+    """A commit or unput names a put the session does not hold (never reserved, another
+    session's, committed or abandoned); version 5, spec section 6.13."""
 
     # 300-399: transfers, peers and deadlines.
     TRANSFER_FAILED = 300

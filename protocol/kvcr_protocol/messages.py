@@ -12,9 +12,9 @@ is must-understand: a receiver that does not know it refuses the message.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar, dataclass_transform
+from typing import Any, ClassVar
 
 from kvcr_protocol.columns import (
     PREFIX_ALL,
@@ -22,16 +22,17 @@ from kvcr_protocol.columns import (
     DeliverColumns,
     DepositColumns,
     QueryColumns,
-    SpanColumns,
     unpack,
 )
+from kvcr_protocol.declare import Message as Message
+from kvcr_protocol.declare import _check_items, _fields, message
 from kvcr_protocol.errors import ErrorCode, RemoteProtocolError
 from kvcr_protocol.grants import LeaseGrant
 from kvcr_protocol.leases import LeaseColumns
 from kvcr_protocol.limits import Limits
 from kvcr_protocol.notify import WriteNotify
+from kvcr_protocol.puts import PUT_MESSAGES
 from kvcr_protocol.records import *  # noqa: F403 - messages re-export the records they carry
-from kvcr_protocol.records import ID as _ID
 from kvcr_protocol.records import KEYS as _KEYS
 from kvcr_protocol.records import NAME as _NAME
 from kvcr_protocol.records import REGIONS as _REGIONS
@@ -53,46 +54,6 @@ from kvcr_protocol.wire import AnyMap, Bool, Bytes, EnumStr, Field, Opt, Packed,
 # ------------------------------------------------------------------------ messages
 
 
-class Message:
-    """Base of all messages; ``TAG`` is the wire type tag, ``FIELDS`` the wire fields."""
-
-    TAG: ClassVar[str] = ""
-    FIELDS: ClassVar[tuple[Field, ...]] = ()
-    REPLY: ClassVar[bool] = False
-    """True for messages that answer a request (their ``id`` echoes it)."""
-    SINCE: ClassVar[int] = 1
-    """The version that introduced the message; a frame of an earlier version cannot carry it."""
-
-    def check(self, limits: Limits) -> None:
-        """Raise ``RemoteProtocolError`` when fields disagree with each other (spec section
-        4.3, step 10); single fields are checked by their wire types."""
-
-
-M = TypeVar("M", bound=Message)
-
-
-@dataclass_transform(frozen_default=True)
-def message(tag: str, reply: bool = False, since: int = 1) -> Callable[[type[M]], type[M]]:
-    """Declare a message: a frozen, slotted dataclass with wire tag ``tag``.
-
-    ``reply`` marks messages that answer a request (their ``id`` echoes it); ``since`` is
-    the version that introduced the message.
-    """
-
-    def declare(cls: type[M]) -> type[M]:
-        out = dataclass(frozen=True, slots=True)(cls)
-        out.TAG = tag
-        out.REPLY = reply
-        out.SINCE = since
-        return out
-
-    return declare
-
-
-def _fields(*fields: Field) -> tuple[Field, ...]:
-    return (Field("id", _ID), *fields)
-
-
 # Fields that several messages share, declared once.
 _F_VERSIONS = Field("versions", _VERSIONS)
 _F_INCARNATION = Field("incarnation", UInt())
@@ -108,30 +69,6 @@ _F_CODE = Field("code", UInt(0xFFFF))
 _F_REASON = Field("reason", _TEXT, "")
 _F_OP = Field("op", UInt())
 _F_DONE = Field("done", Packed(4, "max_keys"), b"", since=3)
-
-
-def _spans_of(item: DepositItem | DeliverItem | FetchItem) -> int:
-    return len(item.layout) if isinstance(item, FetchItem) else len(item.spans)
-
-
-def _check_items(
-    items: Sequence[DepositItem | DeliverItem | FetchItem], columns: Sequence[SpanColumns], limits: Limits
-) -> None:
-    """Limits that span a message's items (spec section 4.3, step 10): its items travel as
-    records or as columns, not both, and their keys and spans fit the limits."""
-    if columns and items:
-        raise RemoteProtocolError(ErrorCode.OUT_OF_RANGE, "items travel as records or as columns, not both", "columns")
-    if columns:
-        keys = sum(len(block.keys) for block in columns)
-        if keys > limits.max_keys:
-            raise RemoteProtocolError(ErrorCode.TOO_MANY, f"{keys} keys in one message, limit {limits.max_keys}", "columns")
-        spans = sum(block.entry_count for block in columns)
-        path = "columns"
-    else:
-        spans = sum(map(_spans_of, items))
-        path = "items"
-    if spans > limits.max_spans:
-        raise RemoteProtocolError(ErrorCode.TOO_MANY, f"{spans} spans in one message, limit {limits.max_spans}", path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -686,6 +623,7 @@ CLIENT_MESSAGES: tuple[type[Message], ...] = (
     Hello, Welcome, RegisterRegions, UnregisterRegions, Deposit, Query, QueryReply, Deliver,
     Fetch, Release, Abort, SubmitHint, DiscardHint, StatsRequest, StatsReply, Completion, Ack,
     Error, CapacityEvent, Heartbeat, Bye, Progress, Lease, LeaseReply, RenewLease, ReleaseLease, LeaseEnded,
+    *PUT_MESSAGES,
 )
 PEER_MESSAGES: tuple[type[Message], ...] = (
     PeerHello, PeerWelcome, PeerClient, WriteRequest, WriteDone, Refuse, Probe, ProbeReply, PeerForget,

@@ -62,6 +62,12 @@ _PEER_KEY = _codes(
 )
 """A target's own per-key codes for a key it must get from a peer (section 12)."""
 
+_PUT_RESULTS = _codes(
+    E.CAPACITY, E.LAYOUT_MISMATCH, E.SIZE_MISMATCH, E.BAD_DESCRIPTOR, E.UNKNOWN_POOL, E.DUPLICATE_KEY, E.BUSY,
+    E.INTERNAL,
+)
+"""A put's per-key codes: a deposit's checks, and ``BUSY`` for a key another writer holds."""
+
 REQUEST_CODES: Mapping[str, RequestCodes] = {
     # Client requests (section 5.2).
     "hello": RequestCodes(_codes(E.TOO_MANY_CLIENTS, E.BAD_DESCRIPTOR, E.SHUTTING_DOWN)),
@@ -96,6 +102,10 @@ REQUEST_CODES: Mapping[str, RequestCodes] = {
     "lease": RequestCodes(_codes(E.LEASE_LIMIT, E.BUSY) | _STOPPING),
     "renew": RequestCodes(_codes(E.UNKNOWN_LEASE) | _STOPPING),
     "unlease": RequestCodes(_codes(E.UNKNOWN_LEASE)),
+    # Version 5: write grants (section 6.13); a commit's results repeat its put's.
+    "put": RequestCodes(_codes(E.BUSY) | _STOPPING, _PUT_RESULTS),
+    "commit": RequestCodes(_codes(E.UNKNOWN_PUT, E.TIMEOUT), _PUT_RESULTS),
+    "unput": RequestCodes(_codes(E.UNKNOWN_PUT, E.TIMEOUT)),
     "stats": RequestCodes(_codes()),
     "heartbeat": RequestCodes(_codes()),
     "bye": RequestCodes(_codes()),

@@ -93,6 +93,7 @@ RULES: Mapping[Role, RoleRules] = {
             **_answers(
                 regions="ack", unregions="ack", deposit="complete", query="query_reply", deliver="complete",
                 fetch="complete", release="complete", abort="ack", hint="ack", unhint="ack",
+                put="put_reply", commit="complete", unput="ack",
             ),
             **_EITHER,
         },
@@ -113,7 +114,7 @@ RULES: Mapping[Role, RoleRules] = {
 OPENING: Mapping[str, Role] = {rules.opening: role for role, rules in RULES.items()}
 """The tags that open a session, and the role of the session each opens."""
 
-WHILE_STOPPING: frozenset[str] = frozenset({"release", "unlease", "bye", "heartbeat", "stats", "peer_forget"})
+WHILE_STOPPING: frozenset[str] = frozenset({"release", "unlease", "unput", "commit", "bye", "heartbeat", "stats", "peer_forget"})
 """What a stopping node still serves: requests that end or release things, and stats
 (spec section 10.1: every other request, and every hello, is refused ``SHUTTING_DOWN``)."""
 

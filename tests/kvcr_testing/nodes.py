@@ -251,6 +251,7 @@ class NodeDriver:
         self.node.operations.check_deadlines(now)
         self.node.sessions.check_liveness(now)
         self.node.leases.check(now)
+        self.node.puts.check_puts(now)
         self.node.sessions.flush_capacity_events()
 
     def finish_transfers(self, *agents: ClientAgent) -> None:

@@ -116,6 +116,12 @@ def coherent(msg: Message) -> Message:
         n = 0 if msg.columns is None else len(msg.columns)
         changes["grant"] = None if msg.columns is None else kp.grant_columns(
             [(("a", "b"), [(0, i), (1, i)]) if i % 2 else None for i in range(n)], msg.grant.node)
+    if isinstance(msg, kp.PutReply) and msg.grant is not None:
+        # A put's grant: one row per result.
+        changes["grant"] = kp.grant_columns(
+            [(("a",), [(0, i)]) if i % 2 else None for i in range(len(msg.results))], msg.grant.node)
+    if isinstance(msg, kp.Put) and msg.columns:
+        changes["items"] = ()
     msg = dataclasses.replace(msg, **changes) if changes else msg  # type: ignore[type-var]
     if isinstance(msg, kp.WriteRequest) and msg.notify is not None:
         items = pack(range(kp.item_count(msg)), U32)

@@ -24,7 +24,7 @@ from kvcr_protocol.session_rules import (
 
 CLIENT_REQUESTS = {
     "regions", "unregions", "deposit", "query", "deliver", "fetch", "release", "abort", "hint", "unhint",
-    "stats", "heartbeat", "bye", "lease", "renew", "unlease",
+    "stats", "heartbeat", "bye", "lease", "renew", "unlease", "put", "commit", "unput",
 }
 PEER_REQUESTS = {"peer_client", "write", "probe", "peer_forget", "stats", "heartbeat", "bye", "lease", "renew", "unlease"}
 
@@ -122,7 +122,7 @@ def test_refusal_of_the_other_roles_requests() -> None:
 
 
 def test_a_stopping_node_serves_only_what_ends_things() -> None:
-    assert WHILE_STOPPING == {"release", "unlease", "bye", "heartbeat", "stats", "peer_forget"}
+    assert WHILE_STOPPING == {"release", "unlease", "bye", "heartbeat", "stats", "peer_forget", "commit", "unput"}
     for role, rules in RULES.items():
         for tag in rules.requests:
             refused = refusal(role, SessionState.OPEN, tag, stopping=True)

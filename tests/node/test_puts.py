@@ -1,0 +1,153 @@
+"""The put state machine in process (``kvcr_node.puts``, spec section 6.13), with a fake clock.
+
+A put reserves WRITING slots as a deposit would and answers their pools and slots; a
+commit makes them READY, an unput frees them. A put past its time to live is quarantined
+until the session names it; the puts of a session that ends stay quarantined until the
+client's agent was removed and ``put_quarantine_ms`` passed. Every slot comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcr_node.config import NodeConfig
+from kvcr_node.poolspec import PoolSpec
+from kvcr_protocol import (
+    DEFAULT_LIMITS,
+    Ack,
+    Bye,
+    Commit,
+    Completion,
+    DepositItem,
+    Error,
+    ErrorCode,
+    KeyStatus,
+    Put,
+    PutReply,
+    SrcSpan,
+    Unput,
+)
+from kvcr_testing.nodes import ClientAgent, NodeDriver, node_driver
+
+SLOT = 4096
+
+
+def config(ipc_dir: Path, **changes: Any) -> NodeConfig:
+    base = NodeConfig(endpoint=f"ipc://{ipc_dir}/puts.sock", name="puts", pools=(PoolSpec("a", SLOT, 8, "dram"),),
+                      log_level="WARNING", client_grace_ms=7_000, heartbeat_ms=2_000, put_ttl_ms=1_000,
+                      put_quarantine_ms=5_000, max_puts_per_session=2)
+    return NodeConfig(**{**base.__dict__, **changes}).validated()
+
+
+@pytest.fixture(scope="module")
+def agent() -> Iterator[ClientAgent]:
+    a = ClientAgent("puts-client", np.zeros(4 * SLOT, np.uint8))
+    yield a
+    a.close()
+
+
+def put(request: int, *keys: bytes, spans: int = 2, ttl_ms: int = 0) -> Put:
+    items = tuple(DepositItem(k, tuple(SrcSpan(f"L{j}", "a", 1, j * SLOT, SLOT) for j in range(spans))) for k in keys)
+    return Put(request, items, ttl_ms=ttl_ms)
+
+
+def reply_of(replies: list[Any], request: int) -> Any:
+    assert len(replies) == 1 and replies[0].id == request, replies
+    return replies[0]
+
+
+def free(d: NodeDriver) -> int:
+    return int(d.stats()["pools"]["a"]["free"])
+
+
+def test_a_put_reserves_slots_and_a_commit_makes_them_ready(ipc_dir: Path, agent: ClientAgent) -> None:
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        reply = reply_of(d.receive(b"c", put(2, b"x", b"y")), 2)
+        assert isinstance(reply, PutReply) and reply.put and reply.ttl_ms == 1_000
+        assert [r.status for r in reply.results] == [KeyStatus.OK, KeyStatus.OK]
+        assert reply.grant is not None and reply.grant.node is None
+        rows = list(reply.grant.keys(DEFAULT_LIMITS))
+        x = d.node.store.lookup(b"x")
+        assert x is not None and rows[0][1] == ("L0", "L1") and rows[0][3] == list(x.slots)
+        assert free(d) == 4 and d.stats()["writing"] == 2 and d.node.transfers.posted == 0
+        done = reply_of(d.receive(b"c", Commit(3, reply.put)), 3)
+        assert isinstance(done, Completion) and [r.status for r in done.results] == [KeyStatus.STORED] * 2
+        assert d.stats()["ready"] == 2 and d.stats()["puts"]["committed"] == 1
+        again = reply_of(d.receive(b"c", Commit(4, reply.put)), 4)
+        assert isinstance(again, Error) and again.code == ErrorCode.UNKNOWN_PUT and again.path == "put"
+        assert d.stats()["invariants"] == []
+
+
+def test_an_unput_frees_and_the_session_limit_refuses_busy(ipc_dir: Path, agent: ClientAgent) -> None:
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        first = reply_of(d.receive(b"c", put(2, b"x")), 2)
+        second = reply_of(d.receive(b"c", put(3, b"y")), 3)
+        third = reply_of(d.receive(b"c", put(4, b"z")), 4)
+        assert isinstance(third, Error) and third.code == ErrorCode.BUSY
+        assert reply_of(d.receive(b"c", Unput(5, first.put)), 5) == Ack(5)
+        assert reply_of(d.receive(b"c", Unput(6, second.put)), 6) == Ack(6)
+        assert free(d) == 8 and d.stats()["writing"] == 0 and d.stats()["invariants"] == []
+
+
+def test_an_expired_put_is_quarantined_until_the_session_names_it(ipc_dir: Path, agent: ClientAgent) -> None:
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        reply = reply_of(d.receive(b"c", put(2, b"x", ttl_ms=100)), 2)
+        d.tick(0.05)
+        assert d.stats()["puts"]["open"] == 1
+        d.tick(0.1)
+        st = d.stats()
+        assert st["puts"]["expired"] == 1 and st["puts"]["quarantined_slots"] == 2 and free(d) == 6
+        d.tick(5)  # past the quarantine time: the session lives, its WRITE may still come
+        assert free(d) == 6 and d.stats()["writing"] == 1
+        assert d.node.puts.next_put_event() is None, "nothing timed: the idle node sleeps"
+        refused = reply_of(d.receive(b"c", Commit(3, reply.put)), 3)
+        assert isinstance(refused, Error) and refused.code == ErrorCode.TIMEOUT and refused.path == "put"
+        assert free(d) == 8 and d.stats()["puts"]["quarantined"] == 0 and d.stats()["invariants"] == []
+
+
+def test_a_lost_session_frees_its_put_once_its_agent_is_removed_and_the_quarantine_passed(
+    ipc_dir: Path, agent: ClientAgent,
+) -> None:
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        d.receive(b"c", put(2, b"x"))
+        assert d.receive(b"c", Bye(3)) == [Ack(3)]
+        st = d.stats()
+        assert st["puts"]["lost"] == 1 and free(d) == 6
+        # Nothing else holds the agent: it is removed at once, and the time still runs.
+        assert agent.agent.name not in d.node.remote_agents.loaded
+        d.tick(4.9)
+        assert free(d) == 6 and d.stats()["writing"] == 1
+        d.tick(0.2)
+        st = d.stats()
+        assert free(d) == 8 and st["puts"]["freed_late"] == 1 and st["writing"] == 0 and st["invariants"] == []
+
+
+def test_a_lost_put_waits_while_another_session_holds_the_agent(ipc_dir: Path, agent: ClientAgent) -> None:
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        d.hello(b"c2", agent)  # a second session of the same agent (same process)
+        d.receive(b"c", put(2, b"x"))
+        assert d.receive(b"c", Bye(3)) == [Ack(3)]
+        d.tick(5.5)  # past the quarantine time, within c2's grace
+        assert free(d) == 6, "the agent is still connected: a late WRITE could land"
+        assert d.node.puts.next_put_event() is not None
+        assert d.receive(b"c2", Bye(4)) == [Ack(4)]
+        d.tick(1.1)  # looked at again once a second
+        assert free(d) == 8 and d.stats()["invariants"] == []
+        # A new hello from the same identity ends the old session: its agent goes, then comes back.
+        d.hello(b"c", agent, request_id=5)
+        d.receive(b"c", put(6, b"y"))
+        d.hello(b"c", agent, request_id=7)
+        d.tick(4.9)
+        assert free(d) == 6
+        d.tick(0.2)
+        assert free(d) == 8 and d.stats()["invariants"] == []
