@@ -5,7 +5,7 @@ frozen dataclasses (``messages``, carrying the ``records``); ``codec`` turns the
 msgpack frames and back, validating every field; ``versions`` negotiates; ``columns``
 holds version 3's column encodings (span columns with layer plans, query columns);
 ``notify`` the NIXL notification payload; ``events`` the inventory event stream (spec
-section 15, its own framing and version); ``leases`` version 4's lease answers; ``plans`` a client's per-group completion; ``projection`` maps named span subsets onto
+section 15, its own framing and version); ``leases`` version 4's lease messages and answers; ``plans`` a client's per-group completion; ``projection`` maps named span subsets onto
 stored layouts; ``descriptors`` checks spans against announced regions; ``session_rules``
 the rules of a session (what may be sent when, reply versions, unique ids), for both ends.
 """
@@ -31,7 +31,16 @@ from kvcr_protocol.descriptors import Extent, check_span_sizes, resolve_columns,
 from kvcr_protocol.endpoints import IPC_PATH_MAX, canonical_endpoint, endpoint_problem
 from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, code_of
 from kvcr_protocol.grants import GrantNode, GrantSource, LeaseGrant, grant_columns
-from kvcr_protocol.leases import HELD, LeaseColumns, LeaseStatus
+from kvcr_protocol.leases import (
+    HELD,
+    Lease,
+    LeaseColumns,
+    LeaseEnded,
+    LeaseReply,
+    LeaseStatus,
+    ReleaseLease,
+    RenewLease,
+)
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
 from kvcr_protocol.messages import *  # noqa: F403 - the message catalogue is the API
 from kvcr_protocol.messages import ALL_MESSAGES, MESSAGE_BY_TAG, item_count, record_items
@@ -91,8 +100,11 @@ __all__ = [
     "GrantSource",
     "GroupEvent",
     "GroupState",
+    "Lease",
     "LeaseColumns",
+    "LeaseEnded",
     "LeaseGrant",
+    "LeaseReply",
     "LeaseStatus",
     "Limits",
     "LocalProtocolError",
@@ -105,7 +117,9 @@ __all__ = [
     "Put",
     "PutReply",
     "QueryColumns",
+    "ReleaseLease",
     "RemoteProtocolError",
+    "RenewLease",
     "RequestCodes",
     "Role",
     "SessionState",

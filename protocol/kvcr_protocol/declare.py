@@ -1,7 +1,7 @@
 """How a message is declared (``Message``, ``message``) and the checks that span a message's items.
 
-The message tables themselves are in ``kvcr_protocol.messages`` (and, for version 5's
-write grants, ``kvcr_protocol.puts``).
+The message tables themselves are in ``kvcr_protocol.messages`` (and, for the leases of
+version 4 and 5, ``kvcr_protocol.leases``; for version 5's write grants, ``kvcr_protocol.puts``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,14 @@ from kvcr_protocol.columns import SpanColumns
 from kvcr_protocol.errors import ErrorCode, RemoteProtocolError
 from kvcr_protocol.limits import Limits
 from kvcr_protocol.records import ID as _ID
+from kvcr_protocol.records import TEXT as _TEXT
 from kvcr_protocol.records import DeliverItem, DepositItem, FetchItem
-from kvcr_protocol.wire import Field
+from kvcr_protocol.wire import Field, Opt, UInt
+
+# Fields that messages of several modules share, declared once.
+F_REQUEST_ID = Field("request_id", Opt(_TEXT), None)
+F_CODE = Field("code", UInt(0xFFFF))
+F_REASON = Field("reason", _TEXT, "")
 
 
 class Message:

@@ -24,11 +24,13 @@ from kvcr_protocol.columns import (
     QueryColumns,
     unpack,
 )
+from kvcr_protocol.declare import F_CODE as _F_CODE
+from kvcr_protocol.declare import F_REASON as _F_REASON
+from kvcr_protocol.declare import F_REQUEST_ID as _F_REQUEST_ID
 from kvcr_protocol.declare import Message as Message
 from kvcr_protocol.declare import _check_items, _fields, message
 from kvcr_protocol.errors import ErrorCode, RemoteProtocolError
-from kvcr_protocol.grants import LeaseGrant
-from kvcr_protocol.leases import LeaseColumns
+from kvcr_protocol.leases import Lease, LeaseEnded, LeaseReply, ReleaseLease, RenewLease
 from kvcr_protocol.limits import Limits
 from kvcr_protocol.notify import WriteNotify
 from kvcr_protocol.puts import PUT_MESSAGES
@@ -63,10 +65,7 @@ _F_REGIONS = Field("regions", _REGIONS)
 _F_REGIONS_OPT = Field("regions", _REGIONS, ())
 _F_AGREED = Field("version", UInt(0xFFFF))
 _F_NODE = Field("node", _NAME)
-_F_REQUEST_ID = Field("request_id", Opt(_TEXT), None)
 _F_DEADLINE = Field("deadline_ms", UInt(_U32), 0)
-_F_CODE = Field("code", UInt(0xFFFF))
-_F_REASON = Field("reason", _TEXT, "")
 _F_OP = Field("op", UInt())
 _F_DONE = Field("done", Packed(4, "max_keys"), b"", since=3)
 
@@ -502,95 +501,7 @@ class Progress(Message):
         return zip(unpack(self.items, U32), unpack(self.done, U32), strict=True)
 
 
-# ---- version 4, both sessions: leases (spec section 6.11)
-
-_F_LEASE = Field("lease", UInt())
-_F_TTL = Field("ttl_ms", UInt(_U32), 0)
-
-
-@message("lease", since=4)
-class Lease(Message):
-    """Client -> node (or target -> source): hold these keys until the lease ends.
-
-    ``request_id`` names the session's hint for keys not held here; ``ttl_ms`` 0 asks for
-    the node's default time to live. ``read`` (version 5) asks for a read grant of the keys
-    held here (spec section 6.12), ``node_md`` for what the client's agent needs to use it.
-    """
-
-    id: int
-    keys: tuple[bytes, ...]
-    request_id: str | None = None
-    ttl_ms: int = 0
-    read: bool = False
-    node_md: bool = False
-    FIELDS = _fields(
-        Field("keys", _KEYS), _F_REQUEST_ID, _F_TTL,
-        Field("read", Bool(), False, since=5, must_understand=True),
-        Field("node_md", Bool(), False, since=5, must_understand=True),
-    )
-
-
-@message("lease_reply", reply=True, since=4)
-class LeaseReply(Message):
-    """Node -> client: the lease (0: none, nothing is held) and its granted time to live;
-    for a ``lease``, what it holds per key (``columns``, in key order); none for a ``renew``.
-
-    Version 5: ``held`` says the lease has held every key it held when granted, without a
-    break, up to this reply; ``grant`` the slots a ``read`` lease lets the client READ.
-    """
-
-    id: int
-    lease: int
-    ttl_ms: int
-    columns: LeaseColumns | None = None
-    held: bool = False
-    grant: LeaseGrant | None = None
-    FIELDS = _fields(
-        _F_LEASE, Field("ttl_ms", UInt(_U32)), Field("columns", Opt(RecordType(LeaseColumns)), None),
-        Field("held", Bool(), False, since=5, must_understand=True),
-        Field("grant", Opt(RecordType(LeaseGrant)), None, since=5, must_understand=True),
-    )
-
-    def check(self, limits: Limits) -> None:
-        if self.grant is not None and (self.columns is None or len(self.grant) != len(self.columns)):
-            have = 0 if self.columns is None else len(self.columns)
-            raise RemoteProtocolError(ErrorCode.OUT_OF_RANGE, f"a grant of {len(self.grant)} keys for {have} answers", "grant")
-
-
-@message("renew", since=4)
-class RenewLease(Message):
-    """Client -> node: keep lease ``lease`` for ``ttl_ms`` more from now (0: its own time to live)."""
-
-    id: int
-    lease: int
-    ttl_ms: int = 0
-    FIELDS = _fields(_F_LEASE, _F_TTL)
-
-
-@message("unlease", since=4)
-class ReleaseLease(Message):
-    """Client -> node: end lease ``lease`` now; what it held may be evicted again."""
-
-    id: int
-    lease: int
-    FIELDS = _fields(_F_LEASE)
-
-
-@message("lease_end", since=4)
-class LeaseEnded(Message):
-    """Node -> client (or source -> target): the node ended (part of) lease ``lease``.
-
-    Not a reply: ``id`` counts the session's events. ``code`` says why (``LEASE_EXPIRED``,
-    ``PEER_RESTARTED``, ``PEER_UNREACHABLE``, ``SHUTTING_DOWN``); ``keys`` are those no
-    longer held, or empty when the whole lease ended.
-    """
-
-    id: int
-    lease: int
-    code: int
-    reason: str = ""
-    keys: tuple[bytes, ...] = ()
-    FIELDS = _fields(_F_LEASE, _F_CODE, _F_REASON, Field("keys", _KEYS, ()))
+# ---- version 4, both sessions: leases (spec section 6.11), in ``kvcr_protocol.leases``
 
 
 # ---- version 5, peer sessions: a client left (spec section 5.3)
