@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -87,7 +88,7 @@ class Puts:
     """The puts of one client: they ride on its ``Operations`` (regions, grants, deposit)."""
 
     def __init__(self, ops: Owner) -> None:
-        self.ops = ops
+        self.ops: Owner = weakref.proxy(ops)  # the client owns its puts: no cycle keeps a closed client alive
         self.refused: Welcome | None = None
         """The session whose node refused ``put`` (it grants no writes): deposit there."""
         self.puts = 0

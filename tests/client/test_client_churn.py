@@ -10,10 +10,11 @@ leaked slot). Every delivered byte is compared with the source.
 from __future__ import annotations
 
 import asyncio
-import gc
+import json
+import subprocess
+import sys
 import threading
 import tracemalloc
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import Layout, Registrar, StoredObject
 from kvcr_testing.measure import RSS_SLACK_KIB, Snapshot
 from kvcr_testing.nodes import frozen
-from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern, sentinel_like
+from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
 SLOT = 4 * KiB
 LAYOUT = Layout([(f"L{i}", "kv", SLOT) for i in range(2)])
@@ -224,40 +225,52 @@ async def _async_sessions(endpoint: str, n: int) -> None:
 def test_a_closed_client_goes_without_the_cyclic_collector(node_factory: Callable[..., Any]) -> None:
     """Nothing a closed client's core holds leads back to it (its parts name the core by a weak
     proxy, the callbacks are dropped): the client, its core and its NIXL agent are freed when
-    the last reference goes, not whenever the cyclic collector runs."""
+    the last reference goes, not whenever the cyclic collector runs. In a fresh interpreter,
+    so that nothing of the test run (captured log records, tracebacks) holds a reference."""
     node = node_factory(*NODE_ARGS)
-    src = pattern(SLOT, 37)
+    proc = subprocess.run([sys.executable, "-c", _GC_SCRIPT, node.endpoint], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"sync": [False] * 3, "async": [False] * 3}
 
-    def used(c: Client) -> None:
-        region = c.register(src)
-        assert c.deposit({b"gc/0": [Span("L0", region, 0, SLOT, "kv")]}).result(10)[b"gc/0"].ok
-        lease = c.lease([b"gc/0"], read=True).result(5)
-        assert b"gc/0" in lease.held
-        dst = sentinel_like(SLOT, 38)
-        into = c.register(dst)
-        assert c.deliver({b"gc/0": [Span("L0", into, 0, SLOT)]}).result(10)[b"gc/0"].ok  # READ under the grant
-        assert_bytes_equal(dst, src)
-        lease.release().result(5)
-        c.unregister(into)
-        c.unregister(region)
 
-    async def used_async() -> list[weakref.ref[Any]]:
-        c = await AsyncClient.connect(node.endpoint, name="gc-async")
-        assert (await c.query([b"gc/0"]))[b"gc/0"].presence is Presence.HIT
-        refs = [weakref.ref(c), weakref.ref(c.core), weakref.ref(c.core.agent)]
-        await c.close()
-        return refs
+_GC_SCRIPT = """
+import asyncio, gc, json, sys, weakref
+import numpy as np
+from kvcr_client import AsyncClient, Client, Presence, Span
 
-    gc.collect()
-    gc.disable()
-    try:
-        c = Client(node.endpoint, name="gc")
-        used(c)
-        refs = [weakref.ref(c), weakref.ref(c.core), weakref.ref(c.core.agent)]
-        c.close()
-        del c
-        assert [r() is None for r in refs] == [True] * 3
-        refs = asyncio.run(used_async())
-        assert [r() is None for r in refs] == [True] * 3
-    finally:
-        gc.enable()
+SLOT = 4096
+endpoint = sys.argv[1]
+src = (np.arange(SLOT, dtype=np.uint32) * 2654435761 >> 7).astype(np.uint8) | 1
+
+def used(c):
+    region = c.register(src)
+    assert c.deposit({b"gc/0": [Span("L0", region, 0, SLOT, "kv")]}).result(10)[b"gc/0"].ok
+    lease = c.lease([b"gc/0"], read=True).result(5)
+    assert b"gc/0" in lease.held
+    dst = np.zeros(SLOT, np.uint8)
+    into = c.register(dst)
+    assert c.deliver({b"gc/0": [Span("L0", into, 0, SLOT)]}).result(10)[b"gc/0"].ok  # READ under the grant
+    assert np.array_equal(dst, src)
+    lease.release().result(5)
+    c.unregister(into)
+    c.unregister(region)
+
+async def used_async():
+    c = await AsyncClient.connect(endpoint, name="gc-async")
+    assert (await c.query([b"gc/0"]))[b"gc/0"].presence is Presence.HIT
+    refs = [weakref.ref(c), weakref.ref(c.core), weakref.ref(c.core.agent)]
+    await c.close()
+    return refs
+
+gc.collect()
+gc.disable()
+c = Client(endpoint, name="gc")
+used(c)
+refs = [weakref.ref(c), weakref.ref(c.core), weakref.ref(c.core.agent)]
+c.close()
+del c
+alive = {"sync": [r() is not None for r in refs]}
+refs = asyncio.run(used_async())
+alive["async"] = [r() is not None for r in refs]
+print(json.dumps(alive))
+"""
