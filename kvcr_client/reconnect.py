@@ -86,6 +86,8 @@ class Reconnector:
         """When the next hello is due (while ``DOWN``)."""
         self.backoff_s = first_s
         """The wait after the next failed hello."""
+        self.tries = 0
+        """Hellos sent in the current (or the last) outage."""
 
     @property
     def up(self) -> bool:
@@ -101,7 +103,7 @@ class Reconnector:
             return
         self.state = LinkState.DOWN
         self.counts.outages += 1
-        self.lost_at, self.next_at, self.backoff_s = now, now, self.first_s
+        self.lost_at, self.next_at, self.backoff_s, self.tries = now, now, self.first_s, 0
 
     def poll(self, now: float) -> Action:
         """What to do at ``now``: ``CONNECT`` once the next hello is due (the state is then
@@ -109,6 +111,7 @@ class Reconnector:
         if self.state is LinkState.DOWN and now >= self.next_at:
             self.state = LinkState.CONNECTING
             self.counts.attempts += 1
+            self.tries += 1
             return Action.CONNECT
         return Action.NOTHING
 

@@ -112,7 +112,7 @@ class NodeLink:
             "kvcr: reconnected to %s after %.1f s away (%d hellos)%s",
             self.endpoint,
             away_s,
-            r.counts.attempts,
+            r.tries,
             ": the node restarted, what it held is gone" if restarted else "",
         )
         if restarted and self.on_restart is not None:

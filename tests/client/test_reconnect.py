@@ -53,7 +53,7 @@ def test_first_hello_at_once_then_a_growing_backoff_up_to_the_most() -> None:
         assert r.poll(now) is Action.CONNECT
     assert waits[0] == RECONNECT_FIRST_S and waits[-1] == RECONNECT_MAX_S, waits
     assert all(b >= a for a, b in itertools.pairwise(waits)), waits
-    assert r.counts.attempts == 9 and r.counts.failed_attempts == 8
+    assert r.counts.attempts == r.tries == 9 and r.counts.failed_attempts == 8
     assert r.connected(now + 0.5, 7) is False  # the same incarnation: a stall, not a restart
     assert r.up and r.counts.reconnects == 1 and r.counts.new_incarnations == 0
     assert r.counts.away_s == pytest.approx(now + 0.5 - 100.0)
@@ -62,6 +62,7 @@ def test_first_hello_at_once_then_a_growing_backoff_up_to_the_most() -> None:
     assert r.poll(1000.0) is Action.CONNECT
     r.failed(1000.0)
     assert r.next_at == 1000.0 + RECONNECT_FIRST_S and r.counts.outages == 2
+    assert r.tries == 1 and r.counts.attempts == 10
 
 
 def test_a_welcome_from_another_incarnation_is_a_restart() -> None:
