@@ -9,6 +9,7 @@ anything is sent (checks.py, spans.py): ``ArgumentError`` names the field.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,14 @@ class Client(Operations):
         timeout = checks.timeout(timeout)
         result: Welcome = self.core.wait(self._hello(timeout), timeout + 5)
         return result
+
+    def start_reconnect(self, timeout: float = CONNECT_TIMEOUT_S) -> Future[Welcome]:
+        """``reconnect`` without waiting: the hello (every registered region announced) is
+        sent, and the returned future gets the welcome, or fails past ``timeout`` (the
+        background thread reads the reply when nobody waits). For a caller that must not
+        block (an engine's scheduler, ``kvcr_client.reconnect``)."""
+        timeout = checks.timeout(timeout)
+        return self._hello(timeout)
 
     def close(self) -> None:
         """Bye to the node, deregister every buffer, stop the I/O thread."""

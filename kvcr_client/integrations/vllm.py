@@ -45,6 +45,12 @@ forwards each call to that side. The two share no state, only what vLLM passes b
 What a test needs of a worker (each block's bytes, to prove them equal) it gets through a
 ``BlockObserver`` that ``extra_config["block_observer"]`` names (``.vllm_worker``).
 
+A node that restarts or stalls is ridden out: each side's ``NodeLink``
+(``kvcr_client.integrations.nodelink``) answers at once while the node is away (lookups
+miss, loads are recomputed, saves skipped) and reconnects with backoff; the hello registers
+the worker's KV cache again, and a new incarnation has the scheduler forget what it saved.
+The connector logs through vLLM's logger (``vllm.kvcr``), in vLLM's format.
+
 Counts go through vLLM's own stats path: each connector instance (scheduler and workers)
 counts in a ``KvcrConnectorStats`` that ``get_kv_connector_stats`` hands over (and starts
 afresh) every step; vLLM aggregates them, logs them, and ``KvcrPromMetrics`` exports them

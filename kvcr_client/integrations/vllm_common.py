@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.logger import init_logger
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvcr_client.integrations.sources import SourcePolicy
@@ -23,6 +24,11 @@ from kvcr_protocol import DEFAULT_LIMITS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+LOGGER = "vllm.kvcr"
+"""The connector's logger: under vLLM's own (``vllm``), so its lines have vLLM's format, handler
+and level (INFO lines show), in every process vLLM runs the connector in."""
+log = init_logger(LOGGER)
 
 LOAD_TIMEOUT_S = 30.0
 """Default deadline of a step's load (``extra_config["load_timeout_s"]``): past it the node
@@ -56,6 +62,11 @@ COUNTERS: dict[str, str] = {
     "lookups_timed_out": "Lookups not answered within lookup_timeout_s: a miss (scheduler).",
     "lookup_errors": "Lookups that failed (the node refused or was lost, the request could not be looked up): "
                      "a miss (scheduler).",
+    "node_outages": "Times the side found its node lost (restarted, or silent past the heartbeats) (both).",
+    "reconnects": "Sessions opened again with the node after an outage (both).",
+    "node_away_ms": "Milliseconds the node was away, counted when the outage ends (both).",
+    "node_away": "Lookups (scheduler), loads and saves (worker) passed over because the node was away: "
+                 "a miss, blocks recomputed, blocks not saved.",
 }
 """What a connector counts: name -> what it means."""
 

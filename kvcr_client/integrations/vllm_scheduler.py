@@ -10,28 +10,27 @@ at the node they name only where the operator allowed it (``SourcePolicy``). The
 holds the scheduler: its hint and lease are sent without waiting, the call waits
 ``lookup_wait_s`` at most, then answers "not yet" (None) until the lease is in, and a miss
 past ``lookup_timeout_s``. No call raises into vLLM: the worst is a miss, counted and logged
-once per cause (``CauseLog``).
+once per cause (``CauseLog``). While the node is away (``NodeLink``: lost, reconnecting with
+backoff) a lookup is a miss at once; once it is back, lookups lease again, and a node that
+restarted has the saved-key memory start afresh (what the old incarnation held is gone).
 """
 
 from __future__ import annotations
 
 import collections
 import enum
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvcr_client.client import Client
 from kvcr_client.errors import KvcrError
 from kvcr_client.integrations.blocks import block_keys
+from kvcr_client.integrations.nodelink import NodeLink
 from kvcr_client.integrations.sources import CauseLog, Refusal
-from kvcr_client.integrations.vllm_common import BlockLoad, Counts, KvcrConnectorMetadata, Settings, brief, hint_id
+from kvcr_client.integrations.vllm_common import BlockLoad, Counts, KvcrConnectorMetadata, Settings, brief, hint_id, log
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.results import OpHandle
 from kvcr_protocol import DEFAULT_LIMITS
-
-log = logging.getLogger("kvcr.vllm")
 
 SAVED_MEMORY = 65536
 """Block keys the scheduler remembers having saved (least recently saved forgotten first): it
@@ -81,7 +80,8 @@ class KvcrScheduler:
         self.counts = Counts()
         self._causes = CauseLog(log)
         """Refusals and failures a request can cause are logged once per cause and window, not per request."""
-        self.client = Client(settings.endpoint, name="vllm-scheduler")
+        self.link = NodeLink(settings.endpoint, "vllm-scheduler", self.counts.add, log, self._node_restarted)
+        self.client = self.link.client
         layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 0
         self.max_blocks = min(DEFAULT_LIMITS.max_keys, DEFAULT_LIMITS.max_spans // max(1, 2 * layers))
         """The most blocks a request leases and loads: what one message may carry (two spans a layer)."""
@@ -114,6 +114,12 @@ class KvcrScheduler:
         self._sweep()
         request_id = request.request_id
         lookup = self._lookups.get(request_id)
+        if not self.link.ready(self.settings.lookup_wait_s):
+            # The node is away: a miss now, without waiting for it (a reconnect is under way).
+            if lookup is not None and lookup.stage is not _Stage.MISSED:
+                self._give_up(lookup)
+            self.counts.add("node_away")
+            return 0
         wait = 0.0
         if lookup is None or lookup.stage is _Stage.ADMITTED:
             tokens = list(request.prompt_token_ids or [])
@@ -195,6 +201,10 @@ class KvcrScheduler:
             self._causes.warn("lookup:timeout", "kvcr: a lookup%s took over lookup_timeout_s (%.3f s): a miss",
                               f" at {lookup.source}" if lookup.source else "", self.settings.lookup_timeout_s)
             self._give_up(lookup)
+
+    def _node_restarted(self) -> None:
+        """The node came back as another incarnation: the blocks saved to the old one are gone."""
+        self._saved.clear()
 
     def _give_up(self, lookup: _Lookup) -> None:
         """A miss for good; a lease still in flight is released once it comes in."""
@@ -284,6 +294,8 @@ class KvcrScheduler:
         if not fresh:
             return
         meta.saves.append(BlockLoad(request_id, [k for k, _ in fresh], [b for _, b in fresh]))
+        if not self.link.up:
+            return  # the workers may find the node away too: not remembered as saved
         for k, _ in fresh:
             self._saved[k] = None
         while len(self._saved) > SAVED_MEMORY:
@@ -327,4 +339,4 @@ class KvcrScheduler:
         for lease in list(self._leases.values()):
             if lease.ended is None and lease.id:
                 lease.release()
-        self.client.close()
+        self.link.close()

@@ -6,7 +6,10 @@ side: all this side knows of it) with a layer plan (group i: layer i of every bl
 ``wait_for_layer_load(layer)`` waits for that layer's group only; ``wait_for_save``
 deposits the full prompt blocks the step computed. A block that failed to load is reported
 by ``get_block_ids_with_load_errors``, never a hang, and vLLM recomputes it with
-``kv_load_failure_policy="recompute"``. No call raises into vLLM.
+``kv_load_failure_policy="recompute"``. No call raises into vLLM. While the node is away
+(``NodeLink``: lost, reconnecting with backoff) a step's loads are reported failed at once and
+its saves skipped; the reconnecting hello announces the registered KV cache again, so loads
+and saves resume with the node, a restarted one included.
 
 Read grants (spec section 6.12): the scheduler's lease lives in the scheduler's session, and
 a grant serves only the session that holds the lease, so the worker takes a read lease of
@@ -27,28 +30,29 @@ the bytes the model read are the bytes another engine computed. In vLLM's in-pro
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvcr_client.client import Client, RegionHandle, Span
+from kvcr_client.client import RegionHandle, Span
 from kvcr_client.errors import GroupFailed, KvcrError
+from kvcr_client.integrations.nodelink import NodeLink
 from kvcr_client.integrations.readleases import LEASE_WAIT_S, ReadLeases
 from kvcr_client.integrations.sources import CauseLog
-from kvcr_client.integrations.vllm_common import BlockLoad, Counts, KvcrConnectorMetadata, Settings, brief, hint_id
+from kvcr_client.integrations.vllm_common import BlockLoad, Counts, KvcrConnectorMetadata, Settings, brief, hint_id, log
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.results import DeliverHandle, OpHandle
 from kvcr_io.plugins import load_class
-
-log = logging.getLogger("kvcr.vllm")
 
 WAIT_S = 30.0
 """How long a deposit may take."""
 REPLY_SLACK_S = 5.0
 """How much longer than the deadline a layer waits for the node to say it failed."""
+CONNECT_WAIT_S = 0.2
+"""How long a step waits for the welcome of a reconnecting hello it sent (the hello announces
+the KV cache again; a node still away costs a step this once per backoff interval)."""
 
 
 class BlockObserver:
@@ -110,7 +114,8 @@ class KvcrWorker:
         self.observer = load_observer(settings.extra.get("block_observer"))
         self.counts = Counts()
         self._causes = CauseLog(log)
-        self.client = Client(settings.endpoint, name="vllm-worker")
+        self.link = NodeLink(settings.endpoint, "vllm-worker", self.counts.add, log)
+        self.client = self.link.client
         self.reads = ReadLeases(self.client, min(LEASE_WAIT_S, settings.load_timeout_s))
         self._layers: list[str] = []
         self._regions: dict[str, RegionHandle] = {}
@@ -187,6 +192,12 @@ class KvcrWorker:
         except Exception as exc:
             # The boundary with vLLM: an exception here would stop its engine.
             self._causes.warn(f"load:{type(exc).__name__}", "kvcr: no loads this step (%s)", brief(exc))
+            return
+        if loads and not self.link.ready(CONNECT_WAIT_S):
+            # The node is away: recomputed, without waiting for it (a reconnect is under way).
+            for load in loads:
+                self.counts.add("node_away")
+                self._failed.update(int(b) for b in load.block_ids)
             return
         prepared = []
         for load in loads:
@@ -326,6 +337,9 @@ class KvcrWorker:
                    for key, block_id in zip(save.keys, save.block_ids, strict=True)}
         if not objects:
             return
+        if not self.link.ready(CONNECT_WAIT_S):
+            self.counts.add("node_away")  # not saved: the node is away (a reconnect is under way)
+            return
         try:
             # Synchronous: the blocks may be reused once this step is over.
             self.counts.add("saves")
@@ -346,4 +360,4 @@ class KvcrWorker:
 
     def shutdown(self) -> None:
         self.reads.close()
-        self.client.close()
+        self.link.close()

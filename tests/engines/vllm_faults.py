@@ -5,13 +5,15 @@ vllm_faults.SourceKilledAfterLease``, with this folder on ``PYTHONPATH``) for
 ``test_vllm.py``: the scheduler side leases the prompt's blocks at the node
 ``extra_config["source"]`` names, then SIGKILLs that node (``extra_config["kill_pid"]``)
 before the worker side's deliver runs in the same step, so the load fails for real, at
-the point a serving engineer fears most: after admission, before the bytes moved.
+the point a serving engineer fears most: after admission, before the bytes moved. And
+``TimedLookups``, which times the scheduler side's lookups (``vllm_reconnect_driver.py``).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 from kvcr_client.integrations.vllm import KvcrConnector
@@ -32,3 +34,24 @@ class SourceKilledAfterLease(KvcrConnector):
             os.kill(self.kill_pid, signal.SIGKILL)
             self.killed = True
         return matched, load_async
+
+
+class TimedLookups(KvcrConnector):
+    """``KvcrConnector`` that times each scheduler-side ``get_num_new_matched_tokens`` (for
+    ``vllm_reconnect_driver.py``: the scheduler must never wait on a frozen node). The
+    scheduler-side instance is kept in ``scheduler``, so that the driver reads its link."""
+
+    calls: list[tuple[float, int | None]] = []
+    """(seconds the call took, what it answered), in call order."""
+    scheduler: TimedLookups | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.connector_scheduler is not None:
+            type(self).scheduler = self
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        began = time.perf_counter()
+        answer = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        type(self).calls.append((time.perf_counter() - began, answer[0]))
+        return answer

@@ -44,8 +44,15 @@ def run_script(script: Path, *args: str, timeout_s: float, python: Path = ENGINE
                env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run a script in an engine environment (``env`` added to this process's); its last line
     is its JSON report."""
+    return run_script_output(script, *args, timeout_s=timeout_s, python=python, env=env)[0]
+
+
+def run_script_output(script: Path, *args: str, timeout_s: float, python: Path = ENGINE_PY,
+                      env: dict[str, str] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """``run_script``, and every line the script wrote before its report (stdout, then stderr)."""
     proc = subprocess.run([str(python), str(script), *args], capture_output=True, text=True,
                           timeout=timeout_s, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return report
+    lines = proc.stdout.strip().splitlines()
+    report: dict[str, Any] = json.loads(lines[-1])
+    return report, lines[:-1] + proc.stderr.splitlines()

@@ -1,0 +1,127 @@
+"""An engine integration's session with its node, reconnected when the node comes back.
+
+Each side of vLLM's connector (``KvcrScheduler``, ``KvcrWorker``) owns one ``NodeLink``: the ``Client`` and a
+``Reconnector`` (``kvcr_client.reconnect``, sans I/O) that says when to send the next hello.
+The side asks ``ready(wait_s)`` at the top of each call from vLLM: True while the session is
+open; when the client found the node lost (a restart, a stall past the heartbeat silence;
+spec section 14) it is False at once, and the call treats the node as absent (a lookup is a
+miss, a load is reported failed and recomputed, a save is skipped), counted ``node_away``.
+Meanwhile the same calls send hellos with the reconnector's backoff, waiting ``wait_s`` at
+most for the welcome (the scheduler's ``lookup_wait_s``, never longer), so vLLM is never
+held by an absent node. The hello announces every region the client registered, so a
+worker's KV cache is registered with the node again as part of it (a restarted node knows
+nothing of the old session). A welcome from another incarnation calls ``on_restart``: what
+the side remembers of the node's content is stale. ``node_outages``, ``reconnects`` and
+``node_away_ms`` count what happened, through the side's ``count``. No engine is imported here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from kvcr_client.client import Client
+from kvcr_client.reconnect import HELLO_TIMEOUT_S, Action, LinkState, Reconnector
+from kvcr_protocol import Welcome
+
+
+class NodeLink:
+    """One side's ``Client`` with its node, and when to reconnect it (see the module)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        name: str,
+        count: Callable[[str, int], None],
+        log: logging.Logger,
+        on_restart: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.endpoint = endpoint
+        self.client = Client(endpoint, name=name)
+        node = self.client.node
+        self.reconnector = Reconnector(node.incarnation if node is not None else None)
+        self.count = count
+        """Takes a counter's name and an increment: ``node_outages``, ``reconnects``, ``node_away_ms``."""
+        self.log = log
+        self.on_restart = on_restart
+        self.clock = clock
+        self._hello: Future[Welcome] | None = None
+
+    @property
+    def up(self) -> bool:
+        """Whether the session was open when last looked at (``ready`` looks again)."""
+        return self.reconnector.up
+
+    def ready(self, wait_s: float = 0.0) -> bool:
+        """Whether the session with the node is open now. When it is not, send the next hello
+        once it is due and wait ``wait_s`` at most for its welcome; never raises."""
+        r = self.reconnector
+        now = self.clock()
+        if r.up:
+            core = self.client.core
+            if core.connected and not core.lost:
+                return True
+            r.lost(now)
+            self.count("node_outages", 1)
+            self.log.warning(
+                "kvcr: lost the node at %s: lookups are misses, loads recomputed, saves skipped until it "
+                "is back (reconnecting with backoff)",
+                self.endpoint,
+            )
+        if r.state is LinkState.CONNECTING:
+            self._settle(now, 0.0)
+        if r.poll(now) is Action.CONNECT:
+            try:
+                self._hello = self.client.start_reconnect(HELLO_TIMEOUT_S)
+            except Exception as exc:
+                self.log.debug("kvcr: a hello to %s could not be sent: %s", self.endpoint, _brief(exc))
+                r.failed(now)
+                return False
+            self._settle(now, wait_s)
+        return r.up
+
+    def _settle(self, now: float, wait_s: float) -> None:
+        """Take the hello's answer if it is in (waiting ``wait_s`` at most)."""
+        hello, r = self._hello, self.reconnector
+        if hello is None:
+            r.failed(now)
+            return
+        if wait_s > 0 and not hello.done():
+            try:
+                self.client.core.wait(hello, wait_s)
+            except Exception:
+                pass  # read below
+        if not hello.done():
+            return
+        self._hello = None
+        try:
+            welcome: Any = hello.result(0)
+        except Exception as exc:
+            self.log.debug("kvcr: a hello to %s failed: %s", self.endpoint, _brief(exc))
+            r.failed(self.clock())
+            return
+        away_s = self.clock() - (r.lost_at if r.lost_at is not None else now)
+        restarted = r.connected(self.clock(), welcome.incarnation)
+        self.count("reconnects", 1)
+        self.count("node_away_ms", int(away_s * 1000))
+        self.log.info(
+            "kvcr: reconnected to %s after %.1f s away (%d hellos)%s",
+            self.endpoint,
+            away_s,
+            r.tries,
+            ": the node restarted, what it held is gone" if restarted else "",
+        )
+        if restarted and self.on_restart is not None:
+            self.on_restart()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _brief(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 200 else text[:200] + "..."
