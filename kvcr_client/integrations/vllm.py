@@ -5,10 +5,13 @@ Load it without patching vLLM::
     KVTransferConfig(kv_connector="KvcrConnector", kv_connector_module_path="kvcr_client.integrations.vllm",
                      kv_role="kv_both", kv_connector_extra_config={"endpoint": "ipc:///run/kvcr/node.sock"})
 
-Each full block of a prompt is one kvcr object (``kvcr_client.integrations.blocks`` keys,
-salted with the model), with one span per layer: the block's bytes in that layer's paged
-KV tensor (two, ``.k`` and ``.v``, where a layer keeps K and V apart). The node's pool
-``pool`` (default ``kv``) needs slots of one layer's block.
+Each full block of a prompt is one kvcr object per tensor-parallel rank (``kvcr_client.
+integrations.blocks`` keys, salted with the compatibility fingerprint ``vllm_common.fingerprint``:
+model, dtype, block size, KV layout, TP size, layout version; the object key names the rank),
+with one span per layer: the rank's slice of the block's bytes in that layer's paged KV
+tensor (two, ``.k`` and ``.v``, where a layer keeps K and V apart). The node's pool ``pool``
+(default ``kv``) needs slots of one layer's block of one rank. A block is a hit only when
+every rank's slice is held (the scheduler leases them all).
 
 Scheduler side: ``get_num_new_matched_tokens`` leases the prompt's blocks and counts the
 leading ones held (here, or at the node ``extra_config["source"]`` names, through a hint),
@@ -89,7 +92,7 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        settings = Settings.read(vllm_config)
+        settings = Settings.read(vllm_config, kv_cache_config)
         self.connector_scheduler = KvcrScheduler(settings, kv_cache_config) if role is KVConnectorRole.SCHEDULER else None
         self.connector_worker = KvcrWorker(settings, kv_cache_config) if role is KVConnectorRole.WORKER else None
 

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.logger import init_logger
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvcr_client.integrations.blocks import Fingerprint
 from kvcr_client.integrations.sources import SourcePolicy
 from kvcr_protocol import DEFAULT_LIMITS
 
@@ -201,12 +202,12 @@ class Settings:
     lookup_timeout_s: float
     lookup_wait_s: float
     block_size: int
-    salt: bytes
-    """What block keys are salted with: the model (engines that share blocks must agree on it:
-    its id, or its path), its dtype and the block size."""
+    fingerprint: Fingerprint
+    """What block keys are made from besides the tokens (``fingerprint``): engines share blocks
+    exactly when theirs are equal."""
 
     @classmethod
-    def read(cls, vllm_config: VllmConfig) -> Settings:
+    def read(cls, vllm_config: VllmConfig, kv_cache_config: Any = None) -> Settings:
         """Check and read the settings; a clear error naming the key for a bad one."""
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         if "endpoint" not in extra:
@@ -219,7 +220,40 @@ class Settings:
         lookup_timeout_s = _seconds(extra, "lookup_timeout_s", LOOKUP_TIMEOUT_S, LOOKUP_TIMEOUT_MAX_S)
         lookup_wait_s = _seconds(extra, "lookup_wait_s", min(LOOKUP_WAIT_S, lookup_timeout_s), lookup_timeout_s, zero=True)
         block_size = int(vllm_config.cache_config.block_size)
-        model_id = extra.get("model_id") or vllm_config.model_config.model
-        salt = f"{model_id}|{vllm_config.model_config.dtype}|{block_size}".encode()
         return cls(extra, endpoint, source, sources, pool, load_timeout_s, lookup_timeout_s, lookup_wait_s, block_size,
-                   salt)
+                   fingerprint(vllm_config, kv_cache_config))
+
+
+def kv_layout(kv_cache_config: Any) -> str:
+    """The KV cache's shape as vLLM's ``KVCacheConfig`` describes it to every side alike (the
+    scheduler's and each worker's are built from the same specs): per group, the spec's kind,
+    its layers, KV heads (per rank), head size, dtype and block size. Not the block count, which
+    differs between engines that can share blocks."""
+    if kv_cache_config is None:
+        return ""
+    groups = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        fields = ",".join(f"{name}={getattr(spec, name)}" for name in ("num_kv_heads", "head_size", "dtype",
+                                                                       "block_size", "sliding_window")
+                          if getattr(spec, name, None) is not None)
+        groups.append(f"{type(spec).__name__}[{len(group.layer_names)}]({fields})")
+    return ";".join(groups)
+
+
+def fingerprint(vllm_config: VllmConfig, kv_cache_config: Any) -> Fingerprint:
+    """The compatibility fingerprint of this engine's blocks (docs/architecture.md section 5,
+    "Engine block keys"): the model (``extra_config["model_id"]``, else vLLM's model), its dtype,
+    the block size, the KV layout (``kv_layout``), the tensor-parallel size (each rank's slice
+    its own object, ``Fingerprint.slice_key``) and the connector's layout version. The one
+    place keys are salted: a block another fingerprint saved is a miss, never a load.
+    Pipeline and decode-context parallelism split a block's KV in ways keys do not name yet:
+    refused, by name."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    parallel = vllm_config.parallel_config
+    for name in ("pipeline_parallel_size", "decode_context_parallel_size"):
+        if int(getattr(parallel, name, 1) or 1) != 1:
+            raise ValueError(f"KvcrConnector: parallel_config.{name} must be 1, not {getattr(parallel, name)!r}")
+    return Fingerprint(model=str(extra.get("model_id") or vllm_config.model_config.model),
+                       dtype=str(vllm_config.model_config.dtype), block_size=int(vllm_config.cache_config.block_size),
+                       kv_layout=kv_layout(kv_cache_config), tp_size=int(parallel.tensor_parallel_size))

@@ -11,30 +11,33 @@ holds the scheduler: its hint and lease are sent without waiting, the call waits
 ``lookup_wait_s`` at most, then answers "not yet" (None) until the lease is in, and a miss
 past ``lookup_timeout_s``. No call raises into vLLM: the worst is a miss, counted and logged
 once per cause (``CauseLog``). While the node is away (``NodeLink``: lost, reconnecting with
-backoff) a lookup is a miss at once; once it is back, lookups lease again, and a node that
-restarted has the saved-key memory start afresh (what the old incarnation held is gone).
+backoff) a lookup is a miss at once; once it is back, lookups lease again, and after a
+restart (what the old incarnation held is gone) no block counts as pinned by a lease.
+
+Tensor parallelism: each worker rank stores and loads its slice of a block as an object of
+its own (``Fingerprint.slice_key``). This side, one process for all ranks, leases every
+rank's slice of each block, and a block is a hit only when all of them are held.
+
+What is not saved again follows the node, not a memory of what this side saved: the blocks
+the request's own lease holds (pinned until the request ends) are not deposited again; any
+other the node holds is answered DUPLICATE, with no transfer (spec section 5.2), and a block
+the node evicted is stored again.
 """
 
 from __future__ import annotations
 
-import collections
 import enum
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from kvcr_client.errors import KvcrError
-from kvcr_client.integrations.blocks import block_keys
 from kvcr_client.integrations.nodelink import NodeLink
 from kvcr_client.integrations.sources import CauseLog, Refusal
 from kvcr_client.integrations.vllm_common import BlockLoad, Counts, KvcrConnectorMetadata, Settings, brief, hint_id, log
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.results import OpHandle
 from kvcr_protocol import DEFAULT_LIMITS
-
-SAVED_MEMORY = 65536
-"""Block keys the scheduler remembers having saved (least recently saved forgotten first): it
-skips saving them again; a forgotten one saved again is answered DUPLICATE by the node."""
 
 
 @dataclass
@@ -47,6 +50,8 @@ class _Saving:
     prompt_tokens: int
     saved: int = 0
     """Blocks before this one are saved (or were loaded, or were cached already)."""
+    held: frozenset[bytes] = frozenset()
+    """Blocks the request's lease holds in the node: not deposited again."""
 
 
 class _Stage(enum.Enum):
@@ -70,6 +75,9 @@ class _Lookup:
     stage: _Stage = _Stage.IN_FLIGHT
     held: LeaseHandle | None = None
     counted: bool = False
+    whole: frozenset[bytes] = frozenset()
+    """The blocks (``keys``) this node holds whole, every rank's slice, under the request's lease
+    (so it cannot evict them while the request runs): not saved again. Empty once released."""
 
 
 class KvcrScheduler:
@@ -83,8 +91,10 @@ class KvcrScheduler:
         self.link = NodeLink(settings.endpoint, "vllm-scheduler", self.counts.add, log, self._node_restarted)
         self.client = self.link.client
         layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 0
-        self.max_blocks = min(DEFAULT_LIMITS.max_keys, DEFAULT_LIMITS.max_spans // max(1, 2 * layers))
-        """The most blocks a request leases and loads: what one message may carry (two spans a layer)."""
+        self.ranks = settings.fingerprint.tp_size
+        self.max_blocks = min(DEFAULT_LIMITS.max_keys // self.ranks, DEFAULT_LIMITS.max_spans // max(1, 2 * layers))
+        """The most blocks a request leases and loads: what one message may carry (a key per rank's
+        slice in the lease, two spans a layer in a worker's deliver)."""
         self._lookups: dict[str, _Lookup] = {}
         self._abandoned: list[OpHandle[LeaseHandle]] = []
         """Leases given up on while in flight: released as they come in (``_sweep``)."""
@@ -92,7 +102,6 @@ class KvcrScheduler:
         self._leases: dict[str, LeaseHandle] = {}
         self._loads: list[BlockLoad] = []
         self._saving: dict[str, _Saving] = {}
-        self._saved: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` a lease holds for the request; None ("not yet")
@@ -123,7 +132,7 @@ class KvcrScheduler:
         wait = 0.0
         if lookup is None or lookup.stage is _Stage.ADMITTED:
             tokens = list(request.prompt_token_ids or [])
-            keys = block_keys(tokens[:-1], self.settings.block_size, self.settings.salt)[: self.max_blocks]  # one token is always computed
+            keys = self.settings.fingerprint.block_keys(tokens[:-1])[: self.max_blocks]  # one token is always computed
             if not keys:
                 return 0
             if lookup is not None and lookup.hint_id is not None:
@@ -138,11 +147,13 @@ class KvcrScheduler:
         if lookup.stage is not _Stage.LEASED or lookup.held is None:
             return 0
         lease = lookup.held
-        held = lease.held_prefix() * self.settings.block_size
+        leading, _ = self.settings.fingerprint.whole_blocks(lookup.keys, lease.held)
+        held = leading * self.settings.block_size
         if held <= num_computed_tokens:
             if lease.id and lease.ended is None:
                 lease.release()  # not waited for: the reply is read in the background
             lookup.stage, lookup.held = _Stage.MISSED, None
+            lookup.whole = frozenset()  # no longer pinned: the node may evict them before they would be saved
             return 0
         old = self._leases.get(request_id)
         if old is not None and old is not lease and old.ended is None and old.id:
@@ -163,12 +174,13 @@ class KvcrScheduler:
             self._refused(verdict.refused)
         hinted = hint_id(request.request_id) if verdict.source is not None else None
         lookup = _Lookup(keys, verdict.source, hinted, None, time.monotonic())
+        slices = self.settings.fingerprint.all_slices(keys)
         if verdict.source is not None and hinted is not None:
-            self.client.submit_hint(hinted, verdict.source, keys)
+            self.client.submit_hint(hinted, verdict.source, slices)
         # No read grant: the workers deliver, each in a session of its own, which a grant of
         # this session's would not reach (spec section 6.12); each worker read-leases the
         # blocks it loads itself (docs/architecture.md section 5, "Engines under read grants").
-        lookup.lease = self.client.lease(keys, request_id=hinted, read=False)
+        lookup.lease = self.client.lease(slices, request_id=hinted, read=False)
         return lookup
 
     def _refused(self, why: Refusal) -> None:
@@ -195,6 +207,9 @@ class KvcrScheduler:
                 lookup.stage = _Stage.MISSED
             else:
                 lookup.stage = _Stage.LEASED
+                lease = lookup.held
+                local = frozenset(k for k in lease.held if lease.tier(k) != "remote")  # a source's blocks are saved here
+                lookup.whole = frozenset(self.settings.fingerprint.whole_blocks(lookup.keys, local)[1])
             return
         if time.monotonic() - lookup.started >= self.settings.lookup_timeout_s:
             self.counts.add("lookups_timed_out")
@@ -203,14 +218,17 @@ class KvcrScheduler:
             self._give_up(lookup)
 
     def _node_restarted(self) -> None:
-        """The node came back as another incarnation: the blocks saved to the old one are gone."""
-        self._saved.clear()
+        """The node came back as another incarnation: what it held is gone, the requests'
+        leases with it, so no block is pinned any more and each is saved again."""
+        for saving in self._saving.values():
+            saving.held = frozenset()
 
     def _give_up(self, lookup: _Lookup) -> None:
         """A miss for good; a lease still in flight is released once it comes in."""
         if lookup.stage is _Stage.IN_FLIGHT and lookup.lease is not None:
             self._abandoned.append(lookup.lease)
         lookup.stage, lookup.held = _Stage.MISSED, None
+        lookup.whole = frozenset()
 
     def _sweep(self) -> None:
         """Release the leases given up on that came in since (each is answered within the
@@ -267,9 +285,12 @@ class KvcrScheduler:
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tokens = list(new.prompt_token_ids or [])
-            # Blocks vLLM counts computed (loaded from kvcr, or in its own cache) are not saved.
-            saving = _Saving(block_keys(tokens, self.settings.block_size, self.settings.salt), list(new.block_ids[0]), len(tokens),
-                             new.num_computed_tokens // self.settings.block_size)
+            # Blocks vLLM counts computed (loaded from kvcr, or in its own cache) are not saved,
+            # nor those the request's lookup found in the node.
+            lookup = self._lookups.get(new.req_id)
+            saving = _Saving(self.settings.fingerprint.block_keys(tokens), list(new.block_ids[0]), len(tokens),
+                             new.num_computed_tokens // self.settings.block_size,
+                             lookup.whole if lookup is not None else frozenset())
             self._saving[new.req_id] = saving
             self._save_computed(meta, new.req_id, saving, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
@@ -286,20 +307,15 @@ class KvcrScheduler:
             self._save_computed(meta, req_id, saving, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
 
     def _save_computed(self, meta: KvcrConnectorMetadata, request_id: str, saving: _Saving, computed: int) -> None:
-        """Add to ``meta.saves`` the prompt blocks this step completes that are not saved yet."""
+        """Add to ``meta.saves`` the prompt blocks this step completes that are not saved yet
+        (nor held by the request's lease: the node answers DUPLICATE, without a transfer, for
+        any other it holds already)."""
         end = min(min(computed, saving.prompt_tokens) // self.settings.block_size, len(saving.keys), len(saving.block_ids))
         fresh = [(saving.keys[b], saving.block_ids[b]) for b in range(saving.saved, end)
-                 if saving.keys[b] not in self._saved]
+                 if saving.keys[b] not in saving.held]
         saving.saved = max(saving.saved, end)
-        if not fresh:
-            return
-        meta.saves.append(BlockLoad(request_id, [k for k, _ in fresh], [b for _, b in fresh]))
-        if not self.link.up:
-            return  # the workers may find the node away too: not remembered as saved
-        for k, _ in fresh:
-            self._saved[k] = None
-        while len(self._saved) > SAVED_MEMORY:
-            self._saved.popitem(last=False)
+        if fresh:
+            meta.saves.append(BlockLoad(request_id, [k for k, _ in fresh], [b for _, b in fresh]))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks that failed to load are recomputed by vLLM: save them once they are."""
@@ -310,6 +326,7 @@ class KvcrScheduler:
             first = next((b for b, block_id in enumerate(saving.block_ids[: saving.saved]) if block_id in invalid), None)
             if first is not None:
                 saving.saved = first
+                saving.held = saving.held - set(saving.keys[first:])  # what did not load is saved once recomputed
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Let go of the request's lease and hint (waiting for neither); name this node for a

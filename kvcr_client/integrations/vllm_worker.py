@@ -21,6 +21,12 @@ source holds), the node delivers, as before. A block whose read the lease may no
 covered fails (``LEASE_EXPIRED``, ``LEASE_LOST``) like any block that did not load: it is
 reported, never shown to vLLM with bytes that may be another block's.
 
+Tensor parallelism: each rank's worker holds its own slice of every layer's KV (its KV
+heads), and stores and loads it as an object of its own: the metadata names blocks by their
+chain key, and the worker turns each into its rank's slice key (``Fingerprint.slice_key``),
+so a rank only ever loads the bytes the same rank saved. A pool slot holds one layer's block
+of one rank's slice (K or V, where a layer keeps them apart).
+
 ``extra_config["block_observer"]`` (a verification aid, ``"module:Class"``) names a
 ``BlockObserver`` subclass each worker makes without arguments and shows every block's bytes
 in vLLM's cache as saved, and as loaded once every layer landed: a test proves with it that
@@ -30,7 +36,7 @@ the bytes the model read are the bytes another engine computed. In vLLM's in-pro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -105,11 +111,24 @@ class _Prepared:
     asked: OpHandle[LeaseHandle] | None
 
 
-class KvcrWorker:
-    """The worker side of ``KvcrConnector``: the KV cache registered, each step's loads and saves."""
+def tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank, as vLLM's parallel state has it (0 where it has none:
+    an engine in one process)."""
+    from vllm.distributed import parallel_state
 
-    def __init__(self, settings: Settings, kv_cache_config: Any) -> None:
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return int(parallel_state.get_tensor_model_parallel_rank())
+
+
+class KvcrWorker:
+    """The worker side of ``KvcrConnector``: the KV cache registered, each step's loads and saves
+    of this rank's slice (``rank``: vLLM's, unless given)."""
+
+    def __init__(self, settings: Settings, kv_cache_config: Any, rank: int | None = None) -> None:
         self.settings = settings
+        self.rank = tensor_parallel_rank() if rank is None else rank
+        settings.fingerprint.slice_key(b"", self.rank)  # a rank outside tp_size is refused here, by name
         self.kv_cache_config = kv_cache_config
         self.observer = load_observer(settings.extra.get("block_observer"))
         self.counts = Counts()
@@ -126,6 +145,11 @@ class KvcrWorker:
         """Layer -> the byte offset of its V half (0: K and V of a block are one span)."""
         self._handles: list[_Pending] = []
         self._failed: set[int] = set()
+
+    def _slices(self, load: BlockLoad) -> BlockLoad:
+        """``load`` with each block's chain key turned into this rank's slice key."""
+        fingerprint = self.settings.fingerprint
+        return replace(load, keys=[fingerprint.slice_key(key, self.rank) for key in load.keys])
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks if self.kv_cache_config is not None else None
@@ -227,6 +251,7 @@ class KvcrWorker:
         grant in this version: the node delivers those)."""
         if not load.keys:
             return None
+        load = self._slices(load)
         if load.source is not None and not self.settings.sources.permits(load.source):
             self.counts.add("sources_refused")
             raise ValueError("the load names a source that is not allowed here, nothing dialled")
@@ -333,7 +358,8 @@ class KvcrWorker:
             return
         if not isinstance(meta, KvcrConnectorMetadata):
             raise TypeError(f"the step's metadata is {type(meta).__name__}, not KvcrConnectorMetadata")
-        objects = {key: self._spans(block_id, self.settings.pool) for save in meta.saves
+        saves = [self._slices(save) for save in meta.saves]
+        objects = {key: self._spans(block_id, self.settings.pool) for save in saves
                    for key, block_id in zip(save.keys, save.block_ids, strict=True)}
         if not objects:
             return
@@ -346,7 +372,7 @@ class KvcrWorker:
             results = self.client.deposit(objects, optional=True).result(WAIT_S)
             self.counts.add("blocks_saved", sum(1 for r in results.values() if r.ok))
             if self.observer is not None:
-                for save in meta.saves:
+                for save in saves:
                     for key, block_id in zip(save.keys, save.block_ids, strict=True):
                         self._observe(True, key, block_id)
         except (KvcrError, TimeoutError) as exc:

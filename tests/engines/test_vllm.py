@@ -9,10 +9,12 @@ first's, with the blocks' bytes in vLLM's cache proven equal by digest. Then acr
 nodes: one engine process saves through node B, another loads through node A, which
 leases and gets the blocks from B, named by the engine's configuration or per request in
 ``kv_transfer_params``. A prompt longer than vLLM's token budget is prefilled in chunks and
-every full block of every chunk is saved. An engine whose layout differs from the saver's
-under the same model id fails to load the blocks it leased: vLLM is told which, recomputes
-them, and generates what it generates without a cache; when only a later block fails, the
-blocks before it are kept and only the rest is recomputed. Every count is the one vLLM itself
+every full block of every chunk is saved. An engine whose KV layout differs from the saver's
+under the same model id finds none of its blocks (the compatibility fingerprint in every
+key): a miss, never a load. Where keys are made to collide across layouts
+(``vllm_faults.LayoutBlind``), the load of a leased block fails at the node: vLLM is told
+which, recomputes them, and generates what it generates without a cache; when only a later
+block fails, the blocks before it are kept and only the rest is recomputed. Every count is the one vLLM itself
 aggregated from the connectors (its Prometheus counters) and is checked against the
 node's own record of what it stored and delivered. A load from the engine's own node
 READs the node's pools under the worker's read grant (the node delivers nothing), and with
@@ -60,6 +62,13 @@ require_engines(VLLM_PY)
 def vllm(*args: str, extra: dict[str, object] | None = None) -> dict[str, object]:
     return run_example("vllm_prefix.py", *args, "--extra", json.dumps({**PATIENT, **(extra or {})}),
                        timeout_s=TIMEOUT_S, python=VLLM_PY)
+
+
+def blind(*args: str) -> dict[str, object]:
+    """``vllm`` with ``vllm_faults.LayoutBlind``: keys that do not name the KV layout."""
+    return run_example("vllm_prefix.py", *args, "--connector", "vllm_faults.LayoutBlind", "--extra",
+                       json.dumps(PATIENT), timeout_s=TIMEOUT_S, python=VLLM_PY,
+                       env={"PYTHONPATH": os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))})
 
 
 def node_record(node: NodeProcess) -> tuple[int, int]:
@@ -118,19 +127,29 @@ def test_chunked_prefill_saves_every_chunk(node_factory: Callable[..., NodeProce
     assert_nodes_clean(node)
 
 
-@pytest.mark.timeout(4 * TIMEOUT_S)
-def test_failed_load_is_recomputed(node_factory: Callable[..., NodeProcess], tmp_path: Path) -> None:
+@pytest.mark.timeout(6 * TIMEOUT_S)
+def test_other_layout_misses_and_a_failed_load_is_recomputed(node_factory: Callable[..., NodeProcess],
+                                                             tmp_path: Path) -> None:
     """A two-layer model saves the prompt's blocks under the model id a four-layer engine uses
-    too: the four-layer engine leases them, its deliver fails (the stored layout is not its
-    own), the connector reports the three blocks, and vLLM recomputes them: the tokens and
-    logprobs are those of the four-layer model without any cache (run against another node)."""
+    too. The four-layer engine finds none (its fingerprint names its own layout): it computes
+    the prompt, saves its own three blocks, and generates the uncached tokens. With keys blind
+    to the layout the four-layer engine leases the two-layer blocks, its deliver fails (the
+    stored layout is not its own), the connector reports the three blocks, and vLLM recomputes
+    them: the tokens and logprobs are those of the four-layer model without any cache (run
+    against another node)."""
     shared, clean = node_factory("--pool", POOL), node_factory("--pool", POOL)
     saved = vllm("save", "--node", shared.endpoint, "--layers", "2", "--out", str(tmp_path / "two.json"))
     assert saved["saved"] == SAVED, saved["saved"]
     reference = tmp_path / "reference.json"
     vllm("save", "--node", clean.endpoint, "--out", str(reference))
-    load_failing(vllm("load", "--node", shared.endpoint, "--reference", str(reference)), 0, 3, 0)
-    assert node_record(shared) == (3, 0)
+    missed = vllm("load", "--node", shared.endpoint, "--reference", str(reference))
+    assert missed["loaded"] == SAVED, missed["loaded"]  # no lease matched, no load: the prompt computed and saved
+    assert missed["same_tokens"] is True and missed["same_logprobs"] is True, missed
+    assert node_record(shared) == (6, 0)
+    saved = blind("save", "--node", shared.endpoint, "--layers", "2", "--out", str(tmp_path / "two-blind.json"))
+    assert saved["saved"] == SAVED, saved["saved"]
+    load_failing(blind("load", "--node", shared.endpoint, "--reference", str(reference)), 0, 3, 0)
+    assert node_record(shared) == (9, 0)
     assert_nodes_clean(shared, clean)
 
 
@@ -164,15 +183,16 @@ def test_block_failing_mid_prompt_is_recomputed_alone(node_factory: Callable[...
     begins the same way), its third by the two-layer model under the same model id. The
     four-layer engine leases all three and loads them in one deliver: the first two land, the
     third fails. Only the third is reported: vLLM keeps the two, recomputes from the third,
-    and generates the uncached tokens."""
+    and generates the uncached tokens. Keys blind to the layout (``vllm_faults.LayoutBlind``)
+    make the two models' blocks collide, as the fingerprint keeps real engines from doing."""
     shared, clean = node_factory("--pool", POOL), node_factory("--pool", POOL)
-    first = vllm("save", "--node", shared.endpoint, "--prompt-tokens", "70", "--out", str(tmp_path / "a.json"))
+    first = blind("save", "--node", shared.endpoint, "--prompt-tokens", "70", "--out", str(tmp_path / "a.json"))
     assert first["saved"] == {**SAVED, "blocks_saved": 2}, first["saved"]
-    second = vllm("save", "--node", shared.endpoint, "--layers", "2", "--out", str(tmp_path / "b.json"))
+    second = blind("save", "--node", shared.endpoint, "--layers", "2", "--out", str(tmp_path / "b.json"))
     assert second["saved"]["blocks_saved"] == 1, second["saved"]  # type: ignore[index]
     reference = tmp_path / "reference.json"
-    vllm("save", "--node", clean.endpoint, "--out", str(reference))
-    load_failing(vllm("load", "--node", shared.endpoint, "--reference", str(reference)), 2, 1, 0)
+    blind("save", "--node", clean.endpoint, "--out", str(reference))  # digests under the same keys
+    load_failing(blind("load", "--node", shared.endpoint, "--reference", str(reference)), 2, 1, 0)
     assert_nodes_clean(shared, clean)
 
 

@@ -5,8 +5,9 @@ vllm_faults.SourceKilledAfterLease``, with this folder on ``PYTHONPATH``) for
 ``test_vllm.py``: the scheduler side leases the prompt's blocks at the node
 ``extra_config["source"]`` names, then SIGKILLs that node (``extra_config["kill_pid"]``)
 before the worker side's deliver runs in the same step, so the load fails for real, at
-the point a serving engineer fears most: after admission, before the bytes moved. And
-``TimedLookups``, which times the scheduler side's lookups (``vllm_reconnect_driver.py``).
+the point a serving engineer fears most: after admission, before the bytes moved.
+``TimedLookups`` times the scheduler side's lookups (``vllm_reconnect_driver.py``), and
+``LayoutBlind`` shares keys across KV layouts, so that a load fails at the node.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 from typing import Any
 
 from kvcr_client.integrations.vllm import KvcrConnector
@@ -55,3 +57,16 @@ class TimedLookups(KvcrConnector):
         answer = super().get_num_new_matched_tokens(request, num_computed_tokens)
         type(self).calls.append((time.perf_counter() - began, answer[0]))
         return answer
+
+
+class LayoutBlind(KvcrConnector):
+    """``KvcrConnector`` whose fingerprint leaves the KV layout out (``--connector
+    vllm_faults.LayoutBlind``): engines of different depths under one model id share keys, as
+    no real engine can, so that a load of a block another layout stored fails at the node
+    (its spans are not the engine's) and ``test_vllm.py`` sees vLLM recompute it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for side in (self.connector_scheduler, self.connector_worker):
+            if side is not None:
+                side.settings = replace(side.settings, fingerprint=replace(side.settings.fingerprint, kv_layout=""))

@@ -26,7 +26,6 @@ from vllm_observers import Exploding
 from vllm_scheduler_driver import BLOCK, LAYERS, NUM_BLOCKS, scheduler
 from vllm_sources_driver import deposit, pattern
 
-from kvcr_client.integrations.blocks import block_keys
 from kvcr_client.integrations.vllm import (
     BlockLoad,
     KvcrConnector,
@@ -123,8 +122,9 @@ def main() -> int:
     exploding.register_kv_caches(caches)
     side = front.connector_scheduler
     assert side is not None
-    keys = block_keys([(5 * j + 1) % 500 + 10 for j in range(3 * BLOCK)], BLOCK, side.settings.salt)
-    deposit(endpoint, keys)
+    fp = side.settings.fingerprint
+    keys = fp.block_keys([(5 * j + 1) % 500 + 10 for j in range(3 * BLOCK)])
+    deposit(endpoint, fp.all_slices(keys))  # one rank: a block's one slice
     exploding.bind_connector_metadata(KvcrConnectorMetadata(loads=[BlockLoad("r-load", keys, [20, 21, 22])]))
     exploding.start_load_kv(None)
     for name in layers:

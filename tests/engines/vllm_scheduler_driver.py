@@ -39,7 +39,6 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvcr_client import Client, Span
-from kvcr_client.integrations.blocks import block_keys
 from kvcr_client.integrations.vllm import KvcrConnector, KvcrConnectorMetadata
 
 BLOCK = 32
@@ -64,9 +63,10 @@ PATIENT = {"lookup_timeout_s": 30.0, "lookup_wait_s": 30.0}
 machine (``vllm_sources_driver.py`` drives the "not yet" answers)."""
 
 
-def scheduler(endpoint: str, extra: dict[str, Any] | None = None) -> Scheduler:
+def scheduler(endpoint: str, extra: dict[str, Any] | None = None, tp: int = 1) -> Scheduler:
     """vLLM's ``Scheduler`` with the connector on node ``endpoint``; ``extra`` adds to (or
-    replaces ``PATIENT`` in) its extra config."""
+    replaces ``PATIENT`` in) its extra config; ``tp`` tensor-parallel ranks (the KV heads split
+    among them, as vLLM's workers would describe their caches)."""
     folder = Path(tempfile.mkdtemp(prefix="kvcr-tiny-llama-"))
     (folder / "config.json").write_text(json.dumps(CONFIG))
     config = EngineArgs(
@@ -81,7 +81,8 @@ def scheduler(endpoint: str, extra: dict[str, Any] | None = None) -> Scheduler:
                                                                        **(PATIENT if extra is None else extra)}),
     ).create_engine_config()
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    config.parallel_config.tensor_parallel_size = tp
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2 // tp, head_size=32, dtype=torch.float32)
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)], spec)])
     return Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK, log_stats=True)
@@ -141,9 +142,10 @@ def main() -> int:
     sched = scheduler(endpoint)
     connector = sched.connector
     assert isinstance(connector, KvcrConnector), type(connector)
-    loaded_keys = block_keys(LOADED_PROMPT, BLOCK, connector.connector_scheduler.settings.salt)
-    chunked_keys = block_keys(CHUNKED_PROMPT, BLOCK, connector.connector_scheduler.settings.salt)
-    deposit_blocks(endpoint, loaded_keys[:2])
+    fp = connector.connector_scheduler.settings.fingerprint
+    loaded_keys = fp.block_keys(LOADED_PROMPT)
+    chunked_keys = fp.block_keys(CHUNKED_PROMPT)
+    deposit_blocks(endpoint, fp.all_slices(loaded_keys[:2]))  # one rank: a block's one slice
     prompts = {"loaded": LOADED_PROMPT, "chunked": CHUNKED_PROMPT}
     report: dict[str, Any] = {"loaded_keys": [k.hex() for k in loaded_keys],
                               "chunked_keys": [k.hex() for k in chunked_keys], "steps": []}

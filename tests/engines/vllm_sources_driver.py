@@ -42,7 +42,6 @@ from vllm.v1.request import Request
 from vllm_scheduler_driver import BLOCK, LAYERS, NUM_BLOCKS, SLOT, scheduler, step
 
 from kvcr_client import Client, Span
-from kvcr_client.integrations.blocks import block_keys
 from kvcr_client.integrations.vllm import BlockLoad, KvcrConnector, KvcrConnectorMetadata
 
 PROMPT_TOKENS = 100
@@ -185,16 +184,16 @@ def main_run(a: str, b: str, c: str, folder: Path) -> tuple[dict[str, Any], Sche
     sched = scheduler(a, {**MAIN_EXTRA, "allowed_sources": [b]})
     connector = sched.connector
     assert isinstance(connector, KvcrConnector)
-    salt = connector.connector_scheduler.settings.salt
+    fp = connector.connector_scheduler.settings.fingerprint
     bad = hostile(silent_ipc, port, c)
     requests: dict[str, tuple[str, list[int], Any]] = {}
     for i, (label, params) in enumerate(bad.items()):
         requests[label] = (f"hostile-{label}", prompt(i), params)
     n = len(bad)
     # Node C holds every hostile prompt's blocks: a request that reached it would match them.
-    deposit(c, [k for i in range(n) for k in block_keys(prompt(i)[:-1], BLOCK, salt)])
-    deposit(b, [k for i in (n, n + 1) for k in block_keys(prompt(i)[:-1], BLOCK, salt)])
-    deposit(a, [k for i in (n + 2, n + 3) for k in block_keys(prompt(i)[:-1], BLOCK, salt)])
+    deposit(c, [k for i in range(n) for k in fp.all_slices(fp.block_keys(prompt(i)[:-1]))])
+    deposit(b, [k for i in (n, n + 1) for k in fp.all_slices(fp.block_keys(prompt(i)[:-1]))])
+    deposit(a, [k for i in (n + 2, n + 3) for k in fp.all_slices(fp.block_keys(prompt(i)[:-1]))])
     requests["allowed"] = ("allowed", prompt(n), {"kvcr_endpoint": b})
     requests["allowed_long_id"] = ("r" * 100_000, prompt(n + 1), {"kvcr_endpoint": b})
     requests["own_spelling"] = ("own", prompt(n + 2), {"kvcr_endpoint": a.replace("ipc://", "ipc:///", 1)})
@@ -213,7 +212,8 @@ def frozen_run(a: str, folder: Path) -> dict[str, Any]:
     sched = scheduler(a, {"allowed_sources": [endpoint], "lookup_timeout_s": FROZEN_TIMEOUT_S})
     connector = sched.connector
     assert isinstance(connector, KvcrConnector)
-    deposit(a, block_keys(prompt(90)[:-1], BLOCK, connector.connector_scheduler.settings.salt))
+    fp = connector.connector_scheduler.settings.fingerprint
+    deposit(a, fp.all_slices(fp.block_keys(prompt(90)[:-1])))
     report = drive(sched, {"frozen": ("frozen", prompt(91), {"kvcr_endpoint": endpoint}),
                            "innocent": ("innocent", prompt(90), None)})
     report["endpoint"] = endpoint
@@ -234,8 +234,9 @@ def worker_run(sched: Scheduler, b: str, c: str, folder: Path) -> dict[str, Any]
     # [blocks, ...]: a block's K and V together, one span of one slot per layer.
     caches = {name: torch.zeros(NUM_BLOCKS, 2, BLOCK, 2, 32, dtype=torch.float32) for name in layers}
     worker.register_kv_caches(caches)
-    keys = block_keys(prompt(50)[:-1], BLOCK, connector.connector_scheduler.settings.salt)
-    deposit(b, keys)
+    fp = connector.connector_scheduler.settings.fingerprint
+    keys = fp.block_keys(prompt(50)[:-1])
+    deposit(b, fp.all_slices(keys))  # one rank: the slice is the block
     loads = [
         BlockLoad("w-url", keys, [1, 2, 3], "http://127.0.0.1/"),
         BlockLoad("w-silent", keys, [4, 5, 6], f"tcp://127.0.0.1:{silent.getsockname()[1]}"),
