@@ -186,43 +186,33 @@ class RawNixl:
             self.runs["write_e2e"].append(time.perf_counter() - t0)
 
     def consumer_read(self, merged: bool) -> None:
-        """One timed READ, by this process, of the writer's 1024 x 64 KiB into ``dst``: the raw
-        anchor of a deliver under a read grant (prepared lists, or one descriptor per side
-        built for the request)."""
-        agent = self.agent
-        t0 = time.perf_counter()
-        if merged:
-            ldesc = agent.get_xfer_descs(np.array([(self.dst.ctypes.data, OBJECT, 0)], dtype=np.uint64), "DRAM")
-            rdesc = agent.get_xfer_descs(np.array([(self.writer_addr, OBJECT, 0)], dtype=np.uint64), "DRAM")
-            handle = agent.initialize_xfer("READ", ldesc, rdesc, self.writer)
-        else:
-            handle = agent.make_prepped_xfer("READ", self.mine, list(range(SPANS)), self.theirs, list(range(SPANS)))
-        state = agent.transfer(handle)
-        give_up = t0 + 30
-        while state == "PROC" and time.perf_counter() < give_up:
-            state = agent.check_xfer_state(handle)
-        agent.release_xfer_handle(handle)
-        assert state == "DONE", state
-        self.runs["consumer_read_merged" if merged else "consumer_read"].append(time.perf_counter() - t0)
+        """The raw anchor of a deliver under a read grant: one timed READ, by this process, of the
+        writer's 1024 x 64 KiB into ``dst`` (prepared lists, or one descriptor per side built for
+        the request)."""
+        self._consumer("READ", merged)
 
     def consumer_write(self, merged: bool) -> None:
-        """One timed WRITE, by this process, of ``dst`` into the writer's 1024 x 64 KiB: the raw
-        anchor of a put under a write grant (prepared lists, or one descriptor per side)."""
+        """The raw anchor of a put under a write grant: one timed WRITE, by this process, of
+        ``dst`` into the writer's 1024 x 64 KiB (prepared lists, or one descriptor per side)."""
+        self._consumer("WRITE", merged)
+
+    def _consumer(self, op: str, merged: bool) -> None:
         agent = self.agent
         t0 = time.perf_counter()
         if merged:
             ldesc = agent.get_xfer_descs(np.array([(self.dst.ctypes.data, OBJECT, 0)], dtype=np.uint64), "DRAM")
             rdesc = agent.get_xfer_descs(np.array([(self.writer_addr, OBJECT, 0)], dtype=np.uint64), "DRAM")
-            handle = agent.initialize_xfer("WRITE", ldesc, rdesc, self.writer)
+            handle = agent.initialize_xfer(op, ldesc, rdesc, self.writer)
         else:
-            handle = agent.make_prepped_xfer("WRITE", self.mine, list(range(SPANS)), self.theirs, list(range(SPANS)))
+            handle = agent.make_prepped_xfer(op, self.mine, list(range(SPANS)), self.theirs, list(range(SPANS)))
         state = agent.transfer(handle)
         give_up = t0 + 30
         while state == "PROC" and time.perf_counter() < give_up:
             state = agent.check_xfer_state(handle)
         agent.release_xfer_handle(handle)
         assert state == "DONE", state
-        self.runs["consumer_write_merged" if merged else "consumer_write"].append(time.perf_counter() - t0)
+        name = "consumer_read" if op == "READ" else "consumer_write"
+        self.runs[f"{name}_merged" if merged else name].append(time.perf_counter() - t0)
 
     def run_span(self, span: int) -> None:
         """One timed WRITE of ``SWEEP_BYTES`` in descriptors of ``span`` bytes."""

@@ -16,9 +16,6 @@ peer session as silent and B must notice and open a new one.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +23,7 @@ from typing import Any
 import pytest
 
 from kvcr_testing.hostile import Worker
+from kvcr_testing.netns import ip, namespaces
 from kvcr_testing.nodes import start_node
 
 ADDR_A, ADDR_B = "10.200.0.1", "10.200.0.2"
@@ -47,42 +45,12 @@ PARTITIONS = {
 }
 
 
-def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
-    return done
-
-
 @pytest.fixture
 def netns() -> Iterator[tuple[str, str, str, str]]:
     """Two namespaces joined by a veth pair: (ns A, ns B, veth in A, veth in B)."""
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2 (the ip command) is not installed")
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    tag = f"{os.getpid() % 100000}"
-    ns_a, ns_b, veth_a, veth_b = f"kvcr{tag}a", f"kvcr{tag}b", f"kva{tag}", f"kvb{tag}"
-    made: list[str] = []
-    try:
-        done = ip("netns", "add", ns_a, check=False)
-        if done.returncode != 0:
-            pytest.skip(f"cannot create a network namespace: {done.stderr.strip()}")
-        made.append(ns_a)
-        ip("netns", "add", ns_b)
-        made.append(ns_b)
-        ip("link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
-        ip("link", "set", veth_a, "netns", ns_a)
-        ip("link", "set", veth_b, "netns", ns_b)
-        for ns, veth, addr in ((ns_a, veth_a, ADDR_A), (ns_b, veth_b, ADDR_B)):
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
-            ip("-n", ns, "link", "set", "lo", "up")
-            ip("-n", ns, "link", "set", veth, "up")
-        yield ns_a, ns_b, veth_a, veth_b
-    finally:
-        for ns in made:
-            ip("netns", "del", ns, check=False)  # takes its end of the veth pair, and so the pair, along
-        ip("link", "del", veth_a, check=False)  # in case it never left the root namespace
+    with namespaces("", ADDR_A.rsplit(".", 1)[0]) as pair:
+        assert (pair.addr_a, pair.addr_b) == (ADDR_A, ADDR_B)
+        yield pair.a, pair.b, pair.veth_a, pair.veth_b
 
 
 class Site:
