@@ -1,0 +1,99 @@
+"""Churn on write grants (spec section 6.13): thousands of puts, hundreds of sessions that put and go.
+
+Each put reserves a slot, the client WRITEs it and commits; the pool is FIFO, so older
+objects are evicted as new keys come. Afterwards the node holds no open or quarantined put,
+its threads, descriptors and RSS are within a bound of where they started, every slot is
+accounted for, and the client's Python heap is back: nothing is kept per put or per session.
+"""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcr_client import Client, Span
+from kvcr_node.agents import DEPARTED_AGENTS
+from kvcr_testing.health import assert_clean, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
+from kvcr_testing.measure import fd_count, rss_kib, thread_count
+from kvcr_testing.patterns import KiB, pattern
+
+SLOT = 4 * KiB
+PUTS = 1500
+SESSIONS = 150
+FD_SLACK = 10
+THREAD_SLACK = 2
+HEAP_SLACK = 256 * KiB
+"""Python heap the puts may leave in the client (caches warmed once); a put record or a
+WRITE handle kept per put would pass it within the first thousand."""
+RSS_GROWTH_KIB = 8192
+"""As for granted leases (tests/faults/test_grant_load.py): allocator and UCX pools grow
+in steps once; a record leaked per put would pass it."""
+
+
+def put_stats(client: Client) -> dict[str, int]:
+    puts: dict[str, int] = stats(client)["puts"]
+    return puts
+
+
+def at_rest(client: Client) -> bool:
+    p = put_stats(client)
+    return p["open"] == 0 and p["quarantined"] == 0 and p["quarantined_slots"] == 0 and stats(client)["invariants"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_put_churn_leaves_nothing_behind(node_factory: Callable[..., Any]) -> None:
+    node = node_factory("--pool", "kv:4KiB:128", "--policy", "fifo")
+    pid = node.proc.pid
+    with Client(node.endpoint, name="put-churn") as client:
+        reg = Registrar(client)
+        src = pattern(SLOT, 41)
+        spans = [Span("L0", reg(src), 0, SLOT, "kv")]
+        dst = np.zeros(SLOT, np.uint8)
+        into = [Span("L0", reg(dst), 0, SLOT)]
+        for i in range(50):  # warm
+            assert client.put({b"w%d" % i: spans}).result(RESULT_TIMEOUT_S).all_ok
+        before = {"fds": fd_count(pid), "threads": thread_count(pid), "rss": rss_kib(pid)}
+        written = client._puts.puts
+        gc.collect()
+        tracemalloc.start()
+        heap_before = tracemalloc.get_traced_memory()[0]
+        for i in range(PUTS):
+            key = b"p%d" % i
+            assert client.put({key: spans}).result(RESULT_TIMEOUT_S).all_ok
+            if i % 250 == 0:
+                dst[:] = 0
+                assert client.deliver({key: into}).result(RESULT_TIMEOUT_S)[key].ok
+                assert np.array_equal(dst, src)
+        gc.collect()
+        heap_grown = tracemalloc.get_traced_memory()[0] - heap_before
+        tracemalloc.stop()
+        assert heap_grown <= HEAP_SLACK, ("puts", "Python heap bytes", heap_grown)
+        assert client._puts.puts == written + PUTS, "a put went as a deposit"
+        assert at_rest(client), put_stats(client)
+
+        # Sessions that put and close: their puts are committed, nothing is left open.
+        mid = 0
+        for n in range(SESSIONS):
+            if n == SESSIONS // 2:
+                mid = fd_count(pid)
+            with Client(node.endpoint, name=f"putter{n}") as putter:
+                region = putter.register(src)
+                assert putter.put({b"s%d" % n: [Span("L0", region, 0, SLOT, "kv")]}).result(RESULT_TIMEOUT_S).all_ok
+        assert wait_until(lambda: at_rest(client) and stats(client)["clients"] == 1, 10), put_stats(client)
+        after = {"fds": fd_count(pid), "threads": thread_count(pid), "rss": rss_kib(pid)}
+        assert after["threads"] <= before["threads"] + THREAD_SLACK, (before, after)
+        # Gone clients' agents stay loaded up to DEPARTED_AGENTS (kvcr_node.agents), each with
+        # its connection's descriptor: bounded, so the second half of the sessions adds none.
+        assert SESSIONS // 2 > DEPARTED_AGENTS
+        assert after["fds"] <= before["fds"] + DEPARTED_AGENTS + FD_SLACK, (before, after)
+        assert after["fds"] <= mid + FD_SLACK, (before, mid, after)
+        assert after["rss"] - before["rss"] <= RSS_GROWTH_KIB, (before, after)
+        reg.close()
+        assert_clean(client)
