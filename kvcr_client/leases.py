@@ -98,6 +98,11 @@ class LeaseHandle:
         with self._lock:
             return frozenset(self._lost)
 
+    def lost_key(self, key: bytes) -> bool:
+        """Whether the node said it no longer holds ``key`` (no copy of the set: a read under
+        a grant asks once per group)."""
+        return key in self._lost
+
     @property
     def ended(self) -> ErrorCode | int | None:
         """None while the lease lasts; else why it ended (``OK`` released or never held,

@@ -53,7 +53,6 @@ from kvcr_protocol import (
     Message,
     PoolInfo,
     Presence,
-    Progress,
     Query,
     QueryColumns,
     QueryReply,
@@ -326,7 +325,7 @@ class Operations:
 
         def landed(members: list[int], group: int) -> None:  # lock held
             if isinstance(handle, DeliverHandle):
-                handle.observe(Progress(op_id, pack(members, U32), pack([group + 1] * len(members), U32)))
+                handle.apply(handle.progress.on_landed(members, group + 1))
 
         def finished(results: list[KeyResult] | BaseException, done: list[int]) -> None:  # lock held
             if isinstance(results, BaseException):

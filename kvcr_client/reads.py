@@ -240,7 +240,7 @@ class GrantRead:
 
     def _verdict(self, members: list[int], code: int) -> None:
         for k in members:
-            if code == 0 and self.items[k].key in self.granted[k].lease.lost:
+            if code == 0 and self.granted[k].lease.lost_key(self.items[k].key):
                 code = ErrorCode.LEASE_LOST
             if code:
                 self.codes[k] = code
@@ -305,6 +305,11 @@ class Reads:
         """Take ``job`` (group 0 already posted): look at it once now, without posting more."""
         if not job.step(time.monotonic(), post=False):
             self.running.append(job)
+
+    def start(self, job: GrantRead) -> None:
+        """Post ``job``'s group 0 and take it (one turn: group 0, landed, is reported at once)."""
+        job.post()
+        self.add(job)
 
     def step(self, now: float) -> None:
         for job in list(self.running):

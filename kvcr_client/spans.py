@@ -165,12 +165,56 @@ def span_items(
 # --------------------------------------------------------------------- layer plans
 
 
+PLAN_CACHE_SIZE = 256
+"""Layer plans (with the span names they were applied to) whose group numbers are kept: an
+engine passes the same plan for every request of a model."""
+_plans: dict[tuple[tuple[tuple[str, ...], ...], tuple[str, ...]], tuple[int, ...]] = {}
+
+
+def _frozen(plan: Any) -> tuple[tuple[str, ...], ...] | None:
+    """A plan of lists or tuples of names as a hashable value, or None for anything else."""
+    if type(plan) not in (list, tuple) or len(plan) > MAX_GROUPS:
+        return None
+    try:
+        frozen = tuple([tuple(names) if type(names) in (list, tuple) else names[()] for names in plan])
+    except (TypeError, KeyError, IndexError):
+        return None
+    return frozen if all(type(n) is str for names in frozen for n in names) else None
+
+
 def plan_groups(items: Sequence[DeliverItem], plan: Any) -> list[tuple[int, ...]]:
     """Each key's group number per span (empty: one group) from a layer plan; ``ArgumentError``
     naming the part of the plan that is wrong.
 
-    A plan shared by every key is read once; each key then costs one lookup per span. Only
-    a plan that does not fit is walked again, to name what is wrong."""
+    A plan shared by every key is read once, and kept with the span names it fitted (a
+    plan is checked once per layout, not once per deliver); each other key costs one
+    lookup per span. Only a plan that does not fit is walked again, to name what is wrong."""
+    frozen = _frozen(plan)
+    if frozen is not None:
+        out = []
+        for item in items:
+            names = tuple([span[0] for span in item.spans])
+            numbers = _plans.get((frozen, names))
+            if numbers is None:
+                numbers = _fit(item, plan, names)
+                if len(_plans) >= PLAN_CACHE_SIZE:
+                    _plans.clear()
+                _plans[frozen, names] = numbers
+            out.append(numbers)
+        return out
+    return _plan_groups(items, plan)
+
+
+def _fit(item: DeliverItem, groups: Any, names: tuple[str, ...]) -> tuple[int, ...]:
+    """One key's group numbers from a plan shared by every key (``plan_groups``, uncached)."""
+    index = group_index(groups)
+    if index is None or len(index) != len(names) or index.keys() != set(names):
+        return plan_numbers(item, groups, "plan")
+    return tuple([index[name] for name in names])
+
+
+def _plan_groups(items: Sequence[DeliverItem], plan: Any) -> list[tuple[int, ...]]:
+    """``plan_groups`` for a plan per key, or one of an unusual shape (walked every time)."""
     per_key = isinstance(plan, Mapping)
     if not per_key and (isinstance(plan, (str, bytes)) or not isinstance(plan, Sequence)):
         raise ArgumentError("plan", "expected a sequence of groups of span names, or a mapping of key -> such a sequence")

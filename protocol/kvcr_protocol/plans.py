@@ -134,6 +134,21 @@ class PlanProgress:
             events += self._advance(k, done)
         return events
 
+    def on_landed(self, items: Sequence[int], count: int) -> list[GroupEvent]:
+        """``items`` delivered their first ``count`` groups, learnt by the client itself (its
+        own READs under a grant completed and passed the lease check: spec section 6.12);
+        events for the groups this delivered."""
+        if self.finished:
+            self.ignored += 1
+            return []
+        events: list[GroupEvent] = []
+        for k in items:
+            if k >= len(self._items) or count > self._items[k].groups:
+                self.ignored += 1
+                continue
+            events += self._advance(k, count)
+        return events
+
     def on_reply(self, msg: Completion) -> list[GroupEvent]:
         """The request's ``complete``: every group's final state."""
         if self.finished or msg.id != self.request:

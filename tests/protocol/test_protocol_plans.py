@@ -60,6 +60,16 @@ def test_progress_alone_delivers_and_repeats_change_nothing() -> None:
     assert plan.on_reply(reply(OK, OK, done=(3, 2))) == [GroupEvent(0, 2, DELIVERED), GroupEvent(1, 1, DELIVERED)]
 
 
+def test_groups_the_client_landed_itself_deliver_and_bad_counts_are_ignored() -> None:
+    plan = PlanProgress(REQUEST, [3, 2])
+    assert plan.on_landed([0, 1], 1) == [GroupEvent(0, 0, DELIVERED), GroupEvent(1, 0, DELIVERED)]
+    assert plan.on_landed([0], 1) == []  # a repeat changes nothing
+    assert plan.on_landed([1, 7], 3) == [] and plan.ignored == 2  # more groups than item 1 has; no item 7
+    assert plan.on_landed([0], 3) == [GroupEvent(0, 1, DELIVERED), GroupEvent(0, 2, DELIVERED)]
+    assert plan.on_reply(reply(OK, OK, done=(3, 2))) == [GroupEvent(1, 1, DELIVERED)]
+    assert plan.on_landed([1], 2) == [] and plan.ignored == 3  # finished
+
+
 def test_a_failed_group_fails_the_later_ones_and_earlier_ones_stay_delivered() -> None:
     plan = PlanProgress(REQUEST, [4, 1], TOKEN)
     plan.on_notification(note(0, 0))
