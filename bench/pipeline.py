@@ -5,10 +5,11 @@ the engine runs a fixed CPU-bound kernel per layer, calibrated to cost about one
 transfer time. Progressive: ``handle.wait(i)`` then the kernel on layer i, for each i.
 Whole then compute: wait for the whole object, then the 32 kernels. ``overlap_speedup`` =
 whole-then-compute time / progressive time (2.0 is the ideal when compute equals
-transfer), measured across nodes (client on node A, object on node B), locally by the
-node (client on B, no lease) and locally under a read grant (client on B, the object
-leased with ``read=True``: the client READs B's pools itself, spec section 6.12). Across
-nodes the node-driven path runs: a lease held at a hinted source grants no read yet.
+transfer), measured across nodes by the nodes (client on node A, object on node B, no
+lease: B writes into the client), across nodes under a read grant (the object leased
+through A at the source a hint names, with ``read=True``: B's grant passed on by A, and the
+client READs B's pools itself, spec section 6.12 "Across nodes"), locally by the node
+(client on B, no lease) and locally under a read grant (client on B).
 
 The anchor runs in the same run: a raw NIXL progressive pipeline between two bare
 processes. A holder registers the same 32 layers of 1 MiB (the same bytes); this process
@@ -25,6 +26,8 @@ nothing over the bare transport).
 Run: ``python bench/pipeline.py`` (about a minute); ``--json`` prints one JSON object of
 the figures after the report: ``overlap_speedup`` (across nodes), ``overlap_speedup_local``
 (the node delivers, locally), ``grant_overlap_speedup`` (locally under a read grant),
+``grant_overlap_speedup_remote`` and ``pipeline_vs_raw_grant`` (across nodes under a read
+grant; ``grant_used_remote`` as ``grant_used``),
 ``raw_overlap_speedup`` (the raw pipeline's whole-then-compute / progressive, with the
 kernel of the grant run), ``pipeline_vs_raw`` (across nodes), ``pipeline_vs_raw_local``
 (under a read grant; by the node where it grants none), ``pipeline_vs_raw_local_node``
@@ -294,16 +297,19 @@ def ratios(s: dict[str, dict[str, float]]) -> dict[str, Any]:
             "vs_raw": s["progressive"]["median"] / s[raw_form]["median"]}
 
 
-def measure_granted(client: Client, dst: np.ndarray, layers: Any, runs: int, raw: RawPipeline) -> dict[str, Any]:
-    """``measure`` of the local deliveries with the object leased for a read grant first; the
-    result says whether the node granted it and every timed deliver READ the pools itself."""
-    lease = client.lease([b"layers"], ttl_ms=LEASE_TTL_MS, read=True).result(10)
+def measure_granted(
+    client: Client, dst: np.ndarray, layers: Any, request_id: str | None, runs: int, raw: RawPipeline,
+) -> dict[str, Any]:
+    """``measure`` with the object leased for a read grant first (at the source the hint of
+    ``request_id`` names, or at the client's own node); the result says whether a grant
+    came and every timed deliver READ the pools itself."""
+    lease = client.lease([b"layers"], request_id=request_id, ttl_ms=LEASE_TTL_MS, read=True).result(10)
     if b"layers" not in lease.held:
-        raise AssertionError(f"the local node did not lease the object: {lease[b'layers']!r}")
+        raise AssertionError(f"the object was not leased: {lease[b'layers']!r}")
     try:
         granted = len(client._grants) == 1
         reads = client._grants.reads
-        result = measure(client, dst, layers, None, runs, raw)
+        result = measure(client, dst, layers, request_id, runs, raw)
         # Warm-up and timed: 3 + runs transfers, 1 + runs progressive, 1 + runs whole.
         result["granted"] = granted and client._grants.reads == reads + 5 + 3 * runs
     finally:
@@ -311,7 +317,8 @@ def measure_granted(client: Client, dst: np.ndarray, layers: Any, runs: int, raw
     return result
 
 
-RUNS = {"across nodes": "", "local, by the node": "_local_node", "local, under a read grant": "_local"}
+RUNS = {"across nodes": "", "across nodes, under a read grant": "_grant", "local, by the node": "_local_node",
+        "local, under a read grant": "_local"}
 """Each measured run and the suffix of its ``--json`` figures."""
 
 
@@ -322,6 +329,8 @@ def figures(results: dict[str, dict[str, Any]]) -> dict[str, float]:
         "grant_overlap_speedup": results["local, under a read grant"]["speedup"],
         "raw_overlap_speedup": results["local, under a read grant"]["raw_speedup"],
         "grant_used": float(results["local, under a read grant"]["granted"]),
+        "grant_overlap_speedup_remote": results["across nodes, under a read grant"]["speedup"],
+        "grant_used_remote": float(results["across nodes, under a read grant"]["granted"]),
     }
     for where, suffix in RUNS.items():
         r = results[where]
@@ -340,9 +349,9 @@ def report(results: dict[str, dict[str, Any]]) -> None:
               f"(raw NIXL READ {r['raw_transfer']['median'] * 1e3:.2f} ms), compute {r['compute'] * 1e3:.2f} ms "
               f"(kernel over {r['kernel_words'] * 4 / LAYER:.2f} layers' bytes per layer)")
         if where == "across nodes":
-            print("  node-driven: B writes into the client (a lease at a hinted source grants no read yet)")
+            print("  node-driven: B writes into the client (no lease)")
         elif "granted" in r:
-            print("  " + ("the client READs B's pools under the lease's read grant" if r["granted"] else
+            print("  " + ("the client READs B's pools under the lease's read grant" + (" (passed on by A)" if "across" in where else "") if r["granted"] else
                           "B granted no read (client_transfers off, or a deliver went by the node): node-driven"))
         print(f"  kvcr progressive (compute on layer i once it landed)  {fmt_us(r['progressive'])}  spread {r['progressive']['spread']:.2f}")
         print(f"  kvcr whole object, then compute                       {fmt_us(r['whole'])}  spread {r['whole']['spread']:.2f}")
@@ -379,13 +388,13 @@ def main() -> int:
                 assert owner.deposit({b"layers": spans}).result(30).all_ok
                 eng.submit_hint("pipe", b, [b"layers"]).result(5)
                 results = {}
-                for where, client, rid in (("across nodes", eng, "pipe"), ("local, by the node", owner, None),
-                                           ("local, under a read grant", owner, None)):
+                for where, client, rid in (("across nodes", eng, "pipe"), ("across nodes, under a read grant", eng, "pipe"),
+                                           ("local, by the node", owner, None), ("local, under a read grant", owner, None)):
                     dst = np.zeros(OBJECT, dtype=np.uint8)
                     rd = client.register(dst)
                     layers = client.destination([Span(f"L{i}", rd, i * LAYER, LAYER) for i in range(LAYERS)])
-                    if rid is None and "grant" in where:
-                        results[where] = measure_granted(client, dst, layers, args.runs, raw)
+                    if "grant" in where:
+                        results[where] = measure_granted(client, dst, layers, rid, args.runs, raw)
                     else:
                         results[where] = measure(client, dst, layers, rid, args.runs, raw)
                     if not np.array_equal(dst, src):

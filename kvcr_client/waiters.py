@@ -168,6 +168,10 @@ class Waiters:
             successor.wake()
         if alone and self.core.session.pending:
             self.orphan()  # nobody waits for what is left: the background thread reads it
+        elif alone and self.core.reads.posting:
+            # A deliver under grants has groups left to post while the caller computes on
+            # the one it waited for: the background thread posts them now, not after a park.
+            self.resume.set()
 
     def orphan(self) -> None:
         """Requests are left that nobody waits for: the background thread reads them from now on."""

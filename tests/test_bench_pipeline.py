@@ -37,6 +37,7 @@ def test_the_anchor_is_the_fastest_raw_form() -> None:
 
 def test_json_figures_name_each_run() -> None:
     results = {"across nodes": run(FORMS), "local, by the node": run({**FORMS, "progressive": 40.0}),
+               "across nodes, under a read grant": run({**FORMS, "progressive": 22.0}, granted=True),
                "local, under a read grant": run({**FORMS, "progressive": 21.0, "whole": 21.0}, granted=False)}
     figures = pipeline.figures(results)
     assert figures["pipeline_vs_raw"] == pytest.approx(1.5)
@@ -46,5 +47,8 @@ def test_json_figures_name_each_run() -> None:
     assert figures["grant_overlap_speedup"] == pytest.approx(1.0)
     assert figures["raw_overlap_speedup"] == pytest.approx(21.0 / 20.0)
     assert figures["grant_used"] == 0.0
+    assert figures["grant_used_remote"] == 1.0
+    assert figures["pipeline_vs_raw_grant"] == pytest.approx(22.0 / 20.0)
+    assert figures["grant_overlap_speedup_remote"] == pytest.approx(24.0 / 22.0)
     assert figures["raw_progressive_ms_local"] == pytest.approx(20.0)
     assert figures["progressive_spread"] == 0.0
