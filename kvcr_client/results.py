@@ -227,6 +227,19 @@ class GroupFuture:
         return asyncio.wrap_future(self.future).__await__()
 
 
+def _remaining(groups: Sequence[int]) -> list[int]:
+    """Per group number g: how many of ``groups`` (each key's group count) exceed g."""
+    most = max(groups)
+    ending = [0] * (most + 1)
+    for count in groups:
+        ending[count] += 1
+    out, left = [], len(groups)
+    for g in range(most):
+        left -= ending[g]
+        out.append(left)
+    return out
+
+
 class DeliverHandle(OpHandle[Results[KeyOutcome]]):
     """A deliver with layer plans: completion per group, as well as for the whole request.
 
@@ -247,7 +260,7 @@ class DeliverHandle(OpHandle[Results[KeyOutcome]]):
         self.groups = tuple(groups)
         """Groups per key, in request order."""
         self.progress = PlanProgress(op_id, groups, token)
-        self._remaining = [sum(1 for count in groups if count > g) for g in range(max(groups))]
+        self._remaining = _remaining(groups)
         """Per group number: keys that have it and have not delivered it yet."""
         self._failed: dict[int, int] = {}
         self._over: set[int] = set()

@@ -171,15 +171,27 @@ engine passes the same plan for every request of a model."""
 _plans: dict[tuple[tuple[tuple[str, ...], ...], tuple[str, ...]], tuple[int, ...]] = {}
 
 
+_last: tuple[Any, Any, tuple[tuple[str, ...], ...] | None] = (None, None, None)
+"""The plan seen last: the object, a copy of it (it may have changed since), its hashable form."""
+
+
 def _frozen(plan: Any) -> tuple[tuple[str, ...], ...] | None:
-    """A plan of lists or tuples of names as a hashable value, or None for anything else."""
+    """A plan of lists or tuples of names as a hashable value, or None for anything else. The
+    same plan object as last time, still equal to its copy, costs one comparison in C."""
+    global _last
+    last = _last
+    if plan is last[0] and plan == last[1]:
+        return last[2]
     if type(plan) not in (list, tuple) or len(plan) > MAX_GROUPS:
         return None
     try:
         frozen = tuple([tuple(names) if type(names) in (list, tuple) else names[()] for names in plan])
     except (TypeError, KeyError, IndexError):
         return None
-    return frozen if all(type(n) is str for names in frozen for n in names) else None
+    if not all(type(n) is str for names in frozen for n in names):
+        return None
+    _last = (plan, type(plan)(type(names)(names) for names in plan), frozen)
+    return frozen
 
 
 def plan_groups(items: Sequence[DeliverItem], plan: Any) -> list[tuple[int, ...]]:

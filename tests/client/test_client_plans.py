@@ -138,6 +138,29 @@ def test_a_bad_plan_is_refused_naming_its_part(node_factory: Callable[..., Any])
         reg.close()
 
 
+def test_a_plan_changed_in_place_between_delivers_is_read_again(node_factory: Callable[..., Any]) -> None:
+    """The client keeps a plan it checked (an engine passes the same one every time): the
+    same list, changed in place, must be checked and applied as it is now."""
+    node = node_factory(*NODE_ARGS)
+    with Client(node.endpoint, name="plan-in-place") as client:
+        reg = Registrar(client)
+        s = StoredObject(client, reg, b"plan/in-place", LAYOUT, 41)
+        plan = [list(group) for group in PLAN]
+        first = client.deliver({s.key: s.spans}, plan=plan)
+        assert first.groups == (4,) and first.result(RESULT_TIMEOUT_S).all_ok
+        plan[1].append("L0")  # L0 now in two groups
+        with pytest.raises(ArgumentError) as err:
+            client.deliver({s.key: s.spans}, plan=plan)
+        assert err.value.field == "plan[1][2]"
+        plan[:] = [["L0", "L1", "L2", "L3"], ["L4", "L5", "L6", "L7"]]
+        handle = client.deliver({s.key: s.spans}, plan=plan)
+        assert handle.groups == (2,)
+        assert handle.result(RESULT_TIMEOUT_S).all_ok
+        assert_bytes_equal(s.dst, s.src, "the object under the changed plan")
+        assert_clean(client)
+        reg.close()
+
+
 MATRIX = list(itertools.product((1, 2, 3), repeat=2))
 
 
