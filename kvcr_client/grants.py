@@ -33,9 +33,10 @@ from typing import Any
 
 from kvcr_client.core import ClientCore
 from kvcr_client.leases import LeaseHandle
+from kvcr_client.readplans import LocalColumns, RemoteSpans, remote_spans
+from kvcr_client.readplans import plan as plan_reads
 from kvcr_client.reads import Finished, GrantRead
 from kvcr_client.regions import RegionHandle
-from kvcr_io.agent import Desc
 from kvcr_protocol import (
     DEFAULT_LIMITS,
     DeliverItem,
@@ -46,10 +47,8 @@ from kvcr_protocol import (
     LeaseReply,
     MemoryKind,
     Message,
-    ProtocolError,
     RenewLease,
     Welcome,
-    compute_projection,
 )
 
 MARGIN_S = 0.05
@@ -85,17 +84,12 @@ class GrantedKey:
     pools: bytes
     slots: tuple[int, ...]
     agent: NodeAgent
-    remote: tuple[tuple[int, int, MemoryKind, int], ...]
+    remote: RemoteSpans
 
-
-def _remote(agent: NodeAgent, pools: bytes, slots: Sequence[int]) -> tuple[tuple[int, int, MemoryKind, int], ...]:
-    """Per span of a granted key: its slot's address, size, memory kind and device."""
-    where = [(p.address, p.slot_size, p.kind, p.device) for p in agent.pools]
-    out = []
-    for pool, slot in zip(pools, slots, strict=True):
-        address, size, kind, device = where[pool]
-        out.append((address + slot * size, size, kind, device))
-    return tuple(out)
+    @property
+    def peer(self) -> str:
+        """The remote agent its READs name."""
+        return self.agent.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +126,8 @@ class Grants:
         self._stale: set[str] = set()
         """Node agents of ended sessions, still loaded in ours: removed once no READ runs on
         them, unless the next session's grant loads the same agent again (a reconnect)."""
+        self.columns = LocalColumns()
+        """Prepared destinations' spans as arrays, for planning many spans at once."""
         self.hook: Hook | None = None
         self.reads = 0
         """Delivers served by READs under grants."""
@@ -161,7 +157,7 @@ class Grants:
             index = grant.source[i] if grant.source else 0
             agent = sources[index - 1] if index else node
             if agent is not None and max(pools, default=0) < len(agent.pools):
-                self._keys[keys[i]] = GrantedKey(lease, names, pools, tuple(slots), agent, _remote(agent, pools, slots))
+                self._keys[keys[i]] = GrantedKey(lease, names, pools, tuple(slots), agent, remote_spans(agent.pools, pools, slots))
                 added.add(keys[i])
         if len(self._keys) > self._sweep_at:
             # Keys of ended leases go in one sweep once the table doubled since the last, so
@@ -287,7 +283,7 @@ class Grants:
         codes: list[int] = [0] * n
         counts = [1 + max(g, default=0) for g in groups] if groups is not None else [1] * n
         posts = [(g, lk, local, rk, remote, owners, peer) for (g, peer, lk, rk), (local, remote, owners)
-                 in self._plan(items, granted, groups, regions, codes).items()]
+                 in plan_reads(items, granted, groups, regions, codes, self.columns).items()]
         deadline = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_READ_S)
         core = self.core
         job = GrantRead(self, core.agent, items, granted, counts, posts, codes, deadline, landed, finished, quiet)
@@ -304,67 +300,6 @@ class Grants:
             core.call(job.close, closed=True)
             raise error
         core.pace()
-
-    def _plan(
-        self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], groups: Sequence[tuple[int, ...]] | None,
-        regions: Mapping[int, RegionHandle], codes: list[int],
-    ) -> dict[tuple[int, str, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]]:
-        """The descriptor pairs of every READ, per (group, remote agent, local kind, remote
-        kind), with the items each carries; spans that continue the previous pair on both
-        sides merge into it (most objects sit in consecutive slots). Keys whose names or
-        sizes do not fit get their code and no descriptor."""
-        plans: dict[tuple[int, str, MemoryKind, MemoryKind], tuple[list[Desc], list[Desc], list[int]]] = {}
-        for k, (item, grant) in enumerate(zip(items, granted, strict=True)):
-            spans = item.spans
-            names = tuple([span[0] for span in spans])
-            indices: Sequence[int]
-            if names == grant.names:
-                indices = range(len(names))  # the whole layout, in order: the usual deliver
-            else:
-                try:
-                    indices = compute_projection(grant.names, names).indices
-                except ProtocolError:
-                    codes[k] = ErrorCode.LAYOUT_SUBSET_INVALID
-                    continue
-            where = grant.remote
-            if any(span[3] != where[i][1] for span, i in zip(spans, indices, strict=True)):
-                codes[k] = ErrorCode.SIZE_MISMATCH
-                continue
-            peer = grant.agent.name
-            numbers = groups[k] if groups is not None and groups[k] else (0,) * len(spans)
-            key: tuple[int, str, MemoryKind, MemoryKind] | None = None
-            local: list[Desc] = []
-            remote: list[Desc] = []
-            region: RegionHandle | None = None
-            region_id = -1
-            # The run being built: its start on both sides, its length, and where it ends.
-            l0 = r0 = size = l_end = r_end = l_dev = r_dev = -1
-            for (_, span_region, offset, length), index, g in zip(spans, indices, numbers, strict=True):
-                raddr, _, rkind, rdev = where[index]
-                if span_region != region_id:
-                    region, region_id = regions[span_region], span_region
-                assert region is not None
-                laddr = region.address + offset
-                here = (g, peer, region.kind, rkind)
-                if here == key and laddr == l_end and raddr == r_end and region.device == l_dev and rdev == r_dev:
-                    size += length
-                    l_end += length
-                    r_end += length
-                    continue
-                if size >= 0:
-                    local.append((l0, size, l_dev))
-                    remote.append((r0, size, r_dev))
-                if here != key:
-                    local, remote, owners = plans.setdefault(here, ([], [], []))
-                    if not owners or owners[-1] != k:
-                        owners.append(k)
-                    key = here
-                l0, r0, size, l_dev, r_dev = laddr, raddr, length, region.device, rdev
-                l_end, r_end = laddr + size, raddr + size
-            if size >= 0:
-                local.append((l0, size, l_dev))
-                remote.append((r0, size, r_dev))
-        return plans
 
     # ------------------------------------------------------------------ validity
 

@@ -32,9 +32,10 @@ CLOSE_DRAIN_S = 5.0
 """How long ``close`` waits for READs still running before it lets go of them."""
 CLOSE_POLL_S = 0.001
 
-Post = tuple[int, MemoryKind, list[Desc], MemoryKind, list[Desc], list[int], str]
-"""One READ to post: its group, local kind and descriptors, remote kind and descriptors, the
-items it carries, and the remote agent (the node's, or a source's: spec section 6.12)."""
+Post = tuple[int, MemoryKind, list[Desc] | Any, MemoryKind, list[Desc] | Any, list[int], str]
+"""One READ to post: its group, local kind and descriptors, remote kind and descriptors (rows,
+or an N x 3 array: ``kvcr_client.readplans``), the items it carries, and the remote agent
+(the node's, or a source's: spec section 6.12)."""
 Finished = Callable[[list[KeyResult] | BaseException, list[int]], None]
 """The deliver's outcome (lock held): per item its result and groups delivered in a row, or the error."""
 

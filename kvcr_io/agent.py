@@ -40,6 +40,11 @@ def _status(state: str) -> XferStatus:
         return XferStatus.FAILED
 
 
+def _rows(descs: Any) -> Any:
+    """Descriptors as NIXL takes them: a list of (address, length, device), or an N x 3 array as it is."""
+    return descs if isinstance(descs, list) or hasattr(descs, "shape") else list(descs)
+
+
 class TransferError(RuntimeError):
     """NIXL refused or failed a transfer."""
 
@@ -132,14 +137,15 @@ class Agent:
         return handle, self._post(op, handle)
 
     def start_listed(
-        self, op: str, local_kind: MemoryKind, local: Sequence[Desc], remote_kind: MemoryKind, remote: Sequence[Desc],
-        remote_agent: str,
+        self, op: str, local_kind: MemoryKind, local: Sequence[Desc] | Any, remote_kind: MemoryKind,
+        remote: Sequence[Desc] | Any, remote_agent: str,
     ) -> tuple[Any, XferStatus]:
         """Create and post a transfer between descriptor lists made for it (no prepared
-        lists: a client's READ under a grant names slots it learnt a moment ago)."""
+        lists: a client's READ under a grant names slots it learnt a moment ago); each a
+        sequence of (address, length, device) or an N x 3 ``uint64`` array."""
         try:
-            local_descs = self._nixl.get_xfer_descs(list(local), _MEM[local_kind])
-            remote_descs = self._nixl.get_xfer_descs(list(remote), _MEM[remote_kind])
+            local_descs = self._nixl.get_xfer_descs(_rows(local), _MEM[local_kind])
+            remote_descs = self._nixl.get_xfer_descs(_rows(remote), _MEM[remote_kind])
             handle = self._nixl.initialize_xfer(op, local_descs, remote_descs, remote_agent)
         except Exception as exc:
             raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
