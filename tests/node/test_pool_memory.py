@@ -1,0 +1,47 @@
+"""A DRAM pool's memory: a running node's pools are mappings the kernel may back with
+transparent huge pages (``madvise`` mode grants them only to mappings that ask), which the
+kernel reports per mapping (``THPeligible`` in ``/proc/PID/smaps``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvcr_client import Client
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+POOL_KIB = 16 * 1024
+
+
+def thp_mode() -> str:
+    try:
+        return re.search(r"\[(\w+)\]", THP.read_text()).group(1)  # type: ignore[union-attr]
+    except (OSError, AttributeError):
+        return "absent"
+
+
+def mappings(pid: int, size_kib: int) -> list[dict[str, str]]:
+    """The mappings of ``size_kib`` in process ``pid``, each as its smaps fields."""
+    out, current = [], None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            current = {}
+            out.append(current)
+        elif current is not None and ":" in line:
+            name, _, value = line.partition(":")
+            current[name] = value.strip()
+    return [m for m in out if m.get("Size") == f"{size_kib} kB"]
+
+
+@pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason=f"transparent huge pages are {thp_mode()} here")
+def test_a_nodes_dram_pool_may_be_backed_by_huge_pages(node_factory: Callable[..., Any]) -> None:
+    node = node_factory("--pool", f"kv:64KiB:{POOL_KIB // 64}")
+    with Client(node.endpoint, name="thp") as client:
+        assert client.stats().result(10)["invariants"] == []
+    pools = mappings(node.proc.pid, POOL_KIB)
+    assert pools, "no mapping of the pool's size in the node"
+    assert all(m.get("THPeligible") == "1" for m in pools), pools
