@@ -25,8 +25,9 @@ from kvcr_protocol import DeliverItem, ErrorCode, MemoryKind, ProtocolError, com
 
 VECTOR_SPANS = 64
 """Objects with at least this many spans are planned with arrays."""
-COLUMNS_KEPT = 64
-"""Prepared destinations whose columns are kept (the least recently planned go first)."""
+COLUMNS_KEPT = 16
+"""Destinations of many spans whose columns are kept, the oldest dropped first (a list of
+spans makes a new tuple each deliver: it never hits, and holds at most this many)."""
 
 PlanKey = tuple[int, str, MemoryKind, MemoryKind]
 """(group, remote agent, local kind, remote kind): one READ."""
