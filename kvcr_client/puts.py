@@ -9,8 +9,12 @@ for that writer. A session below version 5, or a node that grants no writes
 (``client_transfers`` off: it refuses ``put`` ``MUST_UNDERSTAND``), gets a plain
 ``deposit``: the node-driven path.
 
-The caller's thread does the work (the WRITE over CMA is a copy inside the post); the
-handle it returns is already resolved, or resolves with the ``commit``'s reply.
+The caller's thread does the work (the WRITE over CMA is a copy inside the post), and
+``put`` returns once no WRITE of it runs any more: the caller's memory is its own again.
+The ``commit`` is sent then and not waited for: the handle resolves with its reply. The
+``deadline_ms`` bounds the wait for the ``put_reply`` too, so a stalled node costs a caller
+the deadline, not the control timeout: the keys fail ``TIMEOUT``, and a reservation that
+answers later is handed back with ``unput`` (nothing was written into it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
 import numpy as np
@@ -95,6 +100,10 @@ class Puts:
         """Deposits that travelled as puts (the client wrote the bytes)."""
         self.fallbacks = 0
         """Puts sent as deposits (the node below version 5, or refusing puts)."""
+        self.unanswered = 0
+        """Puts whose ``put_reply`` did not come within their deadline (keys ``TIMEOUT``)."""
+        self.handed_back = 0
+        """Late reservations of those freed by ``unput``."""
         self.hook: Any = None
         """Called with ``"written"`` once the WRITE is terminal, before ``commit`` (tests stop
         a client there). Not a setting of the product."""
@@ -121,10 +130,16 @@ class Puts:
         core = ops.core
         columns = deposit_blocks(frozen)
         node_md = ops._grants.wants_node()
-        _, asked = core.request(lambda i: Put(i, (), no_evict, optional, ttl_ms, columns, node_md),
-                                _put_reply(len(keys)), CONTROL_TIMEOUT_S)
+        give_up = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_WRITE_S)
+        op_id, asked = core.request(lambda i: Put(i, (), no_evict, optional, ttl_ms, columns, node_md),
+                                    _put_reply(len(keys)), CONTROL_TIMEOUT_S)
         try:
-            reply: PutReply = core.wait(asked, CONTROL_TIMEOUT_S + 2)
+            reply: PutReply = core.wait(asked, min(CONTROL_TIMEOUT_S + 2, max(0.0, give_up - time.monotonic())))
+        except FutureTimeout:
+            # Nothing was written: a reservation the node makes after all is handed back.
+            self.unanswered += 1
+            asked.add_done_callback(self._hand_back)
+            return ops._handle(op_id, "put", _resolved(keys, [_NO_REPLY] * len(keys)))
         except NodeError as exc:
             if exc.code is not ErrorCode.MUST_UNDERSTAND:
                 raise
@@ -134,9 +149,13 @@ class Puts:
         self.puts += 1
         results: list[KeyResult] = list(reply.results)
         busy = [i for i, r in enumerate(results) if r.code == ErrorCode.BUSY]
+        committed: Future[Any] | None = None
         if reply.put:
-            give_up = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_WRITE_S)
-            results = self._write(reply, frozen, columns, results, regions, give_up)
+            written = self._write(reply, frozen, columns, results, regions, give_up)
+            if isinstance(written, Future):
+                committed = written
+            else:
+                results = written
         if busy:
             # Another writer holds these keys: a deposit waits for it (spec section 9).
             later = ops.deposit({keys[i]: objects[keys[i]] for i in busy}, no_evict, optional, deadline_ms)
@@ -144,17 +163,29 @@ class Puts:
             for i in busy:
                 outcome = waited[keys[i]]
                 results[i] = KeyResult(outcome.status, outcome.code, outcome.reason, outcome.handle)
-        done: Future[Any] = Future()
-        done.set_result(Results([(k, KeyOutcome(r.status, code_of(r.code), r.reason, r.handle))
-                                 for k, r in zip(keys, results, strict=True)]))
-        return ops._handle(reply.id, "put", done)
+        if committed is None:
+            return ops._handle(reply.id, "put", _resolved(keys, results))
+        # The commit answers for the reserved keys; the others keep what was found above.
+        kept = {i: results[i] for i in busy}
+        return ops._handle(reply.id, "put", _then(committed, lambda answered: Results(
+            [(k, _outcome(kept.get(i, r))) for i, (k, r) in enumerate(zip(keys, answered, strict=True))])))
+
+    def _hand_back(self, asked: Future[Any]) -> None:
+        """A ``put_reply`` that came after the caller gave up: free what it reserved (no WRITE
+        of it was posted, so ``unput`` is safe, spec section 6.13)."""
+        if asked.cancelled() or asked.exception() is not None:
+            return
+        reply: PutReply = asked.result()
+        if reply.put:
+            self.handed_back += 1
+            self.ops.core.request(lambda i: Unput(i, reply.put), _ack, CONTROL_TIMEOUT_S)
 
     def _write(
         self, reply: PutReply, items: Sequence[DepositItem], columns: Sequence[DepositColumns], results: list[KeyResult],
         regions: set[RegionHandle], give_up: float,
-    ) -> list[KeyResult]:
-        """WRITE the reserved spans, then ``commit`` (or ``unput`` when a WRITE failed);
-        the commit's results, or every reserved key failed ``TRANSFER_FAILED``. A WRITE still
+    ) -> list[KeyResult] | Future[Any]:
+        """WRITE the reserved spans, then ``commit`` (or ``unput`` when a WRITE failed): the
+        commit's reply to come, or every reserved key failed ``TRANSFER_FAILED``. A WRITE still
         running at ``give_up`` is let go of and nothing is sent: it may still land, so the
         put is left to expire into quarantine (spec section 6.13), its keys ``TIMEOUT``."""
         ops, core = self.ops, self.ops.core
@@ -187,7 +218,7 @@ class Puts:
             return [KeyResult(KeyStatus.FAILED, ErrorCode.TRANSFER_FAILED, "writing the reserved slots failed")
                     if r.status is KeyStatus.OK else r for r in results]
         _, committed = core.request(lambda i: Commit(i, reply.put), _completion(len(results)), CONTROL_TIMEOUT_S)
-        return list(core.wait(committed, CONTROL_TIMEOUT_S + 2))
+        return committed
 
     def _transfer(self, runs: Runs, node: str, give_up: float) -> bool | None:
         """Post one WRITE per pair of memory kinds and wait until each is terminal: whether all
@@ -287,6 +318,33 @@ def _runs(
                 local.append((laddr, span.length, region.device))
                 remote.append((raddr, span.length, pool.device))
     return runs
+
+
+_NO_REPLY = KeyResult(KeyStatus.FAILED, ErrorCode.TIMEOUT, "the node did not answer the put within its deadline")
+
+
+def _outcome(r: KeyResult) -> KeyOutcome:
+    return KeyOutcome(r.status, code_of(r.code), r.reason, r.handle)
+
+
+def _resolved(keys: Sequence[bytes], results: Sequence[KeyResult]) -> Future[Any]:
+    done: Future[Any] = Future()
+    done.set_result(Results([(k, _outcome(r)) for k, r in zip(keys, results, strict=True)]))
+    return done
+
+
+def _then(source: Future[Any], make: Any) -> Future[Any]:
+    """A future of ``make(source's result)``, or of its exception."""
+    out: Future[Any] = Future()
+
+    def settle(done: Future[Any]) -> None:
+        try:
+            out.set_result(make(done.result(0)))
+        except BaseException as exc:  # the caller's result() raises it
+            out.set_exception(exc)
+
+    source.add_done_callback(settle)
+    return out
 
 
 def _put_reply(n: int) -> Any:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,8 @@ from kvcr_client import ArgumentError, AsyncClient, Client, ErrorCode, KeyStatus
 from kvcr_protocol import Commit, Completion, DepositItem, Put, PutReply, SrcSpan, Unput
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
-from kvcr_testing.nodes import running_node, short_ipc_dir
+from kvcr_client.puts import CONTROL_TIMEOUT_S
+from kvcr_testing.nodes import frozen, running_node, short_ipc_dir
 from kvcr_testing.patterns import KiB, pattern
 
 SLOT = 4 * KiB
@@ -212,6 +214,47 @@ def test_an_expired_put_stays_quarantined_until_the_session_names_it(client: Cli
         ask(client, lambda i: Commit(i, reply.put))
     assert info.value.code is ErrorCode.TIMEOUT and info.value.path == "put"
     assert slot_accounting(stats(client)) == before
+
+
+def test_a_put_returns_with_its_commit_to_come_and_the_memory_free(client: Client, register: Registrar,
+                                                                   key: Callable[[str], bytes]) -> None:
+    """``put`` returns once its WRITE is terminal; the commit's reply resolves the handle, so
+    the caller may overwrite its buffer at once and the node still holds what was written."""
+    src = pattern(LAYERS * SLOT, 31)
+    want = src.copy()
+    handle = client.put({key("early"): spans(register(src))})
+    src[:] = 0  # the caller's memory is its own again
+    assert handle.result(RESULT_TIMEOUT_S)[key("early")].status is KeyStatus.STORED
+    assert np.array_equal(read_back(client, register, key("early")), want)
+
+
+def test_a_put_a_frozen_node_never_answers_gives_up_at_its_deadline_and_hands_the_slots_back() -> None:
+    """A stalled node costs a put its deadline, not the control timeout; its keys fail
+    ``TIMEOUT``; the reservation the node makes once it runs again is freed by ``unput``."""
+    with short_ipc_dir("pfz") as d, running_node(d, "n", "--pool", "kv:4KiB:16") as node, \
+            Client(node.endpoint, name="itest-puts-frozen") as c:
+        src = pattern(LAYERS * SLOT, 41)
+        r = c.register(src)
+        before = slot_accounting(stats(c))
+        with frozen(node):
+            t0 = time.monotonic()
+            res = c.put({b"frozen": spans(r)}, deadline_ms=200).result(0)
+            took = time.monotonic() - t0
+        assert res[b"frozen"].status is KeyStatus.FAILED and res[b"frozen"].code is ErrorCode.TIMEOUT, res
+        assert took < CONTROL_TIMEOUT_S, "the put waited past its deadline"
+        assert c._puts.unanswered == 1
+        assert wait_until(lambda: c._puts.handed_back == 1, 10.0)
+        assert wait_until(lambda: stats(c)["puts"]["open"] == 0, 10.0)
+        st = stats(c)
+        assert slot_accounting(st) == before and st["puts"]["quarantined"] == 0 and st["writing"] == 0
+        # The node serves puts again: the same key is stored and read back byte for byte.
+        assert c.put({b"frozen": spans(r)}).result(RESULT_TIMEOUT_S)[b"frozen"].status is KeyStatus.STORED
+        dst = np.zeros(LAYERS * SLOT, np.uint8)
+        rd = c.register(dst)
+        assert c.deliver({b"frozen": [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(LAYERS)]}).result(
+            RESULT_TIMEOUT_S)[b"frozen"].ok
+        assert np.array_equal(dst, src)
+        assert_clean(c)
 
 
 @pytest.mark.parametrize("how", ["client_transfers off", "version 4"])
