@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from kvcr_client import ArgumentError, AsyncClient, Client, ErrorCode, KeyStatus, NodeError, Span
-from kvcr_protocol import Commit, Completion, DepositItem, Put, PutReply, SrcSpan, Unput
-from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
-from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
 from kvcr_client.puts import CONTROL_TIMEOUT_S
+from kvcr_protocol import Commit, Completion, DepositItem, Put, PutReply, SrcSpan, Unput
+from kvcr_testing.health import assert_clean, outcome_count, slot_accounting, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
 from kvcr_testing.nodes import frozen, running_node, short_ipc_dir
 from kvcr_testing.patterns import KiB, pattern
 
@@ -70,10 +70,11 @@ def test_a_put_writes_from_the_client_and_a_deliver_returns_every_byte(client: C
     before = slot_accounting(stats(client))
     srcs = {key(f"obj{j}"): pattern(LAYERS * SLOT, 10 + j) for j in range(3)}
     objects = {k: spans(register(src)) for k, src in srcs.items()}
-    node_posts = posted(client)
+    node_posts, stored = posted(client), outcome_count(stats(client), "put.STORED")
     res = client.put(objects).result(RESULT_TIMEOUT_S)
     assert all(o.status is KeyStatus.STORED for o in res.values()), res
     assert posted(client) == node_posts, "the node moved no byte of a put"
+    assert outcome_count(stats(client), "put.STORED") == stored + 3, "the node counts what puts stored"
     assert client._puts.puts == 1 and client._puts.fallbacks == 0
     for k, src in srcs.items():
         assert np.array_equal(read_back(client, register, k), src)
@@ -82,6 +83,7 @@ def test_a_put_writes_from_the_client_and_a_deliver_returns_every_byte(client: C
     # Again: DUPLICATE, nothing written, no put kept.
     again = client.put(objects).result(RESULT_TIMEOUT_S)
     assert all(o.status is KeyStatus.DUPLICATE for o in again.values()), again
+    assert outcome_count(stats(client), "put.DUPLICATE") >= 3
     assert stats(client)["puts"]["open"] == 0
     del before
 
