@@ -17,7 +17,8 @@ is one prefix query, which stops at the first page the node does not hold.
 
 Zero copy (``"interface_v1": 1`` in the extra config: SGLang then calls ``batch_set_v1`` and
 ``batch_get_v1`` with host indices): the host pool's KV buffers are registered once, when
-SGLang hands the backend its pool (``register_mem_pool_host``), and each page is deposited
+SGLang hands the backend its pool (``register_mem_pool_host``), and each page is put (written
+by the client under a write grant where the node grants them, spec section 6.13, else deposited)
 from, or delivered into, the host pool itself, one span per pointer the pool gives for a
 page (``get_page_buffer_meta``: ``k`` and ``v`` in the page-first layouts, ``L{i}.k`` and
 ``L{i}.v`` per layer in the layer-first one). The pool's slot size must then be one such
@@ -127,7 +128,7 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 objects = {self._key(keys[i]): [Span(SPAN, region, slot * size, size, self.pool)]
                            for slot, i in enumerate(chunk)}
                 try:
-                    results = self.client.deposit(objects).result(CALL_TIMEOUT_S)
+                    results = self.client.put(objects).result(CALL_TIMEOUT_S)
                 except KvcrError as exc:
                     log.warning("kvcr: deposit of %d pages failed: %s", len(chunk), exc)
                     ok = False
@@ -256,7 +257,7 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             objects = {self._key(keys[i]): spans[i] for i in chunk}
             try:
                 results = (self._deliver(objects) if deliver else
-                           {k: r.ok for k, r in self.client.deposit(objects).result(CALL_TIMEOUT_S).items()})
+                           {k: r.ok for k, r in self.client.put(objects).result(CALL_TIMEOUT_S).items()})
             except KvcrError as exc:
                 log.warning("kvcr: %s of %d pages failed: %s", "deliver" if deliver else "deposit", len(chunk), exc)
                 self.counters[missed] += len(chunk)

@@ -6,7 +6,9 @@ chain over the token ids (``kvcr_client.integrations.blocks``). Each block has t
 of one layer is one contiguous span; a node serving them needs a pool whose slot size is
 ``block_bytes(config, block_tokens)``.
 
-``deposit_prefix`` stores the full blocks of a ``DynamicCache`` after prefill.
+``deposit_prefix`` stores the full blocks of a ``DynamicCache`` after prefill, with a ``put``
+(the client WRITEs them under a write grant, spec section 6.13; a node that grants none
+reads them, a plain deposit).
 ``KvcrCache`` is a ``DynamicCache`` whose first tokens come from kvcr: it starts one
 deliver with a layer plan (group i: layer i of every block), and each layer waits for its
 own group only when the model first uses it, so layer 0 computes while later layers are
@@ -94,7 +96,7 @@ def deposit_prefix(
     region = client.register(_bytes_of(stacked))
     try:
         spans = _spans(region, layers, len(keys), block_tokens, span, pool)
-        results = client.deposit(dict(zip(keys, spans, strict=True))).result(timeout)
+        results = client.put(dict(zip(keys, spans, strict=True))).result(timeout)
         failed = [(k.hex()[:12], r) for k, r in results.items() if not r.ok]
         if failed:
             raise RuntimeError(f"kvcr refused {len(failed)} blocks, the first {failed[0]}")

@@ -150,6 +150,8 @@ class KvcrConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_kv_connector_stats(self) -> KvcrConnectorStats | None:
         """This side's counts since the last call (vLLM asks once a step), then afresh."""
+        if self.connector_worker is not None:
+            self.connector_worker.harvest()  # saves whose commit answered since
         side = self.connector_scheduler or self.connector_worker
         return side.counts.take() if side is not None else None
 

@@ -45,6 +45,12 @@ LOOKUP_WAIT_S = 0.02
 it has just started (a lease at the engine's own node is answered well within it)."""
 LOOKUP_TIMEOUT_MAX_S = 60.0
 """The largest ``lookup_timeout_s`` accepted."""
+SAVE_TIMEOUT_S = 1.0
+"""Default ``extra_config["save_timeout_s"]``: the longest a step's save waits for the node to
+reserve its slots (a put, spec section 6.13); past it the blocks are not saved and saves pause
+for ``SAVE_PAUSE_S``, so a stalled node costs the engine one bounded wait, not every step."""
+SAVE_TIMEOUT_MAX_S = 60.0
+"""The largest ``save_timeout_s`` accepted."""
 
 COUNTERS: dict[str, str] = {
     "leases": "Leases that held at least one block beyond what vLLM had computed (scheduler).",
@@ -58,6 +64,8 @@ COUNTERS: dict[str, str] = {
     "saves": "Deposits issued, one per step that computed blocks to save (worker).",
     "blocks_saved": "Blocks stored in the node (worker).",
     "save_errors": "Deposits that failed as a whole (worker).",
+    "saves_timed_out": "Saves the node did not answer within save_timeout_s: blocks not saved (worker).",
+    "saves_paused": "Saves passed over after a save timed out (SAVE_PAUSE_S): blocks not saved (worker).",
     "sources_refused": "Requests whose kv_transfer_params named a source that is not allowed, or no endpoint: "
                        "looked up without it, nothing dialled (scheduler); loads naming one (worker).",
     "lookups_timed_out": "Lookups not answered within lookup_timeout_s: a miss (scheduler).",
@@ -201,6 +209,7 @@ class Settings:
     load_timeout_s: float
     lookup_timeout_s: float
     lookup_wait_s: float
+    save_timeout_s: float
     block_size: int
     fingerprint: Fingerprint
     """What block keys are made from besides the tokens (``fingerprint``): engines share blocks
@@ -219,9 +228,10 @@ class Settings:
         load_timeout_s = _seconds(extra, "load_timeout_s", LOAD_TIMEOUT_S, LOAD_TIMEOUT_MAX_S)
         lookup_timeout_s = _seconds(extra, "lookup_timeout_s", LOOKUP_TIMEOUT_S, LOOKUP_TIMEOUT_MAX_S)
         lookup_wait_s = _seconds(extra, "lookup_wait_s", min(LOOKUP_WAIT_S, lookup_timeout_s), lookup_timeout_s, zero=True)
+        save_timeout_s = _seconds(extra, "save_timeout_s", SAVE_TIMEOUT_S, SAVE_TIMEOUT_MAX_S)
         block_size = int(vllm_config.cache_config.block_size)
-        return cls(extra, endpoint, source, sources, pool, load_timeout_s, lookup_timeout_s, lookup_wait_s, block_size,
-                   fingerprint(vllm_config, kv_cache_config))
+        return cls(extra, endpoint, source, sources, pool, load_timeout_s, lookup_timeout_s, lookup_wait_s,
+                   save_timeout_s, block_size, fingerprint(vllm_config, kv_cache_config))
 
 
 def kv_layout(kv_cache_config: Any) -> str:

@@ -4,7 +4,12 @@
 deliver per request of the step's metadata (``KvcrConnectorMetadata``, from the scheduler
 side: all this side knows of it) with a layer plan (group i: layer i of every block);
 ``wait_for_layer_load(layer)`` waits for that layer's group only; ``wait_for_save``
-deposits the full prompt blocks the step computed. A block that failed to load is reported
+stores the full prompt blocks the step computed with a ``put`` (spec section 6.13): the worker
+WRITEs them into slots the node reserved and the step goes on once they are written, the
+commit answering a later step (a node that grants no writes reads them instead, and the step
+waits for that). A save the node does not answer within ``save_timeout_s`` is given up (no
+byte of it was written) and saves pause for ``SAVE_PAUSE_S``: a stalled node costs the engine
+one bounded wait, not every step. A block that failed to load is reported
 by ``get_block_ids_with_load_errors``, never a hang, and vLLM recomputes it with
 ``kv_load_failure_policy="recompute"``. No call raises into vLLM. While the node is away
 (``NodeLink``: lost, reconnecting with backoff) a step's loads are reported failed at once and
@@ -36,6 +41,8 @@ the bytes the model read are the bytes another engine computed. In vLLM's in-pro
 
 from __future__ import annotations
 
+import collections
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,11 +56,18 @@ from kvcr_client.integrations.readleases import LEASE_WAIT_S, ReadLeases
 from kvcr_client.integrations.sources import CauseLog
 from kvcr_client.integrations.vllm_common import BlockLoad, Counts, KvcrConnectorMetadata, Settings, brief, hint_id, log
 from kvcr_client.leases import LeaseHandle
-from kvcr_client.results import DeliverHandle, OpHandle
+from kvcr_client.results import DeliverHandle, KeyOutcome, OpHandle, Results
 from kvcr_io.plugins import load_class
+from kvcr_protocol import ErrorCode
 
 WAIT_S = 30.0
-"""How long a deposit may take."""
+"""How long a deposit (the node reading the blocks) may take."""
+SAVE_PAUSE_S = 5.0
+"""How long saves pause after one the node did not answer within ``save_timeout_s``."""
+SHUTDOWN_SETTLE_S = 2.0
+"""How long shutdown waits for the commits of the last saves (so that they are counted)."""
+COMMITS_KEPT = 1024
+"""Saves whose commit is still to answer, kept to be counted (the oldest let go beyond)."""
 REPLY_SLACK_S = 5.0
 """How much longer than the deadline a layer waits for the node to say it failed."""
 CONNECT_WAIT_S = 0.2
@@ -138,6 +152,10 @@ class KvcrWorker:
         self.reads = ReadLeases(self.client, min(LEASE_WAIT_S, settings.load_timeout_s))
         self._layers: list[str] = []
         self._regions: dict[str, RegionHandle] = {}
+        self._committing: collections.deque[OpHandle[Results[KeyOutcome]]] = collections.deque(maxlen=COMMITS_KEPT)
+        """Saves written under a write grant whose commit is still to answer, oldest first."""
+        self._paused_until = 0.0
+        """Saves are passed over until then (monotonic seconds): one timed out."""
         self._tensors: dict[str, Any] = {}
         """Layer -> its paged KV tensor's bytes."""
         self._block_bytes: dict[str, int] = {}
@@ -354,6 +372,7 @@ class KvcrWorker:
             self._causes.warn(f"save:{type(exc).__name__}", "kvcr: saving failed (%s)", brief(exc))
 
     def _save(self, meta: KVConnectorMetadata | None) -> None:
+        self.harvest()
         if meta is None:
             return
         if not isinstance(meta, KvcrConnectorMetadata):
@@ -366,11 +385,25 @@ class KvcrWorker:
         if not self.link.ready(CONNECT_WAIT_S):
             self.counts.add("node_away")  # not saved: the node is away (a reconnect is under way)
             return
+        if time.monotonic() < self._paused_until:
+            self.counts.add("saves_paused")  # a save timed out a moment ago: the node is stalled
+            return
         try:
-            # Synchronous: the blocks may be reused once this step is over.
             self.counts.add("saves")
-            results = self.client.deposit(objects, optional=True).result(WAIT_S)
-            self.counts.add("blocks_saved", sum(1 for r in results.values() if r.ok))
+            handle = self.client.put(objects, optional=True, deadline_ms=max(1, round(self.settings.save_timeout_s * 1e3)))
+            if handle.kind != "put":
+                # The node reads the blocks (it grants no writes): they may be reused once
+                # this step is over, so the step waits for the deposit.
+                self._count_saved(handle.result(WAIT_S))
+            elif handle.done() and _timed_out(handle.result(0)):
+                self.counts.add("saves_timed_out")
+                self._paused_until = time.monotonic() + SAVE_PAUSE_S
+                log.warning("kvcr: the node did not take %d blocks within save_timeout_s (%gs): "
+                            "saves pause for %gs", len(objects), self.settings.save_timeout_s, SAVE_PAUSE_S)
+                return
+            else:
+                # Written: the blocks are vLLM's again; the commit answers a later step.
+                self._committing.append(handle)
             if self.observer is not None:
                 for save in saves:
                     for key, block_id in zip(save.keys, save.block_ids, strict=True):
@@ -379,11 +412,45 @@ class KvcrWorker:
             self.counts.add("save_errors")
             log.warning("kvcr: saving %d blocks failed: %s", len(objects), exc)
 
+    def harvest(self) -> None:
+        """Count the saves whose commit has answered (vLLM asks for the counts once a step)."""
+        while self._committing and self._committing[0].done():
+            handle = self._committing.popleft()
+            try:
+                self._count_saved(handle.result(0))
+            except (KvcrError, TimeoutError) as exc:
+                self.counts.add("save_errors")
+                log.warning("kvcr: committing saved blocks failed: %s", exc)
+
+    def settle_saves(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every save's commit to answer, and count them: whether
+        none is left (for a caller that reads the counts at once, and for shutdown)."""
+        end = time.monotonic() + timeout_s
+        while self._committing:
+            try:
+                self._committing[0].result(max(0.0, end - time.monotonic()))
+            except TimeoutError:
+                break
+            except KvcrError:
+                pass  # counted by harvest
+            self.harvest()
+        self.harvest()
+        return not self._committing
+
+    def _count_saved(self, results: Results[KeyOutcome]) -> None:
+        self.counts.add("blocks_saved", sum(1 for r in results.values() if r.ok))
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         self.counts.add("blocks_failed", len(failed))
         return failed
 
     def shutdown(self) -> None:
+        self.settle_saves(SHUTDOWN_SETTLE_S)
         self.reads.close()
         self.link.close()
+
+
+def _timed_out(results: Results[KeyOutcome]) -> bool:
+    """Whether every block of a save failed ``TIMEOUT`` (the node did not answer the put in time)."""
+    return bool(results) and all(not r.ok and r.code is ErrorCode.TIMEOUT for r in results.values())

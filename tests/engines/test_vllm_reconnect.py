@@ -3,8 +3,9 @@
 ``vllm_reconnect_driver.py`` (run in the vLLM environment, the engine in its process) freezes
 its node for 5 s and later kills it and starts a new one on the same endpoint. Checked here:
 while frozen, the scheduler side's ``get_num_new_matched_tokens`` never waits on the node
-(each call within a generous behaviour bound, ``CALL_BOUND_S``; the longest is printed), the
-requests are served by recompute; once the node is back (the same incarnation, then a new
+(each call within a generous behaviour bound, ``CALL_BOUND_S``; the longest is printed), a
+step's save gives up at ``save_timeout_s`` (``SAVE_BOUND_S``), the requests are served by
+recompute; once the node is back (the same incarnation, then a new
 one) both sides reconnect without vLLM restarting, the prompt's blocks are saved anew where
 the node lost them and load again, with the reference's tokens and the saved bytes (by
 digest); the connector counts the outages and reconnects; its INFO lines come through
@@ -27,6 +28,10 @@ DRIVER = Path(__file__).with_name("vllm_reconnect_driver.py")
 CALL_BOUND_S = 0.1
 """A behaviour bound, not a performance figure: a call that waited on the frozen node would
 take ``lookup_timeout_s`` (0.5 s here) or the session's silence (2.5 s)."""
+
+SAVE_BOUND_S = 1.5
+"""A behaviour bound: a save waits ``save_timeout_s`` (0.5 s here) for a frozen node; one that
+waited for the session's silence would take 2.5 s."""
 
 require_engines(VLLM_PY)
 
@@ -60,6 +65,11 @@ def test_the_connector_rides_out_a_frozen_node_and_a_restarted_one() -> None:
         f"generations {frozen['s']:.2f} s and {away['s']:.2f} s (frozen {r['frozen_s']:.1f} s)"
     )
     assert max(calls) < CALL_BOUND_S, calls
+    # The frozen generation's save gave up at save_timeout_s (nothing written, saves paused),
+    # not at the session's silence.
+    assert frozen["counts"].get("saves_timed_out") == 1 and not frozen["counts"].get("blocks_saved"), frozen
+    print(f"wait_for_save with the node frozen: longest {max(frozen['saves']) * 1000:.0f} ms")
+    assert max(frozen["saves"]) < SAVE_BOUND_S, frozen["saves"]
 
     # Back: the blocks load again after SIGCONT, and after a restart once saved anew.
     assert by_phase["thawed"][-1]["counts"].get("blocks_loaded") == 3, by_phase["thawed"]

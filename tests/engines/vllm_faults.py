@@ -40,11 +40,14 @@ class SourceKilledAfterLease(KvcrConnector):
 
 class TimedLookups(KvcrConnector):
     """``KvcrConnector`` that times each scheduler-side ``get_num_new_matched_tokens`` (for
-    ``vllm_reconnect_driver.py``: the scheduler must never wait on a frozen node). The
+    ``vllm_reconnect_driver.py``: the scheduler must never wait on a frozen node), and each
+worker-side ``wait_for_save`` (a save waits at most ``save_timeout_s`` for it). The
     scheduler-side instance is kept in ``scheduler``, so that the driver reads its link."""
 
     calls: list[tuple[float, int | None]] = []
     """(seconds the call took, what it answered), in call order."""
+    saves: list[float] = []
+    """Seconds each worker-side ``wait_for_save`` took, in call order."""
     scheduler: TimedLookups | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -58,6 +61,11 @@ class TimedLookups(KvcrConnector):
         type(self).calls.append((time.perf_counter() - began, answer[0]))
         return answer
 
+    def wait_for_save(self) -> None:
+        began = time.perf_counter()
+        super().wait_for_save()
+        type(self).saves.append(time.perf_counter() - began)
+
 
 class LayoutBlind(KvcrConnector):
     """``KvcrConnector`` whose fingerprint leaves the KV layout out (``--connector
@@ -70,3 +78,23 @@ class LayoutBlind(KvcrConnector):
         for side in (self.connector_scheduler, self.connector_worker):
             if side is not None:
                 side.settings = replace(side.settings, fingerprint=replace(side.settings.fingerprint, kv_layout=""))
+
+
+class SwappedLoads(KvcrConnector):
+    """``KvcrConnector`` whose worker swaps the bytes of a load's first two blocks in each layer
+    once that layer landed (``--connector vllm_faults.SwappedLoads``), as a store that returned
+    another block's bytes would: ``test_vllm.py`` proves that the model, with real weights,
+    then generates something else, so that a comparison with the reference can fail."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        worker = self.connector_worker
+        ids = [] if worker is None else [ids[0] for p in worker._handles for ids in p.blocks.values()]
+        super().wait_for_layer_load(layer_name)
+        if worker is None or len(ids) < 2:
+            return
+        tensor = worker._tensors[layer_name]
+        for a, b in zip(worker._spans(ids[0]), worker._spans(ids[1]), strict=True):
+            if a.name.removesuffix(".k").removesuffix(".v") == layer_name:
+                first = tensor[a.offset:a.offset + a.length].copy()
+                tensor[a.offset:a.offset + a.length] = tensor[b.offset:b.offset + b.length]
+                tensor[b.offset:b.offset + b.length] = first

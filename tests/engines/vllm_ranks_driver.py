@@ -122,6 +122,7 @@ class Ranks:
                     for key, block in zip(load.keys, load.block_ids, strict=True):
                         out["loaded"][r][key.hex()] = digest(self.caches[r], block)
                 worker.wait_for_save(meta)
+                assert worker.settle_saves(30.0)  # committed before the next step looks the blocks up
                 for save in meta.saves:
                     for key, block in zip(save.keys, save.block_ids, strict=True):
                         out["saved"][r][key.hex()] = digest(self.caches[r], block)
@@ -138,6 +139,7 @@ class Ranks:
         return out
 
     def stats(self) -> list[dict[str, int]]:
+        assert all(w.settle_saves(30.0) for w in self.workers)  # the last saves' commits, counted
         taken = [w.counts.take() for w in self.workers]
         return [s.data if s is not None else {} for s in taken]
 

@@ -8,8 +8,9 @@ client finds a silent node lost within 2.5 s), and with the tiny Llama of
 
 1. saves a prompt's blocks and loads them in a second generation (the reference);
 2. freezes the node (SIGSTOP) for ``FREEZE_S``: a generation while the session still stands
-   (its lookup answered "not yet", then a miss at ``lookup_timeout_s``) and one once both
-   sides found the node lost (a miss at once), both served by recompute;
+   (its lookup answered "not yet", then a miss at ``lookup_timeout_s``; its save given up at
+   ``save_timeout_s``) and one once both sides found the node lost (a miss at once, the save
+   skipped), both served by recompute;
 3. SIGCONT: generates the first prompt until its blocks load again (the same incarnation);
 4. kill -9 and a new node on the same endpoint (a new incarnation, empty): generates until
    the blocks are saved anew and load again.
@@ -47,7 +48,7 @@ BOUND_S = 30.0
 """The most a wait for the connector to see the node come and go takes."""
 TRIES = 16
 """Generations of the first prompt allowed, after the node is back, until its blocks load."""
-EXTRA = {"lookup_timeout_s": 0.5}
+EXTRA = {"lookup_timeout_s": 0.5, "save_timeout_s": 0.5}
 NODE_ARGS = ("--pool", "kv:16KiB:1024", "--heartbeat-ms", "500")
 
 
@@ -77,6 +78,7 @@ def main() -> int:
 
         def generate(tokens: list[int], phase: str) -> dict[str, Any]:
             before, calls = vllm_prefix.counts(llm), len(vllm_faults.TimedLookups.calls)
+            saves = len(vllm_faults.TimedLookups.saves)
             began = time.perf_counter()
             out = vllm_prefix.generate(llm, tokens)
             after = vllm_prefix.counts(llm)
@@ -86,6 +88,7 @@ def main() -> int:
                 "s": time.perf_counter() - began,
                 "counts": {k: v - before[k] for k, v in after.items() if v != before[k]},
                 "lookups": vllm_faults.TimedLookups.calls[calls:],
+                "saves": vllm_faults.TimedLookups.saves[saves:],
             }
             report["generations"].append(step)
             return step

@@ -141,6 +141,7 @@ def main() -> int:
     exploding.start_load_kv(None)
     exploding.wait_for_save()
     exploding.clear_connector_metadata()
+    assert exploding.connector_worker is not None and exploding.connector_worker.settle_saves(30.0)
     stats = exploding.get_kv_connector_stats()
     report["stats"] = stats.data if stats is not None else {}
     report["observer_calls"] = Exploding.calls
