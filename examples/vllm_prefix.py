@@ -1,6 +1,6 @@
 """vLLM with the kvcr connector: the second run of a prompt loads its prefix's KV from kvcr.
 
-A tiny random-weight Llama (``load_format="dummy"``, float32, eager) generates greedily
+A tiny Llama with seeded random weights (``tiny_llama``: safetensors, float32, eager) generates greedily
 for a prompt, saving its full blocks into the node through ``KvcrConnector``; a second
 generation of the same prompt (prefix caching off, so vLLM itself remembers nothing)
 leases the blocks, loads them layer by layer (``wait_for_layer_load`` per layer), computes
@@ -59,6 +59,9 @@ CONFIG = {
     "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "torch_dtype": "float32", "bos_token_id": 1,
     "eos_token_id": 2, "tie_word_embeddings": False,
 }
+WEIGHT_SEED = 0
+INIT_STD = 0.2
+"""The weights' spread: wide enough that each next token wins by a clear margin."""
 PROMPT_TOKENS = 100
 """By default three full blocks of 32 go through kvcr, the rest is computed."""
 
@@ -67,18 +70,33 @@ def prompt(tokens: int) -> list[int]:
     return [(7 * i + 3) % 500 + 10 for i in range(tokens)]
 
 
+def tiny_llama(layers: int) -> Path:
+    """A folder with the tiny Llama of ``CONFIG`` at depth ``layers``, its weights random but
+    seeded (``WEIGHT_SEED``) and saved as safetensors: every process that makes it gets the same
+    weights, so engines share blocks, and the KV it reads decides what it generates (a wrong
+    byte changes the logprobs: ``tests/engines/test_vllm.py`` shows it)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = Path(tempfile.mkdtemp(prefix="kvcr-tiny-llama-"))
+    fields = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    torch.manual_seed(WEIGHT_SEED)
+    model = LlamaForCausalLM(LlamaConfig(**{**fields, "num_hidden_layers": layers}, initializer_range=INIT_STD))
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
 def engine(node: str, source: str | None, layers: int, max_batched_tokens: int, connector: str,
            more: dict[str, Any]) -> LLM:
-    folder = Path(tempfile.mkdtemp(prefix="kvcr-tiny-llama-"))
-    (folder / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": layers}))
+    folder = tiny_llama(layers)
     # The model's folder differs per process: both engines name the model the same way.
     extra: dict[str, Any] = {"endpoint": node, "pool": "kv", "block_observer": "vllm_digests:BlockDigests",
-                             "model_id": "kvcr-tiny-llama-dummy", **more}
+                             "model_id": "kvcr-tiny-llama-seeded", **more}
     module, _, name = connector.rpartition(".")
     if source:
         extra["source"] = source
     return LLM(
-        model=str(folder), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        model=str(folder), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
         enable_prefix_caching=False, max_model_len=512, block_size=32, seed=0, disable_log_stats=False,
         enable_chunked_prefill=True, max_num_batched_tokens=max_batched_tokens, max_num_seqs=8,
         kv_transfer_config=KVTransferConfig(kv_connector=name, kv_connector_module_path=module,

@@ -3,9 +3,10 @@
 vLLM's scheduler drives the connector's scheduler side (matched tokens through a lease,
 state after allocation, metadata, ``request_finished``) and its worker the worker side
 (``register_kv_caches``, ``start_load_kv``, ``wait_for_layer_load`` per layer,
-``wait_for_save``). A tiny random-weight Llama generates twice: the second generation loads
-the prompt's full blocks from kvcr layer by layer, and its tokens and logprobs are the
-first's, with the blocks' bytes in vLLM's cache proven equal by digest. Then across two
+``wait_for_save``). A tiny Llama with seeded random weights generates twice: the second
+generation loads the prompt's full blocks from kvcr layer by layer, and its tokens and
+logprobs are the first's, with the blocks' bytes in vLLM's cache proven equal by digest; the
+same load with two blocks' bytes swapped gives other logprobs (the comparison can fail). Then across two
 nodes: one engine process saves through node B, another loads through node A, which
 leases and gets the blocks from B, named by the engine's configuration or per request in
 ``kv_transfer_params``. A prompt longer than vLLM's token budget is prefilled in chunks and
@@ -44,7 +45,8 @@ TIMEOUT_S = 300.0
 HERE = Path(__file__).parent
 LOAD_TIMEOUT_S = 5.0
 """The load's deadline where the source is killed: the node gives up on it then."""
-LOADED = {"layer_waits": 4, "loads": 1, "grant_loads": 1, "blocks_loaded": 3, "saves": 0, "blocks_saved": 0, "save_errors": 0, "load_errors": 0, "blocks_failed": 0,
+LOADED = {"layer_waits": 4, "loads": 1, "grant_loads": 1, "blocks_loaded": 3, "saves": 0, "blocks_saved": 0, "save_errors": 0, "saves_timed_out": 0,
+          "saves_paused": 0, "load_errors": 0, "blocks_failed": 0,
           "leases": 1, "matched_tokens": 96, "sources_refused": 0, "lookups_timed_out": 0, "lookup_errors": 0,
           "node_outages": 0, "reconnects": 0, "node_away_ms": 0, "node_away": 0}
 """Four layers, three full blocks of 32 of a 100-token prompt: one lease, one load (READ under
@@ -64,18 +66,23 @@ def vllm(*args: str, extra: dict[str, object] | None = None) -> dict[str, object
                        timeout_s=TIMEOUT_S, python=VLLM_PY)
 
 
-def blind(*args: str) -> dict[str, object]:
-    """``vllm`` with ``vllm_faults.LayoutBlind``: keys that do not name the KV layout."""
-    return run_example("vllm_prefix.py", *args, "--connector", "vllm_faults.LayoutBlind", "--extra",
+def faulty(connector: str, *args: str) -> dict[str, object]:
+    """``vllm`` with a connector of ``vllm_faults``."""
+    return run_example("vllm_prefix.py", *args, "--connector", f"vllm_faults.{connector}", "--extra",
                        json.dumps(PATIENT), timeout_s=TIMEOUT_S, python=VLLM_PY,
                        env={"PYTHONPATH": os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))})
 
 
+def blind(*args: str) -> dict[str, object]:
+    """``vllm`` with ``vllm_faults.LayoutBlind``: keys that do not name the KV layout."""
+    return faulty("LayoutBlind", *args)
+
+
 def node_record(node: NodeProcess) -> tuple[int, int]:
-    """What the node itself did: blocks stored by deposits, blocks delivered."""
+    """What the node itself did: blocks stored (by puts the worker wrote, or deposits), blocks delivered."""
     with Client(node.endpoint, name="vllm-check") as c:
         st = stats(c)
-    return outcome_count(st, "deposit.STORED"), outcome_count(st, "deliver.OK")
+    return outcome_count(st, "put.STORED") + outcome_count(st, "deposit.STORED"), outcome_count(st, "deliver.OK")
 
 
 def load_failing(r: dict[str, object], blocks_loaded: int, blocks_failed: int, blocks_saved: int,
@@ -111,6 +118,19 @@ def test_second_generation_loads_the_prefix_layer_by_layer(node_factory: Callabl
     assert r["same_tokens"] is True and r["same_logprobs"] is True and r["blocks_verified"] is True, r
     # The node's own record: under the grant the worker READ the blocks, the node delivered none.
     assert node_record(node) == (SAVED["blocks_saved"], 0 if grants else LOADED["blocks_loaded"])
+    assert_nodes_clean(node)
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_wrong_bytes_loaded_change_what_the_model_generates(node_factory: Callable[..., NodeProcess]) -> None:
+    """The comparison above can fail: the tiny Llama's weights are real (seeded), so a load
+    whose blocks come back swapped (``vllm_faults.SwappedLoads``: another block's bytes, the
+    failure of ranks sharing keys) makes the model generate other logprobs, and the digests
+    see the swap."""
+    node = node_factory("--pool", POOL)
+    r = faulty("SwappedLoads", "both", "--node", node.endpoint)
+    assert r["loaded"]["blocks_loaded"] == 3, r["loaded"]  # type: ignore[index]
+    assert r["same_logprobs"] is False and r["blocks_verified"] is False, r
     assert_nodes_clean(node)
 
 
