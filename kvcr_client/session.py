@@ -402,6 +402,12 @@ class ClientSession(Generic[H]):
                     self.timed_out[op_id] = entry
             elif entry.holds:
                 events.append(Settled(entry.handle))
+            if op_id == self._hello_id:
+                # Unanswered (the node was away): a later hello may go, and a late welcome
+                # of this one matches nothing.
+                self._hello_id = 0
+                if self.state is SessionState.HELLO_SENT:
+                    self.state = SessionState.IDLE
             error = OperationTimeout(f"operation {op_id}: no answer from {self.endpoint} within its deadline")
             events.append(Failed(entry.handle, error))
         self.nearest = min((e.deadline for e in self.pending.values()), default=math.inf)

@@ -22,7 +22,7 @@ import pytest
 
 from kvcr_client import Client, RegionHandle, Span
 from kvcr_client.integrations.nodelink import NodeLink
-from kvcr_client.reconnect import RECONNECT_FIRST_S, RECONNECT_MAX_S, Action, LinkState, Reconnector
+from kvcr_client.reconnect import HELLO_TIMEOUT_S, RECONNECT_FIRST_S, RECONNECT_MAX_S, Action, LinkState, Reconnector
 from kvcr_testing.health import assert_clean
 from kvcr_testing.nodes import NodeProcess, frozen, start_node
 from kvcr_testing.patterns import pattern
@@ -147,6 +147,39 @@ def test_a_link_reconnects_to_a_restarted_node_and_announces_its_region_again(ip
     finally:
         if node is not None:
             node.stop()
+
+
+def test_a_link_whose_hellos_went_unanswered_while_the_node_was_dead_reconnects_once_it_is_back(
+    ipc_dir: Path,
+) -> None:
+    """The node stays dead long enough for a hello to time out unanswered (two servers sharing
+    a node met this): the next hello still goes, and the new node's welcome opens the link."""
+    endpoint = f"ipc://{ipc_dir}/dead.sock"
+    node = start_node(endpoint, "--pool", f"kv:{SLOT}:16")
+    counts: Counter[str] = Counter()
+    try:
+        link = NodeLink(endpoint, "link-test", lambda name, n: counts.update({name: n}), log)
+        try:
+            buf = np.zeros(SLOT, dtype=np.uint8)
+            region = link.client.register(buf)
+            node.kill()
+            until(lambda: not link.ready(), "the link saw the node gone")
+            # Past a hello's timeout and the client's grace: at least one went unanswered.
+            dead_until, pause = time.monotonic() + HELLO_TIMEOUT_S + 3.0, threading.Event()
+            while time.monotonic() < dead_until:
+                assert not link.ready()
+                pause.wait(0.05)
+            assert link.reconnector.tries >= 2, link.reconnector.tries
+            node = start_node(endpoint, "--pool", f"kv:{SLOT}:16")
+            until(lambda: link.ready(0.05), "the link reconnected to the new node")
+            assert counts["reconnects"] == 1, counts
+            round_trip(link, buf, region, b"\x04" * 16)
+        finally:
+            link.close()
+        with Client(endpoint, name="check") as c:
+            assert_clean(c)
+    finally:
+        node.stop()
 
 
 def test_a_link_reconnects_to_a_node_frozen_past_the_heartbeat_silence(ipc_dir: Path) -> None:

@@ -238,6 +238,29 @@ def test_a_hello_with_no_common_version_is_refused_and_a_later_one_opens(ipc_dir
         assert opened(pair).version == CURRENT_VERSION and s.state is SessionState.OPEN
 
 
+def test_a_hello_nobody_answered_lets_the_next_one_go_and_its_late_welcome_is_ignored(
+    ipc_dir: Path, agent: ClientAgent,
+) -> None:
+    """A hello sent while the node was away times out: the session is idle again, so a
+    reconnecting client can say hello once more, and the welcome that answers the first one
+    late opens nothing."""
+    with node_driver(config(ipc_dir)) as d:
+        pair = Pair(d, agent)
+        s = pair.session
+        op_id = next(pair.ids)
+        first = s.send(op_id, Hello(op_id, s.versions, "away", agent.name, agent.metadata, agent.regions), pair.now(),
+                       1.0, "first")
+        assert first and s.state is SessionState.HELLO_SENT
+        (gone,) = only(pair.tick(30.0, answer=False), Failed)
+        assert gone.handle == "first" and isinstance(gone.error, OperationTimeout)
+        assert (s.state, s.pending, s.connected) == (SessionState.IDLE, {}, False)
+        # The node is back: it answers the old hello late, and the new one.
+        d.receive_frames([pair.identity, first])
+        late = pair.flush()
+        assert [type(e) for e in late] == [Unmatched] and s.state is SessionState.IDLE, late
+        assert opened(pair).version == CURRENT_VERSION and s.state is SessionState.OPEN
+
+
 def test_the_session_rules_the_node_reads_are_the_sessions_too(ipc_dir: Path, agent: ClientAgent) -> None:
     """One table (``kvcr_protocol.session_rules``): what the node would refuse the session does
     not send, and a reply that does not answer its request fails that request alone."""
