@@ -14,7 +14,8 @@ streaming ``/v1/completions`` request timed from the request to its first token:
    must be served from kvcr once the connectors reconnect (``reconnect_after_node_restart``);
 4. the node frozen (SIGSTOP): a cold 256-token request; ``scheduler_step_frozen_ms`` is
    how much longer it took than a cold request with the node up (what a frozen node costs
-   a request: the connector's lookups give up after ``lookup_timeout_s``).
+   a request: the connector's lookup gives up after ``lookup_timeout_s``, the step's save
+   after ``save_timeout_s``, 1 s by default).
 
 The anchor is the cold request of the same run, on the same server; the tokens of every
 request are distinct (a deterministic pattern per size and trial). Greedy decoding: the
@@ -77,9 +78,11 @@ def venv_python(variable: str, default: str) -> Path:
 class Server:
     """One vLLM OpenAI server with the kvcr connector, in its own process group."""
 
-    def __init__(self, python: Path, model: Path, port: int, node: str, log: Path) -> None:
+    def __init__(self, python: Path, model: Path, port: int, node: str, log: Path,
+                 more: dict[str, Any] | None = None) -> None:
         self.port = port
-        extra = {"endpoint": node, "pool": "kv", "model_id": "smollm2-135m-instruct", "lookup_timeout_s": LOOKUP_TIMEOUT_S}
+        extra = {"endpoint": node, "pool": "kv", "model_id": "smollm2-135m-instruct", "lookup_timeout_s": LOOKUP_TIMEOUT_S,
+                 **(more or {})}
         transfer = {"kv_connector": "KvcrConnector", "kv_connector_module_path": "kvcr_client.integrations.vllm",
                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
