@@ -20,6 +20,7 @@ answers later is handed back with ``unput`` (nothing was written into it).
 from __future__ import annotations
 
 import functools
+import math
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -131,8 +132,10 @@ class Puts:
         columns = deposit_blocks(frozen)
         node_md = ops._grants.wants_node()
         give_up = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_WRITE_S)
+        # Tracked until answered (or the session ends), however long the caller waits: a
+        # reservation that comes after the caller gave up is still handed back.
         op_id, asked = core.request(lambda i: Put(i, (), no_evict, optional, ttl_ms, columns, node_md),
-                                    _put_reply(len(keys)), CONTROL_TIMEOUT_S)
+                                    _put_reply(len(keys)), math.inf)
         try:
             reply: PutReply = core.wait(asked, min(CONTROL_TIMEOUT_S + 2, max(0.0, give_up - time.monotonic())))
         except FutureTimeout:
