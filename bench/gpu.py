@@ -39,6 +39,7 @@ from stats import fmt_gbps, summary
 
 from kvcr_client import Client, Span
 from kvcr_io.agent import load_nixl
+from kvcr_node.memory import advise_huge_pages
 
 SPAN = 64 << 10
 SPANS = 1024
@@ -99,6 +100,7 @@ def raw_writer(endpoint: str) -> None:
     host = source_bytes()
     vram = on_device(cupy, host)
     buf = mmap.mmap(-1, OBJECT, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advise_huge_pages(buf)  # the memory a node's DRAM pool has (kvcr_node.memory)
     dram = np.frombuffer(buf, dtype=np.uint8)
     dram[:] = host
     bases = {"VRAM": (int(vram.data.ptr), DEVICE), "DRAM": (int(dram.ctypes.data), 0)}

@@ -69,6 +69,7 @@ from stats import Progress, fmt_gbps, fmt_us, summary
 
 from kvcr_client import AsyncClient, Client, Span
 from kvcr_io.agent import load_nixl
+from kvcr_node.memory import advise_huge_pages
 from kvcr_node.node import GRANT_BURST_S
 from kvcr_protocol import CURRENT_VERSION
 
@@ -101,6 +102,7 @@ def raw_writer(endpoint: str) -> None:
     nixl = load_nixl()
     agent = nixl.nixl_agent("raw-writer", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     buf = mmap.mmap(-1, OBJECT, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advise_huge_pages(buf)  # the memory a node's DRAM pool has (kvcr_node.memory)
     pool = np.frombuffer(buf, dtype=np.uint8)
     pool[:] = (np.arange(OBJECT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
     base = pool.ctypes.data

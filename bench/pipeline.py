@@ -63,6 +63,7 @@ from stats import fmt_us, summary
 
 from kvcr_client import Client, Span
 from kvcr_io.agent import load_nixl
+from kvcr_node.memory import advise_huge_pages
 
 OBJECT = LAYERS * LAYER
 LEASE_TTL_MS = 120_000
@@ -119,6 +120,7 @@ def raw_holder(endpoint: str) -> None:
     nixl = load_nixl()
     agent = nixl.nixl_agent("raw-holder", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
     buf = mmap.mmap(-1, OBJECT, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advise_huge_pages(buf)  # the memory a node's DRAM pool has (kvcr_node.memory)
     pool = np.frombuffer(buf, dtype=np.uint8)
     pool[:] = pattern()
     agent.register_memory([(pool.ctypes.data, OBJECT, 0, "")], "DRAM")
