@@ -17,7 +17,8 @@ import sys
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar, TypeVar
+from itertools import chain
+from typing import Any, ClassVar, TypeVar
 
 from kvcr_protocol.errors import ErrorCode, RemoteProtocolError
 from kvcr_protocol.limits import DEFAULT_LIMITS, Limits
@@ -280,20 +281,21 @@ def _uniform_or_packed(values: Sequence[int], code: str) -> int | bytes:
 
 
 def _layout_columns(
-    spans: Sequence[Sequence[tuple[int, int, int]]], names: Sequence[str]
+    spans: Sequence[tuple[Any, ...]], names: Sequence[str]
 ) -> tuple[int | bytes, bytes, int | bytes]:
-    """``(regions, offsets, lengths)`` columns of keys' ``(region, offset, length)`` spans."""
-    if any(NUL in name for name in names):
+    """``(regions, offsets, lengths)`` columns of keys' spans, each key given as its
+    ``(regions, offsets, lengths)`` per span (transposed with ``zip``: C loops, not Python ones)."""
+    if NUL in "".join(names):
         raise ValueError("a span name contains NUL: send these keys as record items")
-    lengths = [length for _, _, length in spans[0]]
-    if any([length for _, _, length in key] != lengths for key in spans):
+    lengths = spans[0][2]
+    if any(key[2] != lengths for key in spans):
         raise ValueError("the keys' span lengths differ: one block holds one layout")
-    per_span = [region for region, _, _ in spans[0]]
-    if all([region for region, _, _ in key] == per_span for key in spans):
+    per_span = spans[0][0]
+    if all(key[0] == per_span for key in spans):
         regions = _uniform_or_packed(per_span, U32)
     else:
-        regions = pack((region for key in spans for region, _, _ in key), U32)
-    offsets = pack((offset for key in spans for _, offset, _ in key), U64)
+        regions = pack(chain.from_iterable(key[0] for key in spans), U32)
+    offsets = pack(chain.from_iterable(key[1] for key in spans), U64)
     return regions, offsets, _uniform_or_packed(lengths, U64)
 
 
@@ -305,10 +307,11 @@ def deliver_columns(items: Sequence[DeliverItem], groups: Sequence[int] = ()) ->
     """
     if not items:
         raise ValueError("a block holds at least one key")
-    names = [span.name for span in items[0].spans]
-    if any([span.name for span in item.spans] != names for item in items):
+    columns = [tuple(zip(*item.spans, strict=True)) for item in items]
+    names = columns[0][0]
+    if any(key[0] != names for key in columns):
         raise ValueError("the keys' span names differ: one block holds one layout")
-    regions, offsets, lengths = _layout_columns([[s[1:] for s in item.spans] for item in items], names)
+    regions, offsets, lengths = _layout_columns([key[1:] for key in columns], names)
     block = DeliverColumns(
         tuple(item.key for item in items), NUL.join(names), regions, offsets, lengths, pack(groups, U16) if groups else b""
     )
@@ -320,13 +323,13 @@ def deposit_columns(items: Sequence[DepositItem]) -> DepositColumns:
     """One block of columns for deposit items that share a layout (names, pools, lengths)."""
     if not items:
         raise ValueError("a block holds at least one key")
-    names = [span.name for span in items[0].spans]
-    pools = [span.pool for span in items[0].spans]
-    if any([(s.name, s.pool) for s in item.spans] != list(zip(names, pools, strict=True)) for item in items):
+    columns = [tuple(zip(*item.spans, strict=True)) for item in items]
+    names, pools = columns[0][0], columns[0][1]
+    if any(key[0] != names or key[1] != pools for key in columns):
         raise ValueError("the keys' span names or pools differ: one block holds one layout")
-    if any(NUL in pool for pool in pools):
+    if NUL in "".join(pools):
         raise ValueError("a pool name contains NUL: send these keys as record items")
-    regions, offsets, lengths = _layout_columns([[s[2:] for s in item.spans] for item in items], names)
+    regions, offsets, lengths = _layout_columns([key[2:] for key in columns], names)
     block = DepositColumns(tuple(item.key for item in items), NUL.join(names), regions, offsets, lengths, NUL.join(pools))
     block.check(DEFAULT_LIMITS)
     return block
@@ -367,7 +370,7 @@ def deliver_blocks(
         return names, lengths, tuple(groups[n]) if groups is not None else ()
 
     runs = layout_runs(items, shape)
-    if any(NUL in name for (names, _, _), _, _ in runs for name in names):
+    if any(NUL in "".join(names) for (names, _, _), _, _ in runs):
         return ()
     return tuple(deliver_columns(items[start:stop], plan) for (_, _, plan), start, stop in runs)
 
@@ -381,7 +384,7 @@ def deposit_blocks(items: Sequence[DepositItem]) -> tuple[DepositColumns, ...]:
         return names, pools, lengths
 
     runs = layout_runs(items, shape)
-    if any(NUL in text for (names, pools, _), _, _ in runs for text in names + pools):
+    if any(NUL in "".join(names) or NUL in "".join(pools) for (names, pools, _), _, _ in runs):
         return ()
     return tuple(deposit_columns(items[start:stop]) for _, start, stop in runs)
 
