@@ -8,8 +8,10 @@ the span's field. A layer plan (spec section 6.8) becomes each key's group numbe
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from kvcr_client import checks
@@ -88,6 +90,9 @@ def wire_spans(spans: Any, path: str, regions: Regions, pools: Pools) -> tuple[t
     else ``DstSpan``); the regions they use."""
     if isinstance(spans, Span) or not isinstance(spans, Sequence) or not spans:
         raise ArgumentError(path, "expected a non-empty sequence of Span")
+    fast = _wire_columns(spans, regions, pools)
+    if fast is not None:
+        return fast
     deposit = pools is not None
     out: list[Any] = []
     append = out.append
@@ -121,6 +126,35 @@ def wire_spans(spans: Any, path: str, regions: Regions, pools: Pools) -> tuple[t
         else:
             append(_new_tuple(DstSpan, (name, region.region, offset, length)))
     return tuple(out), used
+
+
+_FIELDS = operator.attrgetter("name", "region", "offset", "length", "pool")
+_WIRE_COLUMNS_FROM = 32
+"""Spans per key from which ``wire_spans`` first tries ``_wire_columns``."""
+
+
+def _wire_columns(spans: Sequence[Any], regions: Regions, pools: Pools) -> tuple[tuple[Any, ...], set[RegionHandle]] | None:
+    """``wire_spans`` for many well-formed ``Span`` in one region (an engine's usual layout),
+    checked a column at a time in C loops (``map``, ``min``, ``max``) instead of span by span;
+    None when they are not such spans, and the span-by-span path checks them and names the
+    field at fault."""
+    if len(spans) < _WIRE_COLUMNS_FROM or set(map(type, spans)) != {Span}:
+        return None
+    names, regs, offsets, lengths, span_pools = zip(*map(_FIELDS, spans), strict=True)
+    region = regions.get(getattr(regs[0], "region", -1))
+    if region is None or region is not regs[0] or regs.count(region) != len(regs):
+        return None
+    if set(map(type, names)) != {str} or max(map(len, names)) > DEFAULT_LIMITS.max_name // 4:
+        return None
+    if set(map(type, offsets)) != {int} or set(map(type, lengths)) != {int} or min(offsets) < 0 or min(lengths) <= 0 \
+            or max(map(operator.add, offsets, lengths)) > region.length:
+        return None
+    if pools is None:
+        return tuple(map(_new_tuple, repeat(DstSpan), zip(names, repeat(region.region), offsets, lengths))), {region}
+    pool = pools.get(span_pools[0]) if span_pools.count(span_pools[0]) == len(span_pools) else None
+    if pool is None or lengths.count(pool.slot_size) != len(lengths):
+        return None
+    return tuple(map(_new_tuple, repeat(SrcSpan), zip(names, span_pools, repeat(region.region), offsets, lengths))), {region}
 
 
 def destination(spans: Any, owner: object, regions: Regions) -> Destination:
