@@ -1,4 +1,5 @@
-"""Churn on write grants (spec section 6.13): thousands of puts, hundreds of sessions that put and go.
+"""Churn on write grants (spec section 6.13): thousands of puts, hundreds of sessions that put and go,
+and rounds of puts given up on a frozen node.
 
 Each put reserves a slot, the client WRITEs it and commits; the pool is FIFO, so older
 objects are evicted as new keys come. Afterwards the node holds no open or quarantined put,
@@ -16,11 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcr_client import Client, Span
+from kvcr_client import Client, ErrorCode, Span
 from kvcr_node.agents import DEPARTED_AGENTS
-from kvcr_testing.health import assert_clean, stats, wait_until
+from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
 from kvcr_testing.measure import fd_count, rss_kib, thread_count
+from kvcr_testing.nodes import frozen
 from kvcr_testing.patterns import KiB, pattern
 
 SLOT = 4 * KiB
@@ -95,5 +97,38 @@ def test_put_churn_leaves_nothing_behind(node_factory: Callable[..., Any]) -> No
         assert after["fds"] <= before["fds"] + DEPARTED_AGENTS + FD_SLACK, (before, after)
         assert after["fds"] <= mid + FD_SLACK, (before, mid, after)
         assert after["rss"] - before["rss"] <= RSS_GROWTH_KIB, (before, after)
+        reg.close()
+        assert_clean(client)
+
+
+ABANDONED_ROUNDS = 5
+ABANDONED_PER_ROUND = 40
+"""Puts given up on a frozen node per round: under ``max_puts_per_session`` (64), so every one
+is reserved once the node runs again, and must be handed back."""
+
+
+@pytest.mark.timeout(120)
+def test_puts_abandoned_on_a_frozen_node_are_all_handed_back(node_factory: Callable[..., Any]) -> None:
+    """Rounds of puts whose deadline passes while the node is frozen: each fails ``TIMEOUT``
+    at once, and once the node runs again every reservation it makes is freed by ``unput``;
+    nothing stays open or quarantined, the session's in-flight table empties, every slot is
+    back, and puts go on."""
+    node = node_factory("--pool", "kv:4KiB:256", "--policy", "fifo")
+    with Client(node.endpoint, name="put-abandoned") as client:
+        reg = Registrar(client)
+        src = pattern(SLOT, 43)
+        spans = [Span("L0", reg(src), 0, SLOT, "kv")]
+        before = slot_accounting(stats(client))
+        for r in range(ABANDONED_ROUNDS):
+            with frozen(node):
+                outcomes = [client.put({b"a%d.%d" % (r, i): spans}, deadline_ms=1).result(0)
+                            for i in range(ABANDONED_PER_ROUND)]
+            assert all(o[b"a%d.%d" % (r, i)].code is ErrorCode.TIMEOUT for i, o in enumerate(outcomes))
+            want = (r + 1) * ABANDONED_PER_ROUND
+            assert wait_until(lambda want=want: client._puts.handed_back == want and at_rest(client)
+                              and not client.core.session.pending, 20), (client._puts.handed_back, put_stats(client))
+            assert slot_accounting(stats(client)) == before
+        assert client._puts.unanswered == ABANDONED_ROUNDS * ABANDONED_PER_ROUND
+        assert client.put({b"after": spans}).result(RESULT_TIMEOUT_S).all_ok
         reg.close()
         assert_clean(client)
