@@ -232,6 +232,12 @@ class Operations:
             self.unwait(op, key)
         self.settle(op)
 
+    def count_outcomes(self, kind: OpKind, results: Sequence[KeyResult]) -> None:
+        """Per-key results sent, in the outcome counts ``stats`` and the metrics show."""
+        outcomes = self.outcomes
+        for r in results:
+            outcomes[(kind, r.status, ErrorCode(r.code) if r.code else None)] += 1
+
     def settle(self, op: Operation) -> None:
         """Once ``op`` is settled: forget it and send its results (once)."""
         if not op.settled or op.session.ops.get(op.id) is not op:
@@ -243,9 +249,7 @@ class Operations:
             op.fail_unresolved(ErrorCode.INTERNAL)
         results = tuple(r for r in op.results if r is not None)
         self.outbox.settled(op.session, op.kind, op.id, results)
-        outcomes, kind = self.outcomes, op.kind
-        for r in results:
-            outcomes[(kind, r.status, ErrorCode(r.code) if r.code else None)] += 1
+        self.count_outcomes(op.kind, results)
         self.metrics.request_done(op.kind, op.received)
         self.progressing.pop(id(op), None)  # the reply's done column says it all
         if op.report is not None:

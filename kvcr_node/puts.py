@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import logging
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvcr_node.agents import RemoteAgents
@@ -144,7 +144,7 @@ class Puts:
         results = [r if r is not None else KeyResult(KeyStatus.FAILED, ErrorCode.INTERNAL, "not placed") for r in op.results]
         self.outbox.check_results("put", results)
         if not reserved:
-            self._count(results)
+            self.operations.count_outcomes(OpKind.PUT, results)  # a put's final results (put.DUPLICATE, ...)
             self.outbox.reply(session, PutReply(msg.id, 0, 0, tuple(results)))
             return
         ttl = min(msg.ttl_ms or self.config.put_ttl_ms, self.config.max_put_ttl_ms)
@@ -190,15 +190,9 @@ class Puts:
             record.results[i] = KeyResult(KeyStatus.STORED, handle=handle)
             self.operations.wake(entry.key)
         self.counts["committed"] += 1
-        self._count(record.results)
+        self.operations.count_outcomes(OpKind.PUT, record.results)  # as a deposit's (put.STORED)
         self.outbox.settled(session, "commit", msg.id, record.results)
         self.outbox.reply(session, Completion(msg.id, tuple(record.results)))
-
-    def _count(self, results: Sequence[KeyResult]) -> None:
-        """A put's final results, in the node's outcome counts as a deposit's are (``put.STORED``)."""
-        outcomes = self.operations.outcomes
-        for r in results:
-            outcomes[(OpKind.PUT, r.status, ErrorCode(r.code) if r.code else None)] += 1
 
     def on_unput(self, session: Session, msg: Unput) -> None:
         record = self._held(session, msg.id, msg.put)
