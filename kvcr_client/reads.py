@@ -84,8 +84,11 @@ class GrantRead:
         self, grants: Validity, agent: Agent, items: Sequence[DeliverItem], granted: Sequence[Granted],
         counts: list[int], posts: list[Post], codes: list[int], deadline: float,
         landed: Callable[[list[int], int], None] | None, finished: Finished, quiet: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.grants = grants
+        self.clock = clock
+        """Read after this job's READs were polled: the instant its lease checks use."""
         self.agent = agent
         self.items = items
         self.granted = granted
@@ -150,7 +153,14 @@ class GrantRead:
 
     def step(self, now: float, post: bool = True) -> bool:
         """One turn (lock held): post the next group, poll the READs, report the groups that
-        ended; True once the deliver is over and no READ runs (the table drops it)."""
+        ended; True once the deliver is over and no READ runs (the table drops it).
+
+        ``now`` (read before this turn's posts, shared by every job of the turn) decides only
+        the deadline. A group's lease check uses the clock read after its READs were seen
+        complete (spec section 6.12, Validity): a post may be the copy itself (CMA), and
+        another job's copy or a stalled thread may come between ``now`` and the poll; a
+        lease checked at ``now`` could have ended, and its slot been refilled, before the
+        bytes were read."""
         if self.phase is Phase.READING:
             if now >= self.deadline:
                 self.expired = True
@@ -165,17 +175,19 @@ class GrantRead:
             self.running = [r for r in self.running if r.state is XferStatus.RUNNING]
         running = bool(self.running)
         if self.phase is Phase.READING:
-            while self.group < self.group_count and self._report(self.group, now):
+            seen = self.clock()
+            while self.group < self.group_count and self._report(self.group, seen):
                 self.group += 1
             if self.group >= self.group_count:
-                self._confirm(now)
+                self._confirm(seen)
         if self.phase is Phase.OVER and not running:
             self._release()
             return True
         return False
 
-    def _report(self, g: int, now: float) -> bool:
-        """Report group ``g`` if it is over (landed, failed, or past the deadline)."""
+    def _report(self, g: int, seen: float) -> bool:
+        """Report group ``g`` if it is over (landed, failed, or past the deadline); its leases
+        are checked at ``seen``, a time after its READs were seen terminal."""
         mine = self.by_group.get(g, ())
         over = self.posted > g and all(r.state is not XferStatus.RUNNING for r in mine)
         if not over and not self.expired:
@@ -194,7 +206,7 @@ class GrantRead:
             for k in members:
                 codes[k] = ErrorCode.TRANSFER_FAILED
             return True
-        verdicts = self.grants.check(self.items, self.granted, members, now)
+        verdicts = self.grants.check(self.items, self.granted, members, seen)
         landed = []
         for k in members:
             verdict = verdicts[k]
@@ -210,12 +222,13 @@ class GrantRead:
             self.landed(landed, g)
         return True
 
-    def _confirm(self, now: float) -> None:
-        """Every group is over: keys whose READs all landed but whose lease the clock alone
-        could not vouch for are confirmed with one ``renew`` per lease; the last reply finishes."""
+    def _confirm(self, seen: float) -> None:
+        """Every group is over (seen so at ``seen``): keys whose READs all landed but whose lease
+        the clock alone could not vouch for are confirmed with one ``renew`` per lease; the
+        last reply finishes."""
         self.phase = Phase.CONFIRMING
         unsure = [k for k in range(len(self.items)) if not self.codes[k] and self.done[k] < self.counts[k]]
-        verdicts = self.grants.check(self.items, self.granted, unsure, now)
+        verdicts = self.grants.check(self.items, self.granted, unsure, seen)
         leases: dict[int, list[int]] = {}
         for k in unsure:
             verdict = verdicts[k]
@@ -228,7 +241,7 @@ class GrantRead:
             self._finish()
         for members in leases.values():
             lease = self.granted[members[0]].lease
-            self.grants.confirm(lease, now, functools.partial(self._confirmed, members))
+            self.grants.confirm(lease, seen, functools.partial(self._confirmed, members))
 
     def _confirmed(self, members: list[int], code: int) -> None:
         """A ``renew``'s reply (or its failure) for the lease of ``members`` (lock held)."""
@@ -304,7 +317,7 @@ class Reads:
 
     def add(self, job: GrantRead) -> None:
         """Take ``job`` (group 0 already posted): look at it once now, without posting more."""
-        if not job.step(time.monotonic(), post=False):
+        if not job.step(job.clock(), post=False):
             self.running.append(job)
 
     def start(self, job: GrantRead) -> None:

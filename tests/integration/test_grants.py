@@ -177,6 +177,79 @@ def test_a_slot_reused_after_expiry_is_detected_not_returned(client: Client, reg
     assert lease.ended is ErrorCode.LEASE_EXPIRED
 
 
+def test_a_later_group_read_after_expiry_is_not_ok_though_its_turn_began_before(
+        node: NodeProcess, client: Client, register: Registrar, key: Callable[[str], bytes],
+        hook: Callable[[Callable[[str], None]], None]) -> None:
+    """Group 1 is posted in a turn of the client's I/O side whose clock was read before: the
+    reader stalls there (lock held) past the lease, the node expires it and another client
+    refills every slot. The READ lands the other object's bytes; the check, at a time read
+    after the READ was seen complete, must not call them the key's (spec section 6.12)."""
+    k = key("old")
+    put(client, register, k, seed=12, layers=2)
+    lease = client.lease([k], ttl_ms=300).result(RESULT_TIMEOUT_S)
+    dst = np.zeros(2 * SLOT, np.uint8)
+    region = register(dst)
+    fresh: list[np.ndarray] = []
+    with Client(node.endpoint, name="itest-grants-refill") as other:
+        src = pattern(SLOT, 0)
+        other_region = other.register(src)
+
+        def stall(stage: str) -> None:
+            if stage != "posting 1" or fresh:
+                return
+            assert wait_until(lambda: stats(other)["leases"]["held"] == 0, RESULT_TIMEOUT_S), "the lease did not expire"
+            for i in range(SLOTS):
+                src[:] = pattern(SLOT, 200 + i)
+                fresh.append(src.copy())
+                res = other.deposit({key(f"refill{i}"): [Span("L0", other_region, 0, SLOT, "kv")]}).result(RESULT_TIMEOUT_S)
+                assert res.all_ok, res
+
+        hook(stall)
+        plan = [["L0"], ["L1"]]
+        res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(2)]}, plan=plan).result(RESULT_TIMEOUT_S)
+        assert fresh, "the hook never stalled group 1's turn"
+        assert res[k].status is KeyStatus.FAILED and res[k].code is ErrorCode.LEASE_EXPIRED, res
+        assert any(np.array_equal(dst[SLOT:], f) for f in fresh), "group 1's READ did land another object's bytes"
+        other.unregister(other_region)
+    assert lease.ended is ErrorCode.LEASE_EXPIRED
+
+
+def test_a_reader_dropped_for_silence_between_groups_is_not_ok(key: Callable[[str], bytes]) -> None:
+    """The lease's time to live is long (the node's default), but the reader stalls between
+    groups (lock held, so no heartbeat goes) past the node's ``client_grace_ms``: the node
+    ends its session and its leases, another client refills the slots. The key must fail."""
+    args = ("--pool", f"kv:4KiB:{SLOTS}", "--policy", "fifo", "--lease-pool-fraction", "1", "--client-grace-ms", "400")
+    with short_ipc_dir("grace") as d, running_node(d, "n", *args) as node, \
+            Client(node.endpoint, name="itest-grace-reader") as client, Client(node.endpoint, name="itest-grace-other") as other:
+        k = key("old")
+        src = pattern(2 * SLOT, 13)
+        r = client.register(src)
+        assert client.deposit({k: [Span(f"L{i}", r, i * SLOT, SLOT, "kv") for i in range(2)]}).result(RESULT_TIMEOUT_S).all_ok
+        assert client.lease([k], ttl_ms=30_000).result(RESULT_TIMEOUT_S).grant
+        dst = np.zeros(2 * SLOT, np.uint8)
+        region = client.register(dst)
+        refill = pattern(SLOT, 0)
+        other_region = other.register(refill)
+        fresh: list[np.ndarray] = []
+
+        def stall(stage: str) -> None:
+            if stage != "posting 1" or fresh:
+                return
+            assert wait_until(lambda: stats(other)["leases"]["held"] == 0, RESULT_TIMEOUT_S), "the session was not dropped"
+            for i in range(SLOTS):
+                refill[:] = pattern(SLOT, 300 + i)
+                fresh.append(refill.copy())
+                assert other.deposit({key(f"refill{i}"): [Span("L0", other_region, 0, SLOT, "kv")]}).result(RESULT_TIMEOUT_S).all_ok
+
+        client._grants.hook = stall
+        res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(2)]}, plan=[["L0"], ["L1"]])
+        outcome = res.result(RESULT_TIMEOUT_S)[k]
+        client._grants.hook = None
+        assert fresh, "the hook never stalled group 1's turn"
+        assert outcome.status is KeyStatus.FAILED and outcome.code in (ErrorCode.LEASE_LOST, ErrorCode.LEASE_EXPIRED), outcome
+        assert any(np.array_equal(dst[SLOT:], f) for f in fresh), "group 1's READ did land another object's bytes"
+
+
 def test_a_late_reader_within_the_lease_is_confirmed_by_a_renew(client: Client, register: Registrar, key: Callable[[str], bytes],
                                                                 hook: Callable[[Callable[[str], None]], None]) -> None:
     k = key("obj")

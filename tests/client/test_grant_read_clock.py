@@ -1,0 +1,137 @@
+"""Which instant a grant read's lease check uses (spec section 6.12, Validity), in process.
+
+A ``GrantRead`` runs against a fake agent whose posts take time on a fake clock, as a CMA
+copy does inside NIXL's post, and a fake validity that holds each lease until a fixed
+instant. A group is checked at a time read after its READs were seen complete, per job:
+never at the turn's ``now``, read before the posts. Before this rule two planned delivers
+in one turn, the first with a large group, had the second's lease checked before its
+copy, and a key came back ``OK`` with the bytes of whatever the slot held after expiry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcr_client.reads import GrantRead, Reads
+from kvcr_io.agent import XferStatus
+from kvcr_protocol import DeliverItem, ErrorCode, KeyResult, KeyStatus, MemoryKind
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class CopyingAgent:
+    """Posts copy inside the post (as UCX's CMA does): each READ advances the clock by the
+    time its peer's copy takes."""
+
+    clock: Clock
+    copy_s: dict[str, float]
+    posted: list[str] = field(default_factory=list)
+
+    def start_listed(self, op: str, local_kind: MemoryKind, local: Any, remote_kind: MemoryKind, remote: Any,
+                     remote_agent: str) -> tuple[Any, XferStatus]:
+        self.clock.t += self.copy_s[remote_agent]
+        self.posted.append(remote_agent)
+        return object(), XferStatus.DONE
+
+    def state(self, handle: Any) -> XferStatus:
+        return XferStatus.DONE
+
+    def release(self, handle: Any) -> None:
+        pass
+
+
+class Lease:
+    def __init__(self, until: float) -> None:
+        self.until = until
+
+    def lost_key(self, key: bytes) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Granted:
+    lease: Lease
+
+
+class HeldUntil:
+    """Validity: a lease held while ``now < lease.until``; expired after."""
+
+    hook: Callable[[str], Any] | None = None
+    refused = 0
+
+    def check(self, items: Sequence[DeliverItem], granted: Sequence[Any], members: list[int],
+              now: float) -> dict[int, int | None]:
+        return {k: 0 if now < granted[k].lease.until else ErrorCode.LEASE_EXPIRED for k in members}
+
+    def confirm(self, lease: Any, now: float, then: Callable[[int], None]) -> None:
+        raise AssertionError("no confirmation in these cases")
+
+
+def job(clock: Clock, agent: CopyingAgent, peer: str, until: float, groups: int,
+        out: list[list[KeyResult]]) -> GrantRead:
+    """One key of ``groups`` groups read from ``peer``, its lease held until ``until``."""
+    posts = [(g, MemoryKind.DRAM, [(0, 1, 0)], MemoryKind.DRAM, [(0, 1, 0)], [0], peer) for g in range(groups)]
+
+    def finished(results: list[KeyResult] | BaseException, done: list[int]) -> None:
+        assert isinstance(results, list)
+        out.append(results)
+
+    return GrantRead(HeldUntil(), agent, [DeliverItem(b"k", ())], [Granted(Lease(until))], [groups], posts, [0],
+                     deadline=100.0, landed=None, finished=finished, quiet=lambda: None, clock=clock)
+
+
+def test_two_delivers_in_one_turn_each_check_after_their_own_copy() -> None:
+    clock = Clock()
+    agent = CopyingAgent(clock, {"big": 0.001, "small": 0.001})
+    big_out: list[list[KeyResult]] = []
+    small_out: list[list[KeyResult]] = []
+    reads = Reads()
+    big = job(clock, agent, "big", until=50.0, groups=2, out=big_out)
+    small = job(clock, agent, "small", until=0.5, groups=2, out=small_out)
+    # Group 0 of both, posted and checked well inside the small one's lease.
+    for j in (big, small):
+        reads.start(j)
+    assert clock.t < 0.5
+    agent.copy_s["big"] = 1.0
+    # One turn posts group 1 of each: the big copy runs first and takes 1 s, so the small
+    # deliver's group 1 is read after its lease ended, though the turn began before.
+    reads.step(clock.t)
+    assert agent.posted == ["big", "small", "big", "small"]
+    assert big_out and big_out[0][0].status is KeyStatus.OK
+    assert small_out and small_out[0][0].status is KeyStatus.FAILED
+    assert small_out[0][0].code == ErrorCode.LEASE_EXPIRED
+
+
+def test_a_group_copied_past_expiry_fails_though_its_turn_began_before() -> None:
+    clock = Clock()
+    agent = CopyingAgent(clock, {"node": 0.0})
+    out: list[list[KeyResult]] = []
+    read = job(clock, agent, "node", until=1.0, groups=3, out=out)
+    reads = Reads()
+    reads.start(read)
+    turn = clock.t
+    agent.copy_s["node"] = 2.0  # the reader stalls inside group 1's copy, past the lease
+    reads.step(turn)
+    reads.step(clock.t)
+    assert out and out[0][0].status is KeyStatus.FAILED and out[0][0].code == ErrorCode.LEASE_EXPIRED
+    assert read.done == [1], "group 0 was checked in time and counts; group 1 does not"
+
+
+def test_groups_read_inside_the_lease_are_ok() -> None:
+    clock = Clock()
+    agent = CopyingAgent(clock, {"node": 0.1})
+    out: list[list[KeyResult]] = []
+    reads = Reads()
+    reads.start(job(clock, agent, "node", until=10.0, groups=4, out=out))
+    while not out:
+        reads.step(clock.t)
+    assert out[0][0].status is KeyStatus.OK
