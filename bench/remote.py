@@ -62,9 +62,11 @@ LAYER_PLAN = [[f"L{i}"] for i in range(LAYERS)]
 
 
 def node_flags() -> list[str]:
-    # Leases may pin whole pools: the granted measurements lease both objects at once.
+    # Leases may pin whole pools: the granted measurements lease both objects at once. The
+    # source trusts the target's clients with its pools (peer_grants), so that the grant
+    # figures across nodes measure the client's own READs.
     return ["--pool", f"kv:64KiB:{SPANS + 8}", "--pool", f"layer:1MiB:{LAYERS + 4}", "--log-level", "WARNING",
-            "--lease-pool-fraction", "1", "--lease-session-fraction", "1"]
+            "--lease-pool-fraction", "1", "--lease-session-fraction", "1", "--peer-grants"]
 
 
 def raw_read(agent: Any, writer: str, local: Any, remote: Any) -> float:

@@ -125,6 +125,12 @@ class NodeConfig:
     """Grant clients reads of the slots their leases hold (spec section 6.12), so they READ
     leased objects with their own agents; off, leases answer without slots and leased keys
     travel by ``deliver`` (the node-driven path)."""
+    peer_grants: bool = False
+    """Grant target nodes' peer sessions reads of this node's slots, which they pass on to
+    their own clients (spec section 6.12, "Across nodes"): those clients' agents then get
+    this node's pool registrations, READ and WRITE of every slot (spec section 14), though
+    this node never authenticated them. Off (the default), keys a target leases here
+    travel node-driven; on only where every client of every target is trusted."""
     put_ttl_ms: int = 30_000
     """Time to live of a put whose request names none (spec section 6.13)."""
     max_put_ttl_ms: int = 600_000
@@ -208,8 +214,9 @@ class NodeConfig:
             raise ConfigError("lease_pool_fraction", f"expected a fraction in [0, 1], got {self.lease_pool_fraction!r}")
         if isinstance(self.lease_session_fraction, bool) or not 0.0 <= self.lease_session_fraction <= 1.0:
             raise ConfigError("lease_session_fraction", f"expected a fraction in [0, 1], got {self.lease_session_fraction!r}")
-        if not isinstance(self.client_transfers, bool):
-            raise ConfigError("client_transfers", f"expected true or false, got {self.client_transfers!r}")
+        for flag in ("client_transfers", "peer_grants"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(flag, f"expected true or false, got {getattr(self, flag)!r}")
         if not 0.0 <= self.low_watermark < 1.0:
             raise ConfigError("low_watermark", f"expected a fraction in [0, 1), got {self.low_watermark!r}")
         if self.protocol_version not in PROTOCOL_VERSIONS:
@@ -325,7 +332,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int, "lease_ttl_ms": int, "max_lease_ttl_ms": int,
     "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
     "lease_session_fraction": (int, float), "metrics_port": int, "metrics_address": str,
-    "metrics_max_connections": int, "client_transfers": bool, "put_ttl_ms": int, "max_put_ttl_ms": int,
+    "metrics_max_connections": int, "client_transfers": bool, "peer_grants": bool, "put_ttl_ms": int, "max_put_ttl_ms": int,
     "max_puts_per_session": int, "put_quarantine_ms": int,
     "events_endpoint": str, "events_replay_endpoint": str, "events_replay_bytes": int, "events_replay_requesters": int,
 }

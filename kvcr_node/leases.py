@@ -252,8 +252,11 @@ class Leases(SourceHolds):
     # ------------------------------------------------------------------ read grants
 
     def grants_for(self, session: Session) -> bool:
-        """Whether ``session`` may get read grants: a client, or a target passing them on to
-        its clients, of version 5 or later, and ``client_transfers`` on (spec section 6.12)."""
+        """Whether ``session`` may get read grants: a client, or (with ``peer_grants`` on) a
+        target passing them on to its clients, of version 5 or later, and
+        ``client_transfers`` on (spec section 6.12)."""
+        if session.role is Role.PEER and not self.config.peer_grants:
+            return False  # this node never authenticated a target's clients (spec section 14)
         return (self.config.client_transfers and self.grant_node is not None and session.version >= GRANTS_VERSION)
 
     def _grant(self, record: LeaseRecord, keys: Sequence[bytes], status: bytearray, first: dict[bytes, int]) -> LeaseGrant:

@@ -463,7 +463,9 @@ def matrix_pair(request: pytest.FixtureRequest) -> Iterator[PeerPair]:
             with sites_of(factory, check=False) as sites:
                 target, source = sites.start(
                     ("target", {"args": ("--protocol-version", str(tv))}),
-                    ("source", {"args": ("--protocol-version", str(sv))}),
+                    # The source trusts targets' clients with its pools (spec section 14),
+                    # so that grants across nodes are part of the matrix.
+                    ("source", {"args": ("--protocol-version", str(sv), "--peer-grants")}),
                 )
                 # A client speaks the highest version its node offers.
                 assert target.client.node.version == tv and source.client.node.version == sv

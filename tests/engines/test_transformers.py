@@ -44,7 +44,7 @@ def engine(*args: str) -> dict[str, object]:
 @pytest.mark.timeout(2 * ENGINE_TIMEOUT_S)
 def test_two_engines_share_a_prefix_across_two_nodes(node_factory: Callable[..., NodeProcess], tmp_path: Path) -> None:
     node_a = node_factory("--pool", POOL)
-    node_b = node_factory("--pool", POOL)
+    node_b = node_factory("--pool", POOL, "--peer-grants")  # the source trusts A's clients with its pools
     reference = tmp_path / "reference.pt"
     a = engine("deposit", "--node", node_b.endpoint, "--tokens", "200", "--out", str(reference))
     assert a["prefix_tokens"] == 192 and a["blocks"] == 12, a

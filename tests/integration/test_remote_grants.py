@@ -4,8 +4,9 @@ The client talks to node A; node B holds the objects, named to A by the client's
 read lease of them is held at B through A's peer session, and B's grant (its slots and,
 once, its agent) reaches the client through A: ``deliver`` then READs from B's pools with
 the client's own agent, whole, as a subset and with a layer plan, byte for byte, and
-neither node posts a transfer. A source below version 5, or with ``client_transfers`` off,
-grants nothing, and the keys travel node-driven as before. A read is never returned as
+neither node posts a transfer. Only a source whose operator turned ``peer_grants`` on
+grants targets' clients; by default, below version 5, or with ``client_transfers`` off, a
+source grants nothing, and the keys travel node-driven as before. A read is never returned as
 valid when B's lease may not have held: B killed before the READ, or between the groups
 of a planned read, fails it, a slot B reused
 after the lease expired is detected, and a late reader is confirmed by a renew that A
@@ -35,6 +36,10 @@ FAILED_READ = {ErrorCode.TRANSFER_FAILED, ErrorCode.LEASE_LOST, ErrorCode.LEASE_
 """What a read whose source went away may fail with (spec section 6.12): never OK."""
 
 
+SOURCE = ("b", {"args": ("--peer-grants",)})
+"""The source of these tests: it trusts the targets' clients with its pools' registrations."""
+
+
 def hint(a: Site, b: Site, keys: list[bytes], request_id: str = "r") -> str:
     a.client.submit_hint(request_id, b.endpoint, keys).result(RESULT_TIMEOUT_S)
     return request_id
@@ -61,7 +66,7 @@ def no_grants_left(*sites: Site) -> None:
 
 
 def test_a_remote_read_lease_reads_from_the_source_directly(sites: Sites) -> None:
-    a, b = sites.start("a", "b")
+    a, b = sites.start("a", SOURCE)
     here = a.deposit(b"here", LAYOUT, seed=1)
     srcs = {k: b.deposit(k, LAYOUT, seed=2 + i) for i, k in enumerate([b"k0", b"k1"])}
     rid = hint(a, b, [b"k0", b"k1"])
@@ -126,18 +131,26 @@ def node_driven(a: Site, b: Site) -> None:
 
 
 def test_a_source_with_client_transfers_off_leaves_the_node_driven_path(sites: Sites) -> None:
-    a, b = sites.start("a", ("b", {"args": ("--no-client-transfers",)}))
+    a, b = sites.start("a", ("b", {"args": ("--peer-grants", "--no-client-transfers")}))
     node_driven(a, b)
 
 
+def test_by_default_a_source_grants_no_targets_clients(sites: Sites) -> None:
+    # A source never gives its pools' registrations (READ and WRITE of every slot) to
+    # clients it never authenticated unless its operator says so (spec section 14).
+    a, b = sites.start("a", "b")
+    node_driven(a, b)
+    assert b.stats()["leases"]["with_grants"] == 0
+
+
 def test_a_source_below_version_5_leaves_the_node_driven_path(sites: Sites) -> None:
-    a, b = sites.start("a", ("b", {"args": ("--protocol-version", "4")}))
+    a, b = sites.start("a", ("b", {"args": ("--peer-grants", "--protocol-version", "4")}))
     node_driven(a, b)
 
 
 def test_a_source_killed_before_the_read_never_returns_bytes(sites: Sites) -> None:
     (a,) = sites.start(("a", {"args": ("--peer-dead-ms", "500")}))
-    b = sites("b")
+    b = sites("b", "--peer-grants")
     src = b.deposit(b"k", LAYOUT, seed=6)
     rid = hint(a, b, [b"k"])
     lease = a.client.lease([b"k"], request_id=rid, ttl_ms=60_000).result(RESULT_TIMEOUT_S)
@@ -163,7 +176,7 @@ def test_a_source_killed_before_the_read_never_returns_bytes(sites: Sites) -> No
 
 
 def test_a_slot_the_source_reused_after_expiry_is_detected(sites: Sites) -> None:
-    a, b = sites.start("a", ("b", {"pools": ("--pool", "kv:64KiB:4"), "args": ("--policy", "fifo", "--lease-pool-fraction", "1",
+    a, b = sites.start("a", ("b", {"pools": ("--pool", "kv:64KiB:4"), "args": ("--peer-grants", "--policy", "fifo", "--lease-pool-fraction", "1",
                                                                                 "--lease-session-fraction", "1")}))
     old = b.deposit(b"old", LAYOUT, seed=7)
     rid = hint(a, b, [b"old"])
@@ -198,7 +211,7 @@ def test_a_slot_the_source_reused_after_expiry_is_detected(sites: Sites) -> None
 
 
 def test_a_late_remote_reader_is_confirmed_with_the_sources_word(sites: Sites) -> None:
-    a, b = sites.start("a", "b")
+    a, b = sites.start("a", SOURCE)
     src = b.deposit(b"k", LAYOUT, seed=9)
     rid = hint(a, b, [b"k"])
     ttl_ms = 1000
@@ -227,7 +240,7 @@ def test_a_late_remote_reader_is_confirmed_with_the_sources_word(sites: Sites) -
 
 def test_a_source_killed_between_groups_fails_the_rest_of_the_read(sites: Sites) -> None:
     (a,) = sites.start(("a", {"args": ("--peer-dead-ms", "500")}))
-    b = sites("b")
+    b = sites("b", "--peer-grants")
     src = b.deposit(b"k", LAYOUT, seed=10)
     rid = hint(a, b, [b"k"])
     a.client.lease([b"k"], request_id=rid, ttl_ms=60_000).result(RESULT_TIMEOUT_S)

@@ -327,6 +327,21 @@ def test_client_transfers_from_the_file_and_flags(tmp_path: Path) -> None:
         assert err.value.field == "client_transfers"
 
 
+def test_peer_grants_are_off_unless_the_operator_turns_them_on(tmp_path: Path) -> None:
+    """Spec sections 6.12 and 14: a source grants other nodes' clients only when told to."""
+    assert NodeConfig().peer_grants is False
+    assert from_mapping({"peer_grants": True}).peer_grants is True
+    assert build_config(_args("--peer-grants")).peer_grants is True
+    path = tmp_path / "node.toml"
+    path.write_text("peer_grants = true\n")
+    assert build_config(_args("--config", str(path))).peer_grants is True
+    assert build_config(_args("--config", str(path), "--no-peer-grants")).peer_grants is False
+    for bad in (1, "true", None, [True]):
+        with pytest.raises(ConfigError) as err:
+            from_mapping({"peer_grants": bad})
+        assert err.value.field == "peer_grants"
+
+
 def test_heartbeat_zero_disables_heartbeats() -> None:
     """Spec section 5.2: heartbeat_ms 0 disables heartbeats (and with them silence-based expiry)."""
     assert from_mapping({"heartbeat_ms": 0}).heartbeat_ms == 0
