@@ -453,7 +453,8 @@ class Leases(SourceHolds):
         }
 
     def sizes(self) -> dict[str, int]:
-        return {"leases": len(self.table), "lease_holders": len(self.holders), "lease_expiry": len(self._expiry)}
+        return {"leases": len(self.table), "lease_holders": len(self.holders), "lease_expiry": len(self._expiry),
+                **self.source_grants.sizes()}
 
     def check_invariants(self) -> list[str]:
         """Holders, pinned slots and each session's slots recounted from the leases."""

@@ -295,6 +295,10 @@ class Puts:
         return {**self.counts, "open": by[PutState.OPEN], "quarantined": by[PutState.EXPIRED] + by[PutState.LOST],
                 "quarantined_slots": slots}
 
+    def sizes(self) -> dict[str, int]:
+        """For the node's ``tables``: puts tracked (open, expired or lost and quarantined)."""
+        return {"puts": len(self.table)}
+
     def check_invariants(self) -> list[str]:
         breaches = []
         for record in self.table.values():

@@ -30,6 +30,10 @@ class SourceGrants:
     def __init__(self) -> None:
         self.agents: dict[str, tuple[int, GrantNode]] = {}
 
+    def sizes(self) -> dict[str, int]:
+        """For the node's ``tables``: sources' agents cached (at most ``MAX_SOURCE_AGENTS``)."""
+        return {"source_grant_agents": len(self.agents)}
+
     def wants_node(self, endpoint: str, incarnation: int) -> bool:
         """Whether a lease asked of the source should ask for its agent (``!node_md``)."""
         cached = self.agents.get(endpoint)

@@ -123,6 +123,7 @@ class Stats:
             "hinted_keys": sum(s.hinted_keys for s in clients),
             "withdrawals": sum(len(s.withdrawals) for s in clients),
             **self.leases.sizes(),
+            **(self.puts.sizes() if self.puts is not None else {}),
             **(self.inventory.sizes() if self.inventory is not None else {}),
             **(self.replays.sizes() if self.replays is not None else {}),
         }

@@ -73,6 +73,7 @@ def test_a_remote_read_lease_reads_from_the_source_directly(sites: Sites) -> Non
     lease = a.client.lease([b"k0", b"k1", b"here", b"k0"], request_id=rid, ttl_ms=60_000).result(RESULT_TIMEOUT_S)
     assert [lease.status(k) for k in (b"k0", b"k1", b"here")] == [LeaseStatus.LEASED_REMOTE] * 2 + [LeaseStatus.LEASED]
     assert b.stats()["leases"]["with_grants"] == 1 and a.stats()["leases"]["with_grants"] == 1
+    assert a.stats()["tables"]["source_grant_agents"] == 1, "A's cache of its sources' agents is in its tables"
     grants = a.client._grants
     assert len(grants.sources) == 1 and grants.node is not None
     assert grants._keys[b"k0"].agent is not grants.node and grants._keys[b"here"].agent is grants.node
