@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import procs  # noqa: F401  (UCX on loopback, as in every benchmark: bench/procs.py)
 
 from kvcr_node.cli import main
 from kvcr_node.config import NodeConfig

@@ -1,4 +1,12 @@
-"""Child processes of a benchmark: started until they say they are ready, always stopped."""
+"""Child processes of a benchmark: started until they say they are ready, always stopped.
+
+Importing this module keeps UCX on loopback (``UCX_NET_DEVICES=lo``) for the benchmark's
+own NIXL agents and for every process it starts, which inherit it: UCX (under NIXL) opens
+a TCP listener for its wireup on every network device it may use, by default the host's
+external interface too, though a benchmark's processes are all on one host. Every benchmark
+that makes an agent or starts a node imports this module before it does
+(tests/test_bench_procs.py checks that). An environment that sets UCX_NET_DEVICES keeps it.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+UCX_NET_DEVICES = os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 def spawn(*args: str) -> subprocess.Popen[str]:

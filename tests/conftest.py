@@ -1,4 +1,5 @@
-"""Fixtures shared by the test folders: real kvcr-node processes on private ipc endpoints.
+"""Fixtures shared by the test folders: real kvcr-node processes on private ipc endpoints,
+with UCX kept on loopback for the whole session (``UCX_NET_DEVICES=lo``, below).
 
 The helpers themselves live in the ``kvcr_testing`` package (``tests/kvcr_testing``, on
 ``sys.path`` through pytest's ``pythonpath`` setting); pytest rewrites their asserts too.
@@ -6,10 +7,27 @@ The helpers themselves live in the ``kvcr_testing`` package (``tests/kvcr_testin
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+# --------------------------------------------------------------------------- UCX on loopback
+#
+# UCX (under NIXL) opens a TCP listener for its wireup on every network device it may use;
+# left to choose, that includes the host's external interface, even between processes of
+# one host. The suite keeps UCX on loopback: set here, when pytest imports this file, before
+# any NIXL agent of this process exists, and inherited by every node, client and engine a
+# test starts. A test that runs processes in network namespaces of its own names their veth
+# ends instead (``kvcr_testing.netns.Pair.ucx``). An environment that sets UCX_NET_DEVICES
+# keeps its own value; tests/integration/test_ucx_loopback.py fails if that is not loopback.
+UCX_NET_DEVICES = os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def pytest_report_header() -> str:
+    return f"UCX_NET_DEVICES={UCX_NET_DEVICES}"
+
 
 pytest.register_assert_rewrite("kvcr_testing")
 

@@ -2,14 +2,15 @@
 
 Needs root and iproute2 (``kvcr_testing.netns`` skips otherwise). The node runs in
 namespace A, the client holding the granted lease in namespace B, both with
-``UCX_TLS=tcp`` (across namespaces of one host, shared memory or CMA would still work and
-hide TCP): the payload must cross the veth pair, which its byte counter shows. Over TCP
-the node's agent must be progressed for the READ to complete (architecture §6): a
-granted deliver, whole and with a layer plan, lands byte for byte inside the node's fast
-window after the grant and after it, with the node otherwise idle. Then the node is
-frozen (SIGSTOP) under a granted READ: the deliver fails at its deadline with a typed
-error, the READ left running is let go of once the node continues, nothing stays in the
-client's or the node's tables, and later delivers work again.
+``UCX_TLS=tcp`` on their namespace's veth end (``Pair.ucx``; across namespaces of one
+host, shared memory or CMA would still work and hide TCP): the payload must cross the veth
+pair, which its byte counter shows. Over TCP the node's agent must be progressed for the
+READ to complete (architecture §6): a granted deliver, whole and with a layer plan, lands
+byte for byte inside the node's fast window after the grant and after it, with the node
+otherwise idle. Then the node is frozen (SIGSTOP) under a granted READ: the deliver fails
+at its deadline with a typed error, the READ left running is let go of once the node
+continues, nothing stays in the client's or the node's tables, and later delivers work
+again.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from kvcr_testing.netns import Pair, namespaces
 from kvcr_testing.nodes import NodeProcess, start_node
 
 PORT = 5556
-UCX = {"UCX_TLS": "tcp"}
 SLOT = 256 << 10
 SPANS = 64
 """Spans of the object (16 MiB)."""
@@ -43,14 +43,14 @@ class Sites:
         self.endpoint = f"tcp://{pair.addr_a}:{PORT}"
         self.workers: list[Worker] = []
         self.node: NodeProcess = start_node(self.endpoint, "--pool", f"kv:256KiB:{SPANS + 16}", "--lease-pool-fraction", "1",
-                                            prefix=("ip", "netns", "exec", pair.a), env=UCX)
+                                            prefix=("ip", "netns", "exec", pair.a), env=pair.ucx(pair.a))
         self.monitor = self.worker(pair.a, "statsloop")
         self.monitor.expect("ready", 60)
         self.holder = self.worker(pair.b, "grants", "--slot", str(SLOT))
         self.holder.expect("ready", 60)
 
     def worker(self, ns: str, mode: str, *args: str) -> Worker:
-        w = Worker(mode, self.endpoint, *args, prefix=("ip", "netns", "exec", ns), env=UCX)
+        w = Worker(mode, self.endpoint, *args, prefix=("ip", "netns", "exec", ns), env=self.pair.ucx(ns))
         self.workers.append(w)
         return w
 

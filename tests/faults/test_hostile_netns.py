@@ -2,8 +2,8 @@
 
 Needs root and iproute2 (``ip netns``); skipped with the reason otherwise. The namespaces,
 addresses (10.200.0.1/24 and 10.200.0.2/24) and processes are this test's own, and are
-removed afterwards whatever happens. Everything runs with ``UCX_TLS=tcp``: across
-namespaces NIXL must not try shared memory or CMA.
+removed afterwards whatever happens. Everything runs with ``UCX_TLS=tcp`` on its namespace's
+veth end (``Pair.ucx``): across namespaces NIXL must not try shared memory or CMA.
 
 Node A holds the objects; a client in B's namespace asks its node B for them, with a hint
 naming A: A writes over TCP straight into the client's memory. The client stops
@@ -23,12 +23,11 @@ from typing import Any
 import pytest
 
 from kvcr_testing.hostile import Worker
-from kvcr_testing.netns import ip, namespaces
+from kvcr_testing.netns import Pair, ip, namespaces
 from kvcr_testing.nodes import start_node
 
 ADDR_A, ADDR_B = "10.200.0.1", "10.200.0.2"
 PORT = 5555
-UCX = {"UCX_TLS": "tcp"}
 SLOT = 256 << 10
 BIG = 128
 """Spans of the big object (32 MiB)."""
@@ -46,27 +45,28 @@ PARTITIONS = {
 
 
 @pytest.fixture
-def netns() -> Iterator[tuple[str, str, str, str]]:
-    """Two namespaces joined by a veth pair: (ns A, ns B, veth in A, veth in B)."""
+def netns() -> Iterator[Pair]:
+    """Two namespaces joined by a veth pair, A on ``ADDR_A`` and B on ``ADDR_B``."""
     with namespaces("", ADDR_A.rsplit(".", 1)[0]) as pair:
         assert (pair.addr_a, pair.addr_b) == (ADDR_A, ADDR_B)
-        yield pair.a, pair.b, pair.veth_a, pair.veth_b
+        yield pair
 
 
 class Site:
     """A node in a namespace, with a long-lived statistics client next to it."""
 
-    def __init__(self, ns: str, addr: str, *args: str) -> None:
+    def __init__(self, pair: Pair, ns: str, addr: str, *args: str) -> None:
         self.ns = ns
+        self.ucx = pair.ucx(ns)
         self.endpoint = f"tcp://{addr}:{PORT}"
         self.node = start_node(self.endpoint, *POOL, "--peer-dead-ms", "2000", *args,
-                               prefix=("ip", "netns", "exec", ns), env=UCX)
+                               prefix=("ip", "netns", "exec", ns), env=self.ucx)
         self.workers: list[Worker] = []
         self.monitor = self.worker("statsloop")
         self.monitor.expect("ready", 60)
 
     def worker(self, mode: str, *args: str) -> Worker:
-        w = Worker(mode, self.endpoint, *args, prefix=("ip", "netns", "exec", self.ns), env=UCX)
+        w = Worker(mode, self.endpoint, *args, prefix=("ip", "netns", "exec", self.ns), env=self.ucx)
         self.workers.append(w)
         return w
 
@@ -112,14 +112,14 @@ def deliver(site: Site, source: Site, key: str, spans: int, seed: int, *extra: s
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("partition", list(PARTITIONS))
-def test_cross_namespace_delivery_and_link_cut(partition: str, netns: tuple[str, str, str, str]) -> None:
-    ns_a, ns_b, veth_a, _ = netns
+def test_cross_namespace_delivery_and_link_cut(partition: str, netns: Pair) -> None:
+    ns_a, veth_a = netns.a, netns.veth_a
     node_args, pause = PARTITIONS[partition]["args"], PARTITIONS[partition]["pause"]
     sites: list[Site] = []
     try:
-        a = Site(ns_a, ADDR_A, *node_args)
+        a = Site(netns, ns_a, ADDR_A, *node_args)
         sites.append(a)
-        b = Site(ns_b, ADDR_B, *node_args)
+        b = Site(netns, netns.b, ADDR_B, *node_args)
         sites.append(b)
         for key, spans, seed in (("small", 4, 1), ("big", BIG, 100)):
             w = a.worker("deposit", "--keys", key, "--slot", str(SLOT), "--spans", str(spans), "--seed", str(seed))

@@ -13,4 +13,6 @@ starts with a script of its own (``tests/faults/hostile_worker.py``) gets ``test
 - ``remote``: two or more nodes with a client each (spec section 12).
 - ``hostile``: clients in processes of their own, for the fault and load tests.
 - ``measure``: descriptors and resident memory of a process.
+- ``sockets``: the TCP sockets a process holds, and where they are bound.
+- ``netns``: two network namespaces joined by a veth pair, and UCX's settings in each.
 """

@@ -2,7 +2,8 @@
 
 Needs root and iproute2 (``ip netns``); ``namespaces`` skips the test with the reason
 otherwise. The names carry this process's id, so two test processes do not collide; the
-namespaces (and with them the veth pair) are removed afterwards whatever happens.
+namespaces (and with them the veth pair) are removed afterwards whatever happens. A process
+a test starts in a namespace takes its UCX settings from ``Pair.ucx``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ class Pair:
     veth_b: str
     addr_a: str
     addr_b: str
+
+    def ucx(self, ns: str) -> dict[str, str]:
+        """UCX's settings for a process in namespace ``ns`` (``self.a`` or ``self.b``): TCP
+        only (across namespaces of one host shared memory or CMA would still work, and hide
+        TCP), on that namespace's veth end. The suite's own ``UCX_NET_DEVICES=lo``
+        (tests/conftest.py) would keep UCX off the veth pair, out of the other namespace's
+        reach."""
+        veth = {self.a: self.veth_a, self.b: self.veth_b}[ns]
+        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": veth}
 
     def tx_bytes(self, side: str = "a") -> int:
         """Bytes the veth end in namespace ``side`` sent so far (its kernel counter)."""
