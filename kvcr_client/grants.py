@@ -63,7 +63,8 @@ DEFAULT_READ_S = 30.0
 PRUNE_SLACK = 1024
 """Granted keys of ended leases tolerated in the table before it is swept."""
 MAX_SOURCES = 256
-"""Sources' agents one session loads at most; rows at more sources travel by deliver."""
+"""Sources' agents one session keeps loaded at most (one per endpoint); past it the longest
+unused goes, and a lease of its keys loads it again."""
 
 Hook = Callable[[str], Any]
 """Called in the caller's thread with ``"posting"`` before a deliver's group 0 is posted and
@@ -212,13 +213,21 @@ class Grants:
         name = (source.endpoint, source.incarnation)
         cached = self.sources.get(name)
         if cached is not None and cached.welcome is node.welcome:
+            self.sources[name] = self.sources.pop(name)  # the most recently used goes last
             return cached
         md = source.node
         sizes = md.slot_sizes() if md is not None else []
         if md is None or len(sizes) != len(md.pools) or any(r.region != i for i, r in enumerate(md.pools)):
             return None
-        if any(size <= 0 for size in sizes) or len(self.sources) >= MAX_SOURCES:
+        if any(size <= 0 for size in sizes):
             return None
+        # One agent per source endpoint: an older incarnation's (the source restarted; its
+        # leases ended with it) goes, and past MAX_SOURCES the longest unused; each is
+        # removed from ours once no READ runs on it.
+        for old in [k for k in self.sources if k[0] == source.endpoint]:
+            self._stale.add(self.sources.pop(old).name)
+        while len(self.sources) >= MAX_SOURCES:
+            self._stale.add(self.sources.pop(next(iter(self.sources))).name)
         pools = tuple(NodePool(r.kind, r.device, r.address, size) for r, size in zip(md.pools, sizes, strict=True))
         agent = self.core.call(lambda: self._add(md.agent_md)).result()
         grace = min(node.grace_s, md.grace_ms / 1000 if md.grace_ms else math.inf)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,8 +26,9 @@ from kvcr_client import Client, ErrorCode, KeyStatus, LeaseStatus, Span
 from kvcr_client.grants import MARGIN_FRACTION, MARGIN_S
 from kvcr_testing.health import wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
-from kvcr_testing.patterns import KiB
-from kvcr_testing.remote import Site, Sites, assert_site_clean, poll_stats
+from kvcr_testing.nodes import start_node
+from kvcr_testing.patterns import KiB, pattern
+from kvcr_testing.remote import POOLS, Site, Sites, assert_site_clean, poll_stats
 
 LAYOUT = plain_layout(4)
 SPAN = 64 * KiB
@@ -209,6 +211,38 @@ def test_a_slot_the_source_reused_after_expiry_is_detected(sites: Sites) -> None
     b.resident[b"new"] = ("kv",) * 4
     assert_site_clean(a)
     assert_site_clean(b)
+
+
+def test_a_restarted_sources_old_agents_are_let_go(sites: Sites, ipc_dir: Path) -> None:
+    """A source restarted on its endpoint: its keys are granted again from the new
+    incarnation, byte for byte, and the client keeps one agent for it, not one per
+    incarnation (which at MAX_SOURCES would stop grants across nodes)."""
+    (a,) = sites.start("a")
+    endpoint = f"ipc://{ipc_dir}/src.sock"
+    grants = a.client._grants
+    for restart in range(4):
+        source = start_node(endpoint, *POOLS, "--peer-grants")
+        try:
+            k = f"k{restart}".encode()
+            src = pattern(LAYOUT.nbytes, 40 + restart)
+            with Client(endpoint, name="itest-src-writer") as writer:
+                region = writer.register(src)
+                spans = [Span(name, region, i * SPAN, SPAN, "kv") for i, name in enumerate(LAYOUT.names)]
+                assert writer.deposit({k: spans}).result(RESULT_TIMEOUT_S).all_ok
+                rid = f"r{restart}"
+                a.client.submit_hint(rid, endpoint, [k]).result(RESULT_TIMEOUT_S)
+                lease = a.client.lease([k], request_id=rid).result(RESULT_TIMEOUT_S)
+                assert lease.status(k) is LeaseStatus.LEASED_REMOTE and k in grants._keys
+                dst = np.zeros(LAYOUT.nbytes, np.uint8)
+                res = a.client.deliver({k: spans_into(a, dst)}, request_id=rid).result(RESULT_TIMEOUT_S)
+                assert res[k].ok and np.array_equal(dst, src)
+                lease.release().result(RESULT_TIMEOUT_S)
+                writer.unregister(region)
+            assert len(grants.sources) == 1, grants.sources.keys()
+            assert grants.stale <= 1, "older incarnations' agents were let go"
+        finally:
+            source.stop()
+    poll_stats(a, lambda st: st["leases"]["held"] == 0, SLACK_S, "A let go of every lease")
 
 
 def test_a_late_remote_reader_is_confirmed_with_the_sources_word(sites: Sites) -> None:
