@@ -294,7 +294,9 @@ class Leases(SourceHolds):
 
     def _fits(self, session: Session, entry: ObjectEntry, shares: dict[str, int]) -> bool:
         """Whether holding ``entry`` keeps the session (its slots, its share of each pool) and
-        every pool within the lease limits."""
+        every pool within the lease limits; an object the session holds already always fits."""
+        if entry.key in session.held_keys:
+            return True  # held by another of its leases: it pins nothing more, for it or the node
         slots = len(entry.info.layout)
         if session.leased_slots + slots > self.config.max_leased_slots_per_session:  # ``_hold`` counts there at once
             return False
@@ -306,23 +308,39 @@ class Leases(SourceHolds):
         return all(self.pinned[pool] + count <= self.pin_limit[pool] for pool, count in entry.info.need)
 
     def _hold(self, record: LeaseRecord, entry: ObjectEntry) -> None:
-        """Count ``entry`` as held by ``record`` (the caller claims it: ``Store.claim_all``)."""
+        """Count ``entry`` as held by ``record`` (the caller claims it: ``Store.claim_all``);
+        its session is charged for it once, by the first of its leases that holds it."""
         record.entries.append(entry)
         slots = len(entry.info.layout)
         record.slots += slots
-        record.session.leased_slots += slots
         for pool, count in entry.info.need:
             record.pool_slots[pool] += count
-            record.session.pool_slots[pool] += count
+        session = record.session
+        mine = session.held_keys.get(entry.key, 0)
+        session.held_keys[entry.key] = mine + 1
+        if not mine:
+            session.leased_slots += slots
+            session.pool_slots.update(dict(entry.info.need))
         held = self.holders.get(entry.key, 0)
         if not held:
             for pool, count in entry.info.need:
                 self.pinned[pool] += count
         self.holders[entry.key] = held + 1
 
-    def _unhold(self, entries: Sequence[ObjectEntry]) -> None:
-        """``entries`` are held by one lease less; their claims drop."""
+    def _unhold(self, session: Session, entries: Sequence[ObjectEntry]) -> None:
+        """``entries`` are held by one lease of ``session`` less; their claims drop, and the
+        session's charge for those it no longer holds under any lease."""
         holders = self.holders
+        mine = session.held_keys
+        for entry in entries:
+            left = mine[entry.key] - 1
+            if left:
+                mine[entry.key] = left
+            else:
+                del mine[entry.key]
+                session.leased_slots -= len(entry.info.layout)
+                session.pool_slots.subtract(dict(entry.info.need))
+        session.pool_slots = +session.pool_slots
         for entry in entries:
             held = holders[entry.key] - 1
             if held:
@@ -340,7 +358,7 @@ class Leases(SourceHolds):
         client is told (``lease_end``)."""
         if self.table.get(record.id) is not record:
             return
-        self._unhold(record.entries)
+        self._unhold(record.session, record.entries)
         record.entries.clear()
         for hold in record.sources:
             self._release_at_source(hold)
@@ -356,15 +374,11 @@ class Leases(SourceHolds):
             self._tell(record.session, record.id, code, reason, ())
 
     def _forget(self, record: LeaseRecord) -> None:
+        """The lease's table entries go (its objects were let go of: ``_unhold``); the session
+        stops counting the keys it still waited on at sources."""
         session = record.session
-        session.leased_slots -= record.slots
+        session.leased_slots -= record.waiting
         record.slots = record.waiting = 0
-        for pool, count in record.pool_slots.items():
-            left = session.pool_slots[pool] - count
-            if left:
-                session.pool_slots[pool] = left
-            else:
-                del session.pool_slots[pool]
         record.pool_slots.clear()
         record.session.leases.discard(record.id)
         self.table.pop(record.id, None)
@@ -392,12 +406,18 @@ class Leases(SourceHolds):
                 continue
             record.session = new
             new.leases.add(lease)
-            new.leased_slots += record.slots
-            new.pool_slots.update(record.pool_slots)
+            new.leased_slots += record.waiting
+            for entry in record.entries:
+                mine = new.held_keys.get(entry.key, 0)
+                new.held_keys[entry.key] = mine + 1
+                if not mine:
+                    new.leased_slots += len(entry.info.layout)
+                    new.pool_slots.update(dict(entry.info.need))
             self.counters.inc(LeaseCount.CARRIED_OVER)
         old.leases.clear()
         old.leased_slots = 0
         old.pool_slots.clear()
+        old.held_keys.clear()
 
     def end_all(self, code: ErrorCode, reason: str) -> None:
         """At shutdown: every lease ends and its client is told."""
@@ -465,6 +485,9 @@ class Leases(SourceHolds):
         holders: collections.Counter[bytes] = collections.Counter()
         slots: collections.Counter[int] = collections.Counter()
         pool_slots: dict[int, collections.Counter[str]] = {}
+        session_keys: dict[int, dict[bytes, int]] = {}
+        """Per session: key -> its leases holding the object (each object charged once)."""
+        session_objects: dict[int, dict[bytes, ObjectEntry]] = {}
         for lease, record in self.table.items():
             if lease not in record.session.leases:
                 breaches.append(f"lease {lease} is not in its session")
@@ -481,8 +504,13 @@ class Leases(SourceHolds):
                                 f"{len(record.entries)} objects and waits on {waiting} keys")
             if +record.pool_slots != +own:
                 breaches.append(f"lease {lease}: pool slots {dict(record.pool_slots)} disagree with its objects {dict(own)}")
-            slots[id(record.session)] += record.slots
-            pool_slots.setdefault(id(record.session), collections.Counter()).update(own)
+            slots[id(record.session)] += record.waiting
+            mine = session_keys.setdefault(id(record.session), {})
+            objects = session_objects.setdefault(id(record.session), {})
+            for entry in record.entries:
+                mine[entry.key] = mine.get(entry.key, 0) + 1
+                objects[entry.key] = entry
+            pool_slots.setdefault(id(record.session), collections.Counter())
         if dict(holders) != self.holders:
             breaches.append(f"lease holders {len(self.holders)} disagree with the leases ({len(holders)})")
         pinned = dict.fromkeys(self.pinned, 0)
@@ -493,8 +521,15 @@ class Leases(SourceHolds):
                     pinned[pool] += count
         if pinned != self.pinned:
             breaches.append(f"pinned slots {self.pinned} disagree with the leased objects {pinned}")
+        for sid, objects in session_objects.items():
+            for entry in objects.values():  # each object once, however many leases hold it
+                slots[sid] += len(entry.info.layout)
+                pool_slots[sid].update(dict(entry.info.need))
         for record in self.table.values():
             session = record.session
+            if session_keys.get(id(session), {}) != session.held_keys:
+                breaches.append(f"session {session.name}: {len(session.held_keys)} objects counted held, its leases "
+                                f"hold {len(session_keys.get(id(session), {}))}")
             if slots[id(session)] != session.leased_slots:
                 breaches.append(f"session {session.name}: leased slots {session.leased_slots}, leases hold {slots[id(session)]}")
             if +session.pool_slots != +pool_slots[id(session)]:

@@ -91,11 +91,15 @@ class Session:
     leases: set[int] = field(default_factory=set)
     """The ids of the leases this session holds (``kvcr_node.leases`` owns them)."""
     leased_slots: int = 0
-    """Slots those leases hold here, and one per key they wait on at a source (bounded by
+    """Slots of the objects those leases hold here, each object once however many of them
+    hold it, and one per key they wait on at a source (bounded by
     ``max_leased_slots_per_session``)."""
     pool_slots: collections.Counter[str] = field(default_factory=collections.Counter)
-    """Pool -> slots of that pool those leases hold here (bounded by the session's share of
+    """Pool -> slots of that pool those objects take (bounded by the session's share of
     the pool's lease budget, spec section 6.11)."""
+    held_keys: dict[bytes, int] = field(default_factory=dict)
+    """Key -> how many of those leases hold its object here: a second lease of an object the
+    session holds pins nothing more (two requests sharing a prefix)."""
     grant_sources: set[tuple[str, int]] = field(default_factory=set)
     """Sources (endpoint, incarnation) whose agent a read grant gave this client (spec
     section 6.12, "Across nodes"): later grants of them leave it out."""

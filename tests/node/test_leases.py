@@ -165,11 +165,17 @@ def test_limits(ipc_dir: Path, agent: ClientAgent) -> None:
         # Four of sixteen slots may be pinned: two objects of two slots.
         first = reply_of(d.receive(b"c", Lease(2, (b"k0", b"k1", b"k2"))), 2)
         assert statuses(first) == [LeaseStatus.LEASED, LeaseStatus.LEASED, LeaseStatus.LEASE_LIMIT]
-        # k0 is pinned already: it costs the pool nothing, but the session's slots count (4 + 2 > 5).
+        # The session holds k0 already: a second lease of it (two requests sharing a prefix)
+        # pins nothing more, neither the pool's budget nor the session's slots (4 of 5).
         second = reply_of(d.receive(b"c", Lease(3, (b"k0",))), 3)
-        assert statuses(second) == [LeaseStatus.LEASE_LIMIT] and second.lease == 0
+        assert statuses(second) == [LeaseStatus.LEASED] and second.lease != 0
         st = d.stats()
-        assert st["leases"]["keys_refused_limit"] == 2 and st["leases"]["held"] == 1
+        assert st["leases"]["keys_refused_limit"] == 1 and st["leases"]["held"] == 2
+        assert d.receive(b"c", ReleaseLease(11, first.lease)) == [Ack(11)]
+        # k0 is still held by the second lease: the session's charge for it stays, k1's went.
+        session = d.node.sessions.get(b"c")
+        assert session is not None and session.leased_slots == 2 and session.held_keys == {b"k0": 1}
+        first = second
         third = reply_of(d.receive(b"c", Lease(4, (b"absent",))), 4)
         assert third.lease == 0  # holds nothing: not kept, not counted
         d.hello(b"d", agent)
@@ -179,6 +185,30 @@ def test_limits(ipc_dir: Path, agent: ClientAgent) -> None:
         refused(d.receive(b"d", Lease(7, (b"k1",))), ErrorCode.LEASE_LIMIT)  # two leases per session
         for identity, lease, request in ((b"c", first.lease, 8), (b"d", held.lease, 9), (b"d", again.lease, 10)):
             assert d.receive(identity, ReleaseLease(request, lease)) == [Ack(request)]
+        at_rest(d)
+
+
+def test_a_prefix_leased_twice_by_one_session_counts_once(ipc_dir: Path, agent: ClientAgent) -> None:
+    """Two requests sharing a prefix lease the same objects: the session's share, full with
+    the first lease, still admits the second, and the charge stays until the last ends."""
+    with node_driver(config(ipc_dir, lease_pool_fraction=0.5, lease_session_fraction=1.0,
+                            max_leased_slots_per_session=8)) as d:
+        d.hello(b"c", agent)
+        keys = tuple(b"p%d" % i for i in range(4))
+        for k in keys:
+            stored(d, k, spans=2)
+        first = reply_of(d.receive(b"c", Lease(2, keys)), 2)
+        assert statuses(first) == [LeaseStatus.LEASED] * 4  # 8 slots: the session's limit, and the budget
+        second = reply_of(d.receive(b"c", Lease(3, keys[:3])), 3)
+        assert statuses(second) == [LeaseStatus.LEASED] * 3
+        session = d.node.sessions.get(b"c")
+        assert session is not None and session.leased_slots == 8 and session.pool_slots["kv"] == 8
+        assert d.stats()["invariants"] == []
+        assert d.receive(b"c", ReleaseLease(4, first.lease)) == [Ack(4)]
+        assert session.leased_slots == 6 and session.held_keys == dict.fromkeys(keys[:3], 1)
+        assert d.stats()["invariants"] == []
+        assert d.receive(b"c", ReleaseLease(5, second.lease)) == [Ack(5)]
+        assert session.leased_slots == 0 and not session.pool_slots and not session.held_keys
         at_rest(d)
 
 
