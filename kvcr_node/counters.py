@@ -122,6 +122,9 @@ class LeaseCount(enum.Enum):
     """Leases carried over to a reconnected peer's new session (same incarnation)."""
     EXPIRED = "expired"
     """Leases that reached their expiry unrenewed."""
+    TAKEN_BACK = "taken_back"
+    """Leases ended so that a session within its share could lease (a holder over its share
+    gave the pool's lease budget back, spec section 6.11)."""
     ASKED_SOURCES = "asked_sources"
     """Lease asks sent to a hinted source."""
     LOST_AT_SOURCE = "lost_at_source"

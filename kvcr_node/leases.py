@@ -148,7 +148,7 @@ class Leases(SourceHolds):
             tier[i] = 2 + (entry.lookup - 2) // 2  # the store's lookup code says the tier
             if entry.state is ObjectState.WRITING:
                 status[i] = LeaseStatus.PENDING
-            elif self._fits(session, entry, shares):
+            elif self._fits(session, entry, shares) or self._take_back(session, entry, shares):
                 self._hold(record, entry)
                 status[i] = LeaseStatus.LEASED
             else:
@@ -306,6 +306,31 @@ class Leases(SourceHolds):
         if entry.key in self.holders:
             return True  # already pinned by another lease: it pins nothing more
         return all(self.pinned[pool] + count <= self.pin_limit[pool] for pool, count in entry.info.need)
+
+    def _take_back(self, session: Session, entry: ObjectEntry, shares: dict[str, int]) -> bool:
+        """``entry`` would take ``session`` past no limit of its own, but a pool's lease budget
+        is full: end the leases of sessions holding more than their share there (the largest
+        excess first, its oldest lease first) until it fits; whether it fits now. So a first
+        comer that took the whole budget while alone gives back what later sessions' shares
+        need (spec section 6.11); the keys of those leases fail or are recomputed, safely."""
+        need = dict(entry.info.need)
+        if session.leased_slots + len(entry.info.layout) > self.config.max_leased_slots_per_session or any(
+                session.pool_slots[pool] + count > shares[pool] for pool, count in need.items()):
+            return False
+        for pool, count in need.items():
+            while self.pinned[pool] + count > self.pin_limit[pool]:
+                over = [(s.pool_slots[pool] - shares[pool], s) for s in {id(r.session): r.session for r in self.table.values()
+                                                                         if r.session is not session}.values()]
+                excess, victim = max(over, key=lambda o: o[0], default=(0, session))
+                if excess <= 0:
+                    return False
+                record = min((self.table[lease] for lease in victim.leases
+                              if lease in self.table and self.table[lease].pool_slots[pool]), key=lambda r: r.id)
+                self.counters.inc(LeaseCount.TAKEN_BACK)
+                self.end_lease(record, ErrorCode.LEASE_LIMIT, f"lease {record.id} was ended: its session held more "
+                               f"than its share of pool {pool!r}'s lease budget, which another session needed")
+        # Ending those leases dropped their claims: an object removed meanwhile is gone now.
+        return self.store.lookup(entry.key) is entry and self._fits(session, entry, shares)
 
     def _hold(self, record: LeaseRecord, entry: ObjectEntry) -> None:
         """Count ``entry`` as held by ``record`` (the caller claims it: ``Store.claim_all``);

@@ -1000,6 +1000,13 @@ def v4_instances() -> list[Valid]:
             description="the link to the source that held K1 and K3 stayed down past peer_dead_ms: lease 45 holds them no more",
         ),
         Valid(
+            "lease-end-taken-back",
+            m.LeaseEnded(8, LEASE_ID + 4, kp.ErrorCode.LEASE_LIMIT,
+                         "lease 46 was ended: its session held more than its share of pool 'kv''s lease budget"),
+            versions=(4,),
+            description="the session held more than its share of the pool's lease budget when another needed it",
+        ),
+        Valid(
             "lease-end-shutdown",
             m.LeaseEnded(6, LEASE_ID + 2, kp.ErrorCode.SHUTTING_DOWN, "the node is stopping"),
             versions=(4,),

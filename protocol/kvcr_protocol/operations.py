@@ -119,7 +119,7 @@ REQUEST_CODES: Mapping[str, RequestCodes] = {
 """Per request tag: the codes of its refusal and of its per-key results."""
 
 EVENT_CODES: Mapping[str, frozenset[E]] = {
-    "lease_end": _codes(E.LEASE_EXPIRED, E.PEER_RESTARTED, E.PEER_UNREACHABLE, E.SHUTTING_DOWN),
+    "lease_end": _codes(E.LEASE_EXPIRED, E.LEASE_LIMIT, E.PEER_RESTARTED, E.PEER_UNREACHABLE, E.SHUTTING_DOWN),
 }
 """Per event tag: the codes the event carries. Events refuse nothing and answer no request;
 ``lease_end`` (version 4) is the one event with a code (section 10.1)."""

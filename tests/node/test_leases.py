@@ -292,6 +292,43 @@ def test_a_session_holds_at_most_its_share_of_a_pools_lease_budget(
         at_rest(d)
 
 
+def test_a_first_comer_gives_back_what_later_sessions_shares_need(
+    ipc_dir: Path, agent: ClientAgent, engine: ClientAgent,
+) -> None:
+    """Issue: the first client to lease took the whole budget (its share was 1/1 then) for
+    its leases' time to live, and a second got 0 of its keys. Now the holder over its share
+    gives back its oldest leases, told with lease_end LEASE_LIMIT, as the second needs."""
+    with node_driver(config(ipc_dir, lease_pool_fraction=0.75, lease_session_fraction=0.25)) as d:
+        keys = [b"k%d" % i for i in range(12)]
+        for k in keys:
+            stored(d, k)
+        d.hello(b"first", engine)
+        older = reply_of(d.receive(b"first", Lease(2, tuple(keys[:6]), None, 600_000)), 2)
+        newer = reply_of(d.receive(b"first", Lease(3, tuple(keys[6:]), None, 600_000)), 3)
+        assert statuses(older) == statuses(newer) == [LeaseStatus.LEASED] * 6  # alone: the whole budget (12)
+        d.hello(b"second", engine)
+        d.sent(b"first")
+        # Two sessions: shares of 6. The budget is full with the first's leases.
+        fresh = [b"f%d" % i for i in range(4)]
+        for k in fresh:
+            stored(d, k)
+        second = reply_of(d.receive(b"second", Lease(2, tuple(fresh))), 2)
+        assert statuses(second) == [LeaseStatus.LEASED] * 4
+        ended = d.sent(b"first")
+        assert len(ended) == 1 and isinstance(ended[0], LeaseEnded), ended
+        assert (ended[0].lease, ended[0].code, ended[0].keys) == (older.lease, ErrorCode.LEASE_LIMIT, ())
+        st = d.stats()
+        assert st["leases"]["taken_back"] == 1 and st["invariants"] == []
+        # The first keeps its share (6 slots, its newer lease); asking for more is refused,
+        # and takes nothing back from the second, which is within its share.
+        more = reply_of(d.receive(b"first", Lease(4, tuple(keys[:4]))), 4)
+        assert statuses(more) == [LeaseStatus.LEASE_LIMIT] * 4 and d.stats()["leases"]["taken_back"] == 1
+        assert refused(d.receive(b"first", RenewLease(5, older.lease)), ErrorCode.UNKNOWN_LEASE).path == "lease"
+        for identity, lease, request in ((b"first", newer.lease, 6), (b"second", second.lease, 7)):
+            assert d.receive(identity, ReleaseLease(request, lease)) == [Ack(request)]
+        at_rest(d)
+
+
 def test_a_share_of_one_lets_a_session_take_the_whole_budget(ipc_dir: Path, engine: ClientAgent) -> None:
     with node_driver(config(ipc_dir, lease_pool_fraction=0.5, lease_session_fraction=1.0)) as d:
         keys = [b"k%d" % i for i in range(16)]
