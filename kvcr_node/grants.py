@@ -22,21 +22,18 @@ def grant_rows(
 ) -> list[Row]:
     """One row per key of the lease, in its order. A key the lease holds here (``LEASED``)
     gets its slots while the grant's spans stay within ``max_spans``, the keys past that get
-    none (they travel by ``deliver``); a repeated key gets its first row again while it fits."""
+    none (they travel by ``deliver``); a repeated key gets its row at its first position
+    only (the client reads by key), so that repeating a key cannot make the reply grow."""
     held = {entry.key: entry for entry in entries}
     budget = max_spans
     rows: list[Row] = []
     row: Row
-    seen: dict[bytes, Row] = {}
+    seen: set[bytes] = set()
     for i, key in enumerate(keys):
         if key in seen:
-            row = seen[key]
-            if row is not None and len(row[0]) > budget:
-                row = None  # every repetition travels: it counts against the span limit too
-            elif row is not None:
-                budget -= len(row[0])
-            rows.append(row)
+            rows.append(None)
             continue
+        seen.add(key)
         entry = held.get(key) if status[i] == LeaseStatus.LEASED else None
         row = None
         if entry is not None and len(entry.info.layout) <= budget:
@@ -44,6 +41,5 @@ def grant_rows(
             budget -= len(layout)
             row = (tuple(name for name, _ in layout),
                    [(pool_index[pool], slot) for (_, pool), slot in zip(layout, entry.slot_view, strict=True)])
-        seen[key] = row
         rows.append(row)
     return rows

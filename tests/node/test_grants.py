@@ -61,8 +61,8 @@ def test_a_read_lease_gets_the_slots_of_every_key_held_here(ipc_dir: Path, agent
         assert reply.held and reply.grant is not None and len(reply.grant) == 4
         rows = list(reply.grant.keys(DEFAULT_LIMITS))
         assert [(i, names, list(pools)) for i, names, pools, _ in rows] == [
-            (0, ("k", "v"), [0, 1]), (2, ("k", "v"), [0, 1]), (3, ("k", "v"), [0, 1])]
-        assert [slots for *_, slots in rows] == [list(x.slots), list(y.slots), list(x.slots)]
+            (0, ("k", "v"), [0, 1]), (2, ("k", "v"), [0, 1])]  # the repeated x: its first row serves
+        assert [slots for *_, slots in rows] == [list(x.slots), list(y.slots)]
         assert reply.grant.layouts == ("k\0v",)
         node = reply.grant.node
         assert node is not None and node.agent == d.node.agent.name and node.grace_ms == 7_000
@@ -108,13 +108,18 @@ def test_no_grant_without_client_transfers_below_version_5_or_unasked(ipc_dir: P
         assert d.receive(b"c", ReleaseLease(3, reply.lease), version) == [Ack(3)]
 
 
-def test_grant_rows_stop_at_the_span_limit_and_repeat_a_key_while_it_fits(ipc_dir: Path) -> None:
+def test_grant_rows_stop_at_the_span_limit_and_give_a_repeated_key_one_row(ipc_dir: Path) -> None:
     with node_driver(config(ipc_dir)) as d:
         x = stored(d, b"x", (("k", "a"), ("v", "a")))
         y = stored(d, b"y", (("k", "a"),))
-        keys = (b"x", b"y", b"x", b"x")
-        status = bytes([LeaseStatus.LEASED] * 4)
-        rows = grant_rows([x, y], keys, status, {"a": 0, "b": 1}, max_spans=5)
+        z = stored(d, b"z", (("k", "a"), ("v", "a")))
+        keys = (b"x", b"y", b"x", b"x", b"z")
+        status = bytes([LeaseStatus.LEASED] * 5)
+        rows = grant_rows([x, y, z], keys, status, {"a": 0, "b": 1}, max_spans=4)
         assert rows[0] == (("k", "v"), [(0, s) for s in x.slots]) and rows[1] == (("k",), [(0, y.slots[0])])
-        assert rows[2] == rows[0] and rows[3] is None  # 2 + 1 + 2 spans fit; the fourth would not
+        # Repetitions get no row (the first serves, by key) and cost no spans: a lease that
+        # repeats a key cannot make its reply grow. z would take 2 + 1 + 2 > 4 spans.
+        assert rows[2] is None and rows[3] is None and rows[4] is None
+        many = grant_rows([x], (b"x",) * 4096, bytes([LeaseStatus.LEASED] * 4096), {"a": 0})
+        assert many[0] is not None and many[1:] == [None] * 4095
         assert grant_rows([x], (b"x",), bytes([LeaseStatus.PENDING]), {"a": 0}) == [None]
