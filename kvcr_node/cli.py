@@ -38,6 +38,7 @@ SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("max_lease_ttl_ms", int, "the longest time to live a lease is granted"),
     ("put_ttl_ms", int, "time to live of a put that names none (spec section 6.13)"),
     ("put_quarantine_ms", int, "how long the slots of a put its client lost stay quarantined, at least"),
+    ("put_session_fraction", float, "share of each pool's slots one client's open and quarantined puts may hold, at least 1/clients"),
     ("max_leases_per_session", int, "leases one client may hold before LEASE_LIMIT"),
     ("max_leased_slots_per_session", int, "slots one client's leases may hold (LEASE_LIMIT past it)"),
     ("lease_pool_fraction", float, "fraction of each pool's slots leases may pin (LEASE_LIMIT past it)"),

@@ -137,6 +137,11 @@ class NodeConfig:
     """The longest time to live a put is granted; longer asks are cut to it."""
     max_puts_per_session: int = 64
     """Puts one session may hold, quarantined ones included; one more is refused BUSY."""
+    put_session_fraction: float = 0.125
+    """The share of each pool's slots one client's open and quarantined puts may hold, at
+    least 1/sessions as for leases (counted by the client's agent, so the puts its earlier
+    sessions lost count too); a put that could take it past is refused BUSY before anything
+    is placed or evicted (spec section 6.13)."""
     put_quarantine_ms: int = 10_000
     """How long the slots of a put that ended unfinished stay quarantined after it ended,
     at least (and until the client's agent is removed): a WRITE its client was posting
@@ -214,6 +219,9 @@ class NodeConfig:
             raise ConfigError("lease_pool_fraction", f"expected a fraction in [0, 1], got {self.lease_pool_fraction!r}")
         if isinstance(self.lease_session_fraction, bool) or not 0.0 <= self.lease_session_fraction <= 1.0:
             raise ConfigError("lease_session_fraction", f"expected a fraction in [0, 1], got {self.lease_session_fraction!r}")
+        if isinstance(self.put_session_fraction, bool) or not isinstance(self.put_session_fraction, (int, float)) \
+                or not 0.0 < self.put_session_fraction <= 1.0:
+            raise ConfigError("put_session_fraction", f"expected a fraction in (0, 1], got {self.put_session_fraction!r}")
         for flag in ("client_transfers", "peer_grants"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(flag, f"expected true or false, got {getattr(self, flag)!r}")
@@ -333,7 +341,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
     "lease_session_fraction": (int, float), "metrics_port": int, "metrics_address": str,
     "metrics_max_connections": int, "client_transfers": bool, "peer_grants": bool, "put_ttl_ms": int, "max_put_ttl_ms": int,
-    "max_puts_per_session": int, "put_quarantine_ms": int,
+    "max_puts_per_session": int, "put_quarantine_ms": int, "put_session_fraction": (int, float),
     "events_endpoint": str, "events_replay_endpoint": str, "events_replay_bytes": int, "events_replay_requesters": int,
 }
 

@@ -234,6 +234,8 @@ class Node:
         self.puts = Puts(config, self.store, deposits, self.operations, self.remote_agents, self.outbox, self.clock,
                          self.leases.pool_index, self._grant_node)
         self.sessions.puts = self.puts
+        self.puts.end_session = self.sessions.end
+        self.puts.session_count = self.leases.session_count
         self.stats.puts = self.puts
         self.router = Router(
             self.sessions, self.operations, deposits, self.deliveries,

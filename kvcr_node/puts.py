@@ -11,8 +11,10 @@ the client's agent was removed from ours and ``put_quarantine_ms`` passed.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
+import math
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -60,7 +62,8 @@ class PutState(enum.Enum):
     """Slots reserved; the client is writing them. Ends by commit, unput or expiry."""
     EXPIRED = "expired"
     """Its time to live passed with its session still here: quarantined until the session
-    names it (its WRITEs are then over) or the session ends and the rules of LOST apply."""
+    names it (its WRITEs are then over) or the session ends and the rules of LOST apply; a
+    session that has not named it ``put_quarantine_ms`` after it expired is ended."""
     LOST = "lost"
     """Its session ended first: quarantined until the client's agent was removed from ours
     and ``put_quarantine_ms`` passed since the put ended."""
@@ -83,6 +86,8 @@ class PutRecord:
     removed: bool = False
     """Whether the client's agent was removed from ours since it ended."""
     slots: int = field(default=0)
+    pool_slots: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Pool -> slots its entries take there (counted against its client's share)."""
     retry: float = 0.0
     """When a lost put whose agent another session still held is looked at again."""
 
@@ -105,10 +110,20 @@ class Puts:
         self.pool_index = pool_index
         self.grant_node = grant_node
         self.table: dict[int, PutRecord] = {}
+        self.by_agent: dict[str, collections.Counter[str]] = {}
+        """Client agent -> pool -> slots its open and quarantined puts hold, those its
+        earlier sessions lost included (``put_session_fraction``)."""
+        self.session_count: Callable[[], int] = lambda: 0
+        """Sessions sharing the pools (those that announced memory or hold leases: the node
+        sets it, as for lease shares)."""
+        self.end_session: Callable[[Session], None] = lambda session: None
+        """Ends a session that sits on an expired put past its quarantine (the node's
+        ``Sessions.end``), so that its slots and keys are freed in bounded time."""
         self._next_id = 1
         self.granted_at = -1e18
         """When a put was last granted: its client WRITEs soon (the node paces its agent)."""
-        self.counts = {"granted": 0, "committed": 0, "abandoned": 0, "expired": 0, "lost": 0, "freed_late": 0}
+        self.counts = {"granted": 0, "committed": 0, "abandoned": 0, "expired": 0, "lost": 0, "freed_late": 0,
+                       "refused_share": 0, "sessions_ended": 0}
         agents.on_removed = self.agent_removed
 
     # ------------------------------------------------------------------ requests
@@ -126,6 +141,11 @@ class Puts:
         if len(session.puts) >= self.config.max_puts_per_session:
             self.outbox.refuse(session, msg.id, ProtocolError(
                 ErrorCode.BUSY, f"{len(session.puts)} puts held (max_puts_per_session); commit or unput some first"))
+            return
+        over = self._past_share(session, msg)
+        if over is not None:
+            self.counts["refused_share"] += 1
+            self.outbox.refuse(session, msg.id, ProtocolError(ErrorCode.BUSY, over))
             return
         blocks, where, keys = self.deposits.column_blocks(msg)
         now = self.clock()
@@ -152,6 +172,9 @@ class Puts:
         self._next_id += 1
         record = PutRecord(put, session, session.agent, reserved, results, msg.no_evict, now + ttl / 1000,
                            slots=sum(len(e.slots) for _, e in reserved))
+        for _, entry in reserved:
+            record.pool_slots.update(dict(entry.info.need))
+        self.by_agent.setdefault(record.agent, collections.Counter()).update(record.pool_slots)
         self.table[put] = record
         session.puts.add(put)
         self.counts["granted"] += 1
@@ -218,10 +241,40 @@ class Puts:
             return None
         return record
 
+    def _past_share(self, session: Session, msg: Put) -> str | None:
+        """Why ``msg`` could take its client's puts past their share of a pool (every span
+        counted as a new slot: nothing is placed or evicted before this check), or None. The
+        share is ceil(max(put_session_fraction, 1/sessions) * slots), as a lease share."""
+        asked: collections.Counter[str] = collections.Counter()
+        for item in msg.items:
+            asked.update(span.pool for span in item.spans)
+        for block in msg.columns:
+            for pool in block.pool_names():
+                asked[pool] += len(block.keys)
+        held = self.by_agent.get(session.agent, collections.Counter())
+        fraction = max(self.config.put_session_fraction,
+                       1 / max(1, self.session_count() + (0 if session.regions or session.leases else 1)))
+        pools = self.store.pools
+        for pool, count in asked.items():
+            spec = pools.get(pool)
+            if spec is None:
+                continue  # no such pool: the placement fails those keys by name
+            share = math.ceil(fraction * spec.slot_count)
+            if held[pool] + count > share:
+                return (f"this client's puts hold {held[pool]} slots of pool {pool!r} and this one asks up to {count}: "
+                        f"past its share of {share} (put_session_fraction); commit or unput some first")
+        return None
+
     def _end(self, record: PutRecord) -> None:
         """Forget ``record`` (its entries are the caller's to commit or free)."""
         del self.table[record.id]
         record.session.puts.discard(record.id)
+        held = self.by_agent[record.agent]
+        held.subtract(record.pool_slots)
+        if not +held:
+            del self.by_agent[record.agent]
+        else:
+            self.by_agent[record.agent] = +held
 
     def _free(self, record: PutRecord) -> None:
         """Free a put's reserved slots: no WRITE of it can land any more."""
@@ -260,7 +313,7 @@ class Puts:
         another session still holds the agent) every ``QUARANTINE_RETRY_S``."""
         quarantine = self.config.put_quarantine_ms / 1000
         times = [r.deadline if r.state is PutState.OPEN else max(r.ended + quarantine, r.retry)
-                 for r in self.table.values() if r.state is not PutState.EXPIRED]
+                 for r in self.table.values()]
         return min(times) if times else None
 
     def check_puts(self, now: float) -> None:
@@ -273,6 +326,13 @@ class Puts:
                 self.counts["expired"] += 1
                 log.info("put %d of %s expired unfinished: %d slots quarantined", record.id, record.session.name,
                          record.slots)
+            elif record.state is PutState.EXPIRED and now >= record.ended + quarantine and not record.session.closing:
+                # Its session sits on it past the quarantine (a client that names its puts
+                # would have): it ends, so that the put is LOST and freed once its agent goes.
+                self.counts["sessions_ended"] += 1
+                log.warning("client %s sat on expired put %d for %.1f s: ending its session", record.session.name,
+                            record.id, now - record.ended)
+                self.end_session(record.session)
             elif record.state is PutState.LOST and now >= max(record.ended + quarantine, record.retry):
                 if not record.removed:
                     # Nothing else may hold the agent; once it is removed, the hook marks it.

@@ -105,12 +105,29 @@ def test_an_expired_put_is_quarantined_until_the_session_names_it(ipc_dir: Path,
         d.tick(0.1)
         st = d.stats()
         assert st["puts"]["expired"] == 1 and st["puts"]["quarantined_slots"] == 2 and free(d) == 6
-        d.tick(5)  # past the quarantine time: the session lives, its WRITE may still come
+        d.tick(4)  # within the quarantine time: the session lives, its WRITE may still come
         assert free(d) == 6 and d.stats()["writing"] == 1
-        assert d.node.puts.next_put_event() is None, "nothing timed: the idle node sleeps"
         refused = reply_of(d.receive(b"c", Commit(3, reply.put)), 3)
         assert isinstance(refused, Error) and refused.code == ErrorCode.TIMEOUT and refused.path == "put"
         assert free(d) == 8 and d.stats()["puts"]["quarantined"] == 0 and d.stats()["invariants"] == []
+        assert d.node.puts.next_put_event() is None, "nothing timed: the idle node sleeps"
+
+
+def test_a_session_sitting_on_an_expired_put_past_its_quarantine_is_ended(ipc_dir: Path, agent: ClientAgent) -> None:
+    """An uncommitted put held its keys and slots for the putter's whole session: now the
+    session that has not named its expired put put_quarantine_ms after expiry is ended, and
+    the put freed once its agent is removed, in bounded time."""
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        reply_of(d.receive(b"c", put(2, b"x", ttl_ms=100)), 2)
+        d.tick(0.15)
+        assert d.stats()["puts"]["expired"] == 1 and free(d) == 6
+        d.tick(5)  # past the quarantine: the session is ended, its agent removed, the put freed
+        d.tick(0.01)
+        st = d.stats()
+        assert st["puts"]["sessions_ended"] == 1 and st["puts"]["lost"] == 1 and st["puts"]["freed_late"] == 1, st["puts"]
+        assert free(d) == 8 and st["writing"] == 0 and st["tables"]["puts"] == 0 and st["invariants"] == []
+        assert d.node.sessions.get(b"c") is None
 
 
 def test_a_lost_session_frees_its_put_once_its_agent_is_removed_and_the_quarantine_passed(
@@ -151,3 +168,36 @@ def test_a_lost_put_waits_while_another_session_holds_the_agent(ipc_dir: Path, a
         assert free(d) == 6
         d.tick(0.2)
         assert free(d) == 8 and d.stats()["invariants"] == []
+
+
+def test_a_clients_puts_hold_at_most_its_share_across_reconnects(ipc_dir: Path, agent: ClientAgent) -> None:
+    """One session reserved 253 of 256 slots, evicting every other client's objects, and each
+    reconnect kept the old session's puts on top. Now a client's open and quarantined puts,
+    its earlier sessions' included, hold at most its share of each pool (here 1/2 of 8
+    slots, two clients); past it a put is refused BUSY before anything is placed or evicted."""
+    other = ClientAgent("puts-other", np.zeros(4 * SLOT, np.uint8))
+    try:
+        with node_driver(config(ipc_dir, max_puts_per_session=8)) as d:
+            d.hello(b"o", other)
+            kept = reply_of(d.receive(b"o", put(2, b"keep")), 2)
+            assert isinstance(reply_of(d.receive(b"o", Commit(3, kept.put)), 3), Completion)
+            d.hello(b"c", agent)
+            for request, k in ((2, b"x"), (3, b"y")):
+                assert reply_of(d.receive(b"c", put(request, k)), request).put  # 2 + 2 slots: its share
+            refused = reply_of(d.receive(b"c", put(4, b"z")), 4)
+            assert isinstance(refused, Error) and refused.code == ErrorCode.BUSY and "put_session_fraction" in refused.reason
+            st = d.stats()
+            assert st["puts"]["refused_share"] == 1 and free(d) == 2 and st["ready"] == 1, "nothing was evicted"
+            # A reconnect: the old session's puts are lost, and still count for this client.
+            d.hello(b"c", agent)
+            refused = reply_of(d.receive(b"c", put(2, b"z")), 2)
+            assert isinstance(refused, Error) and refused.code == ErrorCode.BUSY
+            assert d.stats()["puts"]["lost"] == 2 and free(d) == 2
+            # Its last session ends: the agent goes, and after the quarantine every slot is back.
+            assert d.receive(b"c", Bye(3)) == [Ack(3)]
+            d.tick(5.1)
+            st = d.stats()
+            assert free(d) == 6 and st["puts"]["freed_late"] == 2 and st["tables"]["puts"] == 0 and st["invariants"] == []
+            assert d.node.puts.by_agent == {}
+    finally:
+        other.close()
