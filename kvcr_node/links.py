@@ -103,7 +103,7 @@ class Links(LeaseRequests, ClientForgets):
 
     def __init__(
         self, config: NodeConfig, context: zmq.Context[Any], poller: zmq.Poller,
-        agents: RemoteAgents, hello: Callable[[int], PeerHello], versions: Sequence[int],
+        agents: RemoteAgents, hello: Callable[[int, str], PeerHello], versions: Sequence[int],
         counters: Counters, protocol_errors: ProtocolErrors, clock: Callable[[], float],
         curve: tuple[bytes, bytes, bytes] | None = None, *, owner: LinkOwner | None = None,
     ) -> None:
@@ -114,7 +114,7 @@ class Links(LeaseRequests, ClientForgets):
         self.poller = poller
         self.agents = agents
         self.hello = hello
-        """Builds our ``peer_hello`` for a message id."""
+        """Builds our ``peer_hello`` for a message id and the link's endpoint (as spelled)."""
         self.versions = versions
         self.counters = counters
         self.protocol_errors = protocol_errors
@@ -255,7 +255,7 @@ class Links(LeaseRequests, ClientForgets):
     def _say_hello(self, link: PeerLink) -> None:
         link.hello_id = next(self._ids)
         link.state = LinkState.CONNECTING
-        self._send(link, self.hello(link.hello_id))
+        self._send(link, self.hello(link.hello_id, link.endpoint))
 
     def _send(self, link: PeerLink, msg: Message) -> bool:
         try:

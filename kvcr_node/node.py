@@ -17,6 +17,8 @@ over the ``Links`` made here and handed to it), ``Source`` (what peers ask of us
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import logging
 import secrets
 import time
@@ -66,6 +68,8 @@ from kvcr_protocol.columns import U32, pack
 log = logging.getLogger("kvcr.node")
 
 _IDLE_POLL_MS = 1000
+LINK_TOKEN_BYTES = 16
+"""Bytes of a link's token in ``peer_hello`` (spec section 5.3)."""
 _SHUTDOWN_DRAIN_S = 10.0
 _FAILED_POLL_S = 0.05
 """After a failed poll the loop waits this long, so a failing poll cannot spin."""
@@ -101,6 +105,8 @@ class Node:
         """Where the source side's READY writes are submitted when not at once (measurement only: ``Source``)."""
         self.versions = supported_up_to(config.protocol_version)
         self.incarnation = secrets.randbits(63) | 1
+        self._link_secret = secrets.token_bytes(32)
+        """Keys the tokens of our links to sources (``_peer_hello``); never leaves this process."""
         self.store = Store(config.pools, make_policy(config.policy), config.low_watermark)
         self.memories: dict[str, PoolMemory] = {}
         self._regs: list[Any] = []
@@ -267,12 +273,16 @@ class Node:
         self.store.listener = inventory
         return events
 
-    def _peer_hello(self, hello_id: int) -> PeerHello:
-        """Our ``peer_hello`` (spec section 5.3): versions, identity, agent metadata, our pools as
-        regions (region id = pool index in welcome order), so sources can write into them (fetch)."""
+    def _peer_hello(self, hello_id: int, endpoint: str) -> PeerHello:
+        """Our ``peer_hello`` to ``endpoint`` (spec section 5.3): versions, identity, agent
+        metadata, our pools as regions (region id = pool index in welcome order), so sources
+        can write into them (fetch), and the link's token: a digest of our secret and the
+        endpoint as spelled, the same at every reconnect of that link, which nobody who only
+        knows our incarnation can forge."""
         regions = tuple(Region(i, m.kind, m.nixl_device, m.address, m.spec.size) for i, m in enumerate(self.memories.values()))
+        link = hmac.new(self._link_secret, endpoint.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()[:LINK_TOKEN_BYTES]
         return PeerHello(hello_id, self.versions, self.config.name, self.incarnation, self.agent.name,
-                         self.agent.metadata(), regions)
+                         self.agent.metadata(), regions, link)
 
     def snapshot(self) -> dict[str, Any]:
         """Statistics and the result of the accounting check (``stats``; O(objects))."""

@@ -52,6 +52,9 @@ class PeerState:
 
     incarnation: int = 0
     """The target's incarnation (its write ids are unique per incarnation, for probes)."""
+    link: bytes = b""
+    """The target's token for the link this session is on (``peer_hello.link``): a new peer
+    session replaces this one only with the same incarnation and token (spec section 5.3)."""
     clients: collections.OrderedDict[str, dict[int, Region]] = field(default_factory=collections.OrderedDict)
     """Announced client agent -> its regions, least recently used first (bounded by the node)."""
     done: collections.OrderedDict[int, None] = field(default_factory=collections.OrderedDict)

@@ -11,6 +11,7 @@ are all READY is claimed and its WRITE submitted in the turn that decoded it
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Callable, Sequence
 
@@ -83,8 +84,11 @@ class Source:
         # the same target process (its incarnation) go on in the new session (spec section 6.11).
         # As for a client's hello (spec section 5.2), they end whatever the answer; a refusal
         # travels at version 1 (section 5.1).
-        olds = [s for s in self.sessions
-                if s.identity == identity or (s.peer is not None and s.peer.incarnation == msg.incarnation)]
+        # A session of the same target's link: the same incarnation and the same link token,
+        # which only that target knows (spec section 5.3). Knowing an incarnation (stats show
+        # it) takes nobody's session over; two spellings of our endpoint are two links.
+        olds = [s for s in self.sessions if s.identity == identity or (
+            s.peer is not None and s.peer.incarnation == msg.incarnation and hmac.compare_digest(s.peer.link, msg.link))]
         refused: ProtocolError | None = None
         try:
             version = negotiate(self.versions, msg.versions)
@@ -92,11 +96,12 @@ class Source:
             version, refused = 0, exc
         session = None if refused is not None else self.sessions.open_session(
             identity, msg.id, msg.agent_md, msg.regions,
-            lambda agent: Session(identity, msg.node, agent, version, msg.agent_md, peer=PeerState(msg.incarnation)),
+            lambda agent: Session(identity, msg.node, agent, version, msg.agent_md,
+                                  peer=PeerState(msg.incarnation, msg.link)),
         )
         for old in olds:
             if (session is not None and old.peer is not None and old.peer.incarnation == msg.incarnation
-                    and version >= LEASES_VERSION):
+                    and hmac.compare_digest(old.peer.link, msg.link) and version >= LEASES_VERSION):
                 self.sessions.leases.carry_over(old, session)
             self.sessions.close(old)
             if old.ops:

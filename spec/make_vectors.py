@@ -651,6 +651,16 @@ def valid_instances() -> list[Valid]:
             ),
         ),
         Valid(
+            "peer-hello-link",
+            m.PeerHello(1, (1, 2, 3, 4, 5), "node-a", INC_A, "kvcr-node-a", MD_NODE_A, POOL_REGIONS_A,
+                        bytes.fromhex("5f0c3a9e7d21b4486ac09e13f2d7b650")),
+            accept=accept_hello_newer,
+            description=(
+                "node A's hello with its token for this link: a later peer_hello takes this session's leases over "
+                "only with the same incarnation and token"
+            ),
+        ),
+        Valid(
             "peer-hello-minimal",
             m.PeerHello(1, (1,), "node-a", 1, "kvcr-node-a", MD_NODE_A),
             omit_defaults=True,

@@ -379,8 +379,12 @@ class PeerHello(Message):
     agent: str
     agent_md: bytes
     regions: tuple[Region, ...] = ()
+    link: bytes = b""
+    """The target's token for this link (spec section 5.3): a new peer session replaces an
+    old one of the same incarnation only when their tokens are equal."""
     FIELDS = _fields(
         _F_VERSIONS, _F_NODE, _F_INCARNATION, _F_AGENT, _F_AGENT_MD, _F_REGIONS_OPT,
+        Field("link", Bytes("max_key"), b""),
     )
 
 

@@ -147,7 +147,7 @@ def world(ipc_dir: Path) -> Iterator[World]:
     counters = Counters()
     links = Links(
         CONFIG, context, poller, agents,
-        lambda i: PeerHello(i, PROTOCOL_VERSIONS, "target", 7, "target-agent", b"target-agent"),
+        lambda i, endpoint: PeerHello(i, PROTOCOL_VERSIONS, "target", 7, "target-agent", b"target-agent"),
         PROTOCOL_VERSIONS, counters, ProtocolErrors(), clock, owner=owner,
     )
     yield World(links, owner, clock, context, ipc_dir, counters)

@@ -23,6 +23,7 @@ from kvcr_node.store import DepositOutcome
 from kvcr_protocol import (
     CURRENT_VERSION,
     Ack,
+    Bye,
     Completion,
     DeliverItem,
     Deposit,
@@ -31,6 +32,8 @@ from kvcr_protocol import (
     Error,
     ErrorCode,
     KeyStatus,
+    Lease,
+    LeaseReply,
     Message,
     PeerClient,
     PeerForget,
@@ -41,6 +44,7 @@ from kvcr_protocol import (
     Progress,
     Query,
     Refuse,
+    ReleaseLease,
     SrcSpan,
     WriteDone,
     WriteNotify,
@@ -86,9 +90,9 @@ def client() -> Iterator[ClientAgent]:
 
 def peer_hello(
     d: NodeDriver, identity: bytes, target: ClientAgent, request_id: int = 1, incarnation: int = INCARNATION,
-    versions: tuple[int, ...] = (CURRENT_VERSION,),
+    versions: tuple[int, ...] = (CURRENT_VERSION,), link: bytes = b"",
 ) -> None:
-    hello = PeerHello(request_id, versions, "target", incarnation, target.name, target.metadata, target.regions)
+    hello = PeerHello(request_id, versions, "target", incarnation, target.name, target.metadata, target.regions, link)
     replies = d.receive(identity, hello)
     assert len(replies) == 1 and isinstance(replies[0], PeerWelcome), replies
     assert replies[0].incarnation == d.node.incarnation
@@ -168,6 +172,38 @@ def test_a_reconnecting_target_ends_its_old_session(ipc_dir: Path, target: Clien
         assert d.stats()["tables"]["peer_clients"] == 0  # its announced clients went with it
         d.node.store.abandon(entry)
         d.node.operations.wake(b"k")
+        assert_at_rest(d)
+
+
+def test_knowing_an_incarnation_takes_no_peer_session_over(ipc_dir: Path, target: ClientAgent) -> None:
+    """Any client can read a target's incarnation from its stats. A raw peer_hello with it
+    (and no link token, or another) opens a session of its own: it neither ends the target's
+    session nor takes its leases, which it cannot release. Two links of one target (two
+    spellings of this endpoint) coexist; only the same link's reconnect takes the leases over."""
+    token, other_spelling = bytes(range(16)), bytes(range(1, 17))
+    with node_driver(config(ipc_dir)) as d:
+        outcome, entry = d.node.store.begin_deposit(b"k", LAYOUT)
+        assert outcome is DepositOutcome.NEW and entry is not None
+        d.node.store.commit(entry)
+        peer_hello(d, b"target", target, link=token)
+        replies = d.receive(b"target", Lease(2, (b"k",), None, 60_000))
+        lease = only(replies, LeaseReply).lease
+        assert lease and entry.claims == 1
+        for intruder, link in ((b"intruder", b""), (b"guesser", bytes(16)), (b"spelling", other_spelling)):
+            peer_hello(d, intruder, target, link=link)
+            refused = only(d.receive(intruder, ReleaseLease(3, lease)), Error)
+            assert refused.code == ErrorCode.UNKNOWN_LEASE
+        assert {s.identity for s in d.node.sessions} == {b"target", b"intruder", b"guesser", b"spelling"}
+        st = d.stats()
+        assert st["leases"]["held"] == 1 and st["leases"].get("carried_over", 0) == 0 and entry.claims == 1
+        # The target's own reconnect on that link: the old session goes, its lease with the new one.
+        peer_hello(d, b"target-again", target, link=token)
+        assert b"target" not in {s.identity for s in d.node.sessions}
+        assert d.stats()["leases"]["carried_over"] == 1
+        assert d.receive(b"target-again", ReleaseLease(4, lease)) == [Ack(4)]
+        assert entry.claims == 0
+        for identity in (b"intruder", b"guesser", b"spelling", b"target-again"):
+            assert d.receive(identity, Bye(9)) == [Ack(9)]
         assert_at_rest(d)
 
 
