@@ -137,6 +137,10 @@ class NodeConfig:
     """The longest time to live a put is granted; longer asks are cut to it."""
     max_puts_per_session: int = 64
     """Puts one session may hold, quarantined ones included; one more is refused BUSY."""
+    put_pool_fraction: float = 0.5
+    """The share of each pool's slots all open and quarantined puts together may hold, so
+    that reservations nobody commits (clients that come, put and go) cannot evict the whole
+    cache; a put that could take them past it is refused BUSY (spec section 6.13)."""
     put_session_fraction: float = 0.125
     """The share of each pool's slots one client's open and quarantined puts may hold, at
     least 1/sessions as for leases (counted by the client's agent, so the puts its earlier
@@ -219,9 +223,10 @@ class NodeConfig:
             raise ConfigError("lease_pool_fraction", f"expected a fraction in [0, 1], got {self.lease_pool_fraction!r}")
         if isinstance(self.lease_session_fraction, bool) or not 0.0 <= self.lease_session_fraction <= 1.0:
             raise ConfigError("lease_session_fraction", f"expected a fraction in [0, 1], got {self.lease_session_fraction!r}")
-        if isinstance(self.put_session_fraction, bool) or not isinstance(self.put_session_fraction, (int, float)) \
-                or not 0.0 < self.put_session_fraction <= 1.0:
-            raise ConfigError("put_session_fraction", f"expected a fraction in (0, 1], got {self.put_session_fraction!r}")
+        for share in ("put_pool_fraction", "put_session_fraction"):
+            value = getattr(self, share)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+                raise ConfigError(share, f"expected a fraction in (0, 1], got {value!r}")
         for flag in ("client_transfers", "peer_grants"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(flag, f"expected true or false, got {getattr(self, flag)!r}")
@@ -341,7 +346,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
     "lease_session_fraction": (int, float), "metrics_port": int, "metrics_address": str,
     "metrics_max_connections": int, "client_transfers": bool, "peer_grants": bool, "put_ttl_ms": int, "max_put_ttl_ms": int,
-    "max_puts_per_session": int, "put_quarantine_ms": int, "put_session_fraction": (int, float),
+    "max_puts_per_session": int, "put_quarantine_ms": int, "put_session_fraction": (int, float), "put_pool_fraction": (int, float),
     "events_endpoint": str, "events_replay_endpoint": str, "events_replay_bytes": int, "events_replay_requesters": int,
 }
 

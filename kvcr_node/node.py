@@ -62,7 +62,17 @@ from kvcr_node.stats import Stats
 from kvcr_node.store import Store
 from kvcr_node.target import Target
 from kvcr_node.transfers import LocalLists, Transfers
-from kvcr_protocol import ErrorCode, GrantNode, Limits, PeerHello, PoolInfo, ProjectionCache, Region, supported_up_to
+from kvcr_protocol import (
+    ErrorCode,
+    GrantNode,
+    Limits,
+    PeerHello,
+    PoolInfo,
+    ProjectionCache,
+    Region,
+    Role,
+    supported_up_to,
+)
 from kvcr_protocol.columns import U32, pack
 
 log = logging.getLogger("kvcr.node")
@@ -241,7 +251,7 @@ class Node:
                          self.leases.pool_index, self._grant_node)
         self.sessions.puts = self.puts
         self.puts.end_session = self.sessions.end
-        self.puts.session_count = self.leases.session_count
+        self.puts.session_count = lambda: sum(1 for s in self.sessions.table.values() if s.role is not Role.PEER)
         self.stats.puts = self.puts
         self.router = Router(
             self.sessions, self.operations, deposits, self.deliveries,

@@ -110,12 +110,14 @@ class Puts:
         self.pool_index = pool_index
         self.grant_node = grant_node
         self.table: dict[int, PutRecord] = {}
+        self.total: collections.Counter[str] = collections.Counter()
+        """Pool -> slots all open and quarantined puts hold (``put_pool_fraction``)."""
         self.by_agent: dict[str, collections.Counter[str]] = {}
         """Client agent -> pool -> slots its open and quarantined puts hold, those its
         earlier sessions lost included (``put_session_fraction``)."""
         self.session_count: Callable[[], int] = lambda: 0
-        """Sessions sharing the pools (those that announced memory or hold leases: the node
-        sets it, as for lease shares)."""
+        """Client sessions connected, the putter's included (the node sets it): each may keep
+        objects in the pools, so a putter's share shrinks as clients arrive."""
         self.end_session: Callable[[Session], None] = lambda session: None
         """Ends a session that sits on an expired put past its quarantine (the node's
         ``Sessions.end``), so that its slots and keys are freed in bounded time."""
@@ -175,6 +177,7 @@ class Puts:
         for _, entry in reserved:
             record.pool_slots.update(dict(entry.info.need))
         self.by_agent.setdefault(record.agent, collections.Counter()).update(record.pool_slots)
+        self.total.update(record.pool_slots)
         self.table[put] = record
         session.puts.add(put)
         self.counts["granted"] += 1
@@ -244,7 +247,7 @@ class Puts:
     def _past_share(self, session: Session, msg: Put) -> str | None:
         """Why ``msg`` could take its client's puts past their share of a pool (every span
         counted as a new slot: nothing is placed or evicted before this check), or None. The
-        share is ceil(max(put_session_fraction, 1/sessions) * slots), as a lease share."""
+        share is ceil(max(put_session_fraction, 1/clients) * slots), clients connected."""
         asked: collections.Counter[str] = collections.Counter()
         for item in msg.items:
             asked.update(span.pool for span in item.spans)
@@ -252,13 +255,16 @@ class Puts:
             for pool in block.pool_names():
                 asked[pool] += len(block.keys)
         held = self.by_agent.get(session.agent, collections.Counter())
-        fraction = max(self.config.put_session_fraction,
-                       1 / max(1, self.session_count() + (0 if session.regions or session.leases else 1)))
+        fraction = max(self.config.put_session_fraction, 1 / max(1, self.session_count()))
         pools = self.store.pools
         for pool, count in asked.items():
             spec = pools.get(pool)
             if spec is None:
                 continue  # no such pool: the placement fails those keys by name
+            budget = math.ceil(self.config.put_pool_fraction * spec.slot_count)
+            if self.total[pool] + count > budget:
+                return (f"puts hold {self.total[pool]} slots of pool {pool!r} and this one asks up to {count}: past the "
+                        f"pool's put budget of {budget} (put_pool_fraction); try again once puts are committed")
             share = math.ceil(fraction * spec.slot_count)
             if held[pool] + count > share:
                 return (f"this client's puts hold {held[pool]} slots of pool {pool!r} and this one asks up to {count}: "
@@ -269,6 +275,8 @@ class Puts:
         """Forget ``record`` (its entries are the caller's to commit or free)."""
         del self.table[record.id]
         record.session.puts.discard(record.id)
+        self.total.subtract(record.pool_slots)
+        self.total = +self.total
         held = self.by_agent[record.agent]
         held.subtract(record.pool_slots)
         if not +held:

@@ -177,7 +177,7 @@ def test_a_clients_puts_hold_at_most_its_share_across_reconnects(ipc_dir: Path, 
     slots, two clients); past it a put is refused BUSY before anything is placed or evicted."""
     other = ClientAgent("puts-other", np.zeros(4 * SLOT, np.uint8))
     try:
-        with node_driver(config(ipc_dir, max_puts_per_session=8)) as d:
+        with node_driver(config(ipc_dir, max_puts_per_session=8, put_pool_fraction=1.0)) as d:
             d.hello(b"o", other)
             kept = reply_of(d.receive(b"o", put(2, b"keep")), 2)
             assert isinstance(reply_of(d.receive(b"o", Commit(3, kept.put)), 3), Completion)
