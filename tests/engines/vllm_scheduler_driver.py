@@ -6,8 +6,10 @@ line with what the scheduler did, step by step, for ``test_vllm_scheduler.py`` t
 The configuration is what ``EngineArgs`` makes for the tiny Llama of
 ``examples/vllm_prefix.py`` (CPU platform, chunked prefill with a budget of 64 tokens a
 step); the KV cache config is one full-attention group of four layers and ``NUM_BLOCKS``
-blocks, as the engine core would hand the scheduler. The node already holds the first two
-blocks of the ``loaded`` request's prompt (deposited here under the connector's keys), so
+blocks, as the engine core would hand the scheduler. Requests are hashed block by block as
+the engine core hashes them (``request``: vLLM's default hash, ``Request.block_hashes``),
+which the connector's keys derive from. The node already holds the first two blocks of the
+``loaded`` request's prompt (deposited here under the connector's keys, ``prompt_keys``), so
 the scheduler leases them; the ``chunked`` request's prompt is new. Model outputs are made
 up (a sampled token per finished prefill) since no model runs: the scheduler only needs
 their shape.
@@ -32,6 +34,8 @@ from vllm import SamplingParams
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -39,6 +43,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvcr_client import Client, Span
+from kvcr_client.integrations.blocks import Fingerprint
 from kvcr_client.integrations.vllm import KvcrConnector, KvcrConnectorMetadata
 
 BLOCK = 32
@@ -56,6 +61,24 @@ CONFIG = {
 }
 LOADED_PROMPT = [(7 * i + 3) % 500 + 10 for i in range(100)]
 CHUNKED_PROMPT = [(11 * i + 5) % 500 + 10 for i in range(200)]
+
+
+HASH_FN = get_hash_fn_by_name("sha256")
+"""vLLM's default ``prefix_caching_hash_algo``: the chain is rooted as the engine core roots it."""
+init_none_hash(HASH_FN)
+
+
+def request(request_id: str, tokens: list[int], params: SamplingParams, **more: Any) -> Request:
+    """A request as vLLM's engine core makes it: its block hashes computed (``Request.block_hashes``,
+    over the tokens and whatever of ``more`` vLLM folds in: ``lora_request``, ``mm_features``,
+    ``cache_salt``)."""
+    return Request(request_id, tokens, params, None, block_hasher=get_request_block_hasher(BLOCK, HASH_FN), **more)
+
+
+def prompt_keys(fp: Fingerprint, tokens: list[int], **more: Any) -> list[bytes]:
+    """The connector's key of each full block of ``tokens`` in a request with ``more``: what
+    another engine's connector saved them under."""
+    return fp.engine_keys(request("keys", tokens, SamplingParams(max_tokens=1), **more).block_hashes)
 
 
 PATIENT = {"lookup_timeout_s": 30.0, "lookup_wait_s": 30.0}
@@ -143,17 +166,17 @@ def main() -> int:
     connector = sched.connector
     assert isinstance(connector, KvcrConnector), type(connector)
     fp = connector.connector_scheduler.settings.fingerprint
-    loaded_keys = fp.block_keys(LOADED_PROMPT)
-    chunked_keys = fp.block_keys(CHUNKED_PROMPT)
+    loaded_keys = prompt_keys(fp, LOADED_PROMPT)
+    chunked_keys = prompt_keys(fp, CHUNKED_PROMPT)
     deposit_blocks(endpoint, fp.all_slices(loaded_keys[:2]))  # one rank: a block's one slice
     prompts = {"loaded": LOADED_PROMPT, "chunked": CHUNKED_PROMPT}
     report: dict[str, Any] = {"loaded_keys": [k.hex() for k in loaded_keys],
                               "chunked_keys": [k.hex() for k in chunked_keys], "steps": []}
-    sched.add_request(Request("loaded", LOADED_PROMPT, SamplingParams(max_tokens=2, temperature=0.0), None))
+    sched.add_request(request("loaded", LOADED_PROMPT, SamplingParams(max_tokens=2, temperature=0.0)))
     steps = report["steps"]
     while sched.has_unfinished_requests() and len(steps) < 8:
         steps.append(step(sched, prompts))
-    sched.add_request(Request("chunked", CHUNKED_PROMPT, SamplingParams(max_tokens=1, temperature=0.0), None))
+    sched.add_request(request("chunked", CHUNKED_PROMPT, SamplingParams(max_tokens=1, temperature=0.0)))
     while sched.has_unfinished_requests() and len(steps) < 16:
         steps.append(step(sched, prompts))
     report["unfinished"] = sched.has_unfinished_requests()
