@@ -111,8 +111,8 @@ class KvcrScheduler:
         self._loads: list[BlockLoad] = []
         self._saving: dict[str, _Saving] = {}
         self._prompts: dict[str, tuple[list[bytes], int]] = {}
-        """Requests allocated this step, until their saves are planned: the keys of their prompt's
-        full blocks, and the prompt's tokens."""
+        """Requests vLLM allocated blocks for, until their saves are planned (or they end): the
+        keys of their prompt's full blocks, and the prompt's tokens."""
         log.info("kvcr: block keys from vLLM's block hashes (%s) under %s; servers share blocks when both agree",
                  settings.block_hashes or "as configured", settings.fingerprint)
 
