@@ -87,7 +87,8 @@ def tiny_llama(layers: int) -> Path:
 
 
 def engine(node: str, source: str | None, layers: int, max_batched_tokens: int, connector: str,
-           more: dict[str, Any]) -> LLM:
+           more: dict[str, Any], **engine_args: Any) -> LLM:
+    """The tiny Llama in vLLM with the connector; ``engine_args`` add to vLLM's (LoRA, say)."""
     folder = tiny_llama(layers)
     # The model's folder differs per process: both engines name the model the same way.
     extra: dict[str, Any] = {"endpoint": node, "pool": "kv", "block_observer": "vllm_digests:BlockDigests",
@@ -102,6 +103,7 @@ def engine(node: str, source: str | None, layers: int, max_batched_tokens: int, 
         kv_transfer_config=KVTransferConfig(kv_connector=name, kv_connector_module_path=module,
                                             kv_role="kv_both", kv_connector_extra_config=extra,
                                             kv_load_failure_policy="recompute"),
+        **engine_args,
     )
 
 

@@ -5,13 +5,18 @@ Load it without patching vLLM::
     KVTransferConfig(kv_connector="KvcrConnector", kv_connector_module_path="kvcr_client.integrations.vllm",
                      kv_role="kv_both", kv_connector_extra_config={"endpoint": "ipc:///run/kvcr/node.sock"})
 
-Each full block of a prompt is one kvcr object per tensor-parallel rank (``kvcr_client.
-integrations.blocks`` keys, salted with the compatibility fingerprint ``vllm_common.fingerprint``:
-model, dtype, block size, KV layout, TP size, layout version; the object key names the rank),
-with one span per layer: the rank's slice of the block's bytes in that layer's paged KV
-tensor (two, ``.k`` and ``.v``, where a layer keeps K and V apart). The node's pool ``pool``
-(default ``kv``) needs slots of one layer's block of one rank. A block is a hit only when
-every rank's slice is held (the scheduler leases them all).
+Each full block of a prompt is one kvcr object per tensor-parallel rank, keyed by vLLM's own
+block hash of it (``Request.block_hashes``: the tokens up to the block's end, and the
+request's LoRA adapter, multimodal inputs and ``cache_salt``), salted with the compatibility
+fingerprint ``vllm_common.fingerprint`` (model, dtype, block size, KV layout, TP size,
+quantization, revision, layout version; ``kvcr_client.integrations.blocks``); the object key
+names the rank. vLLM's hashes must start from the same seed on every server that shares a
+node: its default with ``sha256`` (the default hash) or ``sha256_cbor``, else the same
+``PYTHONHASHSEED`` everywhere (the connector refuses a random one). Each object has one
+span per layer: the rank's slice of the block's bytes in that layer's paged KV tensor (two,
+``.k`` and ``.v``, where a layer keeps K and V apart). The node's pool ``pool`` (default
+``kv``) needs slots of one layer's block of one rank. A block is a hit only when every
+rank's slice is held (the scheduler leases them all).
 
 Scheduler side: ``get_num_new_matched_tokens`` leases the prompt's blocks and counts the
 leading ones held (here, or at the node ``extra_config["source"]`` names, through a hint),

@@ -10,6 +10,7 @@ in (vLLM aggregates them), and the settings both read from the same
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.logger import init_logger
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes, resolve_none_hash_seed
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvcr_client.integrations.blocks import Fingerprint
@@ -212,8 +215,13 @@ class Settings:
     save_timeout_s: float
     block_size: int
     fingerprint: Fingerprint
-    """What block keys are made from besides the tokens (``fingerprint``): engines share blocks
-    exactly when theirs are equal."""
+    """What block keys are salted with besides vLLM's block hashes (``fingerprint``): engines
+    share blocks exactly when theirs are equal."""
+    hashes_per_block: int = 1
+    """vLLM's block hashes (``Request.block_hashes``) a block of ``block_size`` tokens spans:
+    one, unless vLLM hashes finer than the blocks it allocates."""
+    block_hashes: str = ""
+    """How vLLM roots and computes its block hashes (``block_hash_scheme``), for the log."""
 
     @classmethod
     def read(cls, vllm_config: VllmConfig, kv_cache_config: Any = None) -> Settings:
@@ -231,7 +239,45 @@ class Settings:
         save_timeout_s = _seconds(extra, "save_timeout_s", SAVE_TIMEOUT_S, SAVE_TIMEOUT_MAX_S)
         block_size = int(vllm_config.cache_config.block_size)
         return cls(extra, endpoint, source, sources, pool, load_timeout_s, lookup_timeout_s, lookup_wait_s,
-                   save_timeout_s, block_size, fingerprint(vllm_config, kv_cache_config))
+                   save_timeout_s, block_size, fingerprint(vllm_config, kv_cache_config),
+                   hashes_per_block(vllm_config, kv_cache_config), block_hash_scheme(vllm_config))
+
+
+def block_hash_scheme(vllm_config: VllmConfig) -> str:
+    """How vLLM computes the block hashes keys are made from, checked to be the same in every
+    process that shares the settings: its ``prefix_caching_hash_algo``, and the seed it roots
+    the chain at (``PYTHONHASHSEED`` where set, else vLLM's fixed default for a cryptographic
+    hash). Where vLLM draws a random seed per process instead (a non-cryptographic hash
+    without ``PYTHONHASHSEED``), no other server, and not this one once restarted, could ever
+    find a block this one saves: refused, naming both settings (docs/architecture.md section
+    5, "Engine block keys")."""
+    algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+    hash_fn = get_hash_fn_by_name(algo)
+    # vLLM resolves the seed here exactly as it roots its own chain (init_none_hash): a random
+    # seed is drawn afresh on every call, a shareable one is the same each time.
+    if resolve_none_hash_seed(hash_fn) != resolve_none_hash_seed(hash_fn):
+        raise ValueError(
+            f"KvcrConnector: block keys come from vLLM's block hashes, which with prefix_caching_hash_algo={algo!r} "
+            "start from a random seed per process unless PYTHONHASHSEED is set: no other server (nor this one after "
+            "a restart) could find the blocks saved. Set PYTHONHASHSEED to the same value on every server that "
+            "shares a node, or use prefix_caching_hash_algo 'sha256' or 'sha256_cbor'")
+    seed = "PYTHONHASHSEED" if os.environ.get("PYTHONHASHSEED") is not None else "vLLM's default seed"
+    return f"{algo}, {seed}"
+
+
+def hashes_per_block(vllm_config: VllmConfig, kv_cache_config: Any) -> int:
+    """How many of vLLM's block hashes (``Request.block_hashes``, one per ``hash_block_size``
+    tokens) a block of ``cache_config.block_size`` tokens spans: one, unless vLLM hashes finer
+    (several KV cache groups); a block size that is not a multiple of vLLM's hash size is
+    refused, as no hash would end where a block does."""
+    block_size = int(vllm_config.cache_config.block_size)
+    if kv_cache_config is None:
+        return 1
+    hash_block_size = int(resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)[1])
+    if hash_block_size < 1 or block_size % hash_block_size:
+        raise ValueError(f"KvcrConnector: cache_config.block_size {block_size} is not a multiple of the size vLLM "
+                         f"hashes blocks at ({hash_block_size})")
+    return block_size // hash_block_size
 
 
 def kv_layout(kv_cache_config: Any) -> str:
@@ -255,8 +301,10 @@ def fingerprint(vllm_config: VllmConfig, kv_cache_config: Any) -> Fingerprint:
     """The compatibility fingerprint of this engine's blocks (docs/architecture.md section 5,
     "Engine block keys"): the model (``extra_config["model_id"]``, else vLLM's model), its dtype,
     the block size, the KV layout (``kv_layout``), the tensor-parallel size (each rank's slice
-    its own object, ``Fingerprint.slice_key``) and the connector's layout version. The one
-    place keys are salted: a block another fingerprint saved is a miss, never a load.
+    its own object, ``Fingerprint.slice_key``), the weights' quantization, the model's
+    revision and the connector's layout version. The one place keys are salted: a block
+    another fingerprint saved is a miss, never a load. What differs between requests (LoRA
+    adapter, multimodal inputs, cache salt) is in vLLM's block hashes, not here.
     Pipeline and decode-context parallelism split a block's KV in ways keys do not name yet:
     refused, by name."""
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
@@ -264,6 +312,8 @@ def fingerprint(vllm_config: VllmConfig, kv_cache_config: Any) -> Fingerprint:
     for name in ("pipeline_parallel_size", "decode_context_parallel_size"):
         if int(getattr(parallel, name, 1) or 1) != 1:
             raise ValueError(f"KvcrConnector: parallel_config.{name} must be 1, not {getattr(parallel, name)!r}")
-    return Fingerprint(model=str(extra.get("model_id") or vllm_config.model_config.model),
-                       dtype=str(vllm_config.model_config.dtype), block_size=int(vllm_config.cache_config.block_size),
-                       kv_layout=kv_layout(kv_cache_config), tp_size=int(parallel.tensor_parallel_size))
+    model = vllm_config.model_config
+    return Fingerprint(model=str(extra.get("model_id") or model.model), dtype=str(model.dtype),
+                       block_size=int(vllm_config.cache_config.block_size), kv_layout=kv_layout(kv_cache_config),
+                       tp_size=int(parallel.tensor_parallel_size), quantization=str(model.quantization or ""),
+                       revision=str(model.revision or ""))

@@ -14,6 +14,14 @@ once per cause (``CauseLog``). While the node is away (``NodeLink``: lost, recon
 backoff) a lookup is a miss at once; once it is back, lookups lease again, and after a
 restart (what the old incarnation held is gone) no block counts as pinned by a lease.
 
+Block keys come from vLLM's own block hashes (``Request.block_hashes``), which fold in the
+request's LoRA adapter, multimodal inputs and ``cache_salt`` under vLLM's configured hash,
+salted with the fingerprint (``Fingerprint.engine_keys``): requests that differ in any of
+them never share a block, and a block's key derives from the hash vLLM publishes for it in
+its own KV events (docs/architecture.md section 5, "Engine block keys"). A request's keys are
+taken as vLLM allocates its blocks (``update_state_after_alloc``), for the saves that
+``build_connector_meta`` plans from what reaches it (which has no hashes).
+
 Tensor parallelism: each worker rank stores and loads its slice of a block as an object of
 its own (``Fingerprint.slice_key``). This side, one process for all ranks, leases every
 rank's slice of each block, and a block is a hit only when all of them are held.
@@ -102,6 +110,11 @@ class KvcrScheduler:
         self._leases: dict[str, LeaseHandle] = {}
         self._loads: list[BlockLoad] = []
         self._saving: dict[str, _Saving] = {}
+        self._prompts: dict[str, tuple[list[bytes], int]] = {}
+        """Requests vLLM allocated blocks for, until their saves are planned (or they end): the
+        keys of their prompt's full blocks, and the prompt's tokens."""
+        log.info("kvcr: block keys from vLLM's block hashes (%s) under %s; servers share blocks when both agree",
+                 settings.block_hashes or "as configured", settings.fingerprint)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` a lease holds for the request; None ("not yet")
@@ -131,8 +144,8 @@ class KvcrScheduler:
             return 0
         wait = 0.0
         if lookup is None or lookup.stage is _Stage.ADMITTED:
-            tokens = list(request.prompt_token_ids or [])
-            keys = self.settings.fingerprint.block_keys(tokens[:-1])[: self.max_blocks]  # one token is always computed
+            # One token is always computed: the block that would end at the prompt's end is not looked up.
+            keys = self._prompt_keys(request, request.num_prompt_tokens - 1)[: self.max_blocks]
             if not keys:
                 return 0
             if lookup is not None and lookup.hint_id is not None:
@@ -165,6 +178,13 @@ class KvcrScheduler:
             self.counts.add("leases")
             self.counts.add("matched_tokens", held - num_computed_tokens)
         return held - num_computed_tokens
+
+    def _prompt_keys(self, request: Any, tokens: int) -> list[bytes]:
+        """The keys of the request's full blocks within its first ``tokens`` tokens, from the
+        block hashes vLLM computed for it (as many as it has: none where vLLM hashes nothing)."""
+        per = self.settings.hashes_per_block
+        blocks = max(0, int(tokens)) // self.settings.block_size
+        return self.settings.fingerprint.engine_keys(list(request.block_hashes[: blocks * per]), per)
 
     def _start_lookup(self, request: Any, keys: list[bytes]) -> _Lookup:
         """Send the request's hint (where its source is an allowed one) and lease, waiting for neither:
@@ -250,6 +270,8 @@ class KvcrScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         try:
+            prompt_tokens = int(request.num_prompt_tokens)
+            self._prompts[request.request_id] = self._prompt_keys(request, prompt_tokens), prompt_tokens
             lookup = self._lookups.get(request.request_id)
             if lookup is not None:
                 if lookup.stage is _Stage.IN_FLIGHT:  # admitted without it (vLLM skipped the prefix cache)
@@ -284,11 +306,12 @@ class KvcrScheduler:
     def _plan_saves(self, meta: KvcrConnectorMetadata, scheduler_output: Any) -> None:
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            tokens = list(new.prompt_token_ids or [])
+            # Keyed as vLLM allocated it (a request allocated otherwise is not saved).
+            keys, prompt_tokens = self._prompts.pop(new.req_id, ([], 0))
             # Blocks vLLM counts computed (loaded from kvcr, or in its own cache) are not saved,
             # nor those the request's lookup found in the node.
             lookup = self._lookups.get(new.req_id)
-            saving = _Saving(self.settings.fingerprint.block_keys(tokens), list(new.block_ids[0]), len(tokens),
+            saving = _Saving(keys, list(new.block_ids[0]), prompt_tokens,
                              new.num_computed_tokens // self.settings.block_size,
                              lookup.whole if lookup is not None else frozenset())
             self._saving[new.req_id] = saving
@@ -336,6 +359,7 @@ class KvcrScheduler:
             lease = self._leases.pop(request_id, None)
             self._keys.pop(request_id, None)
             self._saving.pop(request_id, None)
+            self._prompts.pop(request_id, None)
             lookup = self._lookups.pop(request_id, None)
             if lookup is not None:
                 held = lookup.held

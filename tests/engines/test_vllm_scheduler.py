@@ -9,6 +9,15 @@ the full blocks each step computes (every chunk of a chunked prefill, in the blo
 allocated for it); ``request_finished`` names this node in ``kv_transfer_params``; the
 scheduler-side stats reach ``SchedulerStats`` and vLLM's connector-stats logger sums them;
 the node ends with no lease held.
+
+Keys come from vLLM's block hashes (issue 39): vLLM's own requests that differ only in a
+``cache_salt``, a LoRA adapter (its name, or the same name at another path) or an image (its
+hash) are saved under keys no other variant has, and never match each other's blocks; a
+fresh request identical to a saved one matches and loads its blocks. An image from token 40
+leaves the first block's KV what the plain prompt's is: that block alone is shared. A
+connector refuses, naming ``PYTHONHASHSEED``, a hash vLLM roots at a random seed per process
+(``xxhash`` without it), which no other server could share; quantization and the model's
+revision change every key (the fingerprint's salt).
 """
 
 from __future__ import annotations
@@ -69,3 +78,43 @@ def test_scheduler_drives_the_connector(node_factory: Callable[..., NodeProcess]
     with Client(node.endpoint, name="vllm-check") as c:
         st = assert_clean(c)
     assert st["leases"]["held"] == 0 and st["objects"] == 2
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_keys_isolate_salts_adapters_and_images(node_factory: Callable[..., NodeProcess]) -> None:
+    node = node_factory("--pool", "kv:16KiB:256")
+    r = run_script(DRIVER, node.endpoint, "isolation", timeout_s=TIMEOUT_S, python=VLLM_PY)
+    keys: dict[str, list[str]] = r["keys"]
+    assert all(len(k) == 3 for k in keys.values()), keys  # 100 tokens: three full blocks saved
+    assert all(r["keys_from_vllm_hashes"].values()), r["keys_from_vllm_hashes"]  # Fingerprint.engine_keys of vLLM's hashes
+    late = ("image_1_late", "image_2_late")
+    for name in late:
+        assert keys[name][0] == keys["plain"][0]  # before the image: the plain prompt's KV, its key
+    distinct = [k for name, ks in keys.items() for k in (ks[1:] if name in late else ks)]
+    assert len(set(distinct)) == len(distinct), keys  # no other key shared by any two variants
+
+    # The node holds the plain request's blocks only: no other variant matches them.
+    plain = r["plain_held"]
+    assert plain["plain"] == {"matched": 96, "loads": keys["plain"]}, plain
+    for name in late:
+        assert plain[name] == {"matched": 32, "loads": keys["plain"][:1]}, plain
+    for name, found in plain.items():
+        if name != "plain" and name not in late:
+            assert found == {"matched": 0, "loads": []}, (name, found)
+    # Every variant's blocks held: a fresh request identical to a saved one loads exactly its blocks.
+    for name, found in r["all_held"].items():
+        assert found == {"matched": 96, "loads": keys[name]}, (name, found)
+
+    schemes = r["settings"]["schemes"]
+    for algo in ("sha256", "sha256_cbor"):
+        assert schemes[f"{algo}/unset"] == f"{algo}, vLLM's default seed", schemes
+    for algo in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"):
+        assert schemes[f"{algo}/7"] == f"{algo}, PYTHONHASHSEED", schemes
+    for algo in ("xxhash", "xxhash_cbor"):
+        refusal = schemes[f"{algo}/unset"]
+        assert refusal.startswith("refused: ") and "PYTHONHASHSEED" in refusal and repr(algo) in refusal, refusal
+    assert r["settings"]["salt_changes"] == {"quantization": True, "revision": True}, r["settings"]
+
+    with Client(node.endpoint, name="vllm-check") as c:
+        st = assert_clean(c)
+    assert st["leases"]["held"] == 0 and st["objects"] == len(distinct) == 28

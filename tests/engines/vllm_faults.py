@@ -6,8 +6,9 @@ vllm_faults.SourceKilledAfterLease``, with this folder on ``PYTHONPATH``) for
 ``extra_config["source"]`` names, then SIGKILLs that node (``extra_config["kill_pid"]``)
 before the worker side's deliver runs in the same step, so the load fails for real, at
 the point a serving engineer fears most: after admission, before the bytes moved.
-``TimedLookups`` times the scheduler side's lookups (``vllm_reconnect_driver.py``), and
-``LayoutBlind`` shares keys across KV layouts, so that a load fails at the node.
+``TimedLookups`` times the scheduler side's lookups (``vllm_reconnect_driver.py``),
+``LayoutBlind`` shares keys across KV layouts, so that a load fails at the node, and
+``ExtrasBlind`` keys blocks by their tokens alone (``vllm_isolation_driver.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import signal
 import time
 from dataclasses import replace
 from typing import Any
+
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
 from kvcr_client.integrations.vllm import KvcrConnector
 
@@ -98,3 +102,29 @@ class SwappedLoads(KvcrConnector):
                 first = tensor[a.offset:a.offset + a.length].copy()
                 tensor[a.offset:a.offset + a.length] = tensor[b.offset:b.offset + b.length]
                 tensor[b.offset:b.offset + b.length] = first
+
+
+class ExtrasBlind(KvcrConnector):
+    """``KvcrConnector`` whose keys see a request's tokens only (``--connector
+    vllm_faults.ExtrasBlind``): vLLM's hash chain over each block's tokens with none of what
+    vLLM folds in besides (LoRA adapter, multimodal inputs, ``cache_salt``), as keys chained
+    over token ids were. Requests that differ only in those then load each other's blocks:
+    ``test_vllm_isolation.py`` proves that the isolation it checks can fail, and that such a
+    load changes what an adapter generates."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        side = self.connector_scheduler
+        if side is None:
+            return
+        hash_fn = get_hash_fn_by_name(self._vllm_config.cache_config.prefix_caching_hash_algo)
+        size = side.settings.block_size
+
+        def tokens_only(request: Any, tokens: int) -> list[bytes]:
+            ids, hashes, parent = list(request.all_token_ids), [], None
+            for b in range(max(0, tokens) // size):
+                parent = hash_block_tokens(hash_fn, parent, ids[b * size : (b + 1) * size], None)
+                hashes.append(parent)
+            return side.settings.fingerprint.engine_keys(hashes)
+
+        side._prompt_keys = tokens_only  # type: ignore[method-assign]

@@ -26,8 +26,7 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
-from vllm_scheduler_driver import BLOCK, LAYERS, NUM_BLOCKS, scheduler
+from vllm_scheduler_driver import BLOCK, LAYERS, NUM_BLOCKS, prompt_keys, request, scheduler
 
 from kvcr_client import Client, Span
 from kvcr_client.integrations.vllm import KvcrConnectorMetadata, KvcrWorker
@@ -98,7 +97,7 @@ class Ranks:
         """One request to its end: tokens matched, and per rank the digests of blocks saved and loaded."""
         self.count += 1
         rid = f"r{self.count}"
-        self.sched.add_request(Request(rid, tokens, SamplingParams(max_tokens=1, temperature=0.0), None))
+        self.sched.add_request(request(rid, tokens, SamplingParams(max_tokens=1, temperature=0.0)))
         out: dict[str, Any] = {
             "matched": 0,
             "saved": [{} for _ in range(TP)],
@@ -160,7 +159,7 @@ def ranks_run(endpoint: str) -> dict[str, Any]:
         fill(caches, r, 1)  # the cache is reused: nothing of the saved bytes is left in it
     report["load"] = ranks.serve(prompt(0))
     # Block 0 of prompt 1: both ranks' slices; block 1: rank 0's only; block 2: both.
-    keys = fp.block_keys(prompt(1)[:-1])
+    keys = prompt_keys(fp, prompt(1)[:-1])
     deposit(
         endpoint,
         [
@@ -173,7 +172,7 @@ def ranks_run(endpoint: str) -> dict[str, Any]:
     )
     report["partial"] = ranks.serve(prompt(1))["matched"]
     # Prompt 2: rank 1's slices only.
-    deposit(endpoint, [fp.slice_key(k, 1) for k in fp.block_keys(prompt(2)[:-1])])
+    deposit(endpoint, [fp.slice_key(k, 1) for k in prompt_keys(fp, prompt(2)[:-1])])
     report["rank1_only"] = ranks.serve(prompt(2))["matched"]
     report["stats"] = ranks.stats()
     ranks.close()

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm_observers import Exploding
-from vllm_scheduler_driver import BLOCK, LAYERS, NUM_BLOCKS, scheduler
+from vllm_scheduler_driver import BLOCK, LAYERS, NUM_BLOCKS, prompt_keys, scheduler
 from vllm_sources_driver import deposit, pattern
 
 from kvcr_client.integrations.vllm import (
@@ -123,7 +123,7 @@ def main() -> int:
     side = front.connector_scheduler
     assert side is not None
     fp = side.settings.fingerprint
-    keys = fp.block_keys([(5 * j + 1) % 500 + 10 for j in range(3 * BLOCK)])
+    keys = prompt_keys(fp, [(5 * j + 1) % 500 + 10 for j in range(3 * BLOCK)])
     deposit(endpoint, fp.all_slices(keys))  # one rank: a block's one slice
     exploding.bind_connector_metadata(KvcrConnectorMetadata(loads=[BlockLoad("r-load", keys, [20, 21, 22])]))
     exploding.start_load_kv(None)

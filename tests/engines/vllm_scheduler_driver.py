@@ -2,12 +2,17 @@
 
 Run in the vLLM environment as ``python vllm_scheduler_driver.py ENDPOINT``; prints one JSON
 line with what the scheduler did, step by step, for ``test_vllm_scheduler.py`` to check.
+``python vllm_scheduler_driver.py ENDPOINT isolation`` drives the connector's scheduler side
+itself with vLLM's requests that differ only in what vLLM folds into its block hashes
+(``isolation_run``).
 
 The configuration is what ``EngineArgs`` makes for the tiny Llama of
 ``examples/vllm_prefix.py`` (CPU platform, chunked prefill with a budget of 64 tokens a
 step); the KV cache config is one full-attention group of four layers and ``NUM_BLOCKS``
-blocks, as the engine core would hand the scheduler. The node already holds the first two
-blocks of the ``loaded`` request's prompt (deposited here under the connector's keys), so
+blocks, as the engine core would hand the scheduler. Requests are hashed block by block as
+the engine core hashes them (``request``: vLLM's default hash, ``Request.block_hashes``),
+which the connector's keys derive from. The node already holds the first two blocks of the
+``loaded`` request's prompt (deposited here under the connector's keys, ``prompt_keys``), so
 the scheduler leases them; the ``chunked`` request's prompt is new. Model outputs are made
 up (a sampled token per finished prefill) since no model runs: the scheduler only needs
 their shape.
@@ -15,12 +20,14 @@ their shape.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -30,8 +37,13 @@ import numpy as np
 import torch
 from vllm import SamplingParams
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 from vllm.engine.arg_utils import EngineArgs
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -39,7 +51,9 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvcr_client import Client, Span
+from kvcr_client.integrations.blocks import Fingerprint
 from kvcr_client.integrations.vllm import KvcrConnector, KvcrConnectorMetadata
+from kvcr_client.integrations.vllm_common import fingerprint
 
 BLOCK = 32
 LAYERS = 4
@@ -56,6 +70,24 @@ CONFIG = {
 }
 LOADED_PROMPT = [(7 * i + 3) % 500 + 10 for i in range(100)]
 CHUNKED_PROMPT = [(11 * i + 5) % 500 + 10 for i in range(200)]
+
+
+HASH_FN = get_hash_fn_by_name("sha256")
+"""vLLM's default ``prefix_caching_hash_algo``: the chain is rooted as the engine core roots it."""
+init_none_hash(HASH_FN)
+
+
+def request(request_id: str, tokens: list[int], params: SamplingParams, **more: Any) -> Request:
+    """A request as vLLM's engine core makes it: its block hashes computed (``Request.block_hashes``,
+    over the tokens and whatever of ``more`` vLLM folds in: ``lora_request``, ``mm_features``,
+    ``cache_salt``)."""
+    return Request(request_id, tokens, params, None, block_hasher=get_request_block_hasher(BLOCK, HASH_FN), **more)
+
+
+def prompt_keys(fp: Fingerprint, tokens: list[int], **more: Any) -> list[bytes]:
+    """The connector's key of each full block of ``tokens`` in a request with ``more``: what
+    another engine's connector saved them under."""
+    return fp.engine_keys(request("keys", tokens, SamplingParams(max_tokens=1), **more).block_hashes)
 
 
 PATIENT = {"lookup_timeout_s": 30.0, "lookup_wait_s": 30.0}
@@ -137,23 +169,150 @@ def step(sched: Scheduler, prompts: dict[str, list[int]]) -> dict[str, Any]:
     return record
 
 
+def image(identifier: str, offset: int, length: int = 20) -> MultiModalFeatureSpec:
+    """An image in the prompt at ``offset`` as vLLM's input processor describes it to the
+    engine core (its data already cached: only the hash it is identified by matters here)."""
+    return MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                 mm_position=PlaceholderRange(offset=offset, length=length))
+
+
+IMAGE_TOKEN = 99
+"""The placeholder an image's positions hold in the prompt: the same ids whatever the image."""
+ISOLATION_PROMPT = [IMAGE_TOKEN if 40 <= i < 60 or i < 20 else (13 * i + 7) % 500 + 10 for i in range(100)]
+"""Three full blocks of 32 (and 4 tokens); placeholders at 0-19 and 40-59, where the images go."""
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "salt_x": {"cache_salt": "x"},
+    "salt_y": {"cache_salt": "y"},
+    "lora_a": {"lora_request": LoRARequest("a", 1, "/adapters/a")},
+    "lora_a_moved": {"lora_request": LoRARequest("a", 1, "/adapters/a-v2")},
+    "lora_b": {"lora_request": LoRARequest("b", 2, "/adapters/b")},
+    "image_1": {"mm_features": [image("image-1", 0)]},
+    "image_2": {"mm_features": [image("image-2", 0)]},
+    "image_1_late": {"mm_features": [image("image-1", 40)]},
+    "image_2_late": {"mm_features": [image("image-2", 40)]},
+}
+"""One prompt, asked with what vLLM folds into its block hashes besides the tokens: a cache
+salt, a LoRA adapter (its name and path), an image (its hash, at the prompt's start, or from
+token 40: in the second block, so that the first block's KV does not depend on it)."""
+
+
+def isolation_run(endpoint: str) -> dict[str, Any]:
+    """The connector's scheduler side with ``VARIANTS``' requests, made and hashed as vLLM's
+    engine core makes them: the keys each request's blocks are saved under (its allocation
+    and the step's metadata; the scheduler's output is a stand-in with the fields the
+    connector reads), then the tokens a fresh request of each variant matches when the node
+    holds the plain request's blocks only, and when it holds every variant's (with the keys it
+    loads)."""
+    sched = scheduler(endpoint)
+    connector = sched.connector
+    assert isinstance(connector, KvcrConnector), type(connector)
+    side = connector.connector_scheduler
+    fp = side.settings.fingerprint
+    blocks = SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],))
+    counter = iter(range(1_000_000))
+
+    def fresh(name: str) -> Request:
+        return request(f"{name}-{next(counter)}", ISOLATION_PROMPT, SamplingParams(max_tokens=1), **VARIANTS[name])
+
+    def saved_keys(name: str) -> tuple[list[bytes], bool]:
+        req = fresh(name)
+        side.update_state_after_alloc(req, blocks, 0)
+        new = SimpleNamespace(req_id=req.request_id, block_ids=([1, 2, 3, 4],), num_computed_tokens=0,
+                              prompt_token_ids=ISOLATION_PROMPT)
+        output = SimpleNamespace(scheduled_new_reqs=[new], num_scheduled_tokens={req.request_id: len(ISOLATION_PROMPT)},
+                                 scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                                                       num_computed_tokens=[], resumed_req_ids=set()))
+        meta = side.build_connector_meta(output)
+        side.request_finished(req, [])
+        keys = [k for save in meta.saves for k in save.keys]
+        return keys, keys == fp.engine_keys(req.block_hashes)
+
+    def lookups() -> dict[str, dict[str, Any]]:
+        found = {}
+        for name in VARIANTS:
+            req = fresh(name)
+            matched, _ = side.get_num_new_matched_tokens(req, 0)
+            side.update_state_after_alloc(req, blocks, matched or 0)
+            meta = side.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                                                             scheduled_cached_reqs=SimpleNamespace(req_ids=[])))
+            found[name] = {"matched": matched, "loads": [k.hex() for load in meta.loads for k in load.keys]}
+            side.request_finished(req, [])
+        return found
+
+    keys, from_hashes = {}, {}
+    for name in VARIANTS:
+        keys[name], from_hashes[name] = saved_keys(name)
+    report: dict[str, Any] = {"keys": {n: [k.hex() for k in ks] for n, ks in keys.items()},
+                              "keys_from_vllm_hashes": from_hashes}
+    deposit_blocks(endpoint, fp.all_slices(keys["plain"]))
+    report["plain_held"] = lookups()
+    others = dict.fromkeys(k for ks in keys.values() for k in ks if k not in keys["plain"])  # a key once
+    deposit_blocks(endpoint, fp.all_slices(list(others)))
+    report["all_held"] = lookups()
+    report["settings"] = settings_run(sched)
+    sched.shutdown()
+    return report
+
+
+def settings_run(sched: Scheduler) -> dict[str, Any]:
+    """What the connector makes of vLLM's settings that decide keys: the hash algorithm and its
+    seed (a connector made with each; the error where refused), quantization and revision (the
+    fingerprint's salt)."""
+
+    def changed(cache: dict[str, Any] | None = None, model: dict[str, Any] | None = None) -> Any:
+        config = copy.deepcopy(sched.vllm_config)
+        for name, value in (cache or {}).items():
+            setattr(config.cache_config, name, value)
+        for name, value in (model or {}).items():
+            setattr(config.model_config, name, value)
+        return config
+
+    def made(config: Any, seed: str | None) -> str:
+        original = os.environ.pop("PYTHONHASHSEED", None)
+        if seed is not None:
+            os.environ["PYTHONHASHSEED"] = seed
+        try:
+            connector = KvcrConnector(config, KVConnectorRole.SCHEDULER, sched.kv_cache_config)
+        except ValueError as exc:
+            return f"refused: {exc}"
+        finally:
+            os.environ.pop("PYTHONHASHSEED", None)
+            if original is not None:
+                os.environ["PYTHONHASHSEED"] = original
+        scheme = connector.connector_scheduler.settings.block_hashes
+        connector.shutdown()
+        return scheme
+
+    salt = fingerprint(sched.vllm_config, sched.kv_cache_config).salt
+    return {
+        "schemes": {f"{algo}/{seed or 'unset'}": made(changed({"prefix_caching_hash_algo": algo}), seed)
+                    for algo in ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor") for seed in (None, "7")},
+        "salt_changes": {name: fingerprint(changed(model={name: value}), sched.kv_cache_config).salt != salt
+                         for name, value in (("quantization", "fp8"), ("revision", "0123abc"))},
+    }
+
+
 def main() -> int:
     endpoint = sys.argv[1]
+    if sys.argv[2:] == ["isolation"]:
+        print(json.dumps(isolation_run(endpoint)), flush=True)
+        return 0
     sched = scheduler(endpoint)
     connector = sched.connector
     assert isinstance(connector, KvcrConnector), type(connector)
     fp = connector.connector_scheduler.settings.fingerprint
-    loaded_keys = fp.block_keys(LOADED_PROMPT)
-    chunked_keys = fp.block_keys(CHUNKED_PROMPT)
+    loaded_keys = prompt_keys(fp, LOADED_PROMPT)
+    chunked_keys = prompt_keys(fp, CHUNKED_PROMPT)
     deposit_blocks(endpoint, fp.all_slices(loaded_keys[:2]))  # one rank: a block's one slice
     prompts = {"loaded": LOADED_PROMPT, "chunked": CHUNKED_PROMPT}
     report: dict[str, Any] = {"loaded_keys": [k.hex() for k in loaded_keys],
                               "chunked_keys": [k.hex() for k in chunked_keys], "steps": []}
-    sched.add_request(Request("loaded", LOADED_PROMPT, SamplingParams(max_tokens=2, temperature=0.0), None))
+    sched.add_request(request("loaded", LOADED_PROMPT, SamplingParams(max_tokens=2, temperature=0.0)))
     steps = report["steps"]
     while sched.has_unfinished_requests() and len(steps) < 8:
         steps.append(step(sched, prompts))
-    sched.add_request(Request("chunked", CHUNKED_PROMPT, SamplingParams(max_tokens=1, temperature=0.0), None))
+    sched.add_request(request("chunked", CHUNKED_PROMPT, SamplingParams(max_tokens=1, temperature=0.0)))
     while sched.has_unfinished_requests() and len(steps) < 16:
         steps.append(step(sched, prompts))
     report["unfinished"] = sched.has_unfinished_requests()

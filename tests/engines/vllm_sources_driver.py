@@ -39,7 +39,7 @@ from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
-from vllm_scheduler_driver import BLOCK, LAYERS, NUM_BLOCKS, SLOT, scheduler, step
+from vllm_scheduler_driver import BLOCK, LAYERS, NUM_BLOCKS, SLOT, prompt_keys, request, scheduler, step
 
 from kvcr_client import Client, Span
 from kvcr_client.integrations.vllm import BlockLoad, KvcrConnector, KvcrConnectorMetadata
@@ -113,8 +113,7 @@ def drive(sched: Scheduler, requests: dict[str, tuple[str, list[int], Any]]) -> 
     prompts = {}
     for label, (request_id, tokens, params) in requests.items():
         extra = {"kv_transfer_params": params} if params is not None else None
-        sched.add_request(Request(request_id, tokens, SamplingParams(max_tokens=1, temperature=0.0,
-                                                                     extra_args=extra), None))
+        sched.add_request(request(request_id, tokens, SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)))
         ids[request_id] = label
         prompts[request_id] = tokens
     connector = sched.connector
@@ -191,9 +190,9 @@ def main_run(a: str, b: str, c: str, folder: Path) -> tuple[dict[str, Any], Sche
         requests[label] = (f"hostile-{label}", prompt(i), params)
     n = len(bad)
     # Node C holds every hostile prompt's blocks: a request that reached it would match them.
-    deposit(c, [k for i in range(n) for k in fp.all_slices(fp.block_keys(prompt(i)[:-1]))])
-    deposit(b, [k for i in (n, n + 1) for k in fp.all_slices(fp.block_keys(prompt(i)[:-1]))])
-    deposit(a, [k for i in (n + 2, n + 3) for k in fp.all_slices(fp.block_keys(prompt(i)[:-1]))])
+    deposit(c, [k for i in range(n) for k in fp.all_slices(prompt_keys(fp, prompt(i)[:-1]))])
+    deposit(b, [k for i in (n, n + 1) for k in fp.all_slices(prompt_keys(fp, prompt(i)[:-1]))])
+    deposit(a, [k for i in (n + 2, n + 3) for k in fp.all_slices(prompt_keys(fp, prompt(i)[:-1]))])
     requests["allowed"] = ("allowed", prompt(n), {"kvcr_endpoint": b})
     requests["allowed_long_id"] = ("r" * 100_000, prompt(n + 1), {"kvcr_endpoint": b})
     requests["own_spelling"] = ("own", prompt(n + 2), {"kvcr_endpoint": a.replace("ipc://", "ipc:///", 1)})
@@ -213,7 +212,7 @@ def frozen_run(a: str, folder: Path) -> dict[str, Any]:
     connector = sched.connector
     assert isinstance(connector, KvcrConnector)
     fp = connector.connector_scheduler.settings.fingerprint
-    deposit(a, fp.all_slices(fp.block_keys(prompt(90)[:-1])))
+    deposit(a, fp.all_slices(prompt_keys(fp, prompt(90)[:-1])))
     report = drive(sched, {"frozen": ("frozen", prompt(91), {"kvcr_endpoint": endpoint}),
                            "innocent": ("innocent", prompt(90), None)})
     report["endpoint"] = endpoint
@@ -235,7 +234,7 @@ def worker_run(sched: Scheduler, b: str, c: str, folder: Path) -> dict[str, Any]
     caches = {name: torch.zeros(NUM_BLOCKS, 2, BLOCK, 2, 32, dtype=torch.float32) for name in layers}
     worker.register_kv_caches(caches)
     fp = connector.connector_scheduler.settings.fingerprint
-    keys = fp.block_keys(prompt(50)[:-1])
+    keys = prompt_keys(fp, prompt(50)[:-1])
     deposit(b, fp.all_slices(keys))  # one rank: the slice is the block
     loads = [
         BlockLoad("w-url", keys, [1, 2, 3], "http://127.0.0.1/"),

@@ -47,11 +47,21 @@ def run_script(script: Path, *args: str, timeout_s: float, python: Path = ENGINE
     return run_script_output(script, *args, timeout_s=timeout_s, python=python, env=env)[0]
 
 
+def checkout_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment plus ``env``, with this checkout (and its protocol package)
+    first on ``PYTHONPATH``: an engine environment installs kvcr in editable mode from
+    wherever it was made, so without it an engine script could import another checkout's
+    kvcr (a second worktree's, sharing the environment) and test code other than this."""
+    merged = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    merged["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), str(ROOT / "protocol"), merged.get("PYTHONPATH"))))
+    return merged
+
+
 def run_script_output(script: Path, *args: str, timeout_s: float, python: Path = ENGINE_PY,
                       env: dict[str, str] | None = None) -> tuple[dict[str, Any], list[str]]:
     """``run_script``, and every line the script wrote before its report (stdout, then stderr)."""
     proc = subprocess.run([str(python), str(script), *args], capture_output=True, text=True,
-                          timeout=timeout_s, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+                          timeout=timeout_s, env=checkout_env(env))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     report: dict[str, Any] = json.loads(lines[-1])
