@@ -37,6 +37,7 @@ from kvcr_client.readplans import LocalColumns, RemoteSpans, remote_spans
 from kvcr_client.readplans import plan as plan_reads
 from kvcr_client.reads import Finished, GrantRead
 from kvcr_client.regions import RegionHandle
+from kvcr_io.digests import UNCHECKED, digest_at, unpack_digests
 from kvcr_protocol import (
     DEFAULT_LIMITS,
     DeliverItem,
@@ -86,6 +87,8 @@ class GrantedKey:
     slots: tuple[int, ...]
     agent: NodeAgent
     remote: RemoteSpans
+    digests: bytes = b""
+    """One u64 per stored span (``kvcr_io.digests``), 0 where unchecked; empty: none."""
 
     @property
     def peer(self) -> str:
@@ -136,6 +139,12 @@ class Grants:
         """Checks that needed a ``renew`` to confirm the lease."""
         self.refused = 0
         """Keys failed because their lease may not have held for the whole read."""
+        self.checked = 0
+        """Spans whose bytes were checked against the grant's digests (spec section 6.12)."""
+        self.unchecked = 0
+        """Spans read with no digest to check them by (none granted, or GPU memory)."""
+        self.mismatched = 0
+        """Keys failed ``DIGEST_MISMATCH``: their bytes were not what the node stored."""
 
     # ------------------------------------------------------------------ what is granted
 
@@ -154,11 +163,15 @@ class Grants:
             return frozenset()  # no agent to read with: the keys travel by deliver
         sources = [self._source(source, node) for source in grant.sources]
         added = set()
+        at = 0
         for i, names, pools, slots in grant.keys(DEFAULT_LIMITS):
             index = grant.source[i] if grant.source else 0
             agent = sources[index - 1] if index else node
+            digests = grant.digest[8 * at:8 * (at + len(names))]
+            at += len(names)
             if agent is not None and max(pools, default=0) < len(agent.pools):
-                self._keys[keys[i]] = GrantedKey(lease, names, pools, tuple(slots), agent, remote_spans(agent.pools, pools, slots))
+                self._keys[keys[i]] = GrantedKey(lease, names, pools, tuple(slots), agent,
+                                                 remote_spans(agent.pools, pools, slots), digests)
                 added.add(keys[i])
         if len(self._keys) > self._sweep_at:
             # Keys of ended leases go in one sweep once the table doubled since the last, so
@@ -295,7 +308,8 @@ class Grants:
                  in plan_reads(items, granted, groups, regions, codes, self.columns).items()]
         deadline = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_READ_S)
         core = self.core
-        job = GrantRead(self, core.agent, items, granted, counts, posts, codes, deadline, landed, finished, quiet)
+        job = GrantRead(self, core.agent, items, granted, counts, posts, codes, deadline, landed, finished, quiet,
+                        verify=self._verifier(items, granted, groups, regions))
         if self.hook is None:
             # Group 0 is posted, polled and reported in one turn of the lock: the caller
             # may wait on it the moment this returns.
@@ -311,6 +325,41 @@ class Grants:
         core.pace()
 
     # ------------------------------------------------------------------ validity
+
+    def _verifier(
+        self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], groups: Sequence[tuple[int, ...]] | None,
+        regions: Mapping[int, RegionHandle],
+    ) -> Callable[[int, int], bool] | None:
+        """What checks group ``g`` of item ``k`` against the grant's digests once it landed
+        (spec section 6.12, "Integrity"): each span read into host memory whose digest the
+        node took; None when no span of the deliver has one."""
+        checks: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        unchecked = 0
+        for k, (item, key) in enumerate(zip(items, granted, strict=True)):
+            if not key.digests:
+                unchecked += len(item.spans)
+                continue
+            digests = unpack_digests(key.digests)
+            index = {name: j for j, name in enumerate(key.names)}
+            numbers = groups[k] if groups is not None and groups[k] else None
+            for s, span in enumerate(item.spans):
+                j = index.get(span.name)
+                region = regions[span.region]
+                if j is None or digests[j] == UNCHECKED or region.kind is not MemoryKind.DRAM:
+                    unchecked += 1
+                    continue
+                g = numbers[s] if numbers is not None else 0
+                checks.setdefault((k, g), []).append((region.address + span.offset, span.length, digests[j]))
+        self.unchecked += unchecked
+        if not checks:
+            return None
+
+        def verify(k: int, g: int) -> bool:
+            spans = checks.get((k, g), ())
+            self.checked += len(spans)
+            return all(digest_at(address, length) == digest for address, length, digest in spans)
+
+        return verify
 
     def check(
         self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], members: list[int], now: float,

@@ -53,6 +53,7 @@ class Validity(Protocol):
 
     hook: Callable[[str], Any] | None
     refused: int
+    mismatched: int
 
     def check(
         self, items: Sequence[DeliverItem], granted: Sequence[Any], members: list[int], now: float,
@@ -84,9 +85,12 @@ class GrantRead:
         self, grants: Validity, agent: Agent, items: Sequence[DeliverItem], granted: Sequence[Granted],
         counts: list[int], posts: list[Post], codes: list[int], deadline: float,
         landed: Callable[[list[int], int], None] | None, finished: Finished, quiet: Callable[[], None],
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, verify: Callable[[int, int], bool] | None = None,
     ) -> None:
         self.grants = grants
+        self.verify = verify
+        """Checks item ``k``'s group ``g`` against the grant's digests once it landed and its
+        lease held (spec section 6.12, "Integrity"); None: nothing to check."""
         self.clock = clock
         """Read after this job's READs were polled: the instant its lease checks use."""
         self.agent = agent
@@ -215,6 +219,8 @@ class GrantRead:
             if verdict:
                 codes[k] = verdict
                 self.grants.refused += 1
+            elif not self._intact(k, g, g + 1):
+                continue
             elif done[k] == g:
                 done[k] = g + 1
                 landed.append(k)
@@ -259,8 +265,17 @@ class GrantRead:
             if code:
                 self.codes[k] = code
                 self.grants.refused += 1
-            else:
+            elif self._intact(k, self.done[k], self.counts[k]):
                 self.done[k] = self.counts[k]
+
+    def _intact(self, k: int, first: int, end: int) -> bool:
+        """Whether groups ``first`` to ``end - 1`` of item ``k``, landed under a lease that
+        held, match the grant's digests; else the key fails ``DIGEST_MISMATCH``."""
+        if self.verify is None or all(self.verify(k, g) for g in range(first, end)):
+            return True
+        self.codes[k] = ErrorCode.DIGEST_MISMATCH
+        self.grants.mismatched += 1
+        return False
 
     def _finish(self) -> None:
         self.phase = Phase.OVER
@@ -344,4 +359,6 @@ REASONS: dict[int, str] = {
     ErrorCode.TRANSFER_FAILED: "NIXL failed the READ",
     ErrorCode.DESTINATION_UNCERTAIN: "the READ did not complete in time; it may still write the destination",
     ErrorCode.TIMEOUT: "the deadline passed before the READ was posted",
+    ErrorCode.DIGEST_MISMATCH: "the bytes read differ from the digest the node took when the object was stored: "
+                               "its slot was overwritten, they are not the key's",
 }

@@ -80,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
         help="grant clients reads of leased slots, so they move the bytes themselves (default on; spec section 6.12)",
     )
     p.add_argument(
+        "--integrity", action=argparse.BooleanOptionalAction, default=None,
+        help="digest every stored span and send the digests with grants, so readers check what they read "
+             "(default on; spec section 6.12)",
+    )
+    p.add_argument(
         "--peer-grants", action=argparse.BooleanOptionalAction, default=None,
         help="grant target nodes' clients reads of this node's slots (default off: they get this node's "
              "pool registrations, read and write; spec sections 6.12 and 14)",
@@ -92,7 +97,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
     """Defaults, then the TOML file, then flags."""
     config = load_toml(args.config) if args.config else NodeConfig()
     changes: dict[str, Any] = {}
-    for attr in ("endpoint", "client_transfers", "peer_grants", *(field for field, _, _ in SETTINGS)):
+    for attr in ("endpoint", "client_transfers", "peer_grants", "integrity", *(field for field, _, _ in SETTINGS)):
         value = getattr(args, attr)
         if value is not None:
             changes[attr] = value

@@ -125,6 +125,11 @@ class NodeConfig:
     """Grant clients reads of the slots their leases hold (spec section 6.12), so they READ
     leased objects with their own agents; off, leases answer without slots and leased keys
     travel by ``deliver`` (the node-driven path)."""
+    integrity: bool = True
+    """Take the digest of every span in host memory when its object becomes READY, and
+    send them with grants, so that a reader under a grant checks the bytes it read (spec
+    section 6.12, "Integrity"). Off, nothing is checked and a slot overwritten by anyone
+    with a grant is read as the object's (spec section 14)."""
     peer_grants: bool = False
     """Grant target nodes' peer sessions reads of this node's slots, which they pass on to
     their own clients (spec section 6.12, "Across nodes"): those clients' agents then get
@@ -227,7 +232,7 @@ class NodeConfig:
             value = getattr(self, share)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
                 raise ConfigError(share, f"expected a fraction in (0, 1], got {value!r}")
-        for flag in ("client_transfers", "peer_grants"):
+        for flag in ("client_transfers", "peer_grants", "integrity"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(flag, f"expected true or false, got {getattr(self, flag)!r}")
         if not 0.0 <= self.low_watermark < 1.0:
@@ -345,7 +350,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "peer_idle_ms": int, "max_peers": int, "max_peer_clients": int, "lease_ttl_ms": int, "max_lease_ttl_ms": int,
     "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
     "lease_session_fraction": (int, float), "metrics_port": int, "metrics_address": str,
-    "metrics_max_connections": int, "client_transfers": bool, "peer_grants": bool, "put_ttl_ms": int, "max_put_ttl_ms": int,
+    "metrics_max_connections": int, "client_transfers": bool, "peer_grants": bool, "integrity": bool, "put_ttl_ms": int, "max_put_ttl_ms": int,
     "max_puts_per_session": int, "put_quarantine_ms": int, "put_session_fraction": (int, float), "put_pool_fraction": (int, float),
     "events_endpoint": str, "events_replay_endpoint": str, "events_replay_bytes": int, "events_replay_requesters": int,
 }

@@ -13,6 +13,7 @@ source restarts, stays unreachable, or ends its own lease.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -39,6 +40,7 @@ from kvcr_node.source_holds import (
 __all__ = ["SOURCE_ANSWER_S", "HoldState", "LeaseRecord", "Leases", "PendingReply", "SourceHold"]
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_protocol import (
+    DEFAULT_LIMITS,
     GRANTS_VERSION,
     Ack,
     ErrorCode,
@@ -245,7 +247,7 @@ class Leases(SourceHolds):
             self._forget(record)
             lease = 0
         held = bool(lease) and record.session.version >= GRANTS_VERSION
-        grant = self._grant(record, keys, status, first) if lease and record.read else None
+        grant = self._grant(record, keys, status) if lease and record.read else None
         self.outbox.reply(record.session, LeaseReply(request_id, lease, record.ttl_ms,
                                                      LeaseColumns(bytes(status), bytes(tier), self.tiers), held, grant))
 
@@ -259,7 +261,7 @@ class Leases(SourceHolds):
             return False  # this node never authenticated a target's clients (spec section 14)
         return (self.config.client_transfers and self.grant_node is not None and session.version >= GRANTS_VERSION)
 
-    def _grant(self, record: LeaseRecord, keys: Sequence[bytes], status: bytearray, first: dict[bytes, int]) -> LeaseGrant:
+    def _grant(self, record: LeaseRecord, keys: Sequence[bytes], status: bytearray) -> LeaseGrant:
         """The read grant of a lease answered now: the slots of every key it holds here, and
         those its sources granted for the keys they hold (a client session only)."""
         record.granted = True
@@ -275,12 +277,24 @@ class Leases(SourceHolds):
                 for k, row in hold.rows.items():
                     remote[hold.indices[k]] = (hold.endpoint, hold.incarnation, row)
         if not remote or record.session.role is Role.PEER:
-            return grant_columns(rows, node)
-        for i, key in enumerate(keys):
-            j = first[key]
-            if j != i and j in remote:
-                remote[i] = remote[j]  # a repeated key: the same row again, within the span limit
-        return self.source_grants.columns(record.session, rows, remote, node)
+            grant = grant_columns(rows, node)
+        else:
+            # A repeated key has its row at its first position only, as a local one (spec 6.12).
+            grant = self.source_grants.columns(record.session, rows, remote, node)
+        return self._with_digests(grant, record, keys) if self.config.integrity else grant
+
+    def _with_digests(self, grant: LeaseGrant, record: LeaseRecord, keys: Sequence[bytes]) -> LeaseGrant:
+        """``grant`` with the digest of every span granted here (spec section 6.12,
+        "Integrity"); a source's rows, passed on, have none (0: not checked)."""
+        held = {entry.key: entry for entry in record.entries}
+        column = bytearray()
+        for i, names, _, _ in grant.keys(DEFAULT_LIMITS):
+            entry = held.get(keys[i]) if grant.source_of(i) is None else None
+            digests = entry.digests if entry is not None else b""
+            column += digests if len(digests) == 8 * len(names) else bytes(8 * len(names))
+        if not any(column):
+            return grant
+        return dataclasses.replace(grant, digest=bytes(column))
 
     # ------------------------------------------------------------------ holding
 

@@ -38,6 +38,7 @@ from kvcr_node.agents import RemoteAgents
 from kvcr_node.auth import CurveServer
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters, ProtocolErrors
+from kvcr_node.digests import Digests
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.event_publisher import EventPublisher
 from kvcr_node.eviction import make_policy
@@ -250,6 +251,9 @@ class Node:
         self.puts = Puts(config, self.store, deposits, self.operations, self.remote_agents, self.outbox, self.clock,
                          self.leases.pool_index, self._grant_node)
         self.sessions.puts = self.puts
+        self.digests = Digests(self.memories)
+        if config.integrity:
+            self.store.on_ready = self.digests.take  # before anyone can read the object (spec 6.12)
         self.puts.end_session = self.sessions.end
         self.puts.session_count = lambda: sum(1 for s in self.sessions.table.values() if s.role is not Role.PEER)
         self.stats.puts = self.puts

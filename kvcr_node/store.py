@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvcr_node.eviction import EvictionIndex, EvictionPolicy, Layout, LayoutInfo
@@ -90,7 +90,7 @@ class ObjectEntry:
     packed as 32-bit integers. Treat every field as read-only: the store writes them.
     """
 
-    __slots__ = ("_slots", "claims", "index_seq", "info", "key", "last_access", "lookup", "state")
+    __slots__ = ("_slots", "claims", "digests", "index_seq", "info", "key", "last_access", "lookup", "state")
 
     key: bytes
     info: LayoutInfo
@@ -101,11 +101,15 @@ class ObjectEntry:
     index_seq: int
     lookup: int
     """The object's lookup code (``lookup_code``): its tier and state in one byte."""
+    digests: bytes
+    """One u64 per span in layout order, taken when it became READY (``kvcr_node.digests``);
+    empty when none were taken."""
 
     def __init__(self, key: bytes, info: LayoutInfo, slots: bytes, tier: int = 0) -> None:
         self.key = key
         self.info = info
         self._slots = slots
+        self.digests = b""
         self.state = _WRITING
         self.claims = 0
         self.last_access = 0
@@ -191,6 +195,8 @@ class Store:
         self._armed = dict.fromkeys(self._pools, True)
         self._events: list[str] = []
         self.listener: InventoryListener | None = None
+        self.on_ready: Callable[[ObjectEntry], None] | None = None
+        """Called as an object becomes READY, before anyone can read it (the node's digests)."""
         """Told of READY objects and removals when the node publishes inventory events; None costs nothing."""
 
     # -- reading ----------------------------------------------------------------------
@@ -312,6 +318,8 @@ class Store:
         self._writing -= 1
         self._ready += 1
         self._access(entry)
+        if self.on_ready is not None:
+            self.on_ready(entry)
         if self.listener is not None:
             self.listener.stored(entry)
         if claim:

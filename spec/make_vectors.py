@@ -1085,6 +1085,16 @@ def v5_instances() -> list[Valid]:
             description="a read lease that did not ask for node_md: the client cached the node's agent",
         ),
         Valid(
+            "lease-reply-grant-digests",
+            m.LeaseReply(323, LEASE_ID + 3, 5000, GRANT_COLUMNS, True, dataclasses.replace(
+                GRANT, node=None, digest=kp.columns.pack([0x9E3779B97F4A7C15, 0x0123456789ABCDEF, 0], "Q"))),
+            versions=(5,),
+            description=(
+                "a grant with the digest of each granted span (section 6.12, Integrity): K1's two spans, and 0 for "
+                "K3's span, which the node did not digest (GPU memory)"
+            ),
+        ),
+        Valid(
             "lease-reply-no-grant",
             m.LeaseReply(322, LEASE_ID + 2, 5000, GRANT_COLUMNS, True),
             versions=(5,),

@@ -80,7 +80,9 @@ class LeaseGrant(Record):
     granted; i: ``layouts[i - 1]``, the stored span names joined by NUL), then ``pool`` (one
     u8) and ``slot`` (one u32) per granted span; ``node`` when the lease asked for it;
     ``source`` one u8 per key (empty: every row is this node's; 0: this node's; i: the
-    source ``sources[i - 1]``), whose pools the key's ``pool`` entries index."""
+    source ``sources[i - 1]``), whose pools the key's ``pool`` entries index; ``digest``
+    one u64 per granted span, in the order of ``pool`` (empty: none; 0: that span's not
+    taken), the digest of its bytes when the object became READY (section 6.12)."""
 
     layout: bytes
     layouts: tuple[str, ...]
@@ -89,12 +91,14 @@ class LeaseGrant(Record):
     node: GrantNode | None = None
     source: bytes = b""
     sources: tuple[GrantSource, ...] = ()
+    digest: bytes = b""
     CHECKED: ClassVar[bool] = True
     FIELDS: ClassVar[tuple[Field, ...]] = (
         Field("layout", Packed(4, "max_keys")), Field("layouts", Seq(NAMES, "max_keys")),
         Field("pool", Packed(1, "max_spans")), Field("slot", Packed(4, "max_spans")),
         Field("node", Opt(RecordType(GrantNode)), None), Field("source", Packed(1, "max_keys"), b""),
         Field("sources", Seq(RecordType(GrantSource), "max_tiers"), ()),
+        Field("digest", Packed(8, "max_spans"), b""),
     )
 
     def __len__(self) -> int:
@@ -115,6 +119,9 @@ class LeaseGrant(Record):
             raise RemoteProtocolError(ErrorCode.OUT_OF_RANGE, f"{len(self.pool)} granted spans, the layouts name {spans}", ".pool")
         if spans > limits.max_spans:
             raise RemoteProtocolError(ErrorCode.TOO_MANY, f"{spans} granted spans, limit {limits.max_spans}", ".pool")
+        if self.digest and len(self.digest) != 8 * len(self.pool):
+            raise RemoteProtocolError(
+                ErrorCode.OUT_OF_RANGE, f"{len(self.digest) // 8} digests for {len(self.pool)} granted spans", ".digest")
         if self.source and len(self.source) != len(self.layout) // 4:
             raise RemoteProtocolError(
                 ErrorCode.OUT_OF_RANGE, f"{len(self.source)} sources for {len(self.layout) // 4} keys", ".source")

@@ -67,6 +67,7 @@ class HeldUntil:
 
     hook: Callable[[str], Any] | None = None
     refused = 0
+    mismatched = 0
 
     def check(self, items: Sequence[DeliverItem], granted: Sequence[Any], members: list[int],
               now: float) -> dict[int, int | None]:

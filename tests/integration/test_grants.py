@@ -32,6 +32,7 @@ from kvcr_client import (
     Span,
 )
 from kvcr_client.grants import MARGIN_FRACTION, MARGIN_S, PRUNE_SLACK
+from kvcr_io.agent import XferStatus
 from kvcr_protocol import DEFAULT_LIMITS, RenewLease
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
@@ -511,3 +512,67 @@ def test_close_during_a_grant_deliver_leaves_no_read_running(node: NodeProcess, 
     assert after == baseline and lease.ended is ErrorCode.NODE_LOST, (after, baseline, lease)
     assert not dst[(LAYERS - 1) * SLOT:].any() and np.array_equal(dst[:SLOT], src[:SLOT])
     assert wait_until(lambda: stats(client)["leases"]["held"] == 0, RESULT_TIMEOUT_S), "the node kept the closed session's lease"
+
+
+def forge(node: NodeProcess, k: bytes, span: int, forged: np.ndarray) -> None:
+    """Another client of the node overwrites span ``span`` of ``k`` in the node's pool with
+    ``forged``, through nothing but the read grant of a lease it took (spec section 14: a
+    grant's registrations allow WRITE too)."""
+    with Client(node.endpoint, name="itest-forger") as forger:
+        lease = forger.lease([k]).result(RESULT_TIMEOUT_S)
+        granted = forger._grants._keys[k]
+        pool = granted.agent.pools[granted.pools[span]]
+        region = forger.register(forged)
+        remote = [(pool.address + granted.slots[span] * pool.slot_size, len(forged), pool.device)]
+        agent = forger.core.agent
+        handle, _ = forger.core.call(lambda: agent.start_listed(
+            "WRITE", region.kind, [(region.address, len(forged), 0)], pool.kind, remote, granted.agent.name)).result()
+        assert wait_until(lambda: forger.core.call(lambda: agent.state(handle)).result() is XferStatus.DONE,
+                          RESULT_TIMEOUT_S), "the forged WRITE did not complete"
+        forger.core.call(lambda: agent.release(handle)).result()
+        lease.release().result(RESULT_TIMEOUT_S)
+        forger.unregister(region)
+
+
+def test_a_slot_overwritten_under_a_grant_fails_digest_mismatch_not_ok(
+        node: NodeProcess, client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
+    """Issue: with only a read grant a client overwrote another client's READY object, whose
+    next deliver returned OK with the forged bytes. The node's digests travel with the
+    grant, and the reader checks what landed (spec section 6.12, "Integrity")."""
+    k = key("victim")
+    src = put(client, register, k, seed=30, layers=2)
+    forged = pattern(SLOT, 99)
+    forge(node, k, 1, forged)
+    lease = client.lease([k]).result(RESULT_TIMEOUT_S)
+    dst = np.zeros(2 * SLOT, np.uint8)
+    region = register(dst)
+    mismatched = client._grants.mismatched
+    res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(2)]}).result(RESULT_TIMEOUT_S)
+    assert res[k].status is KeyStatus.FAILED and res[k].code is ErrorCode.DIGEST_MISMATCH, res
+    assert np.array_equal(dst[SLOT:], forged) and np.array_equal(dst[:SLOT], src[:SLOT]), "the forged bytes did land"
+    assert client._grants.mismatched == mismatched + 1
+    # Planned, layer by layer: group 0 (intact) is delivered, group 1 fails.
+    handle = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(2)]}, plan=[["L0"], ["L1"]])
+    assert handle.result(RESULT_TIMEOUT_S)[k].code is ErrorCode.DIGEST_MISMATCH
+    assert handle.state(0) is GroupState.DELIVERED and handle.state(1) is not GroupState.DELIVERED
+    lease.release().result(RESULT_TIMEOUT_S)
+
+
+def test_with_integrity_off_an_overwritten_slot_is_read_as_the_objects(key: Callable[[str], bytes]) -> None:
+    """What spec section 6.12 says goes wrong silently with ``integrity = false``: shown, so
+    that the default stays on for a reason."""
+    with short_ipc_dir("noint") as d, running_node(d, "n", "--pool", f"kv:4KiB:{SLOTS}", "--no-integrity") as node, \
+            Client(node.endpoint, name="itest-noint") as client:
+        k = key("victim")
+        src = pattern(SLOT, 31)
+        r = client.register(src)
+        assert client.deposit({k: [Span("L0", r, 0, SLOT, "kv")]}).result(RESULT_TIMEOUT_S).all_ok
+        forged = pattern(SLOT, 98)
+        forge(node, k, 0, forged)
+        lease = client.lease([k]).result(RESULT_TIMEOUT_S)
+        dst = np.zeros(SLOT, np.uint8)
+        region = client.register(dst)
+        res = client.deliver({k: [Span("L0", region, 0, SLOT)]}).result(RESULT_TIMEOUT_S)
+        assert res[k].ok and np.array_equal(dst, forged), "integrity off: the forged bytes come back as OK"
+        assert client._grants.checked == 0 and client._grants.unchecked >= 1
+        lease.release().result(RESULT_TIMEOUT_S)

@@ -44,12 +44,15 @@ def test_version_5_fields_cannot_travel_at_version_4_and_unused_ones_do_not_trav
         ({"layout": kp.columns.pack([2, 0, 1], "I")}, ErrorCode.OUT_OF_RANGE),  # past the table
         ({"source": b"\0\0"}, ErrorCode.OUT_OF_RANGE),  # a source column shorter than the keys
         ({"source": b"\1\0\0"}, ErrorCode.OUT_OF_RANGE),  # a source past the (empty) table
+        ({"digest": b"\0" * 8}, ErrorCode.OUT_OF_RANGE),  # fewer digests than granted spans
+        ({"digest": b"\0" * 7}, ErrorCode.OUT_OF_RANGE),  # not whole u64s
     ],
 )
 def test_a_grant_whose_columns_disagree_is_refused(change: dict[str, bytes], code: ErrorCode) -> None:
     g = grant()
     wire = msgpack.unpackb(kp.encode(LeaseReply(7, 42, 5000, ANSWERS, True, g), 5))
-    fields = dict(zip(("layout", "layouts", "pool", "slot", "node", "source", "sources"), wire["!grant"], strict=True))
+    fields = dict(zip(("layout", "layouts", "pool", "slot", "node", "source", "sources", "digest"), wire["!grant"],
+                      strict=True))
     fields.update(change)
     wire["!grant"] = list(fields.values())
     with pytest.raises(RemoteProtocolError) as info:
