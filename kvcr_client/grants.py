@@ -37,7 +37,7 @@ from kvcr_client.readplans import LocalColumns, RemoteSpans, remote_spans
 from kvcr_client.readplans import plan as plan_reads
 from kvcr_client.reads import Finished, GrantRead
 from kvcr_client.regions import RegionHandle
-from kvcr_io.digests import UNCHECKED, digest_at, unpack_digests
+from kvcr_io.digests import UNCHECKED, digest_at, host_view, span_digest, unpack_digests
 from kvcr_protocol import (
     DEFAULT_LIMITS,
     DeliverItem,
@@ -333,7 +333,8 @@ class Grants:
         """What checks group ``g`` of item ``k`` against the grant's digests once it landed
         (spec section 6.12, "Integrity"): each span read into host memory whose digest the
         node took; None when no span of the deliver has one."""
-        checks: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        checks: dict[tuple[int, int], list[tuple[Any, int, int, int]]] = {}
+        views: dict[int, Any] = {}
         unchecked = 0
         for k, (item, key) in enumerate(zip(items, granted, strict=True)):
             if not key.digests:
@@ -349,7 +350,10 @@ class Grants:
                     unchecked += 1
                     continue
                 g = numbers[s] if numbers is not None else 0
-                checks.setdefault((k, g), []).append((region.address + span.offset, span.length, digests[j]))
+                if span.region not in views:
+                    views[span.region] = host_view(region.buffer, region.length)
+                checks.setdefault((k, g), []).append((views[span.region], region.address + span.offset, span.length,
+                                                      digests[j]))
         self.unchecked += unchecked
         if not checks:
             return None
@@ -357,7 +361,15 @@ class Grants:
         def verify(k: int, g: int) -> bool:
             spans = checks.get((k, g), ())
             self.checked += len(spans)
-            return all(digest_at(address, length) == digest for address, length, digest in spans)
+            for host, address, length, digest in spans:
+                if host is not None:
+                    view, start = host
+                    got = span_digest(view[address - start:address - start + length])
+                else:
+                    got = digest_at(address, length)
+                if got != digest:
+                    return False
+            return True
 
         return verify
 

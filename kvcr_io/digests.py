@@ -46,3 +46,19 @@ def unpack_digests(data: bytes) -> array[int]:
     if sys.byteorder != "little":
         out.byteswap()
     return out
+
+
+def host_view(buffer: Any, length: int) -> tuple[memoryview, int] | None:
+    """A byte view of a registered host buffer and its address, so that spans of it are
+    digested by slicing (no ctypes object per span); None when it has no such view (then
+    ``digest_at`` reads by address)."""
+    try:
+        view = memoryview(buffer).cast("B")
+    except (TypeError, ValueError):
+        return None
+    if view.nbytes < length or not view.c_contiguous:
+        return None
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view)) if not view.readonly else None
+    if address is None:
+        return None
+    return view, address
