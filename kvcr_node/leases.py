@@ -369,25 +369,15 @@ class Leases(SourceHolds):
     def _unhold(self, session: Session, entries: Sequence[ObjectEntry]) -> None:
         """``entries`` are held by one lease of ``session`` less; their claims drop, and the
         session's charge for those it no longer holds under any lease."""
-        holders = self.holders
-        mine = session.held_keys
+        # Each count (this session's, every lease's) drops by one; what reaches 0 is let go.
         for entry in entries:
-            left = mine[entry.key] - 1
-            if left:
-                mine[entry.key] = left
-            else:
-                del mine[entry.key]
+            if _drop_one(session.held_keys, entry.key):
                 session.leased_slots -= len(entry.info.layout)
                 session.pool_slots.subtract(dict(entry.info.need))
-        session.pool_slots = +session.pool_slots
-        for entry in entries:
-            held = holders[entry.key] - 1
-            if held:
-                holders[entry.key] = held
-            else:
-                del holders[entry.key]
+            if _drop_one(self.holders, entry.key):
                 for pool, count in entry.info.need:
                     self.pinned[pool] -= count
+        session.pool_slots = +session.pool_slots
         self.store.unclaim_all(entries)
 
     # ------------------------------------------------------------------ the end of a lease
@@ -575,6 +565,16 @@ class Leases(SourceHolds):
                 breaches.append(f"session {session.name}: pool slots {dict(session.pool_slots)}, leases hold "
                                 f"{dict(pool_slots[id(session)])}")
         return breaches
+
+
+def _drop_one(counts: dict[bytes, int], key: bytes) -> bool:
+    """One holder of ``key`` fewer; whether that was the last (the key is gone from ``counts``)."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+        return False
+    del counts[key]
+    return True
 
 
 _NOTHING_HELD = bytes(

@@ -312,34 +312,26 @@ def test_hint_limits_from_the_file_and_flags() -> None:
     assert (config.max_hints_per_session, config.max_hinted_keys_per_session) == (4, 16)
 
 
-def test_client_transfers_from_the_file_and_flags(tmp_path: Path) -> None:
-    """Spec section 6.12: read grants are on by default; TOML and a flag turn them off (or on)."""
-    assert NodeConfig().client_transfers is True
-    assert from_mapping({"client_transfers": False}).client_transfers is False
-    assert build_config(_args("--no-client-transfers")).client_transfers is False
+@pytest.mark.parametrize(("flag", "default"), [
+    ("client_transfers", True),  # spec section 6.12: read grants are on by default
+    ("peer_grants", False),  # sections 6.12 and 14: other nodes' clients only when the operator says so
+    ("integrity", True),  # section 6.12, "Integrity": digests taken and sent with grants
+])
+def test_switches_from_the_file_and_flags(tmp_path: Path, flag: str, default: bool) -> None:
+    """Each switch has its default; TOML and a flag (``--x`` / ``--no-x``) set it, the flag
+    winning; anything but a boolean is refused naming the field."""
+    option = "--" + flag.replace("_", "-")
+    assert getattr(NodeConfig(), flag) is default
+    assert getattr(from_mapping({flag: not default}), flag) is (not default)
+    assert getattr(build_config(_args(option if not default else "--no-" + option[2:])), flag) is (not default)
     path = tmp_path / "node.toml"
-    path.write_text("client_transfers = false\n")
-    assert build_config(_args("--config", str(path))).client_transfers is False
-    assert build_config(_args("--config", str(path), "--client-transfers")).client_transfers is True
-    for bad in (1, "false"):
+    path.write_text(f"{flag} = {str(not default).lower()}\n")
+    assert getattr(build_config(_args("--config", str(path))), flag) is (not default)
+    assert getattr(build_config(_args("--config", str(path), option if default else "--no-" + option[2:])), flag) is default
+    for bad in (1, "false", "true", None, [True]):
         with pytest.raises(ConfigError) as err:
-            from_mapping({"client_transfers": bad})
-        assert err.value.field == "client_transfers"
-
-
-def test_peer_grants_are_off_unless_the_operator_turns_them_on(tmp_path: Path) -> None:
-    """Spec sections 6.12 and 14: a source grants other nodes' clients only when told to."""
-    assert NodeConfig().peer_grants is False
-    assert from_mapping({"peer_grants": True}).peer_grants is True
-    assert build_config(_args("--peer-grants")).peer_grants is True
-    path = tmp_path / "node.toml"
-    path.write_text("peer_grants = true\n")
-    assert build_config(_args("--config", str(path))).peer_grants is True
-    assert build_config(_args("--config", str(path), "--no-peer-grants")).peer_grants is False
-    for bad in (1, "true", None, [True]):
-        with pytest.raises(ConfigError) as err:
-            from_mapping({"peer_grants": bad})
-        assert err.value.field == "peer_grants"
+            from_mapping({flag: bad})
+        assert err.value.field == flag
 
 
 def test_heartbeat_zero_disables_heartbeats() -> None:
