@@ -50,7 +50,6 @@ import argparse
 import asyncio
 import json
 import logging
-import mmap
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -64,12 +63,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lookups
 from admission import index_bytes_per_object, measure_admission
 from anchors import Peer, echo, serve
+from buffers import aligned
 from procs import process_group, spawn, stop
 from stats import Progress, fmt_gbps, fmt_us, summary
 
 from kvcr_client import AsyncClient, Client, Span
 from kvcr_io.agent import load_nixl
-from kvcr_node.memory import advise_huge_pages
 from kvcr_node.node import GRANT_BURST_S
 from kvcr_protocol import CURRENT_VERSION
 
@@ -101,9 +100,7 @@ def raw_writer(endpoint: str) -> None:
     """A bare NIXL process: a page-aligned pool registered once, WRITEs on request, and the echo."""
     nixl = load_nixl()
     agent = nixl.nixl_agent("raw-writer", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    buf = mmap.mmap(-1, OBJECT, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advise_huge_pages(buf)  # the memory a node's DRAM pool has (kvcr_node.memory)
-    pool = np.frombuffer(buf, dtype=np.uint8)
+    pool = aligned(OBJECT)  # the memory a node's DRAM pool has (kvcr_node.memory)
     pool[:] = (np.arange(OBJECT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
     base = pool.ctypes.data
     agent.register_memory([(base, OBJECT, 0, "")], "DRAM")
@@ -114,6 +111,8 @@ def raw_writer(endpoint: str) -> None:
         peer["name"] = agent.add_remote_agent(msg["md"])
         peer["addr"] = msg["addr"]
         peer["dlist"] = {SPAN: agent.prep_xfer_dlist(peer["name"], [(msg["addr"] + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")}
+        # The client's source buffer: a READ of it is a deposit's anchor.
+        peer["src"] = agent.prep_xfer_dlist(peer["name"], [(msg["src"] + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
         return {"t": "ok"}
 
     def dlists(span: int) -> tuple[Any, Any]:
@@ -144,6 +143,8 @@ def raw_writer(endpoint: str) -> None:
             # READ pulls the client's bytes into the pool (what a deposit does).
             op = "READ" if msg.get("read") else "WRITE"
             mine, theirs = dlists(span)
+            if op == "READ":
+                theirs = peer["src"]
             handle = agent.make_prepped_xfer(op, mine, list(range(n)), theirs, list(range(n)))
         state = agent.transfer(handle)
         while state == "PROC":
@@ -155,25 +156,29 @@ def raw_writer(endpoint: str) -> None:
 
 
 class RawNixl:
-    """This process's side of the raw NIXL anchors: a bare agent and a 64 MiB buffer the raw writer
-    WRITEs into and READs from, 1024 x 64 KiB per request, timed in the writer."""
+    """This process's side of the raw NIXL anchors: a bare agent with kvcr's own two buffers
+    registered (``src``, the deposits' and puts' source; ``dst``, the deliveries'
+    destination), so each anchor moves the very memory kvcr moves. The raw writer WRITEs into
+    ``dst`` and READs ``src``, 1024 x 64 KiB per request, timed in the writer; the consumer
+    anchors READ into ``dst`` and WRITE from ``src``, timed here."""
 
-    def __init__(self, peer: Peer) -> None:
+    def __init__(self, peer: Peer, src: np.ndarray, dst: np.ndarray) -> None:
         nixl = load_nixl()
         logging.getLogger("nixl").setLevel(logging.WARNING)  # its start-up lines at INFO
         self.peer = peer
         self.agent = nixl.nixl_agent("raw-client", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        self.dst = np.zeros(OBJECT, dtype=np.uint8)
-        self.agent.register_memory([(self.dst.ctypes.data, OBJECT, 0, "")], "DRAM")
-        assert peer.call({"t": "setup", "md": self.agent.get_agent_metadata(), "addr": self.dst.ctypes.data})["t"] == "ok"
+        self.src, self.dst = src, dst
+        self.agent.register_memory([(src.ctypes.data, OBJECT, 0, ""), (dst.ctypes.data, OBJECT, 0, "")], "DRAM")
+        assert peer.call({"t": "setup", "md": self.agent.get_agent_metadata(), "addr": dst.ctypes.data,
+                          "src": src.ctypes.data})["t"] == "ok"
         self.runs: dict[str, list[float]] = {"write": [], "write_e2e": [], "write_merged": [], "read": [],
                                              "consumer_read": [], "consumer_read_merged": [], "consumer_write": [],
                                              "consumer_write_merged": []}
         found = peer.call({"t": "md"})
         self.writer = self.agent.add_remote_agent(found["md"])
         self.writer_addr = int(found["addr"])
-        base = self.dst.ctypes.data
-        self.mine = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(base + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
+        self.mine = {buf.ctypes.data: self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", [(buf.ctypes.data + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM") for buf in (src, dst)}
         self.theirs = self.agent.prep_xfer_dlist(
             self.writer, [(self.writer_addr + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
         self.sweep: dict[int, list[float]] = {}
@@ -202,13 +207,14 @@ class RawNixl:
 
     def _consumer(self, op: str, merged: bool) -> None:
         agent = self.agent
+        base = (self.dst if op == "READ" else self.src).ctypes.data
         t0 = time.perf_counter()
         if merged:
-            ldesc = agent.get_xfer_descs(np.array([(self.dst.ctypes.data, OBJECT, 0)], dtype=np.uint64), "DRAM")
+            ldesc = agent.get_xfer_descs(np.array([(base, OBJECT, 0)], dtype=np.uint64), "DRAM")
             rdesc = agent.get_xfer_descs(np.array([(self.writer_addr, OBJECT, 0)], dtype=np.uint64), "DRAM")
             handle = agent.initialize_xfer(op, ldesc, rdesc, self.writer)
         else:
-            handle = agent.make_prepped_xfer(op, self.mine, list(range(SPANS)), self.theirs, list(range(SPANS)))
+            handle = agent.make_prepped_xfer(op, self.mine[base], list(range(SPANS)), self.theirs, list(range(SPANS)))
         state = agent.transfer(handle)
         give_up = t0 + 30
         while state == "PROC" and time.perf_counter() < give_up:
@@ -379,9 +385,10 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, 
 
     The summaries by name, and under ``samples`` every per-iteration time (seconds) for plots."""
     progress.step(f"deliver {OBJECT >> 20} MiB against raw NIXL WRITE, {reps} times")
-    raw = RawNixl(peer)
-    src = (np.arange(OBJECT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
-    dst = np.zeros(OBJECT, dtype=np.uint8)
+    src = aligned(OBJECT)
+    src[:] = (np.arange(OBJECT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
+    dst = aligned(OBJECT)
+    raw = RawNixl(peer, src, dst)
     with Client(endpoint, name="bench") as client:
         rs, rd = client.register(src), client.register(dst)
         out = client.deposit({b"obj": [Span(f"L{i}", rs, i * SPAN, SPAN, "kv") for i in range(SPANS)]}).result(30)
