@@ -18,7 +18,7 @@ import heapq
 import itertools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvcr_node.config import NodeConfig
@@ -272,25 +272,33 @@ class Leases(SourceHolds):
         rows = grant_rows(record.entries, keys, status, self.pool_index)
         node = self.grant_node(record.session) if record.node_md else None
         remote: dict[int, SourceRow] = {}
+        remote_digests: dict[int, bytes] = {}
         for hold in record.sources:
             if hold.state is HoldState.HELD:
                 for k, row in hold.rows.items():
                     remote[hold.indices[k]] = (hold.endpoint, hold.incarnation, row)
+                    remote_digests[hold.indices[k]] = hold.digests.get(k, b"")
         if not remote or record.session.role is Role.PEER:
             grant = grant_columns(rows, node)
         else:
             # A repeated key has its row at its first position only, as a local one (spec 6.12).
             grant = self.source_grants.columns(record.session, rows, remote, node)
-        return self._with_digests(grant, record, keys) if self.config.integrity else grant
+        return self._with_digests(grant, record, keys, remote_digests)
 
-    def _with_digests(self, grant: LeaseGrant, record: LeaseRecord, keys: Sequence[bytes]) -> LeaseGrant:
-        """``grant`` with the digest of every span granted here (spec section 6.12,
-        "Integrity"); a source's rows, passed on, have none (0: not checked)."""
-        held = {entry.key: entry for entry in record.entries}
+    def _with_digests(
+        self, grant: LeaseGrant, record: LeaseRecord, keys: Sequence[bytes], remote: Mapping[int, bytes],
+    ) -> LeaseGrant:
+        """``grant`` with the digest of every span granted here (with ``integrity`` on), and
+        of a source's rows those the source sent with them (spec section 6.12, "Integrity");
+        0 for a span with none (not checked)."""
+        held = {entry.key: entry for entry in record.entries} if self.config.integrity else {}
         column = bytearray()
         for i, names, _, _ in grant.keys(DEFAULT_LIMITS):
-            entry = held.get(keys[i]) if grant.source_of(i) is None else None
-            digests = entry.digests if entry is not None else b""
+            if grant.source_of(i) is None:
+                entry = held.get(keys[i])
+                digests = entry.digests if entry is not None else b""
+            else:
+                digests = remote.get(i, b"")
             column += digests if len(digests) == 8 * len(names) else bytes(8 * len(names))
         if not any(column):
             return grant

@@ -39,10 +39,11 @@ class SourceGrants:
         cached = self.agents.get(endpoint)
         return cached is None or cached[0] != incarnation
 
-    def rows(self, endpoint: str, incarnation: int, grant: LeaseGrant | None, count: int) -> dict[int, Row]:
+    def rows(self, endpoint: str, incarnation: int, grant: LeaseGrant | None, count: int) -> dict[int, tuple[Row, bytes]]:
         """The rows of a source's grant to this node, by position in the keys asked (``count``
-        of them); none when there is no grant, no agent of that incarnation to read them
-        with, or rows that name pools its agent lacks. A source passes on no one else's."""
+        of them), each with the source's digests of its spans (empty: none); none when there
+        is no grant, no agent of that incarnation to read them with, or rows that name pools
+        its agent lacks. A source passes on no one else's."""
         if grant is None or grant.source:
             return {}
         node = grant.node
@@ -56,11 +57,14 @@ class SourceGrants:
         if cached is None or cached[0] != incarnation:
             return {}
         pools = len(cached[1].pools)
-        out: dict[int, Row] = {}
+        out: dict[int, tuple[Row, bytes]] = {}
+        at = 0
         try:
             for k, names, pool, slots in grant.keys(DEFAULT_LIMITS):
+                digests = grant.digest[8 * at:8 * (at + len(names))]
+                at += len(names)
                 if k < count and max(pool, default=0) < pools:
-                    out[k] = (names, list(zip(pool, slots, strict=True)))
+                    out[k] = ((names, list(zip(pool, slots, strict=True))), digests)
         except ProtocolError:
             return {}
         return out

@@ -76,6 +76,8 @@ class SourceHold:
     """The source's incarnation that granted ``source_lease`` (its lease ids are its own)."""
     rows: dict[int, Row] = field(default_factory=dict)
     """The source's read grant: position in ``keys`` -> its row there (spec section 6.12)."""
+    digests: dict[int, bytes] = field(default_factory=dict)
+    """... and the source's digests of that row's spans, passed on with it (empty: none)."""
 
 
 @dataclass(eq=False)
@@ -192,7 +194,9 @@ class SourceHolds:
             hold.incarnation = self.links.hold_lease(hold.endpoint, reply.lease)
             if record.read and reply.grant is not None and reply.held:
                 rows = self.source_grants.rows(hold.endpoint, hold.incarnation, reply.grant, len(hold.indices))
-                hold.rows = {k: row for k, row in rows.items() if pending.status[hold.indices[k]] == LeaseStatus.LEASED_REMOTE}
+                granted = {k for k in rows if pending.status[hold.indices[k]] == LeaseStatus.LEASED_REMOTE}
+                hold.rows = {k: rows[k][0] for k in granted}
+                hold.digests = {k: rows[k][1] for k in granted}
         else:
             hold.state = HoldState.ENDED
             if isinstance(reply, LeaseReply) and reply.lease:  # it holds nothing we count: let it go

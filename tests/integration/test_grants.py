@@ -32,8 +32,8 @@ from kvcr_client import (
     Span,
 )
 from kvcr_client.grants import MARGIN_FRACTION, MARGIN_S, PRUNE_SLACK
-from kvcr_io.agent import XferStatus
 from kvcr_protocol import DEFAULT_LIMITS, RenewLease
+from kvcr_testing.forge import forge
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
 from kvcr_testing.nodes import NodeProcess, running_node, short_ipc_dir
@@ -514,26 +514,6 @@ def test_close_during_a_grant_deliver_leaves_no_read_running(node: NodeProcess, 
     assert wait_until(lambda: stats(client)["leases"]["held"] == 0, RESULT_TIMEOUT_S), "the node kept the closed session's lease"
 
 
-def forge(node: NodeProcess, k: bytes, span: int, forged: np.ndarray) -> None:
-    """Another client of the node overwrites span ``span`` of ``k`` in the node's pool with
-    ``forged``, through nothing but the read grant of a lease it took (spec section 14: a
-    grant's registrations allow WRITE too)."""
-    with Client(node.endpoint, name="itest-forger") as forger:
-        lease = forger.lease([k]).result(RESULT_TIMEOUT_S)
-        granted = forger._grants._keys[k]
-        pool = granted.agent.pools[granted.pools[span]]
-        region = forger.register(forged)
-        remote = [(pool.address + granted.slots[span] * pool.slot_size, len(forged), pool.device)]
-        agent = forger.core.agent
-        handle, _ = forger.core.call(lambda: agent.start_listed(
-            "WRITE", region.kind, [(region.address, len(forged), 0)], pool.kind, remote, granted.agent.name)).result()
-        assert wait_until(lambda: forger.core.call(lambda: agent.state(handle)).result() is XferStatus.DONE,
-                          RESULT_TIMEOUT_S), "the forged WRITE did not complete"
-        forger.core.call(lambda: agent.release(handle)).result()
-        lease.release().result(RESULT_TIMEOUT_S)
-        forger.unregister(region)
-
-
 def test_a_slot_overwritten_under_a_grant_fails_digest_mismatch_not_ok(
         node: NodeProcess, client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
     """Issue: with only a read grant a client overwrote another client's READY object, whose
@@ -542,7 +522,7 @@ def test_a_slot_overwritten_under_a_grant_fails_digest_mismatch_not_ok(
     k = key("victim")
     src = put(client, register, k, seed=30, layers=2)
     forged = pattern(SLOT, 99)
-    forge(node, k, 1, forged)
+    forge(node.endpoint, k, 1, forged)
     lease = client.lease([k]).result(RESULT_TIMEOUT_S)
     dst = np.zeros(2 * SLOT, np.uint8)
     region = register(dst)
@@ -568,7 +548,7 @@ def test_with_integrity_off_an_overwritten_slot_is_read_as_the_objects(key: Call
         r = client.register(src)
         assert client.deposit({k: [Span("L0", r, 0, SLOT, "kv")]}).result(RESULT_TIMEOUT_S).all_ok
         forged = pattern(SLOT, 98)
-        forge(node, k, 0, forged)
+        forge(node.endpoint, k, 0, forged)
         lease = client.lease([k]).result(RESULT_TIMEOUT_S)
         dst = np.zeros(SLOT, np.uint8)
         region = client.register(dst)

@@ -24,6 +24,7 @@ import numpy as np
 
 from kvcr_client import Client, ErrorCode, KeyStatus, LeaseStatus, Span
 from kvcr_client.grants import MARGIN_FRACTION, MARGIN_S
+from kvcr_testing.forge import forge
 from kvcr_testing.health import wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
 from kvcr_testing.nodes import start_node
@@ -76,6 +77,7 @@ def test_a_remote_read_lease_reads_from_the_source_directly(sites: Sites) -> Non
     assert [lease.status(k) for k in (b"k0", b"k1", b"here")] == [LeaseStatus.LEASED_REMOTE] * 2 + [LeaseStatus.LEASED]
     assert b.stats()["leases"]["with_grants"] == 1 and a.stats()["leases"]["with_grants"] == 1
     assert a.stats()["tables"]["source_grant_agents"] == 1, "A's cache of its sources' agents is in its tables"
+    assert all(a.client._grants._keys[k].digests for k in srcs), "B's digests came through A with its rows"
     grants = a.client._grants
     assert len(grants.sources) == 1 and grants.node is not None
     assert grants._keys[b"k0"].agent is not grants.node and grants._keys[b"here"].agent is grants.node
@@ -243,6 +245,25 @@ def test_a_restarted_sources_old_agents_are_let_go(sites: Sites, ipc_dir: Path) 
         finally:
             source.stop()
     poll_stats(a, lambda st: st["leases"]["held"] == 0, SLACK_S, "A let go of every lease")
+
+
+def test_a_source_slot_overwritten_under_a_grant_fails_digest_mismatch_across_nodes(sites: Sites) -> None:
+    """A client of B overwrites B's object through its read grant; A's client, reading it from
+    B under the grant A passed on, checks it against B's digests and never gets OK."""
+    a, b = sites.start("a", SOURCE)
+    src = b.deposit(b"k", LAYOUT, seed=12)
+    forged = pattern(SPAN, 77)
+    forge(b.endpoint, b"k", 2, forged)
+    rid = hint(a, b, [b"k"])
+    lease = a.client.lease([b"k"], request_id=rid).result(RESULT_TIMEOUT_S)
+    assert lease.status(b"k") is LeaseStatus.LEASED_REMOTE and a.client._grants._keys[b"k"].digests
+    dst = np.zeros(LAYOUT.nbytes, np.uint8)
+    res = a.client.deliver({b"k": spans_into(a, dst)}, request_id=rid).result(RESULT_TIMEOUT_S)
+    assert res[b"k"].status is KeyStatus.FAILED and res[b"k"].code is ErrorCode.DIGEST_MISMATCH, res
+    assert np.array_equal(dst[2 * SPAN:3 * SPAN], forged) and np.array_equal(dst[:SPAN], src[:SPAN])
+    lease.release().result(RESULT_TIMEOUT_S)
+    no_grants_left(a, b)
+    b.resident[b"k"] = ("kv",) * 4
 
 
 def test_a_late_remote_reader_is_confirmed_with_the_sources_word(sites: Sites) -> None:

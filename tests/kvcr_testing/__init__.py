@@ -15,4 +15,5 @@ starts with a script of its own (``tests/faults/hostile_worker.py``) gets ``test
 - ``measure``: descriptors and resident memory of a process.
 - ``sockets``: the TCP sockets a process holds, and where they are bound.
 - ``netns``: two network namespaces joined by a veth pair, and UCX's settings in each.
+- ``forge``: a client that overwrites a stored object through nothing but a read grant.
 """

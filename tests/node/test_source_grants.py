@@ -6,6 +6,8 @@ counts both."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import kvcr_protocol as kp
 from kvcr_node.records import Session
 from kvcr_node.source_grants import SourceGrants
@@ -24,9 +26,12 @@ def test_rows_need_the_agent_of_the_incarnation_that_granted_them() -> None:
     grants = SourceGrants()
     assert grants.wants_node(B, 7)
     assert grants.rows(B, 7, source_grant(None), 2) == {}  # no agent cached: nothing to read with
-    assert grants.rows(B, 7, source_grant(), 2) == {0: (("k", "v"), [(0, 3), (0, 4)])}
+    assert grants.rows(B, 7, source_grant(), 2) == {0: ((("k", "v"), [(0, 3), (0, 4)]), b"")}
     assert not grants.wants_node(B, 7) and grants.wants_node(B, 8)
-    assert grants.rows(B, 7, source_grant(None), 2) == {0: (("k", "v"), [(0, 3), (0, 4)])}
+    assert grants.rows(B, 7, source_grant(None), 2) == {0: ((("k", "v"), [(0, 3), (0, 4)]), b"")}
+    # The source's digests of the row's spans come with it, to be passed on (spec section 6.12).
+    digested = dataclasses.replace(source_grant(None), digest=kp.columns.pack([11, 12], "Q"))
+    assert grants.rows(B, 7, digested, 2)[0][1] == kp.columns.pack([11, 12], "Q")
     assert grants.rows(B, 8, source_grant(None), 2) == {}  # restarted: the cached agent is not its
     bad = GrantNode("kvcr-node-b", b"md-b", NODE_B.pools, 0)  # no slot sizes: a client could not read
     assert SourceGrants().rows(B, 7, source_grant(bad), 2) == {}
