@@ -23,8 +23,6 @@ class Digests:
 
     def __init__(self, memories: Mapping[str, PoolMemory]) -> None:
         self.memories = memories
-        self.taken = 0
-        """Spans digested (counted for statistics)."""
 
     def of(self, entry: ObjectEntry) -> bytes:
         """The digests of ``entry``'s spans as they are now, one u64 each in layout order."""
@@ -36,7 +34,6 @@ class Digests:
                 continue
             size = memory.spec.slot_size
             out.append(span_digest(memory.array[slot * size:(slot + 1) * size]))
-        self.taken += len(out)
         return pack_digests(out)
 
     def take(self, entry: ObjectEntry) -> None:

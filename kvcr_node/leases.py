@@ -291,6 +291,8 @@ class Leases(SourceHolds):
         """``grant`` with the digest of every span granted here (with ``integrity`` on), and
         of a source's rows those the source sent with them (spec section 6.12, "Integrity");
         0 for a span with none (not checked)."""
+        if not self.config.integrity and not any(remote.values()):
+            return grant  # nothing to send: no pass over the grant's rows
         held = {entry.key: entry for entry in record.entries} if self.config.integrity else {}
         column = bytearray()
         for i, names, _, _ in grant.keys(DEFAULT_LIMITS):
@@ -358,16 +360,10 @@ class Leases(SourceHolds):
         """Count ``entry`` as held by ``record`` (the caller claims it: ``Store.claim_all``);
         its session is charged for it once, by the first of its leases that holds it."""
         record.entries.append(entry)
-        slots = len(entry.info.layout)
-        record.slots += slots
+        record.slots += len(entry.info.layout)
         for pool, count in entry.info.need:
             record.pool_slots[pool] += count
-        session = record.session
-        mine = session.held_keys.get(entry.key, 0)
-        session.held_keys[entry.key] = mine + 1
-        if not mine:
-            session.leased_slots += slots
-            session.pool_slots.update(dict(entry.info.need))
+        _charge(record.session, entry)
         held = self.holders.get(entry.key, 0)
         if not held:
             for pool, count in entry.info.need:
@@ -445,11 +441,7 @@ class Leases(SourceHolds):
             new.leases.add(lease)
             new.leased_slots += record.waiting
             for entry in record.entries:
-                mine = new.held_keys.get(entry.key, 0)
-                new.held_keys[entry.key] = mine + 1
-                if not mine:
-                    new.leased_slots += len(entry.info.layout)
-                    new.pool_slots.update(dict(entry.info.need))
+                _charge(new, entry)
             self.counters.inc(LeaseCount.CARRIED_OVER)
         old.leases.clear()
         old.leased_slots = 0
@@ -573,6 +565,15 @@ class Leases(SourceHolds):
                 breaches.append(f"session {session.name}: pool slots {dict(session.pool_slots)}, leases hold "
                                 f"{dict(pool_slots[id(session)])}")
         return breaches
+
+
+def _charge(session: Session, entry: ObjectEntry) -> None:
+    """One more of ``session``'s leases holds ``entry``; the first charges the session for it."""
+    mine = session.held_keys.get(entry.key, 0)
+    session.held_keys[entry.key] = mine + 1
+    if not mine:
+        session.leased_slots += len(entry.info.layout)
+        session.pool_slots.update(dict(entry.info.need))
 
 
 def _drop_one(counts: dict[bytes, int], key: bytes) -> bool:
