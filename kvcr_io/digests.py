@@ -4,8 +4,9 @@ A span's digest is XXH3-64 of its bytes (the ``xxhash`` package, seed 0), as an 
 64-bit integer; a digest that comes out 0 is given 1, since 0 on the wire means "not
 taken" (a span in GPU memory, a node with ``integrity`` off). The node takes them when an
 object becomes ``READY``; a reader under a grant takes them again of what landed in its
-own memory and compares. XXH3 runs an order of magnitude faster than a NIXL READ of the
-same bytes here, so a check costs a fraction of the copy it follows.
+own memory and compares. The check is not free: on the 2-core reference machine XXH3 over
+64 MiB in 64 KiB spans takes about 2.5-3.5 ms against about 6 ms for the granted READ of
+the same bytes (``bench/integrity.py`` measures it).
 """
 
 from __future__ import annotations
