@@ -10,16 +10,24 @@ Lifecycle (architecture §2)::
     begin_deposit -> WRITING --commit--> READY <--claim/unclaim--> READY (claimed)
                         |                  |
                      abandon         remove / eviction (unclaimed only)
+                                     condemn: the key goes now, the slots with the last claim
 """
 
 from __future__ import annotations
 
-import enum
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 from kvcr_node.eviction import EvictionIndex, EvictionPolicy, Layout, LayoutInfo
+from kvcr_node.objects import (
+    LOOKUP_ABSENT,
+    MAX_TIERS,
+    DepositOutcome,
+    InventoryListener,
+    ObjectEntry,
+    ObjectState,
+    lookup_code,
+)
 from kvcr_node.poolspec import PoolSpec
 from kvcr_node.slots import SlotAllocator
 
@@ -32,6 +40,7 @@ __all__ = [
     "PoolSpec",
     "Store",
     "StoreError",
+    "lookup_code",
 ]
 
 
@@ -39,118 +48,9 @@ class StoreError(ValueError):
     """The caller misused the store (claim on WRITING, double commit, ...)."""
 
 
-class ObjectState(enum.Enum):
-    """architecture §2: an object is WRITING while its bytes arrive, then READY."""
-
-    WRITING = "writing"
-    READY = "ready"
-
-
-class DepositOutcome(enum.Enum):
-    """What ``begin_deposit`` did with one key."""
-
-    NEW = "new"
-    """A WRITING entry now holds slots; fill them, then ``commit`` or ``abandon``."""
-    DUPLICATE = "duplicate"
-    """The key is WRITING or READY with the same layout: no second transfer."""
-    LAYOUT_MISMATCH = "layout_mismatch"
-    """The key is stored with another layout."""
-    CAPACITY = "capacity"
-    """Not enough free and evictable slots; nothing was evicted."""
-    DROPPED = "dropped"
-    """An optional deposit the policy's admission hook declined."""
-    UNKNOWN_POOL = "unknown_pool"
-    """The layout names a pool this store does not have."""
-
-
 _WRITING = ObjectState.WRITING
 _READY = ObjectState.READY
-
-LOOKUP_ABSENT = 0
-"""``Store.lookup_codes``' code of a key the store does not hold."""
-MAX_TIERS = 126
-"""Distinct pool memories (tiers) a store may have: each tier takes two lookup codes of one byte."""
-
-
-def lookup_code(tier: int, state: ObjectState) -> int:
-    """The lookup code of an object in tier ``tier`` (an index into ``Store.tiers``) in ``state``.
-
-    Codes start at 2 (0 is ``LOOKUP_ABSENT``, 1 is left to callers), two per tier: WRITING,
-    then READY. One byte per key lets a batch lookup fill a column (spec section 6.9).
-    """
-    return 2 + 2 * tier + (state is _READY)
-
-
-class ObjectEntry:
-    """One stored object: its key, layout, slots, state, claims and last access.
-
-    Small on purpose (the goal: under 1 KiB of index memory per object, everything
-    counted): the layout lives in a
-    :class:`LayoutInfo` shared by every object with an equal layout, and the slots are
-    packed as 32-bit integers. Treat every field as read-only: the store writes them.
-    """
-
-    __slots__ = ("_slots", "claims", "digests", "index_seq", "info", "key", "last_access", "lookup", "state")
-
-    key: bytes
-    info: LayoutInfo
-    _slots: bytes
-    state: ObjectState
-    claims: int
-    last_access: int
-    index_seq: int
-    lookup: int
-    """The object's lookup code (``lookup_code``): its tier and state in one byte."""
-    digests: bytes
-    """One u64 per span in layout order, taken when it became READY (``kvcr_node.digests``);
-    empty when none were taken."""
-
-    def __init__(self, key: bytes, info: LayoutInfo, slots: bytes, tier: int = 0) -> None:
-        self.key = key
-        self.info = info
-        self._slots = slots
-        self.digests = b""
-        self.state = _WRITING
-        self.claims = 0
-        self.last_access = 0
-        self.index_seq = 0
-        self.lookup = lookup_code(tier, _WRITING)
-
-    @property
-    def layout(self) -> Layout:
-        """The spans, each ``(span name, pool name)``, in order."""
-        return self.info.layout
-
-    @property
-    def slots(self) -> tuple[int, ...]:
-        """One slot per span, in that span's pool, in layout order."""
-        return tuple(memoryview(self._slots).cast("I"))
-
-    @property
-    def slot_view(self) -> memoryview:
-        """The slots as a read-only view of 32-bit integers (no copy)."""
-        return memoryview(self._slots).cast("I")
-
-    def pool_slots(self) -> dict[str, list[int]]:
-        """The slots grouped by pool, each list in layout order."""
-        need = self.info.need
-        if len(need) == 1:
-            return {need[0][0]: memoryview(self._slots).cast("I").tolist()}
-        out: dict[str, list[int]] = {}
-        for pool, slot in zip(self.info.signature, memoryview(self._slots).cast("I"), strict=True):
-            out.setdefault(pool, []).append(slot)
-        return out
-
-    def __repr__(self) -> str:
-        return f"ObjectEntry(key={self.key!r}, state={self.state.name}, claims={self.claims}, slots={self.slots!r})"
-
-
-class InventoryListener(Protocol):
-    """Told of each object that becomes READY and each READY object that leaves (spec section 15)."""
-
-    def stored(self, entry: ObjectEntry) -> None: ...
-
-    def removed(self, entry: ObjectEntry, evicted: bool) -> None: ...
+_CONDEMNED = ObjectState.CONDEMNED
 
 
 class Store:
@@ -190,6 +90,9 @@ class Store:
         self._pool_objects = dict.fromkeys(self._pools, 0)
         self._evictions = dict.fromkeys(self._pools, 0)
         self._evicted_objects = 0
+        self._condemned: dict[int, ObjectEntry] = {}
+        """Condemned entries still claimed, by id: their slots are not free yet."""
+        self._condemned_objects = 0
         self._low_watermark = low_watermark
         self._threshold = {name: low_watermark * spec.slot_count for name, spec in self._pools.items()}
         self._armed = dict.fromkeys(self._pools, True)
@@ -370,6 +273,10 @@ class Store:
             raise StoreError(f"unclaim of {entry.key!r}: it holds no claim")
         entry.claims -= 1
         self._claims -= 1
+        if entry.state is _CONDEMNED:
+            if entry.claims == 0:
+                self._drop(entry)
+            return
         if accessed:
             self._access(entry)
         if entry.claims == 0:
@@ -401,6 +308,9 @@ class Store:
                 raise StoreError(f"unclaim of {entry.key!r}: it holds no claim")
             entry.claims -= 1
             if entry.claims == 0:
+                if entry.state is _CONDEMNED:
+                    self._drop(entry)
+                    continue
                 self._index.add(entry)
                 layouts[id(entry.info)] = entry.info
         self._claims -= len(entries)
@@ -439,24 +349,47 @@ class Store:
         if self.listener is not None:
             self.listener.removed(entry, True)
 
+    def condemn(self, entry: ObjectEntry) -> None:
+        """``entry``'s bytes are no longer the ones stored (spec section 6.12, "Integrity"):
+        its key leaves the store now (lookups miss it, a deposit may place the key again),
+        and its slots with its last claim, since a holder may still be reading them."""
+        self._own(entry)
+        if entry.state is not _READY:
+            raise StoreError(f"condemn of {entry.key!r}: it is {entry.state.name}, not READY")
+        if entry.claims == 0:
+            self._index.remove(entry)
+            self._drop(entry)
+        else:
+            del self._objects[entry.key]
+            self._ready -= 1
+            entry.state = _CONDEMNED
+            self._condemned[id(entry)] = entry
+        self._condemned_objects += 1
+        self._check_pressure(entry.info)
+        if self.listener is not None:
+            self.listener.removed(entry, False)
+
     def _drop(self, entry: ObjectEntry) -> None:
         """Forget ``entry`` and free its slots (it is already out of the index)."""
-        del self._objects[entry.key]
+        if entry.state is _CONDEMNED:
+            del self._condemned[id(entry)]
+        else:
+            del self._objects[entry.key]
+            if entry.state is _WRITING:
+                self._writing -= 1
+            else:
+                self._ready -= 1
         info = entry.info
         for pool, slots in entry.pool_slots().items():
             self._alloc[pool].free(slots)
         info.users -= 1
         if info.users == 0:
             del self._layouts[info.layout]
-        if entry.state is _WRITING:
-            self._writing -= 1
-        else:
-            self._ready -= 1
         for pool, _ in info.need:
             self._pool_objects[pool] -= 1
 
     def _own(self, entry: ObjectEntry) -> None:
-        if self._objects.get(entry.key) is not entry:
+        if self._objects.get(entry.key) is not entry and self._condemned.get(id(entry)) is not entry:
             raise StoreError(f"{entry.key!r}: this entry is not (or no longer) in the store")
 
     # -- capacity pressure ------------------------------------------------------------
@@ -505,6 +438,8 @@ class Store:
             "evictable": len(self._index),
             "claims": self._claims,
             "evicted_objects": self._evicted_objects,
+            "condemned_objects": self._condemned_objects,
+            "condemned_claimed": len(self._condemned),
             "evictions": dict(self._evictions),
         }
 
@@ -524,12 +459,20 @@ class Store:
         expected: set[int] = set()
         writing = ready = claims = 0
         users: dict[int, int] = {}
-        for key, entry in self._objects.items():
+        for entry in self._condemned.values():
+            if entry.state is not _CONDEMNED or entry.claims <= 0 or self._objects.get(entry.key) is entry:
+                breaches.append(f"condemned {entry.key!r} is {entry.state.name} with {entry.claims} claims")
+        for key, entry in [*self._objects.items(), *((e.key, e) for e in self._condemned.values())]:
             if entry.key != key:
                 breaches.append(f"{key!r} filed under another key {entry.key!r}")
             if entry.claims < 0:
                 breaches.append(f"{key!r} holds {entry.claims} claims")
-            if entry.state is _WRITING:
+            claims += entry.claims
+            info = entry.info
+            users[id(info)] = users.get(id(info), 0) + 1
+            if entry.state is _CONDEMNED:
+                pass
+            elif entry.state is _WRITING:
                 writing += 1
                 if entry.claims:
                     breaches.append(f"{key!r} is WRITING yet holds {entry.claims} claims")
@@ -537,11 +480,8 @@ class Store:
                 ready += 1
                 if entry.claims == 0:
                     expected.add(id(entry))
-            claims += entry.claims
-            info = entry.info
-            if entry.lookup != lookup_code(self._tier_of[info.layout[0][1]], entry.state):
+            if entry.state is not _CONDEMNED and entry.lookup != lookup_code(self._tier_of[info.layout[0][1]], entry.state):
                 breaches.append(f"{key!r}: lookup code {entry.lookup} does not say its tier and {entry.state.name}")
-            users[id(info)] = users.get(id(info), 0) + 1
             if self._layouts.get(info.layout) is not info:
                 breaches.append(f"{key!r}: its layout is not the shared one")
             slots = entry.slots

@@ -565,6 +565,57 @@ def test_remove() -> None:
     ok(store)
 
 
+def test_condemn_of_an_unclaimed_object_frees_it_at_once() -> None:
+    store = make([("A", 4)])
+    put(store, b"k", span("A", 2))
+    entry = store.lookup(b"k")
+    assert entry is not None
+    store.condemn(entry)
+    assert store.lookup(b"k") is None and store.lookup_codes([b"k"]) == bytes([LOOKUP_ABSENT])
+    assert store.pool_stats()["A"]["free"] == 4 and len(store.index) == 0
+    assert store.stats()["condemned_objects"] == 1 and store.stats()["condemned_claimed"] == 0
+    ok(store)
+
+
+def test_condemned_while_claimed_keeps_its_slots_until_the_last_claim() -> None:
+    """A holder may still be reading a condemned object's slots: they are not reused
+    until its last claim drops, while its key is free for a new deposit at once."""
+    store = make([("A", 4)])
+    entry = put(store, b"k", span("A", 2))
+    store.claim(entry)
+    store.claim_all([entry])
+    store.condemn(entry)
+    ok(store)
+    assert entry.state is ObjectState.CONDEMNED and store.lookup(b"k") is None
+    assert store.pool_stats()["A"]["free"] == 2 and store.stats()["condemned_claimed"] == 1
+    again = put(store, b"k", span("A", 2))  # the key is placed anew, in the other slots
+    assert set(again.slots).isdisjoint(entry.slots)
+    with pytest.raises(StoreError):
+        store.claim(entry)
+    with pytest.raises(StoreError):
+        store.condemn(entry)
+    # The condemned slots are neither free nor evictable: three slots cannot be had.
+    assert store.pool_stats()["A"]["free"] == 0
+    assert store.begin_deposit(b"other", span("A", 3)) == (DepositOutcome.CAPACITY, None)
+    store.unclaim(entry)
+    ok(store)
+    assert store.pool_stats()["A"]["free"] == 0
+    store.unclaim_all([entry])
+    ok(store)
+    assert store.pool_stats()["A"]["free"] == 2
+    assert store.stats()["condemned_claimed"] == 0 and store.stats()["claims"] == 0
+    with pytest.raises(StoreError):
+        store.unclaim(entry)
+
+
+def test_condemn_refuses_a_writing_object() -> None:
+    store = make([("A", 4)])
+    entry = put(store, b"w", span("A"), commit=False)
+    with pytest.raises(StoreError):
+        store.condemn(entry)
+    ok(store)
+
+
 # -- capacity pressure ----------------------------------------------------------------
 
 
@@ -622,6 +673,8 @@ def test_stats() -> None:
         "evictable": 0,
         "claims": 2,
         "evicted_objects": 0,
+        "condemned_objects": 0,
+        "condemned_claimed": 0,
         "evictions": {"A": 0, "B": 0},
     }
     assert store.pool_stats() == {
