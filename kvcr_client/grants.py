@@ -40,6 +40,7 @@ from kvcr_client.regions import RegionHandle
 from kvcr_io.digests import UNCHECKED, digest_at, host_view, span_digest, unpack_digests
 from kvcr_protocol import (
     DEFAULT_LIMITS,
+    Completion,
     DeliverItem,
     ErrorCode,
     GrantNode,
@@ -49,6 +50,7 @@ from kvcr_protocol import (
     MemoryKind,
     Message,
     RenewLease,
+    Suspect,
     Welcome,
 )
 
@@ -145,6 +147,12 @@ class Grants:
         """Spans read with no digest to check them by (none granted, or GPU memory)."""
         self.mismatched = 0
         """Keys failed ``DIGEST_MISMATCH``: their bytes were not what the node stored."""
+        self.reported = 0
+        """Of those, keys reported to the node (``suspect``), which checks them itself."""
+        self.dropped = 0
+        """Reported keys the node found changed and dropped."""
+        self._no_reports: Welcome | None = None
+        """The session whose node refused ``suspect`` (it predates it): reports nothing more."""
 
     # ------------------------------------------------------------------ what is granted
 
@@ -325,6 +333,31 @@ class Grants:
         core.pace()
 
     # ------------------------------------------------------------------ validity
+
+    def mismatch(self, granted: GrantedKey, key: bytes) -> None:
+        """``key``'s bytes, read under ``granted``, did not match their digests (lock held):
+        counted, and reported to the node when they were its own (spec section 6.12), which
+        reads the object itself and drops it if it changed. Nothing waits for the answer."""
+        self.mismatched += 1
+        welcome = self.core.welcome
+        if granted.agent is not self.node or welcome is None or welcome is self._no_reports:
+            return  # a source's slots: the node holds no such object to check
+
+        def convert(msg: Message) -> bool:
+            if not isinstance(msg, Completion) or len(msg.results) != 1:
+                raise ValueError(f"expected complete with one result, got {msg.TAG}")
+            return msg.results[0].code == ErrorCode.DIGEST_MISMATCH
+
+        def replied(future: Future[Any]) -> None:
+            error = future.exception()
+            if error is None:
+                self.dropped += bool(future.result())
+            elif getattr(error, "code", None) == ErrorCode.UNKNOWN_TYPE:
+                self._no_reports = welcome
+
+        self.reported += 1
+        _, future = self.core.request(lambda i: Suspect(i, (key,)), convert, CONFIRM_TIMEOUT_S)
+        future.add_done_callback(replied)
 
     def _verifier(
         self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], groups: Sequence[tuple[int, ...]] | None,

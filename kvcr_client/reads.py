@@ -53,12 +53,12 @@ class Validity(Protocol):
 
     hook: Callable[[str], Any] | None
     refused: int
-    mismatched: int
 
     def check(
         self, items: Sequence[DeliverItem], granted: Sequence[Any], members: list[int], now: float,
     ) -> dict[int, int | None]: ...
     def confirm(self, lease: LeaseHandle, now: float, then: Callable[[int], None]) -> None: ...
+    def mismatch(self, granted: Any, key: bytes) -> None: ...
 
 
 class Phase(enum.Enum):
@@ -274,7 +274,7 @@ class GrantRead:
         if self.verify is None or all(self.verify(k, g) for g in range(first, end)):
             return True
         self.codes[k] = ErrorCode.DIGEST_MISMATCH
-        self.grants.mismatched += 1
+        self.grants.mismatch(self.granted[k], self.items[k].key)
         return False
 
     def _finish(self) -> None:

@@ -39,6 +39,7 @@ SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("put_ttl_ms", int, "time to live of a put that names none (spec section 6.13)"),
     ("max_puts_per_session", int, "puts one client may hold, quarantined ones included (BUSY past it)"),
     ("put_quarantine_ms", int, "how long the slots of a put its client lost stay quarantined, at least"),
+    ("suspect_bytes_per_s", int, "bytes a second the node reads to check objects readers reported (BUSY past it)"),
     ("put_pool_fraction", float, "share of each pool's slots all open and quarantined puts may hold together"),
     ("put_session_fraction", float, "share of each pool's slots one client's open and quarantined puts may hold, at least 1/clients"),
     ("max_leases_per_session", int, "leases one client may hold before LEASE_LIMIT"),

@@ -130,6 +130,10 @@ class NodeConfig:
     send them with grants, so that a reader under a grant checks the bytes it read (spec
     section 6.12, "Integrity"). Off, nothing is checked and a slot overwritten by anyone
     with a grant is read as the object's (spec section 14)."""
+    suspect_bytes_per_s: int = 1 << 30
+    """Bytes a second the node reads, at most, to check objects readers reported as read
+    with bytes that did not match their digests (``suspect``, spec section 6.12); one
+    session's reports may use a quarter of it. Past it, reported keys are answered BUSY."""
     peer_grants: bool = False
     """Grant target nodes' peer sessions reads of this node's slots, which they pass on to
     their own clients (spec section 6.12, "Across nodes"): those clients' agents then get
@@ -243,7 +247,7 @@ class NodeConfig:
                      "client_grace_ms", "max_clients", "max_pending", "max_frame", "peer_idle_ms", "max_peers",
                      "max_peer_clients", "max_hints_per_session", "max_hinted_keys_per_session", "lease_ttl_ms",
                      "max_lease_ttl_ms", "max_leases_per_session", "max_leased_slots_per_session", "put_ttl_ms",
-                     "max_put_ttl_ms", "max_puts_per_session", "put_quarantine_ms"):
+                     "max_put_ttl_ms", "max_puts_per_session", "put_quarantine_ms", "suspect_bytes_per_s"):
             value = getattr(self, name)
             # heartbeat_ms 0 disables heartbeats (spec section 5.2); every other count is positive.
             least = 0 if name == "heartbeat_ms" else 1
@@ -351,7 +355,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "max_leases_per_session": int, "max_leased_slots_per_session": int, "lease_pool_fraction": (int, float),
     "lease_session_fraction": (int, float), "metrics_port": int, "metrics_address": str,
     "metrics_max_connections": int, "client_transfers": bool, "peer_grants": bool, "integrity": bool, "put_ttl_ms": int, "max_put_ttl_ms": int,
-    "max_puts_per_session": int, "put_quarantine_ms": int, "put_session_fraction": (int, float), "put_pool_fraction": (int, float),
+    "max_puts_per_session": int, "put_quarantine_ms": int, "suspect_bytes_per_s": int, "put_session_fraction": (int, float), "put_pool_fraction": (int, float),
     "events_endpoint": str, "events_replay_endpoint": str, "events_replay_bytes": int, "events_replay_requesters": int,
 }
 

@@ -99,6 +99,19 @@ class Count(enum.Enum):
     """Event replay requests refused for the requester limit or one already in progress."""
     EVENTS_REPLAY_CUT = "events_replay_cut"
     """Event replays cut short (a requester that did not take its answer)."""
+    OBJECTS_CONDEMNED = "objects_condemned"
+    """Objects whose bytes the node found changed since they were stored, and dropped (spec
+    section 6.12, "Integrity")."""
+    SUSPECTS = "suspects"
+    """Keys readers reported (``suspect``) as read with bytes that did not match their digests."""
+    SUSPECTS_CONFIRMED = "suspects_confirmed"
+    """Reported keys whose object the node found changed, and dropped."""
+    SUSPECTS_UNFOUNDED = "suspects_unfounded"
+    """Reported keys whose object the node found intact, and kept."""
+    SUSPECTS_REFUSED = "suspects_refused"
+    """Reported keys answered ``BUSY``: checking them would have overspent a read budget."""
+    DELIVER_MISMATCHES = "deliver_mismatches"
+    """Keys of the node's own delivers failed ``DIGEST_MISMATCH``: the spans it sent had changed."""
 
 
 class LeaseCount(enum.Enum):

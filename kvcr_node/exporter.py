@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvcr_node.buckets import TokenBucket
 from kvcr_node.config import ConfigError
 from kvcr_node.logs import Limiter
 from kvcr_node.metrics import MetricsSnapshot
@@ -97,38 +98,6 @@ NOT_ALLOWED = _reply("405 Method Not Allowed", b"kvcr-node: GET or HEAD only\n",
 URI_TOO_LONG = _reply("414 URI Too Long", f"kvcr-node: a request line has at most {MAX_REQUEST_LINE} bytes\n".encode())
 HEAD_TOO_LARGE = _reply("431 Request Header Fields Too Large",
                         f"kvcr-node: a request head has at most {MAX_HEAD} bytes\n".encode())
-
-
-class TokenBucket:
-    """``rate`` takes per second at most, ``burst`` at once (exporter thread only)."""
-
-    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.clock = clock
-        self.tokens = float(burst)
-        self.at = clock()
-
-    def _refill(self) -> float:
-        now = self.clock()
-        self.tokens = min(float(self.burst), self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        return now
-
-    def take(self) -> bool:
-        self._refill()
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        return False
-
-    def give_back(self) -> None:
-        self.tokens = min(float(self.burst), self.tokens + 1.0)
-
-    def next_at(self) -> float:
-        """When the next take succeeds."""
-        now = self._refill()
-        return now + max(0.0, 1.0 - self.tokens) / self.rate
 
 
 class Stage(enum.Enum):

@@ -523,7 +523,8 @@ class Leases(SourceHolds):
             own: collections.Counter[str] = collections.Counter()
             for entry in record.entries:
                 holders[entry.key] += 1
-                if self.store.lookup(entry.key) is not entry or entry.claims < 1:
+                condemned = entry.state is ObjectState.CONDEMNED  # out of the store, slots held (spec 6.12)
+                if (self.store.lookup(entry.key) is not entry and not condemned) or entry.claims < 1:
                     breaches.append(f"lease {lease} holds {entry.key!r}, which is not a claimed stored object")
                 for pool, count in entry.info.need:
                     own[pool] += count
@@ -543,11 +544,10 @@ class Leases(SourceHolds):
         if dict(holders) != self.holders:
             breaches.append(f"lease holders {len(self.holders)} disagree with the leases ({len(holders)})")
         pinned = dict.fromkeys(self.pinned, 0)
+        held_entries = {entry.key: entry for record in self.table.values() for entry in record.entries}
         for key in holders:
-            stored = self.store.lookup(key)
-            if stored is not None:
-                for pool, count in stored.info.need:
-                    pinned[pool] += count
+            for pool, count in held_entries[key].info.need:
+                pinned[pool] += count
         if pinned != self.pinned:
             breaches.append(f"pinned slots {self.pinned} disagree with the leased objects {pinned}")
         for sid, objects in session_objects.items():

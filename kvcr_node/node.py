@@ -61,6 +61,7 @@ from kvcr_node.sessions import Sessions
 from kvcr_node.source import Source, SubmitWrite
 from kvcr_node.stats import Stats
 from kvcr_node.store import Store
+from kvcr_node.suspects import Suspects
 from kvcr_node.target import Target
 from kvcr_node.transfers import LocalLists, Transfers
 from kvcr_protocol import (
@@ -236,7 +237,13 @@ class Node:
         )
         slot_sizes = {name: mem.spec.slot_size for name, mem in self.memories.items()}
         projections = ProjectionCache(config.projection_cache)
-        self.deliveries = Deliveries(self.store, slot_sizes, projections, self.operations, self.target, failure)
+        self.digests = Digests(self.memories, self.store, self.counters)
+        if config.integrity:
+            self.store.on_ready = self.digests.take  # before anyone can read the object (spec 6.12)
+        # Spec 6.12: the node checks what it sends itself where a grant could have changed it.
+        exposed = config.integrity and (config.client_transfers or config.peer_grants)
+        self.deliveries = Deliveries(self.store, slot_sizes, projections, self.operations, self.target, failure,
+                                     self.digests if exposed else None)
         self.source = Source(
             config, self.sessions, self.operations, self.deliveries, self.remote_agents, self.outbox, self.counters,
             self.protocol_errors, self.versions, self.incarnation, self.agent.name, self.agent.metadata,
@@ -251,17 +258,16 @@ class Node:
         self.puts = Puts(config, self.store, deposits, self.operations, self.remote_agents, self.outbox, self.clock,
                          self.leases.pool_index, self._grant_node)
         self.sessions.puts = self.puts
-        self.digests = Digests(self.memories)
-        if config.integrity:
-            self.store.on_ready = self.digests.take  # before anyone can read the object (spec 6.12)
         self.puts.end_session = self.sessions.end
         self.puts.session_count = lambda: sum(1 for s in self.sessions.table.values() if s.role is not Role.PEER)
         self.stats.puts = self.puts
+        suspects = Suspects(self.store, self.digests, self.outbox, self.counters, self.clock, config.suspect_bytes_per_s,
+                            slot_sizes)
         self.router = Router(
             self.sessions, self.operations, deposits, self.deliveries,
             Fetches(self.store, self.memories, self.operations, self.target),
             Queries(self.store, self.outbox, self.metrics), self.leases, self.source, self.stats, self.outbox, self.versions,
-            Limits(max_frame=config.max_frame), self.clock, failure, self.puts,
+            Limits(max_frame=config.max_frame), self.clock, failure, self.puts, suspects,
         )
 
     def _grant_node(self, session: object) -> GrantNode:

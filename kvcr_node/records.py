@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvcr_node.buckets import TokenBucket
 from kvcr_node.transfers import Transfer
 from kvcr_protocol import KeyResult, KeyStatus, Notification, Region, Role, encode_notification
 from kvcr_protocol.columns import U32, pack
@@ -108,6 +109,9 @@ class Session:
     section 6.12, "Across nodes"): later grants of them leave it out."""
     puts: set[int] = field(default_factory=set)
     """The ids of this session's puts, quarantined ones included (``kvcr_node.puts`` owns them)."""
+    suspect_budget: TokenBucket | None = None
+    """Bytes the node may still read to check this session's reports (``kvcr_node.suspects``
+    makes it at the first one)."""
     peer: PeerState | None = None
     """The peer part of a peer session (None: a client's session)."""
 

@@ -26,6 +26,7 @@ from kvcr_node.records import Operation, Session
 from kvcr_node.sessions import Sessions
 from kvcr_node.source import Source
 from kvcr_node.stats import Stats
+from kvcr_node.suspects import Suspects
 from kvcr_protocol import (
     Abort,
     Bye,
@@ -56,6 +57,7 @@ from kvcr_protocol import (
     SessionState,
     StatsRequest,
     SubmitHint,
+    Suspect,
     Unput,
     UnregisterRegions,
     WriteRequest,
@@ -83,6 +85,7 @@ class Router:
         self, sessions: Sessions, operations: Operations, deposits: Deposits, deliveries: Deliveries,
         fetches: Fetches, queries: Queries, leases: Leases, source: Source, stats: Stats, outbox: Outbox,
         versions: Sequence[int], limits: Limits, clock: Callable[[], float], failure: Failure, puts: Puts,
+        suspects: Suspects,
     ) -> None:
         self.sessions = sessions
         self.operations = operations
@@ -117,6 +120,7 @@ class Router:
             .add(Put, puts.on_put)
             .add(Commit, puts.on_commit)
             .add(Unput, puts.on_unput)
+            .add(Suspect, suspects.on_suspect)
         )
         peer_handlers = either(
             Handlers[Session]()

@@ -82,6 +82,7 @@ class Stats:
             "objects": store["objects"],
             "ready": store["ready"],
             "writing": store["writing"],
+            "condemned": store["condemned_claimed"],
             "evictions": store["evictions"],
             "lookups": {"keys": self.metrics.lookups, "hits": self.metrics.hits},
             "claims": {

@@ -1158,6 +1158,12 @@ def put_instances() -> list[Valid]:
         Valid("unput", kp.Unput(334, PUT_ID), versions=(5,), description="abandon put 77: no WRITE of it can land any more"),
         Valid("error-unknown-put", m.Error(335, E.UNKNOWN_PUT, "put 77 is not held by this session", "put"), versions=(5,),
               description="a second commit of put 77"),
+        Valid("suspect", kp.Suspect(336, (K1, K2, K3)), versions=(5,),
+              description="K1, K2 and K3 were read under a grant with bytes that did not match their digests"),
+        Valid("complete-suspect", m.Completion(336, (
+            OK, failed(E.DIGEST_MISMATCH, "keys[1]: its bytes no longer match their digests; the node dropped it"),
+            failed(E.NOT_FOUND, "keys[2] is not stored on this node"))), versions=(5,),
+              description="the node read them: K1 intact and kept, K2 changed and dropped, K3 not stored here"),
     ]
 
 
@@ -1610,6 +1616,13 @@ def invalid_v5_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     yield ("put-reply-in-v4-frame", _pack({**_wire(kp.PutReply(331, 0, 0, ()), 5), "v": 4}), 5, "UNKNOWN_TYPE",
            "put_reply does not exist at version 4")
     yield ("unput-in-v4-frame", _pack({**commit, "t": "unput", "v": 4}), 5, "UNKNOWN_TYPE", "unput does not exist at version 4")
+    suspect = {"v": 5, "t": "suspect", "id": 336, "keys": [K1]}
+    yield ("suspect-in-v4-frame", _pack({**suspect, "v": 4}), 5, "UNKNOWN_TYPE", "suspect does not exist at version 4")
+    yield ("suspect-keys-empty", _pack({**suspect, "keys": []}), 5, "OUT_OF_RANGE", "a report of no key")
+    yield ("suspect-key-empty", _pack({**suspect, "keys": [b""]}), 5, "OUT_OF_RANGE", "an empty key")
+    yield ("suspect-keys-str", _pack({**suspect, "keys": ["k1"]}), 5, "WRONG_TYPE", "a key as a string")
+    yield ("suspect-keys-missing", _pack({k: v for k, v in suspect.items() if k != "keys"}), 5, "MISSING_FIELD",
+           "a report naming no keys field")
     preply = _wire(kp.PutReply(331, PUT_ID, 2000, (OK, OK), kp.grant_columns([(("L0",), [(0, 7)]), (("L0",), [(0, 8)])])), 5)
     yield ("put-reply-grant-short", _pack({**preply, "results": preply["results"][:1]}), 5, "OUT_OF_RANGE",
            "a grant of two keys for one result")

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvcr_node.counters import Count
+from kvcr_node.digests import Digests
 from kvcr_node.operations import Failure, Operations
 from kvcr_node.records import Operation, OpKind, Plan, Session
 from kvcr_node.store import ObjectEntry, ObjectState, Store
@@ -48,10 +50,12 @@ a 32-layer planned deliver from 6.4 to 4.7 ms in ``bench/remote.py``'s setting."
 class _GroupRun:
     """The claimed keys of one batch and how far their groups have been submitted."""
 
-    __slots__ = ("claimed", "deepest", "first_done", "next", "running")
+    __slots__ = ("changed", "claimed", "deepest", "first_done", "next", "running")
 
     def __init__(self, claimed: list[tuple[int, ObjectEntry, GroupMoves]]) -> None:
         self.claimed = claimed
+        self.changed: set[int] = set()
+        """Items a group of which sent bytes that no longer matched their digests."""
         self.deepest = max(len(groups) for _, _, groups in claimed)
         self.next = 0
         self.running = 0
@@ -68,8 +72,11 @@ class Deliveries:
 
     def __init__(
         self, store: Store, slot_sizes: dict[str, int], projections: ProjectionCache, operations: Operations,
-        target: Target, failure: Failure,
+        target: Target, failure: Failure, digests: Digests | None = None,
     ) -> None:
+        self.digests = digests
+        """Checks each group's spans once it landed (spec section 6.12, "Integrity"); None:
+        nobody but the writer can have touched the pools (no grants), or integrity is off."""
         self.store = store
         self.slot_sizes = slot_sizes
         self.projections = projections
@@ -150,46 +157,56 @@ class Deliveries:
         while run.next < run.deepest and run.running < run.window():
             g = run.next
             run.next += 1
-            members: list[tuple[int, ObjectEntry]] = []
+            members: list[tuple[int, ObjectEntry, list[Move]]] = []
             moves: list[Move] = []
             for i, entry, groups in run.claimed:
                 if g >= len(groups) or i not in plan.outstanding:
                     continue
                 if i in plan.failed_from or op.aborted:
                     # An earlier group failed (or the client aborted): the later ones are never submitted.
-                    self._finish_item(op, i, entry, len(groups) - g)
+                    self._finish_item(op, run, i, entry, len(groups) - g)
                     continue
-                members.append((i, entry))
+                members.append((i, entry, groups[g]))
                 moves.extend(groups[g])
             if members:
                 run.running += 1
-                notifs = plan.payloads(g, [i for i, _ in members])
+                # Checked before it is reported: then the group's notifications follow the
+                # check instead of riding on the WRITE (spec sections 6.10 and 6.12).
+                notifs = plan.payloads(g, [i for i, _, _ in members]) if self.digests is None else ()
                 done = functools.partial(self.group_done, op, run, g, members, moves)
                 self.operations.start(op, "WRITE", moves, done, notifs)
 
     def group_done(
-        self, op: Operation, run: _GroupRun, group: int, members: list[tuple[int, ObjectEntry]], moves: list[Move],
-        ok: bool,
+        self, op: Operation, run: _GroupRun, group: int, members: list[tuple[int, ObjectEntry, list[Move]]],
+        moves: list[Move], ok: bool,
     ) -> None:
         """Group ``group``'s WRITE is terminal: its keys advance (or fail from it on); a key's
-        claim drops and its result is set with its last transfer; the next group starts."""
+        claim drops and its result is set with its last transfer; the next group starts.
+        A key lands only if the spans it sent still match their digests (spec 6.12)."""
         plan = op.plan
         assert plan is not None
         run.running -= 1
         run.first_done = True
         if ok:
             self._count_landed(op, moves)
-        for i, entry in members:
-            if ok:
+        landed: list[int] = []
+        for i, entry, sent in members:
+            if ok and self.digests is not None and i not in run.changed and not self.digests.moves_intact(entry, sent):
+                run.changed.add(i)
+                self.digests.condemn(entry, Count.DELIVER_MISMATCHES)
+            if ok and i not in run.changed:
                 plan.land(i, group)
+                landed.append(i)
             else:
                 plan.fail(i, group)
-            self._finish_item(op, i, entry, 1)
+            self._finish_item(op, run, i, entry, 1)
+        if self.digests is not None and landed:
+            self.operations.transfers.notify(op.agent or op.session.agent, plan.payloads(group, landed))
         self._pump(op, run)
         self.operations.note_progress(op)
         self.operations.settle(op)
 
-    def _finish_item(self, op: Operation, i: int, entry: ObjectEntry, transfers: int) -> None:
+    def _finish_item(self, op: Operation, run: _GroupRun, i: int, entry: ObjectEntry, transfers: int) -> None:
         plan = op.plan
         assert plan is not None
         plan.outstanding[i] -= transfers
@@ -200,6 +217,9 @@ class Deliveries:
         self.operations.unclaim(entry, accessed=ok)
         if op.aborted:
             op.set(i, KeyResult(KeyStatus.ABORTED, ErrorCode.ABORTED, "aborted; the destination may have been written"))
+        elif i in run.changed:
+            op.fail(i, ErrorCode.DIGEST_MISMATCH, "the stored bytes changed since they were stored (the node dropped "
+                    "the object); the destination holds them, and is not the key's")
         elif ok:
             op.set(i, KeyResult(KeyStatus.OK))
             self.operations.metrics.delivered_key(entry.info.need)

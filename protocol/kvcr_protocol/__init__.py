@@ -31,6 +31,7 @@ from kvcr_protocol.descriptors import Extent, check_span_sizes, resolve_columns,
 from kvcr_protocol.endpoints import IPC_PATH_MAX, canonical_endpoint, endpoint_problem
 from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, code_of
 from kvcr_protocol.grants import GrantNode, GrantSource, LeaseGrant, grant_columns
+from kvcr_protocol.integrity import Suspect
 from kvcr_protocol.leases import (
     HELD,
     Lease,
@@ -124,6 +125,7 @@ __all__ = [
     "Role",
     "SessionState",
     "SpanColumns",
+    "Suspect",
     "Unput",
     "WriteNotify",
     "canonical_endpoint",

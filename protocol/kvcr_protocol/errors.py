@@ -106,8 +106,9 @@ class ErrorCode(enum.IntEnum):
     """A read under a lease's grant may have overlapped the end of the lease (its session
     ended, it was released, or it could not be confirmed): its bytes are not returned."""
     DIGEST_MISMATCH = 312
-    """The bytes a read under a grant landed differ from the digest the node took when the
-    object became READY (someone overwrote the slot): they are not returned as the key's."""
+    """The bytes read differ from the digest the node took when the object became READY
+    (someone overwrote the slot): they are not the key's. A reader under a grant finds it in
+    what it read; a node in what it sent itself (section 6.12, "Integrity")."""
 
     # 400-499: admission.
     BUSY = 400

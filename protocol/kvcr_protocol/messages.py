@@ -30,6 +30,7 @@ from kvcr_protocol.declare import F_REQUEST_ID as _F_REQUEST_ID
 from kvcr_protocol.declare import Message as Message
 from kvcr_protocol.declare import _check_items, _fields, message
 from kvcr_protocol.errors import ErrorCode, RemoteProtocolError
+from kvcr_protocol.integrity import INTEGRITY_MESSAGES
 from kvcr_protocol.leases import Lease, LeaseEnded, LeaseReply, ReleaseLease, RenewLease
 from kvcr_protocol.limits import Limits
 from kvcr_protocol.notify import WriteNotify
@@ -538,7 +539,7 @@ CLIENT_MESSAGES: tuple[type[Message], ...] = (
     Hello, Welcome, RegisterRegions, UnregisterRegions, Deposit, Query, QueryReply, Deliver,
     Fetch, Release, Abort, SubmitHint, DiscardHint, StatsRequest, StatsReply, Completion, Ack,
     Error, CapacityEvent, Heartbeat, Bye, Progress, Lease, LeaseReply, RenewLease, ReleaseLease, LeaseEnded,
-    *PUT_MESSAGES,
+    *PUT_MESSAGES, *INTEGRITY_MESSAGES,
 )
 PEER_MESSAGES: tuple[type[Message], ...] = (
     PeerHello, PeerWelcome, PeerClient, WriteRequest, WriteDone, Refuse, Probe, ProbeReply, PeerForget,

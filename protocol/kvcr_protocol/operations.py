@@ -45,7 +45,7 @@ _STOPPING = _codes(E.SHUTTING_DOWN)
 
 _WRITE_RESULTS = _codes(
     E.DUPLICATE_KEY, E.NOT_FOUND, E.LAYOUT_SUBSET_INVALID, E.SIZE_MISMATCH, E.BAD_DESCRIPTOR, E.TIMEOUT,
-    E.TRANSFER_FAILED, E.ABORTED, E.SHUTTING_DOWN, E.INTERNAL,
+    E.TRANSFER_FAILED, E.ABORTED, E.SHUTTING_DOWN, E.INTERNAL, E.DIGEST_MISMATCH,
 )
 """A source's per-key results of a ``write`` (section 5.3)."""
 
@@ -106,6 +106,8 @@ REQUEST_CODES: Mapping[str, RequestCodes] = {
     "put": RequestCodes(_codes(E.BUSY) | _STOPPING, _PUT_RESULTS),
     "commit": RequestCodes(_codes(E.UNKNOWN_PUT, E.TIMEOUT), _PUT_RESULTS),
     "unput": RequestCodes(_codes(E.UNKNOWN_PUT, E.TIMEOUT)),
+    # Version 5: a reader's integrity report (section 6.12).
+    "suspect": RequestCodes(_STOPPING, _codes(E.NOT_FOUND, E.DIGEST_MISMATCH, E.BUSY)),
     "stats": RequestCodes(_codes()),
     "heartbeat": RequestCodes(_codes()),
     "bye": RequestCodes(_codes()),

@@ -93,7 +93,7 @@ RULES: Mapping[Role, RoleRules] = {
             **_answers(
                 regions="ack", unregions="ack", deposit="complete", query="query_reply", deliver="complete",
                 fetch="complete", release="complete", abort="ack", hint="ack", unhint="ack",
-                put="put_reply", commit="complete", unput="ack",
+                put="put_reply", commit="complete", unput="ack", suspect="complete",
             ),
             **_EITHER,
         },

@@ -67,7 +67,9 @@ class HeldUntil:
 
     hook: Callable[[str], Any] | None = None
     refused = 0
-    mismatched = 0
+
+    def __init__(self) -> None:
+        self.mismatches: list[bytes] = []
 
     def check(self, items: Sequence[DeliverItem], granted: Sequence[Any], members: list[int],
               now: float) -> dict[int, int | None]:
@@ -75,6 +77,9 @@ class HeldUntil:
 
     def confirm(self, lease: Any, now: float, then: Callable[[int], None]) -> None:
         raise AssertionError("no confirmation in these cases")
+
+    def mismatch(self, granted: Any, key: bytes) -> None:
+        self.mismatches.append(key)
 
 
 def job(clock: Clock, agent: CopyingAgent, peer: str, until: float, groups: int,

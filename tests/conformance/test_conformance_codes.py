@@ -37,7 +37,7 @@ SPEC = (ROOT / "spec" / "kvcr-protocol.md").read_text(encoding="utf-8")
 NODE_SOURCES = sorted((ROOT / "kvcr_node").rglob("*.py"))
 REQUEST_SOURCES = [
     ROOT / "kvcr_node" / f"{name}.py"
-    for name in ("node", "router", "outbox", "sessions", "operations", "target", "source", "stats", "leases", "puts")
+    for name in ("node", "router", "outbox", "sessions", "operations", "target", "source", "stats", "leases", "puts", "suspects")
 ] + sorted((ROOT / "kvcr_node" / "ops").glob("*.py"))
 """The modules a request runs through, from the loop to its handler and back (architecture §1)."""
 PROTOCOL_SOURCES = [ROOT / "protocol" / "kvcr_protocol" / name for name in ("codec.py", "wire.py", "descriptors.py", "projection.py", "versions.py")]

@@ -160,9 +160,9 @@ def test_version_5_file_repeats_every_older_message() -> None:
 
 def test_version_5_vectors_cover_what_it_adds() -> None:
     # Version 5 opens with one peer message and adds the four write-grant messages
-    # (section 6.13); nothing of an older message changes.
+    # (section 6.13) and the integrity report (6.12); nothing of an older message changes.
     added = {cls.TAG for cls in kp.ALL_MESSAGES if cls.SINCE == kp.CLIENT_GONE_VERSION}
-    assert added == {kp.PeerForget.TAG, kp.Put.TAG, kp.PutReply.TAG, kp.Commit.TAG, kp.Unput.TAG}
+    assert added == {kp.PeerForget.TAG, kp.Put.TAG, kp.PutReply.TAG, kp.Commit.TAG, kp.Unput.TAG, kp.Suspect.TAG}
     forgets = [message_of(v) for v in VALID_V5 if v["tag"] == kp.PeerForget.TAG]
     assert forgets and all(isinstance(msg, kp.PeerForget) and msg.agent for msg in forgets)
     announced = {msg.agent for msg in map(message_of, VALID_V5) if isinstance(msg, kp.PeerClient)}

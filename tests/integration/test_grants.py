@@ -531,11 +531,18 @@ def test_a_slot_overwritten_under_a_grant_fails_digest_mismatch_not_ok(
     assert res[k].status is KeyStatus.FAILED and res[k].code is ErrorCode.DIGEST_MISMATCH, res
     assert np.array_equal(dst[SLOT:], forged) and np.array_equal(dst[:SLOT], src[:SLOT]), "the forged bytes did land"
     assert client._grants.mismatched == mismatched + 1
+    # The reader told the node (``suspect``), which read the object itself and dropped it:
+    # no later lease takes it, while this lease still holds its slots.
+    dropped = client._grants.dropped
+    assert wait_until(lambda: client._grants.dropped == dropped + 1, RESULT_TIMEOUT_S), "the node did not drop it"
+    assert client.query([k]).result(RESULT_TIMEOUT_S)[k].presence.name == "MISS"
+    assert stats(client)["condemned"] == 1
     # Planned, layer by layer: group 0 (intact) is delivered, group 1 fails.
     handle = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(2)]}, plan=[["L0"], ["L1"]])
     assert handle.result(RESULT_TIMEOUT_S)[k].code is ErrorCode.DIGEST_MISMATCH
     assert handle.state(0) is GroupState.DELIVERED and handle.state(1) is not GroupState.DELIVERED
     lease.release().result(RESULT_TIMEOUT_S)
+    assert wait_until(lambda: stats(client)["condemned"] == 0, RESULT_TIMEOUT_S), "the lease's end freed the slots"
 
 
 def test_with_integrity_off_an_overwritten_slot_is_read_as_the_objects(key: Callable[[str], bytes]) -> None:
@@ -556,3 +563,36 @@ def test_with_integrity_off_an_overwritten_slot_is_read_as_the_objects(key: Call
         assert res[k].ok and np.array_equal(dst, forged), "integrity off: the forged bytes come back as OK"
         assert client._grants.checked == 0 and client._grants.unchecked >= 1
         lease.release().result(RESULT_TIMEOUT_S)
+
+
+def test_a_node_driven_deliver_of_an_overwritten_object_fails_and_the_node_drops_it(
+        node: NodeProcess, client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
+    """Issue: an object a grant holder overwrote was delivered by the node itself (no lease,
+    so no digest reached the reader) as ``OK`` with the forged bytes. The node checks what
+    it sent once the WRITE is complete and condemns the object (spec section 6.12)."""
+    whole, planned = key("whole"), key("planned")
+    src = put(client, register, whole, seed=32, layers=2)
+    put(client, register, planned, seed=33, layers=2)
+    before = stats(client)["counters"]
+    forge(node.endpoint, whole, 1, pattern(SLOT, 97))
+    forge(node.endpoint, planned, 1, pattern(SLOT, 96))
+    dst = np.zeros(2 * SLOT, np.uint8)
+    region = register(dst)
+    spans = [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(2)]
+    res = client.deliver({whole: spans}).result(RESULT_TIMEOUT_S)
+    assert res[whole].code is ErrorCode.DIGEST_MISMATCH, res
+    # Planned, layer by layer: group 0 (intact) is delivered, group 1 is not.
+    handle = client.deliver({planned: spans}, plan=[["L0"], ["L1"]])
+    assert handle.result(RESULT_TIMEOUT_S)[planned].code is ErrorCode.DIGEST_MISMATCH
+    assert handle.state(0) is GroupState.DELIVERED and handle.state(1) is not GroupState.DELIVERED
+    after = stats(client)["counters"]
+    assert after.get("deliver_mismatches", 0) == before.get("deliver_mismatches", 0) + 2
+    assert after.get("objects_condemned", 0) == before.get("objects_condemned", 0) + 2
+    # Condemned: the keys are gone, their slots free again, and a writer may store them anew.
+    for k in (whole, planned):
+        assert client.query([k]).result(RESULT_TIMEOUT_S)[k].presence.name == "MISS"
+    assert client.deposit({whole: [Span(f"L{i}", register(src), i * SLOT, SLOT, "kv") for i in range(2)]}).result(
+        RESULT_TIMEOUT_S).all_ok
+    dst[:] = 0
+    assert client.deliver({whole: spans}).result(RESULT_TIMEOUT_S)[whole].ok and np.array_equal(dst, src)
+    assert_clean(client)

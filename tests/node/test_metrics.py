@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvcr_node.buckets import TokenBucket
 from kvcr_node.cli import _parser, build_config
 from kvcr_node.config import ConfigError, NodeConfig, from_mapping
-from kvcr_node.exporter import READS_PER_CONNECTION, MetricsExporter, TokenBucket, request_line
+from kvcr_node.exporter import READS_PER_CONNECTION, MetricsExporter, request_line
 from kvcr_node.metrics import LATENCY_BUCKETS_S, Histogram, MetricsSnapshot, PoolSnapshot
 from kvcr_node.metrics_text import Dropped, render
 from kvcr_node.poolspec import PoolSpec
