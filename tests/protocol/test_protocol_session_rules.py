@@ -24,7 +24,7 @@ from kvcr_protocol.session_rules import (
 
 CLIENT_REQUESTS = {
     "regions", "unregions", "deposit", "query", "deliver", "fetch", "release", "abort", "hint", "unhint",
-    "stats", "heartbeat", "bye", "lease", "renew", "unlease", "put", "commit", "unput",
+    "stats", "heartbeat", "bye", "lease", "renew", "unlease", "put", "commit", "unput", "suspect",
 }
 PEER_REQUESTS = {"peer_client", "write", "probe", "peer_forget", "stats", "heartbeat", "bye", "lease", "renew", "unlease"}
 

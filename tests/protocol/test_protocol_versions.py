@@ -263,7 +263,7 @@ def test_what_each_version_adds() -> None:
     }
     assert {(cls.SINCE, cls.TAG) for cls in kp.ALL_MESSAGES if cls.SINCE > 1} == {
         (3, "progress"), (4, "lease"), (4, "lease_reply"), (4, "renew"), (4, "unlease"), (4, "lease_end"),
-        (5, "peer_forget"), (5, "put"), (5, "put_reply"), (5, "commit"), (5, "unput"),
+        (5, "peer_forget"), (5, "put"), (5, "put_reply"), (5, "commit"), (5, "unput"), (5, "suspect"),
     }
     # Version 4 adds messages only, nothing must-understand; version 5's fields (read grants,
     # on version-4 messages) are all must-understand, so a frame that does not use them is
