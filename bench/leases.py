@@ -6,7 +6,11 @@ Measured in one run against one node (a few seconds):
    (two round trips) against the p50 of one ``query`` of the same keys, the calls taking
    turns so that both see the same machine; ``lease_cost_per_key_us`` is the 1,000-key
    difference per key, ``lease_1000_ratio`` lease + release over the query;
-2. admission into a full pool with part of it leased: the p50 of depositing one new
+2. a wide read lease: 4,096 keys of 16 spans each, leased with a read grant (65,536 granted
+   slots, their digests) and released, against one ``query`` of the same keys;
+   ``read_lease_wide_ratio`` (what holding and granting costs the node per key, where a
+   query is a batch lookup);
+3. admission into a full pool with part of it leased: the p50 of depositing one new
    object (which evicts one unleased object) with 0 %, 25 % and 50 % of the pool's objects
    leased; ``admission_leased_ratio`` is 50 % over 0 % (leased objects leave the eviction
    index, so admission should not slow down: near 1).
@@ -67,6 +71,31 @@ def bench_cost(client: Client, region: Any) -> dict[str, Any]:
     return out
 
 
+WIDE_KEYS = 4096
+WIDE_SPANS = 16
+WIDE_SLOT = 1 << 10
+WIDE_ROUNDS = 20
+
+
+def bench_wide(client: Client) -> dict[str, Any]:
+    """A read lease of ``WIDE_KEYS`` keys of ``WIDE_SPANS`` spans each, then its release,
+    against one query of the same keys (both one round trip or two, taking turns)."""
+    buf = (np.arange(WIDE_SPANS * WIDE_SLOT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
+    region = client.register(buf)
+    keys = [key(1_000_000 + i) for i in range(WIDE_KEYS)]
+    spans = [Span(f"L{j}", region, j * WIDE_SLOT, WIDE_SLOT, "kv") for j in range(WIDE_SPANS)]
+    for start in range(0, WIDE_KEYS, 256):
+        assert client.deposit({k: spans for k in keys[start:start + 256]}).result(RESULT_TIMEOUT_S).all_ok
+
+    def read_lease() -> None:
+        lease = client.lease(keys, read=True).result(RESULT_TIMEOUT_S)
+        assert lease.held_prefix() == WIDE_KEYS, lease
+        lease.release().result(RESULT_TIMEOUT_S)
+
+    return interleaved({"query": lambda: client.query(keys).result(RESULT_TIMEOUT_S), "lease": read_lease},
+                       WIDE_ROUNDS, 3)
+
+
 def bench_admission(client: Client, region: Any, leased_fraction: float, base: int) -> dict[str, float]:
     """Fill the pool, lease ``leased_fraction`` of it, then time admissions that each evict one object."""
     keys = [key(base + i) for i in range(POOL_SLOTS)]
@@ -107,6 +136,12 @@ def main() -> int:
             admission = {f: bench_admission(client, region, f, 10_000 * (1 + i)) for i, f in enumerate((0.0, 0.25, 0.5))}
             st = client.stats().result(RESULT_TIMEOUT_S)
             assert st["invariants"] == [] and st["leases"]["held"] == 0, st["leases"]
+        wide_endpoint = f"ipc://{run}/wide.sock"
+        procs.append(spawn("-m", "kvcr_node.cli", "--endpoint", wide_endpoint, "--pool",
+                           f"kv:{WIDE_SLOT}:{WIDE_KEYS * WIDE_SPANS}", "--lease-pool-fraction", "1",
+                           "--lease-session-fraction", "1", "--log-level", "WARNING"))
+        with Client(wide_endpoint, name="bench-leases-wide") as client:
+            wide = bench_wide(client)
     print(f"load average {os.getloadavg()[0]:.2f} (cores {os.cpu_count()})", file=out)
     print("lease + release (two round trips) against one query of the same held keys", file=out)
     for n, r in cost.items():
@@ -116,6 +151,10 @@ def main() -> int:
     big = cost[max(SIZES)]
     per_key = (big["lease"]["median"] - big["query"]["median"]) / max(SIZES) * 1e6
     print(f"  lease cost per key beyond the query (1000 keys): {per_key:.2f} us", file=out)
+    wide_ratio = wide["lease"]["median"] / wide["query"]["median"]
+    print(f"read lease of {WIDE_KEYS} keys x {WIDE_SPANS} spans + release against one query of them", file=out)
+    print(f"  query         {fmt_us(wide['query'])}", file=out)
+    print(f"  lease+release {fmt_us(wide['lease'])}  ratio {wide_ratio:.2f}", file=out)
     print(f"admission into a full pool of {POOL_SLOTS} slots, one eviction each", file=out)
     for f, s in admission.items():
         print(f"  {f:4.0%} leased  {fmt_us(s)}", file=out)
@@ -126,6 +165,7 @@ def main() -> int:
             "lease_1_ratio": round(cost[1]["lease"]["median"] / cost[1]["query"]["median"], 3),
             "lease_1000_ratio": round(big["lease"]["median"] / big["query"]["median"], 3),
             "lease_cost_per_key_us": round(per_key, 3),
+            "read_lease_wide_ratio": round(wide_ratio, 3),
             "admission_leased_ratio": round(adm_ratio, 3),
         }))
     return 0

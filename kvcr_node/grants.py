@@ -2,18 +2,24 @@
 
 A grant names, for every key a lease holds in this node, its stored span names and each
 span's pool (its index in ``welcome.pools``) and slot. ``Leases`` decides who gets one
-(``client_transfers``, version 5, a client session); this module only lays the rows out.
+(``client_transfers``, version 5, a client session); this module only lays the rows out,
+as packed columns (``PackedRow``): the names and pool indices once per layout, the slots
+as the entry keeps them, so a key costs the same whatever its spans.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 
-from kvcr_node.store import ObjectEntry
-from kvcr_protocol import DEFAULT_LIMITS, LeaseStatus
+from kvcr_node.objects import ObjectEntry
+from kvcr_protocol import DEFAULT_LIMITS, LeaseStatus, PackedRow
+from kvcr_protocol.columns import U32, pack
 
-Row = tuple[tuple[str, ...], list[tuple[int, int]]] | None
-"""A key's row: its stored span names and (pool index, slot) per span; None: no grant."""
+Row = PackedRow | None
+"""A key's row: its stored span names, a pool index byte and a u32 slot per span; None: no grant."""
+
+_LITTLE = sys.byteorder == "little"
 
 
 def grant_rows(
@@ -25,9 +31,10 @@ def grant_rows(
     none (they travel by ``deliver``); a repeated key gets its row at its first position
     only (the client reads by key), so that repeating a key cannot make the reply grow."""
     held = {entry.key: entry for entry in entries}
+    layouts: dict[int, tuple[tuple[str, ...], bytes]] = {}
+    """Per layout (by ``id`` of its shared ``LayoutInfo``): its names and pool index bytes."""
     budget = max_spans
     rows: list[Row] = []
-    row: Row
     seen: set[bytes] = set()
     for i, key in enumerate(keys):
         if key in seen:
@@ -35,11 +42,16 @@ def grant_rows(
             continue
         seen.add(key)
         entry = held.get(key) if status[i] == LeaseStatus.LEASED else None
-        row = None
-        if entry is not None and len(entry.info.layout) <= budget:
-            layout = entry.info.layout
-            budget -= len(layout)
-            row = (tuple(name for name, _ in layout),
-                   [(pool_index[pool], slot) for (_, pool), slot in zip(layout, entry.slot_view, strict=True)])
-        rows.append(row)
+        if entry is None or len(entry.info.layout) > budget:
+            rows.append(None)
+            continue
+        info = entry.info
+        budget -= len(info.layout)
+        shared = layouts.get(id(info))
+        if shared is None:
+            shared = layouts[id(info)] = (tuple(name for name, _ in info.layout),
+                                          bytes(pool_index[pool] for _, pool in info.layout))
+        slots = entry.slot_view
+        rows.append((shared[0], shared[1], slots.tobytes() if _LITTLE else pack(slots, U32)))
     return rows
+

@@ -40,7 +40,6 @@ from kvcr_node.source_holds import (
 __all__ = ["SOURCE_ANSWER_S", "HoldState", "LeaseRecord", "Leases", "PendingReply", "SourceHold"]
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_protocol import (
-    DEFAULT_LIMITS,
     GRANTS_VERSION,
     Ack,
     ErrorCode,
@@ -55,8 +54,9 @@ from kvcr_protocol import (
     ReleaseLease,
     RenewLease,
     Role,
-    grant_columns,
+    packed_grant_columns,
 )
+from kvcr_protocol.columns import U32, unpack
 
 if TYPE_CHECKING:
     from kvcr_node.links import Links
@@ -279,7 +279,7 @@ class Leases(SourceHolds):
                     remote[hold.indices[k]] = (hold.endpoint, hold.incarnation, row)
                     remote_digests[hold.indices[k]] = hold.digests.get(k, b"")
         if not remote or record.session.role is Role.PEER:
-            grant = grant_columns(rows, node)
+            grant = packed_grant_columns(rows, node)
         else:
             # A repeated key has its row at its first position only, as a local one (spec 6.12).
             grant = self.source_grants.columns(record.session, rows, remote, node)
@@ -294,14 +294,18 @@ class Leases(SourceHolds):
         if not self.config.integrity and not any(remote.values()):
             return grant  # nothing to send: no pass over the grant's rows
         held = {entry.key: entry for entry in record.entries} if self.config.integrity else {}
+        spans_of = [joined.count("\0") + 1 for joined in grant.layouts]  # per layout: its spans
         column = bytearray()
-        for i, names, _, _ in grant.keys(DEFAULT_LIMITS):
+        for i, index in enumerate(unpack(grant.layout, U32)):
+            if not index:
+                continue
+            spans = spans_of[index - 1]
             if grant.source_of(i) is None:
                 entry = held.get(keys[i])
                 digests = entry.digests if entry is not None else b""
             else:
                 digests = remote.get(i, b"")
-            column += digests if len(digests) == 8 * len(names) else bytes(8 * len(names))
+            column += digests if len(digests) == 8 * spans else bytes(8 * spans)
         if not any(column):
             return grant
         return dataclasses.replace(grant, digest=bytes(column))
@@ -377,7 +381,8 @@ class Leases(SourceHolds):
         for entry in entries:
             if _drop_one(session.held_keys, entry.key):
                 session.leased_slots -= len(entry.info.layout)
-                session.pool_slots.subtract(dict(entry.info.need))
+                for pool, count in entry.info.need:
+                    session.pool_slots[pool] -= count
             if _drop_one(self.holders, entry.key):
                 for pool, count in entry.info.need:
                     self.pinned[pool] -= count
@@ -573,7 +578,9 @@ def _charge(session: Session, entry: ObjectEntry) -> None:
     session.held_keys[entry.key] = mine + 1
     if not mine:
         session.leased_slots += len(entry.info.layout)
-        session.pool_slots.update(dict(entry.info.need))
+        pool_slots = session.pool_slots
+        for pool, count in entry.info.need:
+            pool_slots[pool] += count
 
 
 def _drop_one(counts: dict[bytes, int], key: bytes) -> bool:

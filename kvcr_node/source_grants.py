@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 
 from kvcr_node.grants import Row
 from kvcr_node.records import Session
-from kvcr_protocol import DEFAULT_LIMITS, GrantNode, GrantSource, LeaseGrant, ProtocolError, grant_columns
+from kvcr_protocol import DEFAULT_LIMITS, GrantNode, GrantSource, LeaseGrant, ProtocolError, packed_grant_columns
+from kvcr_protocol.columns import U32, pack
 
 MAX_SOURCE_AGENTS = 1024
 """Sources' agents kept at most (one per endpoint); the oldest goes first, and its next
@@ -64,7 +65,7 @@ class SourceGrants:
                 digests = grant.digest[8 * at:8 * (at + len(names))]
                 at += len(names)
                 if k < count and max(pool, default=0) < pools:
-                    out[k] = ((names, list(zip(pool, slots, strict=True))), digests)
+                    out[k] = ((names, bytes(pool), pack(slots, U32)), digests)
         except ProtocolError:
             return {}
         return out
@@ -99,4 +100,4 @@ class SourceGrants:
                 table[name] = len(sources)
             rows[i] = row
             source[i] = table[name]
-        return grant_columns(rows, node, source, tuple(sources))
+        return packed_grant_columns(rows, node, source, tuple(sources))

@@ -30,7 +30,7 @@ from kvcr_protocol.columns import (
 from kvcr_protocol.descriptors import Extent, check_span_sizes, resolve_columns, resolve_span
 from kvcr_protocol.endpoints import IPC_PATH_MAX, canonical_endpoint, endpoint_problem
 from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, code_of
-from kvcr_protocol.grants import GrantNode, GrantSource, LeaseGrant, grant_columns
+from kvcr_protocol.grants import GrantNode, GrantSource, LeaseGrant, PackedRow, grant_columns, packed_grant_columns
 from kvcr_protocol.integrity import Suspect
 from kvcr_protocol.leases import (
     HELD,
@@ -111,6 +111,7 @@ __all__ = [
     "LocalProtocolError",
     "Notification",
     "NotifyKind",
+    "PackedRow",
     "PlanProgress",
     "Projection",
     "ProjectionCache",
@@ -146,6 +147,7 @@ __all__ = [
     "item_count",
     "layout_runs",
     "negotiate",
+    "packed_grant_columns",
     "peek_id",
     "prefix_mask",
     "record_items",

@@ -17,7 +17,7 @@ READs from the source's agent directly (spec section 6.12, "Across nodes").
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -156,19 +156,36 @@ def grant_columns(
     """A ``LeaseGrant`` from one row per key: None (no grant) or its stored names and its
     spans' (pool index, slot); equal layouts share one entry of the table. ``source``: per
     key its index in ``sources`` plus one (0: this node's); None or all 0: no column."""
+    packed: list[PackedRow | None] = [
+        None if row is None else (row[0], bytes(p for p, _ in row[1]), pack([s for _, s in row[1]], U32)) for row in rows
+    ]
+    return packed_grant_columns(packed, node, source, sources)
+
+
+PackedRow = tuple[tuple[str, ...], bytes, bytes]
+"""A key's row as columns: its stored span names, one pool index byte per span, and one
+little-endian u32 slot per span (what a node has at hand: no object per span)."""
+
+
+def packed_grant_columns(
+    rows: Sequence[PackedRow | None], node: GrantNode | None = None, source: list[int] | None = None,
+    sources: tuple[GrantSource, ...] = (),
+) -> LeaseGrant:
+    """``grant_columns`` of rows already packed (``PackedRow``): the columns are joined, one
+    step per key whatever its spans."""
     table: dict[tuple[str, ...], int] = {}
     layout: list[int] = []
-    pool = bytearray()
-    slot: list[int] = []
+    pools: list[bytes] = []
+    slots: list[bytes] = []
     for row in rows:
         if row is None:
             layout.append(0)
             continue
-        names, spans = row
+        names, pool, slot = row
         layout.append(table.setdefault(names, len(table) + 1))
-        for p, s in spans:
-            pool.append(p)
-            slot.append(s)
+        pools.append(pool)
+        slots.append(slot)
     joined = tuple("\0".join(names) for names in table)
     column = bytes(source) if source is not None and any(source) else b""
-    return LeaseGrant(pack(layout, U32), joined, bytes(pool), pack(slot, U32), node, column, sources if column else ())
+    return LeaseGrant(pack(layout, U32), joined, b"".join(pools), b"".join(slots), node, column,
+                      sources if column else ())

@@ -20,6 +20,7 @@ from kvcr_node.node import GRANT_PROGRESS_S
 from kvcr_node.poolspec import PoolSpec
 from kvcr_node.store import DepositOutcome, ObjectEntry
 from kvcr_protocol import DEFAULT_LIMITS, Ack, Hello, Lease, LeaseReply, LeaseStatus, ReleaseLease, RenewLease, Welcome
+from kvcr_protocol.columns import U32, pack
 from kvcr_testing.nodes import ClientAgent, NodeDriver, node_driver
 
 SLOT = 4096
@@ -116,7 +117,8 @@ def test_grant_rows_stop_at_the_span_limit_and_give_a_repeated_key_one_row(ipc_d
         keys = (b"x", b"y", b"x", b"x", b"z")
         status = bytes([LeaseStatus.LEASED] * 5)
         rows = grant_rows([x, y, z], keys, status, {"a": 0, "b": 1}, max_spans=4)
-        assert rows[0] == (("k", "v"), [(0, s) for s in x.slots]) and rows[1] == (("k",), [(0, y.slots[0])])
+        assert rows[0] == (("k", "v"), bytes([0, 0]), pack(x.slots, U32))
+        assert rows[1] == (("k",), bytes([0]), pack(y.slots, U32))
         # Repetitions get no row (the first serves, by key) and cost no spans: a lease that
         # repeats a key cannot make its reply grow. z would take 2 + 1 + 2 > 4 spans.
         assert rows[2] is None and rows[3] is None and rows[4] is None

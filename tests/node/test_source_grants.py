@@ -12,6 +12,7 @@ import kvcr_protocol as kp
 from kvcr_node.records import Session
 from kvcr_node.source_grants import SourceGrants
 from kvcr_protocol import GrantNode, MemoryKind, Region
+from kvcr_protocol.columns import U32, pack
 
 B = "ipc:///tmp/kvcr-b.sock"
 NODE_B = GrantNode("kvcr-node-b", b"md-b", (Region(0, MemoryKind.DRAM, 0, 1 << 30, 1 << 20),), 7_000,
@@ -26,9 +27,9 @@ def test_rows_need_the_agent_of_the_incarnation_that_granted_them() -> None:
     grants = SourceGrants()
     assert grants.wants_node(B, 7)
     assert grants.rows(B, 7, source_grant(None), 2) == {}  # no agent cached: nothing to read with
-    assert grants.rows(B, 7, source_grant(), 2) == {0: ((("k", "v"), [(0, 3), (0, 4)]), b"")}
+    assert grants.rows(B, 7, source_grant(), 2) == {0: ((("k", "v"), bytes([0, 0]), pack([3, 4], U32)), b"")}
     assert not grants.wants_node(B, 7) and grants.wants_node(B, 8)
-    assert grants.rows(B, 7, source_grant(None), 2) == {0: ((("k", "v"), [(0, 3), (0, 4)]), b"")}
+    assert grants.rows(B, 7, source_grant(None), 2) == {0: ((("k", "v"), bytes([0, 0]), pack([3, 4], U32)), b"")}
     # The source's digests of the row's spans come with it, to be passed on (spec section 6.12).
     digested = dataclasses.replace(source_grant(None), digest=kp.columns.pack([11, 12], "Q"))
     assert grants.rows(B, 7, digested, 2)[0][1] == kp.columns.pack([11, 12], "Q")
@@ -43,8 +44,8 @@ def test_the_agent_goes_once_per_client_session() -> None:
     grants = SourceGrants()
     grants.rows(B, 7, source_grant(), 2)
     session = Session(b"client", "engine", "client-agent", 5)
-    local = [None, (("x",), [(1, 9)]), None]
-    remote = {0: (B, 7, (("k", "v"), [(0, 3), (0, 4)]))}
+    local = [None, (("x",), bytes([1]), pack([9], U32)), None]
+    remote = {0: (B, 7, (("k", "v"), bytes([0, 0]), pack([3, 4], U32)))}
     first = grants.columns(session, local, remote, None)
     assert first.source == bytes([1, 0, 0]) and first.sources == (kp.GrantSource(B, 7, NODE_B),)
     assert [(i, names) for i, names, _, _ in first.keys(kp.DEFAULT_LIMITS)] == [(0, ("k", "v")), (1, ("x",))]
@@ -60,7 +61,7 @@ def test_the_span_limit_counts_local_and_source_rows() -> None:
     grants = SourceGrants()
     grants.rows(B, 7, source_grant(), 2)
     session = Session(b"client", "engine", "client-agent", 5)
-    remote = {0: (B, 7, (("k", "v"), [(0, 3), (0, 4)]))}
-    out = grants.columns(session, [None, (("x",), [(1, 9)])], remote, None, max_spans=2)
+    remote = {0: (B, 7, (("k", "v"), bytes([0, 0]), pack([3, 4], U32)))}
+    out = grants.columns(session, [None, (("x",), bytes([1]), pack([9], U32))], remote, None, max_spans=2)
     assert out.source == b"" and out.sources == ()  # K's two spans would pass the limit: by deliver
     assert [i for i, _, _, _ in out.keys(kp.DEFAULT_LIMITS)] == [1]
