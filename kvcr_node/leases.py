@@ -84,8 +84,9 @@ class Leases(SourceHolds):
         """This node's own endpoint: a hint naming it asks no source."""
         self.tiers: tuple[str, ...] = ("", REMOTE_TIER, *store.tiers)
         self.table: dict[int, LeaseRecord] = {}
-        self.holders: dict[bytes, int] = {}
-        """Key -> how many leases hold its object."""
+        self.holders: dict[ObjectEntry, int] = {}
+        """Object -> how many leases hold it (by object, not key: a condemned object and its
+        key stored again are two, spec section 6.12)."""
         self.pinned: dict[str, int] = dict.fromkeys(store.pools, 0)
         """Pool -> slots of objects held by at least one lease."""
         self.pin_limit = {name: int(config.lease_pool_fraction * spec.slot_count) for name, spec in store.pools.items()}
@@ -323,7 +324,7 @@ class Leases(SourceHolds):
     def _fits(self, session: Session, entry: ObjectEntry, shares: dict[str, int]) -> bool:
         """Whether holding ``entry`` keeps the session (its slots, its share of each pool) and
         every pool within the lease limits; an object the session holds already always fits."""
-        if entry.key in session.held_keys:
+        if entry in session.held_objects:
             return True  # held by another of its leases: it pins nothing more, for it or the node
         slots = len(entry.info.layout)
         if session.leased_slots + slots > self.config.max_leased_slots_per_session:  # ``_hold`` counts there at once
@@ -331,7 +332,7 @@ class Leases(SourceHolds):
         held = session.pool_slots
         if any(held[pool] + count > shares[pool] for pool, count in entry.info.need):
             return False  # an object another session pinned counts for this one too: it holds it
-        if entry.key in self.holders:
+        if entry in self.holders:
             return True  # already pinned by another lease: it pins nothing more
         return all(self.pinned[pool] + count <= self.pin_limit[pool] for pool, count in entry.info.need)
 
@@ -368,22 +369,22 @@ class Leases(SourceHolds):
         for pool, count in entry.info.need:
             record.pool_slots[pool] += count
         _charge(record.session, entry)
-        held = self.holders.get(entry.key, 0)
+        held = self.holders.get(entry, 0)
         if not held:
             for pool, count in entry.info.need:
                 self.pinned[pool] += count
-        self.holders[entry.key] = held + 1
+        self.holders[entry] = held + 1
 
     def _unhold(self, session: Session, entries: Sequence[ObjectEntry]) -> None:
         """``entries`` are held by one lease of ``session`` less; their claims drop, and the
         session's charge for those it no longer holds under any lease."""
         # Each count (this session's, every lease's) drops by one; what reaches 0 is let go.
         for entry in entries:
-            if _drop_one(session.held_keys, entry.key):
+            if _drop_one(session.held_objects, entry):
                 session.leased_slots -= len(entry.info.layout)
                 for pool, count in entry.info.need:
                     session.pool_slots[pool] -= count
-            if _drop_one(self.holders, entry.key):
+            if _drop_one(self.holders, entry):
                 for pool, count in entry.info.need:
                     self.pinned[pool] -= count
         session.pool_slots = +session.pool_slots
@@ -451,7 +452,7 @@ class Leases(SourceHolds):
         old.leases.clear()
         old.leased_slots = 0
         old.pool_slots.clear()
-        old.held_keys.clear()
+        old.held_objects.clear()
 
     def end_all(self, code: ErrorCode, reason: str) -> None:
         """At shutdown: every lease ends and its client is told."""
@@ -516,18 +517,17 @@ class Leases(SourceHolds):
         granted = sum(1 for r in self.table.values() if r.granted)
         if granted != self.granted:
             breaches.append(f"{self.granted} leases counted with grants, {granted} in the table")
-        holders: collections.Counter[bytes] = collections.Counter()
+        holders: collections.Counter[ObjectEntry] = collections.Counter()
         slots: collections.Counter[int] = collections.Counter()
         pool_slots: dict[int, collections.Counter[str]] = {}
-        session_keys: dict[int, dict[bytes, int]] = {}
-        """Per session: key -> its leases holding the object (each object charged once)."""
-        session_objects: dict[int, dict[bytes, ObjectEntry]] = {}
+        session_objects: dict[int, dict[ObjectEntry, int]] = {}
+        """Per session: object -> its leases holding it (each object charged once)."""
         for lease, record in self.table.items():
             if lease not in record.session.leases:
                 breaches.append(f"lease {lease} is not in its session")
             own: collections.Counter[str] = collections.Counter()
             for entry in record.entries:
-                holders[entry.key] += 1
+                holders[entry] += 1
                 condemned = entry.state is ObjectState.CONDEMNED  # out of the store, slots held (spec 6.12)
                 if (self.store.lookup(entry.key) is not entry and not condemned) or entry.claims < 1:
                     breaches.append(f"lease {lease} holds {entry.key!r}, which is not a claimed stored object")
@@ -540,30 +540,27 @@ class Leases(SourceHolds):
             if +record.pool_slots != +own:
                 breaches.append(f"lease {lease}: pool slots {dict(record.pool_slots)} disagree with its objects {dict(own)}")
             slots[id(record.session)] += record.waiting
-            mine = session_keys.setdefault(id(record.session), {})
-            objects = session_objects.setdefault(id(record.session), {})
+            mine = session_objects.setdefault(id(record.session), {})
             for entry in record.entries:
-                mine[entry.key] = mine.get(entry.key, 0) + 1
-                objects[entry.key] = entry
+                mine[entry] = mine.get(entry, 0) + 1
             pool_slots.setdefault(id(record.session), collections.Counter())
         if dict(holders) != self.holders:
             breaches.append(f"lease holders {len(self.holders)} disagree with the leases ({len(holders)})")
         pinned = dict.fromkeys(self.pinned, 0)
-        held_entries = {entry.key: entry for record in self.table.values() for entry in record.entries}
-        for key in holders:
-            for pool, count in held_entries[key].info.need:
+        for entry in holders:
+            for pool, count in entry.info.need:
                 pinned[pool] += count
         if pinned != self.pinned:
             breaches.append(f"pinned slots {self.pinned} disagree with the leased objects {pinned}")
         for sid, objects in session_objects.items():
-            for entry in objects.values():  # each object once, however many leases hold it
+            for entry in objects:  # each object once, however many leases hold it
                 slots[sid] += len(entry.info.layout)
                 pool_slots[sid].update(dict(entry.info.need))
         for record in self.table.values():
             session = record.session
-            if session_keys.get(id(session), {}) != session.held_keys:
-                breaches.append(f"session {session.name}: {len(session.held_keys)} objects counted held, its leases "
-                                f"hold {len(session_keys.get(id(session), {}))}")
+            if session_objects.get(id(session), {}) != session.held_objects:
+                breaches.append(f"session {session.name}: {len(session.held_objects)} objects counted held, its leases "
+                                f"hold {len(session_objects.get(id(session), {}))}")
             if slots[id(session)] != session.leased_slots:
                 breaches.append(f"session {session.name}: leased slots {session.leased_slots}, leases hold {slots[id(session)]}")
             if +session.pool_slots != +pool_slots[id(session)]:
@@ -574,8 +571,8 @@ class Leases(SourceHolds):
 
 def _charge(session: Session, entry: ObjectEntry) -> None:
     """One more of ``session``'s leases holds ``entry``; the first charges the session for it."""
-    mine = session.held_keys.get(entry.key, 0)
-    session.held_keys[entry.key] = mine + 1
+    mine = session.held_objects.get(entry, 0)
+    session.held_objects[entry] = mine + 1
     if not mine:
         session.leased_slots += len(entry.info.layout)
         pool_slots = session.pool_slots
@@ -583,13 +580,13 @@ def _charge(session: Session, entry: ObjectEntry) -> None:
             pool_slots[pool] += count
 
 
-def _drop_one(counts: dict[bytes, int], key: bytes) -> bool:
-    """One holder of ``key`` fewer; whether that was the last (the key is gone from ``counts``)."""
-    left = counts[key] - 1
+def _drop_one(counts: dict[ObjectEntry, int], entry: ObjectEntry) -> bool:
+    """One holder of ``entry`` fewer; whether that was the last (it is gone from ``counts``)."""
+    left = counts[entry] - 1
     if left:
-        counts[key] = left
+        counts[entry] = left
         return False
-    del counts[key]
+    del counts[entry]
     return True
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvcr_node.buckets import TokenBucket
+from kvcr_node.objects import ObjectEntry
 from kvcr_node.transfers import Transfer
 from kvcr_protocol import KeyResult, KeyStatus, Notification, Region, Role, encode_notification
 from kvcr_protocol.columns import U32, pack
@@ -101,8 +102,8 @@ class Session:
     pool_slots: collections.Counter[str] = field(default_factory=collections.Counter)
     """Pool -> slots of that pool those objects take (bounded by the session's share of
     the pool's lease budget, spec section 6.11)."""
-    held_keys: dict[bytes, int] = field(default_factory=dict)
-    """Key -> how many of those leases hold its object here: a second lease of an object the
+    held_objects: dict[ObjectEntry, int] = field(default_factory=dict)
+    """Object -> how many of those leases hold it here: a second lease of an object the
     session holds pins nothing more (two requests sharing a prefix)."""
     grant_sources: set[tuple[str, int]] = field(default_factory=set)
     """Sources (endpoint, incarnation) whose agent a read grant gave this client (spec

@@ -174,7 +174,7 @@ def test_limits(ipc_dir: Path, agent: ClientAgent) -> None:
         assert d.receive(b"c", ReleaseLease(11, first.lease)) == [Ack(11)]
         # k0 is still held by the second lease: the session's charge for it stays, k1's went.
         session = d.node.sessions.get(b"c")
-        assert session is not None and session.leased_slots == 2 and session.held_keys == {b"k0": 1}
+        assert session is not None and session.leased_slots == 2 and {e.key: n for e, n in session.held_objects.items()} == {b"k0": 1}
         first = second
         third = reply_of(d.receive(b"c", Lease(4, (b"absent",))), 4)
         assert third.lease == 0  # holds nothing: not kept, not counted
@@ -205,10 +205,10 @@ def test_a_prefix_leased_twice_by_one_session_counts_once(ipc_dir: Path, agent: 
         assert session is not None and session.leased_slots == 8 and session.pool_slots["kv"] == 8
         assert d.stats()["invariants"] == []
         assert d.receive(b"c", ReleaseLease(4, first.lease)) == [Ack(4)]
-        assert session.leased_slots == 6 and session.held_keys == dict.fromkeys(keys[:3], 1)
+        assert session.leased_slots == 6 and {e.key: n for e, n in session.held_objects.items()} == dict.fromkeys(keys[:3], 1)
         assert d.stats()["invariants"] == []
         assert d.receive(b"c", ReleaseLease(5, second.lease)) == [Ack(5)]
-        assert session.leased_slots == 0 and not session.pool_slots and not session.held_keys
+        assert session.leased_slots == 0 and not session.pool_slots and not session.held_objects
         at_rest(d)
 
 

@@ -153,3 +153,28 @@ def test_reading_for_reports_is_bounded_per_session_and_node_wide(ipc_dir: Path,
         assert report(d, b"c", 400, b"x") == [OK]
         assert d.stats()["invariants"] == []
 
+
+
+def test_a_key_stored_again_while_its_condemned_object_is_leased(ipc_dir: Path, agent: ClientAgent) -> None:
+    """The key of a condemned object may be stored again, with another layout, and leased,
+    while a lease still holds the condemned one: both are accounted apart, and every slot
+    comes back when the leases end."""
+    with node_driver(config(ipc_dir, lease_pool_fraction=1.0, lease_session_fraction=1.0)) as d:
+        d.hello(b"c", agent)
+        d.hello(b"other", agent)
+        store(d, 2, b"x")
+        old = d.receive(b"c", Lease(4, (b"x",), read=True))[0]
+        overwrite(d, b"x", 0)
+        assert report(d, b"c", 5, b"x") == [CHANGED]
+        items = (DepositItem(b"x", tuple(SrcSpan(f"M{j}", "a", 1, j * SLOT, SLOT) for j in range(3))),)
+        reply = d.receive(b"c", Put(6, items))[0]
+        assert isinstance(d.receive(b"c", Commit(7, reply.put))[0], Completion)
+        new = d.receive(b"other", Lease(8, (b"x",), read=True))[0]
+        mine = d.receive(b"c", Lease(9, (b"x",), read=True))[0]
+        assert new.lease and mine.lease and d.stats()["leases"]["objects"] == 2  # the condemned one and the new
+        assert d.stats()["invariants"] == []
+        for who, request, lease in ((b"c", 10, old), (b"other", 11, new), (b"c", 12, mine)):
+            assert d.receive(who, ReleaseLease(request, lease.lease)) == [Ack(request)]
+            assert d.stats()["invariants"] == []
+        st = d.stats()
+        assert st["pools"]["a"]["free"] == SLOTS - 3 and st["leases"]["held"] == 0 and st["condemned"] == 0
