@@ -23,6 +23,11 @@ class Count(enum.Enum):
 
     HELLOS = "hellos"
     """Client sessions opened (``hello`` answered ``welcome``)."""
+    SESSIONS_RESUMED = "sessions_resumed"
+    """Client sessions ended by their client's next ``hello`` presenting their resume token
+    (spec section 5.2): their puts freed at once."""
+    RESUME_REFUSED = "resume_refused"
+    """``hello`` resume tokens that named no live session of the sender's agent (ignored)."""
     CLIENTS_EXPIRED = "clients_expired"
     """Client sessions closed for silence past ``client_grace_ms``."""
     PEERS_EXPIRED = "peers_expired"

@@ -108,6 +108,9 @@ class Session:
     section 6.12, "Across nodes"): later grants of them leave it out."""
     puts: set[int] = field(default_factory=set)
     """The ids of this session's puts, quarantined ones included (``kvcr_node.puts`` owns them)."""
+    resume: bytes = b""
+    """Its resume token (``welcome.resume``, version 5): a later ``hello`` of the same agent
+    that presents it ends this session at once (spec section 5.2)."""
     peer: PeerState | None = None
     """The peer part of a peer session (None: a client's session)."""
 
