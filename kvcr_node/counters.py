@@ -46,6 +46,11 @@ class Count(enum.Enum):
     """CURVE handshakes that failed before a key was known."""
     PEER_HELLOS = "peer_hellos"
     """Peer sessions opened by target nodes (source side)."""
+    LINKS_FOLDED = "links_folded"
+    """Links found (by the source's proof) to reach a source another link reaches, whose
+    spelling became an alias of that link (target side; spec section 5.3, "Twin links")."""
+    LINK_ALIASES_DROPPED = "link_aliases_dropped"
+    """Aliases of links forgotten past ``max_peers`` aliases (their next request opens a link)."""
     PEER_FORGETS_UNKNOWN = "peer_forgets_unknown"
     """``peer_forget`` for an agent this peer session did not hold (answered ack all the same)."""
     PEER_CLIENTS_FORGOTTEN = "peer_clients_forgotten"

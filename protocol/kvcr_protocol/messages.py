@@ -409,7 +409,14 @@ class PeerWelcome(Message):
     incarnation: int
     agent: str
     agent_md: bytes
-    FIELDS = _fields(_F_AGREED, _F_NODE, _F_INCARNATION, _F_AGENT, _F_AGENT_MD)
+    twins: bytes = b""
+    """Version 5: one proof per other live peer session of the same target incarnation, that
+    the source received both its token and this hello's (``kvcr_protocol.twins``, spec
+    section 5.3): the target then uses one link for both."""
+    FIELDS = _fields(
+        _F_AGREED, _F_NODE, _F_INCARNATION, _F_AGENT, _F_AGENT_MD,
+        Field("twins", Bytes("max_key"), b"", since=5, sparse=True),
+    )
 
 
 @message("peer_client")
