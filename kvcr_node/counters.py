@@ -26,8 +26,9 @@ class Count(enum.Enum):
     SESSIONS_RESUMED = "sessions_resumed"
     """Client sessions ended by their client's next ``hello`` presenting their resume token
     (spec section 5.2): their puts freed at once."""
-    RESUME_REFUSED = "resume_refused"
-    """``hello`` resume tokens that named no live session of the sender's agent (ignored)."""
+    RESUMES_UNMATCHED = "resumes_unmatched"
+    """``hello`` resume tokens that named no live session of the sender's agent, ignored (the
+    node restarted, the session had ended, or the token was guessed or another's)."""
     CLIENTS_EXPIRED = "clients_expired"
     """Client sessions closed for silence past ``client_grace_ms``."""
     PEERS_EXPIRED = "peers_expired"

@@ -165,15 +165,19 @@ class Sessions:
         # Spec section 5.2: a hello ends the identity's session first, whatever its answer
         # (its sender starts over); a refused one leaves the identity with none, answered at
         # version 1 (section 5.1: the hello's versions are not agreed).
+        resumed = self._resumed(msg)
         old = self.table.get(identity)
-        if old is not None:
+        if old is not None and old is resumed:
+            # The same socket resumes its own session: it ends, its puts freed (below).
+            self._end_resumed(old, msg)
+            resumed = None
+        elif old is not None:
             self.close(old)
         try:
             version = negotiate(self.versions, msg.versions)
         except ProtocolError as exc:
             self.outbox.refuse(identity, msg.id, exc)
             return
-        resumed = self._resumed(msg)
         if len(self.clients()) - (resumed is not None) >= self.config.max_clients:
             # The session its token names makes way for it: a reconnect is not one client more.
             self.outbox.refuse(self.addressee(identity), msg.id, ProtocolError(
@@ -186,12 +190,7 @@ class Sessions:
         if session is None:
             return
         if resumed is not None and resumed.agent == session.agent and not resumed.closing:
-            # Spec section 5.2: the client's previous session ends now, as bye would, and
-            # its puts are freed (the token says none of their WRITEs can land any more).
-            self.counters.inc(Count.SESSIONS_RESUMED)
-            log.info("client %s (agent %s) resumed: its previous session ends, %d puts freed", msg.client,
-                     session.agent, len(resumed.puts))
-            self.end(resumed, resumed=True)
+            self._end_resumed(resumed, msg)
         if version >= GRANTS_VERSION:
             session.resume = secrets.token_bytes(RESUME_TOKEN_BYTES)
         self.counters.inc(Count.HELLOS)
@@ -199,6 +198,14 @@ class Sessions:
         self.outbox.reply(session, Welcome(
             msg.id, version, self.config.name, self.incarnation, self.agent_name, self.pool_info, self.config.heartbeat_ms,
             session.resume))
+
+    def _end_resumed(self, session: Session, msg: Hello) -> None:
+        """Spec section 5.2: the client's previous session ends now, as bye would, and its puts
+        are freed (the token it presented says none of their WRITEs can land any more)."""
+        self.counters.inc(Count.SESSIONS_RESUMED)
+        log.info("client %s (agent %s) resumed: its previous session ends, %d puts freed", msg.client,
+                 session.agent, len(session.puts))
+        self.end(session, resumed=True)
 
     def _resumed(self, msg: Hello) -> Session | None:
         """The live client session of ``msg``'s agent whose resume token ``msg`` presents, or
@@ -209,7 +216,7 @@ class Sessions:
             if session.role is Role.CLIENT and session.resume and session.agent == msg.agent \
                     and hmac.compare_digest(session.resume, msg.resume):
                 return session
-        self.counters.inc(Count.RESUME_REFUSED)
+        self.counters.inc(Count.RESUMES_UNMATCHED)
         return None
 
     # ------------------------------------------------------------------ regions

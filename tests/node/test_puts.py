@@ -234,8 +234,20 @@ def test_a_reconnect_presenting_the_resume_token_frees_the_old_sessions_puts_at_
         assert isinstance(gone, Error) and gone.code == ErrorCode.BAD_STATE
         # A token ends one session: presenting it again ends nothing.
         d.hello(b"third", agent, resume=welcome.resume)
-        assert d.stats()["counters"]["sessions_resumed"] == 1 and d.stats()["counters"]["resume_refused"] == 1
+        assert d.stats()["counters"]["sessions_resumed"] == 1 and d.stats()["counters"]["resumes_unmatched"] == 1
         assert free(d) == 4
+
+
+def test_a_socket_resuming_its_own_session_frees_its_puts(ipc_dir: Path, agent: ClientAgent) -> None:
+    """A hello from the identity whose session the token names ends that session as any hello
+    from it does, and frees its puts at once instead of quarantining them."""
+    with node_driver(config(ipc_dir)) as d:
+        welcome = d.hello(b"c", agent)
+        reply_of(d.receive(b"c", put(2, b"x")), 2)
+        d.hello(b"c", agent, request_id=3, resume=welcome.resume)
+        st = d.stats()
+        assert free(d) == 8 and st["counters"]["sessions_resumed"] == 1 and st["tables"]["puts"] == 0
+        assert st["invariants"] == []
 
 
 def test_a_guessed_or_another_clients_token_ends_nothing(ipc_dir: Path, agent: ClientAgent) -> None:
@@ -250,7 +262,7 @@ def test_a_guessed_or_another_clients_token_ends_nothing(ipc_dir: Path, agent: C
             for token in (bytes(16), b"\xff" * 16, mine.resume[:8], theirs.resume[:15] + b"\x00", theirs.resume):
                 d.hello(b"me", agent, resume=token)
             st = d.stats()
-            assert st["counters"].get("sessions_resumed", 0) == 0 and st["counters"]["resume_refused"] == 5
+            assert st["counters"].get("sessions_resumed", 0) == 0 and st["counters"]["resumes_unmatched"] == 5
             assert free(d) == 6 and st["tables"]["sessions"] == 2, "the victim's session and put are untouched"
             # The victim's session still commits its put.
             done = reply_of(d.receive(b"victim", Commit(3, 1)), 3)
