@@ -622,9 +622,10 @@ class Links(LeaseRequests, ClientForgets):
         return min(times) if times else None
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per source endpoint: its node, session state, version and writes (for ``stats``)."""
+        """Per source endpoint: its node, session state, version, writes and aliases (for ``stats``)."""
         return {
-            link.endpoint: {
+            # A folded link still draining keeps its own entry beside a new link of its spelling.
+            link.endpoint + (" (draining)" if link.draining else ""): {
                 "node": link.node, "state": link.state.value, "version": link.version,
                 "incarnation": link.incarnation, "writes_outstanding": len(link.writes), "queued": len(link.queued),
                 "uncertain": sum(1 for w in link.writes.values() if w.state is WriteStage.UNCERTAIN),
