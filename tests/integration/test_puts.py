@@ -381,3 +381,21 @@ def test_a_reconnect_while_a_put_writes_presents_no_token(node: Any, client: Cli
         c._puts.hook = None
         assert wait_until(lambda: stats(c)["puts"]["quarantined"] == 1, 10.0)
     assert wait_until(lambda: stats(client)["puts"]["quarantined"] == 0, 20.0)
+
+
+def test_reconnect_churn_with_open_puts_leaves_slots_and_tables_at_their_bound(node: Any) -> None:
+    """A hundred reconnects, each leaving open puts behind: each hello frees the last
+    session's, so the client's share never fills, and the node's tables end where they began."""
+    with Client(node.endpoint, name="itest-puts-churn") as c:
+        r = c.register(pattern(LAYERS * SLOT, 53))
+        before = slot_accounting(stats(c))
+        tables = dict(stats(c)["tables"])
+        resumed = stats(c)["counters"].get("sessions_resumed", 0)
+        for i in range(100):
+            assert raw_put(c, r, [b"churn-%d" % i]).put, i  # refused BUSY if old sessions' puts held slots
+            c.reconnect()
+        st = stats(c)
+        assert st["counters"]["sessions_resumed"] - resumed == 100
+        assert slot_accounting(st) == before and st["puts"]["open"] == 0 and st["puts"]["quarantined"] == 0
+        assert st["tables"] == tables, (st["tables"], tables)
+        assert_clean(c)
