@@ -320,15 +320,17 @@ class ClientCore:
         self.bg_watch = (self.bg_wakeup.read_fd,)
         self.transport.close()
 
-    def hello(self, regions: tuple[Region, ...], timeout_s: float) -> Future[Any]:
-        """Open the session: version agreement, our metadata and regions."""
+    def hello(self, regions: tuple[Region, ...], timeout_s: float, resume: bool = False) -> Future[Any]:
+        """Open the session: version agreement, our metadata and regions; with ``resume``, the
+        previous session's resume token, so that the node ends it at once (spec section 5.2)."""
         with self.io_lock:
             self.open_socket()
             if not self._thread.is_alive() and not self.closed:
                 self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
                 self._thread.start()
             op_id = self.next_id()
-            hello = Hello(op_id, self.versions, self.name, self.agent.name, self.agent.metadata(), regions)
+            token = self.session.resume if resume else b""
+            hello = Hello(op_id, self.versions, self.name, self.agent.name, self.agent.metadata(), regions, token)
             future = Request(_welcome, False, None)
             self._send_request(op_id, lambda _: hello, timeout_s, future)
             self._drain_socket()

@@ -565,7 +565,9 @@ class Operations:
         self._token = _new_token()  # a late notification of the old session matches nothing
         self._leases.clear()  # leases end with their session: their handles say NODE_LOST
         self._grants.forget()  # and so do their grants
-        return self.core.hello(self._regions.wires(), timeout_s)
+        # The previous session ends at once, its puts freed, unless a WRITE of a put may
+        # still land (spec section 5.2): then it ends as the node finds it gone.
+        return self.core.hello(self._regions.wires(), timeout_s, resume=self._puts.quiet())
 
 
 def _new_token() -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -105,9 +106,27 @@ class Puts:
         """Puts whose ``put_reply`` did not come within their deadline (keys ``TIMEOUT``)."""
         self.handed_back = 0
         """Late reservations of those freed by ``unput``."""
+        self.resumes_held = 0
+        """Reconnects that presented no resume token: a WRITE of a put could still land."""
+        self._busy = 0
+        """Puts between their ``put`` and the end of their WRITEs (caller threads)."""
+        self._let_go = False
+        """A WRITE was let go of while running in this session: it may still land."""
+        self._lock = threading.Lock()
         self.hook: Any = None
         """Called with ``"written"`` once the WRITE is terminal, before ``commit`` (tests stop
         a client there). Not a setting of the product."""
+
+    def quiet(self) -> bool:
+        """Whether no WRITE of a put of this session runs or may still land, so that the next
+        ``hello`` may present the resume token, which frees the session's puts (spec section
+        5.2). Called as a new hello goes: a let-go WRITE is the old session's only."""
+        with self._lock:
+            quiet = not self._busy and not self._let_go
+            self._let_go = False
+            if not quiet:
+                self.resumes_held += 1
+            return quiet
 
     def offered(self) -> bool:
         core = self.ops.core
@@ -128,10 +147,25 @@ class Puts:
         if not self.offered() or not frozen:
             self.fallbacks += 1
             return ops.deposit(objects, no_evict, optional, deadline_ms)
-        core = ops.core
         columns = deposit_blocks(frozen)
         node_md = ops._grants.wants_node()
         give_up = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_WRITE_S)
+        with self._lock:
+            self._busy += 1  # from the put on, a WRITE of it may be posted (``quiet``)
+        try:
+            return self._put(objects, frozen, keys, regions, columns, node_md, give_up, no_evict, optional, ttl_ms,
+                             deadline_ms)
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def _put(
+        self, objects: Mapping[bytes, Sequence[Span]], frozen: tuple[DepositItem, ...], keys: list[bytes],
+        regions: set[RegionHandle], columns: tuple[DepositColumns, ...], node_md: bool, give_up: float, no_evict: bool, optional: bool, ttl_ms: int, deadline_ms: int,
+    ) -> OpHandle[Results[KeyOutcome]]:
+        """``put`` once its arguments are checked: the request, its WRITEs, its commit."""
+        ops = self.ops
+        core = ops.core
         # Tracked until answered (or the session ends), however long the caller waits: a
         # reservation that comes after the caller gave up is still handed back.
         op_id, asked = core.request(lambda i: Put(i, (), no_evict, optional, ttl_ms, columns, node_md),
@@ -213,6 +247,8 @@ class Puts:
         if self.hook is not None:
             self.hook("written")
         if ok is None:
+            with self._lock:
+                self._let_go = True
             return [KeyResult(KeyStatus.FAILED, ErrorCode.TIMEOUT, "the WRITE outlived the deadline; left to expire")
                     if r.status is KeyStatus.OK else r for r in results]
         if not ok:

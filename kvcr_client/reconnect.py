@@ -11,6 +11,11 @@ waiting for it, ``Client.start_reconnect``), and the caller reports how that end
 (``connected``, ``failed``). While it is not ``UP`` the caller treats the node as absent:
 lookups are misses at once, loads fail, saves are skipped. ``counts`` say how often the
 node went away, how long it stayed away and how many hellos it took.
+
+The hello the caller sends presents the previous session's resume token (version 5: the
+``welcome.resume`` that ``ClientSession.resume`` keeps across the loss), unless a WRITE of
+one of its puts may still land: the node then ends that session at once and frees its puts,
+instead of holding their slots until it finds the session silent (spec section 5.2).
 """
 
 from __future__ import annotations

@@ -180,6 +180,10 @@ class ClientSession(Generic[H]):
         self.version = 0
         """The version agreed in the welcome (0 before any)."""
         self.welcome: Welcome | None = None
+        self.resume = b""
+        """The resume token of the latest session the node welcomed (version 5): the next
+        ``hello`` may present it, so that the node ends that session at once and frees its
+        puts (spec section 5.2). Kept across a loss; dropped by ``bye``."""
         self.pending: dict[int, InFlight[H]] = {}
         self.timed_out: dict[int, InFlight[H]] = {}
         """Memory-holding requests the client stopped waiting for, until the node answers."""
@@ -267,6 +271,7 @@ class ClientSession(Generic[H]):
                 self.state = SessionState.HELLO_SENT
         elif kind is Bye and self.connected:
             self._bye_id = op_id
+            self.resume = b""  # the session ends by bye: nothing to resume
             self.state = SessionState.CLOSING
         entry = InFlight(handle, kind.TAG, now + timeout_s + _GRACE_S, touches_memory, holds, observed)
         self.pending[op_id] = entry
@@ -358,6 +363,7 @@ class ClientSession(Generic[H]):
         if isinstance(msg, Welcome):
             self.version = msg.version
             self.welcome = msg
+            self.resume = msg.resume
             self.state = SessionState.OPEN
             self.last_heard = now
             self.next_heartbeat = now  # the next ``timeouts`` schedules the first

@@ -23,6 +23,12 @@ class Count(enum.Enum):
 
     HELLOS = "hellos"
     """Client sessions opened (``hello`` answered ``welcome``)."""
+    SESSIONS_RESUMED = "sessions_resumed"
+    """Client sessions ended by their client's next ``hello`` presenting their resume token
+    (spec section 5.2): their puts freed at once."""
+    RESUMES_UNMATCHED = "resumes_unmatched"
+    """``hello`` resume tokens that named no live session of the sender's agent, ignored (the
+    node restarted, the session had ended, or the token was guessed or another's)."""
     CLIENTS_EXPIRED = "clients_expired"
     """Client sessions closed for silence past ``client_grace_ms``."""
     PEERS_EXPIRED = "peers_expired"
@@ -41,6 +47,11 @@ class Count(enum.Enum):
     """CURVE handshakes that failed before a key was known."""
     PEER_HELLOS = "peer_hellos"
     """Peer sessions opened by target nodes (source side)."""
+    LINKS_FOLDED = "links_folded"
+    """Links found (by the source's proof) to reach a source another link reaches, whose
+    spelling became an alias of that link (target side; spec section 5.3, "Twin links")."""
+    LINK_ALIASES_DROPPED = "link_aliases_dropped"
+    """Aliases of links forgotten past ``max_peers`` aliases (their next request opens a link)."""
     PEER_FORGETS_UNKNOWN = "peer_forgets_unknown"
     """``peer_forget`` for an agent this peer session did not hold (answered ack all the same)."""
     PEER_CLIENTS_FORGOTTEN = "peer_clients_forgotten"

@@ -53,6 +53,9 @@ class LeaseRequests:
     def open(self, endpoint: str) -> PeerLink:
         raise NotImplementedError
 
+    def link_of(self, endpoint: str) -> PeerLink | None:
+        raise NotImplementedError
+
     def ask(
         self, endpoint: str, build: Callable[[int], Message], answer: Answer, wait_s: float, incarnation: int = 0,
     ) -> None:
@@ -118,7 +121,7 @@ class LeaseRequests:
     def hold_lease(self, endpoint: str, lease: int) -> int:
         """The source at ``endpoint`` holds ``lease`` for us: its link stays open meanwhile.
         Returns the source's incarnation (whose lease id it is)."""
-        link = self.by_endpoint.get(endpoint)
+        link = self.link_of(endpoint)
         if link is None:
             return 0
         link.leases.add(lease)
@@ -126,16 +129,16 @@ class LeaseRequests:
 
     def incarnation(self, endpoint: str) -> int:
         """The incarnation of the source at ``endpoint`` as last welcomed (0: none yet)."""
-        link = self.by_endpoint.get(endpoint)
+        link = self.link_of(endpoint)
         return link.incarnation if link is not None else 0
 
     def version(self, endpoint: str) -> int:
         """The version the session with the source at ``endpoint`` agreed on (0: none yet)."""
-        link = self.by_endpoint.get(endpoint)
+        link = self.link_of(endpoint)
         return link.version if link is not None and link.state is LinkState.READY else 0
 
     def release_lease(self, endpoint: str, lease: int) -> None:
-        link = self.by_endpoint.get(endpoint)
+        link = self.link_of(endpoint)
         if link is not None:
             link.leases.discard(lease)
             link.last_used = self.clock()

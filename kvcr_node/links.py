@@ -7,7 +7,10 @@ closed to make room), says ``peer_hello``, announces clients (and, version 5, te
 sources when they left: ``peer_forget``), sends writes, reads what
 sources answer, and on each check sends heartbeats, turns writes whose deadline passed
 uncertain, probes them, and closes links idle for ``peer_idle_ms`` (spec sections 5.3
-and 12). What a write means for its operation (results, fills, handles) is the node's:
+and 12). Two spellings of one source's endpoint share one link: when a version-5 source
+proves that a newly welcomed link reaches it as another link does (``peer_welcome.twins``,
+spec section 5.3 "Twin links"), the new spelling becomes an alias of the older link, and
+the new link hands its queued requests over and closes once what was sent on it is over. What a write means for its operation (results, fills, handles) is the node's:
 ``Links`` reports every write that ends, or turns uncertain, to its ``LinkOwner``.
 """
 
@@ -62,7 +65,8 @@ from kvcr_protocol import (
     encode,
 )
 from kvcr_protocol.operations import SOURCE_CODES
-from kvcr_protocol.versions import COLUMNS_VERSION, PARTIAL_LAYOUT_VERSION
+from kvcr_protocol.twins import proves_twin
+from kvcr_protocol.versions import COLUMNS_VERSION, GRANTS_VERSION, PARTIAL_LAYOUT_VERSION
 
 log = logging.getLogger("kvcr.node")
 
@@ -122,6 +126,11 @@ class Links(LeaseRequests, ClientForgets):
         self.curve = curve
         """(the peers' server key, our public key, our secret key) when nodes use CurveZMQ."""
         self.by_endpoint: dict[str, PeerLink] = {}
+        self.aliases: dict[str, str] = {}
+        """Another spelling of a source's endpoint -> the endpoint of the link it goes through
+        (spec section 5.3, "Twin links"); oldest first, at most ``max_peers``."""
+        self.draining: list[PeerLink] = []
+        """Links folded into a twin that still serve what was sent on them (no new request)."""
         self.socks: dict[Any, PeerLink] = {}
         """Each link's socket and monitor, as the poller reports them."""
         self._ids = itertools.count(1)
@@ -129,7 +138,8 @@ class Links(LeaseRequests, ClientForgets):
         self.lease_owner: LeaseOwner | None = None
 
     def __iter__(self) -> Iterator[PeerLink]:
-        return iter(self.by_endpoint.values())
+        yield from self.by_endpoint.values()
+        yield from self.draining
 
     @property
     def reports(self) -> LinkOwner:
@@ -140,7 +150,7 @@ class Links(LeaseRequests, ClientForgets):
         return owner
 
     def __len__(self) -> int:
-        return len(self.by_endpoint)
+        return len(self.by_endpoint) + len(self.draining)
 
     # ------------------------------------------------------------------ writes
 
@@ -150,13 +160,13 @@ class Links(LeaseRequests, ClientForgets):
         Raises ``LinkError`` (``BAD_ENDPOINT``, ``PEER_UNREACHABLE`` or ``PEER_LIMIT``, with
         the reason) when it cannot be opened; nothing it opened stays behind.
         """
-        link = self.by_endpoint.get(endpoint)
+        link = self.link_of(endpoint)
         if link is not None:
             link.last_used = self.clock()
             return link
         if not endpoint.startswith(TRANSPORTS):
             raise LinkError(ErrorCode.BAD_ENDPOINT, f"the source endpoint {endpoint!r} is not a tcp:// or ipc:// endpoint")
-        if len(self.by_endpoint) >= self.config.max_peers:
+        if len(self) >= self.config.max_peers:
             self._make_room(endpoint)
         sock: zmq.Socket[bytes] | None = None
         monitor: zmq.Socket[bytes] | None = None
@@ -255,7 +265,9 @@ class Links(LeaseRequests, ClientForgets):
     def _say_hello(self, link: PeerLink) -> None:
         link.hello_id = next(self._ids)
         link.state = LinkState.CONNECTING
-        self._send(link, self.hello(link.hello_id, link.endpoint))
+        hello = self.hello(link.hello_id, link.endpoint)
+        link.token = hello.link
+        self._send(link, hello)
 
     def _send(self, link: PeerLink, msg: Message) -> bool:
         try:
@@ -411,6 +423,10 @@ class Links(LeaseRequests, ClientForgets):
             log.warning("peer %s metadata refused: %s", link.endpoint, exc)
         if old_agent and old_agent != link.agent:
             self.agents.release(old_agent)  # the source restarted with another agent
+        link.twins = msg.twins if msg.version >= GRANTS_VERSION else b""
+        link.twin = self._twin_of(link)
+        if link.twin is not None and self._fold(link):
+            return  # its queued requests went to the twin, which has the session they need
         queued, link.queued = link.queued, []
         for write in queued:
             if write.state is WriteStage.QUEUED:
@@ -426,6 +442,87 @@ class Links(LeaseRequests, ClientForgets):
                 write.next_probe = 0.0
         if resumed and self.lease_owner is not None:
             self.lease_owner.source_resumed(link)
+
+    # ------------------------------------------------------------------ twin links
+
+    def _twin_of(self, link: PeerLink) -> PeerLink | None:
+        """Another link, up, that the source proved reaches the same process as ``link`` (spec
+        section 5.3, "Twin links"): in ``link``'s welcome when the other's hello reached the
+        source first, else in the other's. An incarnation alone (statistics show it) is no proof."""
+        if not link.token or link.version < GRANTS_VERSION:
+            return None
+        for other in self.by_endpoint.values():
+            if (other is link or other.state is not LinkState.READY or other.incarnation != link.incarnation
+                    or other.version < GRANTS_VERSION or not other.token):
+                continue
+            if proves_twin(link.twins, other.token, link.token) or proves_twin(other.twins, link.token, other.token):
+                return other
+        return None
+
+    def _fold(self, link: PeerLink) -> bool:
+        """Make ``link``'s spellings aliases of its twin, hand its queued requests over, and
+        close it once what was sent on it is over; False (not now) while it has lease
+        requests or leases at the source, which belong to its own peer session there."""
+        twin = link.twin
+        if twin is None or link.draining:
+            return False
+        if (twin.closed or self.by_endpoint.get(twin.endpoint) is not twin or twin.state is not LinkState.READY
+                or twin.incarnation != link.incarnation):
+            link.twin = None  # the twin went (closed, or its source restarted): nothing to fold into
+            return False
+        if link.leases or link.asks or link.abandoned:
+            return False  # folded once they are over (``check``)
+        link.twin = None
+        spellings = [link.endpoint, *link.aliases]
+        link.aliases.clear()
+        if self.by_endpoint.get(link.endpoint) is link:
+            del self.by_endpoint[link.endpoint]
+        for spelling in spellings:
+            self._alias(spelling, twin)
+        twin.last_used = self.clock()
+        queued, link.queued = link.queued, []
+        for write in queued:
+            if write.state is WriteStage.QUEUED:
+                write.link = twin
+                self.submit(write)
+        asks, link.asks_queued = link.asks_queued, []
+        for ask in asks:
+            self._send_ask(twin, ask)
+        self.counters.inc(Count.LINKS_FOLDED)
+        log.info("the link to %s (%s) reaches the same source as %s: one link for both", link.node, link.endpoint,
+                 twin.endpoint)
+        if link.busy:
+            # Writes sent on it run to their end there (answers, probes); nothing new joins them.
+            link.draining = True
+            self.draining.append(link)
+        else:
+            self.retire(link)
+        return True
+
+    def _alias(self, spelling: str, link: PeerLink) -> None:
+        """Requests for ``spelling`` go through ``link`` from now on (at most ``max_peers``
+        aliases: the oldest is dropped, and its next request opens a link that folds again)."""
+        self.aliases.pop(spelling, None)
+        self.aliases[spelling] = link.endpoint
+        link.aliases.add(spelling)
+        while len(self.aliases) > self.config.max_peers:
+            oldest, endpoint = next(iter(self.aliases.items()))
+            del self.aliases[oldest]
+            owner = self.by_endpoint.get(endpoint)
+            if owner is not None:
+                owner.aliases.discard(oldest)
+            self.counters.inc(Count.LINK_ALIASES_DROPPED)
+
+    def link_of(self, endpoint: str) -> PeerLink | None:
+        """The open link that requests for ``endpoint`` (as spelled) go through, if any."""
+        link = self.by_endpoint.get(endpoint)
+        if link is None and (target := self.aliases.get(endpoint)) is not None:
+            link = self.by_endpoint.get(target)
+        return link
+
+    def canonical(self, endpoint: str) -> str:
+        """The endpoint of the link requests for ``endpoint`` go through (itself when none other)."""
+        return self.aliases.get(endpoint, endpoint)
 
     def _fail_queued(self, link: PeerLink, code: ErrorCode, reason: str) -> None:
         queued, link.queued = link.queued, []
@@ -447,6 +544,11 @@ class Links(LeaseRequests, ClientForgets):
         """Heartbeats, write deadlines, probes of uncertain writes, idle links closed."""
         idle_s = self.config.peer_idle_ms / 1000
         for link in list(self):
+            if link.draining and not link.busy:
+                self.retire(link)  # folded into its twin, and what was sent on it is over
+                continue
+            if link.twin is not None and self._fold(link):
+                continue
             if not link.busy and now - link.last_used >= idle_s:
                 # Nothing outstanding and unused for peer_idle_ms: close it (spec section 5.3).
                 self.counters.inc(Count.LINKS_CLOSED_IDLE)
@@ -511,6 +613,8 @@ class Links(LeaseRequests, ClientForgets):
         down = [link.down_since + self.config.peer_dead_ms / 1000 for link in self
                 if link.leases and link.down_since is not None and link.state is not LinkState.READY]
         times.extend(down)
+        if any(not link.busy for link in self.draining):
+            times.append(now)  # folded, and nothing of it runs any more: close it now
         idle = [link.last_used for link in self if not link.busy]
         if idle:
             # Wake once when the longest-idle link is due to close, no more often.
@@ -518,14 +622,15 @@ class Links(LeaseRequests, ClientForgets):
         return min(times) if times else None
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per source endpoint: its node, session state, version and writes (for ``stats``)."""
+        """Per source endpoint: its node, session state, version, writes and aliases (for ``stats``)."""
         return {
-            link.endpoint: {
+            # A folded link still draining keeps its own entry beside a new link of its spelling.
+            link.endpoint + (" (draining)" if link.draining else ""): {
                 "node": link.node, "state": link.state.value, "version": link.version,
                 "incarnation": link.incarnation, "writes_outstanding": len(link.writes), "queued": len(link.queued),
                 "uncertain": sum(1 for w in link.writes.values() if w.state is WriteStage.UNCERTAIN),
                 "leases": len(link.leases), "lease_asks": len(link.asks), "lease_asks_abandoned": len(link.abandoned),
-                "ask_bytes": link.ask_bytes,
+                "ask_bytes": link.ask_bytes, "aliases": sorted(link.aliases), "draining": link.draining,
             }
             for link in self
         }
@@ -534,6 +639,8 @@ class Links(LeaseRequests, ClientForgets):
         """Entries in the tables links keep (soaks check they return to a bound)."""
         return {
             "links": len(self.by_endpoint),
+            "links_draining": len(self.draining),
+            "link_aliases": len(self.aliases),
             "link_sockets": len(self.socks),
             "probes": sum(len(link.probes) for link in self),
             "clients_sent": sum(len(link.clients_sent) for link in self),
@@ -576,6 +683,12 @@ class Links(LeaseRequests, ClientForgets):
         """Close a link's sockets and monitor and forget it; its poller entries go too."""
         if self.by_endpoint.get(link.endpoint) is link:
             del self.by_endpoint[link.endpoint]
+        for alias in link.aliases:
+            if self.aliases.get(alias) == link.endpoint:
+                del self.aliases[alias]  # its spellings open links of their own again
+        link.aliases.clear()
+        if link.draining:
+            self.draining.remove(link)
         for s in link.fds:
             if self.socks.pop(s, None) is not None:
                 self.poller.unregister(s)

@@ -147,6 +147,17 @@ class PeerLink:
     last_used: float = field(default_factory=time.monotonic)
     """When a write last started or ended on it (idle links close, spec section 5.3)."""
     closed: bool = False
+    token: bytes = b""
+    """Our token for this link, as our ``peer_hello`` said it (``peer_hello.link``)."""
+    twins: bytes = b""
+    """The proofs of the source's latest ``peer_welcome`` (version 5, spec section 5.3 "Twin
+    links"): which of our other links reached it before this one."""
+    aliases: set[str] = field(default_factory=set)
+    """Other spellings of the source's endpoint whose requests go through this link."""
+    twin: PeerLink | None = None
+    """The link of the same source that this one is to fold into, once it holds no lease."""
+    draining: bool = False
+    """Folded into its twin: takes no new request, serves what was sent on it, then closes."""
 
     @property
     def busy(self) -> bool:

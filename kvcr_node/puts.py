@@ -125,7 +125,7 @@ class Puts:
         self.granted_at = -1e18
         """When a put was last granted: its client WRITEs soon (the node paces its agent)."""
         self.counts = {"granted": 0, "committed": 0, "abandoned": 0, "expired": 0, "lost": 0, "freed_late": 0,
-                       "refused_share": 0, "sessions_ended": 0}
+                       "refused_share": 0, "sessions_ended": 0, "freed_on_resume": 0}
         agents.on_removed = self.agent_removed
 
     # ------------------------------------------------------------------ requests
@@ -308,6 +308,16 @@ class Puts:
             self.counts["lost"] += 1
             lost = True
         return lost
+
+    def free_session_puts(self, session: Session) -> int:
+        """``session``'s client resumed (spec section 5.2): it says no WRITE of the session's
+        puts can land any more, so each is freed at once, as ``unput`` would; how many."""
+        freed = 0
+        for put in sorted(session.puts):
+            self._free(self.table[put])
+            freed += 1
+        self.counts["freed_on_resume"] += freed
+        return freed
 
     def agent_removed(self, name: str) -> None:
         """Our agent let go of ``name``: the connection its lost puts' WRITEs need is closed."""

@@ -113,6 +113,9 @@ class Session:
     suspect_budget: TokenBucket | None = None
     """Bytes the node may still read to check this session's reports (``kvcr_node.suspects``
     makes it at the first one)."""
+    resume: bytes = b""
+    """Its resume token (``welcome.resume``, version 5): a later ``hello`` of the same agent
+    that presents it ends this session at once (spec section 5.2)."""
     peer: PeerState | None = None
     """The peer part of a peer session (None: a client's session)."""
 

@@ -10,7 +10,9 @@ stays answerable to probes until they end.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -45,11 +47,15 @@ from kvcr_protocol import (
     negotiate,
 )
 from kvcr_protocol.session_rules import region_conflict
+from kvcr_protocol.versions import GRANTS_VERSION
 
 if TYPE_CHECKING:
     from kvcr_node.puts import Puts
 
 log = logging.getLogger("kvcr.node")
+
+RESUME_TOKEN_BYTES = 16
+"""The length of a session's resume token (spec section 5.2): random, drawn per session."""
 
 MAX_ADDRESS = 1 << 64
 """Regions end at or below the top of a 64-bit address space."""
@@ -159,15 +165,21 @@ class Sessions:
         # Spec section 5.2: a hello ends the identity's session first, whatever its answer
         # (its sender starts over); a refused one leaves the identity with none, answered at
         # version 1 (section 5.1: the hello's versions are not agreed).
+        resumed = self._resumed(msg)
         old = self.table.get(identity)
-        if old is not None:
+        if old is not None and old is resumed:
+            # The same socket resumes its own session: it ends, its puts freed (below).
+            self._end_resumed(old, msg)
+            resumed = None
+        elif old is not None:
             self.close(old)
         try:
             version = negotiate(self.versions, msg.versions)
         except ProtocolError as exc:
             self.outbox.refuse(identity, msg.id, exc)
             return
-        if len(self.clients()) >= self.config.max_clients:
+        if len(self.clients()) - (resumed is not None) >= self.config.max_clients:
+            # The session its token names makes way for it: a reconnect is not one client more.
             self.outbox.refuse(self.addressee(identity), msg.id, ProtocolError(
                 ErrorCode.TOO_MANY_CLIENTS, f"this node serves at most {self.config.max_clients} clients"))
             return
@@ -177,10 +189,35 @@ class Sessions:
         )
         if session is None:
             return
+        if resumed is not None and resumed.agent == session.agent and not resumed.closing:
+            self._end_resumed(resumed, msg)
+        if version >= GRANTS_VERSION:
+            session.resume = secrets.token_bytes(RESUME_TOKEN_BYTES)
         self.counters.inc(Count.HELLOS)
         log.info("client %s (agent %s) joined at version %d", msg.client, session.agent, version)
         self.outbox.reply(session, Welcome(
-            msg.id, version, self.config.name, self.incarnation, self.agent_name, self.pool_info, self.config.heartbeat_ms))
+            msg.id, version, self.config.name, self.incarnation, self.agent_name, self.pool_info, self.config.heartbeat_ms,
+            session.resume))
+
+    def _end_resumed(self, session: Session, msg: Hello) -> None:
+        """Spec section 5.2: the client's previous session ends now, as bye would, and its puts
+        are freed (the token it presented says none of their WRITEs can land any more)."""
+        self.counters.inc(Count.SESSIONS_RESUMED)
+        log.info("client %s (agent %s) resumed: its previous session ends, %d puts freed", msg.client,
+                 session.agent, len(session.puts))
+        self.end(session, resumed=True)
+
+    def _resumed(self, msg: Hello) -> Session | None:
+        """The live client session of ``msg``'s agent whose resume token ``msg`` presents, or
+        None: a token of no session, of another agent's, or guessed ends nothing (counted)."""
+        if not msg.resume:
+            return None
+        for session in self.table.values():
+            if session.role is Role.CLIENT and session.resume and session.agent == msg.agent \
+                    and hmac.compare_digest(session.resume, msg.resume):
+                return session
+        self.counters.inc(Count.RESUMES_UNMATCHED)
+        return None
 
     # ------------------------------------------------------------------ regions
 
@@ -265,17 +302,19 @@ class Sessions:
         self.outbox.reply(session, Ack(msg.id))
         self.end(session)
 
-    def end(self, session: Session) -> None:
-        """Close a session that ends (bye, silence); a peer's running writes stay answerable to probes."""
-        self.close(session)
+    def end(self, session: Session, resumed: bool = False) -> None:
+        """Close a session that ends (bye, silence, its client resuming: ``resumed``); a
+        peer's running writes stay answerable to probes."""
+        self.close(session, resumed)
         if session.ops and session.role is Role.PEER:
             # Only peer sessions retire (probes look there); a client's ops hold their session.
             self.retired.append(session)
 
-    def close(self, session: Session) -> None:
+    def close(self, session: Session, resumed: bool = False) -> None:
         """Abort what can be aborted and release the session's handle claims and agents.
 
-        Operations with a transfer in flight keep their claims until it is terminal.
+        Operations with a transfer in flight keep their claims until it is terminal. A
+        session whose client resumed (``resumed``) has its puts freed, not quarantined.
         """
         session.closing = True
         session.forget_hints()  # spec section 5.2: hints end with their session
@@ -284,6 +323,8 @@ class Sessions:
         self.operations.end_session(session)
         if self.table.get(session.identity) is session:
             del self.table[session.identity]
+        if resumed and self.puts is not None:
+            self.puts.free_session_puts(session)
         if self.puts is not None and self.puts.end_session_puts(session):
             # Its unfinished puts wait for its agent's removal (spec section 6.13).
             self.agents.forget(session.agent)

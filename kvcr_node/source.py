@@ -42,7 +42,8 @@ from kvcr_protocol import (
     WriteState,
     negotiate,
 )
-from kvcr_protocol.versions import LEASES_VERSION
+from kvcr_protocol.twins import twin_proofs
+from kvcr_protocol.versions import GRANTS_VERSION, LEASES_VERSION
 
 log = logging.getLogger("kvcr.node")
 
@@ -112,8 +113,14 @@ class Source:
             return
         self.counters.inc(Count.PEER_HELLOS)
         log.info("peer %s (incarnation %x) joined at version %d", msg.node, msg.incarnation, version)
+        twins = b""
+        if version >= GRANTS_VERSION:
+            # Spec section 5.3, "Twin links": prove to the target which of its other links
+            # reach us too (only we received their tokens), so that it keeps one of them.
+            twins = twin_proofs((s.peer.link for s in self.sessions if s is not session and s.peer is not None
+                                 and s.peer.incarnation == msg.incarnation), msg.link)
         self.outbox.reply(session, PeerWelcome(
-            msg.id, version, self.config.name, self.incarnation, self.agent_name, self.metadata()))
+            msg.id, version, self.config.name, self.incarnation, self.agent_name, self.metadata(), twins))
 
     def on_peer_client(self, peer: Session, msg: PeerClient) -> None:
         announced = self.sessions.announce(peer, msg.id, msg.agent_md, msg.regions)

@@ -191,6 +191,9 @@ class SourceHolds:
                 pending.status[i], pending.tier[i] = answer, _REMOTE_TIER_INDEX
         if held and isinstance(reply, LeaseReply) and reply.lease:
             hold.state, hold.source_lease, hold.held = HoldState.HELD, reply.lease, tuple(held)
+            # Held by the session of the link the request went through: renewals and its
+            # release go there whatever spelling asked (spec section 5.3, "Twin links").
+            hold.endpoint = self.links.canonical(hold.endpoint)
             hold.incarnation = self.links.hold_lease(hold.endpoint, reply.lease)
             if record.read and reply.grant is not None and reply.held:
                 rows = self.source_grants.rows(hold.endpoint, hold.incarnation, reply.grant, len(hold.indices))

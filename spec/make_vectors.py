@@ -47,6 +47,7 @@ from kvcr_protocol.columns import (
 )
 from kvcr_protocol.leases import LeaseColumns, LeaseStatus
 from kvcr_protocol.notify import Notification, WriteNotify, decode_notification, encode_notification
+from kvcr_protocol.twins import twin_proof
 from kvcr_protocol.wire import (
     NUL,
     U64_MAX,
@@ -242,8 +243,8 @@ def fields_json(obj: m.Message | Record, omit_defaults: bool = False, version: i
         value = getattr(obj, f.name)
         if f.since > version and f.since >= kp.COLUMNS_VERSION:
             continue
-        if omit_defaults and not f.required and value == f.default:
-            continue
+        if (omit_defaults or f.sparse) and not f.required and value == f.default:
+            continue  # a sparse field left out is the vector as it was before the field
         out[f.name] = value_json(f.type, value, omit_defaults)
     return out
 
@@ -1046,6 +1047,12 @@ def v4_instances() -> list[Valid]:
     ]
 
 
+TWINS = twin_proof(bytes(range(0x10, 0x20)), bytes(range(0x20, 0x30))) + twin_proof(bytes(range(0x30, 0x40)), bytes(range(0x20, 0x30)))
+"""Two proofs: node A's links with tokens 0x10.. and 0x30.. reach B, as does this one (token 0x20..)."""
+RESUME_TOKEN = bytes(range(0xA0, 0xB0))
+"""A session's resume token as the reference node draws it: 16 bytes (section 5.2)."""
+
+
 def v5_instances() -> list[Valid]:
     """Version 5: every message of versions 1 to 4 again at version 5, then ``peer_forget``."""
     again = [
@@ -1057,6 +1064,24 @@ def v5_instances() -> list[Valid]:
         *again,
         Valid("welcome-agreed-5", m.Welcome(1, 5, "node-a", INC_A, "kvcr-node-a", POOLS_A, 1000), versions=(5,), description="welcome agreeing on version 5"),
         Valid("peer-welcome-agreed-5", m.PeerWelcome(1, 5, "node-b", INC_B, "kvcr-node-b", MD_NODE_B), versions=(5,), description="node B agrees on version 5"),
+        Valid(
+            "peer-welcome-twins",
+            m.PeerWelcome(1, 5, "node-b", INC_B, "kvcr-node-b", MD_NODE_B, TWINS),
+            versions=(5,),
+            description="node B proves that two of node A's links reach it (section 5.3, \"Twin links\")",
+        ),
+        Valid(
+            "welcome-resume",
+            m.Welcome(1, 5, "node-a", INC_A, "kvcr-node-a", POOLS_A, 1000, RESUME_TOKEN),
+            versions=(5,),
+            description="welcome agreeing on version 5 with the session's resume token (section 5.2)",
+        ),
+        Valid(
+            "hello-resume",
+            m.Hello(1, (1, 2, 3, 4, 5), "vllm-tp0", "kvcr-client-4712", MD_CLIENT, (R_DRAM, R_VRAM), RESUME_TOKEN),
+            versions=(5,),
+            description="a reconnecting client presents its previous session's resume token; always encoded at v=1",
+        ),
         Valid(
             "peer-forget",
             m.PeerForget(310, "kvcr-client-4712"),
@@ -1570,6 +1595,16 @@ def invalid_v5_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     yield ("peer-forget-agent-129", _pack({**forget, "agent": "a" * 129}), 5, "TOO_LARGE", "an agent name of 129 bytes (limit 128)")
     yield ("peer-forget-id-negative", _pack({**forget, "id": -1}), 5, "OUT_OF_RANGE", "a negative request id")
     yield ("peer-forget-unknown-bang", _pack({**forget, "!all": True}), 5, "MUST_UNDERSTAND", "an unknown must-understand field on a version-5 message")
+    twins = _wire(m.PeerWelcome(1, 5, "node-b", INC_B, "kvcr-node-b", MD_NODE_B, TWINS), 5)
+    yield ("peer-welcome-twins-list", _pack({**twins, "twins": [TWINS[:16], TWINS[16:]]}), 5, "WRONG_TYPE",
+           "the proofs as a list, not one bin")
+    yield ("peer-welcome-twins-257", _pack({**twins, "twins": bytes(257)}), 5, "TOO_LARGE", "proofs of 257 bytes (limit 256)")
+    welcome = _wire(m.Welcome(1, 5, "node-a", INC_A, "kvcr-node-a", POOLS_A, 1000, RESUME_TOKEN), 5)
+    yield ("welcome-resume-str", _pack({**welcome, "resume": RESUME_TOKEN.hex()}), 5, "WRONG_TYPE", "a resume token as str, not bin")
+    yield ("welcome-resume-257", _pack({**welcome, "resume": bytes(257)}), 5, "TOO_LARGE", "a resume token of 257 bytes (limit 256)")
+    hello = _wire(m.Hello(1, (1, 2, 3, 4, 5), "vllm-tp0", "kvcr-client-4712", MD_CLIENT, (), RESUME_TOKEN), 1)
+    yield ("hello-resume-int", _pack({**hello, "resume": 7}), 5, "WRONG_TYPE", "a resume token as an integer, not bin")
+    yield ("hello-resume-257", _pack({**hello, "resume": bytes(257)}), 5, "TOO_LARGE", "a resume token of 257 bytes (limit 256)")
     lease = {"v": 5, "t": "lease", "id": 320, "keys": [K1], "request_id": None, "ttl_ms": 0, "!read": True}
     yield ("lease-read-int", _pack({**lease, "!read": 1}), 5, "WRONG_TYPE", "read as an integer, not a bool")
     yield ("lease-node-md-nil", _pack({**lease, "!node_md": None}), 5, "WRONG_TYPE", "node_md nil")

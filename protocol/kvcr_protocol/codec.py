@@ -48,9 +48,10 @@ def encode(message: Message, version: int = CURRENT_VERSION) -> bytes:
                     f.name,
                 )
             continue
-        if f.must_understand and value == f.default:
+        if (f.must_understand or f.sparse) and value == f.default:
             # A must-understand field travels only when set, so that a receiver that
-            # lacks it still accepts every message that does not use it.
+            # lacks it still accepts every message that does not use it (a sparse one, so
+            # that a message that does not use it is the frame it was before the field).
             continue
         try:
             out[f.key] = f.type.dump(value)

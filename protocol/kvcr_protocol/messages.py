@@ -125,7 +125,14 @@ class Hello(Message):
     agent: str
     agent_md: bytes
     regions: tuple[Region, ...] = ()
-    FIELDS = _fields(_F_VERSIONS, Field("client", _NAME), _F_AGENT, _F_AGENT_MD, _F_REGIONS_OPT)
+    resume: bytes = b""
+    """The resume token of this client's previous session with the node (``welcome.resume``;
+    spec section 5.2): that session ends at once, its puts freed. Added with version 5; a
+    ``hello`` is read by version 1's rules, and a node that does not know it ignores it."""
+    FIELDS = _fields(
+        _F_VERSIONS, Field("client", _NAME), _F_AGENT, _F_AGENT_MD, _F_REGIONS_OPT,
+        Field("resume", Bytes("max_key"), b"", sparse=True),
+    )
 
 
 @message("welcome", reply=True)
@@ -139,9 +146,13 @@ class Welcome(Message):
     agent: str
     pools: tuple[PoolInfo, ...] = ()
     heartbeat_ms: int = 0
+    resume: bytes = b""
+    """Version 5: this session's resume token, which only the node and this client know; the
+    client's next ``hello`` presents it (spec section 5.2)."""
     FIELDS = _fields(
         _F_AGREED, _F_NODE, _F_INCARNATION, _F_AGENT,
         Field("pools", Seq(RecordType(PoolInfo), "max_regions"), ()), Field("heartbeat_ms", UInt(_U32), 0),
+        Field("resume", Bytes("max_key"), b"", since=5, sparse=True),
     )
 
 
@@ -399,7 +410,14 @@ class PeerWelcome(Message):
     incarnation: int
     agent: str
     agent_md: bytes
-    FIELDS = _fields(_F_AGREED, _F_NODE, _F_INCARNATION, _F_AGENT, _F_AGENT_MD)
+    twins: bytes = b""
+    """Version 5: one proof per other live peer session of the same target incarnation, that
+    the source received both its token and this hello's (``kvcr_protocol.twins``, spec
+    section 5.3): the target then uses one link for both."""
+    FIELDS = _fields(
+        _F_AGREED, _F_NODE, _F_INCARNATION, _F_AGENT, _F_AGENT_MD,
+        Field("twins", Bytes("max_key"), b"", since=5, sparse=True),
+    )
 
 
 @message("peer_client")

@@ -318,6 +318,9 @@ class Field:
     default: Any = _MISSING
     since: int = 1
     must_understand: bool = False
+    sparse: bool = False
+    """An optional field that travels only when set (as a must-understand one does), so that a
+    message that does not use it keeps the bytes it had before the field existed."""
 
     @property
     def required(self) -> bool:

@@ -471,6 +471,24 @@ def test_bye_closes_the_session_when_the_node_answers(ipc_dir: Path, agent: Clie
             s.send(50, Query(50, (b"k",)), pair.now(), 1.0, "late")
 
 
+def test_the_session_keeps_the_welcomes_resume_token_until_bye(ipc_dir: Path, agent: ClientAgent) -> None:
+    """The token the node gave this session (``welcome.resume``, spec section 5.2) stays
+    across a loss, for the next hello to present; a bye ends the session: none is kept."""
+    with node_driver(config(ipc_dir)) as d:
+        pair = Pair(d, agent)
+        welcome = opened(pair)
+        s = pair.session
+        assert len(welcome.resume) == 16 and s.resume == welcome.resume
+        s.disconnected("lost the node")
+        assert s.resume == welcome.resume
+        s.reopen()
+        assert s.resume == welcome.resume
+        again = opened(pair)
+        assert s.resume == again.resume != welcome.resume
+        pair.send("bye", lambda i: Bye(i))
+        assert s.resume == b""
+
+
 def test_capacity_events_are_kept_and_reported(agent: ClientAgent) -> None:
     """A ``capacity`` event from the node (spec section 6.9) is kept and handed on, matching no request."""
     s: ClientSession[str] = ClientSession(supported_up_to(CURRENT_VERSION))

@@ -158,7 +158,8 @@ def test_version_4_leases_are_specified() -> None:
     versions = section("## 7. Versions and negotiation")
     assert "Version 4 and older peers:" in versions and "`ADVISORY`" in versions
     assert "| 1, 2, 3, 4 | 1, 2, 3, 4 | 4 |" in versions
-    assert "Version 5 and older peers:" in versions and "Further version-5 additions follow." in versions
+    assert "Version 5 and older peers:" in versions and "Further version-5 additions follow:" in versions
+    assert "the optional field `resume` on `welcome` and the optional field `resume` on `hello`" in versions
     assert "| 1, 2, 3, 4, 5 | 1, 2, 3, 4, 5 | 5 |" in versions
     assert "Client gone (peer_forget→ack), version 5:" in peer
 

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -321,3 +322,80 @@ def test_a_client_killed_mid_put_gets_its_slots_back_only_once_safe(client: Clie
     assert st["puts"]["freed_late"] >= 1
     assert slot_accounting(st) == before
     assert st["writing"] == 0
+
+
+def test_a_reconnecting_client_frees_its_old_sessions_puts_at_once(node: Any) -> None:
+    """The issue's case: a client with open puts reconnects (new socket, new hello, same
+    agent). Its hello presents the old session's resume token (spec section 5.2): the node
+    ends that session at once and frees its puts, so their slots are free when the welcome
+    comes, not after heartbeat silence and the quarantine; the new session puts again."""
+    with Client(node.endpoint, name="itest-puts-resume") as c:
+        src = pattern(LAYERS * SLOT, 51)
+        r = c.register(src)
+        before = slot_accounting(stats(c))
+        replies = [raw_put(c, r, [b"resume-%d" % i]) for i in range(3)]  # reserved, never written
+        assert all(reply.put for reply in replies) and stats(c)["puts"]["open"] == 3
+        first = c.core.welcome
+        assert first is not None and len(first.resume) == 16
+        welcome = c.reconnect()
+        assert welcome.resume and welcome.resume != first.resume
+        st = stats(c)
+        assert st["puts"]["open"] == 0 and st["puts"]["quarantined"] == 0 and st["writing"] == 0
+        assert slot_accounting(st) == before and st["counters"]["sessions_resumed"] >= 1
+        # The new session puts the same keys, writes them and reads them back.
+        res = c.put({b"resume-0": spans(r)}).result(RESULT_TIMEOUT_S)
+        assert res[b"resume-0"].status is KeyStatus.STORED
+        dst = np.zeros(LAYERS * SLOT, np.uint8)
+        rd = c.register(dst)
+        assert c.deliver({b"resume-0": [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(LAYERS)]}).result(
+            RESULT_TIMEOUT_S)[b"resume-0"].ok
+        assert np.array_equal(dst, src)
+        assert_clean(c)
+
+
+def test_a_reconnect_while_a_put_writes_presents_no_token(node: Any, client: Client) -> None:
+    """While a WRITE of a put may still land, the client presents no resume token: the old
+    session ends as the node finds it gone, its put quarantined while the client's agent is
+    connected, and freed once it leaves (spec section 6.13)."""
+    with Client(node.endpoint, name="itest-puts-busy") as c:
+        src = pattern(LAYERS * SLOT, 52)
+        r = c.register(src)
+        written, release = threading.Event(), threading.Event()
+
+        def hook(stage: str) -> None:
+            written.set()
+            release.wait(RESULT_TIMEOUT_S)
+
+        c._puts.hook = hook
+        resumed = stats(c)["counters"].get("sessions_resumed", 0)
+        worker = threading.Thread(target=lambda: c.put({b"busy": spans(r)}))
+        worker.start()
+        try:
+            assert written.wait(RESULT_TIMEOUT_S)
+            c.reconnect()
+            assert c._puts.resumes_held == 1
+            assert stats(c)["counters"].get("sessions_resumed", 0) == resumed, "no token: nothing ended at once"
+        finally:
+            release.set()
+            worker.join(RESULT_TIMEOUT_S)
+        c._puts.hook = None
+        assert wait_until(lambda: stats(c)["puts"]["quarantined"] == 1, 10.0)
+    assert wait_until(lambda: stats(client)["puts"]["quarantined"] == 0, 20.0)
+
+
+def test_reconnect_churn_with_open_puts_leaves_slots_and_tables_at_their_bound(node: Any) -> None:
+    """A hundred reconnects, each leaving open puts behind: each hello frees the last
+    session's, so the client's share never fills, and the node's tables end where they began."""
+    with Client(node.endpoint, name="itest-puts-churn") as c:
+        r = c.register(pattern(LAYERS * SLOT, 53))
+        before = slot_accounting(stats(c))
+        tables = dict(stats(c)["tables"])
+        resumed = stats(c)["counters"].get("sessions_resumed", 0)
+        for i in range(100):
+            assert raw_put(c, r, [b"churn-%d" % i]).put, i  # refused BUSY if old sessions' puts held slots
+            c.reconnect()
+        st = stats(c)
+        assert st["counters"]["sessions_resumed"] - resumed == 100
+        assert slot_accounting(st) == before and st["puts"]["open"] == 0 and st["puts"]["quarantined"] == 0
+        assert st["tables"] == tables, (st["tables"], tables)
+        assert_clean(c)

@@ -264,10 +264,11 @@ class NodeDriver:
             for agent in agents:
                 agent.notifications.extend(agent.agent.progress())
 
-    def hello(self, identity: bytes, agent: ClientAgent, request_id: int = 1) -> Welcome:
-        """Open a client session for ``agent`` with its regions; returns the welcome."""
+    def hello(self, identity: bytes, agent: ClientAgent, request_id: int = 1, resume: bytes = b"") -> Welcome:
+        """Open a client session for ``agent`` with its regions (presenting the resume token
+        ``resume``, spec section 5.2); returns the welcome."""
         replies = self.receive(identity, Hello(request_id, (CURRENT_VERSION,), agent.name, agent.name, agent.metadata,
-                                               agent.regions))
+                                               agent.regions, resume))
         assert len(replies) == 1 and isinstance(replies[0], Welcome), replies
         return replies[0]
 

@@ -8,6 +8,7 @@ alone and checked deterministically (spec sections 5.3 and 12).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from kvcr_node.records import Operation, OpKind, Session
 from kvcr_protocol import (
     PROTOCOL_VERSIONS,
     Ack,
+    Bye,
     DeliverItem,
     DstSpan,
     ErrorCode,
@@ -46,6 +48,7 @@ from kvcr_protocol import (
     decode,
     encode,
 )
+from kvcr_protocol.twins import twin_proof
 from kvcr_testing.nodes import NamedAgent
 
 RECV_TIMEOUT_MS = 5000
@@ -147,12 +150,18 @@ def world(ipc_dir: Path) -> Iterator[World]:
     counters = Counters()
     links = Links(
         CONFIG, context, poller, agents,
-        lambda i, endpoint: PeerHello(i, PROTOCOL_VERSIONS, "target", 7, "target-agent", b"target-agent"),
+        lambda i, endpoint: PeerHello(i, PROTOCOL_VERSIONS, "target", 7, "target-agent", b"target-agent", (),
+                                      token(endpoint)),
         PROTOCOL_VERSIONS, counters, ProtocolErrors(), clock, owner=owner,
     )
     yield World(links, owner, clock, context, ipc_dir, counters)
     links.close_all()
     context.destroy(linger=0)
+
+
+def token(endpoint: str) -> bytes:
+    """The link token the fixture's target sends to ``endpoint`` (the node's is an HMAC of a secret)."""
+    return hashlib.sha256(b"secret" + endpoint.encode()).digest()[:16]
 
 
 def operation(clock: Clock, deadline_s: float, keys: int = 1) -> Operation:
@@ -467,3 +476,153 @@ def test_a_reconnected_session_is_not_told_of_clients_it_never_knew(world: World
     assert write.state is WriteStage.DONE and not link.forgets
     fetch = marker(world, source, link)
     assert isinstance(first := source.recv(), WriteRequest) and first.id == fetch, first
+
+
+# --------------------------------------------------------------------------- twin links (spec section 5.3)
+
+
+def twin_source(world: World, *names: str) -> Source:
+    """One scripted source reached by several spellings (one ROUTER bound to each)."""
+    source = world.source(names[0])
+    for name in names[1:]:
+        source.sock.bind(world.endpoint(name))
+    return source
+
+
+def welcome(world: World, source: Source, link: Any, incarnation: int = 42, twins: bytes = b"") -> None:
+    hello = source.recv()
+    assert isinstance(hello, PeerHello) and hello.link == token(link.endpoint)
+    source.send(PeerWelcome(hello.id, VERSION, "source", incarnation, "source-agent", b"source-agent", twins))
+    world.drain_until(lambda: link.state is LinkState.READY or link.closed)
+
+
+def test_a_second_spelling_proved_to_reach_the_same_source_folds_into_the_first(world: World) -> None:
+    source = twin_source(world, "s", "s-again")
+    first, again = world.endpoint("s"), world.endpoint("s-again")
+    a = world.links.open(first)
+    welcome(world, source, a)
+    b = world.links.open(again)
+    write = world.links.new_write(operation(world.clock, 5), b, [0], items(), "target-agent", None, False)
+    world.links.submit(write)
+    assert write.state is WriteStage.QUEUED
+    # The source received a's token first, so b's welcome proves that it holds both.
+    welcome(world, source, b, twins=twin_proof(token(first), token(again)))
+    assert b.closed and world.links.link_of(again) is a and world.links.open(again) is a
+    assert write.link is a and write.state is WriteStage.SENT, "the queued write went through the twin"
+    got = {type(source.recv()), type(source.recv())}
+    assert got == {WriteRequest, Bye}, got  # the write on a, bye on b
+    sizes = world.links.sizes()
+    assert (sizes["links"], sizes["link_aliases"], sizes["links_draining"]) == (1, 1, 0)
+    assert world.counters.snapshot()["links_folded"] == 1
+    assert world.links.stats()[first]["aliases"] == [again]
+    # The alias goes when its link closes: its spelling opens a link of its own again.
+    world.links.retire(a)
+    assert world.links.sizes()["link_aliases"] == 0 and world.links.link_of(again) is None
+
+
+def test_the_proof_may_come_in_the_older_links_welcome(world: World) -> None:
+    """Both hellos reached the source before either welcome came back: the link whose hello
+    came second there carries the proof; whichever is welcomed last folds."""
+    source = twin_source(world, "s", "s-again")
+    first, again = world.endpoint("s"), world.endpoint("s-again")
+    a = world.links.open(first)
+    b = world.links.open(again)
+    hellos = {source.recv().link: source.peer for _ in range(2)}  # type: ignore[attr-defined]
+    ids = {link.token: link.hello_id for link in (a, b)}
+    source.peer = hellos[token(first)]
+    source.send(PeerWelcome(ids[a.token], VERSION, "source", 42, "source-agent", b"source-agent",
+                            twin_proof(token(again), token(first))))
+    world.drain_until(lambda: a.state is LinkState.READY)
+    source.peer = hellos[token(again)]
+    source.send(PeerWelcome(ids[b.token], VERSION, "source", 42, "source-agent", b"source-agent"))
+    world.drain_until(lambda: b.closed)
+    assert world.links.link_of(again) is a and world.links.sizes()["links"] == 1
+
+
+@pytest.mark.parametrize("forged", ["none", "random", "other tokens", "the incarnation only, proof of itself"])
+def test_a_welcome_claiming_anothers_incarnation_without_proof_folds_nothing(world: World, forged: str) -> None:
+    """Hostile: a source that names the incarnation of another (statistics show it) and no
+    valid proof keeps its own link; no spelling is steered to another source."""
+    real = world.source("real")
+    liar = world.source("liar")
+    a = world.links.open(real.endpoint)
+    welcome(world, real, a)
+    b = world.links.open(liar.endpoint)
+    twins = {"none": b"", "random": bytes(range(32)), "other tokens": twin_proof(token("x"), token(liar.endpoint)),
+             "the incarnation only, proof of itself": twin_proof(token(liar.endpoint), token(liar.endpoint))}[forged]
+    welcome(world, liar, b, twins=twins)
+    assert not b.closed and world.links.link_of(liar.endpoint) is b and world.links.link_of(real.endpoint) is a
+    assert world.links.sizes()["link_aliases"] == 0 and "links_folded" not in world.counters.snapshot()
+
+
+def test_a_link_holding_leases_at_the_source_folds_once_they_end(world: World) -> None:
+    """Leases at the source belong to the link's own peer session there: a twin that holds
+    some keeps its link (renewals and releases go there) and folds once they ended."""
+    source = twin_source(world, "s", "s-again")
+    first, again = world.endpoint("s"), world.endpoint("s-again")
+    b = world.links.open(again)
+    welcome(world, source, b)
+    world.links.hold_lease(again, 9)  # its session at the source holds a lease for us
+    a = world.links.open(first)
+    welcome(world, source, a)
+    b.state = LinkState.DOWN  # b reconnects; its new session takes the lease over at the source
+    world.links._say_hello(b)
+    welcome(world, source, b, twins=twin_proof(token(first), token(again)))
+    assert b.twin is a and not b.closed and world.links.link_of(again) is b
+    world.links.check(world.clock.now)
+    assert not b.closed, "the lease holds it"
+    world.links.release_lease(again, 9)
+    world.links.check(world.clock.now)
+    assert b.closed and world.links.link_of(again) is a and world.counters.snapshot()["links_folded"] == 1
+
+
+def test_a_twin_with_writes_sent_drains_them_then_closes(world: World) -> None:
+    """A link that reconnects and is then proved a twin of another keeps serving the write
+    it had sent (its answer comes on it), takes nothing new, and closes once it is over."""
+    source = twin_source(world, "s", "s-again")
+    first, again = world.endpoint("s"), world.endpoint("s-again")
+    b = world.links.open(again)
+    welcome(world, source, b)
+    write = sent_write(world, source, b, deadline_s=5)
+    b_peer = source.peer
+    a = world.links.open(first)
+    welcome(world, source, a)  # no proof: b's hello came first and this is not its reconnect
+    assert world.links.sizes()["links"] == 2
+    b.state = LinkState.DOWN
+    world.links._say_hello(b)
+    welcome(world, source, b, twins=twin_proof(token(first), token(again)))
+    assert b.draining and not b.closed and world.links.link_of(again) is a
+    assert world.links.sizes()["links_draining"] == 1
+    source.peer = b_peer
+    source.send(WriteDone(write.id, (KeyResult(KeyStatus.OK),)))
+    world.drain_until(lambda: bool(world.owner.over))
+    assert world.owner.over == [(write, None, (KeyResult(KeyStatus.OK),), False)], "the write finished on its link"
+    assert world.links.next_wakeup(world.clock.now) == world.clock.now
+    world.links.check(world.clock.now)
+    assert b.closed and world.links.sizes()["links_draining"] == 0 and world.links.sizes()["link_aliases"] == 1
+
+
+def test_twin_churn_keeps_one_link_and_a_bounded_alias_table(world: World) -> None:
+    """Hundreds of spellings of one source (a client hinting every one): each opens a link
+    that folds into the first; the aliases stay within max_peers, and the source's restart
+    keeps the link and its aliases (they follow it); its close empties every table."""
+    names = [f"s{i}" for i in range(200)]
+    source = twin_source(world, *names)
+    first = world.endpoint(names[0])
+    a = world.links.open(first)
+    welcome(world, source, a)
+    for name in names[1:]:
+        link = world.links.open(world.endpoint(name))
+        welcome(world, source, link, twins=twin_proof(token(first), token(world.endpoint(name))))
+        assert link.closed and world.links.link_of(world.endpoint(name)) is a
+        assert isinstance(source.recv(), Bye)
+        sizes = world.links.sizes()
+        assert sizes["links"] == 1 and sizes["link_aliases"] <= CONFIG.max_peers and sizes["link_sockets"] == 2
+    assert world.counters.snapshot()["links_folded"] == 199
+    # The source restarts: the link says hello again and the aliases follow the new incarnation.
+    a.state = LinkState.DOWN
+    world.links._say_hello(a)
+    welcome(world, source, a, incarnation=43)
+    assert a.incarnation == 43 and world.links.link_of(world.endpoint(names[-1])) is a
+    world.links.retire(a)
+    assert {k: v for k, v in world.links.sizes().items() if v} == {}

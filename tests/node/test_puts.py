@@ -18,6 +18,7 @@ import pytest
 from kvcr_node.config import NodeConfig
 from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import (
+    CURRENT_VERSION,
     DEFAULT_LIMITS,
     Ack,
     Bye,
@@ -26,6 +27,7 @@ from kvcr_protocol import (
     DepositItem,
     Error,
     ErrorCode,
+    Hello,
     KeyStatus,
     Put,
     PutReply,
@@ -201,3 +203,98 @@ def test_a_clients_puts_hold_at_most_its_share_across_reconnects(ipc_dir: Path, 
             assert d.node.puts.by_agent == {}
     finally:
         other.close()
+
+
+def test_a_reconnect_presenting_the_resume_token_frees_the_old_sessions_puts_at_once(
+    ipc_dir: Path, agent: ClientAgent,
+) -> None:
+    """The issue's case: a client with open (and expired) puts reconnects from a new socket.
+    Its old session used to hold their slots until it ended by heartbeat silence, counted
+    against its share. Presenting the old session's resume token ends it at once, as bye
+    would, and frees its puts, as unput would (spec section 5.2): the new session puts again."""
+    with node_driver(config(ipc_dir, max_puts_per_session=4, put_pool_fraction=1.0, put_session_fraction=0.5)) as d:
+        welcome = d.hello(b"old", agent)
+        assert len(welcome.resume) == 16
+        reply_of(d.receive(b"old", put(2, b"x")), 2)
+        reply_of(d.receive(b"old", put(3, b"y", ttl_ms=100)), 3)
+        d.tick(0.2)  # y expired: quarantined, the session still here
+        assert free(d) == 4 and d.stats()["puts"]["expired"] == 1
+        again = d.hello(b"new", agent, resume=welcome.resume)
+        assert again.resume and again.resume != welcome.resume, "each session draws its own token"
+        st = d.stats()
+        assert free(d) == 8 and st["writing"] == 0, "the old session's puts are free at once"
+        assert st["counters"]["sessions_resumed"] == 1 and st["puts"]["freed_on_resume"] == 2
+        assert st["tables"]["puts"] == 0 and st["tables"]["sessions"] == 1 and st["invariants"] == []
+        assert d.node.puts.by_agent == {}
+        # The new session puts the same keys again, up to its share.
+        reply = reply_of(d.receive(b"new", put(2, b"x", b"y")), 2)
+        assert isinstance(reply, PutReply) and [r.status for r in reply.results] == [KeyStatus.OK] * 2
+        # The old identity has no session: it must say hello again.
+        gone = reply_of(d.receive(b"old", Unput(4, 1)), 4)
+        assert isinstance(gone, Error) and gone.code == ErrorCode.BAD_STATE
+        # A token ends one session: presenting it again ends nothing.
+        d.hello(b"third", agent, resume=welcome.resume)
+        assert d.stats()["counters"]["sessions_resumed"] == 1 and d.stats()["counters"]["resumes_unmatched"] == 1
+        assert free(d) == 4
+
+
+def test_a_socket_resuming_its_own_session_frees_its_puts(ipc_dir: Path, agent: ClientAgent) -> None:
+    """A hello from the identity whose session the token names ends that session as any hello
+    from it does, and frees its puts at once instead of quarantining them."""
+    with node_driver(config(ipc_dir)) as d:
+        welcome = d.hello(b"c", agent)
+        reply_of(d.receive(b"c", put(2, b"x")), 2)
+        d.hello(b"c", agent, request_id=3, resume=welcome.resume)
+        st = d.stats()
+        assert free(d) == 8 and st["counters"]["sessions_resumed"] == 1 and st["tables"]["puts"] == 0
+        assert st["invariants"] == []
+
+
+def test_a_guessed_or_another_clients_token_ends_nothing(ipc_dir: Path, agent: ClientAgent) -> None:
+    """Hostile: a hello presenting a guessed token, or the token of another agent's session
+    (learnt somehow), ends no session and frees nothing; it is welcomed as without one."""
+    victim = ClientAgent("puts-victim", np.zeros(4 * SLOT, np.uint8))
+    try:
+        with node_driver(config(ipc_dir, put_pool_fraction=1.0, put_session_fraction=0.5)) as d:
+            theirs = d.hello(b"victim", victim)
+            reply_of(d.receive(b"victim", put(2, b"v")), 2)
+            mine = d.hello(b"me", agent)
+            for token in (bytes(16), b"\xff" * 16, mine.resume[:8], theirs.resume[:15] + b"\x00", theirs.resume):
+                d.hello(b"me", agent, resume=token)
+            st = d.stats()
+            assert st["counters"].get("sessions_resumed", 0) == 0 and st["counters"]["resumes_unmatched"] == 5
+            assert free(d) == 6 and st["tables"]["sessions"] == 2, "the victim's session and put are untouched"
+            # The victim's session still commits its put.
+            done = reply_of(d.receive(b"victim", Commit(3, 1)), 3)
+            assert isinstance(done, Completion) and done.results[0].status is KeyStatus.STORED
+            assert d.stats()["invariants"] == []
+    finally:
+        victim.close()
+
+
+def test_a_resume_makes_way_at_max_clients(ipc_dir: Path, agent: ClientAgent) -> None:
+    """At max_clients, the session a token names makes way: a reconnect is not one client more."""
+    with node_driver(config(ipc_dir, max_clients=1)) as d:
+        welcome = d.hello(b"old", agent)
+        d.hello(b"new", agent, resume=welcome.resume)
+        assert d.stats()["tables"]["sessions"] == 1
+        refused = d.receive(b"other", Hello(1, (CURRENT_VERSION,), "x", agent.name, agent.metadata, agent.regions))
+        assert isinstance(refused[0], Error) and refused[0].code == ErrorCode.TOO_MANY_CLIENTS
+
+
+def test_reconnect_churn_with_open_puts_keeps_slots_and_tables_bounded(ipc_dir: Path, agent: ClientAgent) -> None:
+    """Churn: a thousand reconnects, each session leaving puts open (one expired), each next
+    hello presenting the previous token. Slots and every table come back to their bound."""
+    with node_driver(config(ipc_dir, max_puts_per_session=4, put_pool_fraction=1.0, put_session_fraction=0.5)) as d:
+        welcome = d.hello(b"c0", agent)
+        base = dict(d.stats()["tables"])
+        for i in range(1, 1001):
+            reply_of(d.receive(b"c%d" % (i - 1), put(2, b"k%d" % i)), 2)
+            reply_of(d.receive(b"c%d" % (i - 1), put(3, b"j%d" % i, ttl_ms=100)), 3)
+            d.tick(0.15)
+            welcome = d.hello(b"c%d" % i, agent, resume=welcome.resume)
+            assert free(d) == 8, i
+        st = d.stats()
+        assert st["counters"]["sessions_resumed"] == 1000 and st["puts"]["freed_on_resume"] == 2000
+        assert st["tables"] == base and st["tables"]["sessions"] == 1 and st["invariants"] == []
+        assert d.node.puts.by_agent == {} and len(d.node.sessions.table) == 1

@@ -54,6 +54,7 @@ from kvcr_protocol import (
     deliver_columns,
 )
 from kvcr_protocol.columns import U32, pack
+from kvcr_protocol.twins import MAX_TWIN_PROOFS, TWIN_PROOF_BYTES, proves_twin, twin_proof
 from kvcr_protocol.versions import CLIENT_GONE_VERSION, LEASES_VERSION
 from kvcr_testing.health import wait_until
 from kvcr_testing.nodes import ClientAgent, NodeDriver, node_driver
@@ -91,11 +92,12 @@ def client() -> Iterator[ClientAgent]:
 def peer_hello(
     d: NodeDriver, identity: bytes, target: ClientAgent, request_id: int = 1, incarnation: int = INCARNATION,
     versions: tuple[int, ...] = (CURRENT_VERSION,), link: bytes = b"",
-) -> None:
+) -> PeerWelcome:
     hello = PeerHello(request_id, versions, "target", incarnation, target.name, target.metadata, target.regions, link)
     replies = d.receive(identity, hello)
     assert len(replies) == 1 and isinstance(replies[0], PeerWelcome), replies
     assert replies[0].incarnation == d.node.incarnation
+    return replies[0]
 
 
 def announce(d: NodeDriver, identity: bytes, client: ClientAgent, request_id: int) -> None:
@@ -532,3 +534,26 @@ def test_a_stopping_source_still_forgets(ipc_dir: Path, target: ClientAgent, cli
         forget(d, b"p", 4, client.name)
         assert d.stats()["tables"]["peer_clients"] == 0 and client.name not in d.node.remote_agents.loaded
         assert_at_rest(d)
+
+
+def test_a_welcome_proves_the_targets_other_links_here(ipc_dir: Path, target: ClientAgent) -> None:
+    """Spec section 5.3, "Twin links": a peer_welcome proves, per other live session of the
+    same target incarnation, that this node received that session's token and this one's;
+    another incarnation's sessions, a session below version 5 and a hello without a token
+    get none, and a welcome carries at most MAX_TWIN_PROOFS."""
+    tokens = [bytes([i]) * 16 for i in range(1, 20)]
+    with node_driver(config(ipc_dir)) as d:
+        assert peer_hello(d, b"t1", target, link=tokens[0]).twins == b""
+        second = peer_hello(d, b"t2", target, link=tokens[1])
+        assert second.twins == twin_proof(tokens[0], tokens[1])
+        assert proves_twin(second.twins, tokens[0], tokens[1]) and not proves_twin(second.twins, tokens[1], tokens[0])
+        assert peer_hello(d, b"other", target, incarnation=INCARNATION + 1, link=tokens[2]).twins == b""
+        assert peer_hello(d, b"old", target, versions=(1, 2, 3, 4), link=tokens[3]).twins == b""
+        assert peer_hello(d, b"blank", target).twins == b""
+        # A reconnect of the first link (same token) takes its session over: no proof of itself.
+        again = peer_hello(d, b"t1-again", target, link=tokens[0])
+        assert again.twins == twin_proof(tokens[1], tokens[0]) + twin_proof(tokens[3], tokens[0])
+        for i, token in enumerate(tokens[4:]):
+            peer_hello(d, b"t%d" % (i + 4), target, link=token)
+        last = peer_hello(d, b"last", target, link=b"\xee" * 16)
+        assert len(last.twins) == MAX_TWIN_PROOFS * TWIN_PROOF_BYTES
