@@ -7,11 +7,10 @@ closed to make room), says ``peer_hello``, announces clients (and, version 5, te
 sources when they left: ``peer_forget``), sends writes, reads what
 sources answer, and on each check sends heartbeats, turns writes whose deadline passed
 uncertain, probes them, and closes links idle for ``peer_idle_ms`` (spec sections 5.3
-and 12). Two spellings of one source's endpoint share one link: when a version-5 source
-proves that a newly welcomed link reaches it as another link does (``peer_welcome.twins``,
-spec section 5.3 "Twin links"), the new spelling becomes an alias of the older link, and
-the new link hands its queued requests over and closes once what was sent on it is over. What a write means for its operation (results, fills, handles) is the node's:
-``Links`` reports every write that ends, or turns uncertain, to its ``LinkOwner``.
+and 12). Two spellings of one source's endpoint share one link (``kvcr_node.twin_links``,
+spec section 5.3 "Twin links"). What a write means for its operation (results, fills,
+handles) is the node's: ``Links`` reports every write that ends, or turns uncertain, to
+its ``LinkOwner``.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from kvcr_node.lease_requests import LeaseRequests, LinkError
 from kvcr_node.peers import LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWrite, WriteStage
 from kvcr_node.records import Operation, Session
 from kvcr_node.store import ObjectEntry
+from kvcr_node.twin_links import TwinLinks
 from kvcr_protocol import (
     Ack,
     Bye,
@@ -65,7 +65,6 @@ from kvcr_protocol import (
     encode,
 )
 from kvcr_protocol.operations import SOURCE_CODES
-from kvcr_protocol.twins import proves_twin
 from kvcr_protocol.versions import COLUMNS_VERSION, GRANTS_VERSION, PARTIAL_LAYOUT_VERSION
 
 log = logging.getLogger("kvcr.node")
@@ -98,7 +97,7 @@ def _close_quietly(sock: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | 
         monitor.close(0)
 
 
-class Links(LeaseRequests, ClientForgets):
+class Links(LeaseRequests, ClientForgets, TwinLinks):
     """Every link of this node to a source node (the target side of spec section 12).
 
     The node makes it and hands it to ``Target``, which it then reports to (``owner``), and
@@ -442,87 +441,6 @@ class Links(LeaseRequests, ClientForgets):
                 write.next_probe = 0.0
         if resumed and self.lease_owner is not None:
             self.lease_owner.source_resumed(link)
-
-    # ------------------------------------------------------------------ twin links
-
-    def _twin_of(self, link: PeerLink) -> PeerLink | None:
-        """Another link, up, that the source proved reaches the same process as ``link`` (spec
-        section 5.3, "Twin links"): in ``link``'s welcome when the other's hello reached the
-        source first, else in the other's. An incarnation alone (statistics show it) is no proof."""
-        if not link.token or link.version < GRANTS_VERSION:
-            return None
-        for other in self.by_endpoint.values():
-            if (other is link or other.state is not LinkState.READY or other.incarnation != link.incarnation
-                    or other.version < GRANTS_VERSION or not other.token):
-                continue
-            if proves_twin(link.twins, other.token, link.token) or proves_twin(other.twins, link.token, other.token):
-                return other
-        return None
-
-    def _fold(self, link: PeerLink) -> bool:
-        """Make ``link``'s spellings aliases of its twin, hand its queued requests over, and
-        close it once what was sent on it is over; False (not now) while it has lease
-        requests or leases at the source, which belong to its own peer session there."""
-        twin = link.twin
-        if twin is None or link.draining:
-            return False
-        if (twin.closed or self.by_endpoint.get(twin.endpoint) is not twin or twin.state is not LinkState.READY
-                or twin.incarnation != link.incarnation):
-            link.twin = None  # the twin went (closed, or its source restarted): nothing to fold into
-            return False
-        if link.leases or link.asks or link.abandoned:
-            return False  # folded once they are over (``check``)
-        link.twin = None
-        spellings = [link.endpoint, *link.aliases]
-        link.aliases.clear()
-        if self.by_endpoint.get(link.endpoint) is link:
-            del self.by_endpoint[link.endpoint]
-        for spelling in spellings:
-            self._alias(spelling, twin)
-        twin.last_used = self.clock()
-        queued, link.queued = link.queued, []
-        for write in queued:
-            if write.state is WriteStage.QUEUED:
-                write.link = twin
-                self.submit(write)
-        asks, link.asks_queued = link.asks_queued, []
-        for ask in asks:
-            self._send_ask(twin, ask)
-        self.counters.inc(Count.LINKS_FOLDED)
-        log.info("the link to %s (%s) reaches the same source as %s: one link for both", link.node, link.endpoint,
-                 twin.endpoint)
-        if link.busy:
-            # Writes sent on it run to their end there (answers, probes); nothing new joins them.
-            link.draining = True
-            self.draining.append(link)
-        else:
-            self.retire(link)
-        return True
-
-    def _alias(self, spelling: str, link: PeerLink) -> None:
-        """Requests for ``spelling`` go through ``link`` from now on (at most ``max_peers``
-        aliases: the oldest is dropped, and its next request opens a link that folds again)."""
-        self.aliases.pop(spelling, None)
-        self.aliases[spelling] = link.endpoint
-        link.aliases.add(spelling)
-        while len(self.aliases) > self.config.max_peers:
-            oldest, endpoint = next(iter(self.aliases.items()))
-            del self.aliases[oldest]
-            owner = self.by_endpoint.get(endpoint)
-            if owner is not None:
-                owner.aliases.discard(oldest)
-            self.counters.inc(Count.LINK_ALIASES_DROPPED)
-
-    def link_of(self, endpoint: str) -> PeerLink | None:
-        """The open link that requests for ``endpoint`` (as spelled) go through, if any."""
-        link = self.by_endpoint.get(endpoint)
-        if link is None and (target := self.aliases.get(endpoint)) is not None:
-            link = self.by_endpoint.get(target)
-        return link
-
-    def canonical(self, endpoint: str) -> str:
-        """The endpoint of the link requests for ``endpoint`` go through (itself when none other)."""
-        return self.aliases.get(endpoint, endpoint)
 
     def _fail_queued(self, link: PeerLink, code: ErrorCode, reason: str) -> None:
         queued, link.queued = link.queued, []
