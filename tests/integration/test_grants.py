@@ -527,14 +527,16 @@ def test_a_slot_overwritten_under_a_grant_fails_digest_mismatch_not_ok(
     dst = np.zeros(2 * SLOT, np.uint8)
     region = register(dst)
     mismatched = client._grants.mismatched
+    before = stats(client)["counters"]
     res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(2)]}).result(RESULT_TIMEOUT_S)
     assert res[k].status is KeyStatus.FAILED and res[k].code is ErrorCode.DIGEST_MISMATCH, res
     assert np.array_equal(dst[SLOT:], forged) and np.array_equal(dst[:SLOT], src[:SLOT]), "the forged bytes did land"
     assert client._grants.mismatched == mismatched + 1
     # The reader told the node (``suspect``), which read the object itself and dropped it:
     # no later lease takes it, while this lease still holds its slots.
-    dropped = client._grants.dropped
-    assert wait_until(lambda: client._grants.dropped == dropped + 1, RESULT_TIMEOUT_S), "the node did not drop it"
+    confirmed = before.get("suspects_confirmed", 0)
+    assert wait_until(lambda: stats(client)["counters"].get("suspects_confirmed", 0) == confirmed + 1,
+                      RESULT_TIMEOUT_S), "the node did not drop it"
     assert client.query([k]).result(RESULT_TIMEOUT_S)[k].presence.name == "MISS"
     assert stats(client)["condemned"] == 1
     # Planned, layer by layer: group 0 (intact) is delivered, group 1 fails.
