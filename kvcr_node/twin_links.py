@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters
@@ -32,14 +33,13 @@ class TwinLinks:
     aliases: dict[str, str]
     draining: list[PeerLink]
 
-    def submit(self, write: RemoteWrite) -> None:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the other parts of ``Links`` (a stub here would hide them at run time)
 
-    def _send_ask(self, link: PeerLink, ask: Ask) -> None:
-        raise NotImplementedError
+        def submit(self, write: RemoteWrite) -> None: ...
 
-    def retire(self, link: PeerLink) -> None:
-        raise NotImplementedError
+        def _send_ask(self, link: PeerLink, ask: Ask) -> None: ...
+
+        def retire(self, link: PeerLink) -> None: ...
 
     def _twin_of(self, link: PeerLink) -> PeerLink | None:
         """Another link, up, that the source proved reaches the same process as ``link`` (spec
