@@ -35,11 +35,18 @@ kernel of the grant run), ``pipeline_vs_raw`` (across nodes), ``pipeline_vs_raw_
 ((p90 - p10) / median) per run, suffixed as the ratios, and ``grant_used`` (1 when the
 local node granted the read and every timed deliver read the pools itself). Ratios
 matter, not absolute times.
+
+``--digests`` adds, in the same run, the local run under a read grant from a third node
+started with ``--no-integrity`` (the same object, no digests to check): its figures are
+suffixed ``_local_nodigest`` (``pipeline_vs_raw_local_nodigest``, ``grant_used_nodigest``),
+and ``pipeline_digest_cost`` = the granted progressive time with digests / without (spec
+section 6.12, "Integrity": the reader checks each group as it lands).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import mmap
@@ -319,9 +326,11 @@ def measure_granted(
     return result
 
 
+NO_DIGESTS = "local, under a read grant, no digests"
+"""The run ``--digests`` adds: a node with ``--no-integrity``."""
 RUNS = {"across nodes": "", "across nodes, under a read grant": "_grant", "local, by the node": "_local_node",
-        "local, under a read grant": "_local"}
-"""Each measured run and the suffix of its ``--json`` figures."""
+        "local, under a read grant": "_local", NO_DIGESTS: "_local_nodigest"}
+"""Each measured run and the suffix of its ``--json`` figures (the last only with ``--digests``)."""
 
 
 def figures(results: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -334,7 +343,13 @@ def figures(results: dict[str, dict[str, Any]]) -> dict[str, float]:
         "grant_overlap_speedup_remote": results["across nodes, under a read grant"]["speedup"],
         "grant_used_remote": float(results["across nodes, under a read grant"]["granted"]),
     }
+    if NO_DIGESTS in results:
+        out["grant_used_nodigest"] = float(results[NO_DIGESTS]["granted"])
+        out["pipeline_digest_cost"] = (results["local, under a read grant"]["progressive"]["median"]
+                                       / results[NO_DIGESTS]["progressive"]["median"])
     for where, suffix in RUNS.items():
+        if where not in results:
+            continue
         r = results[where]
         out[f"pipeline_vs_raw{suffix}"] = r["vs_raw"]
         out[f"progressive_ms{suffix}"] = r["progressive"]["median"] * 1e3
@@ -362,6 +377,9 @@ def report(results: dict[str, dict[str, Any]]) -> None:
         print(f"  raw whole object (one READ), then compute             {fmt_us(r['raw_whole'])}  spread {r['raw_whole']['spread']:.2f}")
         print(f"  overlap_speedup {r['speedup']:.2f} (raw {r['raw_speedup']:.2f}); pipeline_vs_raw {r['vs_raw']:.2f} "
               f"(goal <= 1.15; anchor: raw, {RAW_FORMS[r['raw']]})")
+    if NO_DIGESTS in results:
+        cost = results["local, under a read grant"]["progressive"]["median"] / results[NO_DIGESTS]["progressive"]["median"]
+        print(f"pipeline_digest_cost {cost:.3f} (granted progressive, digests checked / none)")
 
 
 def main() -> int:
@@ -369,6 +387,8 @@ def main() -> int:
     parser.add_argument("--raw-holder", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=20, help="timed runs of each form (interleaved)")
     parser.add_argument("--json", action="store_true", help="also print one JSON object of the figures")
+    parser.add_argument("--digests", action="store_true",
+                        help="also measure the local granted run from a node without digests (--no-integrity)")
     args = parser.parse_args()
     if args.raw_holder:
         raw_holder(args.raw_holder)
@@ -379,19 +399,28 @@ def main() -> int:
     with process_group("pbench") as (run, procs):
         for name in ("a", "b"):
             procs.append(spawn("-m", "kvcr_node.cli", *flags, "--endpoint", f"ipc://{run}/{name}.sock"))
+        if args.digests:
+            procs.append(spawn("-m", "kvcr_node.cli", *flags, "--no-integrity", "--endpoint", f"ipc://{run}/c.sock"))
         procs.append(spawn(__file__, "--raw-holder", f"ipc://{run}/raw.sock"))
         a, b = f"ipc://{run}/a.sock", f"ipc://{run}/b.sock"
         peer = Peer(f"ipc://{run}/raw.sock")
         try:
             raw = RawPipeline(peer)
-            with Client(b, name="owner") as owner, Client(a, name="engine") as eng:
-                region = owner.register(src)
-                spans = [Span(f"L{i}", region, i * LAYER, LAYER, "layer") for i in range(LAYERS)]
-                assert owner.deposit({b"layers": spans}).result(30).all_ok
+            with Client(b, name="owner") as owner, Client(a, name="engine") as eng, contextlib.ExitStack() as stack:
+                plain = stack.enter_context(Client(f"ipc://{run}/c.sock", name="plain")) if args.digests else None
+                for client in (owner, plain):
+                    if client is None:
+                        continue
+                    region = client.register(src)
+                    spans = [Span(f"L{i}", region, i * LAYER, LAYER, "layer") for i in range(LAYERS)]
+                    assert client.deposit({b"layers": spans}).result(30).all_ok
                 eng.submit_hint("pipe", b, [b"layers"]).result(5)
                 results = {}
-                for where, client, rid in (("across nodes", eng, "pipe"), ("across nodes, under a read grant", eng, "pipe"),
-                                           ("local, by the node", owner, None), ("local, under a read grant", owner, None)):
+                runs = [("across nodes", eng, "pipe"), ("across nodes, under a read grant", eng, "pipe"),
+                        ("local, by the node", owner, None), ("local, under a read grant", owner, None)]
+                if plain is not None:
+                    runs.append((NO_DIGESTS, plain, None))
+                for where, client, rid in runs:
                     dst = np.zeros(OBJECT, dtype=np.uint8)
                     rd = client.register(dst)
                     layers = client.destination([Span(f"L{i}", rd, i * LAYER, LAYER) for i in range(LAYERS)])
