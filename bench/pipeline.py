@@ -39,8 +39,9 @@ matter, not absolute times.
 ``--digests`` adds, in the same run, the local run under a read grant from a third node
 started with ``--no-integrity`` (the same object, no digests to check): its figures are
 suffixed ``_local_nodigest`` (``pipeline_vs_raw_local_nodigest``, ``grant_used_nodigest``),
-and ``pipeline_digest_cost`` = the granted progressive time with digests / without (spec
-section 6.12, "Integrity": the reader checks each group as it lands).
+and ``pipeline_digest_cost`` = the granted progressive time with digests / without, both
+with the kernel calibrated for the run with digests (spec section 6.12, "Integrity": the
+reader checks each group as it lands).
 """
 
 from __future__ import annotations
@@ -231,9 +232,10 @@ class RawPipeline:
 
 
 def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None, runs: int,
-            raw: RawPipeline) -> dict[str, Any]:
+            raw: RawPipeline, kwords: int | None = None) -> dict[str, Any]:
     """The kvcr progressive and whole-then-compute runs, each followed by the raw pipeline's
-    with the same kernel; the kernel is matched to one layer of kvcr's transfer."""
+    with the same kernel; the kernel is matched to one layer of kvcr's transfer, or is
+    ``kwords`` (another run's, so that the two compare with the same compute)."""
 
     def transfer_only() -> float:
         t0 = time.perf_counter()
@@ -248,7 +250,8 @@ def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None
         t0 = time.perf_counter()
         raw.transfer()
         raw_transfer.append(time.perf_counter() - t0)
-    kwords = calibrate(t_transfer / LAYERS)
+    if kwords is None:
+        kwords = calibrate(t_transfer / LAYERS)
     views = [dst[i * LAYER : (i + 1) * LAYER] for i in range(LAYERS)]
 
     def progressive() -> float:
@@ -308,6 +311,7 @@ def ratios(s: dict[str, dict[str, float]]) -> dict[str, Any]:
 
 def measure_granted(
     client: Client, dst: np.ndarray, layers: Any, request_id: str | None, runs: int, raw: RawPipeline,
+    kwords: int | None = None,
 ) -> dict[str, Any]:
     """``measure`` with the object leased for a read grant first (at the source the hint of
     ``request_id`` names, or at the client's own node); the result says whether a grant
@@ -318,7 +322,7 @@ def measure_granted(
     try:
         granted = len(client._grants) == 1
         reads = client._grants.reads
-        result = measure(client, dst, layers, request_id, runs, raw)
+        result = measure(client, dst, layers, request_id, runs, raw, kwords)
         # Warm-up and timed: 3 + runs transfers, 1 + runs progressive, 1 + runs whole.
         result["granted"] = granted and client._grants.reads == reads + 5 + 3 * runs
     finally:
@@ -424,7 +428,10 @@ def main() -> int:
                     dst = np.zeros(OBJECT, dtype=np.uint8)
                     rd = client.register(dst)
                     layers = client.destination([Span(f"L{i}", rd, i * LAYER, LAYER) for i in range(LAYERS)])
-                    if "grant" in where:
+                    if where == NO_DIGESTS:  # the kernel of the run with digests: the same compute
+                        kwords = results["local, under a read grant"]["kernel_words"]
+                        results[where] = measure_granted(client, dst, layers, rid, args.runs, raw, kwords)
+                    elif "grant" in where:
                         results[where] = measure_granted(client, dst, layers, rid, args.runs, raw)
                     else:
                         results[where] = measure(client, dst, layers, rid, args.runs, raw)
