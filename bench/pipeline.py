@@ -35,11 +35,19 @@ kernel of the grant run), ``pipeline_vs_raw`` (across nodes), ``pipeline_vs_raw_
 ((p90 - p10) / median) per run, suffixed as the ratios, and ``grant_used`` (1 when the
 local node granted the read and every timed deliver read the pools itself). Ratios
 matter, not absolute times.
+
+``--digests`` adds, in the same run, the local run under a read grant from a third node
+started with ``--no-integrity`` (the same object, no digests to check): its figures are
+suffixed ``_local_nodigest`` (``pipeline_vs_raw_local_nodigest``, ``grant_used_nodigest``),
+and ``pipeline_digest_cost`` = the granted progressive time with digests / without, both
+with the kernel calibrated for the run with digests (spec section 6.12, "Integrity": the
+reader checks each group as it lands).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import mmap
@@ -224,9 +232,10 @@ class RawPipeline:
 
 
 def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None, runs: int,
-            raw: RawPipeline) -> dict[str, Any]:
+            raw: RawPipeline, kwords: int | None = None) -> dict[str, Any]:
     """The kvcr progressive and whole-then-compute runs, each followed by the raw pipeline's
-    with the same kernel; the kernel is matched to one layer of kvcr's transfer."""
+    with the same kernel; the kernel is matched to one layer of kvcr's transfer, or is
+    ``kwords`` (another run's, so that the two compare with the same compute)."""
 
     def transfer_only() -> float:
         t0 = time.perf_counter()
@@ -241,7 +250,8 @@ def measure(client: Client, dst: np.ndarray, layers: Any, request_id: str | None
         t0 = time.perf_counter()
         raw.transfer()
         raw_transfer.append(time.perf_counter() - t0)
-    kwords = calibrate(t_transfer / LAYERS)
+    if kwords is None:
+        kwords = calibrate(t_transfer / LAYERS)
     views = [dst[i * LAYER : (i + 1) * LAYER] for i in range(LAYERS)]
 
     def progressive() -> float:
@@ -301,6 +311,7 @@ def ratios(s: dict[str, dict[str, float]]) -> dict[str, Any]:
 
 def measure_granted(
     client: Client, dst: np.ndarray, layers: Any, request_id: str | None, runs: int, raw: RawPipeline,
+    kwords: int | None = None,
 ) -> dict[str, Any]:
     """``measure`` with the object leased for a read grant first (at the source the hint of
     ``request_id`` names, or at the client's own node); the result says whether a grant
@@ -311,7 +322,7 @@ def measure_granted(
     try:
         granted = len(client._grants) == 1
         reads = client._grants.reads
-        result = measure(client, dst, layers, request_id, runs, raw)
+        result = measure(client, dst, layers, request_id, runs, raw, kwords)
         # Warm-up and timed: 3 + runs transfers, 1 + runs progressive, 1 + runs whole.
         result["granted"] = granted and client._grants.reads == reads + 5 + 3 * runs
     finally:
@@ -319,9 +330,11 @@ def measure_granted(
     return result
 
 
+NO_DIGESTS = "local, under a read grant, no digests"
+"""The run ``--digests`` adds: a node with ``--no-integrity``."""
 RUNS = {"across nodes": "", "across nodes, under a read grant": "_grant", "local, by the node": "_local_node",
-        "local, under a read grant": "_local"}
-"""Each measured run and the suffix of its ``--json`` figures."""
+        "local, under a read grant": "_local", NO_DIGESTS: "_local_nodigest"}
+"""Each measured run and the suffix of its ``--json`` figures (the last only with ``--digests``)."""
 
 
 def figures(results: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -334,7 +347,13 @@ def figures(results: dict[str, dict[str, Any]]) -> dict[str, float]:
         "grant_overlap_speedup_remote": results["across nodes, under a read grant"]["speedup"],
         "grant_used_remote": float(results["across nodes, under a read grant"]["granted"]),
     }
+    if NO_DIGESTS in results:
+        out["grant_used_nodigest"] = float(results[NO_DIGESTS]["granted"])
+        out["pipeline_digest_cost"] = (results["local, under a read grant"]["progressive"]["median"]
+                                       / results[NO_DIGESTS]["progressive"]["median"])
     for where, suffix in RUNS.items():
+        if where not in results:
+            continue
         r = results[where]
         out[f"pipeline_vs_raw{suffix}"] = r["vs_raw"]
         out[f"progressive_ms{suffix}"] = r["progressive"]["median"] * 1e3
@@ -362,6 +381,9 @@ def report(results: dict[str, dict[str, Any]]) -> None:
         print(f"  raw whole object (one READ), then compute             {fmt_us(r['raw_whole'])}  spread {r['raw_whole']['spread']:.2f}")
         print(f"  overlap_speedup {r['speedup']:.2f} (raw {r['raw_speedup']:.2f}); pipeline_vs_raw {r['vs_raw']:.2f} "
               f"(goal <= 1.15; anchor: raw, {RAW_FORMS[r['raw']]})")
+    if NO_DIGESTS in results:
+        cost = results["local, under a read grant"]["progressive"]["median"] / results[NO_DIGESTS]["progressive"]["median"]
+        print(f"pipeline_digest_cost {cost:.3f} (granted progressive, digests checked / none)")
 
 
 def main() -> int:
@@ -369,6 +391,8 @@ def main() -> int:
     parser.add_argument("--raw-holder", help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=20, help="timed runs of each form (interleaved)")
     parser.add_argument("--json", action="store_true", help="also print one JSON object of the figures")
+    parser.add_argument("--digests", action="store_true",
+                        help="also measure the local granted run from a node without digests (--no-integrity)")
     args = parser.parse_args()
     if args.raw_holder:
         raw_holder(args.raw_holder)
@@ -379,23 +403,35 @@ def main() -> int:
     with process_group("pbench") as (run, procs):
         for name in ("a", "b"):
             procs.append(spawn("-m", "kvcr_node.cli", *flags, "--endpoint", f"ipc://{run}/{name}.sock"))
+        if args.digests:
+            procs.append(spawn("-m", "kvcr_node.cli", *flags, "--no-integrity", "--endpoint", f"ipc://{run}/c.sock"))
         procs.append(spawn(__file__, "--raw-holder", f"ipc://{run}/raw.sock"))
         a, b = f"ipc://{run}/a.sock", f"ipc://{run}/b.sock"
         peer = Peer(f"ipc://{run}/raw.sock")
         try:
             raw = RawPipeline(peer)
-            with Client(b, name="owner") as owner, Client(a, name="engine") as eng:
-                region = owner.register(src)
-                spans = [Span(f"L{i}", region, i * LAYER, LAYER, "layer") for i in range(LAYERS)]
-                assert owner.deposit({b"layers": spans}).result(30).all_ok
+            with Client(b, name="owner") as owner, Client(a, name="engine") as eng, contextlib.ExitStack() as stack:
+                plain = stack.enter_context(Client(f"ipc://{run}/c.sock", name="plain")) if args.digests else None
+                for client in (owner, plain):
+                    if client is None:
+                        continue
+                    region = client.register(src)
+                    spans = [Span(f"L{i}", region, i * LAYER, LAYER, "layer") for i in range(LAYERS)]
+                    assert client.deposit({b"layers": spans}).result(30).all_ok
                 eng.submit_hint("pipe", b, [b"layers"]).result(5)
                 results = {}
-                for where, client, rid in (("across nodes", eng, "pipe"), ("across nodes, under a read grant", eng, "pipe"),
-                                           ("local, by the node", owner, None), ("local, under a read grant", owner, None)):
+                runs = [("across nodes", eng, "pipe"), ("across nodes, under a read grant", eng, "pipe"),
+                        ("local, by the node", owner, None), ("local, under a read grant", owner, None)]
+                if plain is not None:
+                    runs.append((NO_DIGESTS, plain, None))
+                for where, client, rid in runs:
                     dst = np.zeros(OBJECT, dtype=np.uint8)
                     rd = client.register(dst)
                     layers = client.destination([Span(f"L{i}", rd, i * LAYER, LAYER) for i in range(LAYERS)])
-                    if "grant" in where:
+                    if where == NO_DIGESTS:  # the kernel of the run with digests: the same compute
+                        kwords = results["local, under a read grant"]["kernel_words"]
+                        results[where] = measure_granted(client, dst, layers, rid, args.runs, raw, kwords)
+                    elif "grant" in where:
                         results[where] = measure_granted(client, dst, layers, rid, args.runs, raw)
                     else:
                         results[where] = measure(client, dst, layers, rid, args.runs, raw)

@@ -52,3 +52,17 @@ def test_json_figures_name_each_run() -> None:
     assert figures["grant_overlap_speedup_remote"] == pytest.approx(24.0 / 22.0)
     assert figures["raw_progressive_ms_local"] == pytest.approx(20.0)
     assert figures["progressive_spread"] == 0.0
+
+
+def test_json_figures_with_digests_off_and_on() -> None:
+    results = {"across nodes": run(FORMS), "local, by the node": run(FORMS),
+               "across nodes, under a read grant": run(FORMS),
+               "local, under a read grant": run({**FORMS, "progressive": 24.0}),
+               pipeline.NO_DIGESTS: run({**FORMS, "progressive": 22.0})}
+    figures = pipeline.figures(results)
+    assert figures["pipeline_digest_cost"] == pytest.approx(24.0 / 22.0)
+    assert figures["pipeline_vs_raw_local"] == pytest.approx(24.0 / 20.0)
+    assert figures["pipeline_vs_raw_local_nodigest"] == pytest.approx(22.0 / 20.0)
+    assert figures["grant_used_nodigest"] == 1.0
+    del results[pipeline.NO_DIGESTS]
+    assert "pipeline_digest_cost" not in pipeline.figures(results)
