@@ -8,7 +8,8 @@ Measured in one run against one node (a few seconds):
    difference per key, ``lease_1000_ratio`` lease + release over the query;
 2. a wide read lease: 4,096 keys of 16 spans each, leased with a read grant (65,536 granted
    slots, their digests) and released, against one ``query`` of the same keys;
-   ``read_lease_wide_ratio`` (what holding and granting costs the node per key, where a
+   ``read_lease_wide_ratio`` (round trips), and the node's own CPU per call of each,
+   ``read_lease_wide_node_cpu_ratio`` (what holding and granting costs the node, where a
    query is a batch lookup);
 3. admission into a full pool with part of it leased: the p50 of depositing one new
    object (which evicts one unleased object) with 0 %, 25 % and 50 % of the pool's objects
@@ -75,9 +76,10 @@ WIDE_KEYS = 4096
 WIDE_SPANS = 16
 WIDE_SLOT = 1 << 10
 WIDE_ROUNDS = 20
+WIDE_CPU_QUERIES = 200
 
 
-def bench_wide(client: Client) -> dict[str, Any]:
+def bench_wide(client: Client, node_pid: int) -> dict[str, Any]:
     """A read lease of ``WIDE_KEYS`` keys of ``WIDE_SPANS`` spans each, then its release,
     against one query of the same keys (both one round trip or two, taking turns)."""
     buf = (np.arange(WIDE_SPANS * WIDE_SLOT, dtype=np.uint64) * 2654435761 >> 13).astype(np.uint8) | 1
@@ -92,8 +94,29 @@ def bench_wide(client: Client) -> dict[str, Any]:
         assert lease.held_prefix() == WIDE_KEYS, lease
         lease.release().result(RESULT_TIMEOUT_S)
 
-    return interleaved({"query": lambda: client.query(keys).result(RESULT_TIMEOUT_S), "lease": read_lease},
-                       WIDE_ROUNDS, 3)
+    def query() -> None:
+        client.query(keys).result(RESULT_TIMEOUT_S)
+
+    out: dict[str, Any] = interleaved({"query": query, "lease": read_lease}, WIDE_ROUNDS, 3)
+    # The node's own CPU per call (what item 10 of the integrity issue measured), apart from
+    # the client's: each call alone, many times, its CPU read from /proc before and after.
+    out["node_cpu_ms"] = {name: node_cpu_per_call(node_pid, fn, rounds)
+                          for name, fn, rounds in (("query", query, WIDE_CPU_QUERIES), ("lease", read_lease, WIDE_ROUNDS))}
+    return out
+
+
+def node_cpu_per_call(pid: int, fn: Any, rounds: int) -> float:
+    """Milliseconds of process ``pid``'s CPU (user + system) per call of ``fn``."""
+    before = cpu_s(pid)
+    for _ in range(rounds):
+        fn()
+    return (cpu_s(pid) - before) / rounds * 1e3
+
+
+def cpu_s(pid: int) -> float:
+    """Process ``pid``'s CPU seconds so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bench_admission(client: Client, region: Any, leased_fraction: float, base: int) -> dict[str, float]:
@@ -137,11 +160,12 @@ def main() -> int:
             st = client.stats().result(RESULT_TIMEOUT_S)
             assert st["invariants"] == [] and st["leases"]["held"] == 0, st["leases"]
         wide_endpoint = f"ipc://{run}/wide.sock"
-        procs.append(spawn("-m", "kvcr_node.cli", "--endpoint", wide_endpoint, "--pool",
-                           f"kv:{WIDE_SLOT}:{WIDE_KEYS * WIDE_SPANS}", "--lease-pool-fraction", "1",
-                           "--lease-session-fraction", "1", "--log-level", "WARNING"))
+        wide_node = spawn("-m", "kvcr_node.cli", "--endpoint", wide_endpoint, "--pool",
+                          f"kv:{WIDE_SLOT}:{WIDE_KEYS * WIDE_SPANS}", "--lease-pool-fraction", "1",
+                          "--lease-session-fraction", "1", "--log-level", "WARNING")
+        procs.append(wide_node)
         with Client(wide_endpoint, name="bench-leases-wide") as client:
-            wide = bench_wide(client)
+            wide = bench_wide(client, wide_node.pid)
     print(f"load average {os.getloadavg()[0]:.2f} (cores {os.cpu_count()})", file=out)
     print("lease + release (two round trips) against one query of the same held keys", file=out)
     for n, r in cost.items():
@@ -155,6 +179,10 @@ def main() -> int:
     print(f"read lease of {WIDE_KEYS} keys x {WIDE_SPANS} spans + release against one query of them", file=out)
     print(f"  query         {fmt_us(wide['query'])}", file=out)
     print(f"  lease+release {fmt_us(wide['lease'])}  ratio {wide_ratio:.2f}", file=out)
+    cpu = wide["node_cpu_ms"]
+    node_ratio = cpu["lease"] / cpu["query"]
+    print(f"  the node's CPU per call: query {cpu['query']:.2f} ms, lease+release {cpu['lease']:.2f} ms, "
+          f"ratio {node_ratio:.1f}", file=out)
     print(f"admission into a full pool of {POOL_SLOTS} slots, one eviction each", file=out)
     for f, s in admission.items():
         print(f"  {f:4.0%} leased  {fmt_us(s)}", file=out)
@@ -166,6 +194,8 @@ def main() -> int:
             "lease_1000_ratio": round(big["lease"]["median"] / big["query"]["median"], 3),
             "lease_cost_per_key_us": round(per_key, 3),
             "read_lease_wide_ratio": round(wide_ratio, 3),
+            "read_lease_wide_node_cpu_ratio": round(node_ratio, 2),
+            "read_lease_wide_node_cpu_ms": round(cpu["lease"], 2),
             "admission_leased_ratio": round(adm_ratio, 3),
         }))
     return 0
