@@ -356,16 +356,14 @@ class Store:
         self._own(entry)
         if entry.state is not _READY:
             raise StoreError(f"condemn of {entry.key!r}: it is {entry.state.name}, not READY")
-        if entry.claims == 0:
-            self._index.remove(entry)
-            self._drop(entry)
-        else:
-            del self._objects[entry.key]
-            self._ready -= 1
-            entry.state = _CONDEMNED
-            self._condemned[id(entry)] = entry
         self._condemned_objects += 1
-        self._check_pressure(entry.info)
+        if entry.claims == 0:
+            self.remove(entry.key)
+            return
+        del self._objects[entry.key]
+        self._ready -= 1
+        entry.state = _CONDEMNED
+        self._condemned[id(entry)] = entry
         if self.listener is not None:
             self.listener.removed(entry, False)
 
