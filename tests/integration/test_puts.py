@@ -27,12 +27,17 @@ from kvcr_client.puts import CONTROL_TIMEOUT_S
 from kvcr_protocol import Commit, Completion, DepositItem, Put, PutReply, SrcSpan, Unput
 from kvcr_testing.health import assert_clean, outcome_count, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
+from kvcr_testing.measure import fd_count, rss_kib, thread_count
 from kvcr_testing.nodes import frozen, running_node, short_ipc_dir
 from kvcr_testing.patterns import KiB, pattern
 
 SLOT = 4 * KiB
 SLOTS = 64
 LAYERS = 8
+FD_SLACK = 10
+THREAD_SLACK = 2
+RSS_GROWTH_KIB = 8192
+"""What a churn may leave on the node: descriptors and threads of a reconnect in progress, allocator slack."""
 QUARANTINE_MS = 2000
 
 pytestmark = pytest.mark.usefixtures("node_left_clean")
@@ -385,11 +390,14 @@ def test_a_reconnect_while_a_put_writes_presents_no_token(node: Any, client: Cli
 
 def test_reconnect_churn_with_open_puts_leaves_slots_and_tables_at_their_bound(node: Any) -> None:
     """A hundred reconnects, each leaving open puts behind: each hello frees the last
-    session's, so the client's share never fills, and the node's tables end where they began."""
+    session's, so the client's share never fills, and the node's tables, threads, descriptors
+    and RSS end where they began."""
     with Client(node.endpoint, name="itest-puts-churn") as c:
         r = c.register(pattern(LAYERS * SLOT, 53))
         before = slot_accounting(stats(c))
         tables = dict(stats(c)["tables"])
+        pid = node.proc.pid
+        fds, threads, rss = fd_count(pid), thread_count(pid), rss_kib(pid)
         resumed = stats(c)["counters"].get("sessions_resumed", 0)
         for i in range(100):
             assert raw_put(c, r, [b"churn-%d" % i]).put, i  # refused BUSY if old sessions' puts held slots
@@ -398,4 +406,6 @@ def test_reconnect_churn_with_open_puts_leaves_slots_and_tables_at_their_bound(n
         assert st["counters"]["sessions_resumed"] - resumed == 100
         assert slot_accounting(st) == before and st["puts"]["open"] == 0 and st["puts"]["quarantined"] == 0
         assert st["tables"] == tables, (st["tables"], tables)
+        assert fd_count(pid) <= fds + FD_SLACK and thread_count(pid) <= threads + THREAD_SLACK
+        assert rss_kib(pid) <= rss + RSS_GROWTH_KIB
         assert_clean(c)
