@@ -50,7 +50,7 @@ class Completions:
     def add(self, handle: Completed) -> None:
         """Queue a completion (or a layer group's end): only for a polling engine, only if
         nobody waited on the operation."""
-        if not self.polling or (handle.handle if isinstance(handle, GroupDone) else handle).waited:
+        if not self.polling or _waited(handle):
             return
         queue = self.queue
         if len(queue) == queue.maxlen:
@@ -60,15 +60,23 @@ class Completions:
         queue.append(handle)  # a full deque drops its oldest entry
 
     def drain(self) -> list[Completed]:
-        """Everything queued, oldest first; from now on the engine polls."""
+        """Everything queued, oldest first, but what someone waited on since it was queued (an
+        operation may finish before its caller waits on it); from now on the engine polls."""
         self.polling = True
         out = []
         while self.queue:
-            out.append(self.queue.popleft())
+            handle = self.queue.popleft()
+            if not _waited(handle):
+                out.append(handle)
         return out
 
     def __len__(self) -> int:
         return len(self.queue)
+
+
+def _waited(handle: Completed) -> bool:
+    """Whether someone waited on the operation ``handle`` (or its group) belongs to."""
+    return (handle.handle if isinstance(handle, GroupDone) else handle).waited
 
 
 def end_groups(handle: DeliverHandle, future: Future[Any]) -> None:

@@ -10,9 +10,11 @@ operations: +57 MB). Now a handle is queued only once the engine has called
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from kvcr_client import AsyncClient, Client, KeyStatus, OpHandle, Presence, Span
+from kvcr_client.completions import Completions
 from kvcr_testing.health import assert_clean, wait_until
 from kvcr_testing.layouts import Layout, Registrar
 from kvcr_testing.measure import RSS_SLACK_KIB, rss_kib
@@ -94,3 +96,19 @@ def test_completion_queue_is_bounded(node_factory: Callable[..., Any]) -> None:
         assert out == handles[-bound:], "the newest completions are kept, in order"
         assert client.tables()["completed"] == 0
         assert_clean(client)
+
+
+def test_a_handle_waited_on_after_it_was_queued_is_not_returned() -> None:
+    """An operation may finish (its reply read by another thread) before its caller waits on
+    it: it is queued then, and ``poll_completed`` must still not return it. This raced in the
+    test above under load: the waited query came back from ``poll_completed``."""
+    queue = Completions(8)
+    assert queue.drain() == []  # the engine polls from now on
+    finished: Future[Any] = Future()
+    waited, unwaited = OpHandle(1, "query", finished), OpHandle(2, "query", finished)
+    queue.when_done(finished, waited)
+    queue.when_done(finished, unwaited)
+    finished.set_result(None)
+    assert len(queue) == 2  # both queued: nobody had waited yet
+    waited.result(0)
+    assert queue.drain() == [unwaited]
