@@ -3,8 +3,9 @@
 Two nodes in one run, alike but for ``--no-integrity``, each holding the same 64 MiB object
 in 1,024 spans of 64 KiB; one client leases it at both (a read grant each) and delivers it
 from each in turn, interleaved, into the same page-aligned destination. The anchor is the
-deliver without digests: the same READs of the same descriptors, so the ratio is the price
-of checking (XXH3 over what landed) and nothing else. Also the raw digest rate of this
+deliver without digests: the same bytes from the same slots, so the ratio is the price of
+checking (XXH3 over what landed; the checked deliver is read in parts of 4 MiB, each hashed
+on the client's digest worker while the next is copied: ``kvcr_client.digest_checks``). Also the raw digest rate of this
 machine (``digest_gbps``), and a planned 32-group deliver both ways (``integrity_cost_planned``),
 where each group is checked as it lands.
 

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcr_client.core import ClientCore
+from kvcr_client.digest_checks import on_worker, parts, span_checks
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.readplans import LocalColumns, RemoteSpans, remote_spans
 from kvcr_client.readplans import plan as plan_reads
 from kvcr_client.reads import Finished, GrantRead
 from kvcr_client.regions import RegionHandle
-from kvcr_io.digests import UNCHECKED, digest_at, host_view, span_digest, unpack_digests
 from kvcr_protocol import (
     DEFAULT_LIMITS,
     Completion,
@@ -45,6 +45,8 @@ from kvcr_protocol import (
     ErrorCode,
     GrantNode,
     GrantSource,
+    KeyResult,
+    KeyStatus,
     LeaseGrant,
     LeaseReply,
     MemoryKind,
@@ -311,13 +313,21 @@ class Grants:
         self.reads += 1
         n = len(items)
         codes: list[int] = [0] * n
+        # A whole deliver whose digests are checked is read in parts, each hashed on the
+        # digest worker while the next is copied (kvcr_client.digest_checks); it still ends
+        # as one group.
+        in_parts = parts(items, granted, self.columns) if groups is None else None
+        if in_parts is not None:
+            groups, landed, finished = in_parts, None, _as_whole(finished)
         counts = [1 + max(g, default=0) for g in groups] if groups is not None else [1] * n
         posts = [(g, lk, local, rk, remote, owners, peer) for (g, peer, lk, rk), (local, remote, owners)
                  in plan_reads(items, granted, groups, regions, codes, self.columns).items()]
         deadline = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_READ_S)
+        checks, unchecked = span_checks(items, granted, groups, regions, self.columns)
+        self.unchecked += unchecked
         core = self.core
         job = GrantRead(self, core.agent, items, granted, counts, posts, codes, deadline, landed, finished, quiet,
-                        verify=self._verifier(items, granted, groups, regions))
+                        checks=checks, ahead=on_worker if in_parts is not None else None)
         if self.hook is None:
             # Group 0 is posted, polled and reported in one turn of the lock: the caller
             # may wait on it the moment this returns.
@@ -358,53 +368,6 @@ class Grants:
         self.reported += 1
         _, future = self.core.request(lambda i: Suspect(i, (key,)), convert, CONFIRM_TIMEOUT_S)
         future.add_done_callback(replied)
-
-    def _verifier(
-        self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], groups: Sequence[tuple[int, ...]] | None,
-        regions: Mapping[int, RegionHandle],
-    ) -> Callable[[int, int], bool] | None:
-        """What checks group ``g`` of item ``k`` against the grant's digests once it landed
-        (spec section 6.12, "Integrity"): each span read into host memory whose digest the
-        node took; None when no span of the deliver has one."""
-        checks: dict[tuple[int, int], list[tuple[Any, int, int, int]]] = {}
-        views: dict[int, Any] = {}
-        unchecked = 0
-        for k, (item, key) in enumerate(zip(items, granted, strict=True)):
-            if not key.digests:
-                unchecked += len(item.spans)
-                continue
-            digests = unpack_digests(key.digests)
-            index = {name: j for j, name in enumerate(key.names)}
-            numbers = groups[k] if groups is not None and groups[k] else None
-            for s, span in enumerate(item.spans):
-                j = index.get(span.name)
-                region = regions[span.region]
-                if j is None or digests[j] == UNCHECKED or region.kind is not MemoryKind.DRAM:
-                    unchecked += 1
-                    continue
-                g = numbers[s] if numbers is not None else 0
-                if span.region not in views:
-                    views[span.region] = host_view(region.buffer, region.length)
-                checks.setdefault((k, g), []).append((views[span.region], region.address + span.offset, span.length,
-                                                      digests[j]))
-        self.unchecked += unchecked
-        if not checks:
-            return None
-
-        def verify(k: int, g: int) -> bool:
-            spans = checks.get((k, g), ())
-            self.checked += len(spans)
-            for host, address, length, digest in spans:
-                if host is not None:
-                    view, start = host
-                    got = span_digest(view[address - start:address - start + length])
-                else:
-                    got = digest_at(address, length)
-                if got != digest:
-                    return False
-            return True
-
-        return verify
 
     def check(
         self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], members: list[int], now: float,
@@ -461,3 +424,13 @@ class Grants:
 
         _, future = self.core.request(lambda i: RenewLease(i, lease.id, 0), convert, CONFIRM_TIMEOUT_S)
         future.add_done_callback(replied)
+
+
+def _as_whole(finished: Finished) -> Finished:
+    """A whole deliver read in parts ends as one group: done when every part landed."""
+    def whole(results: list[KeyResult] | BaseException, done: list[int]) -> None:
+        if isinstance(results, BaseException):
+            finished(results, done)
+            return
+        finished(results, [int(r.status is KeyStatus.OK) for r in results])
+    return whole

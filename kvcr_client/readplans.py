@@ -12,6 +12,7 @@ tens of microseconds of planning rather than a Python turn per span.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -232,14 +233,19 @@ def _plan_arrays(
     starts = np.flatnonzero(np.concatenate(([True], (laddr[1:] != ends_l) | (raddr[1:] != ends_r) | (g[1:] != g[:-1]))))
     run_sizes = np.add.reduceat(lengths, starts)
     rkind, rdev = remote.uniform
-    ldev = np.uint64(first.device)
     run_groups = g[starts]
-    for group in (np.unique(run_groups) if numbers is not None else (0,)):
-        mine = starts if numbers is None else starts[run_groups == group]
-        size = run_sizes if numbers is None else run_sizes[run_groups == group]
-        local_rows = np.column_stack((laddr[mine], size, np.full(len(mine), ldev, dtype=np.uint64)))
-        remote_rows = np.column_stack((raddr[mine], size, np.full(len(mine), np.uint64(rdev), dtype=np.uint64)))
-        here = (int(group), grant.peer, first.kind, rkind)
+    all_local = np.column_stack((laddr[starts], run_sizes, np.full(len(starts), np.uint64(first.device), np.uint64)))
+    all_remote = np.column_stack((raddr[starts], run_sizes, np.full(len(starts), np.uint64(rdev), np.uint64)))
+    if numbers is None:
+        cuts: list[tuple[int, Any]] = [(0, slice(None))]
+    elif bool((run_groups[1:] >= run_groups[:-1]).all()):  # groups in order: each a slice of the runs
+        bounds = np.flatnonzero(np.concatenate(([True], run_groups[1:] != run_groups[:-1], [True]))).tolist()
+        cuts = [(int(run_groups[a]), slice(a, b)) for a, b in itertools.pairwise(bounds)]
+    else:
+        cuts = [(int(group), run_groups == group) for group in np.unique(run_groups).tolist()]
+    for group, mine in cuts:
+        local_rows, remote_rows = all_local[mine], all_remote[mine]
+        here = (group, grant.peer, first.kind, rkind)
         entry = plans.get(here)
         if entry is None:
             plans[here] = (local_rows, remote_rows, [k])

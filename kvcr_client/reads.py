@@ -20,6 +20,7 @@ import enum
 import functools
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,12 +54,26 @@ class Validity(Protocol):
 
     hook: Callable[[str], Any] | None
     refused: int
+    checked: int
 
     def check(
         self, items: Sequence[DeliverItem], granted: Sequence[Any], members: list[int], now: float,
     ) -> dict[int, int | None]: ...
     def confirm(self, lease: LeaseHandle, now: float, then: Callable[[int], None]) -> None: ...
     def mismatch(self, granted: Any, key: bytes) -> None: ...
+
+
+class Checks(Protocol):
+    """The digests a deliver's groups are checked by once they landed
+    (``kvcr_client.digest_checks.SpanChecks``, spec section 6.12, "Integrity")."""
+
+    def count(self, k: int, g: int) -> int: ...
+    def intact(self, k: int, g: int) -> bool: ...
+    def failed(self, g: int, members: Sequence[int]) -> list[int]: ...
+
+
+Ahead = Callable[[Callable[[], list[int]]], "Future[list[int]]"]
+"""Runs a group's checks off the turn (the digest worker) while the next group is copied."""
 
 
 class Phase(enum.Enum):
@@ -85,12 +100,19 @@ class GrantRead:
         self, grants: Validity, agent: Agent, items: Sequence[DeliverItem], granted: Sequence[Granted],
         counts: list[int], posts: list[Post], codes: list[int], deadline: float,
         landed: Callable[[list[int], int], None] | None, finished: Finished, quiet: Callable[[], None],
-        clock: Callable[[], float] = time.monotonic, verify: Callable[[int, int], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic, checks: Checks | None = None, ahead: Ahead | None = None,
     ) -> None:
         self.grants = grants
-        self.verify = verify
-        """Checks item ``k``'s group ``g`` against the grant's digests once it landed and its
-        lease held (spec section 6.12, "Integrity"); None: nothing to check."""
+        self.checks = checks
+        """Checks each item's group against the grant's digests once it landed and its lease
+        held (spec section 6.12, "Integrity"); None: nothing to check."""
+        self.ahead = ahead
+        """When given, a group's checks run there as soon as its READs are seen complete, and
+        the group is reported once they are done, or at once when nothing is left to post
+        (the parts of a whole deliver: ``kvcr_client.digest_checks``); else in the turn
+        that reports it."""
+        self.checking: dict[int, Future[list[int]]] = {}
+        """Groups whose checks were handed to ``ahead``: the members each found changed."""
         self.clock = clock
         """Read after this job's READs were polled: the instant its lease checks use."""
         self.agent = agent
@@ -154,6 +176,16 @@ class GrantRead:
             if state is XferStatus.RUNNING:
                 self.running.append(read)
         self.posted = group + 1 if self.next < len(self.posts) else self.group_count
+        self._check_ahead(group)
+
+    def _check_ahead(self, g: int) -> None:
+        """Hand group ``g``'s checks to ``ahead`` once its READs are all seen complete."""
+        if self.ahead is None or self.checks is None or g in self.checking:
+            return
+        if any(r.state is not XferStatus.DONE for r in self.by_group.get(g, ())):
+            return
+        members = [k for k, count in enumerate(self.counts) if count > g and not self.codes[k]]
+        self.checking[g] = self.ahead(functools.partial(self.checks.failed, g, members))
 
     def step(self, now: float, post: bool = True) -> bool:
         """One turn (lock held): post the next group, poll the READs, report the groups that
@@ -168,15 +200,22 @@ class GrantRead:
         if self.phase is Phase.READING:
             if now >= self.deadline:
                 self.expired = True
-            elif post and self.next < len(self.posts):
-                hook = self.grants.hook
-                self.held = hook is not None and hook(f"posting {self.posts[self.next][0]}") is False
-                if not self.held:
+            else:
+                # One group a turn; the parts of a whole deliver all in one (each part is
+                # hashed on the worker while the next is copied: nothing else to wait for).
+                while post and self.next < len(self.posts):
+                    hook = self.grants.hook
+                    self.held = hook is not None and hook(f"posting {self.posts[self.next][0]}") is False
+                    if self.held:
+                        break
                     self.post()
+                    post = self.ahead is not None
         if self.running:
             for r in self.running:
                 r.state = self.agent.state(r.handle)
             self.running = [r for r in self.running if r.state is XferStatus.RUNNING]
+            for g in range(self.group, self.posted):
+                self._check_ahead(g)
         running = bool(self.running)
         if self.phase is Phase.READING:
             seen = self.clock()
@@ -210,6 +249,12 @@ class GrantRead:
             for k in members:
                 codes[k] = ErrorCode.TRANSFER_FAILED
             return True
+        failed: list[int] | None = None
+        if g in self.checking:
+            future = self.checking[g]
+            if not future.done() and self.posting:
+                return False  # hashed on the worker while the next group is copied
+            failed = future.result()
         verdicts = self.grants.check(self.items, self.granted, members, seen)
         landed = []
         for k in members:
@@ -219,7 +264,7 @@ class GrantRead:
             if verdict:
                 codes[k] = verdict
                 self.grants.refused += 1
-            elif not self._intact(k, g, g + 1):
+            elif not self._intact(k, g, g + 1, failed):
                 continue
             elif done[k] == g:
                 done[k] = g + 1
@@ -268,10 +313,15 @@ class GrantRead:
             elif self._intact(k, self.done[k], self.counts[k]):
                 self.done[k] = self.counts[k]
 
-    def _intact(self, k: int, first: int, end: int) -> bool:
+    def _intact(self, k: int, first: int, end: int, failed: list[int] | None = None) -> bool:
         """Whether groups ``first`` to ``end - 1`` of item ``k``, landed under a lease that
-        held, match the grant's digests; else the key fails ``DIGEST_MISMATCH``."""
-        if self.verify is None or all(self.verify(k, g) for g in range(first, end)):
+        held, match the grant's digests (``failed``: group ``first``'s members found changed
+        on the worker); else the key fails ``DIGEST_MISMATCH``."""
+        checks = self.checks
+        if checks is None:
+            return True
+        self.grants.checked += sum(checks.count(k, g) for g in range(first, end))
+        if k not in failed if failed is not None else all(checks.intact(k, g) for g in range(first, end)):
             return True
         self.codes[k] = ErrorCode.DIGEST_MISMATCH
         self.grants.mismatch(self.granted[k], self.items[k].key)
@@ -288,6 +338,9 @@ class GrantRead:
         self.finished(results, done)
 
     def _release(self) -> None:
+        if self.checking:  # a check still reading the destination holds it too
+            wait(self.checking.values(), CLOSE_DRAIN_S)
+            self.checking.clear()
         for r in self.reads:
             self.agent.release(r.handle)
         self.reads.clear()

@@ -67,6 +67,7 @@ class HeldUntil:
 
     hook: Callable[[str], Any] | None = None
     refused = 0
+    checked = 0
 
     def __init__(self) -> None:
         self.mismatches: list[bytes] = []

@@ -30,6 +30,7 @@ from kvcr_client import (
     LeaseStatus,
     NodeError,
     Span,
+    digest_checks,
 )
 from kvcr_client.grants import MARGIN_FRACTION, MARGIN_S, PRUNE_SLACK
 from kvcr_protocol import DEFAULT_LIMITS, RenewLease
@@ -545,6 +546,32 @@ def test_a_slot_overwritten_under_a_grant_fails_digest_mismatch_not_ok(
     assert handle.state(0) is GroupState.DELIVERED and handle.state(1) is not GroupState.DELIVERED
     lease.release().result(RESULT_TIMEOUT_S)
     assert wait_until(lambda: stats(client)["condemned"] == 0, RESULT_TIMEOUT_S), "the lease's end freed the slots"
+
+
+def test_a_whole_deliver_read_in_parts_fails_only_the_key_whose_middle_part_changed(
+        node: NodeProcess, client: Client, register: Registrar, key: Callable[[str], bytes],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole deliver larger than a part is read part by part, each part's digests checked
+    on the digest worker while the next is copied (``kvcr_client.digest_checks``). A slot
+    forged in a middle part fails its key; the other key of the same deliver is ``OK`` with
+    every byte, and nothing is left holding the destination."""
+    monkeypatch.setattr(digest_checks, "PART_BYTES", 2 * SLOT)  # 8 layers: 4 parts a key
+    victim, intact = key("victim"), key("intact")
+    put(client, register, victim, seed=34)
+    src = put(client, register, intact, seed=35)
+    forge(node.endpoint, victim, LAYERS // 2, pattern(SLOT, 94))
+    lease = client.lease([victim, intact]).result(RESULT_TIMEOUT_S)
+    dst_v, dst_i = np.zeros(LAYERS * SLOT, np.uint8), np.zeros(LAYERS * SLOT, np.uint8)
+    rv, ri = register(dst_v), register(dst_i)
+    checked = client._grants.checked
+    res = client.deliver({victim: [Span(f"L{i}", rv, i * SLOT, SLOT) for i in range(LAYERS)],
+                          intact: [Span(f"L{i}", ri, i * SLOT, SLOT) for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S)
+    assert res[victim].code is ErrorCode.DIGEST_MISMATCH, res
+    assert res[intact].ok and np.array_equal(dst_i, src), res
+    assert client._grants.checked >= checked + LAYERS + LAYERS // 2, "parts went unchecked"
+    assert wait_until(lambda: client.tables()["reads"] == 0, RESULT_TIMEOUT_S)
+    assert not rv.users and not ri.users, "the destination is still in use"
+    lease.release().result(RESULT_TIMEOUT_S)
 
 
 def test_with_integrity_off_an_overwritten_slot_is_read_as_the_objects(key: Callable[[str], bytes]) -> None:
