@@ -34,9 +34,9 @@ descriptor), ``grant_deliver_ms`` and ``raw_grant_read_ms`` (their medians) and
 ``grant_deliver_spread`` and ``raw_grant_read_spread`` ((p90 - p10) / median), ``deposit_ratio`` (raw NIXL READ p50
 / kvcr deposit p50), ``put_deposit_ratio`` (raw NIXL WRITE p50 of the same 1024 descriptors by a bare
 agent / kvcr put p50 under a write grant, put, WRITE and commit included; ``_merged``: against one
-descriptor; ``put_ms``, ``raw_put_write_ms`` and their ``_spread``), ``put_return_ratio`` (the same
-anchor / the put's return, once its WRITE is done and before its commit's reply: when an engine
-may reuse its buffer) and ``put_return_ms``, ``idle_cpu_percent`` (node and an idle client process holding 64 read-granted
+descriptor; ``put_ms``, ``raw_put_write_ms`` and their ``_spread``), ``put_written_ratio`` (the same
+anchor / the put's ``written``, once its WRITE is done and before its commit's reply: when an
+engine may reuse its buffer) and ``put_written_ms``, ``idle_cpu_percent`` (node and an idle client process holding 64 read-granted
 leases together, % of a core, past the node's fast progress after a grant; ``idle_node_cpu_percent``:
 the node alone) and its anchor of the same run, ``idle_cpu_percent_no_grants`` and
 ``idle_node_cpu_percent_no_grants`` (the same node and an idle client that holds no grant),
@@ -272,16 +272,17 @@ def bench_puts(client: Client, raw: RawNixl, rs: Any, spans: list[Span], src: np
                progress: Progress) -> tuple[list[float], list[float]]:
     """Puts of the object under new keys (spec section 6.13: the client WRITEs the node's pool
     itself, then commits), each followed by the raw consumer WRITEs of the same descriptors:
-    each put's seconds to its commit's reply, and to its return (the caller's memory free)."""
+    each put's seconds to its commit's reply, and to its ``written`` (the caller's memory free)."""
     progress.step(f"put {OBJECT >> 20} MiB under a write grant against raw NIXL WRITE, {reps} times")
     sources = [Span(f"L{i}", rs, i * SPAN, SPAN, "kv") for i in range(SPANS)]
     puts = client._puts.puts
-    times, returned = [], []
+    times, written = [], []
     for i in range(reps):
         progress.tick("puts", i, reps)
         t0 = time.perf_counter()
         handle = client.put({f"put{i}".encode(): sources})
-        returned.append(time.perf_counter() - t0)
+        handle.written.result(30)
+        written.append(time.perf_counter() - t0)
         res = handle.result(30)
         times.append(time.perf_counter() - t0)
         assert res.all_ok, res
@@ -294,7 +295,7 @@ def bench_puts(client: Client, raw: RawNixl, rs: Any, spans: list[Span], src: np
     assert client.deliver({last: spans}).result(30)[last].ok
     if not np.array_equal(src, dst):
         raise AssertionError("a put's bytes differ when delivered back")
-    return times, returned
+    return times, written
 
 
 def cpu_seconds(pid: int) -> float:
@@ -430,7 +431,7 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, 
         assert client.deliver({last: spans}).result(30)[last].ok
         if not np.array_equal(src, dst):
             raise AssertionError("a deposit's bytes differ when delivered back")
-        put_times, put_returns = bench_puts(client, raw, rs, spans, src, dst, reps, progress)
+        put_times, put_written = bench_puts(client, raw, rs, spans, src, dst, reps, progress)
         swept: dict[int, list[float]] = {}
         if sweep:
             progress.step(f"deliver throughput against span size ({', '.join(f'{s >> 10} KiB' for s in SWEEP_SPANS)})")
@@ -438,12 +439,12 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, 
         stats = client.stats().result(5)
         assert stats["invariants"] == [], stats["invariants"]
     samples = {**queried, "deliver": times["list"], "deliver_prepared": times["prepared"], "deposit": deposits, "put": put_times,
-               "put_return": put_returns, "grant_deliver": granted["list"], "grant_deliver_prepared": granted["prepared"],
+               "put_written": put_written, "grant_deliver": granted["list"], "grant_deliver_prepared": granted["prepared"],
                **{f"raw_{name}": runs for name, runs in raw.runs.items()}}
     return {**{name: summary(queried[name]) for name in queried}, "deliver": summary(times["list"]),
             "grant_deliver": summary(granted["list"]), "grant_deliver_prepared": summary(granted["prepared"]),
             "deliver_prepared": summary(times["prepared"]), "deposit": summary(deposits), "put": summary(put_times),
-            "put_return": summary(put_returns), "raw": raw.summaries(),
+            "put_written": summary(put_written), "raw": raw.summaries(),
             "samples": samples, "sweep": {span: {"kvcr": swept[span], "raw": raw.sweep[span]} for span in swept}}
 
 
@@ -495,8 +496,8 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
         "put_deposit_ratio": r["consumer_write"]["median"] / k["put"]["median"],
         "put_deposit_ratio_merged": r["consumer_write_merged"]["median"] / k["put"]["median"],
         "put_ms": k["put"]["median"] * 1e3,
-        "put_return_ms": k["put_return"]["median"] * 1e3,
-        "put_return_ratio": r["consumer_write"]["median"] / k["put_return"]["median"],
+        "put_written_ms": k["put_written"]["median"] * 1e3,
+        "put_written_ratio": r["consumer_write"]["median"] / k["put_written"]["median"],
         "put_spread": k["put"]["spread"],
         "raw_put_write_ms": r["consumer_write"]["median"] * 1e3,
         "raw_put_write_spread": r["consumer_write"]["spread"],
@@ -534,12 +535,12 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
     say(f"  ratio kvcr / raw NIXL: {figures['deposit_ratio']:.2f} (goal >= 0.85)")
     say("put of the same object under a new key (the client WRITEs the node's pool, then commits), against raw NIXL WRITE")
     say(f"  kvcr put, list of spans          {fmt_gbps(OBJECT, k['put'])}")
-    say(f"  kvcr put returned (memory free)  {fmt_gbps(OBJECT, k['put_return'])}")
+    say(f"  kvcr put written (memory free)   {fmt_gbps(OBJECT, k['put_written'])}")
     say(f"  raw NIXL WRITE, 1024 descriptors {fmt_gbps(OBJECT, r['consumer_write'])}")
     say(f"  raw NIXL WRITE, one merged desc  {fmt_gbps(OBJECT, r['consumer_write_merged'])}")
     say(f"  ratio kvcr / raw NIXL WRITE: {figures['put_deposit_ratio']:.2f} (goal >= 0.95); "
         f"against one merged descriptor: {figures['put_deposit_ratio_merged']:.2f}; "
-        f"to the put's return: {figures['put_return_ratio']:.2f}")
+        f"to the put's written: {figures['put_written_ratio']:.2f}")
     say("query round trip, each kvcr query followed by one raw echo")
     say(f"  kvcr query, Client         {fmt_us(k['query'])}")
     say(f"  kvcr query, AsyncClient    {fmt_us(k['query_async'])}")

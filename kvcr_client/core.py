@@ -55,6 +55,7 @@ import secrets
 import select
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -156,7 +157,8 @@ class ClientCore:
         """Takes the node's ``lease_end`` events (lock held)."""
         self._apply = Actions(self)
         """Carries out the session's events (lock held)."""
-        self.reads = Reads()
+        pacing = weakref.WeakMethod(self.pacing_starts)  # the core owns its parts: no cycle back to it
+        self.reads = Reads(lambda: _call(pacing))
         """Delivers under read grants whose READs the turns post and poll (lock held)."""
         self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
         self._thread.start()
@@ -369,6 +371,10 @@ class ClientCore:
         grants is unresolved: whoever reads paces the agent (safe without the lock)."""
         return self.session.touching > 0 or self.reads.live
 
+    def pacing_starts(self) -> None:
+        """Lock held: transfers started in a turn (a put's WRITEs): whoever reads paces the agent."""
+        self.waiters.pacing_starts()
+
     def pace(self) -> None:
         """READs under grants were handed to the turns: wake whoever reads to pace from now
         (a parked background thread too, when no caller waits)."""
@@ -488,3 +494,10 @@ class ClientCore:
                 self._apply(self.session.receive(sock.recv(_NOBLOCK), time.monotonic()))
         finally:
             self.reading -= 1
+
+
+def _call(method: weakref.WeakMethod[Callable[[], None]]) -> None:
+    """Call a weakly held method, if its object still lives."""
+    bound = method()
+    if bound is not None:
+        bound()

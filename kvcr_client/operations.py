@@ -27,7 +27,7 @@ from kvcr_client.grants import GrantedKey, Grants
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.puts import Puts
 from kvcr_client.regions import RegionHandle, RegionTable
-from kvcr_client.results import DeliverHandle, GroupDone, KeyOutcome, OpHandle, Presences, Results
+from kvcr_client.results import DeliverHandle, GroupDone, KeyOutcome, OpHandle, Presences, Results, StoreHandle
 from kvcr_client.spans import Destination, LayerPlan, Span
 from kvcr_protocol import (
     COLUMNS_VERSION,
@@ -109,6 +109,15 @@ class Operations:
         self._completions.when_done(fut, handle)
         return handle
 
+    def _store_handle(self, op_id: int, kind: str, fut: Future[Any], written: Future[None],
+                      abort: Any = None) -> StoreHandle:
+        """A deposit's or a put's handle: ``written`` once the memory is free, then the results."""
+        core = self.core
+        handle = StoreHandle(op_id, kind, fut, OpHandle(op_id, "written", written, None, core.wait, core.poll,
+                                                        core.wait_async), abort, core.wait, core.poll, core.wait_async)
+        self._completions.when_done(fut, handle)
+        return handle
+
     def poll_completed(self) -> list[OpHandle[Any] | GroupDone]:
         """The operations that completed since the last call, for engines that poll once per step.
 
@@ -169,21 +178,26 @@ class Operations:
     def _send_op(
         self, op_id: int, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool,
         regions: set[RegionHandle], on_reply: Callable[[Message], None] | None = None,
-        observer: Callable[[Any], None] | None = None,
+        observer: Callable[[Any], None] | None = None, written: Future[None] | None = None,
     ) -> Future[Any]:
         """Send one operation. Its regions stay in use until the node can no longer touch them.
 
         That is when the node answered, or the session is over (closed, or the node lost);
         not when the client merely stopped waiting (spec section 5.1). ``deadline_ms`` 0
         is the node's default, which the client does not know: it waits for the answer.
-        ``on_reply`` sees the reply first, ``observer`` the request's events (lock held).
+        ``on_reply`` sees the reply first, ``observer`` the request's events (lock held);
+        ``written`` resolves when the regions are free.
         """
         table = self._regions
         if regions:
             table.hold(op_id, kind, regions)
+        elif written is not None:
+            written.set_result(None)
 
         def settled() -> None:
             table.settle(op_id, regions)
+            if written is not None and not written.done():
+                written.set_result(None)
 
         def convert(msg: Message) -> Results[Any]:
             assert isinstance(msg, Completion)
@@ -206,7 +220,7 @@ class Operations:
     def deposit(
         self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
         deadline_ms: int = DEFAULT_DEADLINE_MS,
-    ) -> OpHandle[Results[KeyOutcome]]:
+    ) -> StoreHandle:
         """Store objects; each key maps to its layout's spans in order (with pools).
 
         ``deadline_ms``: milliseconds the node may spend, counted from its receipt of the
@@ -222,12 +236,16 @@ class Operations:
         frozen, keys, regions = _spans.span_items(objects, DepositItem, self, self._regions.by_id, self.pools)
         columns = deposit_blocks(frozen) if self.core.version >= COLUMNS_VERSION else ()
         records = () if columns else frozen
-        return self._op(
-            "deposit", keys, lambda i: Deposit(i, records, no_evict, optional, deadline_ms, columns), deadline_ms, True, regions)
+        op_id = self.core.next_id()
+        written: Future[None] = Future()
+        fut = self._send_op(op_id, "deposit", keys, lambda i: Deposit(i, records, no_evict, optional, deadline_ms, columns),
+                            deadline_ms, True, regions, written=written)
+        return self._store_handle(op_id, "deposit", fut, written, self._abort)
 
     def put(self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
-            ttl_ms: int = 0, deadline_ms: int = DEFAULT_DEADLINE_MS) -> OpHandle[Results[KeyOutcome]]:
-        """``deposit``, this client WRITEing the bytes under a write grant when the node offers one."""
+            ttl_ms: int = 0, deadline_ms: int = DEFAULT_DEADLINE_MS) -> StoreHandle:
+        """``deposit``, this client WRITEing the bytes under a write grant when the node offers
+        one. Returns at once; the handle's ``written`` says when the spans' memory is free."""
         return self._puts.put(objects, no_evict, optional, ttl_ms, deadline_ms)
 
     @overload

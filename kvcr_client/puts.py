@@ -1,20 +1,17 @@
 """Deposits under write grants (spec section 6.13): the client WRITEs new objects itself.
 
-``Puts.put`` checks its arguments as ``deposit`` does, sends a ``put``, WRITEs every
-reserved span from the caller's registered memory into the slots the reply names (one
-transfer per pair of memory kinds, spans contiguous on both sides merged), waits for its
-own agent to report the WRITE terminal, and then sends ``commit`` (or, when the WRITE
-failed, ``unput``). Keys another writer holds (``BUSY``) go by ``deposit``, which waits
-for that writer. A session below version 5, or a node that grants no writes
-(``client_transfers`` off: it refuses ``put`` ``MUST_UNDERSTAND``), gets a plain
-``deposit``: the node-driven path.
+``Puts.put`` checks its arguments as ``deposit`` does, sends a ``put`` and returns its
+handle at once; a ``PutJob`` (``kvcr_client.put_jobs``), stepped by the core's turns, WRITEs
+every reserved span from the caller's registered memory into the slots the reply names,
+then sends ``commit`` (or ``unput``). Keys another writer holds (``BUSY``) go by
+``deposit``, which waits for that writer. A session below version 5, or a node that grants
+no writes (``client_transfers`` off: it refuses ``put`` ``MUST_UNDERSTAND``), gets a plain
+``deposit``: the node-driven path. Either way the handle is a ``StoreHandle``: ``written``
+once the caller's memory is its own again, the results once the node answered.
 
-The caller's thread does the work (the WRITE over CMA is a copy inside the post), and
-``put`` returns once no WRITE of it runs any more: the caller's memory is its own again.
-The ``commit`` is sent then and not waited for: the handle resolves with its reply. The
-``deadline_ms`` bounds the wait for the ``put_reply`` too, so a stalled node costs a caller
-the deadline, not the control timeout: the keys fail ``TIMEOUT``, and a reservation that
-answers later is handed back with ``unput`` (nothing was written into it).
+``Puts`` plans the WRITEs (``_column_runs`` a block of columns at a time, ``_runs`` span by
+span) and keeps what the session's resume token depends on: whether a WRITE of a put may
+still land (``quiet``).
 """
 
 from __future__ import annotations
@@ -24,9 +21,8 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,12 +30,11 @@ import numpy as np
 from kvcr_client import checks
 from kvcr_client import spans as _spans
 from kvcr_client.core import ClientCore
-from kvcr_client.errors import NodeError
 from kvcr_client.grants import Grants, NodePool
+from kvcr_client.put_jobs import PutJob, PutSteps, Runs
 from kvcr_client.regions import RegionHandle, RegionTable
-from kvcr_client.results import KeyOutcome, OpHandle, Results
+from kvcr_client.results import KeyOutcome, Results, StoreHandle
 from kvcr_client.spans import Span
-from kvcr_io.agent import Desc, TransferError, XferStatus
 from kvcr_protocol import (
     DEFAULT_LIMITS,
     GRANTS_VERSION,
@@ -48,9 +43,7 @@ from kvcr_protocol import (
     Completion,
     DepositColumns,
     DepositItem,
-    ErrorCode,
     KeyResult,
-    KeyStatus,
     LeaseGrant,
     MemoryKind,
     Message,
@@ -59,7 +52,6 @@ from kvcr_protocol import (
     PutReply,
     Unput,
     Welcome,
-    code_of,
     deposit_blocks,
 )
 from kvcr_protocol.records import U32_MAX
@@ -76,19 +68,15 @@ class Owner(Protocol):
     def pools(self) -> dict[str, PoolInfo]: ...
 
     def deposit(self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
-                deadline_ms: int = ...) -> OpHandle[Results[KeyOutcome]]: ...
+                deadline_ms: int = ...) -> StoreHandle: ...
 
-    def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]: ...
+    def _store_handle(self, op_id: int, kind: str, fut: Future[Any], written: Future[None],
+                      abort: Any = None) -> StoreHandle: ...
 
 CONTROL_TIMEOUT_S = 10.0
 """How long a ``put``, ``commit`` or ``unput`` waits for its answer (the node answers at once)."""
 DEFAULT_WRITE_S = 30.0
 """How long the WRITEs of a put with deadline 0 may take."""
-WRITE_POLL_S = 0.0002
-"""Between two looks at a WRITE still running (over CMA it is done when posted)."""
-
-Runs = dict[tuple[MemoryKind, MemoryKind], tuple[list[Desc], list[Desc]]]
-"""Per (local kind, remote kind): the local and remote descriptors of one WRITE."""
 
 
 class Puts:
@@ -109,13 +97,14 @@ class Puts:
         self.resumes_held = 0
         """Reconnects that presented no resume token: a WRITE of a put could still land."""
         self._busy = 0
-        """Puts between their ``put`` and the end of their WRITEs (caller threads)."""
+        """Puts between their ``put`` and the end of their WRITEs."""
         self._let_go = False
         """A WRITE was let go of while running in this session: it may still land."""
         self._lock = threading.Lock()
         self.hook: Any = None
-        """Called with ``"written"`` once the WRITE is terminal, before ``commit`` (tests stop
-        a client there). Not a setting of the product."""
+        """Called (lock held, in a turn) with ``"written"`` once a put's WRITEs are terminal,
+        before ``commit``: returning False defers the rest to a later turn (tests hold a put
+        there). Not a setting of the product."""
 
     def quiet(self) -> bool:
         """Whether no WRITE of a put of this session runs or may still land, so that the next
@@ -135,9 +124,10 @@ class Puts:
     def put(
         self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
         ttl_ms: int = 0, deadline_ms: int = 30_000,
-    ) -> OpHandle[Results[KeyOutcome]]:
+    ) -> StoreHandle:
         """Store objects as ``deposit`` does, writing their bytes from this client's agent when
-        the node grants writes; the results are a deposit's (``STORED``, ``DUPLICATE``, ...)."""
+        the node grants writes; the results are a deposit's (``STORED``, ``DUPLICATE``, ...).
+        Returns at once: the turns run the put (``PutJob``)."""
         ops = self.ops
         no_evict = checks.flag(no_evict, "no_evict")
         optional = checks.flag(optional, "optional")
@@ -150,137 +140,95 @@ class Puts:
         columns = deposit_blocks(frozen)
         node_md = ops._grants.wants_node()
         give_up = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_WRITE_S)
+        core, table = ops.core, ops._regions
+        op_id = core.next_id()
+        table.hold(op_id, "put", regions)
         with self._lock:
             self._busy += 1  # from the put on, a WRITE of it may be posted (``quiet``)
-        try:
-            return self._put(objects, frozen, keys, regions, columns, node_md, give_up, no_evict, optional, ttl_ms,
-                             deadline_ms)
-        finally:
+        settled = False
+
+        def settle(clean: bool) -> None:
+            nonlocal settled
+            if settled:
+                return
+            settled = True
+            table.settle(op_id, regions)
             with self._lock:
                 self._busy -= 1
+                self._let_go = self._let_go or not clean
 
-    def _put(
-        self, objects: Mapping[bytes, Sequence[Span]], frozen: tuple[DepositItem, ...], keys: list[bytes],
-        regions: set[RegionHandle], columns: tuple[DepositColumns, ...], node_md: bool, give_up: float, no_evict: bool, optional: bool, ttl_ms: int, deadline_ms: int,
-    ) -> OpHandle[Results[KeyOutcome]]:
-        """``put`` once its arguments are checked: the request, its WRITEs, its commit."""
-        ops = self.ops
-        core = ops.core
-        # Tracked until answered (or the session ends), however long the caller waits: a
-        # reservation that comes after the caller gave up is still handed back.
-        op_id, asked = core.request(lambda i: Put(i, (), no_evict, optional, ttl_ms, columns, node_md),
-                                    _put_reply(len(keys)), math.inf)
-        try:
-            reply: PutReply = core.wait(asked, min(CONTROL_TIMEOUT_S + 2, max(0.0, give_up - time.monotonic())))
-        except FutureTimeout:
-            # Nothing was written: a reservation the node makes after all is handed back.
-            self.unanswered += 1
-            asked.add_done_callback(self._hand_back)
-            return ops._handle(op_id, "put", _resolved(keys, [_NO_REPLY] * len(keys)))
-        except NodeError as exc:
-            if exc.code is not ErrorCode.MUST_UNDERSTAND:
-                raise
+        def deposit(indices: list[int]) -> tuple[Future[Results[KeyOutcome]], Future[None]]:
+            handle = ops.deposit({keys[i]: objects[keys[i]] for i in indices}, no_evict, optional, deadline_ms)
+            return handle.future, handle.written.future
+
+        def refused() -> None:
             self.refused = core.welcome
             self.fallbacks += 1
-            return ops.deposit(objects, no_evict, optional, deadline_ms)
-        self.puts += 1
-        results: list[KeyResult] = list(reply.results)
-        busy = [i for i, r in enumerate(results) if r.code == ErrorCode.BUSY]
-        committed: Future[Any] | None = None
-        if reply.put:
-            written = self._write(reply, frozen, columns, results, regions, give_up)
-            if isinstance(written, Future):
-                committed = written
-            else:
-                results = written
-        if busy:
-            # Another writer holds these keys: a deposit waits for it (spec section 9).
-            later = ops.deposit({keys[i]: objects[keys[i]] for i in busy}, no_evict, optional, deadline_ms)
-            waited = core.wait(later.future, None)
-            for i in busy:
-                outcome = waited[keys[i]]
-                results[i] = KeyResult(outcome.status, outcome.code, outcome.reason, outcome.handle)
-        if committed is None:
-            return ops._handle(reply.id, "put", _resolved(keys, results))
-        # The commit answers for the reserved keys; the others keep what was found above.
-        kept = {i: results[i] for i in busy}
-        return ops._handle(reply.id, "put", _then(committed, lambda answered: Results(
-            [(k, _outcome(kept.get(i, r))) for i, (k, r) in enumerate(zip(keys, answered, strict=True))])))
 
-    def _hand_back(self, asked: Future[Any]) -> None:
-        """A ``put_reply`` that came after the caller gave up: free what it reserved (no WRITE
-        of it was posted, so ``unput`` is safe, spec section 6.13)."""
-        if asked.cancelled() or asked.exception() is not None:
-            return
-        reply: PutReply = asked.result()
-        if reply.put:
-            self.handed_back += 1
-            self.ops.core.request(lambda i: Unput(i, reply.put), _ack, CONTROL_TIMEOUT_S)
+        def send(what: str, put_id: int) -> Future[Any]:
+            if what == "commit":
+                return core.request(lambda i: Commit(i, put_id), _completion(len(keys)), CONTROL_TIMEOUT_S)[1]
+            return core.request(lambda i: Unput(i, put_id), _ack, CONTROL_TIMEOUT_S)[1]
 
-    def _write(
-        self, reply: PutReply, items: Sequence[DepositItem], columns: Sequence[DepositColumns], results: list[KeyResult],
-        regions: set[RegionHandle], give_up: float,
-    ) -> list[KeyResult] | Future[Any]:
-        """WRITE the reserved spans, then ``commit`` (or ``unput`` when a WRITE failed): the
-        commit's reply to come, or every reserved key failed ``TRANSFER_FAILED``. A WRITE still
-        running at ``give_up`` is let go of and nothing is sent: it may still land, so the
-        put is left to expire into quarantine (spec section 6.13), its keys ``TIMEOUT``."""
-        ops, core = self.ops, self.ops.core
+        # Tracked until answered (or the session ends), however long the caller waits: a
+        # reservation that comes after the caller gave up is still handed back.
+        _, asked = core.request(lambda i: Put(i, (), no_evict, optional, ttl_ms, columns, node_md),
+                                self._put_reply(len(keys)), math.inf, op_id=op_id)
+        steps = PutSteps(functools.partial(self._runs, frozen, columns), send, deposit, refused, self._late, settle,
+                         self.hook)
+        result: Future[Results[KeyOutcome]] = Future()
+        written: Future[None] = Future()
+        job = PutJob(steps, asked, core.agent, keys, give_up, result, written)
+        error = core.call(lambda: core.reads.take(job)).exception()
+        if error is not None:  # closed meanwhile
+            core.call(job.close, closed=True)
+            raise error
+        # The reply is read in a turn (lock held), or was read already: the job takes it at
+        # once, not at the next turn (an event loop takes one only when the socket speaks).
+        asked.add_done_callback(lambda _: core.call(lambda: core.reads.nudge(job), closed=True))
+        core.pace()
+        return ops._store_handle(op_id, "put", result, written)
+
+    def _put_reply(self, n: int) -> Callable[[Message], PutReply]:
+        def convert(msg: Message) -> PutReply:
+            if not isinstance(msg, PutReply) or len(msg.results) != n:
+                raise ValueError(f"expected put_reply with {n} results, got {msg.TAG}")
+            self.puts += 1
+            return msg
+        return convert
+
+    def _late(self, asked: Future[Any]) -> None:
+        """A put's reply did not come within its deadline: a reservation it makes after all
+        is freed (no WRITE of it was posted, so ``unput`` is safe, spec section 6.13)."""
+        self.unanswered += 1
+
+        def hand_back(asked: Future[Any]) -> None:
+            if asked.cancelled() or asked.exception() is not None:
+                return
+            reply: PutReply = asked.result()
+            if reply.put:
+                self.handed_back += 1
+                self.ops.core.request(lambda i: Unput(i, reply.put), _ack, CONTROL_TIMEOUT_S)
+
+        asked.add_done_callback(hand_back)
+
+    def _runs(self, items: Sequence[DepositItem], columns: Sequence[DepositColumns],
+              reply: PutReply) -> tuple[Runs, str] | None:
+        """The WRITEs of the reserved spans and the node's agent they go to; None when the
+        grant does not fit (or names another session's agent)."""
+        ops = self.ops
         grants = ops._grants
         grant = reply.grant
         if grant is not None and grant.node is not None:
             grants.load(grant.node)
         node = grants.node
-        ok: bool | None = grant is not None and node is not None and node.welcome is core.welcome
-        table = ops._regions
-        table.hold(reply.id, "put", regions)
-        try:
-            if ok:
-                assert grant is not None and node is not None
-                runs = _column_runs(columns, grant, node.pools, table.by_id)
-                if runs is None:  # blocks of several regions, pools or lengths: span by span
-                    runs = _runs(items, grant.keys(DEFAULT_LIMITS), node.pools, table.by_id)
-                ok = runs is not None and self._transfer(runs, node.name, give_up)
-        finally:
-            # No WRITE of it runs any more: the memory is the caller's again.
-            table.settle(reply.id, regions)
-        if self.hook is not None:
-            self.hook("written")
-        if ok is None:
-            with self._lock:
-                self._let_go = True
-            return [KeyResult(KeyStatus.FAILED, ErrorCode.TIMEOUT, "the WRITE outlived the deadline; left to expire")
-                    if r.status is KeyStatus.OK else r for r in results]
-        if not ok:
-            _, gone = core.request(lambda i: Unput(i, reply.put), _ack, CONTROL_TIMEOUT_S)
-            core.wait(gone, CONTROL_TIMEOUT_S + 2)
-            return [KeyResult(KeyStatus.FAILED, ErrorCode.TRANSFER_FAILED, "writing the reserved slots failed")
-                    if r.status is KeyStatus.OK else r for r in results]
-        _, committed = core.request(lambda i: Commit(i, reply.put), _completion(len(results)), CONTROL_TIMEOUT_S)
-        return committed
-
-    def _transfer(self, runs: Runs, node: str, give_up: float) -> bool | None:
-        """Post one WRITE per pair of memory kinds and wait until each is terminal: whether all
-        succeeded; None when one still ran at ``give_up`` (it may land later)."""
-        core = self.ops.core
-        agent = core.agent
-        posted: list[tuple[Any, XferStatus]] = []
-        ok = True
-        for (local_kind, remote_kind), (local, remote) in runs.items():
-            try:
-                posted.append(core.call(functools.partial(
-                    agent.start_listed, "WRITE", local_kind, local, remote_kind, remote, node)).result())
-            except TransferError:
-                ok = False
-        uncertain = False
-        for handle, state in posted:
-            while state is XferStatus.RUNNING and time.monotonic() < give_up:
-                time.sleep(WRITE_POLL_S)
-                state = core.call(functools.partial(agent.state, handle), closed=True).result()
-            core.call(functools.partial(agent.release, handle), closed=True)
-            uncertain = uncertain or state is XferStatus.RUNNING
-            ok = ok and state is XferStatus.DONE
-        return None if uncertain else ok
+        if grant is None or node is None or node.welcome is not ops.core.welcome:
+            return None
+        by_id = ops._regions.by_id
+        runs = _column_runs(columns, grant, node.pools, by_id)
+        if runs is None:  # blocks of several regions, pools or lengths: span by span
+            runs = _runs(items, grant.keys(DEFAULT_LIMITS), node.pools, by_id)
+        return None if runs is None else (runs, node.name)
 
 
 def _column_runs(
@@ -357,41 +305,6 @@ def _runs(
                 local.append((laddr, span.length, region.device))
                 remote.append((raddr, span.length, pool.device))
     return runs
-
-
-_NO_REPLY = KeyResult(KeyStatus.FAILED, ErrorCode.TIMEOUT, "the node did not answer the put within its deadline")
-
-
-def _outcome(r: KeyResult) -> KeyOutcome:
-    return KeyOutcome(r.status, code_of(r.code), r.reason, r.handle)
-
-
-def _resolved(keys: Sequence[bytes], results: Sequence[KeyResult]) -> Future[Any]:
-    done: Future[Any] = Future()
-    done.set_result(Results([(k, _outcome(r)) for k, r in zip(keys, results, strict=True)]))
-    return done
-
-
-def _then(source: Future[Any], make: Any) -> Future[Any]:
-    """A future of ``make(source's result)``, or of its exception."""
-    out: Future[Any] = Future()
-
-    def settle(done: Future[Any]) -> None:
-        try:
-            out.set_result(make(done.result(0)))
-        except BaseException as exc:  # the caller's result() raises it
-            out.set_exception(exc)
-
-    source.add_done_callback(settle)
-    return out
-
-
-def _put_reply(n: int) -> Any:
-    def convert(msg: Message) -> PutReply:
-        if not isinstance(msg, PutReply) or len(msg.results) != n:
-            raise ValueError(f"expected put_reply with {n} results, got {msg.TAG}")
-        return msg
-    return convert
 
 
 def _completion(n: int) -> Any:

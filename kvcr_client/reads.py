@@ -150,6 +150,11 @@ class GrantRead:
         return {post[6] for post in self.posts}
 
     @property
+    def live(self) -> bool:
+        """Whether the deliver is unresolved (its READs are paced)."""
+        return self.phase is not Phase.OVER
+
+    @property
     def posting(self) -> bool:
         """Whether groups are left to post now: the next turn should come at once."""
         return self.phase is Phase.READING and not self.expired and not self.held and self.next < len(self.posts)
@@ -364,11 +369,30 @@ class GrantRead:
             self.finished(ClientClosed("the client is closed"), self.done)
 
 
-class Reads:
-    """The core's deliveries under grants in progress (I/O lock held)."""
+class Job(Protocol):
+    """A transfer the core's turns run: a deliver under grants (``GrantRead``) or a put
+    (``kvcr_client.put_jobs.PutJob``)."""
 
-    def __init__(self) -> None:
-        self.running: list[GrantRead] = []
+    @property
+    def posting(self) -> bool: ...
+    @property
+    def live(self) -> bool: ...
+    @property
+    def remotes(self) -> set[str]: ...
+    def step(self, now: float) -> bool: ...
+    def close(self) -> None: ...
+
+
+class Reads:
+    """The core's transfers in progress, delivers under grants and puts (I/O lock held).
+
+    ``paced`` is called when a job's transfers start to run outside the caller's own turn
+    (a put's WRITEs posted where its reply was read): whoever reads must progress the agent
+    at the pacing interval from then on."""
+
+    def __init__(self, paced: Callable[[], None] = lambda: None) -> None:
+        self.running: list[Job] = []
+        self.paced = paced
 
     def __len__(self) -> int:
         return len(self.running)
@@ -381,12 +405,29 @@ class Reads:
     def live(self) -> bool:
         """Whether a deliver is unresolved (its READs are paced); READs left running past a
         deadline are only looked at at the late interval."""
-        return any(job.phase is not Phase.OVER for job in self.running)
+        return any(job.live for job in self.running)
 
     def add(self, job: GrantRead) -> None:
         """Take ``job`` (group 0 already posted): look at it once now, without posting more."""
         if not job.step(job.clock(), post=False):
             self.running.append(job)
+
+    def take(self, job: Job) -> None:
+        """Take ``job``: step it once now (a reply may already be in)."""
+        if not job.step(time.monotonic()):
+            self.running.append(job)
+            if job.live:
+                self.paced()
+
+    def nudge(self, job: Job) -> None:
+        """Step ``job`` now, outside the turns' order (its reply just came in)."""
+        if job not in self.running:
+            return
+        live = job.live
+        if job.step(time.monotonic()):
+            self.running.remove(job)
+        elif job.live and not live:
+            self.paced()
 
     def start(self, job: GrantRead) -> None:
         """Post ``job``'s group 0 and take it (one turn: group 0, landed, is reported at once)."""
@@ -394,9 +435,15 @@ class Reads:
         self.add(job)
 
     def step(self, now: float) -> None:
+        paced = False
         for job in list(self.running):
+            live = job.live
             if job.step(now):
                 self.running.remove(job)
+            elif job.live and not live:
+                paced = True
+        if paced:
+            self.paced()
 
     def close(self) -> None:
         running, self.running = self.running, []

@@ -192,6 +192,20 @@ class OpHandle(Generic[T]):
         return f"OpHandle({self.kind} #{self.op_id}, done={self.future.done()})"
 
 
+class StoreHandle(OpHandle[Results[KeyOutcome]]):
+    """A ``deposit`` or a ``put`` in progress. ``written`` resolves once the client's memory is
+    its own again (the node read it, or this client's WRITEs of it are over), whichever path
+    stored it; the handle itself once the node answered for every key."""
+
+    def __init__(
+        self, op_id: int, kind: str, future: Future[Results[KeyOutcome]], written: OpHandle[None],
+        abort: Callable[[int], Any] | None = None, waiter: Callable[[Future[Any], float | None], Any] | None = None,
+        poll: Callable[[], None] | None = None, awaiter: Callable[[Future[Any]], Awaitable[Any]] | None = None,
+    ) -> None:
+        super().__init__(op_id, kind, future, abort, waiter, poll, awaiter)
+        self.written = written
+
+
 @dataclass(frozen=True, slots=True)
 class GroupDone:
     """``poll_completed``'s report that group ``group`` of a planned deliver is over for

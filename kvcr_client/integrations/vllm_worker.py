@@ -391,11 +391,10 @@ class KvcrWorker:
         try:
             self.counts.add("saves")
             handle = self.client.put(objects, optional=True, deadline_ms=max(1, round(self.settings.save_timeout_s * 1e3)))
-            if handle.kind != "put":
-                # The node reads the blocks (it grants no writes): they may be reused once
-                # this step is over, so the step waits for the deposit.
-                self._count_saved(handle.result(WAIT_S))
-            elif handle.done() and _timed_out(handle.result(0)):
+            # The blocks may be reused once this step is over: the step waits until they
+            # are written (by this worker's WRITEs, or read by the node), not until stored.
+            handle.written.result(WAIT_S)
+            if handle.done() and _timed_out(handle.result(0)):
                 self.counts.add("saves_timed_out")
                 self._paused_until = time.monotonic() + SAVE_PAUSE_S
                 log.warning("kvcr: the node did not take %d blocks within save_timeout_s (%gs): "

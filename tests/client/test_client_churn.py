@@ -252,6 +252,9 @@ def used(c):
     assert c.deliver({b"gc/0": [Span("L0", into, 0, SLOT)]}).result(10)[b"gc/0"].ok  # READ under the grant
     assert np.array_equal(dst, src)
     lease.release().result(5)
+    put = c.put({b"gc/1": [Span("L0", region, 0, SLOT, "kv")]})  # WRITEs under a write grant
+    put.written.result(10)
+    assert put.result(10)[b"gc/1"].ok
     c.unregister(into)
     c.unregister(region)
 

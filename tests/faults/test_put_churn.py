@@ -113,7 +113,7 @@ is reserved once the node runs again, and must be handed back."""
 @pytest.mark.timeout(120)
 def test_puts_abandoned_on_a_frozen_node_are_all_handed_back(node_factory: Callable[..., Any]) -> None:
     """Rounds of puts whose deadline passes while the node is frozen: each fails ``TIMEOUT``
-    at once, and once the node runs again every reservation it makes is freed by ``unput``;
+    at its deadline, and once the node runs again every reservation it makes is freed by ``unput``;
     nothing stays open or quarantined, the session's in-flight table empties, every slot is
     back, and puts go on."""
     node = node_factory("--pool", "kv:4KiB:256", "--policy", "fifo")
@@ -124,8 +124,8 @@ def test_puts_abandoned_on_a_frozen_node_are_all_handed_back(node_factory: Calla
         before = slot_accounting(stats(client))
         for r in range(ABANDONED_ROUNDS):
             with frozen(node):
-                outcomes = [client.put({b"a%d.%d" % (r, i): spans}, deadline_ms=1).result(0)
-                            for i in range(ABANDONED_PER_ROUND)]
+                handles = [client.put({b"a%d.%d" % (r, i): spans}, deadline_ms=1) for i in range(ABANDONED_PER_ROUND)]
+                outcomes = [handle.result(RESULT_TIMEOUT_S) for handle in handles]
             assert all(o[b"a%d.%d" % (r, i)].code is ErrorCode.TIMEOUT for i, o in enumerate(outcomes))
             want = (r + 1) * ABANDONED_PER_ROUND
             assert wait_until(lambda want=want: client._puts.handed_back == want and at_rest(client)

@@ -224,16 +224,32 @@ def test_an_expired_put_stays_quarantined_until_the_session_names_it(client: Cli
     assert slot_accounting(stats(client)) == before
 
 
-def test_a_put_returns_with_its_commit_to_come_and_the_memory_free(client: Client, register: Registrar,
-                                                                   key: Callable[[str], bytes]) -> None:
-    """``put`` returns once its WRITE is terminal; the commit's reply resolves the handle, so
-    the caller may overwrite its buffer at once and the node still holds what was written."""
+def test_a_puts_memory_is_free_once_written_with_its_commit_to_come(client: Client, register: Registrar,
+                                                                    key: Callable[[str], bytes]) -> None:
+    """``put`` returns at once; its handle's ``written`` resolves once its WRITE is terminal
+    and the commit's reply resolves the handle, so the caller may overwrite its buffer once
+    written and the node still holds what was written."""
     src = pattern(LAYERS * SLOT, 31)
     want = src.copy()
     handle = client.put({key("early"): spans(register(src))})
+    handle.written.result(RESULT_TIMEOUT_S)
     src[:] = 0  # the caller's memory is its own again
     assert handle.result(RESULT_TIMEOUT_S)[key("early")].status is KeyStatus.STORED
     assert np.array_equal(read_back(client, register, key("early")), want)
+
+
+def test_a_deposits_handle_says_written_as_a_puts_does(client: Client, register: Registrar,
+                                                       key: Callable[[str], bytes]) -> None:
+    """A deposit's ``written`` resolves once the node has read the caller's memory (its
+    answer): an integration waits on ``written`` whichever path stored its objects."""
+    src = pattern(LAYERS * SLOT, 32)
+    want = src.copy()
+    handle = client.deposit({key("dep"): spans(register(src))})
+    handle.written.result(RESULT_TIMEOUT_S)
+    assert handle.done(), "the memory is free only once the node answered"
+    src[:] = 0
+    assert handle.result(0)[key("dep")].status is KeyStatus.STORED
+    assert np.array_equal(read_back(client, register, key("dep")), want)
 
 
 def test_a_put_a_frozen_node_never_answers_gives_up_at_its_deadline_and_hands_the_slots_back() -> None:
@@ -246,10 +262,14 @@ def test_a_put_a_frozen_node_never_answers_gives_up_at_its_deadline_and_hands_th
         before = slot_accounting(stats(c))
         with frozen(node):
             t0 = time.monotonic()
-            res = c.put({b"frozen": spans(r)}, deadline_ms=200).result(0)
+            handle = c.put({b"frozen": spans(r)}, deadline_ms=200)
+            returned = time.monotonic() - t0
+            assert not handle.done(), "nothing answered: the put cannot be over"
+            res = handle.result(RESULT_TIMEOUT_S)
             took = time.monotonic() - t0
+            assert handle.written.done(), "nothing was written: the memory is free"
         assert res[b"frozen"].status is KeyStatus.FAILED and res[b"frozen"].code is ErrorCode.TIMEOUT, res
-        assert took < CONTROL_TIMEOUT_S, "the put waited past its deadline"
+        assert returned < 0.2 <= took < CONTROL_TIMEOUT_S, "the put waited for the node, or past its deadline"
         assert c._puts.unanswered == 1
         assert wait_until(lambda: c._puts.handed_back == 1, 10.0)
         assert wait_until(lambda: stats(c)["puts"]["open"] == 0, 10.0)
@@ -290,11 +310,15 @@ KILLED = textwrap.dedent("""
     c = Client(sys.argv[1], name="itest-puts-killed")
     src = np.full(4 * 4096, 7, np.uint8)
     r = c.register(src)
-    def hook(stage):
-        print(stage, flush=True)
-        time.sleep(600)
+    said = []
+    def hook(stage):  # the WRITE is over; the put never goes on to its commit
+        if not said:
+            said.append(stage)
+            print(stage, flush=True)
+        return False
     c._puts.hook = hook
     c.put({b"killed-mid-put": [Span(f"L{i}", r, i * 4096, 4096, "kv") for i in range(4)]})
+    time.sleep(600)
 """)
 
 
@@ -367,22 +391,22 @@ def test_a_reconnect_while_a_put_writes_presents_no_token(node: Any, client: Cli
         r = c.register(src)
         written, release = threading.Event(), threading.Event()
 
-        def hook(stage: str) -> None:
+        def hook(stage: str) -> bool:  # the WRITE is over; the commit waits for ``release``
             written.set()
-            release.wait(RESULT_TIMEOUT_S)
+            return release.is_set()
 
         c._puts.hook = hook
         resumed = stats(c)["counters"].get("sessions_resumed", 0)
-        worker = threading.Thread(target=lambda: c.put({b"busy": spans(r)}))
-        worker.start()
+        handle = c.put({b"busy": spans(r)})
         try:
             assert written.wait(RESULT_TIMEOUT_S)
+            assert not handle.written.done()
             c.reconnect()
             assert c._puts.resumes_held == 1
             assert stats(c)["counters"].get("sessions_resumed", 0) == resumed, "no token: nothing ended at once"
         finally:
             release.set()
-            worker.join(RESULT_TIMEOUT_S)
+        handle.written.result(RESULT_TIMEOUT_S)
         c._puts.hook = None
         assert wait_until(lambda: stats(c)["puts"]["quarantined"] == 1, 10.0)
     assert wait_until(lambda: stats(client)["puts"]["quarantined"] == 0, 20.0)

@@ -1,0 +1,255 @@
+"""One put after its request went (spec section 6.13), stepped by the client core's turns.
+
+``PutJob`` takes the ``put_reply``, WRITEs every reserved span from the caller's memory into
+the slots it names (one transfer per pair of memory kinds), polls its own agent until each
+WRITE is terminal, and then sends ``commit`` (or, when a WRITE failed, ``unput``); keys
+another writer holds (``BUSY``) go by ``deposit``, which waits for that writer. Nothing
+blocks: whoever takes the core's turns (a waiting caller, an event loop, the background
+thread, ``poll``) steps it with the I/O lock held, as it steps reads under grants. The
+handle's ``written`` resolves once no WRITE of it runs any more (the caller's memory is
+its own again); the handle itself with the commit's reply.
+
+The deadline bounds the wait for the ``put_reply`` too: a stalled node costs a caller the
+deadline, not the control timeout; the keys fail ``TIMEOUT``, and a reservation that
+answers later is handed back with ``unput`` (nothing was written into it). A WRITE still
+running at the deadline is let go of: it may still land, so nothing is sent and the put is
+left to expire into quarantine.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from kvcr_client.errors import ClientClosed, NodeError
+from kvcr_client.results import KeyOutcome, Results
+from kvcr_io.agent import Agent, TransferError, XferStatus
+from kvcr_protocol import ErrorCode, KeyResult, KeyStatus, MemoryKind, PutReply, code_of
+
+CLOSE_DRAIN_S = 5.0
+"""How long ``close`` waits for WRITEs still running before it lets go of them."""
+CLOSE_POLL_S = 0.001
+
+Runs = dict[tuple[MemoryKind, MemoryKind], tuple[Any, Any]]
+"""Per (local kind, remote kind): the local and remote descriptors of one WRITE."""
+
+_TIMEOUT = KeyResult(KeyStatus.FAILED, ErrorCode.TIMEOUT, "the node did not answer the put within its deadline")
+
+
+class PutPhase(enum.Enum):
+    ASKING = "asking"
+    """The ``put`` went; its reply is awaited until the deadline."""
+    WRITING = "writing"
+    """The WRITEs are posted; each turn polls them."""
+    OVER = "over"
+    """No WRITE runs; the handle resolves from the answers still to come (commit, deposit)."""
+
+
+@dataclass(frozen=True)
+class PutSteps:
+    """What a ``PutJob`` asks of the client (``Puts``, which makes it): narrow callables,
+    none a way back to the whole client."""
+
+    runs: Callable[[PutReply], tuple[Runs, str] | None]
+    """The WRITEs the reply's grant asks for and the agent they go to (the node's, loaded);
+    None when the grant does not fit the put."""
+    send: Callable[[str, int], Future[Any]]
+    """Sends ``commit`` or ``unput`` for a put: its answer (per key results for a commit)."""
+    deposit: Callable[[list[int]], tuple[Future[Results[KeyOutcome]], Future[None]]]
+    """Deposits the keys at these indices: their results, and when the memory is free."""
+    refused: Callable[[], None]
+    """The node refuses ``put`` (``MUST_UNDERSTAND``): this session deposits from now on."""
+    late: Callable[[Future[PutReply]], None]
+    """The reply did not come within the deadline: a reservation it makes after all is to be
+    handed back."""
+    settle: Callable[[bool], None]
+    """No WRITE of the put runs any more (False: one was let go of while it ran): its
+    regions are free. Called once."""
+    gate: Callable[[str], Any] | None = None
+    """Called with ``"written"`` once the WRITEs are terminal, before ``commit``: returning
+    False defers the rest to a later turn (tests hold a put there). Not a product setting."""
+
+
+class PutJob:
+    """One put: its reply, its WRITEs, its commit (I/O lock held throughout).
+
+    It lets go of the reply once taken and of the answers once resolved: what waits on a
+    future holds no cycle back to the job, so a closed client goes without the collector."""
+
+    def __init__(
+        self, steps: PutSteps, reply: Future[PutReply], agent: Agent, keys: Sequence[bytes], give_up: float,
+        result: Future[Results[KeyOutcome]], written: Future[None],
+    ) -> None:
+        self.steps = steps
+        self.reply: Future[PutReply] | None = reply
+        """The ``put``'s reply, or its error; None once taken."""
+        self.agent = agent
+        self.keys = list(keys)
+        self.give_up = give_up
+        self.result = result
+        self.written = written
+        self.phase = PutPhase.ASKING
+        self.writes: list[tuple[Any, XferStatus]] = []
+        self.refused_post = False
+        """NIXL refused to post one of the WRITEs: the put fails (those posted still run)."""
+        self.results: list[KeyResult] = []
+        self.put_id = 0
+        self.peer = ""
+        """The agent the WRITEs go to (the node's), once posted."""
+        self.busy: dict[int, Future[Results[KeyOutcome]]] = {}
+        """Keys another writer holds, deposited: their results."""
+
+    posting = False
+    """Nothing to post in the next turn (``Reads``' question to its jobs)."""
+
+    @property
+    def live(self) -> bool:
+        """Whether WRITEs run (whoever reads paces the agent)."""
+        return self.phase is PutPhase.WRITING
+
+    @property
+    def remotes(self) -> set[str]:
+        """The remote agent the WRITEs go to (it stays loaded while they run)."""
+        return {self.peer} if self.peer else set()
+
+    def step(self, now: float) -> bool:
+        """One turn: take the reply, poll the WRITEs; True once none runs (the table drops it)."""
+        reply = self.reply
+        if self.phase is PutPhase.ASKING and reply is not None:
+            if reply.done():
+                self.reply = None
+                self._replied(reply)
+            elif now >= self.give_up:
+                self.reply = None
+                self.steps.late(reply)
+                self._over([_TIMEOUT] * len(self.keys), None)
+        if self.phase is PutPhase.WRITING:
+            self._poll(now)
+        return self.phase is PutPhase.OVER
+
+    def _replied(self, asked: Future[PutReply]) -> None:
+        error = asked.exception()
+        if isinstance(error, NodeError) and error.code is ErrorCode.MUST_UNDERSTAND:
+            self.steps.refused()
+            self._end(True)
+            results, memory = self.steps.deposit(list(range(len(self.keys))))
+            _chain(results, self.result)
+            _chain(memory, self.written)
+            return
+        if error is not None:
+            self._end(True)
+            self.written.set_result(None)
+            self.result.set_exception(error)
+            return
+        reply = asked.result()
+        self.results = list(reply.results)
+        busy = [i for i, r in enumerate(self.results) if r.code == ErrorCode.BUSY]
+        if busy:  # another writer holds these keys: a deposit waits for it (spec section 9)
+            deposited, _ = self.steps.deposit(busy)
+            self.busy = dict.fromkeys(busy, deposited)
+        self.put_id = reply.put
+        if not reply.put:
+            self._over(self.results, None)
+            return
+        planned = self.steps.runs(reply)
+        if planned is None:
+            self.refused_post = True
+        else:
+            runs, peer = planned
+            self.peer = peer
+            for (local_kind, remote_kind), (local, remote) in runs.items():
+                try:
+                    self.writes.append(self.agent.start_listed("WRITE", local_kind, local, remote_kind, remote, peer))
+                except TransferError:
+                    self.refused_post = True
+        self.phase = PutPhase.WRITING
+
+    def _poll(self, now: float) -> None:
+        agent = self.agent
+        self.writes = [(h, agent.state(h) if s is XferStatus.RUNNING else s) for h, s in self.writes]
+        running = any(s is XferStatus.RUNNING for _, s in self.writes)
+        if running and now < self.give_up:
+            return
+        gate = self.steps.gate
+        if not running and gate is not None and gate("written") is False:
+            return
+        for handle, _ in self.writes:
+            agent.release(handle)
+        if running:  # past the deadline: it may still land, so nothing is sent
+            self._over([KeyResult(KeyStatus.FAILED, ErrorCode.TIMEOUT, "the WRITE outlived the deadline; left to expire")
+                        if r.status is KeyStatus.OK else r for r in self.results], None, let_go=True)
+        elif self.refused_post or any(s is not XferStatus.DONE for _, s in self.writes):
+            self.steps.send("unput", self.put_id)
+            self._over([KeyResult(KeyStatus.FAILED, ErrorCode.TRANSFER_FAILED, "writing the reserved slots failed")
+                        if r.status is KeyStatus.OK else r for r in self.results], None)
+        else:
+            self._over(self.results, self.steps.send("commit", self.put_id))
+
+    def _end(self, clean: bool) -> None:
+        self.phase = PutPhase.OVER
+        self.steps.settle(clean)
+
+    def _over(self, results: list[KeyResult], committed: Future[Any] | None, let_go: bool = False) -> None:
+        """No WRITE runs any more: the memory is free; the handle resolves once the commit
+        (which answers for the reserved keys) and the deposit of ``BUSY`` keys answered."""
+        self._end(not let_go)
+        self.written.set_result(None)
+        pending = [f for f in (committed, *set(self.busy.values())) if f is not None]
+        keys, busy, out = self.keys, dict(self.busy), self.result
+        self.busy = {}
+
+        def resolve(_: Future[Any] | None = None) -> None:
+            if out.done() or not all(f.done() for f in pending):
+                return
+            error = next((f.exception() for f in pending if f.exception() is not None), None)
+            if error is not None:
+                out.set_exception(error)
+            else:
+                answered: Sequence[KeyResult] = committed.result() if committed is not None else results
+                out.set_result(Results([
+                    (k, busy[i].result()[k] if i in busy else _outcome(r))
+                    for i, (k, r) in enumerate(zip(keys, answered, strict=True))]))
+            pending.clear()  # the answers' callbacks lead back here: no cycle once resolved
+            busy.clear()
+
+        for f in pending:
+            f.add_done_callback(resolve)
+        resolve()
+
+    def close(self) -> None:
+        """The client closes (lock held): WRITEs still running are waited for (bounded), then
+        let go of; an unresolved put fails ``ClientClosed``."""
+        if self.phase is PutPhase.OVER:
+            return
+        agent = self.agent
+        end = time.monotonic() + CLOSE_DRAIN_S
+        while any(s is XferStatus.RUNNING for _, s in self.writes) and time.monotonic() < end:
+            time.sleep(CLOSE_POLL_S)
+            self.writes = [(h, agent.state(h) if s is XferStatus.RUNNING else s) for h, s in self.writes]
+        for handle, _ in self.writes:
+            agent.release(handle)
+        self._end(not any(s is XferStatus.RUNNING for _, s in self.writes))
+        self.written.set_result(None)
+        if not self.result.done():
+            self.result.set_exception(ClientClosed("the client is closed"))
+
+
+def _outcome(r: KeyResult) -> KeyOutcome:
+    return KeyOutcome(r.status, code_of(r.code), r.reason, r.handle)
+
+
+def _chain(source: Future[Any], target: Future[Any]) -> None:
+    """``target`` resolves as ``source`` does."""
+    def settle(done: Future[Any]) -> None:
+        if target.done():
+            return
+        error = done.exception()
+        if error is not None:
+            target.set_exception(error)
+        else:
+            target.set_result(done.result())
+    source.add_done_callback(settle)
