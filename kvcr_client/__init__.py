@@ -8,6 +8,7 @@ from kvcr_client.client import AsyncClient, Client, CurveKeys, Destination, Regi
 from kvcr_client.errors import (
     ArgumentError,
     ClientClosed,
+    ClientStateError,
     GroupFailed,
     KvcrError,
     NodeError,
@@ -24,12 +25,13 @@ from kvcr_client.results import (
     OpHandle,
     Presences,
     Results,
+    StoreHandle,
 )
 from kvcr_protocol import ErrorCode, GroupState, KeyStatus, LeaseStatus, Presence
 
 __all__ = [
-    "ArgumentError", "AsyncClient", "Client", "ClientClosed", "CurveKeys", "DeliverHandle", "Destination", "ErrorCode",
+    "ArgumentError", "AsyncClient", "Client", "ClientClosed", "ClientStateError", "CurveKeys", "DeliverHandle", "Destination", "ErrorCode",
     "GroupDone", "GroupFailed", "GroupFuture", "GroupState", "KeyOutcome", "KeyPresence",
     "KeyStatus", "KvcrError", "LeaseHandle", "LeaseStatus", "NodeError", "NodeLostError", "OpHandle", "OperationTimeout", "Presence", "Presences",
-    "RegionHandle", "Results", "Span",
+    "RegionHandle", "Results", "Span", "StoreHandle",
 ]

@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvcr_client.errors import NodeError
+from kvcr_client.errors import NodeError, translated
 from kvcr_client.requests import Request, settle
 from kvcr_client.session import (
     Capacity,
@@ -70,7 +70,8 @@ class Actions:
             result = future.convert(msg)
         except Exception as exc:  # a reply of the wrong type or shape fails that request only
             future.set_exception(
-                exc if isinstance(exc, ProtocolError) else NodeError(ErrorCode.WRONG_TYPE, f"unexpected reply {msg.TAG}: {exc!r}")
+                translated(exc) if isinstance(exc, ProtocolError)
+                else NodeError(ErrorCode.WRONG_TYPE, f"unexpected reply {msg.TAG}: {exc!r}")
             )
         else:
             future.set_result(result)

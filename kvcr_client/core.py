@@ -63,7 +63,7 @@ from typing import Any
 import zmq
 
 from kvcr_client.actions import Actions
-from kvcr_client.errors import ClientClosed, NodeError, NodeLostError
+from kvcr_client.errors import ClientClosed, NodeError, NodeLostError, translated
 from kvcr_client.loops import MONITOR_READY, SOCKET_READY, LoopReaders
 from kvcr_client.reads import Reads
 from kvcr_client.requests import Request, settle
@@ -353,7 +353,9 @@ class ClientCore:
                     op_id, build(op_id), time.monotonic(), timeout_s, pending,
                     pending.touches_memory, pending.on_settled is not None, pending.observer is not None,
                 )
-            except (LocalProtocolError, NodeLostError, ClientClosed) as exc:
+            except LocalProtocolError as exc:
+                error = translated(exc)
+            except (NodeLostError, ClientClosed) as exc:
                 error = exc
         if error is not None:
             pending.set_exception(error)

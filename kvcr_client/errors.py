@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvcr_protocol import ErrorCode, code_of
+from kvcr_protocol import ErrorCode, LocalProtocolError, ProtocolError, code_of
 
 
 class KvcrError(Exception):
@@ -51,3 +51,25 @@ class GroupFailed(NodeError):
     """A group of a layer plan will not be delivered: it, or an earlier group of the same key,
     failed (``code``: the key's code, ``TIMEOUT`` or ``NODE_LOST`` when the client stopped
     waiting). The groups before it stay delivered: their bytes are in place."""
+
+
+class ClientStateError(KvcrError):
+    """The client's session forbids the request now (it is not open, or the request id is in
+    flight already); ``code`` and ``path`` as the protocol says. Nothing was sent."""
+
+    def __init__(self, code: int, reason: str, path: str = "") -> None:
+        self.code = code_of(code)
+        self.reason = reason
+        self.path = path
+        super().__init__(reason)
+
+
+def translated(exc: ProtocolError) -> KvcrError:
+    """A protocol error as callers see it, translated here once (the core's boundary): what
+    this side could not build is the caller's argument (``ArgumentError`` naming the field)
+    or its session's state (``ClientStateError``); what the node sent wrong is ``NodeError``."""
+    if isinstance(exc, LocalProtocolError):
+        if exc.code == ErrorCode.BAD_STATE:
+            return ClientStateError(exc.code, exc.reason, exc.path)
+        return ArgumentError(exc.path or "request", exc.reason)
+    return NodeError(exc.code, exc.reason, exc.path)

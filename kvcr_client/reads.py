@@ -11,7 +11,8 @@ on the handle; after the last, keys the clock cannot vouch for wait for a ``rene
 reply, sent with ``core.request``, which finishes the deliver when it arrives: no turn
 ever blocks. The destination stays in use until every READ is terminal.
 
-``Reads`` is the core's table of them (I/O lock held throughout).
+``Reads`` is the core's table of transfer jobs (I/O lock held throughout): these, and
+puts (``kvcr_client.put_jobs.PutJob``), stepped by the same turns.
 """
 
 from __future__ import annotations
