@@ -16,7 +16,6 @@ the group it belongs to is reported once it is done.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvcr_client.readplans import by_group
 from kvcr_client.regions import RegionHandle
 from kvcr_io.digests import UNCHECKED, digest_at, host_view, span_digest
 from kvcr_protocol import DeliverItem, MemoryKind
@@ -123,14 +123,8 @@ def span_checks(
             checked += len(mine)
             if r not in views:
                 views[r] = host_view(region.buffer, region.length)
-            mine_g = g[mine]
-            if bool((mine_g[1:] >= mine_g[:-1]).all()):  # groups in order: each a slice
-                bounds = np.flatnonzero(np.concatenate(([True], mine_g[1:] != mine_g[:-1], [True]))).tolist()
-                cuts: list[tuple[int, Any]] = [(int(mine_g[a]), slice(a, b)) for a, b in itertools.pairwise(bounds)]
-            else:
-                cuts = [(group, mine_g == group) for group in np.unique(mine_g).tolist()]
             offs, lens, digs = offsets[mine], lengths[mine], digests[mine]
-            for group, at in cuts:
+            for group, at in by_group(g[mine]):
                 checks.setdefault((k, group), []).append(
                     (views[r], region.address, offs[at].tolist(), lens[at].tolist(), digs[at].tolist()))
         unchecked += len(spans) - checked

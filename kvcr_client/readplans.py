@@ -236,13 +236,7 @@ def _plan_arrays(
     run_groups = g[starts]
     all_local = np.column_stack((laddr[starts], run_sizes, np.full(len(starts), np.uint64(first.device), np.uint64)))
     all_remote = np.column_stack((raddr[starts], run_sizes, np.full(len(starts), np.uint64(rdev), np.uint64)))
-    if numbers is None:
-        cuts: list[tuple[int, Any]] = [(0, slice(None))]
-    elif bool((run_groups[1:] >= run_groups[:-1]).all()):  # groups in order: each a slice of the runs
-        bounds = np.flatnonzero(np.concatenate(([True], run_groups[1:] != run_groups[:-1], [True]))).tolist()
-        cuts = [(int(run_groups[a]), slice(a, b)) for a, b in itertools.pairwise(bounds)]
-    else:
-        cuts = [(int(group), run_groups == group) for group in np.unique(run_groups).tolist()]
+    cuts = [(0, slice(None))] if numbers is None else by_group(run_groups)
     for group, mine in cuts:
         local_rows, remote_rows = all_local[mine], all_remote[mine]
         here = (group, grant.peer, first.kind, rkind)
@@ -255,6 +249,15 @@ def _plan_arrays(
         if owners[-1] != k:
             owners.append(k)
     return True
+
+
+def by_group(groups: np.ndarray) -> list[tuple[int, Any]]:
+    """Each group number of a non-empty column and what selects its entries: a slice when
+    the numbers never go down (a plan in order, the usual case), else a mask."""
+    if bool((groups[1:] >= groups[:-1]).all()):
+        bounds = np.flatnonzero(np.concatenate(([True], groups[1:] != groups[:-1], [True]))).tolist()
+        return [(int(groups[a]), slice(a, b)) for a, b in itertools.pairwise(bounds)]
+    return [(group, groups == group) for group in np.unique(groups).tolist()]
 
 
 def _rows(descs: Descs) -> np.ndarray:
