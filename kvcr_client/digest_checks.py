@@ -11,7 +11,8 @@ bytes are no longer in cache. So a whole deliver larger than ``PART_BYTES`` is r
 parts (``parts``), and each part is hashed on the digest worker while the next is copied:
 over CMA the copy is NIXL's post, which releases the GIL, and a part just copied is still
 in cache. One worker thread serves the process (``on_worker``); a part's check runs there,
-the group it belongs to is reported once it is done.
+the group it belongs to is reported once it is done. The last part is checked by the
+thread that copied it: nothing is left to copy meanwhile.
 """
 
 from __future__ import annotations

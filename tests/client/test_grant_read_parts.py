@@ -4,8 +4,8 @@
 A ``GrantRead`` runs against a fake agent whose posts copy inside the post (as CMA does)
 and a fake worker whose checks finish only when the test says. The order that makes the
 check cheap: part ``g`` is handed to the worker as soon as it landed, part ``g + 1`` is
-posted before part ``g`` is reported, and the last part is waited for at once, since
-nothing is left to copy meanwhile. A part found changed fails its key ``DIGEST_MISMATCH``
+posted before part ``g`` is reported, and the last part is checked on the turn itself,
+since nothing is left to copy meanwhile and its bytes are in this core's cache. A part found changed fails its key ``DIGEST_MISMATCH``
 and the key's later parts change nothing; the destination is let go of only once no check
 reads it any more.
 """
@@ -131,7 +131,7 @@ def read(n_parts: int, bad: set[int], log: list[str], out: list[list[KeyResult]]
     return job, worker
 
 
-def test_the_next_part_is_posted_before_a_part_is_reported_and_the_last_is_waited_for() -> None:
+def test_the_next_part_is_posted_before_a_part_is_reported_and_the_last_is_checked_on_the_turn() -> None:
     log: list[str] = []
     out: list[list[KeyResult]] = []
     job, worker = read(3, set(), log, out)
@@ -139,12 +139,13 @@ def test_the_next_part_is_posted_before_a_part_is_reported_and_the_last_is_waite
     reads.start(job)
     # Part 0 landed: its check is queued, and it is not reported while parts are left to post.
     assert log == ["post part0", "check queued"] and job.group == 0
-    # One turn posts every part left, then reports them as their checks end, the last waited for.
+    # One turn posts every part left, then reports them as their checks end; the last part is
+    # checked on the turn, not queued.
     worker.alongside(lambda: reads.step(0.0))
     assert [e for e in log if e != "checked"] == [
-        "post part0", "check queued", "post part1", "check queued", "post part2", "check queued",
+        "post part0", "check queued", "post part1", "check queued", "post part2",
         "report", "report", "report", "release", "release", "release", "quiet"]
-    assert log.count("checked") == 3 and log.index("quiet") > max(i for i, e in enumerate(log) if e == "checked")
+    assert log.count("checked") == 2 and log.index("quiet") > max(i for i, e in enumerate(log) if e == "checked")
     assert out and [r.status for r in out[0]] == [KeyStatus.OK, KeyStatus.OK]
     assert job.done == [3, 3] and not reads.running
 
