@@ -150,7 +150,8 @@ class Grants:
         self.mismatched = 0
         """Keys failed ``DIGEST_MISMATCH``: their bytes were not what the node stored."""
         self.reported = 0
-        """Of those, keys reported to the node (``suspect``), which checks them itself."""
+        """Of those, keys reported to the node (``suspect``), which checks them itself or has
+        their source check them."""
         self.dropped = 0
         """Reported keys the node found changed and dropped."""
         self._no_reports: Welcome | None = None
@@ -346,12 +347,13 @@ class Grants:
 
     def mismatch(self, granted: GrantedKey, key: bytes) -> None:
         """``key``'s bytes, read under ``granted``, did not match their digests (lock held):
-        counted, and reported to the node when they were its own (spec section 6.12), which
-        reads the object itself and drops it if it changed. Nothing waits for the answer."""
+        counted, and reported to the node (spec section 6.12), which reads the object itself
+        and drops it if it changed, or, for a source's slots, passes the report on to that
+        source. Nothing waits for the answer."""
         self.mismatched += 1
         welcome = self.core.welcome
-        if granted.agent is not self.node or welcome is None or welcome is self._no_reports:
-            return  # a source's slots: the node holds no such object to check
+        if welcome is None or welcome is self._no_reports:
+            return
 
         def convert(msg: Message) -> bool:
             if not isinstance(msg, Completion) or len(msg.results) != 1:

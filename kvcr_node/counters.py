@@ -120,7 +120,10 @@ class Count(enum.Enum):
     SUSPECTS_UNFOUNDED = "suspects_unfounded"
     """Reported keys whose object the node found intact, and kept."""
     SUSPECTS_REFUSED = "suspects_refused"
-    """Reported keys answered ``BUSY``: checking them would have overspent a read budget."""
+    """Reported keys answered ``BUSY``: checking them would have overspent a read budget, or
+    too many reports waited on sources."""
+    SUSPECTS_PASSED_ON = "suspects_passed_on"
+    """Reported keys read from a source's pools, passed on to that source to check."""
     DELIVER_MISMATCHES = "deliver_mismatches"
     """Keys of the node's own delivers failed ``DIGEST_MISMATCH``: the spans it sent had changed."""
 

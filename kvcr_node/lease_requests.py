@@ -1,7 +1,8 @@
 """Lease requests a target sends its sources on their links (spec section 6.11).
 
 ``LeaseRequests`` is the part of ``Links`` (``kvcr_node.links``) that sends ``lease``,
-``renew`` and ``unlease`` on a link once its session is up, matches their answers, gives
+``renew`` and ``unlease`` (and readers' reports passed on, ``suspect``: spec section 6.12)
+on a link once its session is up, matches their answers, gives
 up those a source leaves unanswered (releasing what a late answer leased), bounds what
 they may hold per link, and tracks the leases each source holds for this node, telling
 the ``LeaseOwner`` when a source loses them.
@@ -18,7 +19,7 @@ import zmq
 from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
 from kvcr_node.counters import Count, Counters
 from kvcr_node.peers import Answer, Ask, LeaseOwner, LinkState, PeerLink
-from kvcr_protocol import Ack, Error, ErrorCode, Lease, LeaseReply, Message, ReleaseLease, encode
+from kvcr_protocol import Ack, Completion, Error, ErrorCode, Lease, LeaseReply, Message, ReleaseLease, encode
 from kvcr_protocol.versions import LEASES_VERSION
 
 ASK_BYTES_PER_LINK = 16 << 20
@@ -29,6 +30,9 @@ UNREACHABLE at once, unsent (spec section 6.11)."""
 ASKS_PER_LINK = 1024
 """Lease requests one link may hold at once, queued, sent or given up; one more answers
 UNREACHABLE at once."""
+ASK_REPLIES = (LeaseReply, Ack, Error, Completion)
+"""What answers a request sent with ``ask``: ``lease``/``renew`` (``lease_reply``),
+``unlease`` (``ack``), a reader's report passed on (``suspect``: ``complete``), or ``error``."""
 LATE_RELEASE_S = 2.0
 """How long the release of a lease a source granted after its request was given up waits."""
 
@@ -106,7 +110,7 @@ class LeaseRequests:
         link.asks[ask_id] = ask
         link.ask_bytes += ask.size
 
-    def _late_answer(self, link: PeerLink, msg: LeaseReply | Ack | Error) -> bool:
+    def _late_answer(self, link: PeerLink, msg: LeaseReply | Ack | Error | Completion) -> bool:
         """An answer to a request given up: its bytes are off the queue; a lease it granted
         is released at once (spec section 6.11). False: it answers no such request."""
         late = link.abandoned.pop(msg.id, None)

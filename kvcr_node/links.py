@@ -32,7 +32,7 @@ from kvcr_node.agents import RemoteAgents
 from kvcr_node.client_forgets import ClientForgets
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters, ProtocolErrors
-from kvcr_node.lease_requests import LeaseRequests, LinkError
+from kvcr_node.lease_requests import ASK_REPLIES, LeaseRequests, LinkError
 from kvcr_node.peers import LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWrite, WriteStage
 from kvcr_node.records import Operation, Session
 from kvcr_node.store import ObjectEntry
@@ -47,7 +47,6 @@ from kvcr_protocol import (
     Heartbeat,
     KeyResult,
     LeaseEnded,
-    LeaseReply,
     Message,
     PeerClient,
     PeerHello,
@@ -322,11 +321,11 @@ class Links(LeaseRequests, ClientForgets, TwinLinks):
                 self.reports.internal_failure("ending a write", again)
 
     def _on_message(self, link: PeerLink, msg: Message) -> None:
-        ask = link.asks.pop(msg.id, None) if isinstance(msg, (LeaseReply, Ack, Error)) else None
+        ask = link.asks.pop(msg.id, None) if isinstance(msg, ASK_REPLIES) else None
         if ask is not None:
             link.ask_bytes -= ask.size
             ask.answer(msg, None)
-        elif link.abandoned and isinstance(msg, (LeaseReply, Ack, Error)) and self._late_answer(link, msg):
+        elif link.abandoned and isinstance(msg, ASK_REPLIES) and self._late_answer(link, msg):
             pass
         elif isinstance(msg, LeaseEnded):
             if self.lease_owner is not None:

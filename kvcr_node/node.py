@@ -262,7 +262,7 @@ class Node:
         self.puts.session_count = lambda: sum(1 for s in self.sessions.table.values() if s.role is not Role.PEER)
         self.stats.puts = self.puts
         suspects = Suspects(self.store, self.digests, self.outbox, self.counters, self.clock, config.suspect_bytes_per_s,
-                            slot_sizes)
+                            slot_sizes, self.leases.granted_at_sources, self.links.ask)
         self.router = Router(
             self.sessions, self.operations, deposits, self.deliveries,
             Fetches(self.store, self.memories, self.operations, self.target),

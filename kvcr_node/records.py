@@ -113,6 +113,8 @@ class Session:
     suspect_budget: TokenBucket | None = None
     """Bytes the node may still read to check this session's reports (``kvcr_node.suspects``
     makes it at the first one)."""
+    suspects_at_sources: int = 0
+    """This session's reports passed on to sources and not yet answered (``kvcr_node.suspects``)."""
     resume: bytes = b""
     """Its resume token (``welcome.resume``, version 5): a later ``hello`` of the same agent
     that presents it ends this session at once (spec section 5.2)."""

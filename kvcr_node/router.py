@@ -128,6 +128,7 @@ class Router:
             .add(WriteRequest, source.on_write)
             .add(Probe, source.on_probe)
             .add(PeerForget, source.on_peer_forget)
+            .add(Suspect, suspects.on_suspect)
         )
         self.handlers: dict[Role, Handlers[Session]] = {Role.CLIENT: client_handlers, Role.PEER: peer_handlers}
         """The handler table of each role's requests (what each may send: the session rules)."""

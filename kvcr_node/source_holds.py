@@ -283,6 +283,21 @@ class SourceHolds:
             left_ms = max(1, int((record.expires - now) * 1000))
             self._renew_at_source(record, hold, left_ms, ErrorCode.PEER_UNREACHABLE)
 
+    def granted_at_sources(self, session: Session) -> dict[bytes, tuple[str, int]]:
+        """Key -> the source (endpoint, incarnation) whose read grant of it one of
+        ``session``'s leases passed on: the keys its client may have read from a source's
+        pools (spec section 6.12, "Integrity": their reports go on to that source)."""
+        out: dict[bytes, tuple[str, int]] = {}
+        for lease_id in session.leases:
+            record = self.table.get(lease_id)
+            if record is None:
+                continue
+            for hold in record.sources:
+                if hold.state is HoldState.HELD:
+                    for k in hold.rows:
+                        out.setdefault(hold.keys[k], (hold.endpoint, hold.incarnation))
+        return out
+
     def _holds(self, endpoint: str) -> list[tuple[LeaseRecord, SourceHold]]:
         return [(r, h) for r in list(self.table.values()) for h in r.sources
                 if h.endpoint == endpoint and h.state is HoldState.HELD]

@@ -1189,6 +1189,12 @@ def put_instances() -> list[Valid]:
             OK, failed(E.DIGEST_MISMATCH, "keys[1]: its bytes no longer match their digests; the node dropped it"),
             failed(E.NOT_FOUND, "keys[2] is not stored on this node"))), versions=(5,),
               description="the node read them: K1 intact and kept, K2 changed and dropped, K3 not stored here"),
+        Valid("complete-suspect-passed-on", m.Completion(337, (
+            failed(E.DIGEST_MISMATCH, "keys[0]: the source at tcp://10.0.0.2:5555: keys[0]: its bytes no longer match "
+                                      "their digests; the node dropped it"),
+            failed(E.PEER_UNREACHABLE, "keys[1]: the source at tcp://10.0.0.3:5555 did not check it (no verdict came)"))),
+              versions=(5,), description="a target's answer to keys its client read from sources' pools: the first "
+                                         "source dropped K1, the second never answered"),
     ]
 
 

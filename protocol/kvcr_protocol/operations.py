@@ -107,7 +107,8 @@ REQUEST_CODES: Mapping[str, RequestCodes] = {
     "commit": RequestCodes(_codes(E.UNKNOWN_PUT, E.TIMEOUT), _PUT_RESULTS),
     "unput": RequestCodes(_codes(E.UNKNOWN_PUT, E.TIMEOUT)),
     # Version 5: a reader's integrity report (section 6.12).
-    "suspect": RequestCodes(_STOPPING, _codes(E.NOT_FOUND, E.DIGEST_MISMATCH, E.BUSY)),
+    "suspect": RequestCodes(_STOPPING, _codes(
+        E.NOT_FOUND, E.DIGEST_MISMATCH, E.BUSY, E.PEER_UNREACHABLE, E.PEER_RESTARTED, E.PEER_UNSUPPORTED)),
     "stats": RequestCodes(_codes()),
     "heartbeat": RequestCodes(_codes()),
     "bye": RequestCodes(_codes()),

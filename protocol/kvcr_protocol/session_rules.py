@@ -103,7 +103,8 @@ RULES: Mapping[Role, RoleRules] = {
         opening="peer_hello",
         welcome="peer_welcome",
         replies={
-            **_answers(peer_client="ack", write="write_done|refuse", probe="probe_reply", peer_forget="ack"),
+            **_answers(peer_client="ack", write="write_done|refuse", probe="probe_reply", peer_forget="ack",
+                       suspect="complete"),
             **_EITHER,
         },
         events=frozenset({"progress", "lease_end"}),

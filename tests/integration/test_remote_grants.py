@@ -249,7 +249,9 @@ def test_a_restarted_sources_old_agents_are_let_go(sites: Sites, ipc_dir: Path) 
 
 def test_a_source_slot_overwritten_under_a_grant_fails_digest_mismatch_across_nodes(sites: Sites) -> None:
     """A client of B overwrites B's object through its read grant; A's client, reading it from
-    B under the grant A passed on, checks it against B's digests and never gets OK."""
+    B under the grant A passed on, checks it against B's digests and never gets OK. Its report
+    goes to A, which passes it on to B: B reads the object itself and drops it (before, A
+    answered NOT_FOUND and B kept serving the forged bytes to anyone who did not check)."""
     a, b = sites.start("a", SOURCE)
     src = b.deposit(b"k", LAYOUT, seed=12)
     forged = pattern(SPAN, 77)
@@ -261,9 +263,13 @@ def test_a_source_slot_overwritten_under_a_grant_fails_digest_mismatch_across_no
     res = a.client.deliver({b"k": spans_into(a, dst)}, request_id=rid).result(RESULT_TIMEOUT_S)
     assert res[b"k"].status is KeyStatus.FAILED and res[b"k"].code is ErrorCode.DIGEST_MISMATCH, res
     assert np.array_equal(dst[2 * SPAN:3 * SPAN], forged) and np.array_equal(dst[:SPAN], src[:SPAN])
+    poll_stats(b, lambda st: st["counters"].get("suspects_confirmed", 0) == 1, SLACK_S, "B dropped the changed object")
+    assert a.stats()["counters"]["suspects_passed_on"] == 1
+    assert wait_until(lambda: a.stats() is not None and a.client._grants.dropped == 1, SLACK_S), "the reader heard that B dropped it"
+    assert b.client.query([b"k"]).result(RESULT_TIMEOUT_S)[b"k"].presence.name == "MISS"
     lease.release().result(RESULT_TIMEOUT_S)
     no_grants_left(a, b)
-    b.resident[b"k"] = ("kv",) * 4
+    poll_stats(b, lambda st: st["condemned"] == 0, SLACK_S, "B freed the dropped object's slots")
 
 
 def test_a_late_remote_reader_is_confirmed_with_the_sources_word(sites: Sites) -> None:

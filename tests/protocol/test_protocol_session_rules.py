@@ -26,7 +26,7 @@ CLIENT_REQUESTS = {
     "regions", "unregions", "deposit", "query", "deliver", "fetch", "release", "abort", "hint", "unhint",
     "stats", "heartbeat", "bye", "lease", "renew", "unlease", "put", "commit", "unput", "suspect",
 }
-PEER_REQUESTS = {"peer_client", "write", "probe", "peer_forget", "stats", "heartbeat", "bye", "lease", "renew", "unlease"}
+PEER_REQUESTS = {"peer_client", "write", "probe", "peer_forget", "suspect", "stats", "heartbeat", "bye", "lease", "renew", "unlease"}
 
 
 def test_the_package_exports_the_rules() -> None:
