@@ -10,7 +10,7 @@ no writes (``client_transfers`` off: it refuses ``put`` ``MUST_UNDERSTAND``), ge
 once the caller's memory is its own again, the results once the node answered.
 
 ``Puts`` plans the WRITEs (``_column_runs`` a block of columns at a time, ``_runs`` span by
-span) and keeps what the session's resume token depends on: whether a WRITE of a put may
+span, both cut into runs by ``kvcr_io.runs``) and keeps what the session's resume token depends on: whether a WRITE of a put may
 still land (``quiet``).
 """
 
@@ -35,6 +35,7 @@ from kvcr_client.put_jobs import PutJob, PutSteps, Runs
 from kvcr_client.regions import RegionHandle, RegionTable
 from kvcr_client.results import KeyOutcome, Results, StoreHandle
 from kvcr_client.spans import Span
+from kvcr_io.runs import cut, cut_rows
 from kvcr_protocol import (
     DEFAULT_LIMITS,
     GRANTS_VERSION,
@@ -272,10 +273,8 @@ def _column_runs(
     if kinds is None or devices is None:
         return None
     laddr, raddr = np.concatenate(local), np.concatenate(remote)
-    step = np.uint64(length)
-    breaks = np.flatnonzero((laddr[1:] != laddr[:-1] + step) | (raddr[1:] != raddr[:-1] + step)) + 1
-    starts = np.concatenate(([0], breaks))
-    sizes = (np.diff(np.concatenate((starts, [len(laddr)]))) * length).tolist()
+    starts, run_sizes = cut(laddr, raddr, length)
+    sizes = run_sizes.tolist()
     return {kinds: (list(zip(laddr[starts].tolist(), sizes, [devices[0]] * len(sizes), strict=True)),
                     list(zip(raddr[starts].tolist(), sizes, [devices[1]] * len(sizes), strict=True)))}
 
@@ -286,7 +285,7 @@ def _runs(
     """The descriptor pairs of the WRITEs: each reserved span from where the put said its
     bytes lie into its slot, spans contiguous on both sides merged. None when the grant
     does not fit the put (a pool the node's agent lacks, or a span's size)."""
-    runs: Runs = {}
+    rows = []
     for i, names, granted_pools, slots in granted:
         item = items[i]
         if len(names) != len(item.spans):
@@ -295,15 +294,14 @@ def _runs(
             if p >= len(pools) or span.length != pools[p].slot_size:
                 return None
             pool, region = pools[p], regions[span.region]
-            local, remote = runs.setdefault((region.kind, pool.kind), ([], []))
-            laddr, raddr = region.address + span.offset, pool.address + slot * pool.slot_size
-            if local and local[-1][0] + local[-1][1] == laddr and remote[-1][0] + remote[-1][1] == raddr \
-                    and local[-1][2] == region.device and remote[-1][2] == pool.device:
-                local[-1] = (local[-1][0], local[-1][1] + span.length, region.device)
-                remote[-1] = (remote[-1][0], remote[-1][1] + span.length, pool.device)
-            else:
-                local.append((laddr, span.length, region.device))
-                remote.append((raddr, span.length, pool.device))
+            # One WRITE per pair of memory kinds; a run never spans two devices.
+            rows.append(((region.kind, pool.kind, region.device, pool.device), region.address + span.offset,
+                         pool.address + slot * pool.slot_size, span.length))
+    runs: Runs = {}
+    for (lkind, pkind, ldev, pdev), laddr, raddr, size, _ in cut_rows(rows):
+        local, remote = runs.setdefault((lkind, pkind), ([], []))
+        local.append((laddr, size, ldev))
+        remote.append((raddr, size, pdev))
     return runs
 
 

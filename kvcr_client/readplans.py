@@ -3,7 +3,7 @@ the node's (or a source's) pools go where in the client's registered memory.
 
 ``plan`` turns a deliver's items and their grants into one descriptor pair list per
 (group, remote agent, local memory kind, remote memory kind), spans that continue the
-previous one on both sides merged (most objects sit in consecutive slots). Where each
+previous one on both sides merged (``kvcr_io.runs``: most objects sit in consecutive slots). Where each
 granted slot is comes with the grant (``RemoteSpans``, worked out once when it arrives);
 an object of many spans is planned with array arithmetic, and a prepared destination's
 columns are kept between delivers (``LocalColumns``), so a deliver of 1024 spans costs
@@ -22,6 +22,7 @@ import numpy as np
 
 from kvcr_client.regions import RegionHandle
 from kvcr_io.agent import Desc
+from kvcr_io.runs import cut, cut_rows
 from kvcr_protocol import DeliverItem, ErrorCode, MemoryKind, ProtocolError, compute_projection
 
 VECTOR_SPANS = 64
@@ -150,38 +151,24 @@ def _plan_rows(
         codes[k] = ErrorCode.SIZE_MISMATCH
         return
     peer = grant.peer
-    key: PlanKey | None = None
-    local: Any = []
-    remote: Any = []
-    region: RegionHandle | None = None
-    region_id = -1
-    # The run being built: its start on both sides, its length, and where it ends.
-    l0 = r0 = size = l_end = r_end = l_dev = r_dev = -1
+    rows = []
     for (_, span_region, offset, length), index, g in zip(spans, indices, numbers or (0,) * len(spans), strict=True):
         raddr, _, rkind, rdev = where[index]
-        if span_region != region_id:
-            region, region_id = regions[span_region], span_region
-        assert region is not None
-        laddr = region.address + offset
-        here = (g, peer, region.kind, rkind)
-        if here == key and laddr == l_end and raddr == r_end and region.device == l_dev and rdev == r_dev:
-            size += length
-            l_end += length
-            r_end += length
-            continue
-        if size >= 0:
-            local.append((l0, size, l_dev))
-            remote.append((r0, size, r_dev))
+        region = regions[span_region]
+        # One READ per group and pair of memory kinds; a run never spans two devices.
+        rows.append(((g, region.kind, rkind, region.device, rdev), region.address + offset, raddr, length))
+    key: PlanKey | None = None
+    local: list[Desc] = []
+    remote: list[Desc] = []
+    for (g, lkind, rkind, ldev, rdev), l0, r0, size, _ in cut_rows(rows):
+        here = (g, peer, lkind, rkind)
         if here != key:
             local, remote, owners = _entry(plans, here)
             if not owners or owners[-1] != k:
                 owners.append(k)
             key = here
-        l0, r0, size, l_dev, r_dev = laddr, raddr, length, region.device, rdev
-        l_end, r_end = laddr + size, raddr + size
-    if size >= 0:
-        local.append((l0, size, l_dev))
-        remote.append((r0, size, r_dev))
+        local.append((l0, size, ldev))
+        remote.append((r0, size, rdev))
 
 
 def _entry(plans: Plans, here: PlanKey) -> tuple[list[Desc], list[Desc], list[int]]:
@@ -227,16 +214,13 @@ def _plan_arrays(
     if not np.array_equal(lengths, sizes):
         codes[k] = ErrorCode.SIZE_MISMATCH
         return True
-    g = np.zeros(len(spans), dtype=np.int64) if numbers is None else np.asarray(numbers, dtype=np.int64)
-    # A run starts where either side does not continue the span before, or the group changes.
-    ends_l, ends_r = laddr[:-1] + lengths[:-1], raddr[:-1] + lengths[:-1]
-    starts = np.flatnonzero(np.concatenate(([True], (laddr[1:] != ends_l) | (raddr[1:] != ends_r) | (g[1:] != g[:-1]))))
-    run_sizes = np.add.reduceat(lengths, starts)
+    g = None if numbers is None else np.asarray(numbers, dtype=np.int64)
+    starts, run_sizes = cut(laddr, raddr, lengths, g)
     rkind, rdev = remote.uniform
-    run_groups = g[starts]
+
     all_local = np.column_stack((laddr[starts], run_sizes, np.full(len(starts), np.uint64(first.device), np.uint64)))
     all_remote = np.column_stack((raddr[starts], run_sizes, np.full(len(starts), np.uint64(rdev), np.uint64)))
-    cuts = [(0, slice(None))] if numbers is None else by_group(run_groups)
+    cuts = [(0, slice(None))] if g is None else by_group(g[starts])
     for group, mine in cuts:
         local_rows, remote_rows = all_local[mine], all_remote[mine]
         here = (group, grant.peer, first.kind, rkind)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvcr_io.agent import Agent, Desc, TransferError, XferStatus
+from kvcr_io.runs import cut, cut_rows
 from kvcr_node.memory import PoolMemory
 from kvcr_protocol import MemoryKind, Region
 
@@ -34,40 +35,29 @@ def run_moves(pool: str, size: int, region: Region, offsets: np.ndarray, slots: 
     """Moves for spans of one pool and one remote region, each ``size`` bytes, in order.
 
     ``offsets`` (uint64) are the spans' offsets in ``region``, already checked to lie in
-    it; ``slots`` their slots. A run continues while the next span is the next slot and
-    the next bytes of the region, and becomes one move. Offsets bounded by the region
-    make the uint64 differences exact; slots are compared as int64.
+    it; ``slots`` their slots. A run (``kvcr_io.runs.cut``: slot bytes on this side, the
+    region's on the other) continues while the next span is the next slot and the next
+    bytes of the region, and becomes one move.
     """
-    slots = slots.astype(np.int64)
-    breaks = np.flatnonzero((np.diff(slots) != 1) | (np.diff(offsets) != size)) + 1
-    starts = [0, *breaks.tolist()]
-    ends = [*starts[1:], len(offsets)]
+    first = slots.astype(np.uint64)
+    starts, sizes = cut(first * np.uint64(size), offsets, size)
     base = region.address
+    spans = (sizes // np.uint64(size)).tolist()
     return [
-        (pool, int(slots[a]), base + int(offsets[a]), (b - a) * size, region, b - a)
-        for a, b in zip(starts, ends, strict=True)
+        (pool, slot, base + offset, count * size, region, count)
+        for slot, offset, count in zip(first[starts].tolist(), offsets[starts].tolist(), spans, strict=True)
     ]
 
 
 def list_moves(pool: str, size: int, region: Region, offsets: Sequence[int], slots: Sequence[int]) -> list[Move]:
     """``run_moves`` for a few spans given as lists (a layer plan's group): a Python loop
     over a handful of spans costs less than the numpy calls that pay off on long lists."""
-    moves: list[Move] = []
     base = region.address
-    start = first_slot = prev_slot = prev_off = -1
-    for offset, slot in zip(offsets, slots, strict=True):
-        if start >= 0 and slot == prev_slot + 1 and offset == prev_off + size:
-            prev_slot, prev_off = slot, offset
-            continue
-        if start >= 0:
-            count = prev_slot - first_slot + 1
-            moves.append((pool, first_slot, base + start, count * size, region, count))
-        start = prev_off = offset
-        first_slot = prev_slot = slot
-    if start >= 0:
-        count = prev_slot - first_slot + 1
-        moves.append((pool, first_slot, base + start, count * size, region, count))
-    return moves
+    return [
+        (pool, first // size, base + offset, length, region, count)
+        for _, first, offset, length, count in cut_rows((0, slot * size, offset, size) for offset, slot in zip(
+            offsets, slots, strict=True))
+    ]
 
 
 UNIFORM_MIN = 16
