@@ -21,7 +21,7 @@ from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.metrics import Metrics
 from kvcr_node.outbox import REASON_MAX, Outbox
-from kvcr_node.records import Operation, OpKind, Plan, Report, Resume, Session
+from kvcr_node.records import Operation, OpKind, Outcomes, Plan, Report, Resume, Session
 from kvcr_node.store import ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import Move, Transfers
 from kvcr_protocol import (
@@ -113,7 +113,7 @@ class Operations:
         return {outcome_name(outcome): n for outcome, n in self.outcomes.items()}
 
     @staticmethod
-    def unique_keys(op: Operation, keys: Sequence[bytes]) -> list[bool]:
+    def unique_keys(op: Outcomes, keys: Sequence[bytes]) -> list[bool]:
         """Which items carry a key not seen earlier in the batch (the others fail DUPLICATE_KEY)."""
         seen: set[bytes] = set()
         ok = []

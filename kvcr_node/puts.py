@@ -1,8 +1,9 @@
 """Write grants (spec section 6.13): puts, the slots they reserve, and their quarantine.
 
-A ``put`` is checked and placed as a deposit (``Deposits.place``) but starts no READ: its
-new entries stay ``WRITING`` while the client WRITEs them with its own agent, and its
-``commit`` makes them ``READY`` as a completed deposit would. A put that ends unfinished
+A ``put`` is checked and placed as a deposit's items are (``Deposits.place``), and that is
+all the node does with its bytes: its new entries stay ``WRITING`` while the client WRITEs
+them with its own agent, and its ``commit`` makes them ``READY`` as a deposit's READ does
+(``Deposits.commit_fills``). A put that ends unfinished
 (its time to live, or its session's end) is quarantined, not freed: its client may still
 be posting a WRITE into those slots. Its entries stay ``WRITING`` (nothing reads them, no
 other writer takes the keys) until the session names it in ``commit`` or ``unput``, or
@@ -24,9 +25,8 @@ from kvcr_node.config import NodeConfig
 from kvcr_node.operations import Operations
 from kvcr_node.ops.deposit import Deposits, Fills
 from kvcr_node.outbox import Outbox
-from kvcr_node.records import Operation, OpKind, Session
+from kvcr_node.records import ItemResults, OpKind, Session
 from kvcr_node.store import ObjectState, Store
-from kvcr_node.transfers import Move
 from kvcr_protocol import (
     Ack,
     Commit,
@@ -151,19 +151,16 @@ class Puts:
             return
         blocks, where, keys = self.deposits.column_blocks(msg)
         now = self.clock()
-        # An operation that is never registered in the session: it only carries the
-        # results of the deposit's checks, and nothing settles or answers it.
-        op = Operation(session, msg.id, OpKind.PUT, now, [None] * len(keys), received=now)
-        unique = self.operations.unique_keys(op, keys)
-        reserved: Fills = []
-
-        def reserve(op: Operation, moves: list[Move], fills: Fills) -> None:
-            reserved.extend(fills)
-
-        self.deposits.place(op, msg, [i for i in range(len(keys)) if unique[i]], blocks, where, reserve, wait=False)
+        # Placed as a deposit's items are, checked alike; its client moves the bytes.
+        placement = ItemResults(len(keys))
+        unique = self.operations.unique_keys(placement, keys)
+        placed = self.deposits.place(session, placement, msg, [i for i in range(len(keys)) if unique[i]], blocks, where,
+                                     waiting=None)
+        reserved: Fills = [(i, entry) for i, entry, _ in placed]
         for i, _ in reserved:
-            op.set(i, KeyResult(KeyStatus.OK))
-        results = [r if r is not None else KeyResult(KeyStatus.FAILED, ErrorCode.INTERNAL, "not placed") for r in op.results]
+            placement.set(i, KeyResult(KeyStatus.OK))
+        results = [r if r is not None else KeyResult(KeyStatus.FAILED, ErrorCode.INTERNAL, "not placed")
+                   for r in placement.results]
         self.outbox.check_results("put", results)
         if not reserved:
             self.operations.count_outcomes(OpKind.PUT, results)  # a put's final results (put.DUPLICATE, ...)
@@ -208,13 +205,7 @@ class Puts:
         if record is None:
             return
         self._end(record)
-        for i, entry in record.fills:
-            keep = record.no_evict and not session.closing
-            self.store.commit(entry, claim=keep)
-            self.operations.metrics.deposited(entry.info.need, lambda pool: self.store.pools[pool].slot_size)
-            handle = self.operations.new_handle(session, entry) if keep else None
-            record.results[i] = KeyResult(KeyStatus.STORED, handle=handle)
-            self.operations.wake(entry.key)
+        self.deposits.commit_fills(session, record.fills, record.no_evict, record.results.__setitem__)
         self.counts["committed"] += 1
         self.operations.count_outcomes(OpKind.PUT, record.results)  # as a deposit's (put.STORED)
         self.outbox.settled(session, "commit", msg.id, record.results)

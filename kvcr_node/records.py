@@ -13,6 +13,7 @@ import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvcr_node.buckets import TokenBucket
 from kvcr_node.objects import ObjectEntry
@@ -66,6 +67,27 @@ class PeerState:
         self.done[op_id] = None
         while len(self.done) > RECENT_WRITES:
             self.done.popitem(last=False)
+
+
+class Outcomes(Protocol):
+    """Where placement writes an item's result: an ``Operation`` (a deposit), ``ItemResults`` (a put)."""
+
+    def set(self, index: int, result: KeyResult) -> None: ...
+    def fail(self, index: int, code: int, reason: str) -> None: ...
+
+
+class ItemResults:
+    """Per item its result, the first one given kept (what a put's placement reports)."""
+
+    def __init__(self, n: int) -> None:
+        self.results: list[KeyResult | None] = [None] * n
+
+    def set(self, index: int, result: KeyResult) -> None:
+        if self.results[index] is None:
+            self.results[index] = result
+
+    def fail(self, index: int, code: int, reason: str) -> None:
+        self.set(index, KeyResult(KeyStatus.FAILED, code, reason))
 
 
 @dataclass

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Operations
-from kvcr_node.records import Operation, OpKind, Session
+from kvcr_node.records import Operation, OpKind, Outcomes, Session
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import Move, run_moves, uniform_columns
 from kvcr_protocol import (
@@ -34,12 +34,17 @@ from kvcr_protocol.descriptors import ColumnExtents, resolve_spans
 
 Fills = list[tuple[int, ObjectEntry]]
 """The items that got new WRITING entries: (item index, entry)."""
-Begin = Callable[[Operation, list[Move], Fills], None]
-"""What starts once a batch's items are placed: the deposit's READ (or a put's reservation)."""
+Source = tuple[str, int, Region, np.ndarray] | list[tuple[int, int, Region]] | tuple["_ColumnBlock", int]
+"""Where a placed item's bytes are in its client's memory: one pool, slot size, region and
+the spans' offsets there (uniform); per span its address, length and region; or its row of
+a column block."""
+Placed = list[tuple[int, ObjectEntry, Source]]
+"""The items placed: index, their new WRITING entry, where their bytes are."""
 
 
 class Deposits:
-    """The ``deposit`` handler and the READs it starts."""
+    """Placement of new objects (``deposit`` and ``put``), the ``deposit`` handler and the
+    READs it starts, and the commit both end with."""
 
     def __init__(self, store: Store, memories: dict[str, PoolMemory], operations: Operations) -> None:
         self.store = store
@@ -62,10 +67,19 @@ class Deposits:
         where: Sequence[tuple[int, int]] = (),
     ) -> None:
         """Begin storing the items ``indices`` of a deposit: check, place, and read the source."""
-        def read(op: Operation, moves: list[Move], fills: Fills) -> None:
-            self.operations.start(op, "READ", moves, lambda ok: self.deposit_done(op, fills, msg.no_evict, ok))
-
-        self.place(op, msg, indices, blocks, where, read)
+        placed = self.place(op.session, op, msg, indices, blocks, where,
+                            lambda i, key: self.operations.wait(op, key, i))
+        if placed:
+            fills = [(i, entry) for i, entry, _ in placed]
+            try:
+                moves = self._moves(op.session, placed)
+                self.operations.start(op, "READ", moves, lambda ok: self.deposit_done(op, fills, msg.no_evict, ok))
+            except BaseException:
+                # Slots set aside that no transfer took over are freed (the guard fails the items).
+                if not any(t.running for t in op.transfers):
+                    self._abandon(fills)
+                raise
+        self.operations.settle(op)
 
     def column_blocks(self, msg: Deposit | Put) -> tuple[list[_ColumnBlock], list[tuple[int, int]], list[bytes]]:
         """A deposit's (or put's) column blocks, each checked once, where each key is in
@@ -76,111 +90,112 @@ class Deposits:
         return blocks, where, keys
 
     def place(
-        self, op: Operation, msg: Deposit | Put, indices: Sequence[int], blocks: Sequence[_ColumnBlock],
-        where: Sequence[tuple[int, int]], begin: Begin, wait: bool = True,
-    ) -> None:
-        """Check and place the items ``indices`` (spec section 9's deposit rules), then
-        ``begin`` what fills the new entries. ``wait``: an item whose key another writer
-        holds waits for it (a deposit); else it fails ``BUSY`` (a put, section 6.13)."""
-        fills: Fills = []
+        self, session: Session, outcomes: Outcomes, msg: Deposit | Put, indices: Sequence[int],
+        blocks: Sequence[_ColumnBlock], where: Sequence[tuple[int, int]],
+        waiting: Callable[[int, bytes], None] | None,
+    ) -> Placed:
+        """Check and place the items ``indices`` (spec section 9's deposit rules): each new
+        key a WRITING entry in free or evicted slots, the others' results in ``outcomes``.
+        An item whose key another writer holds is handed to ``waiting`` (a deposit waits
+        for that writer), or fails ``BUSY`` without it (a put, section 6.13). Nothing moves."""
+        placed: Placed = []
         try:
             if blocks:
-                self._begin_columns(op, msg, indices, blocks, where, fills, begin, wait)
+                self._place_columns(session, outcomes, msg, indices, blocks, where, placed, waiting)
             else:
-                self._begin_items(op, msg, indices, fills, begin, wait)
+                self._place_items(session, outcomes, msg, indices, placed, waiting)
         except BaseException:
-            # Slots set aside that no transfer took over are freed (the guard fails the items).
-            if not any(t.running for t in op.transfers):
-                self.operations.abandon_fills(
-                    [e for _, e in fills if self.store.lookup(e.key) is e and e.state is ObjectState.WRITING])
+            self._abandon([(i, entry) for i, entry, _ in placed])
             raise
+        return placed
 
-    def _begin_items(
-        self, op: Operation, msg: Deposit | Put, indices: Sequence[int], fills: Fills, begin: Begin, wait: bool,
+    def _abandon(self, fills: Fills) -> None:
+        self.operations.abandon_fills(
+            [e for _, e in fills if self.store.lookup(e.key) is e and e.state is ObjectState.WRITING])
+
+    def _place_items(
+        self, session: Session, outcomes: Outcomes, msg: Deposit | Put, indices: Sequence[int], placed: Placed,
+        waiting: Callable[[int, bytes], None] | None,
     ) -> None:
-        session = op.session
-        moves: list[Move] = []
         for i in indices:
             item = msg.items[i]
             # Columns of the spans (names, pools, regions, offsets, lengths): one C-level transpose.
             columns = tuple(zip(*item.spans, strict=True))
-            uniform = self._uniform_source(session, columns)
-            item_moves: list[tuple[int, int, Region]] = []
-            if uniform is None:
+            source: Source | None = self._uniform_source(session, columns)
+            if source is None:
                 try:
-                    item_moves = self._source_moves(session, item.spans, f"items[{i}].spans")
+                    source = self._source_spans(session, item.spans, f"items[{i}].spans")
                 except ProtocolError as exc:
-                    op.fail(i, exc.code, f"{exc.path}: {exc.reason}")
+                    outcomes.fail(i, exc.code, f"{exc.path}: {exc.reason}")
                     continue
             layout = tuple(zip(columns[0], columns[1], strict=True))
             outcome, entry = self.store.begin_deposit(item.key, layout, msg.optional)
             if outcome is DepositOutcome.NEW:
                 assert entry is not None
-                fills.append((i, entry))
-                if uniform is not None:
-                    pool, size, region, offsets = uniform
-                    slots = np.frombuffer(entry.slot_view, dtype=np.uint32)
-                    moves.extend(run_moves(pool, size, region, offsets, slots))
-                else:
-                    moves.extend(
-                        (span.pool, slot, address, length, region, 1)
-                        for span, slot, (address, length, region) in zip(item.spans, entry.slots, item_moves, strict=True)
-                    )
+                placed.append((i, entry, source))
             else:
-                self._not_new(op, i, item.key, outcome, entry, wait)
-        if fills:
-            begin(op, moves, fills)
-        self.operations.settle(op)
+                self._not_new(outcomes, i, item.key, outcome, entry, waiting)
 
-    def _begin_columns(
-        self, op: Operation, msg: Deposit | Put, indices: Sequence[int], blocks: Sequence[_ColumnBlock],
-        where: Sequence[tuple[int, int]], fills: Fills, begin: Begin, wait: bool,
+    def _place_columns(
+        self, session: Session, outcomes: Outcomes, msg: Deposit | Put, indices: Sequence[int],
+        blocks: Sequence[_ColumnBlock], where: Sequence[tuple[int, int]], placed: Placed,
+        waiting: Callable[[int, bytes], None] | None,
     ) -> None:
-        """As ``_begin_items`` for column blocks: each block's pools, sizes and regions are
-        checked once (a column at a time), each key's moves cut out of the block's columns."""
-        session = op.session
-        moves: list[Move] = []
+        """As ``_place_items`` for column blocks: each block's pools, sizes and regions are
+        checked once (a column at a time)."""
         for i in indices:
             b, r = where[i]
             block = blocks[b]
             problem = block.problem(session.regions, r)
             if problem is not None:
-                op.fail(i, problem.code, f"{problem.path}: {problem.reason}")
+                outcomes.fail(i, problem.code, f"{problem.path}: {problem.reason}")
                 continue
             key = block.block.keys[r]
             outcome, entry = self.store.begin_deposit(key, block.layout, msg.optional)
             if outcome is DepositOutcome.NEW:
                 assert entry is not None
-                fills.append((i, entry))
-                moves.extend(block.row_moves(session.regions, r, entry))
+                placed.append((i, entry, (block, r)))
             else:
-                self._not_new(op, i, key, outcome, entry, wait)
-        if fills:
-            begin(op, moves, fills)
-        self.operations.settle(op)
+                self._not_new(outcomes, i, key, outcome, entry, waiting)
+
+    def _moves(self, session: Session, placed: Placed) -> list[Move]:
+        """The READ of a deposit's placed items: from where their bytes are into their slots."""
+        moves: list[Move] = []
+        for _, entry, source in placed:
+            if isinstance(source, list):  # span by span
+                moves.extend((pool, slot, address, length, region, 1) for (_, pool), slot, (address, length, region)
+                             in zip(entry.info.layout, entry.slots, source, strict=True))
+            elif isinstance(source[0], _ColumnBlock):
+                moves.extend(source[0].row_moves(session.regions, source[1], entry))
+            else:
+                pool, size, region, offsets = source
+                moves.extend(run_moves(pool, size, region, offsets, np.frombuffer(entry.slot_view, dtype=np.uint32)))
+        return moves
 
     def _not_new(
-        self, op: Operation, i: int, key: bytes, outcome: DepositOutcome, entry: ObjectEntry | None, wait: bool,
+        self, outcomes: Outcomes, i: int, key: bytes, outcome: DepositOutcome, entry: ObjectEntry | None,
+        waiting: Callable[[int, bytes], None] | None,
     ) -> None:
-        """Item ``i``'s key needs no READ: a duplicate, dropped, or refused."""
+        """Item ``i``'s key needs no slots: a duplicate, dropped, or refused."""
         if outcome is DepositOutcome.DUPLICATE:
             assert entry is not None
-            if entry.state is ObjectState.WRITING and not wait:
-                op.fail(i, ErrorCode.BUSY, f"items[{i}]: another writer holds the key (WRITING)")
+            if entry.state is ObjectState.WRITING and waiting is None:
+                outcomes.fail(i, ErrorCode.BUSY, f"items[{i}]: another writer holds the key (WRITING)")
             elif entry.state is ObjectState.WRITING:
                 # Another deposit or a fetch is filling the key and may still fail: wait
                 # for it (spec section 9); at our deadline, TIMEOUT.
-                self.operations.wait(op, key, i)
+                assert waiting is not None
+                waiting(i, key)
             else:
-                op.set(i, KeyResult(KeyStatus.DUPLICATE))
+                outcomes.set(i, KeyResult(KeyStatus.DUPLICATE))
         elif outcome is DepositOutcome.DROPPED:
-            op.set(i, KeyResult(KeyStatus.DROPPED))
+            outcomes.set(i, KeyResult(KeyStatus.DROPPED))
         elif outcome is DepositOutcome.LAYOUT_MISMATCH:
-            op.fail(i, ErrorCode.LAYOUT_MISMATCH, f"items[{i}]: the key is stored with another layout")
+            outcomes.fail(i, ErrorCode.LAYOUT_MISMATCH, f"items[{i}]: the key is stored with another layout")
         elif outcome is DepositOutcome.CAPACITY:
-            op.fail(i, ErrorCode.CAPACITY, f"items[{i}]: not enough free or evictable slots")
+            outcomes.fail(i, ErrorCode.CAPACITY, f"items[{i}]: not enough free or evictable slots")
         else:
-            op.fail(i, ErrorCode.UNKNOWN_POOL, f"items[{i}].spans: unknown pool")
+            outcomes.fail(i, ErrorCode.UNKNOWN_POOL, f"items[{i}].spans: unknown pool")
 
     def _uniform_source(
         self, session: Session, columns: tuple[tuple[Any, ...], ...]
@@ -195,7 +210,7 @@ class Deposits:
         uniform = uniform_columns(session.regions, ids, offsets, lengths, mem.spec.slot_size)
         return None if uniform is None else (pools[0], mem.spec.slot_size, *uniform)
 
-    def _source_moves(self, session: Session, spans: Sequence[SrcSpan], path: str) -> list[tuple[int, int, Region]]:
+    def _source_spans(self, session: Session, spans: Sequence[SrcSpan], path: str) -> list[tuple[int, int, Region]]:
         """Check a deposit's spans (pool, size, region) and resolve them to client addresses."""
         memories = self.memories
         for j, span in enumerate(spans):
@@ -211,22 +226,32 @@ class Deposits:
     def _slot_size(self, pool: str) -> int:
         return self.memories[pool].spec.slot_size
 
+    def commit_fills(
+        self, session: Session, fills: Fills, no_evict: bool, stored: Callable[[int, KeyResult], None],
+    ) -> None:
+        """The new entries' bytes are all in their slots: each READY (claimed, with a handle,
+        for ``no_evict``), its item ``STORED`` through ``stored``, its waiters woken. A
+        deposit's READ and a put's ``commit`` end here alike."""
+        for i, entry in fills:
+            keep = no_evict and not session.closing
+            self.store.commit(entry, claim=keep)
+            self.operations.metrics.deposited(entry.info.need, self._slot_size)
+            handle = self.operations.new_handle(session, entry) if keep else None
+            stored(i, KeyResult(KeyStatus.STORED, handle=handle))
+            self.operations.wake(entry.key)
+
     def deposit_done(self, op: Operation, fills: list[tuple[int, ObjectEntry]], no_evict: bool, ok: bool) -> None:
         """The READ is terminal: commit (with a handle for ``no_evict``) or abandon each fill."""
-        for i, entry in fills:
-            if ok and not op.aborted:
-                keep = no_evict and not op.session.closing
-                self.store.commit(entry, claim=keep)
-                self.operations.metrics.deposited(entry.info.need, self._slot_size)
-                handle = self.operations.new_handle(op.session, entry) if keep else None
-                op.set(i, KeyResult(KeyStatus.STORED, handle=handle))
-            else:
+        if ok and not op.aborted:
+            self.commit_fills(op.session, fills, no_evict, op.set)
+        else:
+            for i, entry in fills:
                 self.store.abandon(entry)
                 if op.aborted:
                     op.set(i, KeyResult(KeyStatus.ABORTED, ErrorCode.ABORTED, "aborted"))
                 else:
                     op.fail(i, ErrorCode.TRANSFER_FAILED, "reading the source bytes failed")
-            self.operations.wake(entry.key)
+                self.operations.wake(entry.key)
         self.operations.settle(op)
 
 
