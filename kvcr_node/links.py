@@ -37,6 +37,7 @@ from kvcr_node.peers import LeaseOwner, LinkOwner, LinkState, PeerLink, RemoteWr
 from kvcr_node.records import Operation, Session
 from kvcr_node.store import ObjectEntry
 from kvcr_node.twin_links import TwinLinks
+from kvcr_node.write_deadlines import WriteDeadlines
 from kvcr_protocol import (
     Ack,
     Bye,
@@ -51,7 +52,6 @@ from kvcr_protocol import (
     PeerClient,
     PeerHello,
     PeerWelcome,
-    Probe,
     ProbeReply,
     Progress,
     Refuse,
@@ -59,7 +59,6 @@ from kvcr_protocol import (
     WriteDone,
     WriteNotify,
     WriteRequest,
-    WriteState,
     decode,
     encode,
 )
@@ -68,8 +67,6 @@ from kvcr_protocol.versions import COLUMNS_VERSION, GRANTS_VERSION, PARTIAL_LAYO
 
 log = logging.getLogger("kvcr.node")
 
-PROBE_INTERVAL_S = 0.25
-"""How often an uncertain write's source is asked whether the write is over."""
 BYE_LINGER_MS = 100
 """How long a closed link's socket may still try to deliver its ``bye``."""
 RECONNECT_MAX_MS = 1000
@@ -96,7 +93,7 @@ def _close_quietly(sock: zmq.Socket[bytes] | None, monitor: zmq.Socket[bytes] | 
         monitor.close(0)
 
 
-class Links(LeaseRequests, ClientForgets, TwinLinks):
+class Links(LeaseRequests, ClientForgets, TwinLinks, WriteDeadlines):
     """Every link of this node to a source node (the target side of spec section 12).
 
     The node makes it and hands it to ``Target``, which it then reports to (``owner``), and
@@ -447,14 +444,6 @@ class Links(LeaseRequests, ClientForgets, TwinLinks):
             self.end_write(write, code, reason)
         self._fail_asks(link, code)
 
-    def _on_probe_reply(self, link: PeerLink, msg: ProbeReply) -> None:
-        write = link.probes.pop(msg.id, None)
-        if write is None or write.state is not WriteStage.UNCERTAIN:
-            return
-        if msg.incarnation != link.incarnation or msg.state in (WriteState.DONE, WriteState.UNKNOWN):
-            # The source confirms no transfer of that write can still run.
-            self.end_write(write, None, "")
-
     # ------------------------------------------------------------------ time
 
     def check(self, now: float) -> None:
@@ -490,30 +479,7 @@ class Links(LeaseRequests, ClientForgets, TwinLinks):
                 # its leases with it.
                 self.counters.inc(Count.SOURCE_LEASES_DEAD, len(link.leases))
                 self._lose_leases(link, ErrorCode.PEER_UNREACHABLE)
-            for write in list(link.queued):
-                if write.deadline <= now:
-                    link.queued.remove(write)
-                    self.end_write(write, ErrorCode.PEER_UNREACHABLE, f"no session with the source {link.endpoint} before the deadline")
-            for write in list(link.writes.values()):
-                if write.state is WriteStage.SENT and write.deadline <= now:
-                    write.state = WriteStage.UNCERTAIN
-                    self.counters.inc(Count.UNCERTAIN_WRITES)
-                    self.reports.write_uncertain(write)
-                if write.state is not WriteStage.UNCERTAIN:
-                    continue
-                dead_for = now - link.down_since if link.down_since is not None else 0.0
-                if link.state is LinkState.DOWN and dead_for * 1000 >= self.config.peer_dead_ms:
-                    # Gone for longer than peer_dead_ms: nothing of it writes any more.
-                    self.end_write(write, None, "")
-                elif link.state is LinkState.READY and write.next_probe <= now:
-                    # Only the latest probe of a write is kept: an answer to an older one is
-                    # not needed (the newer asks the same, later).
-                    link.probes.pop(write.probe_id, None)
-                    write.probe_id = next(self._ids)
-                    link.probes[write.probe_id] = write
-                    write.next_probe = now + PROBE_INTERVAL_S
-                    self.counters.inc(Count.PROBES_SENT)
-                    self._send(link, Probe(write.probe_id, write.id))
+            self._check_writes(link, now)
             if link.forgets:
                 self._send_forgets(link)
 

@@ -22,9 +22,10 @@ from kvcr_node.agents import AgentUse, RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.lease_requests import LinkError
-from kvcr_node.links import PROBE_INTERVAL_S, Links
+from kvcr_node.links import Links
 from kvcr_node.peers import LinkState, RemoteWrite, WriteStage
 from kvcr_node.records import Operation, OpKind, Session
+from kvcr_node.write_deadlines import PROBE_INTERVAL_S
 from kvcr_protocol import (
     PROTOCOL_VERSIONS,
     Ack,
