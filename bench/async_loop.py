@@ -69,7 +69,7 @@ async def measure(endpoint: str, rounds: int) -> dict[str, float]:
         rs, rd = await client.register(src), await client.register(dst)
         sources = [Span(f"L{i}", rs, i * SPAN, SPAN, "kv") for i in range(SPANS)]
         dests = [Span(f"L{i}", rd, i * SPAN, SPAN) for i in range(SPANS)]
-        puts_before = client._puts.puts
+        puts_before = client.counters()["puts"]
 
         async def store_and_load() -> None:
             for i in range(rounds):
@@ -82,7 +82,7 @@ async def measure(endpoint: str, rounds: int) -> dict[str, float]:
         t0 = time.perf_counter()
         busy = await ticking(store_and_load)
         elapsed = time.perf_counter() - t0
-        if client._puts.puts != puts_before + rounds:
+        if client.counters()["puts"] != puts_before + rounds:
             raise AssertionError("a put went to the node as a deposit (client_transfers off?)")
         if not np.array_equal(src, dst):
             raise AssertionError("the bytes delivered back differ from those put")

@@ -160,8 +160,8 @@ def main() -> int:
                     samples[f"{name}_planned"].append(timed(client, items[name], plan))
                 samples["raw"].append(floor.whole())
                 samples["raw_parts"].append(floor.in_parts())
-            assert on._grants.checked >= SPANS and on._grants.mismatched == 0, "the digests were not checked"
-            assert off._grants.checked == 0
+            assert on.counters()["spans_checked"] >= SPANS and on.counters()["digest_mismatches"] == 0, "the digests were not checked"
+            assert off.counters()["spans_checked"] == 0
             for lease in leases:
                 lease.release().result(60)
         peer.close()

@@ -246,7 +246,7 @@ def bench_grants(
     lease = client.lease([b"obj"]).result(30)
     if len(client._grants) != 1:
         raise AssertionError("the node granted no read of the leased object (client_transfers off?)")
-    reads = client._grants.reads
+    reads = client.counters()["grant_reads"]
     for how, dest in dests.items():
         dst[:] = 0
         assert client.deliver(dest).result(30)[b"obj"].ok
@@ -262,7 +262,7 @@ def bench_grants(
             assert res[b"obj"].ok, res
         raw.consumer_read(merged=False)
         raw.consumer_read(merged=True)
-    if client._grants.reads != reads + 2 + 2 * reps:
+    if client.counters()["grant_reads"] != reads + 2 + 2 * reps:
         raise AssertionError("a deliver of the leased object went to the node")
     lease.release().result(30)
     return times
@@ -275,7 +275,7 @@ def bench_puts(client: Client, raw: RawNixl, rs: Any, spans: list[Span], src: np
     each put's seconds to its commit's reply, and to its ``written`` (the caller's memory free)."""
     progress.step(f"put {OBJECT >> 20} MiB under a write grant against raw NIXL WRITE, {reps} times")
     sources = [Span(f"L{i}", rs, i * SPAN, SPAN, "kv") for i in range(SPANS)]
-    puts = client._puts.puts
+    puts = client.counters()["puts"]
     times, written = [], []
     for i in range(reps):
         progress.tick("puts", i, reps)
@@ -288,7 +288,7 @@ def bench_puts(client: Client, raw: RawNixl, rs: Any, spans: list[Span], src: np
         assert res.all_ok, res
         raw.consumer_write(merged=False)
         raw.consumer_write(merged=True)
-    if client._puts.puts != puts + reps:
+    if client.counters()["puts"] != puts + reps:
         raise AssertionError("a put went to the node as a deposit (client_transfers off?)")
     dst[:] = 0
     last = f"put{reps - 1}".encode()

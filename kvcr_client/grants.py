@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcr_client.core import ClientCore
+from kvcr_client.counters import Count, Counters
 from kvcr_client.digest_checks import on_worker, parts, span_checks
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.readplans import LocalColumns, RemoteSpans, remote_spans
@@ -124,8 +125,9 @@ class NodeAgent:
 class Grants:
     """The granted slots of this session's leases, the node's agent, and the READs of a deliver."""
 
-    def __init__(self, core: ClientCore) -> None:
+    def __init__(self, core: ClientCore, counters: Counters) -> None:
         self.core = core
+        self.counters = counters
         self.node: NodeAgent | None = None
         self.sources: dict[tuple[str, int], NodeAgent] = {}
         """Sources' agents loaded this session, by (endpoint, incarnation)."""
@@ -137,23 +139,6 @@ class Grants:
         self.columns = LocalColumns()
         """Prepared destinations' spans as arrays, for planning many spans at once."""
         self.hook: Hook | None = None
-        self.reads = 0
-        """Delivers served by READs under grants."""
-        self.confirmed = 0
-        """Checks that needed a ``renew`` to confirm the lease."""
-        self.refused = 0
-        """Keys failed because their lease may not have held for the whole read."""
-        self.checked = 0
-        """Spans whose bytes were checked against the grant's digests (spec section 6.12)."""
-        self.unchecked = 0
-        """Spans read with no digest to check them by (none granted, or GPU memory)."""
-        self.mismatched = 0
-        """Keys failed ``DIGEST_MISMATCH``: their bytes were not what the node stored."""
-        self.reported = 0
-        """Of those, keys reported to the node (``suspect``), which checks them itself or has
-        their source check them."""
-        self.dropped = 0
-        """Reported keys the node found changed and dropped."""
         self._no_reports: Welcome | None = None
         """The session whose node refused ``suspect`` (it predates it): reports nothing more."""
 
@@ -311,7 +296,7 @@ class Grants:
         """
         node = self.node
         assert node is not None
-        self.reads += 1
+        self.counters.inc(Count.GRANT_READS)
         n = len(items)
         codes: list[int] = [0] * n
         # A whole deliver whose digests are checked is read in parts, each hashed on the
@@ -325,7 +310,8 @@ class Grants:
                  in plan_reads(items, granted, groups, regions, codes, self.columns).items()]
         deadline = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_READ_S)
         checks, unchecked = span_checks(items, granted, groups, regions, self.columns)
-        self.unchecked += unchecked
+        if unchecked:
+            self.counters.inc(Count.SPANS_UNCHECKED, unchecked)
         core = self.core
         job = GrantRead(self, core.agent, items, granted, counts, posts, codes, deadline, landed, finished, quiet,
                         checks=checks, ahead=on_worker if in_parts is not None else None)
@@ -350,7 +336,7 @@ class Grants:
         counted, and reported to the node (spec section 6.12), which reads the object itself
         and drops it if it changed, or, for a source's slots, passes the report on to that
         source. Nothing waits for the answer."""
-        self.mismatched += 1
+        self.counters.inc(Count.DIGEST_MISMATCHES)
         welcome = self.core.welcome
         if welcome is None or welcome is self._no_reports:
             return
@@ -363,11 +349,12 @@ class Grants:
         def replied(future: Future[Any]) -> None:
             error = future.exception()
             if error is None:
-                self.dropped += bool(future.result())
+                if future.result():
+                    self.counters.inc(Count.SUSPECTS_DROPPED)
             elif getattr(error, "code", None) == ErrorCode.UNKNOWN_TYPE:
                 self._no_reports = welcome
 
-        self.reported += 1
+        self.counters.inc(Count.SUSPECTS_REPORTED)
         _, future = self.core.request(lambda i: Suspect(i, (key,)), convert, CONFIRM_TIMEOUT_S)
         future.add_done_callback(replied)
 
@@ -406,7 +393,7 @@ class Grants:
         """Ask the node whether ``lease`` held without a break (a ``renew``, spec section 6.12);
         ``then`` gets 0 or the code its keys fail with once the reply (or its failure) is in,
         lock held. Nothing waits here: whoever takes the core's turns reads the reply."""
-        self.confirmed += 1
+        self.counters.inc(Count.GRANT_CONFIRMS)
         expired_by = lease.expires_at
         asked_at = time.monotonic()
 

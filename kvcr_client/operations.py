@@ -22,6 +22,7 @@ from kvcr_client import checks
 from kvcr_client import spans as _spans
 from kvcr_client.completions import Completions
 from kvcr_client.core import ClientCore
+from kvcr_client.counters import Count, Counters
 from kvcr_client.errors import ArgumentError, NodeError
 from kvcr_client.grants import GrantedKey, Grants
 from kvcr_client.leases import LeaseHandle
@@ -99,10 +100,11 @@ class Operations:
         """This session's notification token (spec section 6.10): a new one per session."""
         self._leases: dict[int, LeaseHandle] = {}
         """Live leases by id, so that the node's ``lease_end`` reaches their handles (lock held)."""
-        self._grants = Grants(core)
+        self._counters = Counters()
+        self._grants = Grants(core, self._counters)
         """The slots leases granted this session, read by ``deliver`` (spec section 6.12)."""
         self.core.on_lease_end = self._lease_ended
-        self._puts = Puts(self)
+        self._puts = Puts(self, self._counters)
 
     def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
         handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait, self.core.poll, self.core.wait_async)
@@ -144,10 +146,16 @@ class Operations:
         return {**self.core.tables(), "completed": len(self._completions), "regions": len(self._regions),
                 "leases": len(self._leases), "granted_keys": len(self._grants)}
 
+    def counters(self) -> dict[str, int]:
+        """What this client counted, every counter by name (``kvcr_client.counters.Count``):
+        delivers read under grants, spans checked against digests, mismatches, puts and
+        their fallbacks."""
+        return {count.value: self._counters[count] for count in Count}
+
     @property
     def grant_reads(self) -> int:
         """Delivers this client served by READs under read grants (spec section 6.12)."""
-        return self._grants.reads
+        return self._counters[Count.GRANT_READS]
 
     @property
     def pools(self) -> dict[str, PoolInfo]:

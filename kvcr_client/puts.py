@@ -30,6 +30,7 @@ import numpy as np
 from kvcr_client import checks
 from kvcr_client import spans as _spans
 from kvcr_client.core import ClientCore
+from kvcr_client.counters import Count, Counters
 from kvcr_client.grants import Grants, NodePool
 from kvcr_client.put_jobs import PutJob, PutSteps, Runs
 from kvcr_client.regions import RegionHandle, RegionTable
@@ -83,20 +84,11 @@ DEFAULT_WRITE_S = 30.0
 class Puts:
     """The puts of one client: they ride on its ``Operations`` (regions, grants, deposit)."""
 
-    def __init__(self, ops: Owner) -> None:
+    def __init__(self, ops: Owner, counters: Counters) -> None:
         self.ops: Owner = weakref.proxy(ops)  # the client owns its puts: no cycle keeps a closed client alive
         self.refused: Welcome | None = None
         """The session whose node refused ``put`` (it grants no writes): deposit there."""
-        self.puts = 0
-        """Deposits that travelled as puts (the client wrote the bytes)."""
-        self.fallbacks = 0
-        """Puts sent as deposits (the node below version 5, or refusing puts)."""
-        self.unanswered = 0
-        """Puts whose ``put_reply`` did not come within their deadline (keys ``TIMEOUT``)."""
-        self.handed_back = 0
-        """Late reservations of those freed by ``unput``."""
-        self.resumes_held = 0
-        """Reconnects that presented no resume token: a WRITE of a put could still land."""
+        self.counters = counters
         self._busy = 0
         """Puts between their ``put`` and the end of their WRITEs."""
         self._let_go = False
@@ -115,7 +107,7 @@ class Puts:
             quiet = not self._busy and not self._let_go
             self._let_go = False
             if not quiet:
-                self.resumes_held += 1
+                self.counters.inc(Count.RESUMES_HELD)
             return quiet
 
     def offered(self) -> bool:
@@ -136,7 +128,7 @@ class Puts:
         deadline_ms = checks.deadline(deadline_ms)
         frozen, keys, regions = _spans.span_items(objects, DepositItem, ops, ops._regions.by_id, ops.pools)
         if not self.offered() or not frozen:
-            self.fallbacks += 1
+            self.counters.inc(Count.PUT_FALLBACKS)
             return ops.deposit(objects, no_evict, optional, deadline_ms)
         columns = deposit_blocks(frozen)
         node_md = ops._grants.wants_node()
@@ -164,7 +156,7 @@ class Puts:
 
         def refused() -> None:
             self.refused = core.welcome
-            self.fallbacks += 1
+            self.counters.inc(Count.PUT_FALLBACKS)
 
         def send(what: str, put_id: int) -> Future[Any]:
             if what == "commit":
@@ -194,21 +186,21 @@ class Puts:
         def convert(msg: Message) -> PutReply:
             if not isinstance(msg, PutReply) or len(msg.results) != n:
                 raise ValueError(f"expected put_reply with {n} results, got {msg.TAG}")
-            self.puts += 1
+            self.counters.inc(Count.PUTS)
             return msg
         return convert
 
     def _late(self, asked: Future[Any]) -> None:
         """A put's reply did not come within its deadline: a reservation it makes after all
         is freed (no WRITE of it was posted, so ``unput`` is safe, spec section 6.13)."""
-        self.unanswered += 1
+        self.counters.inc(Count.PUTS_UNANSWERED)
 
         def hand_back(asked: Future[Any]) -> None:
             if asked.cancelled() or asked.exception() is not None:
                 return
             reply: PutReply = asked.result()
             if reply.put:
-                self.handed_back += 1
+                self.counters.inc(Count.PUTS_HANDED_BACK)
                 self.ops.core.request(lambda i: Unput(i, reply.put), _ack, CONTROL_TIMEOUT_S)
 
         asked.add_done_callback(hand_back)

@@ -25,6 +25,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvcr_client.counters import Count, Counters
 from kvcr_client.errors import ClientClosed
 from kvcr_client.leases import LeaseHandle
 from kvcr_io.agent import Agent, Desc, TransferError, XferStatus
@@ -54,8 +55,7 @@ class Validity(Protocol):
     protocol, so this part of the core never imports it): the lease checks and the test hook."""
 
     hook: Callable[[str], Any] | None
-    refused: int
-    checked: int
+    counters: Counters
 
     def check(
         self, items: Sequence[DeliverItem], granted: Sequence[Any], members: list[int], now: float,
@@ -276,7 +276,7 @@ class GrantRead:
                 continue  # only a confirmation can tell: the check after the last group
             if verdict:
                 codes[k] = verdict
-                self.grants.refused += 1
+                self.grants.counters.inc(Count.GRANT_REFUSED)
             elif not self._intact(k, g, g + 1, failed):
                 continue
             elif done[k] == g:
@@ -322,7 +322,7 @@ class GrantRead:
                 code = ErrorCode.LEASE_LOST
             if code:
                 self.codes[k] = code
-                self.grants.refused += 1
+                self.grants.counters.inc(Count.GRANT_REFUSED)
             elif self._intact(k, self.done[k], self.counts[k]):
                 self.done[k] = self.counts[k]
 
@@ -333,7 +333,7 @@ class GrantRead:
         checks = self.checks
         if checks is None:
             return True
-        self.grants.checked += sum(checks.count(k, g) for g in range(first, end))
+        self.grants.counters.inc(Count.SPANS_CHECKED, sum(checks.count(k, g) for g in range(first, end)))
         if k not in failed if failed is not None else all(checks.intact(k, g) for g in range(first, end)):
             return True
         self.codes[k] = ErrorCode.DIGEST_MISMATCH

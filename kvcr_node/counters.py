@@ -10,11 +10,9 @@ edge (``snapshot``, the Prometheus labels). A tally lists only what was counted,
 
 from __future__ import annotations
 
-import collections
 import enum
-from collections.abc import Callable
-from typing import Generic, TypeVar
 
+from kvcr_io.tally import Tally
 from kvcr_protocol import ErrorCode
 
 
@@ -160,30 +158,6 @@ class LeaseCount(enum.Enum):
     """Holds asked again of a source whose link came back."""
     READ_GRANTS = "read_grants"
     """Leases answered with a read grant (spec section 6.12)."""
-
-
-K = TypeVar("K", bound=enum.Enum)
-
-
-class Tally(Generic[K]):
-    """Counts keyed by the members of one enum; ``snapshot`` writes them out by name."""
-
-    __slots__ = ("_counts", "_name")
-
-    def __init__(self, name: Callable[[K], str]) -> None:
-        self._counts: collections.Counter[K] = collections.Counter()
-        self._name = name
-
-    def inc(self, key: K, n: int = 1) -> None:
-        self._counts[key] += n
-
-    def __getitem__(self, key: K) -> int:
-        return self._counts[key]
-
-    def snapshot(self) -> dict[str, int]:
-        """Name -> count, for what was counted (in the order first counted)."""
-        name = self._name
-        return {name(key): n for key, n in self._counts.items()}
 
 
 class Counters(Tally[Count]):

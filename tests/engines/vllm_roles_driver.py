@@ -84,7 +84,7 @@ def lease_lost(sched: Any, keys: list[bytes], layers: list[str]) -> dict[str, An
     client._grants.hook = None
     stats = worker.get_kv_connector_stats()
     worker.shutdown()
-    return {"failed": failed, "refused": client._grants.refused, "stats": stats.data if stats is not None else {}}
+    return {"failed": failed, "refused": client.counters()["grant_refused"], "stats": stats.data if stats is not None else {}}
 
 
 def main() -> int:

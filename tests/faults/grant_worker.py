@@ -73,7 +73,7 @@ class GrantClient:
     def deliver(self, key: str, spans: int, seed: int, plan: bool, deadline_ms: int) -> dict[str, Any]:
         dst, region = self.buffer(spans)
         dst[:] = 0xEE
-        reads = self.client._grants.reads
+        reads = self.client.counters()["grant_reads"]
         t0 = time.monotonic()
         handle = self.client.deliver(
             {key.encode(): [Span(f"L{i}", region, i * self.slot, self.slot) for i in range(spans)]},
@@ -86,7 +86,7 @@ class GrantClient:
         o = res[key.encode()]
         return {"status": o.status.value, "code": getattr(code_of(o.code), "name", int(o.code)),
                 "exact": bool(np.array_equal(dst, pattern(spans * self.slot, seed))),
-                "granted": self.client._grants.reads > reads, "seconds": time.monotonic() - t0}
+                "granted": self.client.counters()["grant_reads"] > reads, "seconds": time.monotonic() - t0}
 
     def release(self) -> dict[str, Any]:
         leases, self.leases = self.leases, []

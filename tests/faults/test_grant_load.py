@@ -132,9 +132,9 @@ def test_a_flood_of_granted_leases_from_many_sessions_meets_typed_limits(node_fa
             k = next(k for k, g in c._grants._keys.items() if g.lease.ended is None)
             dst = np.zeros(SLOT, np.uint8)
             region = c.register(dst)
-            reads = c._grants.reads
+            reads = c.counters()["grant_reads"]
             assert c.deliver({k: [Span("L0", region, 0, SLOT)]}).result(RESULT_TIMEOUT_S)[k].ok
-            assert c._grants.reads == reads + 1 and np.array_equal(dst, pattern(SLOT, 5))
+            assert c.counters()["grant_reads"] == reads + 1 and np.array_equal(dst, pattern(SLOT, 5))
             c.unregister(region)
         finally:
             for c in clients:
@@ -173,7 +173,7 @@ def test_a_frozen_grant_holder_ends_by_silence_and_others_read_on() -> None:
                 holder.signal(signal.SIGSTOP)
                 # The frozen holder's session ends by silence; its leases and claims go with it,
                 # while the bystander reads on under its own grant.
-                reads = other._grants.reads
+                reads = other.counters()["grant_reads"]
 
                 def holder_gone() -> bool:
                     dst[:] = 0
@@ -182,7 +182,7 @@ def test_a_frozen_grant_holder_ends_by_silence_and_others_read_on() -> None:
                     return stats(other)["clients"] == 1
 
                 assert wait_until(holder_gone, 20, 0.1), stats(other)["clients"]
-                assert other._grants.reads > reads
+                assert other.counters()["grant_reads"] > reads
                 st = stats(other)
                 assert st["leases"]["with_grants"] == 1 and st["leases"]["held"] == 1, st["leases"]
                 assert st["claims"]["total"] == 1 and st["leases"]["ended_with_session"] == 1, (st["claims"], st["leases"])
@@ -215,7 +215,7 @@ def test_granted_lease_churn_leaves_nothing_behind(node_factory: Callable[..., A
             assert client.deliver({keys[i % KEYS]: spans}).result(RESULT_TIMEOUT_S)[keys[i % KEYS]].ok
             lease.release().result(RESULT_TIMEOUT_S)
         before = {"fds": fd_count(pid), "threads": thread_count(pid), "rss": rss_kib(pid)}
-        reads = client._grants.reads
+        reads = client.counters()["grant_reads"]
         gc.collect()
         tracemalloc.start()
         heap_before = tracemalloc.get_traced_memory()[0]
@@ -233,7 +233,7 @@ def test_granted_lease_churn_leaves_nothing_behind(node_factory: Callable[..., A
         tracemalloc.stop()
         # The client keeps nothing per cycle: leases, grant rows, read jobs, handles all go.
         assert heap_grown <= HEAP_SLACK, ("granted cycles", "Python heap bytes", heap_grown)
-        assert client._grants.reads == reads + CYCLES, "a deliver went to the node"
+        assert client.counters()["grant_reads"] == reads + CYCLES, "a deliver went to the node"
         assert len(client._grants) <= 2 * PRUNE_SLACK and client.tables()["leases"] == 0
         assert at_rest(stats(client)), node_tables(stats(client))
 
@@ -293,7 +293,7 @@ def test_a_clients_node_agent_goes_when_a_later_session_loads_another() -> None:
                 dst = np.zeros(SLOT, np.uint8)
                 region = reg(dst)
                 assert client.deliver({b"k": [Span("L0", region, 0, SLOT)]}).result(RESULT_TIMEOUT_S)[b"k"].ok
-                assert np.array_equal(dst, src) and client._grants.reads == 1
+                assert np.array_equal(dst, src) and client.counters()["grant_reads"] == 1
                 reg.close()
         finally:
             node.stop()

@@ -65,7 +65,7 @@ def test_put_churn_leaves_nothing_behind(node_factory: Callable[..., Any]) -> No
         for i in range(50):  # warm
             assert client.put({b"w%d" % i: spans}).result(RESULT_TIMEOUT_S).all_ok
         before = {"fds": fd_count(pid), "threads": thread_count(pid), "rss": rss_kib(pid)}
-        written = client._puts.puts
+        written = client.counters()["puts"]
         gc.collect()
         tracemalloc.start()
         heap_before = tracemalloc.get_traced_memory()[0]
@@ -80,7 +80,7 @@ def test_put_churn_leaves_nothing_behind(node_factory: Callable[..., Any]) -> No
         heap_grown = tracemalloc.get_traced_memory()[0] - heap_before
         tracemalloc.stop()
         assert heap_grown <= HEAP_SLACK, ("puts", "Python heap bytes", heap_grown)
-        assert client._puts.puts == written + PUTS, "a put went as a deposit"
+        assert client.counters()["puts"] == written + PUTS, "a put went as a deposit"
         assert at_rest(client), put_stats(client)
 
         # Sessions that put and close: their puts are committed, nothing is left open.
@@ -128,10 +128,10 @@ def test_puts_abandoned_on_a_frozen_node_are_all_handed_back(node_factory: Calla
                 outcomes = [handle.result(RESULT_TIMEOUT_S) for handle in handles]
             assert all(o[b"a%d.%d" % (r, i)].code is ErrorCode.TIMEOUT for i, o in enumerate(outcomes))
             want = (r + 1) * ABANDONED_PER_ROUND
-            assert wait_until(lambda want=want: client._puts.handed_back == want and at_rest(client)
-                              and not client.core.session.pending, 20), (client._puts.handed_back, put_stats(client))
+            assert wait_until(lambda want=want: client.counters()["puts_handed_back"] == want and at_rest(client)
+                              and not client.core.session.pending, 20), (client.counters()["puts_handed_back"], put_stats(client))
             assert slot_accounting(stats(client)) == before
-        assert client._puts.unanswered == ABANDONED_ROUNDS * ABANDONED_PER_ROUND
+        assert client.counters()["puts_unanswered"] == ABANDONED_ROUNDS * ABANDONED_PER_ROUND
         assert client.put({b"after": spans}).result(RESULT_TIMEOUT_S).all_ok
         reg.close()
         assert_clean(client)

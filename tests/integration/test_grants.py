@@ -84,7 +84,7 @@ def test_a_read_lease_grants_slots_and_deliver_reads_them_without_the_node(clien
     lease = client.lease([k, key("absent")], ttl_ms=30_000).result(RESULT_TIMEOUT_S)
     assert lease.status(k) is LeaseStatus.LEASED and lease.status(key("absent")) is LeaseStatus.MISS
     assert stats(client)["leases"]["with_grants"] == 1
-    before, reads = posted(client), client._grants.reads
+    before, reads = posted(client), client.counters()["grant_reads"]
     dst = np.zeros(LAYERS * SLOT, np.uint8)
     region = register(dst)
 
@@ -109,7 +109,7 @@ def test_a_read_lease_grants_slots_and_deliver_reads_them_without_the_node(clien
     assert handle.result(RESULT_TIMEOUT_S)[k].ok
     assert np.array_equal(dst, src)
 
-    assert client._grants.reads == reads + 3
+    assert client.counters()["grant_reads"] == reads + 3
     assert posted(client) == before, "the node posted a transfer for a granted deliver"
     lease.release().result(RESULT_TIMEOUT_S)
     assert stats(client)["leases"]["with_grants"] == 0
@@ -262,12 +262,12 @@ def test_a_late_reader_within_the_lease_is_confirmed_by_a_renew(client: Client, 
     asked = lease.expires_at - ttl_ms / 1000
     dst = np.zeros(LAYERS * SLOT, np.uint8)
     region = register(dst)
-    confirmed = client._grants.confirmed
+    confirmed = client.counters()["grant_confirms"]
     hook(lambda stage: time.sleep(max(0.0, asked + trusted + 0.02 - time.monotonic())) if stage == "posted" else None)
     res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S)
     assert res[k].ok, res
     assert np.array_equal(dst, src)
-    assert client._grants.confirmed == confirmed + 1
+    assert client.counters()["grant_confirms"] == confirmed + 1
     assert lease.expires_at > asked + ttl_ms / 1000, "the confirmation renewed the lease"
     lease.release().result(RESULT_TIMEOUT_S)
 
@@ -297,7 +297,7 @@ def test_the_async_client_reads_under_grants_too(node: NodeProcess, key: Callabl
             # Late enough that the clock alone cannot vouch: the confirmation runs in the loop.
             c._grants.hook = lambda stage: time.sleep(0.9) if stage == "posted" else None
             res = await c.deliver({k: [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(LAYERS)]})
-            assert res[k].ok and np.array_equal(dst, src) and c._grants.reads == 1 and c._grants.confirmed == 1
+            assert res[k].ok and np.array_equal(dst, src) and c.counters()["grant_reads"] == 1 and c.counters()["grant_confirms"] == 1
             await lease.release()
             await c.unregister(rs)
             await c.unregister(rd)
@@ -375,7 +375,7 @@ def test_without_grants_leased_keys_travel_by_the_node(how: str) -> None:
         rd = c.register(dst)
         res = c.deliver({b"k": [Span("a", rd, 0, SLOT), Span("b", rd, SLOT, SLOT)]}).result(RESULT_TIMEOUT_S)
         assert res[b"k"].ok and np.array_equal(dst, src)
-        assert c._grants.reads == 0 and stats(c)["transfers"]["posted"] == 2
+        assert c.counters()["grant_reads"] == 0 and stats(c)["transfers"]["posted"] == 2
         lease.release().result(RESULT_TIMEOUT_S)
         assert_clean(c)
 
@@ -527,12 +527,12 @@ def test_a_slot_overwritten_under_a_grant_fails_digest_mismatch_not_ok(
     lease = client.lease([k]).result(RESULT_TIMEOUT_S)
     dst = np.zeros(2 * SLOT, np.uint8)
     region = register(dst)
-    mismatched = client._grants.mismatched
+    mismatched = client.counters()["digest_mismatches"]
     before = stats(client)["counters"]
     res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(2)]}).result(RESULT_TIMEOUT_S)
     assert res[k].status is KeyStatus.FAILED and res[k].code is ErrorCode.DIGEST_MISMATCH, res
     assert np.array_equal(dst[SLOT:], forged) and np.array_equal(dst[:SLOT], src[:SLOT]), "the forged bytes did land"
-    assert client._grants.mismatched == mismatched + 1
+    assert client.counters()["digest_mismatches"] == mismatched + 1
     # The reader told the node (``suspect``), which read the object itself and dropped it:
     # no later lease takes it, while this lease still holds its slots.
     confirmed = before.get("suspects_confirmed", 0)
@@ -563,12 +563,12 @@ def test_a_whole_deliver_read_in_parts_fails_only_the_key_whose_middle_part_chan
     lease = client.lease([victim, intact]).result(RESULT_TIMEOUT_S)
     dst_v, dst_i = np.zeros(LAYERS * SLOT, np.uint8), np.zeros(LAYERS * SLOT, np.uint8)
     rv, ri = register(dst_v), register(dst_i)
-    checked = client._grants.checked
+    checked = client.counters()["spans_checked"]
     res = client.deliver({victim: [Span(f"L{i}", rv, i * SLOT, SLOT) for i in range(LAYERS)],
                           intact: [Span(f"L{i}", ri, i * SLOT, SLOT) for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S)
     assert res[victim].code is ErrorCode.DIGEST_MISMATCH, res
     assert res[intact].ok and np.array_equal(dst_i, src), res
-    assert client._grants.checked >= checked + LAYERS + LAYERS // 2, "parts went unchecked"
+    assert client.counters()["spans_checked"] >= checked + LAYERS + LAYERS // 2, "parts went unchecked"
     assert wait_until(lambda: client.tables()["reads"] == 0, RESULT_TIMEOUT_S)
     assert not rv.users and not ri.users, "the destination is still in use"
     lease.release().result(RESULT_TIMEOUT_S)
@@ -590,7 +590,7 @@ def test_with_integrity_off_an_overwritten_slot_is_read_as_the_objects(key: Call
         region = client.register(dst)
         res = client.deliver({k: [Span("L0", region, 0, SLOT)]}).result(RESULT_TIMEOUT_S)
         assert res[k].ok and np.array_equal(dst, forged), "integrity off: the forged bytes come back as OK"
-        assert client._grants.checked == 0 and client._grants.unchecked >= 1
+        assert client.counters()["spans_checked"] == 0 and client.counters()["spans_unchecked"] >= 1
         lease.release().result(RESULT_TIMEOUT_S)
 
 

@@ -81,7 +81,7 @@ def test_a_put_writes_from_the_client_and_a_deliver_returns_every_byte(client: C
     assert all(o.status is KeyStatus.STORED for o in res.values()), res
     assert posted(client) == node_posts, "the node moved no byte of a put"
     assert outcome_count(stats(client), "put.STORED") == stored + 3, "the node counts what puts stored"
-    assert client._puts.puts == 1 and client._puts.fallbacks == 0
+    assert client.counters()["puts"] == 1 and client.counters()["put_fallbacks"] == 0
     for k, src in srcs.items():
         assert np.array_equal(read_back(client, register, k), src)
     st = stats(client)
@@ -100,7 +100,7 @@ def test_a_put_of_spans_in_several_regions_writes_span_by_span(client: Client, r
     ra, rb = register(a), register(b)
     layout = [Span(f"L{i}", ra if i % 2 else rb, (i // 2) * SLOT, SLOT, "kv") for i in range(LAYERS)]
     res = client.put({key("mixed"): layout}).result(RESULT_TIMEOUT_S)
-    assert res[key("mixed")].status is KeyStatus.STORED and client._puts.fallbacks == 0
+    assert res[key("mixed")].status is KeyStatus.STORED and client.counters()["put_fallbacks"] == 0
     got = read_back(client, register, key("mixed"))
     want = np.concatenate([(a if i % 2 else b)[(i // 2) * SLOT:(i // 2 + 1) * SLOT] for i in range(LAYERS)])
     assert np.array_equal(got, want)
@@ -141,7 +141,7 @@ async def test_an_async_client_puts(node: Any) -> None:
         src = pattern(2 * SLOT, 11)
         r = await c.register(src)
         res = await c.put({b"async-put": spans(r, 2)})
-        assert res[b"async-put"].status is KeyStatus.STORED and c._puts.puts == 1
+        assert res[b"async-put"].status is KeyStatus.STORED and c.counters()["puts"] == 1
         dst = np.zeros(2 * SLOT, np.uint8)
         rd = await c.register(dst)
         assert (await c.deliver({b"async-put": [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(2)]}))[b"async-put"].ok
@@ -270,8 +270,8 @@ def test_a_put_a_frozen_node_never_answers_gives_up_at_its_deadline_and_hands_th
             assert handle.written.done(), "nothing was written: the memory is free"
         assert res[b"frozen"].status is KeyStatus.FAILED and res[b"frozen"].code is ErrorCode.TIMEOUT, res
         assert returned < 0.2 <= took < CONTROL_TIMEOUT_S, "the put waited for the node, or past its deadline"
-        assert c._puts.unanswered == 1
-        assert wait_until(lambda: c._puts.handed_back == 1, 10.0)
+        assert c.counters()["puts_unanswered"] == 1
+        assert wait_until(lambda: c.counters()["puts_handed_back"] == 1, 10.0)
         assert wait_until(lambda: stats(c)["puts"]["open"] == 0, 10.0)
         st = stats(c)
         assert slot_accounting(st) == before and st["puts"]["quarantined"] == 0 and st["writing"] == 0
@@ -294,7 +294,7 @@ def test_without_write_grants_put_deposits(how: str) -> None:
         src = pattern(2 * SLOT, 9)
         r = c.register(src)
         res = c.put({b"k": [Span("a", r, 0, SLOT, "kv"), Span("b", r, SLOT, SLOT, "kv")]}).result(RESULT_TIMEOUT_S)
-        assert res[b"k"].status is KeyStatus.STORED and c._puts.fallbacks == 1 and c._puts.puts == 0
+        assert res[b"k"].status is KeyStatus.STORED and c.counters()["put_fallbacks"] == 1 and c.counters()["puts"] == 0
         assert stats(c)["transfers"]["posted"] == 1, "the node read the bytes"
         dst = np.zeros(2 * SLOT, np.uint8)
         rd = c.register(dst)
@@ -402,7 +402,7 @@ def test_a_reconnect_while_a_put_writes_presents_no_token(node: Any, client: Cli
             assert written.wait(RESULT_TIMEOUT_S)
             assert not handle.written.done()
             c.reconnect()
-            assert c._puts.resumes_held == 1
+            assert c.counters()["resumes_held"] == 1
             assert stats(c)["counters"].get("sessions_resumed", 0) == resumed, "no token: nothing ended at once"
         finally:
             release.set()

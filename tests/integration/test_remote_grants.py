@@ -82,7 +82,7 @@ def test_a_remote_read_lease_reads_from_the_source_directly(sites: Sites) -> Non
     assert len(grants.sources) == 1 and grants.node is not None
     assert grants._keys[b"k0"].agent is not grants.node and grants._keys[b"here"].agent is grants.node
     before = (posted(a), posted(b))
-    reads = grants.reads
+    reads = a.client.counters()["grant_reads"]
 
     # Whole objects, one at the source and one local, in one deliver.
     dst = {k: np.zeros(LAYOUT.nbytes, np.uint8) for k in (b"k0", b"here")}
@@ -106,7 +106,7 @@ def test_a_remote_read_lease_reads_from_the_source_directly(sites: Sites) -> Non
     assert handle.result(RESULT_TIMEOUT_S)[b"k1"].ok
     assert np.array_equal(planned, srcs[b"k1"])
 
-    assert grants.reads == reads + 3
+    assert a.client.counters()["grant_reads"] == reads + 3
     assert (posted(a), posted(b)) == before, "a node posted a transfer for a granted deliver"
     # A second lease of the same source: its agent is cached, not sent again.
     again = a.client.lease([b"k0"], request_id=rid).result(RESULT_TIMEOUT_S)
@@ -125,11 +125,11 @@ def node_driven(a: Site, b: Site) -> None:
     lease = a.client.lease([b"k"], request_id=rid).result(RESULT_TIMEOUT_S)
     assert lease.status(b"k") is LeaseStatus.LEASED_REMOTE
     assert a.client._grants.cover([]) is None and b"k" not in a.client._grants._keys
-    before, reads = posted(b), a.client._grants.reads
+    before, reads = posted(b), a.client.counters()["grant_reads"]
     dst = np.zeros(LAYOUT.nbytes, np.uint8)
     res = a.client.deliver({b"k": spans_into(a, dst)}, request_id=rid).result(RESULT_TIMEOUT_S)
     assert res[b"k"].ok and np.array_equal(dst, src)
-    assert a.client._grants.reads == reads and posted(b) > before, "the source did not write it"
+    assert a.client.counters()["grant_reads"] == reads and posted(b) > before, "the source did not write it"
     lease.release().result(RESULT_TIMEOUT_S)
     no_grants_left(a, b)
     b.resident[b"k"] = ("kv",) * 4
@@ -265,7 +265,7 @@ def test_a_source_slot_overwritten_under_a_grant_fails_digest_mismatch_across_no
     assert np.array_equal(dst[2 * SPAN:3 * SPAN], forged) and np.array_equal(dst[:SPAN], src[:SPAN])
     poll_stats(b, lambda st: st["counters"].get("suspects_confirmed", 0) == 1, SLACK_S, "B dropped the changed object")
     assert a.stats()["counters"]["suspects_passed_on"] == 1
-    assert wait_until(lambda: a.stats() is not None and a.client._grants.dropped == 1, SLACK_S), "the reader heard that B dropped it"
+    assert wait_until(lambda: a.stats() is not None and a.client.counters()["suspects_dropped"] == 1, SLACK_S), "the reader heard that B dropped it"
     assert b.client.query([b"k"]).result(RESULT_TIMEOUT_S)[b"k"].presence.name == "MISS"
     lease.release().result(RESULT_TIMEOUT_S)
     no_grants_left(a, b)
@@ -281,7 +281,7 @@ def test_a_late_remote_reader_is_confirmed_with_the_sources_word(sites: Sites) -
     trusted = ttl_ms / 1000 - (MARGIN_S + ttl_ms / 1000 * MARGIN_FRACTION)
     asked = lease.expires_at - ttl_ms / 1000
     renewed = b.stats()["leases"].get("renewed", 0)
-    confirmed = a.client._grants.confirmed
+    confirmed = a.client.counters()["grant_confirms"]
     dst = np.zeros(LAYOUT.nbytes, np.uint8)
     spans = spans_into(a, dst)
     set_hook(a.client, lambda stage: time.sleep(max(0.0, asked + trusted + 0.02 - time.monotonic())) if stage == "posted" else None)
@@ -291,7 +291,7 @@ def test_a_late_remote_reader_is_confirmed_with_the_sources_word(sites: Sites) -
         set_hook(a.client, None)
     assert res[b"k"].ok, res
     assert np.array_equal(dst, src)
-    assert a.client._grants.confirmed == confirmed + 1
+    assert a.client.counters()["grant_confirms"] == confirmed + 1
     assert b.stats()["leases"].get("renewed", 0) == renewed + 1, "A said !held without asking the source"
     lease.release().result(RESULT_TIMEOUT_S)
     no_grants_left(a, b)
