@@ -73,10 +73,11 @@ MAX_SOURCES = 256
 unused goes, and a lease of its keys loads it again."""
 
 Hook = Callable[[str], Any]
-"""Called in the caller's thread with ``"posting"`` before a deliver's group 0 is posted and
-``"posted"`` after (tests freeze a reader there), and in the core's turn, lock held, with
-``"posting g"`` before group ``g`` > 0 is posted: returning False defers that post to a
-later turn (tests hold a group back). Not a setting of the product."""
+"""The gate each deliver's ``GrantRead`` is made with (``kvcr_client.reads.Gate``): called in
+the turn that posts group ``g``, lock held, with ``"posting g"`` before and ``"posted g"``
+after; returning False before defers that post to a later turn. Tests freeze a reader,
+kill a source or hold a group back there; a gated deliver takes the same path as any.
+Not a setting of the product."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,16 +315,10 @@ class Grants:
             self.counters.inc(Count.SPANS_UNCHECKED, unchecked)
         core = self.core
         job = GrantRead(self, core.agent, items, granted, counts, posts, codes, deadline, landed, finished, quiet,
-                        checks=checks, ahead=on_worker if in_parts is not None else None)
-        if self.hook is None:
-            # Group 0 is posted, polled and reported in one turn of the lock: the caller
-            # may wait on it the moment this returns.
-            error = core.call(lambda: core.reads.start(job)).exception()
-        else:
-            self.hook("posting")
-            core.call(job.post).result()
-            self.hook("posted")
-            error = core.call(lambda: core.reads.add(job)).exception()
+                        checks=checks, ahead=on_worker if in_parts is not None else None, gate=self.hook)
+        # Group 0 is posted, polled and reported in one turn of the lock: the caller may
+        # wait on it the moment this returns.
+        error = core.call(lambda: core.reads.start(job)).exception()
         if error is not None:  # closed meanwhile: group 0's READ, if posted, is let go of here
             core.call(job.close, closed=True)
             raise error

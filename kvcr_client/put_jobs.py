@@ -19,7 +19,6 @@ left to expire into quarantine.
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,7 +31,6 @@ from kvcr_protocol import ErrorCode, KeyResult, KeyStatus, MemoryKind, PutReply,
 
 CLOSE_DRAIN_S = 5.0
 """How long ``close`` waits for WRITEs still running before it lets go of them."""
-CLOSE_POLL_S = 0.001
 
 Runs = dict[tuple[MemoryKind, MemoryKind], tuple[Any, Any]]
 """Per (local kind, remote kind): the local and remote descriptors of one WRITE."""
@@ -226,11 +224,9 @@ class PutJob:
         if self.phase is PutPhase.OVER:
             return
         agent = self.agent
-        end = time.monotonic() + CLOSE_DRAIN_S
-        while any(s is XferStatus.RUNNING for _, s in self.writes) and time.monotonic() < end:
-            time.sleep(CLOSE_POLL_S)
-            self.writes = [(h, agent.state(h) if s is XferStatus.RUNNING else s) for h, s in self.writes]
-        for handle, _ in self.writes:
+        handles = [h for h, _ in self.writes]
+        self.writes = list(zip(handles, agent.drain(handles, CLOSE_DRAIN_S), strict=True))
+        for handle in handles:
             agent.release(handle)
         self._end(not any(s is XferStatus.RUNNING for _, s in self.writes))
         self.written.set_result(None)

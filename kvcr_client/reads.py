@@ -33,7 +33,6 @@ from kvcr_protocol import DeliverItem, ErrorCode, KeyResult, KeyStatus, MemoryKi
 
 CLOSE_DRAIN_S = 5.0
 """How long ``close`` waits for READs still running before it lets go of them."""
-CLOSE_POLL_S = 0.001
 
 Post = tuple[int, MemoryKind, list[Desc] | Any, MemoryKind, list[Desc] | Any, list[int], str]
 """One READ to post: its group, local kind and descriptors, remote kind and descriptors (rows,
@@ -52,9 +51,8 @@ class Granted(Protocol):
 
 class Validity(Protocol):
     """What a ``GrantRead`` asks of the grants (``Grants``, above the core: named by a
-    protocol, so this part of the core never imports it): the lease checks and the test hook."""
+    protocol, so this part of the core never imports it): the lease checks."""
 
-    hook: Callable[[str], Any] | None
     counters: Counters
 
     def check(
@@ -75,6 +73,10 @@ class Checks(Protocol):
 
 Ahead = Callable[[Callable[[], list[int]]], "Future[list[int]]"]
 """Runs a group's checks off the turn (the digest worker) while the next group is copied."""
+Gate = Callable[[str], Any]
+"""Called before and after each group's post (``posting G``, ``posted G``), in the turn that
+posts it: a test stalls or breaks things there; ``False`` before a post holds it back to a
+later turn. Every deliver takes the same path, gated or not."""
 
 
 class Phase(enum.Enum):
@@ -102,8 +104,10 @@ class GrantRead:
         counts: list[int], posts: list[Post], codes: list[int], deadline: float,
         landed: Callable[[list[int], int], None] | None, finished: Finished, quiet: Callable[[], None],
         clock: Callable[[], float] = time.monotonic, checks: Checks | None = None, ahead: Ahead | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.grants = grants
+        self.gate = gate
         self.checks = checks
         """Checks each item's group against the grant's digests once it landed and its lease
         held (spec section 6.12, "Integrity"); None: nothing to check."""
@@ -142,7 +146,7 @@ class GrantRead:
         """The READs not yet terminal: the only ones a turn polls."""
         self.expired = False
         self.held = False
-        """The test hook deferred the next post (``Grants.hook``)."""
+        """The gate held the next post back to a later turn."""
         self._confirming = 0
 
     @property
@@ -160,13 +164,17 @@ class GrantRead:
         """Whether groups are left to post now: the next turn should come at once."""
         return self.phase is Phase.READING and not self.expired and not self.held and self.next < len(self.posts)
 
-    def post(self) -> None:
+    def post(self) -> bool:
         """Post every READ of the next group (one per pair of memory kinds); a READ NIXL
-        refuses fails the keys it carries."""
+        refuses fails the keys it carries. False when the gate held the group back."""
         if self.next >= len(self.posts):
             self.posted = self.group_count
-            return
+            return True
         group = self.posts[self.next][0]
+        gate = self.gate
+        self.held = gate is not None and gate(f"posting {group}") is False
+        if self.held:
+            return False
         while self.next < len(self.posts) and self.posts[self.next][0] == group:
             g, local_kind, local, remote_kind, remote, owners, peer = self.posts[self.next]
             self.next += 1
@@ -183,6 +191,9 @@ class GrantRead:
                 self.running.append(read)
         self.posted = group + 1 if self.next < len(self.posts) else self.group_count
         self._check_ahead(group)
+        if gate is not None:
+            gate(f"posted {group}")
+        return True
 
     def _check_ahead(self, g: int) -> None:
         """Hand group ``g``'s checks to ``ahead`` once its READs are all seen complete."""
@@ -217,11 +228,8 @@ class GrantRead:
                 # One group a turn; the parts of a whole deliver all in one (each part is
                 # hashed on the worker while the next is copied: nothing else to wait for).
                 while post and self.next < len(self.posts):
-                    hook = self.grants.hook
-                    self.held = hook is not None and hook(f"posting {self.posts[self.next][0]}") is False
-                    if self.held:
+                    if not self.post():
                         break
-                    self.post()
                     post = self.ahead is not None
         if self.running:
             for r in self.running:
@@ -366,12 +374,10 @@ class GrantRead:
         waited for (bounded), then let go; an unresolved deliver fails ``ClientClosed``."""
         resolved = self.phase is Phase.OVER
         self.phase = Phase.OVER
-        end = time.monotonic() + CLOSE_DRAIN_S
-        while self.running and time.monotonic() < end:
-            time.sleep(CLOSE_POLL_S)
-            for r in self.running:
-                r.state = self.agent.state(r.handle)
-            self.running = [r for r in self.running if r.state is XferStatus.RUNNING]
+        for r, state in zip(self.running, self.agent.drain([r.handle for r in self.running], CLOSE_DRAIN_S),
+                            strict=True):
+            r.state = state
+        self.running = [r for r in self.running if r.state is XferStatus.RUNNING]
         self._release()
         if not resolved:
             self.finished(ClientClosed("the client is closed"), self.done)
@@ -415,11 +421,6 @@ class Reads:
         deadline are only looked at at the late interval."""
         return any(job.live for job in self.running)
 
-    def add(self, job: GrantRead) -> None:
-        """Take ``job`` (group 0 already posted): look at it once now, without posting more."""
-        if not job.step(job.clock(), post=False):
-            self.running.append(job)
-
     def take(self, job: Job) -> None:
         """Take ``job``: step it once now (a reply may already be in)."""
         if not job.step(time.monotonic()):
@@ -438,9 +439,11 @@ class Reads:
             self.paced()
 
     def start(self, job: GrantRead) -> None:
-        """Post ``job``'s group 0 and take it (one turn: group 0, landed, is reported at once)."""
+        """Post ``job``'s group 0 and take it, looking at it once without posting more (one
+        turn: group 0, landed, is reported at once)."""
         job.post()
-        self.add(job)
+        if not job.step(job.clock(), post=False):
+            self.running.append(job)
 
     def step(self, now: float) -> None:
         paced = False

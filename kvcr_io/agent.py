@@ -12,6 +12,7 @@ import enum
 import importlib
 import logging
 import os
+import time
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -20,6 +21,9 @@ from kvcr_protocol import MemoryKind
 
 Desc = tuple[int, int, int]
 """(address, length, device) of one transfer descriptor."""
+
+DRAIN_POLL_S = 0.001
+"""How often ``drain`` looks at the transfers it waits for."""
 
 _NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 _MEM = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
@@ -161,6 +165,17 @@ class Agent:
             self.release(handle)
             raise TransferError(f"NIXL could not post the {op}: {exc}") from exc
         return _status(state)
+
+    def drain(self, handles: Sequence[Any], timeout_s: float) -> list[XferStatus]:
+        """Wait, polling, at most ``timeout_s`` for the transfers ``handles`` to end (a closing
+        owner lets go of their memory only then); each one's state as last seen (RUNNING:
+        still running at the bound)."""
+        states = [self.state(h) for h in handles]
+        end = time.monotonic() + timeout_s
+        while XferStatus.RUNNING in states and time.monotonic() < end:
+            time.sleep(DRAIN_POLL_S)
+            states = [self.state(h) if s is XferStatus.RUNNING else s for h, s in zip(handles, states, strict=True)]
+        return states
 
     def state(self, handle: Any) -> XferStatus:
         """The request's status; polling it also progresses the agent."""

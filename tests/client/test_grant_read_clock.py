@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvcr_client.counters import Counters
 from kvcr_client.reads import GrantRead, Reads
 from kvcr_io.agent import XferStatus
 from kvcr_protocol import DeliverItem, ErrorCode, KeyResult, KeyStatus, MemoryKind
@@ -45,6 +46,9 @@ class CopyingAgent:
     def state(self, handle: Any) -> XferStatus:
         return XferStatus.DONE
 
+    def drain(self, handles: Sequence[Any], timeout_s: float) -> list[XferStatus]:
+        return [XferStatus.DONE for _ in handles]
+
     def release(self, handle: Any) -> None:
         pass
 
@@ -65,12 +69,9 @@ class Granted:
 class HeldUntil:
     """Validity: a lease held while ``now < lease.until``; expired after."""
 
-    hook: Callable[[str], Any] | None = None
-    refused = 0
-    checked = 0
-
     def __init__(self) -> None:
         self.mismatches: list[bytes] = []
+        self.counters = Counters()
 
     def check(self, items: Sequence[DeliverItem], granted: Sequence[Any], members: list[int],
               now: float) -> dict[int, int | None]:

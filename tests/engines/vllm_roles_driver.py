@@ -70,7 +70,7 @@ def lease_lost(sched: Any, keys: list[bytes], layers: list[str]) -> dict[str, An
     client = side.client
 
     def release_all(stage: str) -> None:
-        if stage == "posted":
+        if stage == "posted 0":
             for lease in list(client._leases.values()):
                 lease.release()
 

@@ -55,7 +55,7 @@ def node_args() -> tuple[str, ...]:
 
 @pytest.fixture
 def hook(client: Client) -> Iterator[Callable[[Callable[[str], None]], None]]:
-    """Install a hook the client's grant reads call at ``posting`` and ``posted``."""
+    """Install a gate the client's grant reads call at ``posting G`` and ``posted G`` (``kvcr_client.reads.Gate``)."""
 
     def install(fn: Callable[[str], None]) -> None:
         client._grants.hook = fn
@@ -143,7 +143,7 @@ def test_a_reader_frozen_past_its_lease_fails_lease_expired(client: Client, regi
     lease = client.lease([k], ttl_ms=300).result(RESULT_TIMEOUT_S)
     dst = np.zeros(LAYERS * SLOT, np.uint8)
     region = register(dst)
-    hook(lambda stage: time.sleep(0.6) if stage == "posted" else None)  # frozen mid-read, past the ttl
+    hook(lambda stage: time.sleep(0.6) if stage == "posted 0" else None)  # frozen mid-read, past the ttl
     res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S)
     assert res[k].status is KeyStatus.FAILED and res[k].code is ErrorCode.LEASE_EXPIRED, res
     assert lease.ended is ErrorCode.LEASE_EXPIRED
@@ -160,7 +160,7 @@ def test_a_slot_reused_after_expiry_is_detected_not_returned(client: Client, reg
     fresh: list[np.ndarray] = []
 
     def reuse(stage: str) -> None:
-        if stage != "posting":
+        if stage != "posting 0":
             return
         # The reader stalls between its check of the grant and its READ; meanwhile the lease
         # expires, the object is evicted and its slot refilled with other bytes.
@@ -263,7 +263,7 @@ def test_a_late_reader_within_the_lease_is_confirmed_by_a_renew(client: Client, 
     dst = np.zeros(LAYERS * SLOT, np.uint8)
     region = register(dst)
     confirmed = client.counters()["grant_confirms"]
-    hook(lambda stage: time.sleep(max(0.0, asked + trusted + 0.02 - time.monotonic())) if stage == "posted" else None)
+    hook(lambda stage: time.sleep(max(0.0, asked + trusted + 0.02 - time.monotonic())) if stage == "posted 0" else None)
     res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S)
     assert res[k].ok, res
     assert np.array_equal(dst, src)
@@ -279,9 +279,13 @@ def test_a_lease_released_mid_read_fails_lease_lost(client: Client, register: Re
     lease = client.lease([k]).result(RESULT_TIMEOUT_S)
     dst = np.zeros(LAYERS * SLOT, np.uint8)
     region = register(dst)
-    hook(lambda stage: lease.release().result(RESULT_TIMEOUT_S) if stage == "posted" else None)
+    # Released from the turn that posted group 0 (the release ends the lease here at once;
+    # its ack is waited for below, outside the turn).
+    released = []
+    hook(lambda stage: released.append(lease.release()) if stage == "posted 0" else None)
     res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S)
     assert res[k].status is KeyStatus.FAILED and res[k].code is ErrorCode.LEASE_LOST, res
+    released[0].result(RESULT_TIMEOUT_S)
 
 
 def test_the_async_client_reads_under_grants_too(node: NodeProcess, key: Callable[[str], bytes]) -> None:
@@ -295,7 +299,7 @@ def test_the_async_client_reads_under_grants_too(node: NodeProcess, key: Callabl
             assert (await c.deposit({k: [Span(f"L{i}", rs, i * SLOT, SLOT, "kv") for i in range(LAYERS)]})).all_ok
             lease = await c.lease([k], ttl_ms=1000)
             # Late enough that the clock alone cannot vouch: the confirmation runs in the loop.
-            c._grants.hook = lambda stage: time.sleep(0.9) if stage == "posted" else None
+            c._grants.hook = lambda stage: time.sleep(0.9) if stage == "posted 0" else None
             res = await c.deliver({k: [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(LAYERS)]})
             assert res[k].ok and np.array_equal(dst, src) and c.counters()["grant_reads"] == 1 and c.counters()["grant_confirms"] == 1
             await lease.release()
@@ -411,10 +415,10 @@ def test_group_0_is_usable_before_the_last_group_is_posted(client: Client, regis
     res = handle.result(RESULT_TIMEOUT_S)
     assert res[k].ok and np.array_equal(dst, src)
     assert all(handle.state(g) is GroupState.DELIVERED for g in range(LAYERS))
-    # Group 0 in the caller's thread, the others one per turn, in group order.
+    # Group 0 in the caller's call, the others one per turn, in group order.
     posts = [s for s in stages if s.startswith("posting ")]
-    assert stages[:2] == ["posting", "posted"]
-    assert [int(s.split()[1]) for s in dict.fromkeys(posts)] == list(range(1, LAYERS))
+    assert stages[:2] == ["posting 0", "posted 0"]
+    assert [int(s.split()[1]) for s in dict.fromkeys(posts)] == list(range(LAYERS))
     assert wait_until(lambda: client.tables()["reads"] == 0, RESULT_TIMEOUT_S)
     lease.release().result(RESULT_TIMEOUT_S)
 

@@ -164,7 +164,7 @@ def test_a_source_killed_before_the_read_never_returns_bytes(sites: Sites) -> No
     spans = spans_into(a, dst)
 
     def kill(stage: str) -> None:
-        if stage == "posting":
+        if stage == "posting 0":
             b.node.kill()  # gone between the grant and the READ: its pools with it
 
     set_hook(a.client, kill)
@@ -192,7 +192,7 @@ def test_a_slot_the_source_reused_after_expiry_is_detected(sites: Sites) -> None
     fresh: list[np.ndarray] = []
 
     def reuse(stage: str) -> None:
-        if stage != "posting":
+        if stage != "posting 0":
             return
         # The reader stalls between the grant and its READ; meanwhile the lease expires at
         # both nodes, B evicts the object and refills its slots with another object's bytes.
@@ -284,7 +284,7 @@ def test_a_late_remote_reader_is_confirmed_with_the_sources_word(sites: Sites) -
     confirmed = a.client.counters()["grant_confirms"]
     dst = np.zeros(LAYOUT.nbytes, np.uint8)
     spans = spans_into(a, dst)
-    set_hook(a.client, lambda stage: time.sleep(max(0.0, asked + trusted + 0.02 - time.monotonic())) if stage == "posted" else None)
+    set_hook(a.client, lambda stage: time.sleep(max(0.0, asked + trusted + 0.02 - time.monotonic())) if stage == "posted 0" else None)
     try:
         res = a.client.deliver({b"k": spans}).result(RESULT_TIMEOUT_S)
     finally:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import random
+import time
+from typing import Any
 
 import numpy as np
 
-from kvcr_io.agent import Desc
+from kvcr_io.agent import Agent, Desc, XferStatus
 from kvcr_node.transfers import anchored, list_moves, run_moves
 from kvcr_protocol import MemoryKind, Region
 
@@ -156,3 +158,29 @@ def test_a_plan_groups_moves_match_the_column_form() -> None:
         expected = run_moves("kv", size, region, np.array(offsets, np.uint64), np.array(slots, np.uint32))
         assert list_moves("kv", size, region, offsets, slots) == expected
     assert list_moves("kv", SLOT, region, [], []) == []
+
+
+class Scripted(Agent):
+    """An agent whose transfers report the states ``script`` lists, one per look (no NIXL)."""
+
+    def __init__(self, script: dict[int, list[XferStatus]]) -> None:  # no NIXL agent behind it
+        self.script = script
+        self.looks = 0
+
+    def state(self, handle: Any) -> XferStatus:
+        self.looks += 1
+        states = self.script[handle]
+        return states.pop(0) if len(states) > 1 else states[0]
+
+
+def test_drain_waits_for_running_transfers_and_stops_at_its_bound() -> None:
+    """What a closing owner waits for before it lets go of memory: every transfer ended, or
+    the bound passed with some still running (reported RUNNING)."""
+    R, D, F = XferStatus.RUNNING, XferStatus.DONE, XferStatus.FAILED
+    agent = Scripted({1: [R, R, D], 2: [F], 3: [R, D]})
+    assert agent.drain([1, 2, 3], 5.0) == [D, F, D]
+    forever = Scripted({1: [D], 2: [R]})
+    start = time.monotonic()
+    assert forever.drain([1, 2], 0.05) == [D, R]
+    assert time.monotonic() - start >= 0.05 and forever.looks > 2
+    assert Scripted({}).drain([], 5.0) == []
