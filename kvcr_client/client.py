@@ -138,8 +138,7 @@ class Client(Operations):
             core.close()
         finally:
             self._regions.deregister_all()
-            self._leases.clear()  # the session's leases and grants end with it
-            self._grants.forget()
+            self._end_session()  # its leases and grants end with it
 
 
 class AsyncClient(Operations):

@@ -39,6 +39,7 @@ from kvcr_client.readplans import LocalColumns, RemoteSpans, remote_spans
 from kvcr_client.readplans import plan as plan_reads
 from kvcr_client.reads import Finished, GrantRead
 from kvcr_client.regions import RegionHandle
+from kvcr_client.session_scope import PRUNE_SLACK, SessionScope
 from kvcr_protocol import (
     DEFAULT_LIMITS,
     Completion,
@@ -54,7 +55,6 @@ from kvcr_protocol import (
     Message,
     RenewLease,
     Suspect,
-    Welcome,
 )
 
 MARGIN_S = 0.05
@@ -66,8 +66,6 @@ CONFIRM_TIMEOUT_S = 10.0
 """How long a confirmation (``renew``) is waited for; no answer fails the keys ``LEASE_LOST``."""
 DEFAULT_READ_S = 30.0
 """How long READs of a deliver with deadline 0 may take."""
-PRUNE_SLACK = 1024
-"""Granted keys of ended leases tolerated in the table before it is swept."""
 MAX_SOURCES = 256
 """Sources' agents one session keeps loaded at most (one per endpoint); past it the longest
 unused goes, and a lease of its keys loads it again."""
@@ -114,49 +112,57 @@ class NodePool:
 
 @dataclass(frozen=True, slots=True)
 class NodeAgent:
-    """The node's agent (or a source's) as loaded into ours, for one session (``welcome``);
-    ``grace_s``, the shortest grace period its grants' validity depends on."""
+    """The node's agent (or a source's) as loaded into ours for one session (it lives in
+    that session's ``SessionScope``); ``grace_s``, the shortest grace period its grants'
+    validity depends on."""
 
     name: str
     pools: tuple[NodePool, ...]
     grace_s: float
-    welcome: Welcome
 
 
 class Grants:
     """The granted slots of this session's leases, the node's agent, and the READs of a deliver."""
 
-    def __init__(self, core: ClientCore, counters: Counters) -> None:
+    def __init__(self, core: ClientCore, counters: Counters, scope: Callable[[], SessionScope]) -> None:
         self.core = core
         self.counters = counters
-        self.node: NodeAgent | None = None
-        self.sources: dict[tuple[str, int], NodeAgent] = {}
-        """Sources' agents loaded this session, by (endpoint, incarnation)."""
-        self._keys: dict[bytes, GrantedKey] = {}
-        self._sweep_at = PRUNE_SLACK
+        self.scope = scope
+        """The current session's scope: the granted keys and loaded agents live there."""
         self._stale: set[str] = set()
         """Node agents of ended sessions, still loaded in ours: removed once no READ runs on
         them, unless the next session's grant loads the same agent again (a reconnect)."""
         self.columns = LocalColumns()
         """Prepared destinations' spans as arrays, for planning many spans at once."""
         self.hook: Hook | None = None
-        self._no_reports: Welcome | None = None
-        """The session whose node refused ``suspect`` (it predates it): reports nothing more."""
 
     # ------------------------------------------------------------------ what is granted
+
+    @property
+    def node(self) -> NodeAgent | None:
+        """The node's agent as loaded for the current session."""
+        return self.scope().node
+
+    @property
+    def keys(self) -> dict[bytes, GrantedKey]:
+        """The current session's granted keys."""
+        return self.scope().granted
 
     def wants_node(self) -> bool:
         """Whether a ``lease`` should ask for the node's agent (``!node_md``): not yet loaded
         for this session."""
-        return self.node is None or self.node.welcome is not self.core.welcome
+        return self.scope().node is None
 
-    def add(self, lease: LeaseHandle, keys: Sequence[bytes], grant: LeaseGrant) -> frozenset[bytes]:
-        """A ``lease_reply`` carried ``grant`` for ``lease`` (its keys in request order);
-        returns the keys this client may now READ itself."""
+    def add(self, scope: SessionScope, lease: LeaseHandle, keys: Sequence[bytes], grant: LeaseGrant) -> frozenset[bytes]:
+        """A ``lease_reply`` of the session ``scope`` carried ``grant`` for ``lease`` (its keys
+        in request order); returns the keys this client may now READ itself (none when that
+        session is over)."""
+        if scope is not self.scope():
+            return frozenset()
         if grant.node is not None:
             self.load(grant.node)
-        node = self.node
-        if node is None or node.welcome is not self.core.welcome:
+        node = scope.node
+        if node is None:
             return frozenset()  # no agent to read with: the keys travel by deliver
         sources = [self._source(source, node) for source in grant.sources]
         added = set()
@@ -167,14 +173,14 @@ class Grants:
             digests = grant.digest[8 * at:8 * (at + len(names))]
             at += len(names)
             if agent is not None and max(pools, default=0) < len(agent.pools):
-                self._keys[keys[i]] = GrantedKey(lease, names, pools, tuple(slots), agent,
-                                                 remote_spans(agent.pools, pools, slots), digests)
+                scope.granted[keys[i]] = GrantedKey(lease, names, pools, tuple(slots), agent,
+                                                    remote_spans(agent.pools, pools, slots), digests)
                 added.add(keys[i])
-        if len(self._keys) > self._sweep_at:
+        if len(scope.granted) > scope.sweep_at:
             # Keys of ended leases go in one sweep once the table doubled since the last, so
             # a sweep costs O(1) per key added, however many keys live leases grant.
-            self._keys = {k: g for k, g in self._keys.items() if g.lease.ended is None}
-            self._sweep_at = 2 * len(self._keys) + PRUNE_SLACK
+            scope.granted = {k: g for k, g in scope.granted.items() if g.lease.ended is None}
+            scope.sweep_at = 2 * len(scope.granted) + PRUNE_SLACK
         return frozenset(added)
 
     def load(self, node: GrantNode) -> None:
@@ -188,11 +194,11 @@ class Grants:
                 return
             pools.append(NodePool(region.kind, region.device, region.address, info.slot_size))
         name = self.core.call(lambda: self._add(node.agent_md)).result()
-        self.node = NodeAgent(name, tuple(pools), node.grace_ms / 1000 if node.grace_ms else math.inf, welcome)
+        self.scope().node = NodeAgent(name, tuple(pools), node.grace_ms / 1000 if node.grace_ms else math.inf)
 
     def drop(self, lease: LeaseHandle) -> None:
         """``lease`` ended: its grants go now (they name the lease, which names the client)."""
-        keys = self._keys
+        keys = self.scope().granted
         for key in lease.keys:
             granted = keys.get(key)
             if granted is not None and granted.lease is lease:
@@ -221,9 +227,10 @@ class Grants:
         """A source's agent as loaded into ours: cached for its endpoint and incarnation, or
         loaded now from ``source.node``; None when neither (its rows travel by deliver)."""
         name = (source.endpoint, source.incarnation)
-        cached = self.sources.get(name)
-        if cached is not None and cached.welcome is node.welcome:
-            self.sources[name] = self.sources.pop(name)  # the most recently used goes last
+        sources = self.scope().sources
+        cached = sources.get(name)
+        if cached is not None:
+            sources[name] = sources.pop(name)  # the most recently used goes last
             return cached
         md = source.node
         sizes = md.slot_sizes() if md is not None else []
@@ -234,28 +241,25 @@ class Grants:
         # One agent per source endpoint: an older incarnation's (the source restarted; its
         # leases ended with it) goes, and past MAX_SOURCES the longest unused; each is
         # removed from ours once no READ runs on it.
-        for old in [k for k in self.sources if k[0] == source.endpoint]:
-            self._stale.add(self.sources.pop(old).name)
-        while len(self.sources) >= MAX_SOURCES:
-            self._stale.add(self.sources.pop(next(iter(self.sources))).name)
+        for old in [k for k in sources if k[0] == source.endpoint]:
+            self._stale.add(sources.pop(old).name)
+        while len(sources) >= MAX_SOURCES:
+            self._stale.add(sources.pop(next(iter(sources))).name)
         pools = tuple(NodePool(r.kind, r.device, r.address, size) for r, size in zip(md.pools, sizes, strict=True))
         agent = self.core.call(lambda: self._add(md.agent_md)).result()
         grace = min(node.grace_s, md.grace_ms / 1000 if md.grace_ms else math.inf)
-        loaded = self.sources[name] = NodeAgent(agent, pools, grace, node.welcome)
+        loaded = sources[name] = NodeAgent(agent, pools, grace)
         return loaded
 
-    def forget(self) -> None:
-        """A new session: grants of the old one are void. Its node agent stays loaded until
-        the next grant loads the node's agent: the same one (a reconnect to the same node
-        keeps its connection; removing the agent of a live process would leave it open), or
-        another, and then it goes once no READ runs on it."""
-        self._keys.clear()
-        self._sweep_at = PRUNE_SLACK
-        if self.node is not None:
-            self._stale.add(self.node.name)
-            self.node = None
-        self._stale.update(source.name for source in self.sources.values())
-        self.sources.clear()
+    def retire(self, scope: SessionScope) -> None:
+        """The session ``scope`` is over (a new hello, or the client closes): its grants went
+        with it. Its node agent stays loaded until the next grant loads the node's agent:
+        the same one (a reconnect to the same node keeps its connection; removing the agent
+        of a live process would leave it open), or another, and then it goes once no READ
+        runs on it."""
+        if scope.node is not None:
+            self._stale.add(scope.node.name)
+        self._stale.update(source.name for source in scope.sources.values())
 
     @property
     def stale(self) -> int:
@@ -265,20 +269,20 @@ class Grants:
     def cover(self, items: Sequence[DeliverItem]) -> list[GrantedKey] | None:
         """The grants of every key of a deliver, or None when one key has none (or its lease
         ended): such a deliver goes to the node."""
-        node = self.node
-        if node is None or node.welcome is not self.core.welcome or not items:
+        scope = self.scope()
+        if scope.node is None or not items:
             return None
+        keys = scope.granted
         out = []
         for item in items:
-            granted = self._keys.get(item.key)
-            if granted is None or granted.lease.ended is not None or granted.lease.lost_key(item.key) \
-                    or granted.agent.welcome is not node.welcome:
+            granted = keys.get(item.key)
+            if granted is None or granted.lease.ended is not None or granted.lease.lost_key(item.key):
                 return None
             out.append(granted)
         return out
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self.scope().granted)
 
     # ------------------------------------------------------------------ reading
 
@@ -332,8 +336,8 @@ class Grants:
         and drops it if it changed, or, for a source's slots, passes the report on to that
         source. Nothing waits for the answer."""
         self.counters.inc(Count.DIGEST_MISMATCHES)
-        welcome = self.core.welcome
-        if welcome is None or welcome is self._no_reports:
+        scope = self.scope()
+        if scope.reports_refused:
             return
 
         def convert(msg: Message) -> bool:
@@ -347,7 +351,7 @@ class Grants:
                 if future.result():
                     self.counters.inc(Count.SUSPECTS_DROPPED)
             elif getattr(error, "code", None) == ErrorCode.UNKNOWN_TYPE:
-                self._no_reports = welcome
+                scope.reports_refused = True
 
         self.counters.inc(Count.SUSPECTS_REPORTED)
         _, future = self.core.request(lambda i: Suspect(i, (key,)), convert, CONFIRM_TIMEOUT_S)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
@@ -28,7 +27,17 @@ from kvcr_client.grants import GrantedKey, Grants
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.puts import Puts
 from kvcr_client.regions import RegionHandle, RegionTable
-from kvcr_client.results import DeliverHandle, GroupDone, KeyOutcome, OpHandle, Presences, Results, StoreHandle
+from kvcr_client.results import (
+    DeliverHandle,
+    GroupDone,
+    KeyOutcome,
+    OpHandle,
+    Presences,
+    Results,
+    StoreHandle,
+    store_handle,
+)
+from kvcr_client.session_scope import CurrentScope
 from kvcr_client.spans import Destination, LayerPlan, Span
 from kvcr_protocol import (
     COLUMNS_VERSION,
@@ -96,15 +105,15 @@ class Operations:
         self.core = core
         self._regions = RegionTable(core)
         self._completions = Completions(max_completed)
-        self._token = _new_token()
-        """This session's notification token (spec section 6.10): a new one per session."""
-        self._leases: dict[int, LeaseHandle] = {}
-        """Live leases by id, so that the node's ``lease_end`` reaches their handles (lock held)."""
+        self._scope = CurrentScope()
+        """What the session owns (``kvcr_client.session_scope``): its notification token (spec
+        section 6.10), its live leases by id (so that the node's ``lease_end`` reaches their
+        handles), its grants; replaced whole at each hello and at close."""
         self._counters = Counters()
-        self._grants = Grants(core, self._counters)
+        self._grants = Grants(core, self._counters, self._scope)
         """The slots leases granted this session, read by ``deliver`` (spec section 6.12)."""
         self.core.on_lease_end = self._lease_ended
-        self._puts = Puts(self, self._counters)
+        self._puts = Puts(self, self._counters, self._regions, self._grants, self._completions, self._scope)
 
     def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
         handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait, self.core.poll, self.core.wait_async)
@@ -113,12 +122,8 @@ class Operations:
 
     def _store_handle(self, op_id: int, kind: str, fut: Future[Any], written: Future[None],
                       abort: Any = None) -> StoreHandle:
-        """A deposit's or a put's handle: ``written`` once the memory is free, then the results."""
-        core = self.core
-        handle = StoreHandle(op_id, kind, fut, OpHandle(op_id, "written", written, None, core.wait, core.poll,
-                                                        core.wait_async), abort, core.wait, core.poll, core.wait_async)
-        self._completions.when_done(fut, handle)
-        return handle
+        """A deposit's handle: ``written`` once the memory is free, then the results."""
+        return store_handle(self.core, self._completions, op_id, kind, fut, written, abort)
 
     def poll_completed(self) -> list[OpHandle[Any] | GroupDone]:
         """The operations that completed since the last call, for engines that poll once per step.
@@ -144,7 +149,7 @@ class Operations:
     def tables(self) -> dict[str, int]:
         """Sizes of the client's tables (for monitoring, and churn tests that check nothing grows)."""
         return {**self.core.tables(), "completed": len(self._completions), "regions": len(self._regions),
-                "leases": len(self._leases), "granted_keys": len(self._grants)}
+                "leases": len(self._scope().leases), "granted_keys": len(self._grants)}
 
     def counters(self) -> dict[str, int]:
         """What this client counted, every counter by name (``kvcr_client.counters.Count``):
@@ -302,7 +307,7 @@ class Operations:
         columns: tuple[DeliverColumns, ...] = ()
         if self.core.version >= COLUMNS_VERSION:
             columns = deliver_blocks(frozen, groups)
-        token = self._token if columns and groups is not None else 0
+        token = self._scope().token if columns and groups is not None else 0
         records = () if columns else frozen
         build = lambda i: DeliverMsg(i, records, request_id, deadline_ms, flag, columns, token)  # noqa: E731
         if groups is None:
@@ -507,10 +512,11 @@ class Operations:
         self._need_leases()
         core = self.core
         asked_at = time.monotonic()
-        welcome = core.welcome
+        current = self._scope
+        scope = current()
 
         def live() -> bool:
-            return not core.closed and not core.lost and core.welcome is welcome
+            return not core.closed and not core.lost and current() is scope
 
         def convert(msg: Message) -> LeaseHandle:
             if not isinstance(msg, LeaseReply) or msg.columns is None:
@@ -520,9 +526,9 @@ class Operations:
             handle = LeaseHandle(msg.lease, msg.ttl_ms, ks, msg.columns, asked_at, self.renew_lease, self.release_lease, live)
             handle.grant = msg.grant is not None
             if msg.lease:
-                self._leases[msg.lease] = handle
+                scope.leases[msg.lease] = handle
                 if msg.grant is not None and live():
-                    handle.granted = self._grants.add(handle, ks, msg.grant)
+                    handle.granted = self._grants.add(scope, handle, ks, msg.grant)
             return handle
 
         op_id, fut = core.request(lambda i: Lease(i, ks, request_id, ttl, read, node_md), convert, CONTROL_TIMEOUT_S)
@@ -550,7 +556,7 @@ class Operations:
         self._live_lease(lease)
         lease.released = True
         lease.end(ErrorCode.OK, "released")
-        self._leases.pop(lease.id, None)
+        self._scope().leases.pop(lease.id, None)
         self._grants.drop(lease)
         op_id, fut = self.core.request(lambda i: ReleaseLease(i, lease.id), checks.ack, CONTROL_TIMEOUT_S)
         return self._handle(op_id, "unlease", fut)
@@ -560,7 +566,7 @@ class Operations:
             raise ArgumentError("lease", f"expected a LeaseHandle, got {type(lease).__name__}")
         if lease.released:
             raise ArgumentError("lease", f"lease {lease.id} was released already")
-        if lease.ended is not None or self._leases.get(lease.id) is not lease:
+        if lease.ended is not None or self._scope().leases.get(lease.id) is not lease:
             raise ArgumentError("lease", f"lease {lease.id} is not held (ended: {lease.ended!r} {lease.end_reason})".rstrip())
 
     def _need_leases(self) -> None:
@@ -570,12 +576,13 @@ class Operations:
 
     def _lease_ended(self, msg: LeaseEnded) -> None:
         """The node's ``lease_end`` (lock held): the handle learns what it no longer holds."""
-        handle = self._leases.get(msg.lease)
+        leases = self._scope().leases
+        handle = leases.get(msg.lease)
         if handle is None:
             return
         handle.end(msg.code, msg.reason, msg.keys)
         if handle.ended is not None:
-            del self._leases[msg.lease]
+            del leases[msg.lease]
             self._grants.drop(handle)
 
     def stats(self) -> OpHandle[dict[str, Any]]:
@@ -588,13 +595,12 @@ class Operations:
 
     def _hello(self, timeout_s: float) -> Future[Any]:
         """Open a session (again), announcing every registered region."""
-        self._token = _new_token()  # a late notification of the old session matches nothing
-        self._leases.clear()  # leases end with their session: their handles say NODE_LOST
-        self._grants.forget()  # and so do their grants
+        self._end_session()
         # The previous session ends at once, its puts freed, unless a WRITE of a put may
         # still land (spec section 5.2): then it ends as the node finds it gone.
         return self.core.hello(self._regions.wires(), timeout_s, resume=self._puts.quiet())
 
-
-def _new_token() -> int:
-    return secrets.randbits(32) or 1
+    def _end_session(self) -> None:
+        """The session's scope goes whole: a new token (a late notification of the old session
+        matches nothing), its leases (their handles say NODE_LOST), its grants."""
+        self._grants.retire(self._scope.renew())

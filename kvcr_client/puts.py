@@ -34,7 +34,8 @@ from kvcr_client.counters import Count, Counters
 from kvcr_client.grants import Grants, NodePool
 from kvcr_client.put_jobs import PutJob, PutSteps, Runs
 from kvcr_client.regions import RegionHandle, RegionTable
-from kvcr_client.results import KeyOutcome, Results, StoreHandle
+from kvcr_client.results import Completing, KeyOutcome, Results, StoreHandle, store_handle
+from kvcr_client.session_scope import SessionScope
 from kvcr_client.spans import Span
 from kvcr_io.runs import cut, cut_rows
 from kvcr_protocol import (
@@ -53,27 +54,22 @@ from kvcr_protocol import (
     Put,
     PutReply,
     Unput,
-    Welcome,
     deposit_blocks,
 )
 from kvcr_protocol.records import U32_MAX
 
 
 class Owner(Protocol):
-    """What a put needs of the client's ``Operations`` (which owns ``Puts``)."""
+    """What a put needs of the client (``Operations``, which owns ``Puts``): its session core,
+    its pools, and ``deposit``, the path a put falls back to."""
 
     core: ClientCore
-    _regions: RegionTable
-    _grants: Grants
 
     @property
     def pools(self) -> dict[str, PoolInfo]: ...
 
     def deposit(self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
                 deadline_ms: int = ...) -> StoreHandle: ...
-
-    def _store_handle(self, op_id: int, kind: str, fut: Future[Any], written: Future[None],
-                      abort: Any = None) -> StoreHandle: ...
 
 CONTROL_TIMEOUT_S = 10.0
 """How long a ``put``, ``commit`` or ``unput`` waits for its answer (the node answers at once)."""
@@ -84,11 +80,15 @@ DEFAULT_WRITE_S = 30.0
 class Puts:
     """The puts of one client: they ride on its ``Operations`` (regions, grants, deposit)."""
 
-    def __init__(self, ops: Owner, counters: Counters) -> None:
+    def __init__(self, ops: Owner, counters: Counters, regions: RegionTable, grants: Grants, completions: Completing,
+                 scope: Callable[[], SessionScope]) -> None:
         self.ops: Owner = weakref.proxy(ops)  # the client owns its puts: no cycle keeps a closed client alive
-        self.refused: Welcome | None = None
-        """The session whose node refused ``put`` (it grants no writes): deposit there."""
         self.counters = counters
+        self.regions = regions
+        self.grants = grants
+        self.completions = completions
+        self.scope = scope
+        """The current session's scope: whether its node refused ``put`` (deposit there)."""
         self._busy = 0
         """Puts between their ``put`` and the end of their WRITEs."""
         self._let_go = False
@@ -112,7 +112,7 @@ class Puts:
 
     def offered(self) -> bool:
         core = self.ops.core
-        return core.version >= GRANTS_VERSION and (self.refused is None or self.refused is not core.welcome)
+        return core.version >= GRANTS_VERSION and not self.scope().puts_refused
 
     def put(
         self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
@@ -126,14 +126,14 @@ class Puts:
         optional = checks.flag(optional, "optional")
         ttl_ms = checks.uint(ttl_ms, "ttl_ms", U32_MAX)
         deadline_ms = checks.deadline(deadline_ms)
-        frozen, keys, regions = _spans.span_items(objects, DepositItem, ops, ops._regions.by_id, ops.pools)
+        frozen, keys, regions = _spans.span_items(objects, DepositItem, ops, self.regions.by_id, ops.pools)
         if not self.offered() or not frozen:
             self.counters.inc(Count.PUT_FALLBACKS)
             return ops.deposit(objects, no_evict, optional, deadline_ms)
         columns = deposit_blocks(frozen)
-        node_md = ops._grants.wants_node()
+        node_md = self.grants.wants_node()
         give_up = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_WRITE_S)
-        core, table = ops.core, ops._regions
+        core, table = ops.core, self.regions
         op_id = core.next_id()
         table.hold(op_id, "put", regions)
         with self._lock:
@@ -154,8 +154,10 @@ class Puts:
             handle = ops.deposit({keys[i]: objects[keys[i]] for i in indices}, no_evict, optional, deadline_ms)
             return handle.future, handle.written.future
 
+        scope = self.scope()
+
         def refused() -> None:
-            self.refused = core.welcome
+            scope.puts_refused = True
             self.counters.inc(Count.PUT_FALLBACKS)
 
         def send(what: str, put_id: int) -> Future[Any]:
@@ -167,7 +169,7 @@ class Puts:
         # reservation that comes after the caller gave up is still handed back.
         _, asked = core.request(lambda i: Put(i, (), no_evict, optional, ttl_ms, columns, node_md),
                                 self._put_reply(len(keys)), math.inf, op_id=op_id)
-        steps = PutSteps(functools.partial(self._runs, frozen, columns), send, deposit, refused, self._late, settle,
+        steps = PutSteps(functools.partial(self._runs, scope, frozen, columns), send, deposit, refused, self._late, settle,
                          self.hook)
         result: Future[Results[KeyOutcome]] = Future()
         written: Future[None] = Future()
@@ -180,7 +182,7 @@ class Puts:
         # once, not at the next turn (an event loop takes one only when the socket speaks).
         asked.add_done_callback(lambda _: core.call(lambda: core.reads.nudge(job), closed=True))
         core.pace()
-        return ops._store_handle(op_id, "put", result, written)
+        return store_handle(core, self.completions, op_id, "put", result, written)
 
     def _put_reply(self, n: int) -> Callable[[Message], PutReply]:
         def convert(msg: Message) -> PutReply:
@@ -205,19 +207,20 @@ class Puts:
 
         asked.add_done_callback(hand_back)
 
-    def _runs(self, items: Sequence[DepositItem], columns: Sequence[DepositColumns],
+    def _runs(self, scope: SessionScope, items: Sequence[DepositItem], columns: Sequence[DepositColumns],
               reply: PutReply) -> tuple[Runs, str] | None:
         """The WRITEs of the reserved spans and the node's agent they go to; None when the
-        grant does not fit (or names another session's agent)."""
-        ops = self.ops
-        grants = ops._grants
+        grant does not fit, or the put's session (``scope``) is over."""
+        if scope is not self.scope():
+            return None
+        grants = self.grants
         grant = reply.grant
         if grant is not None and grant.node is not None:
             grants.load(grant.node)
         node = grants.node
-        if grant is None or node is None or node.welcome is not ops.core.welcome:
+        if grant is None or node is None:
             return None
-        by_id = ops._regions.by_id
+        by_id = self.regions.by_id
         runs = _column_runs(columns, grant, node.pools, by_id)
         if runs is None:  # blocks of several regions, pools or lengths: span by span
             runs = _runs(items, grant.keys(DEFAULT_LIMITS), node.pools, by_id)

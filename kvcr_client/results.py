@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from kvcr_client.errors import GroupFailed
 from kvcr_protocol import (
@@ -204,6 +204,29 @@ class StoreHandle(OpHandle[Results[KeyOutcome]]):
     ) -> None:
         super().__init__(op_id, kind, future, abort, waiter, poll, awaiter)
         self.written = written
+
+
+class Waiting(Protocol):
+    """How a handle waits for its future (``ClientCore``): blocking, polling, awaiting."""
+
+    def wait(self, future: Future[Any], timeout: float | None) -> Any: ...
+    def poll(self) -> None: ...
+    async def wait_async(self, future: Future[Any]) -> Any: ...
+
+
+class Completing(Protocol):
+    """Where a handle nobody waits on is queued once done (``kvcr_client.completions``)."""
+
+    def when_done(self, fut: Future[Any], handle: OpHandle[Any], planned: bool = ...) -> None: ...
+
+
+def store_handle(core: Waiting, completions: Completing, op_id: int, kind: str, future: Future[Results[KeyOutcome]],
+                 written: Future[None], abort: Callable[[int], Any] | None = None) -> StoreHandle:
+    """A deposit's or a put's handle: ``written`` once the memory is free, then the results."""
+    handle = StoreHandle(op_id, kind, future, OpHandle(op_id, "written", written, None, core.wait, core.poll,
+                                                       core.wait_async), abort, core.wait, core.poll, core.wait_async)
+    completions.when_done(future, handle)
+    return handle
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,7 +71,7 @@ def lease_lost(sched: Any, keys: list[bytes], layers: list[str]) -> dict[str, An
 
     def release_all(stage: str) -> None:
         if stage == "posted 0":
-            for lease in list(client._leases.values()):
+            for lease in list(client._scope().leases.values()):
                 lease.release()
 
     client._grants.hook = release_all

@@ -129,7 +129,7 @@ def test_a_flood_of_granted_leases_from_many_sessions_meets_typed_limits(node_fa
             assert st["leases"]["refused_lease_limit"] == outcomes["refused"], st["leases"]
             # Each granted lease reads byte for byte under its grant, the flood notwithstanding.
             c = clients[0]
-            k = next(k for k, g in c._grants._keys.items() if g.lease.ended is None)
+            k = next(k for k, g in c._grants.keys.items() if g.lease.ended is None)
             dst = np.zeros(SLOT, np.uint8)
             region = c.register(dst)
             reads = c.counters()["grant_reads"]

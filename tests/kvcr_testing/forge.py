@@ -19,7 +19,7 @@ def forge(endpoint: str, key: bytes, span: int, forged: np.ndarray) -> None:
     """Overwrite span ``span`` of ``key`` in the pool of the node at ``endpoint`` with ``forged``."""
     with Client(endpoint, name="forger") as forger:
         lease = forger.lease([key]).result(RESULT_TIMEOUT_S)
-        granted = forger._grants._keys[key]
+        granted = forger._grants.keys[key]
         pool = granted.agent.pools[granted.pools[span]]
         region = forger.register(forged)
         remote = [(pool.address + granted.slots[span] * pool.slot_size, len(forged), pool.device)]
