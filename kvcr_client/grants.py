@@ -215,7 +215,7 @@ class Grants:
         """Remove the node agents of ended sessions that no READ runs on any more (lock held)."""
         if not self._stale:
             return
-        running = {remote for job in self.core.reads.running for remote in job.remotes}
+        running = self.core.reads.remotes()
         for name in self._stale - running:
             self._stale.discard(name)
             try:

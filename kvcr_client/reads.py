@@ -415,6 +415,10 @@ class Reads:
     def posting(self) -> bool:
         return any(job.posting for job in self.running)
 
+    def remotes(self) -> set[str]:
+        """The remote agents that a job's transfers still use (not to be removed yet)."""
+        return {remote for job in self.running for remote in job.remotes}
+
     @property
     def live(self) -> bool:
         """Whether a deliver is unresolved (its READs are paced); READs left running past a
