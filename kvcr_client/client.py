@@ -16,8 +16,9 @@ from typing import Any
 
 from kvcr_client import checks
 from kvcr_client.errors import ArgumentError, KvcrError, NodeLostError
-from kvcr_client.operations import CONTROL_TIMEOUT_S, DEFAULT_MAX_COMPLETED, Operations
+from kvcr_client.operations import DEFAULT_MAX_COMPLETED, Operations
 from kvcr_client.regions import RegionHandle
+from kvcr_client.requests import CONTROL_TIMEOUT_S
 from kvcr_client.spans import Destination, Span
 from kvcr_protocol import CURRENT_VERSION, DEFAULT_LIMITS, Welcome, supported_up_to
 

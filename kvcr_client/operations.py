@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, ClassVar, overload
@@ -22,11 +21,12 @@ from kvcr_client import spans as _spans
 from kvcr_client.completions import Completions
 from kvcr_client.core import ClientCore
 from kvcr_client.counters import Count, Counters
-from kvcr_client.errors import ArgumentError, NodeError
+from kvcr_client.errors import ArgumentError
 from kvcr_client.grants import GrantedKey, Grants
-from kvcr_client.leases import LeaseHandle
+from kvcr_client.lease_requests import LeaseRequests
 from kvcr_client.puts import Puts
 from kvcr_client.regions import RegionHandle, RegionTable
+from kvcr_client.requests import CONTROL_TIMEOUT_S
 from kvcr_client.results import (
     DeliverHandle,
     GroupDone,
@@ -42,8 +42,6 @@ from kvcr_client.spans import Destination, LayerPlan, Span
 from kvcr_protocol import (
     COLUMNS_VERSION,
     DEFAULT_LIMITS,
-    GRANTS_VERSION,
-    LEASES_VERSION,
     PRESENCE_CODE,
     Abort,
     Completion,
@@ -57,9 +55,6 @@ from kvcr_protocol import (
     FetchItem,
     KeyResult,
     LayoutSpan,
-    Lease,
-    LeaseEnded,
-    LeaseReply,
     Message,
     PoolInfo,
     Presence,
@@ -67,8 +62,6 @@ from kvcr_protocol import (
     QueryColumns,
     QueryReply,
     Release,
-    ReleaseLease,
-    RenewLease,
     StatsReply,
     StatsRequest,
     SubmitHint,
@@ -79,22 +72,19 @@ from kvcr_protocol import (
     endpoint_problem,
 )
 from kvcr_protocol import Deliver as DeliverMsg
-from kvcr_protocol.columns import U32, pack
 
 log = logging.getLogger("kvcr.client")
 
 DEFAULT_DEADLINE_MS = 30_000
 DEFAULT_MAX_COMPLETED = 8192
 """Completed operations kept for ``poll_completed`` at most; older ones are dropped and counted."""
-CONTROL_TIMEOUT_S = 10.0
-"""How long a request the node answers at once waits (query, hints, stats, region announcements)."""
 ABORT_TIMEOUT_S = 5.0
 """How long an abort request waits for its acknowledgement (the operation completes on its own)."""
 RELEASE_DEADLINE_MS = 10_000
 """The deadline of a release (the node answers it at once)."""
 
 
-class Operations:
+class Operations(LeaseRequests):
     """What both clients share: request building, the handles operations return, their results."""
 
     core: ClientCore
@@ -363,7 +353,7 @@ class Operations:
                 fut.set_exception(results)
                 return
             if isinstance(handle, DeliverHandle):
-                handle.apply(handle.progress.on_reply(Completion(op_id, tuple(results), pack(done, U32))))
+                handle.apply(handle.progress.on_results(results, done))
             fut.set_result(Results([
                 (k, KeyOutcome(r.status, code_of(r.code), r.reason, None)) for k, r in zip(keys, results, strict=True)
             ]))
@@ -485,105 +475,6 @@ class Operations:
         if not isinstance(handle, OpHandle):
             raise ArgumentError("handle", f"expected an OpHandle of this client, got {type(handle).__name__}")
         handle.abort()
-
-    # ------------------------------------------------------------------ leases
-
-    def lease(
-        self, keys: Iterable[bytes], request_id: str | None = None, ttl_ms: int = 0, read: bool = True,
-    ) -> OpHandle[LeaseHandle]:
-        """Hold ``keys`` from now through every delivery of them (spec section 6.11).
-
-        The handle resolves to a ``LeaseHandle`` that says per key what is held: here
-        (``LEASED``), at the source the hint for ``request_id`` names (``LEASED_REMOTE``), or
-        not (``MISS``, ``PENDING``, ``LEASE_LIMIT``, ``ADVISORY``, ``UNREACHABLE``: treat as a
-        miss). Held keys cannot be evicted until the lease is released, expires (``ttl_ms``,
-        0: the node's default) or its session ends. Needs a node speaking version 4.
-
-        ``read`` (version 5): ask for a read grant, so that a ``deliver`` of the held keys
-        READs them from the node's pools with this client's agent (spec section 6.12); a
-        node with ``client_transfers`` off, or below version 5, grants none, and they travel
-        by the node as before.
-        """
-        request_id = checks.optional_request_id(request_id)
-        ks = checks.keys(keys, "keys")
-        ttl = checks.uint(ttl_ms, "ttl_ms", 0xFFFFFFFF)
-        read = checks.flag(read, "read") and self.core.version >= GRANTS_VERSION
-        node_md = read and self._grants.wants_node()
-        self._need_leases()
-        core = self.core
-        asked_at = time.monotonic()
-        current = self._scope
-        scope = current()
-
-        def live() -> bool:
-            return not core.closed and not core.lost and current() is scope
-
-        def convert(msg: Message) -> LeaseHandle:
-            if not isinstance(msg, LeaseReply) or msg.columns is None:
-                raise ValueError(f"expected lease_reply with columns, got {msg.TAG}")
-            if len(msg.columns) != len(ks):
-                raise ValueError(f"{len(msg.columns)} answers for {len(ks)} keys")
-            handle = LeaseHandle(msg.lease, msg.ttl_ms, ks, msg.columns, asked_at, self.renew_lease, self.release_lease, live)
-            handle.grant = msg.grant is not None
-            if msg.lease:
-                scope.leases[msg.lease] = handle
-                if msg.grant is not None and live():
-                    handle.granted = self._grants.add(scope, handle, ks, msg.grant)
-            return handle
-
-        op_id, fut = core.request(lambda i: Lease(i, ks, request_id, ttl, read, node_md), convert, CONTROL_TIMEOUT_S)
-        return self._handle(op_id, "lease", fut)
-
-    def renew_lease(self, lease: LeaseHandle, ttl_ms: int = 0) -> OpHandle[int]:
-        """Keep ``lease`` ``ttl_ms`` more from now (0: its own time to live); resolves to the
-        granted time to live. A lease the node no longer holds fails ``NodeError(UNKNOWN_LEASE)``."""
-        self._live_lease(lease)
-        ttl = checks.uint(ttl_ms, "ttl_ms", 0xFFFFFFFF)
-        asked_at = time.monotonic()
-
-        def convert(msg: Message) -> int:
-            if not isinstance(msg, LeaseReply):
-                raise ValueError(f"expected lease_reply, got {msg.TAG}")
-            lease.renewed(msg.ttl_ms, asked_at)
-            return msg.ttl_ms
-
-        op_id, fut = self.core.request(lambda i: RenewLease(i, lease.id, ttl), convert, CONTROL_TIMEOUT_S)
-        return self._handle(op_id, "renew", fut)
-
-    def release_lease(self, lease: LeaseHandle) -> OpHandle[None]:
-        """End ``lease`` now: what it held may be evicted again. A second release (or one of
-        a lease that ended) is an ``ArgumentError``; the node frees nothing twice either."""
-        self._live_lease(lease)
-        lease.released = True
-        lease.end(ErrorCode.OK, "released")
-        self._scope().leases.pop(lease.id, None)
-        self._grants.drop(lease)
-        op_id, fut = self.core.request(lambda i: ReleaseLease(i, lease.id), checks.ack, CONTROL_TIMEOUT_S)
-        return self._handle(op_id, "unlease", fut)
-
-    def _live_lease(self, lease: Any) -> None:
-        if not isinstance(lease, LeaseHandle):
-            raise ArgumentError("lease", f"expected a LeaseHandle, got {type(lease).__name__}")
-        if lease.released:
-            raise ArgumentError("lease", f"lease {lease.id} was released already")
-        if lease.ended is not None or self._scope().leases.get(lease.id) is not lease:
-            raise ArgumentError("lease", f"lease {lease.id} is not held (ended: {lease.ended!r} {lease.end_reason})".rstrip())
-
-    def _need_leases(self) -> None:
-        version = self.core.version
-        if version and version < LEASES_VERSION:
-            raise NodeError(ErrorCode.PEER_UNSUPPORTED, f"the session agreed on version {version}; leases need {LEASES_VERSION}")
-
-    def _lease_ended(self, msg: LeaseEnded) -> None:
-        """The node's ``lease_end`` (lock held): the handle learns what it no longer holds."""
-        leases = self._scope().leases
-        handle = leases.get(msg.lease)
-        if handle is None:
-            return
-        handle.end(msg.code, msg.reason, msg.keys)
-        if handle.ended is not None:
-            del leases[msg.lease]
-            self._grants.drop(handle)
 
     def stats(self) -> OpHandle[dict[str, Any]]:
         def convert(msg: Message) -> dict[str, Any]:

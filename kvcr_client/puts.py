@@ -34,6 +34,7 @@ from kvcr_client.counters import Count, Counters
 from kvcr_client.grants import Grants, NodePool
 from kvcr_client.put_jobs import PutJob, PutSteps, Runs
 from kvcr_client.regions import RegionHandle, RegionTable
+from kvcr_client.requests import CONTROL_TIMEOUT_S
 from kvcr_client.results import Completing, KeyOutcome, Results, StoreHandle, store_handle
 from kvcr_client.session_scope import SessionScope
 from kvcr_client.spans import Span
@@ -71,8 +72,6 @@ class Owner(Protocol):
     def deposit(self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
                 deadline_ms: int = ...) -> StoreHandle: ...
 
-CONTROL_TIMEOUT_S = 10.0
-"""How long a ``put``, ``commit`` or ``unput`` waits for its answer (the node answers at once)."""
 DEFAULT_WRITE_S = 30.0
 """How long the WRITEs of a put with deadline 0 may take."""
 

@@ -11,6 +11,10 @@ from kvcr_protocol import Message, Notification, Progress
 
 log = logging.getLogger("kvcr.client")
 
+CONTROL_TIMEOUT_S = 10.0
+"""How long a request the node answers at once (or within a source's answer time) waits for
+its answer: queries, hints, stats, region announcements, leases, puts, commits."""
+
 _RUNNING = "RUNNING"
 _FINISHED = "FINISHED"
 _SETTLED = frozenset({"CANCELLED", "CANCELLED_AND_NOTIFIED", _FINISHED})

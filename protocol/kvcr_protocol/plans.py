@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from kvcr_protocol.errors import ErrorCode
 from kvcr_protocol.messages import Completion, Progress
 from kvcr_protocol.notify import Notification, NotifyKind
-from kvcr_protocol.records import KeyStatus
+from kvcr_protocol.records import KeyResult, KeyStatus
 
 
 class GroupState(enum.Enum):
@@ -151,14 +151,22 @@ class PlanProgress:
 
     def on_reply(self, msg: Completion) -> list[GroupEvent]:
         """The request's ``complete``: every group's final state."""
-        if self.finished or msg.id != self.request:
+        if msg.id != self.request:
+            self.ignored += 1
+            return []
+        return self.on_results(msg.results, msg.done_counts() if len(msg.done) == 4 * len(msg.results) else ())
+
+    def on_results(self, results: Sequence[KeyResult], done: Sequence[int] = ()) -> list[GroupEvent]:
+        """The request is over, per item its result and (where given) how many groups it
+        delivered in a row: every group's final state. The node's ``complete`` says it
+        (``on_reply``); a client that READ the groups itself knows it (spec section 6.12)."""
+        if self.finished:
             self.ignored += 1
             return []
         self.finished = True
-        done = msg.done_counts() if len(msg.done) == 4 * len(msg.results) else ()
         events: list[GroupEvent] = []
         for k, entry in enumerate(self._items):
-            result = msg.results[k] if k < len(msg.results) else None
+            result = results[k] if k < len(results) else None
             if result is not None and result.status is KeyStatus.OK:
                 events += self._advance(k, entry.groups)
                 continue

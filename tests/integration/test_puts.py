@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from kvcr_client import ArgumentError, AsyncClient, Client, ErrorCode, KeyStatus, NodeError, Span
-from kvcr_client.puts import CONTROL_TIMEOUT_S
+from kvcr_client.requests import CONTROL_TIMEOUT_S
 from kvcr_protocol import Commit, Completion, DepositItem, Put, PutReply, SrcSpan, Unput
 from kvcr_testing.health import assert_clean, outcome_count, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar

@@ -70,6 +70,18 @@ def test_groups_the_client_landed_itself_deliver_and_bad_counts_are_ignored() ->
     assert plan.on_landed([1], 2) == [] and plan.ignored == 3  # finished
 
 
+def test_a_client_that_read_the_groups_itself_finishes_from_its_results_as_from_a_reply() -> None:
+    """No message is forged for it: ``on_results`` is what ``on_reply`` does with a reply's fields."""
+    results, done = (failed(ErrorCode.LEASE_LOST), OK), (1, 2)
+    own, node = PlanProgress(REQUEST, [3, 2]), PlanProgress(REQUEST, [3, 2])
+    own.on_landed([1], 1)
+    node.on_landed([1], 1)
+    assert own.on_results(results, done) == node.on_reply(reply(*results, done=done))
+    assert [own.state(0, g) for g in range(3)] == [DELIVERED, FAILED, FAILED] and own.finished
+    assert own.on_results(results, done) == [] and own.ignored == 1  # once only
+    assert node.on_reply(Completion(REQUEST + 1, results)) == [] and node.ignored == 1  # another request's
+
+
 def test_a_failed_group_fails_the_later_ones_and_earlier_ones_stay_delivered() -> None:
     plan = PlanProgress(REQUEST, [4, 1], TOKEN)
     plan.on_notification(note(0, 0))
