@@ -33,10 +33,10 @@ from typing import Any
 
 from kvcr_client.core import ClientCore
 from kvcr_client.counters import Count, Counters
-from kvcr_client.digest_checks import on_worker, parts, span_checks
+from kvcr_client.digest_checks import on_worker
 from kvcr_client.leases import LeaseHandle
+from kvcr_client.prepared_reads import PreparedReads
 from kvcr_client.readplans import LocalColumns, RemoteSpans, remote_spans
-from kvcr_client.readplans import plan as plan_reads
 from kvcr_client.reads import Finished, GrantRead
 from kvcr_client.regions import RegionHandle
 from kvcr_client.session_scope import PRUNE_SLACK, SessionScope
@@ -134,6 +134,8 @@ class Grants:
         them, unless the next session's grant loads the same agent again (a reconnect)."""
         self.columns = LocalColumns()
         """Prepared destinations' spans as arrays, for planning many spans at once."""
+        self.prepared = PreparedReads(self.columns)
+        """The READs of recent delivers, planned once per destination, grants and plan."""
         self.hook: Hook | None = None
 
     # ------------------------------------------------------------------ what is granted
@@ -257,6 +259,7 @@ class Grants:
         the same one (a reconnect to the same node keeps its connection; removing the agent
         of a live process would leave it open), or another, and then it goes once no READ
         runs on it."""
+        self.prepared.clear()  # plans of its grants (which name its leases, which name the client)
         if scope.node is not None:
             self._stale.add(scope.node.name)
         self._stale.update(source.name for source in scope.sources.values())
@@ -299,27 +302,18 @@ class Grants:
         in a row (or the error); ``quiet`` says no READ runs any more (the destination's
         regions may go). All three run with the I/O lock held.
         """
-        node = self.node
-        assert node is not None
         self.counters.inc(Count.GRANT_READS)
-        n = len(items)
-        codes: list[int] = [0] * n
-        # A whole deliver whose digests are checked is read in parts, each hashed on the
-        # digest worker while the next is copied (kvcr_client.digest_checks); it still ends
-        # as one group.
-        in_parts = parts(items, granted, self.columns) if groups is None else None
-        if in_parts is not None:
-            groups, landed, finished = in_parts, None, _as_whole(finished)
-        counts = [1 + max(g, default=0) for g in groups] if groups is not None else [1] * n
-        posts = [(g, lk, local, rk, remote, owners, peer) for (g, peer, lk, rk), (local, remote, owners)
-                 in plan_reads(items, granted, groups, regions, codes, self.columns).items()]
         deadline = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_READ_S)
-        checks, unchecked = span_checks(items, granted, groups, regions, self.columns)
-        if unchecked:
-            self.counters.inc(Count.SPANS_UNCHECKED, unchecked)
+        # Worked out once per destination, grants and plan (kvcr_client.prepared_reads): a
+        # repeat posts group 0 with nothing to plan.
+        plan = self.prepared.plan(items, granted, groups, regions)
+        if plan.in_parts:  # read and checked in parts, it still ends as one group
+            landed, finished = None, _as_whole(finished)
+        if plan.unchecked:
+            self.counters.inc(Count.SPANS_UNCHECKED, plan.unchecked)
         core = self.core
-        job = GrantRead(self, core.agent, items, granted, counts, posts, codes, deadline, landed, finished, quiet,
-                        checks=checks, ahead=on_worker if in_parts is not None else None, gate=self.hook)
+        job = GrantRead(self, core.agent, items, granted, plan.counts, plan.posts, list(plan.codes), deadline, landed,
+                        finished, quiet, checks=plan.checks, ahead=on_worker if plan.in_parts else None, gate=self.hook)
         # Group 0 is posted, polled and reported in one turn of the lock: the caller may
         # wait on it the moment this returns.
         error = core.call(lambda: core.reads.start(job)).exception()

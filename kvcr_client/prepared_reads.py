@@ -1,0 +1,102 @@
+"""A deliver's READs under grants, worked out once and kept (spec section 6.12).
+
+Planning a deliver (its descriptors per group, ``kvcr_client.readplans``; the spans each
+group's digests check, and the parts of a whole deliver, ``kvcr_client.digest_checks``)
+costs a few hundred microseconds of Python, all of it before group 0 is posted: a large
+share of the time to the first layer. What it depends on does not change between delivers
+of one destination under one lease: the destination's spans (a prepared ``Destination``
+hands the same tuple to every deliver), the grants (the same ``GrantedKey`` objects while
+their lease holds) and the layer plan. So ``PreparedReads`` keeps the last few plans by
+those, and a repeat posts group 0 with nothing left to work out. A plan holds the spans
+and grants it was made of, so their identities cannot be reused while it is kept; a grant
+of a new lease, or a list of ``Span`` (a new tuple each deliver), simply misses.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvcr_client.digest_checks import SpanChecks, parts, span_checks
+from kvcr_client.readplans import LocalColumns
+from kvcr_client.readplans import plan as plan_reads
+from kvcr_client.reads import Post
+from kvcr_client.regions import RegionHandle
+from kvcr_protocol import DeliverItem
+
+KEPT = 16
+"""Plans kept, the least recently used dropped first."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """What a deliver posts and checks, group by group."""
+
+    made_of: tuple[Any, ...]
+    """The spans tuples and grants it was planned from (kept alive: their ids are its key)."""
+    groups: Sequence[tuple[int, ...]] | None
+    """Per item its spans' groups: the layer plan's, or the parts of a whole deliver."""
+    in_parts: bool
+    """A whole deliver read in parts, checked on the digest worker, ending as one group."""
+    counts: list[int]
+    posts: list[Post]
+    codes: tuple[int, ...]
+    """Per item 0, or the code planning failed it with (a layout or size that does not fit)."""
+    checks: SpanChecks | None
+    unchecked: int
+
+
+class PreparedReads:
+    """The plans of recent delivers under grants, by what they were made of."""
+
+    def __init__(self, columns: LocalColumns) -> None:
+        self.columns = columns
+        self._kept: collections.OrderedDict[tuple[Any, ...], ReadPlan] = collections.OrderedDict()
+        self.hits = 0
+
+    def plan(
+        self, items: Sequence[DeliverItem], granted: Sequence[Any], groups: Sequence[tuple[int, ...]] | None,
+        regions: Mapping[int, RegionHandle],
+    ) -> ReadPlan:
+        """The READs of a deliver of ``items`` under ``granted`` with ``groups`` (None: whole)."""
+        key = (tuple([id(item.spans) for item in items]), tuple([id(g) for g in granted]),
+               None if groups is None else tuple(groups))
+        kept = self._kept.get(key)
+        if kept is not None:
+            self._kept.move_to_end(key)
+            self.hits += 1
+            return kept
+        made = self._make(items, granted, groups, regions)
+        self._kept[key] = made
+        if len(self._kept) > KEPT:
+            self._kept.popitem(last=False)
+        return made
+
+    def _make(
+        self, items: Sequence[DeliverItem], granted: Sequence[Any], groups: Sequence[tuple[int, ...]] | None,
+        regions: Mapping[int, RegionHandle],
+    ) -> ReadPlan:
+        columns = self.columns
+        # A whole deliver whose digests are checked is read in parts, each hashed on the
+        # digest worker while the next is copied (kvcr_client.digest_checks); it still ends
+        # as one group.
+        in_parts = parts(items, granted, columns) if groups is None else None
+        if in_parts is not None:
+            groups = in_parts
+        counts = [1 + max(g, default=0) for g in groups] if groups is not None else [1] * len(items)
+        codes = [0] * len(items)
+        posts = [(g, lk, local, rk, remote, owners, peer) for (g, peer, lk, rk), (local, remote, owners)
+                 in plan_reads(items, granted, groups, regions, codes, columns).items()]
+        posts.sort(key=lambda p: p[0])
+        checks, unchecked = span_checks(items, granted, groups, regions, columns)
+        made_of = (*[item.spans for item in items], *granted)
+        return ReadPlan(made_of, groups, in_parts is not None, counts, posts, tuple(codes), checks, unchecked)
+
+    def clear(self) -> None:
+        """Forget every plan (their session ended: its grants are void)."""
+        self._kept.clear()
+
+    def __len__(self) -> int:
+        return len(self._kept)
