@@ -111,8 +111,11 @@ def raw_writer(endpoint: str) -> None:
         peer["name"] = agent.add_remote_agent(msg["md"])
         peer["addr"] = msg["addr"]
         peer["dlist"] = {SPAN: agent.prep_xfer_dlist(peer["name"], [(msg["addr"] + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")}
-        # The client's source buffer: a READ of it is a deposit's anchor.
-        peer["src"] = agent.prep_xfer_dlist(peer["name"], [(msg["src"] + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
+        # The client's source buffer, when it names one: a READ of it is a deposit's anchor
+        # (bench/remote.py's anchor only WRITEs into this process).
+        if "src" in msg:
+            peer["src"] = agent.prep_xfer_dlist(peer["name"], [(msg["src"] + i * SPAN, SPAN, 0) for i in range(SPANS)],
+                                                "DRAM")
         return {"t": "ok"}
 
     def dlists(span: int) -> tuple[Any, Any]:
