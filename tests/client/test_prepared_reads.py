@@ -15,16 +15,10 @@ from kvcr_client.readplans import LocalColumns, RemoteSpans, remote_spans
 from kvcr_client.regions import RegionHandle
 from kvcr_protocol import DeliverItem, DstSpan, MemoryKind
 
+from .test_readplans import Pool
+
 SLOT = 4096
 SPANS = 8
-
-
-@dataclass(frozen=True)
-class Pool:
-    kind: MemoryKind
-    device: int
-    address: int
-    slot_size: int
 
 
 @dataclass(frozen=True, eq=False)
