@@ -28,7 +28,6 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from kvcr_client.core import ClientCore
@@ -36,10 +35,10 @@ from kvcr_client.counters import Count, Counters
 from kvcr_client.digest_checks import on_worker
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.prepared_reads import PreparedReads
-from kvcr_client.readplans import LocalColumns, RemoteSpans, remote_spans
+from kvcr_client.readplans import LocalColumns, remote_spans
 from kvcr_client.reads import Finished, GrantRead
 from kvcr_client.regions import RegionHandle
-from kvcr_client.session_scope import PRUNE_SLACK, SessionScope
+from kvcr_client.session_scope import PRUNE_SLACK, GrantedKey, NodeAgent, NodePool, SessionScope
 from kvcr_protocol import (
     DEFAULT_LIMITS,
     Completion,
@@ -51,7 +50,6 @@ from kvcr_protocol import (
     KeyStatus,
     LeaseGrant,
     LeaseReply,
-    MemoryKind,
     Message,
     RenewLease,
     Suspect,
@@ -76,49 +74,6 @@ the turn that posts group ``g``, lock held, with ``"posting g"`` before and ``"p
 after; returning False before defers that post to a later turn. Tests freeze a reader,
 kill a source or hold a group back there; a gated deliver takes the same path as any.
 Not a setting of the product."""
-
-
-@dataclass(frozen=True, slots=True)
-class GrantedKey:
-    """One key a lease lets this client READ: its stored span names, per span its pool (an
-    index into the pools of ``agent``, the node's or a source's) and slot, and where that
-    slot is (``remote``: address, slot size, memory kind, device; worked out once, when the
-    grant arrives, so that planning a READ costs one lookup per span)."""
-
-    lease: LeaseHandle
-    names: tuple[str, ...]
-    pools: bytes
-    slots: tuple[int, ...]
-    agent: NodeAgent
-    remote: RemoteSpans
-    digests: bytes = b""
-    """One u64 per stored span (``kvcr_io.digests``), 0 where unchecked; empty: none."""
-
-    @property
-    def peer(self) -> str:
-        """The remote agent its READs name."""
-        return self.agent.name
-
-
-@dataclass(frozen=True, slots=True)
-class NodePool:
-    """Where one of the node's pools is, as its registration says."""
-
-    kind: MemoryKind
-    device: int
-    address: int
-    slot_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class NodeAgent:
-    """The node's agent (or a source's) as loaded into ours for one session (it lives in
-    that session's ``SessionScope``); ``grace_s``, the shortest grace period its grants'
-    validity depends on."""
-
-    name: str
-    pools: tuple[NodePool, ...]
-    grace_s: float
 
 
 class Grants:

@@ -22,7 +22,7 @@ from kvcr_client.completions import Completions
 from kvcr_client.core import ClientCore
 from kvcr_client.counters import Count, Counters
 from kvcr_client.errors import ArgumentError
-from kvcr_client.grants import GrantedKey, Grants
+from kvcr_client.grants import Grants
 from kvcr_client.lease_requests import LeaseRequests
 from kvcr_client.puts import Puts
 from kvcr_client.regions import RegionHandle, RegionTable
@@ -37,7 +37,7 @@ from kvcr_client.results import (
     StoreHandle,
     store_handle,
 )
-from kvcr_client.session_scope import CurrentScope
+from kvcr_client.session_scope import CurrentScope, GrantedKey
 from kvcr_client.spans import Destination, LayerPlan, Span
 from kvcr_protocol import (
     COLUMNS_VERSION,

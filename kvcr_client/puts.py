@@ -31,12 +31,12 @@ from kvcr_client import checks
 from kvcr_client import spans as _spans
 from kvcr_client.core import ClientCore
 from kvcr_client.counters import Count, Counters
-from kvcr_client.grants import Grants, NodePool
+from kvcr_client.grants import Grants
 from kvcr_client.put_jobs import PutJob, PutSteps, Runs
 from kvcr_client.regions import RegionHandle, RegionTable
 from kvcr_client.requests import CONTROL_TIMEOUT_S
 from kvcr_client.results import Completing, KeyOutcome, Results, StoreHandle, store_handle
-from kvcr_client.session_scope import SessionScope
+from kvcr_client.session_scope import NodePool, SessionScope
 from kvcr_client.spans import Span
 from kvcr_io.runs import cut, cut_rows
 from kvcr_protocol import (

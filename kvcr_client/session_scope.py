@@ -7,18 +7,19 @@ and what its node refused (puts, integrity reports). Nothing in it outlives the 
 so nothing is cleared by hand, and "the same session" is ``scope is current``: a reply for
 an older session (a lease answered after a reconnect) finds its scope gone and adds nothing.
 What does outlive a session stays with its part: node agents still loaded while a READ of
-an older session runs on them (``Grants``), counters (``kvcr_client.counters``).
+an older session runs on them (``Grants``), counters (``kvcr_client.counters``). The records
+a scope holds are declared here too (a granted key, an agent as loaded, its pools), so that
+the parts that fill them import this module and it imports none of them.
 """
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the grant and lease records name their session's scope, not the other way
-    from kvcr_client.grants import GrantedKey, NodeAgent
-    from kvcr_client.leases import LeaseHandle
+from kvcr_client.leases import LeaseHandle
+from kvcr_client.readplans import RemoteSpans
+from kvcr_protocol import MemoryKind
 
 PRUNE_SLACK = 1024
 """Granted keys of ended leases tolerated in a scope's table before it is swept."""
@@ -28,6 +29,49 @@ def new_token() -> int:
     """A notification token: nonzero, and unlike the last session's (a late notification of
     an old session matches nothing)."""
     return secrets.randbits(32) or 1
+
+
+@dataclass(frozen=True, slots=True)
+class GrantedKey:
+    """One key a lease lets this client READ: its stored span names, per span its pool (an
+    index into the pools of ``agent``, the node's or a source's) and slot, and where that
+    slot is (``remote``: address, slot size, memory kind, device; worked out once, when the
+    grant arrives, so that planning a READ costs one lookup per span)."""
+
+    lease: LeaseHandle
+    names: tuple[str, ...]
+    pools: bytes
+    slots: tuple[int, ...]
+    agent: NodeAgent
+    remote: RemoteSpans
+    digests: bytes = b""
+    """One u64 per stored span (``kvcr_io.digests``), 0 where unchecked; empty: none."""
+
+    @property
+    def peer(self) -> str:
+        """The remote agent its READs name."""
+        return self.agent.name
+
+
+@dataclass(frozen=True, slots=True)
+class NodePool:
+    """Where one of the node's pools is, as its registration says."""
+
+    kind: MemoryKind
+    device: int
+    address: int
+    slot_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeAgent:
+    """The node's agent (or a source's) as loaded into ours for one session (it lives in
+    that session's ``SessionScope``); ``grace_s``, the shortest grace period its grants'
+    validity depends on."""
+
+    name: str
+    pools: tuple[NodePool, ...]
+    grace_s: float
 
 
 @dataclass(eq=False)

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from kvcr_client import Client, ErrorCode, LeaseStatus, NodeError, Span
-from kvcr_client.grants import PRUNE_SLACK
+from kvcr_client.session_scope import PRUNE_SLACK
 from kvcr_node.agents import DEPARTED_AGENTS
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.hostile import Worker

@@ -32,7 +32,8 @@ from kvcr_client import (
     Span,
     digest_checks,
 )
-from kvcr_client.grants import MARGIN_FRACTION, MARGIN_S, PRUNE_SLACK
+from kvcr_client.grants import MARGIN_FRACTION, MARGIN_S
+from kvcr_client.session_scope import PRUNE_SLACK
 from kvcr_protocol import DEFAULT_LIMITS, RenewLease
 from kvcr_testing.forge import forge
 from kvcr_testing.health import assert_clean, stats, wait_until
