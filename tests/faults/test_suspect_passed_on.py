@@ -6,7 +6,8 @@ A's client holds read leases of B's objects with B's grant (B trusts A's clients
 keys B holds that this client never leased (another client's); keys nobody stored. A passes
 on only the keys this session's leases hold with B's grant, at most 16 waiting on B at once
 (more answer ``BUSY``), B reads within its own budget, nothing is dropped, and every table
-at A is back where it began; A goes on serving B's objects byte for byte throughout.
+at A is back where it began, both nodes' descriptors, threads and RSS within a bound; A goes
+on serving B's objects byte for byte throughout.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvcr_client import ErrorCode, KeyStatus, LeaseStatus, Span
 from kvcr_node.suspects import BANKED_S, SESSION_SHARE
 from kvcr_protocol import Completion, Suspect
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, plain_layout
+from kvcr_testing.measure import fd_count, rss_kib, thread_count
 from kvcr_testing.patterns import KiB
 from kvcr_testing.remote import Sites, deliver_checked, poll_stats
 
@@ -31,6 +33,9 @@ RATE = 4 << 20
 """B's ``suspect_bytes_per_s``: A's peer session may read 1 MiB/s of it, four objects a second."""
 REPORTS = 300
 SLACK_S = 10.0
+FD_SLACK = 8
+THREAD_SLACK = 2
+RSS_GROWTH_KIB = 16384
 
 
 @pytest.mark.slow
@@ -43,6 +48,8 @@ def test_a_report_flood_through_a_target_reaches_its_source_bounded_and_drops_no
     # Warm: A has announced its client to B for node-driven writes (the tables it keeps for that).
     deliver_checked(a, b"other", LAYOUT, objects[b"other"], range(len(LAYOUT.spans)), seed=1, request_id="r")
     base = a.stats()["tables"]
+    footprint = {site: (fd_count(site.node.proc.pid), thread_count(site.node.proc.pid), rss_kib(site.node.proc.pid))
+                 for site in (a, b)}
     hostile = [
         (b"g0", b"g1"),  # granted to this session by B, intact: passed on
         (b"g0",) * 512,  # one key, many times: passed on once per report
@@ -88,5 +95,9 @@ def test_a_report_flood_through_a_target_reaches_its_source_bounded_and_drops_no
         assert res[key].status is KeyStatus.OK and np.array_equal(dst, objects[key]), res
     poll_stats(a, lambda st: st["tables"]["suspects_at_sources"] == 0 and st["tables"] == base, SLACK_S,
                "A's tables back where they began")
+    for site, (fds, threads, rss) in footprint.items():  # both nodes: the target and the flooded source
+        pid = site.node.proc.pid
+        assert fd_count(pid) <= fds + FD_SLACK and thread_count(pid) <= threads + THREAD_SLACK, site.endpoint
+        assert rss_kib(pid) <= rss + RSS_GROWTH_KIB, (site.endpoint, rss, rss_kib(pid))
     lease.release().result(RESULT_TIMEOUT_S)
     poll_stats(b, lambda st: st["leases"]["held"] == 0, SLACK_S, "B let go of the leases")
