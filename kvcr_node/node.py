@@ -46,7 +46,7 @@ from kvcr_node.exporter import MetricsExporter
 from kvcr_node.inventory import Inventory
 from kvcr_node.leases import Leases
 from kvcr_node.links import Links
-from kvcr_node.memory import PoolMemory
+from kvcr_node.memory import PoolMemory, available_bytes
 from kvcr_node.metrics import Metrics
 from kvcr_node.metrics_publisher import MetricsPublisher
 from kvcr_node.operations import Operations
@@ -123,9 +123,12 @@ class Node:
         self.memories: dict[str, PoolMemory] = {}
         self._regs: list[Any] = []
         self.agent = Agent(f"{config.name}.{self.incarnation:x}")
+        available = available_bytes()
         try:
             for spec in config.pools:
-                mem = PoolMemory(spec)
+                mem = PoolMemory(spec, available)
+                if available is not None and mem.device is None:
+                    available -= spec.size
                 self.memories[spec.name] = mem
                 # Registered with NIXL once, at start (architecture §6).
                 self._regs.append(self.agent.register(mem.kind, mem.address, spec.size, mem.nixl_device))

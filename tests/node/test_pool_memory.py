@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from kvcr_client import Client
+from kvcr_node.memory import PoolAllocationError, PoolMemory
+from kvcr_node.poolspec import PoolSpec
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 POOL_KIB = 16 * 1024
@@ -45,3 +47,26 @@ def test_a_nodes_dram_pool_may_be_backed_by_huge_pages(node_factory: Callable[..
     pools = mappings(node.proc.pid, POOL_KIB)
     assert pools, "no mapping of the pool's size in the node"
     assert all(m.get("THPeligible") == "1" for m in pools), pools
+
+
+def test_a_nodes_dram_pool_is_resident_from_the_start(node_factory: Callable[..., Any]) -> None:
+    """Every page of a pool is faulted in at start: no transfer pays a page's first fault."""
+    node = node_factory("--pool", f"kv:64KiB:{POOL_KIB // 64}")
+    with Client(node.endpoint, name="resident") as client:
+        assert client.stats().result(10)["invariants"] == []
+    pools = mappings(node.proc.pid, POOL_KIB)
+    assert pools, "no mapping of the pool's size in the node"
+    assert all(m.get("Rss") == f"{POOL_KIB} kB" for m in pools), pools
+
+
+def test_a_pool_larger_than_the_memory_left_is_refused_by_name() -> None:
+    """The pools share what the host has: one past it is refused, naming it, before any page
+    is faulted in (the kernel would otherwise end the process midway)."""
+    spec = PoolSpec("big", 64 * 1024, 65)
+    with pytest.raises(PoolAllocationError, match=r"pool 'big' .*4194304 bytes available"):
+        PoolMemory(spec, available=4 * 1024 * 1024)
+    small = PoolMemory(PoolSpec("small", 64 * 1024, 64), available=4 * 1024 * 1024)
+    try:
+        assert int(small.array[:: 4096].sum()) == 0  # resident and still zero
+    finally:
+        small.close()
