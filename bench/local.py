@@ -32,7 +32,8 @@ stdout carries one JSON object: ``query_ratio`` and ``query_ratio_async`` (query
 p50 of the same 1024 descriptors / kvcr deliver p50 under a read grant; ``_merged``: against one
 descriptor), ``grant_deliver_ms`` and ``raw_grant_read_ms`` (their medians) and
 ``grant_deliver_spread`` and ``raw_grant_read_spread`` ((p90 - p10) / median), ``deposit_ratio`` (raw NIXL READ p50
-/ kvcr deposit p50), ``put_deposit_ratio`` (raw NIXL WRITE p50 of the same 1024 descriptors by a bare
+/ kvcr deposit p50), ``planned_vs_whole_local`` (the same object delivered by the node in 32
+groups of a layer plan, p50 / whole, both to the prepared destination), ``put_deposit_ratio`` (raw NIXL WRITE p50 of the same 1024 descriptors by a bare
 agent / kvcr put p50 under a write grant, put, WRITE and commit included; ``_merged``: against one
 descriptor; ``put_ms``, ``raw_put_write_ms`` and their ``_spread``), ``put_written_ratio`` (the same
 anchor / the put's ``written``, once its WRITE is done and before its commit's reply: when an
@@ -75,6 +76,8 @@ from kvcr_protocol import CURRENT_VERSION
 SPAN = 64 << 10
 SPANS = 1024
 OBJECT = SPAN * SPANS  # 64 MiB
+LAYERS = [[f"L{i}" for i in range(g * SPANS // 32, (g + 1) * SPANS // 32)] for g in range(32)]
+"""A layer plan of 32 groups over the object's spans, in order (``planned_vs_whole_local``)."""
 IDLE_CLIENT_S = 3600.0
 """How long the idle client process waits to be stopped (it always is, long before)."""
 IDLE_SETTLE_S = 0.2
@@ -405,7 +408,11 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, 
             assert client.deliver(dest).result(30)[b"obj"].ok
             if not np.array_equal(src, dst):
                 raise AssertionError(f"delivered bytes differ from the deposited bytes ({how})")
-        times: dict[str, list[float]] = {"list": [], "prepared": []}
+        dst[:] = 0
+        assert client.deliver(dests["prepared"], plan=LAYERS).result(30)[b"obj"].ok
+        if not np.array_equal(src, dst):
+            raise AssertionError("delivered bytes differ from the deposited bytes (planned)")
+        times: dict[str, list[float]] = {"list": [], "prepared": [], "planned": []}
         for rep in range(reps):
             progress.tick("deliveries", rep, reps)
             for how, dest in dests.items():
@@ -413,6 +420,10 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, 
                 res = client.deliver(dest).result(30)
                 times[how].append(time.perf_counter() - t0)
                 assert res[b"obj"].ok, res
+            t0 = time.perf_counter()
+            res = client.deliver(dests["prepared"], plan=LAYERS).result(30)
+            times["planned"].append(time.perf_counter() - t0)
+            assert res[b"obj"].ok, res
             raw.run("write")
             raw.run("write_merged")
         granted = bench_grants(client, raw, dests, src, dst, reps, progress)
@@ -441,12 +452,12 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, 
             swept = bench_sweep(client, raw, rs, rd, reps, progress)
         stats = client.stats().result(5)
         assert stats["invariants"] == [], stats["invariants"]
-    samples = {**queried, "deliver": times["list"], "deliver_prepared": times["prepared"], "deposit": deposits, "put": put_times,
+    samples = {**queried, "deliver": times["list"], "deliver_prepared": times["prepared"], "deliver_planned": times["planned"], "deposit": deposits, "put": put_times,
                "put_written": put_written, "grant_deliver": granted["list"], "grant_deliver_prepared": granted["prepared"],
                **{f"raw_{name}": runs for name, runs in raw.runs.items()}}
     return {**{name: summary(queried[name]) for name in queried}, "deliver": summary(times["list"]),
             "grant_deliver": summary(granted["list"]), "grant_deliver_prepared": summary(granted["prepared"]),
-            "deliver_prepared": summary(times["prepared"]), "deposit": summary(deposits), "put": summary(put_times),
+            "deliver_prepared": summary(times["prepared"]), "deliver_planned": summary(times["planned"]), "deposit": summary(deposits), "put": summary(put_times),
             "put_written": summary(put_written), "raw": raw.summaries(),
             "samples": samples, "sweep": {span: {"kvcr": swept[span], "raw": raw.sweep[span]} for span in swept}}
 
@@ -490,6 +501,7 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
         "query_ratio_async": k["query_async"]["median"] / k["echo"]["median"],
         "deliver_ratio": r["write"]["median"] / k["deliver"]["median"],
         "deposit_ratio": r["read"]["median"] / k["deposit"]["median"],
+        "planned_vs_whole_local": k["deliver_planned"]["median"] / k["deliver_prepared"]["median"],
         "grant_deliver_ratio": r["consumer_read"]["median"] / k["grant_deliver"]["median"],
         "grant_deliver_ratio_merged": r["consumer_read_merged"]["median"] / k["grant_deliver"]["median"],
         "grant_deliver_ms": k["grant_deliver"]["median"] * 1e3,
@@ -525,6 +537,8 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
         ratio = r["write"]["median"] / k[name]["median"]
         ratio_e2e = r["write_e2e"]["median"] / k[name]["median"]
         say(f"  ratio kvcr / raw NIXL, {label}: {ratio:.2f} (goal >= 0.9); against raw NIXL + trigger: {ratio_e2e:.2f}")
+    say(f"  kvcr deliver, {len(LAYERS)} layers      {fmt_gbps(OBJECT, k['deliver_planned'])}")
+    say(f"  planned / whole (prepared dest.): {figures['planned_vs_whole_local']:.2f} (goal <= 1.2)")
     say("deliver of the same object under a read grant (the client READs the node's pool), against raw NIXL READ")
     say(f"  kvcr deliver, list of spans      {fmt_gbps(OBJECT, k['grant_deliver'])}")
     say(f"  kvcr deliver, prepared dest.     {fmt_gbps(OBJECT, k['grant_deliver_prepared'])}")
