@@ -468,6 +468,12 @@ class ClientSession(Generic[H]):
         or the node refused the connection itself)."""
         pending, self.pending = self.pending, {}
         late, self.timed_out = self.timed_out, {}
+        if self._hello_id in pending:
+            # The hello failed with the rest (the handshake refused, or broken as a restarting
+            # node died under it): a later hello may go, as after a hello that timed out.
+            self._hello_id = 0
+            if self.state is SessionState.HELLO_SENT:
+                self.state = SessionState.IDLE
         self.lingering.clear()
         self.touching = 0
         self.nearest = math.inf

@@ -445,6 +445,23 @@ def test_heartbeats_keep_the_session_and_a_silent_node_is_lost(ipc_dir: Path, ag
         assert opened(pair).version == CURRENT_VERSION and s.connected
 
 
+def test_a_hello_failed_by_a_refused_handshake_leaves_the_session_open_to_another(ipc_dir: Path, agent: ClientAgent) -> None:
+    """The handshake refused (or broken by a node dying under it) fails the hello with every
+    request: the session goes back to idle, so the next hello may go (it once stayed
+    ``hello_sent`` for good, and every later hello was refused locally)."""
+    with node_driver(config(ipc_dir)) as d:
+        pair = Pair(d, agent)
+        s = pair.session
+        a = pair.agent
+        op_id = next(pair.ids)
+        s.send(op_id, Hello(op_id, s.versions, "session-client", a.name, a.metadata, a.regions), pair.now(), 2.0, "hello")
+        assert s.state is SessionState.HELLO_SENT
+        events = s.fail_all(NodeError(ErrorCode.UNAUTHORIZED, "refused"))
+        assert [type(e) for e in events] == [Failed] and s.state is SessionState.IDLE
+        d.node.outbox.take()
+        assert opened(pair).version == CURRENT_VERSION and s.connected
+
+
 def test_a_disconnect_loses_an_open_session_only(ipc_dir: Path, agent: ClientAgent) -> None:
     with node_driver(config(ipc_dir)) as d:
         pair = Pair(d, agent)
