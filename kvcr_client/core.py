@@ -181,6 +181,16 @@ class ClientCore:
     def welcome(self) -> Welcome | None:
         return self.session.welcome
 
+    def unanswered_s(self) -> float:
+        """How long the node has left a heartbeat unanswered (``ClientSession.unanswered_s``);
+        read without the lock: a moment's staleness only moves the figure by that moment."""
+        return self.session.unanswered_s(time.monotonic())
+
+    def probe(self) -> None:
+        """Send a heartbeat now unless one is unanswered (``ClientSession.probe``); never raises."""
+        if not self.closed:
+            self.call(lambda: self._apply(self.session.probe(time.monotonic())))
+
     # ------------------------------------------------------------------ caller side
 
     def call(self, fn: Callable[[], Any], closed: bool = False) -> Future[Any]:

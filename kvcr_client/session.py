@@ -199,6 +199,10 @@ class ClientSession(Generic[H]):
         """When the heartbeat and the node's silence are next looked at."""
         self.last_sent = 0.0
         self.last_heard = 0.0
+        self.probed_at: float | None = None
+        """When the oldest heartbeat the node has not answered went (None: the node spoke since
+        the last one): ``unanswered_s``."""
+        self._probed_before: float | None = None
         self.heartbeats = 0
         self.notifications: collections.Counter[str] = collections.Counter()
         """NIXL notifications seen: matched to a pending request, ignored, malformed."""
@@ -220,6 +224,18 @@ class ClientSession(Generic[H]):
         """The node's heartbeat interval from the welcome (0: no heartbeats)."""
         welcome = self.welcome
         return welcome.heartbeat_ms / 1000 if welcome is not None and welcome.heartbeat_ms else 0.0
+
+    def unanswered_s(self, now: float) -> float:
+        """How long the oldest heartbeat the node has not answered has waited, with not a word
+        from the node since (0: none, or not connected). The node's loop answers a heartbeat
+        in its next turn, whatever its other requests wait for (a source's dial, a transfer),
+        so this grows past a turn only when the node or the path to it stalls (frozen,
+        swapping), long before three heartbeat intervals of silence declare it lost. A
+        caller that cannot wait on a stalled node ``probe``s as it sends (an engine's lookup)
+        and treats the node as away past a bound of its own (``NodeLink.stalled``)."""
+        if not self.connected or self.probed_at is None:
+            return 0.0
+        return max(0.0, now - self.probed_at)
 
     def refusal(self) -> Exception | None:
         """Why no request may be sent now (None: it may). Before the welcome requests go out:
@@ -279,8 +295,28 @@ class ClientSession(Generic[H]):
             self.nearest = entry.deadline
         if touches_memory:
             self.touching += 1
-        self._sent_before, self.last_sent = self.last_sent, now
+        self._sent(now)
         return frame
+
+    def _sent(self, now: float) -> None:
+        self._sent_before, self.last_sent = self.last_sent, now
+
+    def _beat(self, now: float) -> list[Event[H]]:
+        """A heartbeat sent now: the frame, and the node owes its answer (``unanswered_s``)."""
+        self.heartbeats += 1
+        self._sent(now)
+        self._probed_before = self.probed_at
+        if self.probed_at is None:
+            self.probed_at = now
+        return [SendFrame(encode(Heartbeat(self.heartbeats), self.version))]
+
+    def probe(self, now: float) -> list[Event[H]]:
+        """A heartbeat now, unless one is unanswered already or the session is not open: the
+        node's loop answers it in its next turn whatever its other requests wait for, so a
+        caller learns within its own bound whether the node stalled (``unanswered_s``)."""
+        if not self.connected or self.probed_at is not None:
+            return []
+        return self._beat(now)
 
     def unsent(self, op_id: int) -> None:
         """The wire did not take the frame of ``op_id`` (the socket's queue is full): forget it."""
@@ -291,14 +327,14 @@ class ClientSession(Generic[H]):
 
     def heartbeat_unsent(self, now: float) -> None:
         """The wire did not take the heartbeat ``timeouts`` gave: try again soon."""
-        self.last_sent = self._sent_before
+        self.last_sent, self.probed_at = self._sent_before, self._probed_before
         self._schedule_heartbeat(now)
 
     # ------------------------------------------------------------------ receiving
 
     def receive(self, frame: bytes, now: float) -> list[Event[H]]:
         """A frame from the node: what it means for the requests in flight."""
-        self.last_heard = now
+        self.last_heard, self.probed_at = now, None
         try:
             msg = decode(frame, self.version or self.versions[-1])
         except RemoteProtocolError as exc:
@@ -429,9 +465,7 @@ class ClientSession(Generic[H]):
             events.extend(self.lose(NodeLostError(silent)))
             return
         if now - self.last_sent >= interval:
-            self.heartbeats += 1
-            events.append(SendFrame(encode(Heartbeat(self.heartbeats), self.version)))
-            self._sent_before, self.last_sent = self.last_sent, now
+            events.extend(self._beat(now))
         self._schedule_heartbeat(now)
 
     def _schedule_heartbeat(self, now: float) -> None:

@@ -11,7 +11,9 @@ most for the welcome (the scheduler's ``lookup_wait_s``, never longer), so vLLM 
 held by an absent node. The hello announces every region the client registered, so a
 worker's KV cache is registered with the node again as part of it (a restarted node knows
 nothing of the old session). A welcome from another incarnation calls ``on_restart``: what
-the side remembers of the node's content is stale. ``node_outages``, ``reconnects`` and
+the side remembers of the node's content is stale. A node that stalls without dropping the
+session (frozen: a heartbeat the side ``probe``d is not answered) is ``stalled`` past the
+side's own bound, long before its silence ends the session. ``node_outages``, ``reconnects`` and
 ``node_away_ms`` count what happened, through the side's ``count``. No engine is imported here.
 """
 
@@ -55,6 +57,16 @@ class NodeLink:
     def up(self) -> bool:
         """Whether the session was open when last looked at (``ready`` looks again)."""
         return self.reconnector.up
+
+    def probe(self) -> None:
+        """Ask the node for a heartbeat now (one at a time), for ``stalled`` to go by."""
+        self.client.core.probe()
+
+    def stalled(self, bound_s: float) -> bool:
+        """Whether the node has left a heartbeat (``probe``) unanswered for ``bound_s`` or
+        longer without a word (frozen, swapping): the session stands, but a call that cannot
+        wait treats the node as away until it speaks again."""
+        return self.reconnector.up and self.client.core.unanswered_s() >= bound_s
 
     def ready(self, wait_s: float = 0.0) -> bool:
         """Whether the session with the node is open now. When it is not, send the next hello

@@ -79,6 +79,8 @@ COUNTERS: dict[str, str] = {
     "node_away_ms": "Milliseconds the node was away, counted when the outage ends (both).",
     "node_away": "Lookups (scheduler), loads and saves (worker) passed over because the node was away: "
                  "a miss, blocks recomputed, blocks not saved.",
+    "node_stalled": "Lookups (scheduler) and saves (worker) passed over because the node left the scheduler's "
+                    "heartbeat unanswered for lookup_timeout_s (frozen): a miss, blocks not saved.",
 }
 """What a connector counts: name -> what it means."""
 
@@ -167,6 +169,9 @@ class KvcrConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: list[BlockLoad] = field(default_factory=list)
     saves: list[BlockLoad] = field(default_factory=list)
+    node_stalled: bool = False
+    """The scheduler side finds the node stalled (``NodeLink.stalled``): the workers save
+    nothing this step rather than each wait ``save_timeout_s`` for it."""
 
 
 def hint_id(request_id: object) -> str:

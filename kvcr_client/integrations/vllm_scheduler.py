@@ -9,7 +9,10 @@ all that reaches them); ``request_finished`` releases the lease and names this n
 at the node they name only where the operator allowed it (``SourcePolicy``). The lookup never
 holds the scheduler: its hint and lease are sent without waiting, the call waits
 ``lookup_wait_s`` at most, then answers "not yet" (None) until the lease is in, and a miss
-past ``lookup_timeout_s``. No call raises into vLLM: the worst is a miss, counted and logged
+past ``lookup_timeout_s``. A node that leaves the heartbeat sent with a lookup unanswered that
+long (frozen: ``NodeLink.stalled``) costs the request that found it that bound and no other: later lookups
+are misses at once, and the step's metadata tells the workers not to wait on it to save, until
+it speaks again. No call raises into vLLM: the worst is a miss, counted and logged
 once per cause (``CauseLog``). While the node is away (``NodeLink``: lost, reconnecting with
 backoff) a lookup is a miss at once; once it is back, lookups lease again, and after a
 restart (what the old incarnation held is gone) no block counts as pinned by a lease.
@@ -142,6 +145,11 @@ class KvcrScheduler:
                 self._give_up(lookup)
             self.counts.add("node_away")
             return 0
+        if (lookup is None or lookup.stage is _Stage.ADMITTED) and self.link.stalled(self.settings.lookup_timeout_s):
+            # The node left a heartbeat unanswered for a lookup's bound (frozen): a miss now,
+            # with no lease it would not answer; lookups lease again once it speaks.
+            self.counts.add("node_stalled")
+            return 0
         wait = 0.0
         if lookup is None or lookup.stage is _Stage.ADMITTED:
             # One token is always computed: the block that would end at the prompt's end is not looked up.
@@ -193,6 +201,10 @@ class KvcrScheduler:
         if verdict.refused is not None:
             self._refused(verdict.refused)
         hinted = hint_id(request.request_id) if verdict.source is not None else None
+        # A heartbeat first: the node's loop answers it at once whatever the lease waits for
+        # (a source's dial), so a node that has not answered it by the lookup's bound, counted
+        # from after it went, is stalled.
+        self.link.probe()
         lookup = _Lookup(keys, verdict.source, hinted, None, time.monotonic())
         slices = self.settings.fingerprint.all_slices(keys)
         if verdict.source is not None and hinted is not None:
@@ -293,7 +305,7 @@ class KvcrScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> KvcrConnectorMetadata:
         """What the workers load and save this step. Never raises: a request whose saves cannot
         be worked out is not saved (the loads stand, so vLLM is told of any that fail)."""
-        meta = KvcrConnectorMetadata(loads=self._loads)
+        meta = KvcrConnectorMetadata(loads=self._loads, node_stalled=self.link.stalled(self.settings.lookup_timeout_s))
         self._loads = []
         try:
             self._sweep()

@@ -9,7 +9,8 @@ WRITEs them into slots the node reserved and the step goes on once they are writ
 commit answering a later step (a node that grants no writes reads them instead, and the step
 waits for that). A save the node does not answer within ``save_timeout_s`` is given up (no
 byte of it was written) and saves pause for ``SAVE_PAUSE_S``: a stalled node costs the engine
-one bounded wait, not every step. A block that failed to load is reported
+one bounded wait, not every step; where the scheduler side already finds the node stalled
+(the step's metadata says so) the step does not wait on it at all. A block that failed to load is reported
 by ``get_block_ids_with_load_errors``, never a hang, and vLLM recomputes it with
 ``kv_load_failure_policy="recompute"``. No call raises into vLLM. While the node is away
 (``NodeLink``: lost, reconnecting with backoff) a step's loads are reported failed at once and
@@ -381,6 +382,9 @@ class KvcrWorker:
         objects = {key: self._spans(block_id, self.settings.pool) for save in saves
                    for key, block_id in zip(save.keys, save.block_ids, strict=True)}
         if not objects:
+            return
+        if meta.node_stalled:
+            self.counts.add("node_stalled")  # the scheduler side finds the node frozen: not saved, not waited on
             return
         if not self.link.ready(CONNECT_WAIT_S):
             self.counts.add("node_away")  # not saved: the node is away (a reconnect is under way)

@@ -445,6 +445,43 @@ def test_heartbeats_keep_the_session_and_a_silent_node_is_lost(ipc_dir: Path, ag
         assert opened(pair).version == CURRENT_VERSION and s.connected
 
 
+def test_a_probe_is_a_heartbeat_the_node_answers_at_once_and_unanswered_counts_until_it_speaks(
+        ipc_dir: Path, agent: ClientAgent) -> None:
+    """``probe``: one heartbeat at a time; ``unanswered_s`` counts from it until the node says
+    anything, while a request the node holds (a deliver waiting on a source) does not count."""
+    with node_driver(config(ipc_dir)) as d:
+        pair = Pair(d, agent)
+        s = pair.session
+        assert s.probe(pair.now()) == [] and s.unanswered_s(pair.now()) == 0.0  # not connected
+        opened(pair)
+        pair.tick(0.0)
+        # The node holds a deliver (no source answers): nothing unanswered while it speaks.
+        pair.deliver_to_nowhere(timeout_s=60.0, deadline_ms=60_000)
+        beat = s.probe(pair.now())
+        assert [type(e) for e in beat] == [SendFrame] and decode(beat[0].frame, s.version) == Heartbeat(1)  # type: ignore[union-attr]
+        assert s.probe(pair.now()) == []  # one at a time
+        d.tick(0.3)
+        assert s.unanswered_s(pair.now()) == pytest.approx(0.3)  # not carried yet: no word
+        pair.d.receive_frames([pair.identity, beat[0].frame])  # type: ignore[union-attr]
+        assert pair.flush() == [] and s.unanswered_s(pair.now() + 5) == 0.0
+        # The node stops answering: counted from the probe, through the session's own
+        # heartbeats, until it speaks; the session is not lost meanwhile.
+        probed = pair.now()
+        assert len(s.probe(probed)) == 1
+        for _ in range(2):
+            events = pair.tick(HEARTBEAT_S, answer=False)
+            assert any(isinstance(e, SendFrame) for e in events) and only(events, Lost) == []
+            assert s.unanswered_s(pair.now()) == pytest.approx(pair.now() - probed)
+        assert s.connected and s.probe(pair.now()) == []
+        pair.d.receive_frames([pair.identity, encode(Heartbeat(99), s.version)])
+        pair.flush()
+        assert s.unanswered_s(pair.now()) == 0.0
+        # A probe the wire did not take is not owed.
+        beat = s.probe(pair.now())
+        s.heartbeat_unsent(pair.now())
+        assert s.unanswered_s(pair.now() + 1) == 0.0 and len(s.probe(pair.now())) == 1
+
+
 def test_a_hello_failed_by_a_refused_handshake_leaves_the_session_open_to_another(ipc_dir: Path, agent: ClientAgent) -> None:
     """The handshake refused (or broken by a node dying under it) fails the hello with every
     request: the session goes back to idle, so the next hello may go (it once stayed

@@ -65,11 +65,18 @@ def test_the_connector_rides_out_a_frozen_node_and_a_restarted_one() -> None:
         f"generations {frozen['s']:.2f} s and {away['s']:.2f} s (frozen {r['frozen_s']:.1f} s)"
     )
     assert max(calls) < CALL_BOUND_S, calls
-    # The frozen generation's save gave up at save_timeout_s (nothing written, saves paused),
-    # not at the session's silence.
-    assert frozen["counts"].get("saves_timed_out") == 1 and not frozen["counts"].get("blocks_saved"), frozen
-    print(f"wait_for_save with the node frozen: longest {max(frozen['saves']) * 1000:.0f} ms")
-    assert max(frozen["saves"]) < SAVE_BOUND_S, frozen["saves"]
+    # A save that met the frozen node first gave up at save_timeout_s (nothing written, saves
+    # paused), not at the session's silence.
+    unseen = by_phase["frozen-unseen"][0]
+    assert unseen["counts"].get("saves_timed_out") == 1 and not unseen["counts"].get("blocks_saved"), unseen
+    assert not unseen["counts"].get("node_stalled"), unseen
+    print(f"wait_for_save meeting the frozen node: longest {max(unseen['saves']) * 1000:.0f} ms")
+    assert max(unseen["saves"]) < SAVE_BOUND_S, unseen["saves"]
+    # Once the scheduler side's lookup found the node stalled (its heartbeat unanswered for
+    # lookup_timeout_s), the step's metadata said so and the save was skipped, not waited on.
+    assert frozen["counts"].get("node_stalled") == 1 and not frozen["counts"].get("saves_timed_out"), frozen
+    print(f"wait_for_save with the node known stalled: longest {max(frozen['saves']) * 1000:.1f} ms")
+    assert max(frozen["saves"]) < CALL_BOUND_S, frozen["saves"]
 
     # Back: the blocks load again after SIGCONT, and after a restart once saved anew.
     assert by_phase["thawed"][-1]["counts"].get("blocks_loaded") == 3, by_phase["thawed"]

@@ -7,10 +7,11 @@ client finds a silent node lost within 2.5 s), and with the tiny Llama of
 ``get_num_new_matched_tokens``):
 
 1. saves a prompt's blocks and loads them in a second generation (the reference);
-2. freezes the node (SIGSTOP) for ``FREEZE_S``: a generation while the session still stands
-   (its lookup answered "not yet", then a miss at ``lookup_timeout_s``; its save given up at
-   ``save_timeout_s``) and one once both sides found the node lost (a miss at once, the save
-   skipped), both served by recompute;
+2. freezes the node (SIGSTOP) for ``FREEZE_S``: a one-block prompt (nothing looked up: its
+   save gives up at ``save_timeout_s``), a generation while the session still stands (its
+   lookup answered "not yet", then a miss at ``lookup_timeout_s``; the heartbeat sent with the
+   lease unanswered, so the step's save is skipped, not waited on) and one once both sides
+   found the node lost (a miss at once, the save skipped), all served by recompute;
 3. SIGCONT: generates the first prompt until its blocks load again (the same incarnation);
 4. kill -9 and a new node on the same endpoint (a new incarnation, empty): generates until
    the blocks are saved anew and load again.
@@ -74,6 +75,7 @@ def main() -> int:
             [(5 * i + 1) % 500 + 10 for i in range(100)],
             [(3 * i + 2) % 500 + 10 for i in range(100)],
         )
+        unseen = [(7 * i + 3) % 500 + 10 for i in range(32)]
         report: dict[str, Any] = {"generations": []}
 
         def generate(tokens: list[int], phase: str) -> dict[str, Any]:
@@ -95,9 +97,12 @@ def main() -> int:
 
         reference = generate(first, "saved")
         generate(first, "loaded")
-        refs = {"second": None, "third": None}
+        refs = {"unseen": None, "second": None, "third": None}
         began = time.monotonic()
         with frozen(node):
+            # One block exactly: nothing to look up (a prompt's last token is always computed),
+            # so only the worker's save meets the frozen node, and gives up at save_timeout_s.
+            refs["unseen"] = generate(unseen, "frozen-unseen")["tokens"]
             refs["second"] = generate(second, "frozen")["tokens"]
             until(lambda: not link.ready(), "the scheduler side found the frozen node lost")
             refs["third"] = generate(third, "away")["tokens"]
@@ -116,7 +121,8 @@ def main() -> int:
             threading.Event().wait(0.5)
         # Recomputed without kvcr, the other prompts give what they give with it.
         report["others_same"] = (
-            generate(second, "after")["tokens"] == refs["second"]
+            generate(unseen, "after")["tokens"] == refs["unseen"]
+            and generate(second, "after")["tokens"] == refs["second"]
             and generate(third, "after")["tokens"] == refs["third"]
         )
         report["same_tokens"] = all(
