@@ -66,7 +66,8 @@ class NodeLink:
         """Whether the node has left a heartbeat (``probe``) unanswered for ``bound_s`` or
         longer without a word (frozen, swapping): the session stands, but a call that cannot
         wait treats the node as away until it speaks again."""
-        return self.reconnector.up and self.client.core.unanswered_s() >= bound_s
+        unanswered = self.client.core.unanswered_s()
+        return self.reconnector.up and unanswered > 0.0 and unanswered >= bound_s
 
     def ready(self, wait_s: float = 0.0) -> bool:
         """Whether the session with the node is open now. When it is not, send the next hello

@@ -211,3 +211,35 @@ def test_a_link_reconnects_to_a_node_frozen_past_the_heartbeat_silence(ipc_dir: 
             assert_clean(c)
     finally:
         node.stop()
+
+
+def test_a_frozen_node_leaves_a_probe_unanswered_and_is_stalled_until_it_speaks(ipc_dir: Path) -> None:
+    """``probe`` and ``stalled``: a live node answers the heartbeat at once; a frozen one leaves
+    it unanswered, so the link is stalled past the bound while the session still stands (far
+    short of the heartbeat silence), and is not once the node speaks again."""
+    endpoint = f"ipc://{ipc_dir}/stalled.sock"
+    node = start_node(endpoint, "--pool", f"kv:{SLOT}:16")
+    counts: Counter[str] = Counter()
+    try:
+        link = NodeLink(endpoint, "link-test", lambda name, n: counts.update({name: n}), log)
+        try:
+            buf = np.zeros(SLOT, dtype=np.uint8)
+            region = link.client.register(buf)
+            assert link.ready()
+            link.probe()
+            until(lambda: link.client.core.unanswered_s() == 0.0, "the live node answered the probe")
+            assert not link.stalled(0.0)
+            with frozen(node):
+                link.probe()
+                link.probe()  # one at a time: counted from the first
+                until(lambda: link.stalled(0.3), "the probe went unanswered for 0.3 s")
+                assert link.ready() and link.up  # stalled, not lost: the session stands
+            until(lambda: not link.stalled(0.3), "the node answered once thawed")
+            assert counts["node_outages"] == 0, counts
+            round_trip(link, buf, region, b"\x05" * 16)
+        finally:
+            link.close()
+        with Client(endpoint, name="check") as c:
+            assert_clean(c)
+    finally:
+        node.stop()
