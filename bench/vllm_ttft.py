@@ -293,6 +293,15 @@ def frozen(node: subprocess.Popen[str], a: Server, out: Outcome) -> list[float]:
         node.send_signal(signal.SIGCONT)
 
 
+def prepared(model_dir: Path) -> Path:
+    """The vLLM environment's python, once SmolLM2's weights are written to ``model_dir`` (by
+    ``scripts/smollm2_hf.py`` in the engines environment; kept when already there)."""
+    vllm_python = venv_python("KVCR_VLLM_VENV", ".venv-vllm")
+    engines_python = venv_python("KVCR_ENGINES_VENV", ".venv-engines")
+    subprocess.run([str(engines_python), str(ROOT / "scripts" / "smollm2_hf.py"), str(model_dir)], check=True)
+    return vllm_python
+
+
 def median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1e3
 
@@ -303,9 +312,7 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "kvcr" / "smollm2-135m-instruct-hf")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    vllm_python = venv_python("KVCR_VLLM_VENV", ".venv-vllm")
-    engines_python = venv_python("KVCR_ENGINES_VENV", ".venv-engines")
-    subprocess.run([str(engines_python), str(ROOT / "scripts" / "smollm2_hf.py"), str(args.model_dir)], check=True)
+    vllm_python = prepared(args.model_dir)
     with process_group("vllm-ttft") as (run, procs):
         endpoint = f"ipc://{run}/node.sock"
         procs.append(spawn(*node_flags(endpoint)))

@@ -37,7 +37,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from procs import process_group, spawn
-from vllm_ttft import BLOCK, PORTS, ROOT, Idle, Server, venv_python
+from vllm_ttft import BLOCK, PORTS, Idle, Server, prepared
 
 SLOT = "48KiB"
 """One layer's block of SmolLM2-135M (``vllm_ttft.SLOT``)."""
@@ -141,30 +140,26 @@ def main() -> int:
     parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "kvcr" / "smollm2-135m-instruct-hf")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    vllm_python = venv_python("KVCR_VLLM_VENV", ".venv-vllm")
-    engines_python = venv_python("KVCR_ENGINES_VENV", ".venv-engines")
-    subprocess.run([str(engines_python), str(ROOT / "scripts" / "smollm2_hf.py"), str(args.model_dir)], check=True)
+    vllm_python = prepared(args.model_dir)
     work = trace(args.requests, args.prefixes, args.zipf, args.seed)
     prompts = [tokens for _, tokens in work]
+
+    def serve(node: str | None, logs: Path) -> tuple[list[float], list[str], dict[str, float]]:
+        """The trace on two servers (with the connector at ``node``, or without one)."""
+        servers = [Server(vllm_python, args.model_dir, port, node, logs.with_name(f"{logs.name}{i}.log"))
+                   for i, port in enumerate(PORTS)]
+        try:
+            print(f"{'with' if node else 'without'} kvcr: {len(work)} requests", file=sys.stderr, flush=True)
+            return run(servers, work, node is not None)
+        finally:
+            for server in servers:
+                server.close()
+
     with process_group("vllm-workload") as (folder, procs):
         endpoint = f"ipc://{folder}/node.sock"
         procs.append(spawn(*node_flags(endpoint, args.pool_blocks)))
-        servers = [Server(vllm_python, args.model_dir, port, endpoint, folder / f"kvcr{i}.log")
-                   for i, port in enumerate(PORTS)]
-        try:
-            print(f"with kvcr: {len(work)} requests", file=sys.stderr, flush=True)
-            with_kvcr, texts, counts = run(servers, work, True)
-        finally:
-            for server in servers:
-                server.close()
-        servers = [Server(vllm_python, args.model_dir, port, None, folder / f"plain{i}.log")
-                   for i, port in enumerate(PORTS)]
-        try:
-            print(f"without kvcr: {len(work)} requests", file=sys.stderr, flush=True)
-            without, plain_texts, plain_counts = run(servers, work, False)
-        finally:
-            for server in servers:
-                server.close()
+        with_kvcr, texts, counts = serve(endpoint, folder / "kvcr")
+        without, plain_texts, plain_counts = serve(None, folder / "plain")
     lru_hits, asked = simulate(prompts, args.pool_blocks)
     all_hits, _ = simulate(prompts, None)
     loaded = counts["blocks_loaded"]
