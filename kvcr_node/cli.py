@@ -59,6 +59,9 @@ SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("events_replay_endpoint", str, "bind the event replay socket here (default: ipc PATH.replay, or the next tcp port)"),
     ("events_replay_bytes", int, "bytes the event replay requesters' queues may hold together (BUSY past it)"),
     ("events_replay_requesters", int, "event replay requesters tracked at once (BUSY past it)"),
+    ("state_dir", str, "keep a journal here and the DRAM pools in files, so a restart on it keeps the cache"),
+    ("pool_dir", str, "where a node with a state dir keeps its pools' files (default /dev/shm; a hugetlbfs mount)"),
+    ("journal_compact_bytes", int, "bytes a journal file grows to at least before it is compacted"),
 )
 """``NodeConfig`` fields a flag of the same name sets (``--max-peers`` sets ``max_peers``): (field, type, help)."""
 

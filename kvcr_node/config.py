@@ -80,6 +80,10 @@ def default_pools() -> tuple[PoolSpec, ...]:
     return (PoolSpec("kv", 64 << 10, 4096, "dram"),)
 
 
+DEFAULT_JOURNAL_COMPACT_BYTES = 64 << 20
+"""``journal_compact_bytes`` by default."""
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """Everything a node needs to start."""
@@ -204,6 +208,16 @@ class NodeConfig:
     that would pass it waits, and is cut (``BUSY``) if it waits ``REPLAY_STALL_S``."""
     events_replay_requesters: int = REPLAY_REQUESTERS
     """Replay requesters tracked at once, each until it disconnects; another is refused ``BUSY``."""
+    state_dir: str = ""
+    """A directory where the node keeps what a restart keeps (architecture §8): its journal of
+    READY objects, and the layout of its pools, whose DRAM pools then live in files under
+    ``pool_dir`` and outlive the process. The next node started on it with the same pools
+    serves what this one held. Empty: nothing outlives the process."""
+    pool_dir: str = "/dev/shm"
+    """Where a node with a ``state_dir`` keeps its DRAM pools' files: a memory file system
+    (tmpfs, or a hugetlbfs mount for huge pages)."""
+    journal_compact_bytes: int = DEFAULT_JOURNAL_COMPACT_BYTES
+    """A journal file grows to at least this many bytes before it is compacted."""
 
     def validated(self) -> NodeConfig:
         """Check every field; raise ``ConfigError`` naming the first bad one."""
@@ -247,7 +261,8 @@ class NodeConfig:
                      "client_grace_ms", "max_clients", "max_pending", "max_frame", "peer_idle_ms", "max_peers",
                      "max_peer_clients", "max_hints_per_session", "max_hinted_keys_per_session", "lease_ttl_ms",
                      "max_lease_ttl_ms", "max_leases_per_session", "max_leased_slots_per_session", "put_ttl_ms",
-                     "max_put_ttl_ms", "max_puts_per_session", "put_quarantine_ms", "suspect_bytes_per_s"):
+                     "max_put_ttl_ms", "max_puts_per_session", "put_quarantine_ms", "suspect_bytes_per_s",
+                     "journal_compact_bytes"):
             value = getattr(self, name)
             # heartbeat_ms 0 disables heartbeats (spec section 5.2); every other count is positive.
             least = 0 if name == "heartbeat_ms" else 1
@@ -273,6 +288,8 @@ class NodeConfig:
                 or self.metrics_max_connections < 1):
             raise ConfigError("metrics_max_connections", f"expected a positive integer, got {self.metrics_max_connections!r}")
         self._validate_events()
+        if self.state_dir and not self.pool_dir:
+            raise ConfigError("pool_dir", "a node with a state_dir needs a directory for its pools' files")
         return self
 
     def _validate_events(self) -> None:
@@ -356,6 +373,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "lease_session_fraction": (int, float), "metrics_port": int, "metrics_address": str,
     "metrics_max_connections": int, "client_transfers": bool, "peer_grants": bool, "integrity": bool, "put_ttl_ms": int, "max_put_ttl_ms": int,
     "max_puts_per_session": int, "put_quarantine_ms": int, "suspect_bytes_per_s": int, "put_session_fraction": (int, float), "put_pool_fraction": (int, float),
+    "state_dir": str, "pool_dir": str, "journal_compact_bytes": int,
     "events_endpoint": str, "events_replay_endpoint": str, "events_replay_bytes": int, "events_replay_requesters": int,
 }
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import mmap
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -67,21 +69,30 @@ def make_resident(memory: mmap.mmap, array: Any) -> None:
 class PoolMemory:
     """One pool's bytes: ``slot_count`` slots of ``slot_size`` bytes at ``address``."""
 
-    def __init__(self, spec: PoolSpec, available: int | None = None) -> None:
+    def __init__(self, spec: PoolSpec, available: int | None = None, file: Path | None = None) -> None:
         """``available``: the host memory left for this pool (bytes; None: not checked). A DRAM
         pool is made resident at once, so one larger than that is refused here, naming it,
-        rather than the kernel ending the process as its pages are faulted in."""
+        rather than the kernel ending the process as its pages are faulted in.
+
+        ``file``: keep the pool in this file (shared memory under a state directory,
+        ``kvcr_node.state_dir``), so that its bytes outlive the process. A file of the pool's
+        size is mapped as it is (``kept`` is True: a previous node's bytes); any other is made
+        anew, zero filled."""
         self.spec = spec
         self.device = hbm_device(spec.memory)
+        self.kept = False
         self._keep: Any
         if self.device is None:
-            if available is not None and spec.size > available:
-                raise PoolAllocationError(spec, MemoryError(f"the host has {available} bytes available"))
-            # Anonymous mmap: page aligned, zero filled, never swapped into a Python heap.
-            try:
-                self._keep = mmap.mmap(-1, spec.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            except (OSError, OverflowError, MemoryError, ValueError) as exc:
-                raise PoolAllocationError(spec, exc) from exc
+            if file is not None:
+                self._keep, self.kept = _map_file(spec, file, available)
+            else:
+                if available is not None and spec.size > available:
+                    raise PoolAllocationError(spec, MemoryError(f"the host has {available} bytes available"))
+                # Anonymous mmap: page aligned, zero filled, never swapped into a Python heap.
+                try:
+                    self._keep = mmap.mmap(-1, spec.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                except (OSError, OverflowError, MemoryError, ValueError) as exc:
+                    raise PoolAllocationError(spec, exc) from exc
             advise_huge_pages(self._keep)
             self.array: Any = np.frombuffer(self._keep, dtype=np.uint8)
             make_resident(self._keep, self.array)
@@ -108,3 +119,28 @@ class PoolMemory:
                 self._keep.close()
             except BufferError:  # a view still exists; the mapping goes with the process
                 pass
+
+
+def _map_file(spec: PoolSpec, file: Path, available: int | None) -> tuple[mmap.mmap, bool]:
+    """Map ``file`` shared as ``spec``'s pool: as it is when it has the pool's size, else made
+    anew at that size (zero filled). Returns the mapping and whether the file was kept."""
+    try:
+        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise PoolAllocationError(spec, exc) from exc
+    try:
+        kept = os.fstat(fd).st_size == spec.size
+        if not kept:
+            # A new pool, or one whose file was cut or grown: nothing in it is trusted.
+            if available is not None and spec.size > available:
+                raise PoolAllocationError(spec, MemoryError(f"the host has {available} bytes available"))
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, spec.size)
+        # Every page allocated now: a full tmpfs fails here, by name, not with SIGBUS at a
+        # transfer's first touch.
+        os.posix_fallocate(fd, 0, spec.size)
+        return mmap.mmap(fd, spec.size, flags=mmap.MAP_SHARED), kept
+    except (OSError, OverflowError, ValueError) as exc:
+        raise PoolAllocationError(spec, exc) from exc
+    finally:
+        os.close(fd)

@@ -44,11 +44,13 @@ from kvcr_node.event_publisher import EventPublisher
 from kvcr_node.eviction import make_policy
 from kvcr_node.exporter import MetricsExporter
 from kvcr_node.inventory import Inventory
+from kvcr_node.journal import Journal
 from kvcr_node.leases import Leases
 from kvcr_node.links import Links
 from kvcr_node.memory import PoolMemory, available_bytes
 from kvcr_node.metrics import Metrics
 from kvcr_node.metrics_publisher import MetricsPublisher
+from kvcr_node.objects import InventoryListener, Listeners, ObjectEntry
 from kvcr_node.operations import Operations
 from kvcr_node.ops.deliver import Deliveries
 from kvcr_node.ops.deposit import Deposits
@@ -56,9 +58,11 @@ from kvcr_node.ops.fetch import Fetches
 from kvcr_node.ops.query import Queries
 from kvcr_node.outbox import Outbox
 from kvcr_node.puts import Puts
+from kvcr_node.recovery import replay, verify
 from kvcr_node.router import Router
 from kvcr_node.sessions import Sessions
 from kvcr_node.source import Source, SubmitWrite
+from kvcr_node.state_dir import StateDir
 from kvcr_node.stats import Stats
 from kvcr_node.store import Store
 from kvcr_node.suspects import Suspects
@@ -122,11 +126,18 @@ class Node:
         self.store = Store(config.pools, make_policy(config.policy), config.low_watermark)
         self.memories: dict[str, PoolMemory] = {}
         self._regs: list[Any] = []
+        self.state: StateDir | None = None
+        """The state directory, when the node keeps its cache across restarts (architecture §8)."""
+        self.journal: Journal | None = None
+        self.recovery: dict[str, Any] | None = None
+        """What this node took back at its start (``stats`` ``recovery``)."""
+        if config.state_dir:
+            self.state = StateDir(config.state_dir, config.pools, config.pool_dir, self.incarnation)
         self.agent = Agent(f"{config.name}.{self.incarnation:x}")
         available = available_bytes()
         try:
             for spec in config.pools:
-                mem = PoolMemory(spec, available)
+                mem = PoolMemory(spec, available, self.state.files.get(spec.name) if self.state is not None else None)
                 if available is not None and mem.device is None:
                     available -= spec.size
                 self.memories[spec.name] = mem
@@ -187,8 +198,53 @@ class Node:
         self.exporter: MetricsExporter | None = None
         self.metrics_port: int | None = None
         """The port ``/metrics`` is served on (the one bound when configured as 0)."""
+        if self.state is not None:
+            try:
+                self._recover(self.state)
+            except BaseException:
+                self._close_sockets()
+                self.bound.close()
+                self._wakeup.close()
+                self._release_memory()
+                raise
         if self.config.metrics_port is not None:
             self._start_exporter()
+
+    def _recover(self, state: StateDir) -> None:
+        """Take back what the journal says the kept pools hold (verified), then journal from here on."""
+        started = time.monotonic()
+        replayed = replay(state.path)
+        records = verify(replayed, self.memories)
+        entries = self.store.adopt_all([(r.key, r.layout, r.slots, r.digests) for r in records])
+        kept_any = any(mem.kept for mem in self.memories.values())
+        self.sessions.kept = state.previous if kept_any else 0
+        self.recovery = {
+            "kept": self.sessions.kept,
+            "recovered": len(entries),
+            "dropped": {reason.value: n for reason, n in replayed.dropped.items()},
+            "seconds": round(time.monotonic() - started, 6),
+        }
+        self.stats.recovery = self.recovery
+        if entries or replayed.dropped:
+            log.info("took back %d objects from %s (dropped: %s)", len(entries), state.path,
+                     self.recovery["dropped"] or "none")
+        kept = {name for name, mem in self.memories.items() if mem.device is None}
+
+        def kept_whole(entry: ObjectEntry) -> bool:
+            return all(pool in kept for pool, _ in entry.info.need)
+
+        journal = self.journal = Journal(
+            state.path, self.incarnation, replayed.generation, replayed.seq, {e.key: e for e in entries}, kept_whole,
+            self._journal_failed, self.config.journal_compact_bytes)
+        self.stats.journal = journal
+        listener: InventoryListener = journal
+        if self.events is not None:
+            listener = Listeners(journal, self.events.inventory)
+        self.store.listener = listener
+
+    def _journal_failed(self, exc: BaseException) -> None:
+        log.error("journal: a write failed (%s): the journal starts again from what is held; "
+                  "until then a restart would start empty", exc)
 
     def _start_exporter(self) -> None:
         """Publish a first snapshot and serve ``/metrics`` (a port that cannot be bound fails the start)."""
@@ -395,7 +451,14 @@ class Node:
             if self.events.replays.active:
                 self._guarded("event replay", self.events.pump)
             if self.events.inventory.pending:
-                self._guarded("inventory events", self.events.publish)
+                self._guarded("inventory events", self._publish_events)
+
+    def _publish_events(self) -> None:
+        """Publish the turn's inventory events, once the journal holds them."""
+        assert self.events is not None
+        if self.journal is not None:
+            self.journal.flush()
+        self.events.publish()
 
     def _progress_for_grants(self) -> None:
         """Progress the agent for the outstanding read grants, at ``_grant_pace``."""
@@ -488,7 +551,10 @@ class Node:
         self._send_out()
 
     def _send_out(self) -> None:
-        """Send what the parts put in the outbox, in order (a full peer queue drops, counted)."""
+        """Send what the parts put in the outbox, in order (a full peer queue drops, counted);
+        the journal's records go first (architecture §8: recorded before told)."""
+        if self.journal is not None and self.journal.pending:
+            self.journal.flush()
         if not self.outbox.frames:
             return
         sock = self.sock
@@ -530,6 +596,19 @@ class Node:
         self._close_sockets()
         self.bound.close()
         self._wakeup.close()
+        self._close_state()
+
+    def _close_state(self) -> None:
+        """Write the journal's last records and give the state directory up."""
+        if self.journal is not None:
+            try:
+                self.journal.close()
+            except OSError as exc:
+                log.error("journal: cannot close it: %s", exc)
+            self.journal = None
+        if self.state is not None:
+            self.state.close()
+            self.state = None
 
     def _close_sockets(self) -> None:
         if self.curve is not None:
@@ -549,3 +628,5 @@ class Node:
         self._regs.clear()
         for mem in self.memories.values():
             mem.close()
+        if self.journal is None and self.state is not None:  # a start that failed
+            self.state.close()

@@ -105,6 +105,11 @@ class ObjectEntry:
         return tuple(memoryview(self._slots).cast("I"))
 
     @property
+    def packed_slots(self) -> bytes:
+        """The slots packed as 32-bit integers, in layout order (what the store keeps)."""
+        return self._slots
+
+    @property
     def slot_view(self) -> memoryview:
         """The slots as a read-only view of 32-bit integers (no copy)."""
         return memoryview(self._slots).cast("I")
@@ -129,3 +134,18 @@ class InventoryListener(Protocol):
     def stored(self, entry: ObjectEntry) -> None: ...
 
     def removed(self, entry: ObjectEntry, evicted: bool) -> None: ...
+
+
+class Listeners:
+    """Tells each of ``listeners`` in turn (the journal before the inventory's events)."""
+
+    def __init__(self, *listeners: InventoryListener) -> None:
+        self.listeners = listeners
+
+    def stored(self, entry: ObjectEntry) -> None:
+        for listener in self.listeners:
+            listener.stored(entry)
+
+    def removed(self, entry: ObjectEntry, evicted: bool) -> None:
+        for listener in self.listeners:
+            listener.removed(entry, evicted)

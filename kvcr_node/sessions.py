@@ -96,6 +96,8 @@ class Sessions:
         self.incarnation = incarnation
         self.agent_name = agent_name
         self.pool_info = pool_info
+        self.kept = 0
+        """The incarnation whose cache this node took back at its start (``welcome.kept``); 0: none."""
         self.table: dict[bytes, Session] = {}
         """Open sessions by ROUTER identity."""
         self.retired: list[Session] = []
@@ -197,7 +199,7 @@ class Sessions:
         log.info("client %s (agent %s) joined at version %d", msg.client, session.agent, version)
         self.outbox.reply(session, Welcome(
             msg.id, version, self.config.name, self.incarnation, self.agent_name, self.pool_info, self.config.heartbeat_ms,
-            session.resume))
+            session.resume, self.kept if version >= GRANTS_VERSION else 0))
 
     def _end_resumed(self, session: Session, msg: Hello) -> None:
         """Spec section 5.2: the client's previous session ends now, as bye would, and its puts

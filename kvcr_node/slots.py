@@ -15,6 +15,7 @@ from kvcr_node.poolspec import MAX_SLOTS
 _FREE = 0
 _USED = 1
 _FREE_BYTE = bytes([_FREE])
+_USED_BYTE = bytes([_USED])
 
 
 class OutOfSlots(Exception):
@@ -98,6 +99,21 @@ class SlotAllocator:
         for slot in batch:
             used[slot] = _FREE
         self._free.extend(reversed(batch))
+
+    def reserve(self, slots: Iterable[int]) -> None:
+        """Take exactly ``slots`` (a restarted node adopting its objects), all free and
+        distinct, or raise :class:`SlotError` and take none. O(total): once, for many."""
+        batch = list(slots)
+        if not batch:
+            return
+        if set(map(type, batch)) != {int} or min(batch) < 0 or max(batch) >= self._total:
+            raise SlotError(f"slots to reserve must be ints in 0..{self._total - 1}")
+        if len(set(batch)) != len(batch) or _USED_BYTE in bytes(map(self._used.__getitem__, batch)):
+            raise SlotError("a slot to reserve is taken or named twice")
+        used = self._used
+        for slot in batch:
+            used[slot] = _USED
+        self._free = array("I", [slot for slot in self._free if used[slot] == _FREE])
 
     def _check_free(self, batch: list[int]) -> None:
         used = self._used

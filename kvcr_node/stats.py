@@ -28,6 +28,7 @@ from kvcr_node.transfers import Transfers
 from kvcr_protocol import ProjectionCache, Role, StatsReply, StatsRequest
 
 if TYPE_CHECKING:
+    from kvcr_node.journal import Journal
     from kvcr_node.puts import Puts
 
 
@@ -64,6 +65,9 @@ class Stats:
         """Its replay requesters and their answers in progress."""
         self.puts: Puts | None = None
         """The node's puts (spec section 6.13), once wired."""
+        self.recovery: dict[str, Any] | None = None
+        """What the node took back at its start from its state directory (architecture §8)."""
+        self.journal: Journal | None = None
 
     def on_stats(self, session: Session, msg: StatsRequest) -> None:
         self.outbox.reply(session, StatsReply(msg.id, self.snapshot()))
@@ -105,6 +109,8 @@ class Stats:
             "policy": {"name": policy.name, "failures": getattr(policy, "failures", 0)},
             "tables": self.table_sizes(),
             "invariants": self.check_invariants(),
+            **({"recovery": self.recovery} if self.recovery is not None else {}),
+            **({"journal": self.journal.stats()} if self.journal is not None else {}),
         }
 
     def table_sizes(self) -> dict[str, int]:
@@ -128,6 +134,7 @@ class Stats:
             **(self.puts.sizes() if self.puts is not None else {}),
             **(self.inventory.sizes() if self.inventory is not None else {}),
             **(self.replays.sizes() if self.replays is not None else {}),
+            **({"journal_held": len(self.journal.held)} if self.journal is not None else {}),
         }
 
     def check_invariants(self) -> list[str]:

@@ -243,6 +243,57 @@ class Store:
         self._drop(entry)
         self._check_pressure(entry.info)
 
+    def adopt_all(self, objects: Sequence[tuple[bytes, Layout, bytes, bytes]]) -> list[ObjectEntry]:
+        """Place READY objects in the slots they already hold (a restarted node adopting what
+        its journal recorded, ``kvcr_node.recovery``): each ``(key, layout, packed slots,
+        digests)``, keys distinct and absent, slots in range and owned by one object each.
+        In order, each an access; each is reported stored. Raises ``StoreError`` before
+        placing any when they are not."""
+        wanted: dict[str, list[int]] = {}
+        for key, layout, packed, _ in objects:
+            if key in self._objects:
+                raise StoreError(f"adopt of {key!r}: the key is stored")
+            _check_layout(layout)
+            for (_, pool), slot in zip(layout, memoryview(packed).cast("I"), strict=True):
+                if pool not in self._pools:
+                    raise StoreError(f"adopt of {key!r}: unknown pool {pool!r}")
+                wanted.setdefault(pool, []).append(slot)
+        if len({key for key, *_ in objects}) != len(objects):
+            raise StoreError("adopt: a key is named twice")
+        reserved: list[str] = []
+        try:
+            for pool, slots in wanted.items():
+                self._alloc[pool].reserve(slots)
+                reserved.append(pool)
+        except ValueError as exc:
+            for pool in reserved:
+                self._alloc[pool].free(wanted[pool])
+            raise StoreError(f"adopt: {exc}") from None
+        entries = []
+        for key, layout, packed, digests in objects:
+            info = self._layouts.get(layout)
+            if info is None:
+                info = self._layouts[layout] = LayoutInfo(layout)
+            info.users += 1
+            entry = ObjectEntry(key, info, packed, self._tier_of[layout[0][1]])
+            entry.state = _READY
+            entry.lookup += 1
+            entry.digests = digests
+            self._objects[key] = entry
+            self._ready += 1
+            for pool, _ in info.need:
+                self._pool_objects[pool] += 1
+            self._access(entry)
+            if not digests and self.on_ready is not None:
+                self.on_ready(entry)
+            if self.listener is not None:
+                self.listener.stored(entry)
+            self._index.add(entry)
+            entries.append(entry)
+        for info in {id(e.info): e.info for e in entries}.values():
+            self._check_pressure(info)
+        return entries
+
     # -- claims -----------------------------------------------------------------------
 
     def claim(self, entry: ObjectEntry, accessed: bool = False) -> None:

@@ -1077,6 +1077,12 @@ def v5_instances() -> list[Valid]:
             description="welcome agreeing on version 5 with the session's resume token (section 5.2)",
         ),
         Valid(
+            "welcome-kept",
+            m.Welcome(1, 5, "node-a", INC_A + 2, "kvcr-node-a", POOLS_A, 1000, RESUME_TOKEN, INC_A),
+            versions=(5,),
+            description="a node restarted on its state took back incarnation INC_A's cache (section 6.4, welcome)",
+        ),
+        Valid(
             "hello-resume",
             m.Hello(1, (1, 2, 3, 4, 5), "vllm-tp0", "kvcr-client-4712", MD_CLIENT, (R_DRAM, R_VRAM), RESUME_TOKEN),
             versions=(5,),
@@ -1608,6 +1614,8 @@ def invalid_v5_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     welcome = _wire(m.Welcome(1, 5, "node-a", INC_A, "kvcr-node-a", POOLS_A, 1000, RESUME_TOKEN), 5)
     yield ("welcome-resume-str", _pack({**welcome, "resume": RESUME_TOKEN.hex()}), 5, "WRONG_TYPE", "a resume token as str, not bin")
     yield ("welcome-resume-257", _pack({**welcome, "resume": bytes(257)}), 5, "TOO_LARGE", "a resume token of 257 bytes (limit 256)")
+    yield ("welcome-kept-str", _pack({**welcome, "kept": str(INC_A)}), 5, "WRONG_TYPE", "the kept incarnation as str")
+    yield ("welcome-kept-negative", _pack({**welcome, "kept": -1}), 5, "OUT_OF_RANGE", "a negative kept incarnation")
     hello = _wire(m.Hello(1, (1, 2, 3, 4, 5), "vllm-tp0", "kvcr-client-4712", MD_CLIENT, (), RESUME_TOKEN), 1)
     yield ("hello-resume-int", _pack({**hello, "resume": 7}), 5, "WRONG_TYPE", "a resume token as an integer, not bin")
     yield ("hello-resume-257", _pack({**hello, "resume": bytes(257)}), 5, "TOO_LARGE", "a resume token of 257 bytes (limit 256)")

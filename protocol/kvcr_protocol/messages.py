@@ -149,10 +149,14 @@ class Welcome(Message):
     resume: bytes = b""
     """Version 5: this session's resume token, which only the node and this client know; the
     client's next ``hello`` presents it (spec section 5.2)."""
+    kept: int = 0
+    """The incarnation whose cache this node took back when it started (a restart on a state
+    directory, spec section 5.2): what it held is held still, unless evicted since. 0: none."""
     FIELDS = _fields(
         _F_AGREED, _F_NODE, _F_INCARNATION, _F_AGENT,
         Field("pools", Seq(RecordType(PoolInfo), "max_regions"), ()), Field("heartbeat_ms", UInt(_U32), 0),
         Field("resume", Bytes("max_key"), b"", since=5, sparse=True),
+        Field("kept", UInt(), 0, since=5, sparse=True),
     )
 
 
