@@ -10,8 +10,10 @@ streaming ``/v1/completions`` request timed from the request to its first token:
    node), then the same prompt again (its blocks leased and loaded from the node);
 2. two servers on one node: server B's cold prompt, then a prompt server A computed,
    served to B from kvcr;
-3. the node killed and started again on its endpoint: a new prompt, then the same again,
-   must be served from kvcr once the connectors reconnect (``reconnect_after_node_restart``);
+3. the node (with a state directory, architecture §8) killed and started again on its
+   endpoint and directory: a new prompt, then the same again, must be served from kvcr once
+   the connectors reconnect (``reconnect_after_node_restart``), and so must the prompts saved
+   just before the kill (``hit_rate_after_restart``: their share served from kvcr, same text);
 4. the node frozen (SIGSTOP): cold 256-token requests, one after another; ``frozen_first_ms``
    is how much longer the first took than a cold request with the node up (the lookup gives
    up after ``lookup_timeout_s``; the heartbeat sent with it is unanswered, so the step does
@@ -30,7 +32,7 @@ Run: ``python bench/vllm_ttft.py`` (a few minutes: each server takes about a min
 start); ``--json`` prints one JSON object: ``ttft_ratio_256``, ``ttft_ratio_1k``,
 ``ttft_ratio_2k`` (served / cold, one server; goal <= 0.25), ``ttft_ratio_two_256`` ...
 (two servers), ``cold_ms_*``, ``kvcr_ms_*``, ``outputs_identical``,
-``reconnect_after_node_restart``, ``frozen_first_ms``, ``frozen_next_ms``, ``idle_waits_over``
+``reconnect_after_node_restart``, ``hit_rate_after_restart``, ``frozen_first_ms``, ``frozen_next_ms``, ``idle_waits_over``
 (requests that began with a server still busy after ``IDLE_S``: 0 on a quiet machine).
 """
 
@@ -40,10 +42,12 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -74,9 +78,15 @@ FROZEN_NEXT = 3
 """Requests after the first while the node is frozen (``frozen_next_ms``: their median)."""
 
 
-def node_flags(endpoint: str) -> list[str]:
+KEPT_PROMPTS = 4
+"""256-token prompts saved just before the node's restart, asked again after it (``hit_rate_after_restart``)."""
+
+
+def node_flags(endpoint: str, state: tuple[Path, Path] | None = None) -> list[str]:
+    """The node's command line; ``state``: its state directory and pool directory (architecture §8)."""
+    kept = ["--state-dir", str(state[0]), "--pool-dir", str(state[1])] if state is not None else []
     return ["-m", "kvcr_node.cli", "--pool", f"kv:{SLOT}:8192", "--endpoint", endpoint, "--log-level", "WARNING",
-            "--lease-pool-fraction", "1", "--lease-session-fraction", "1"]
+            "--lease-pool-fraction", "1", "--lease-session-fraction", "1", *kept]
 
 
 def venv_python(variable: str, default: str) -> Path:
@@ -265,23 +275,49 @@ def two_servers(a: Server, b: Server, trials: int, out: Outcome) -> dict[int, tu
     return runs
 
 
-def restart(procs: list[subprocess.Popen[str]], endpoint: str, a: Server) -> bool:
-    """Kill the node, start it again on its endpoint: is a new prompt served from it again?"""
+def restart(procs: list[subprocess.Popen[str]], endpoint: str, state: tuple[Path, Path], a: Server,
+            out: Outcome) -> tuple[bool, float]:
+    """Save ``KEPT_PROMPTS`` prompts, kill the node (SIGKILL) and start it again on its endpoint
+    and state directory: is a new prompt served from it again, and what share of the prompts
+    saved before the kill is served from kvcr after it, with the same text?"""
+    out.cold(a, prompt(256, 0, 7))  # the connector sees the node again (it was frozen before)
+    kept = [prompt(256, trial, 6) for trial in range(KEPT_PROMPTS)]
+    texts = [out.cold(a, tokens)[1] for tokens in kept]
+    at_rest(endpoint)
     node = procs.pop(0)
     node.kill()
     node.wait(15)
-    procs.insert(0, spawn(*node_flags(endpoint)))
+    procs.insert(0, spawn(*node_flags(endpoint, state)))
     end = time.monotonic() + RECONNECT_S
     trial = 0
-    while time.monotonic() < end:
+    reconnected = False
+    while time.monotonic() < end and not reconnected:
         tokens = prompt(256, trial, 4)
         trial += 1
         a.ttft(tokens)
         before = a.counter("blocks_loaded")
         a.ttft(tokens)
-        if a.counter("blocks_loaded") > before:
-            return True
-    return False
+        reconnected = a.counter("blocks_loaded") > before
+    hits = 0
+    for tokens, text in zip(kept, texts, strict=True):
+        before = a.counter("blocks_loaded")
+        out.idle()
+        hits += a.ttft(tokens)[1] == text and a.counter("blocks_loaded") > before
+    return reconnected, hits / len(kept)
+
+
+def at_rest(endpoint: str) -> None:
+    """Wait (bounded) until the node has no put open and nothing being written: the saves are committed."""
+    from kvcr_client import Client
+
+    end = time.monotonic() + RECONNECT_S
+    with Client(endpoint, name="vllm-ttft-check") as client:
+        while time.monotonic() < end:
+            st = client.stats().result(30)
+            if st["puts"]["open"] == 0 and st["writing"] == 0 and st["transfers"]["in_flight"] == 0:
+                return
+            time.sleep(0.05)
+    raise TimeoutError("the node's saves did not settle")
 
 
 def frozen(node: subprocess.Popen[str], a: Server, out: Outcome) -> list[float]:
@@ -313,9 +349,10 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     vllm_python = prepared(args.model_dir)
+    state = (Path(tempfile.mkdtemp(prefix="kvcr-vllm-ttft-")), Path(tempfile.mkdtemp(prefix="kvcr-vllm-ttft-", dir="/dev/shm")))
     with process_group("vllm-ttft") as (run, procs):
         endpoint = f"ipc://{run}/node.sock"
-        procs.append(spawn(*node_flags(endpoint)))
+        procs.append(spawn(*node_flags(endpoint, state)))
         servers = [Server(vllm_python, args.model_dir, port, endpoint, run / f"server{i}.log") for i, port in enumerate(PORTS)]
         try:
             for server in servers:
@@ -326,12 +363,14 @@ def main() -> int:
             two = two_servers(a, b, args.trials, out)
             frozen_s = frozen(procs[0], a, out)
             cold_256 = statistics.median(one[256][0])
-            reconnected = restart(procs, endpoint, a)
+            reconnected, kept_rate = restart(procs, endpoint, state, a, out)
         finally:
             for server in servers:
                 server.close()
             stop(procs)
             procs.clear()
+            for path in state:
+                shutil.rmtree(path, ignore_errors=True)
     figures: dict[str, Any] = {}
     for size, name in SIZES.items():
         figures[f"ttft_ratio_{name}"] = median_ms(one[size][1]) / median_ms(one[size][0])
@@ -341,6 +380,7 @@ def main() -> int:
     figures["outputs_identical"] = out.identical
     figures["blocks_loaded_every_time"] = out.loaded_every_time
     figures["reconnect_after_node_restart"] = reconnected
+    figures["hit_rate_after_restart"] = kept_rate
     figures["frozen_first_ms"] = (frozen_s[0] - cold_256) * 1e3
     figures["frozen_next_ms"] = (statistics.median(frozen_s[1:]) - cold_256) * 1e3
     figures["idle_waits_over"] = out.idle.over
@@ -357,7 +397,8 @@ def main() -> int:
           f"{LOOKUP_TIMEOUT_S}), the next {FROZEN_NEXT} {', '.join(f'{t * 1e3:.0f}' for t in frozen_s[1:])} ms "
           f"(median {figures['frozen_next_ms']:.0f} ms more, goal <= 100)")
     print(f"requests that began with a server busy after {IDLE_S:.0f} s: {out.idle.over}")
-    print(f"node restarted: served from kvcr again {reconnected}")
+    print(f"node killed and restarted on its state directory: served from kvcr again {reconnected}; "
+          f"prompts saved before it served from kvcr after it: {kept_rate:.2f} (hit_rate_after_restart)")
     if args.json:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
     return 0 if out.identical and reconnected else 1

@@ -97,6 +97,23 @@ def header(st: Mapping[str, Any]) -> Text:
         policy = st["policy"]
         parts.append(f"eviction policy {policy.get('name', '?')} ({policy.get('failures', 0)} failures)")
     text.append("  ".join(parts))
+    recovery = st.get("recovery")
+    if isinstance(recovery, Mapping):
+        # A node on a state directory: what it took back at its start (architecture §8).
+        text.append("\n")
+        kept = int(recovery.get("kept", 0))
+        text.append(f"kept the cache of incarnation {kept:016x}: " if kept else "started empty on its state directory: ")
+        text.append(f"{int(recovery.get('recovered', 0)):,} objects recovered")
+        dropped = recovery.get("dropped") or {}
+        if dropped:
+            text.append("\n  records dropped: " + ", ".join(f"{why} {n:,}" for why, n in sorted(dropped.items())),
+                        style="yellow")
+        journal = st.get("journal")
+        if isinstance(journal, Mapping):
+            text.append(f"\n  journal: {int(journal.get('held', 0)):,} objects, generation {journal.get('generation', 0)}")
+            failures = int(journal.get("write_failures", 0))
+            if failures:
+                text.append(f", {failures:,} write failures", style="red")
     return text
 
 

@@ -218,6 +218,8 @@ class Journal:
         self.compactions = 0
         self.write_failures = 0
         self._compacting: threading.Thread | None = None
+        for stale in directory.glob("snapshot.*.tmp"):  # a compaction a killed node left half-written
+            stale.unlink(missing_ok=True)
         self._start_generation()
 
     # -- what the store reports (InventoryListener) -------------------------------------
@@ -320,8 +322,7 @@ class Journal:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        if self._compacting is not None:
-            self._compacting.join()
+        self.settle()
         for _, _, path in state_files(self.directory):
             try:
                 path.unlink(missing_ok=True)
@@ -333,11 +334,15 @@ class Journal:
         return {"generation": self.generation, "held": len(self.held), "bytes": self.written,
                 "compactions": self.compactions, "write_failures": self.write_failures}
 
+    def settle(self) -> None:
+        """Wait for a running compaction to end."""
+        if self._compacting is not None:
+            self._compacting.join()
+
     def close(self) -> None:
         """Write what is pending and wait for a running compaction."""
         self.flush()
-        if self._compacting is not None:
-            self._compacting.join()
+        self.settle()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -202,10 +202,7 @@ class Node:
             try:
                 self._recover(self.state)
             except BaseException:
-                self._close_sockets()
-                self.bound.close()
-                self._wakeup.close()
-                self._release_memory()
+                self._abandon_start()
                 raise
         if self.config.metrics_port is not None:
             self._start_exporter()
@@ -258,12 +255,16 @@ class Node:
             self.exporter = MetricsExporter(config.metrics_address, config.metrics_port, lambda: publisher.latest,
                                             config.metrics_max_connections)
         except BaseException:
-            self._close_sockets()
-            self.bound.close()
-            self._wakeup.close()
-            self._release_memory()
+            self._abandon_start()
             raise
         self.metrics_port = self.exporter.port
+
+    def _abandon_start(self) -> None:
+        """A start that failed once the sockets were bound: let go of everything made so far."""
+        self._close_sockets()
+        self.bound.close()
+        self._wakeup.close()
+        self._release_memory()
 
     def _wire(self) -> None:
         """Make the parts that own the node's state, each handed what it reports to (architecture §1)."""

@@ -250,20 +250,29 @@ class Store:
         In order, each an access; each is reported stored. Raises ``StoreError`` before
         placing any when they are not."""
         wanted: dict[str, list[int]] = {}
+        checked: set[Layout] = set()
         for key, layout, packed, _ in objects:
             if key in self._objects:
                 raise StoreError(f"adopt of {key!r}: the key is stored")
-            _check_layout(layout)
-            for (_, pool), slot in zip(layout, memoryview(packed).cast("I"), strict=True):
-                if pool not in self._pools:
-                    raise StoreError(f"adopt of {key!r}: unknown pool {pool!r}")
-                wanted.setdefault(pool, []).append(slot)
+            if layout not in checked:
+                _check_layout(layout)
+                if any(pool not in self._pools for _, pool in layout):
+                    raise StoreError(f"adopt of {key!r}: a pool of {layout!r} is unknown")
+                checked.add(layout)
+            slots = memoryview(packed).cast("I")
+            if len(slots) != len(layout):
+                raise StoreError(f"adopt of {key!r}: {len(slots)} slots for {len(layout)} spans")
+            if len(layout) == 1:
+                wanted.setdefault(layout[0][1], []).append(slots[0])
+            else:
+                for (_, pool), slot in zip(layout, slots, strict=True):
+                    wanted.setdefault(pool, []).append(slot)
         if len({key for key, *_ in objects}) != len(objects):
             raise StoreError("adopt: a key is named twice")
         reserved: list[str] = []
         try:
-            for pool, slots in wanted.items():
-                self._alloc[pool].reserve(slots)
+            for pool, taken in wanted.items():
+                self._alloc[pool].reserve(taken)
                 reserved.append(pool)
         except ValueError as exc:
             for pool in reserved:

@@ -14,7 +14,7 @@ py="$venv/bin/python"
 # kvcr's own dependencies that neither engine brings (pyproject.toml): installed into an
 # environment made before kvcr needed them too, so it need not be made again.
 core_deps() {
-  "$1" -m pip install --quiet --disable-pip-version-check "xxhash==4.1.0"
+  "$1" -m pip install --quiet --disable-pip-version-check "xxhash==4.1.0" "google-crc32c==1.9.0"
 }
 make_vllm() {
   local venv="${KVCR_VLLM_VENV:-.venv-vllm}"

@@ -10,8 +10,9 @@ Meanwhile the same calls send hellos with the reconnector's backoff, waiting ``w
 most for the welcome (the scheduler's ``lookup_wait_s``, never longer), so vLLM is never
 held by an absent node. The hello announces every region the client registered, so a
 worker's KV cache is registered with the node again as part of it (a restarted node knows
-nothing of the old session). A welcome from another incarnation calls ``on_restart``: what
-the side remembers of the node's content is stale. A node that stalls without dropping the
+nothing of the old session). A welcome from another incarnation calls ``on_restart``: the
+leases the side held are gone (a node restarted on its state directory still holds what it
+held, ``welcome.kept``, and lookups find it again). A node that stalls without dropping the
 session (frozen: a heartbeat the side ``probe``d is not answered) is ``stalled`` past the
 side's own bound, long before its silence ends the session. ``node_outages``, ``reconnects`` and
 ``node_away_ms`` count what happened, through the side's ``count``. No engine is imported here.
@@ -118,7 +119,11 @@ class NodeLink:
             r.failed(self.clock())
             return
         away_s = self.clock() - (r.lost_at if r.lost_at is not None else now)
+        previous = r.incarnation
         restarted = r.connected(self.clock(), welcome.incarnation)
+        # A node restarted on its state directory names the incarnation whose cache it kept
+        # (``welcome.kept``, spec section 6.4): what was saved there is held still.
+        kept = restarted and previous is not None and welcome.kept == previous
         self.count("reconnects", 1)
         self.count("node_away_ms", int(away_s * 1000))
         self.log.info(
@@ -126,7 +131,8 @@ class NodeLink:
             self.endpoint,
             away_s,
             r.tries,
-            ": the node restarted, what it held is gone" if restarted else "",
+            (": the node restarted and kept its cache" if kept else ": the node restarted, what it held is gone")
+            if restarted else "",
         )
         if restarted and self.on_restart is not None:
             self.on_restart()

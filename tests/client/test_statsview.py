@@ -132,3 +132,16 @@ def test_a_narrow_terminal_keeps_the_pools_readable() -> None:
     assert len(rows) == 4 and all(len(line) <= 80 for line in text.splitlines())
     assert rows[0].split()[:5] == ["full", "hbm:0", "64", "KiB", "31/32"] and "96.9%" in rows[0]
     assert "…" not in "".join(rows), "nothing in a pool row is cut short"
+
+
+def test_a_restarted_node_says_what_it_took_back() -> None:
+    st = {**copy.deepcopy(STATS), "recovery": {"kept": 0x1234, "recovered": 100_000, "seconds": 0.8,
+                                               "dropped": {"torn": 1, "digest_mismatch": 2}},
+          "journal": {"generation": 3, "held": 99_990, "bytes": 10, "compactions": 2, "write_failures": 1}}
+    text = to_text(st)
+    assert "kept the cache of incarnation 0000000000001234: 100,000 objects recovered" in text
+    assert "records dropped: digest_mismatch 2, torn 1" in text
+    assert "journal: 99,990 objects, generation 3, 1 write failures" in text
+    empty = to_text({**copy.deepcopy(STATS), "recovery": {"kept": 0, "recovered": 0, "dropped": {}}})
+    assert "started empty on its state directory: 0 objects recovered" in empty
+    assert "kept the cache" not in to_text(STATS)

@@ -14,7 +14,10 @@ prefix cache off, so a prompt's prefix comes from kvcr or is computed:
 4. a new node on the same endpoint (a new incarnation, empty): both servers' connectors
    reconnect without vLLM restarting (each side counts the outage and the reconnect), A
    saves a prompt anew and serves it from kvcr with the same text, and so does B;
-5. the node is left at rest: no lease, claim, put or transfer of the servers left.
+5. a rolling upgrade: that node stopped and a new process started on its state directory
+   (its pools in files under ``/dev/shm``): both servers reconnect,
+   and the prompt saved before the restart is served from kvcr by A and by B;
+6. the node is left at rest: no lease, claim, put or transfer of the servers left.
 
 No step relies on timing: each waits, bounded, for the state it needs, read where it is
 (``settle``). A prompt is asked again only once the node holds its blocks (its puts
@@ -29,6 +32,8 @@ two ranks against vLLM's own scheduler. The timing figures are ``bench/vllm_ttft
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -107,6 +112,15 @@ def servers(model: Path, tmp_path: Path) -> Iterator[tuple[str, list[NodeProcess
                 node.stop()
 
 
+@pytest.fixture
+def pool_dir(tmp_path: Path) -> Iterator[Path]:
+    """Where a node with a state directory keeps its pools' files: memory, removed after the test."""
+    path = Path("/dev/shm") / f"kvcr-vllm-server-{os.getpid()}-{tmp_path.name}"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def settle(what: str, ready: Callable[[], bool], bound_s: float = SETTLE_S) -> None:
     """Wait until ``ready()`` holds, polling it; fail naming ``what`` past ``bound_s``."""
     end = time.monotonic() + bound_s
@@ -157,19 +171,20 @@ def served(server: Server, tokens: list[int], text: str) -> None:
     assert server.counter("load_errors") == errors
 
 
-def reconnected(server: Server) -> bool:
+def reconnected(server: Server, before: int) -> bool:
     """Both sides of the server's connector (scheduler and worker) found the node lost and
-    reconnected, and neither is away now (as its last call saw it)."""
+    reconnected since they had counted ``before`` reconnects, and neither is away now (as its
+    last call saw it)."""
     reconnects = server.counter("reconnects")
-    return reconnects >= 2 and server.counter("node_outages") == reconnects
+    return reconnects >= before + 2 and server.counter("node_outages") == reconnects
 
 
-def reconnect(server: Server, phase: int) -> None:
+def reconnect(server: Server, phase: int, before: int = 0) -> None:
     """Wait, bounded, until the server's connector reconnected to the restarted node. A side
     looks at its link only when vLLM calls it, so cold requests (new prompts, their blocks
     saved once the worker is back) drive it meanwhile."""
     end, trial = time.monotonic() + RECONNECT_S, 0
-    while not reconnected(server):
+    while not reconnected(server, before):
         assert time.monotonic() < end, (f"the server on port {server.port} not reconnected within "
                                         f"{RECONNECT_S:.0f} s ({trial} prompts)")
         server.ttft(prompt(TOKENS, trial, phase))
@@ -178,9 +193,10 @@ def reconnect(server: Server, phase: int) -> None:
 
 @pytest.mark.timeout(1500)
 def test_two_servers_share_a_node_ride_out_its_death_and_use_the_next_one(
-    servers: tuple[str, list[NodeProcess], Server, Server],
+    servers: tuple[str, list[NodeProcess], Server, Server], tmp_path: Path, pool_dir: Path,
 ) -> None:
     endpoint, nodes, a, b = servers
+    state = ("--state-dir", str(tmp_path / "node-state"), "--pool-dir", str(pool_dir))
     shared = prompt(TOKENS, 0, 1)
     text = stored(a, endpoint, shared)
     served(a, shared, text)
@@ -195,13 +211,25 @@ def test_two_servers_share_a_node_ride_out_its_death_and_use_the_next_one(
     assert b.ttft(prompt(TOKENS, 0, 2))[1] == alone
 
     # A new node on the endpoint: both servers reconnect and caching resumes without restarting vLLM.
-    nodes.append(start_node(endpoint, *NODE_ARGS))
+    nodes.append(start_node(endpoint, *NODE_ARGS, *state))
     reconnect(a, 3)
     reconnect(b, 4)
     tokens = prompt(TOKENS, 0, 5)
     cold = stored(a, endpoint, tokens)
     served(a, tokens, cold)
     served(b, tokens, cold)  # B reconnected too: the restarted node's blocks serve it
+
+    # A rolling upgrade: the node stopped and replaced on its state directory. The servers
+    # reconnect, and the prompt saved before the restart is served from kvcr, not saved again.
+    counts = a.counter("reconnects"), b.counter("reconnects")
+    settle("the node at rest before its upgrade", lambda: at_rest(node_stats(endpoint)))
+    assert nodes[-1].stop() == 0
+    nodes.append(start_node(endpoint, *NODE_ARGS, *state))
+    assert node_stats(endpoint)["recovery"]["recovered"] >= TOKENS // BLOCK
+    reconnect(a, 6, counts[0])
+    reconnect(b, 7, counts[1])
+    served(a, tokens, cold)
+    served(b, tokens, cold)
 
     settle("the node at rest", lambda: at_rest(node_stats(endpoint)))
     with Client(endpoint, name="vllm-server-check") as c:

@@ -22,6 +22,7 @@ from kvcr_client.events import EventStream, InventoryMirror
 from kvcr_node.journal import FILE_MAGIC, state_files
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, plain_layout
+from kvcr_testing.measure import fd_count, thread_count
 from kvcr_testing.nodes import NodeProcess, start_node
 from kvcr_testing.patterns import KiB, pattern
 
@@ -185,10 +186,15 @@ def test_kill_9_during_compactions_keeps_the_journal_readable(ipc_dir: Path, tmp
             client = Client(site.endpoint, name=f"round-{round_}")
             burst = Burst(client, 600, f"r{round_}", 10 + round_)
             burst.thread.start()
+            assert wait_until(lambda b=burst: len(b.acked) >= 60, 60.0)  # type: ignore[misc]
+            early = fd_count(node.proc.pid), thread_count(node.proc.pid)
             least = 150 + 37 * round_
             assert wait_until(lambda b=burst, n=least: len(b.acked) >= n, 60.0)  # type: ignore[misc]
             with Client(site.endpoint, name="look") as look:
                 assert stats(look)["journal"]["compactions"] >= 2
+            # Compactions come and go: the node's descriptors, threads and files stay bounded.
+            assert fd_count(node.proc.pid) <= early[0] + 2 and thread_count(node.proc.pid) <= early[1] + 1
+            assert len(list(site.state.iterdir())) <= 6, sorted(p.name for p in site.state.iterdir())
             node.kill()
             burst.thread.join(30.0)
             client.close()

@@ -182,6 +182,7 @@ def test_compaction_keeps_the_files_bounded_and_the_state_whole(dirs: tuple[Path
             if i % 3:
                 held.store.remove(b"r%d-%d" % (round_, i))
         held.journal.flush()
+        held.journal.settle()  # a compaction is not started while one runs: at any machine load, one per bound
     live = {key for key in list(held.journal.held)}
     held.close()
     assert held.journal.compactions >= 3
@@ -277,3 +278,43 @@ def test_reserve_takes_exactly_the_slots_named() -> None:
             alloc.reserve(bad)
     assert sorted(alloc.alloc(6)) == [0, 1, 3, 4, 6, 7]
     assert alloc.check() == []
+
+
+@pytest.mark.parametrize("body", [
+    [0, 1, 7, "str-key", [["L0", "kv"]], b"\x00" * 4, b""],  # a key as str
+    [0, 1, 7, b"k", [], b"", b""],  # no span
+    [0, 1, 7, b"k", [["L0", "kv"]], b"\x00" * 8, b""],  # two slots for one span
+    [0, 1, 7, b"k", [["L0", "kv"]], b"\x00" * 4, b"\x00" * 3],  # digests of the wrong length
+    [9, 1, 7, b"k"],  # an unknown kind
+    [0, 1],  # cut short
+    {"kind": 0},  # not a list
+    7,
+], ids=["str-key", "no-span", "slots-count", "digests-length", "kind", "short", "map", "int"])
+def test_a_record_whose_bytes_check_out_but_do_not_decode_is_dropped(body: object, dirs: tuple[Path, Path]) -> None:
+    import msgpack
+
+    from kvcr_node.journal import _frame
+
+    held = reopen(dirs, compact_bytes=1 << 30)
+    held.put(b"good", spans=1)
+    held.journal.pending += _frame(msgpack.packb(body))
+    held.close()
+    again = reopen(dirs)
+    assert again.replayed.dropped == {Dropped.MALFORMED: 1}
+    assert set(again.journal.held) == {b"good"}
+    again.close()
+
+
+def test_records_naming_pools_or_slots_this_node_does_not_have_are_foreign(dirs: tuple[Path, Path]) -> None:
+    import msgpack
+
+    from kvcr_node.journal import _frame
+
+    held = reopen(dirs, compact_bytes=1 << 30)
+    for key, pool, slot in ((b"no-pool", "gone", 0), (b"past-end", "kv", 32)):
+        body = [0, 5, 7, key, [["L0", pool]], array("I", [slot]).tobytes(), b""]
+        held.journal.pending += _frame(msgpack.packb(body))
+    held.close()
+    again = reopen(dirs)
+    assert again.replayed.dropped == {Dropped.FOREIGN: 2} and len(again.store) == 0
+    again.close()
