@@ -52,6 +52,8 @@ BURST = 3000
 KILL_AFTER = 1000
 BULK = 1024
 """Keys per deposit while filling a node for the restart timing."""
+QUERY_KEYS = 4096
+"""Keys per query (the protocol's ``max_keys``); a restarted node is asked for all its objects in such queries at once."""
 
 
 class StateSite:
@@ -148,9 +150,13 @@ def until_served(endpoint: str, keys: list[bytes], started: float) -> float:
             client.query([b"anything"]).result(120)
             return time.monotonic() - started
         while True:
-            presences = client.query(keys).result(120)
-            if all(presences[k].presence is Presence.HIT for k in keys):
+            handles = [(chunk, client.query(chunk)) for chunk in chunks(keys)]
+            if all(handle.result(120)[k].presence is Presence.HIT for chunk, handle in handles for k in chunk):
                 return time.monotonic() - started
+
+
+def chunks(keys: list[bytes], size: int = QUERY_KEYS) -> list[list[bytes]]:
+    return [keys[at:at + size] for at in range(0, len(keys), size)]
 
 
 def restart_time(run: Path, count: int) -> float:

@@ -36,7 +36,7 @@ import os
 import re
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -98,61 +98,82 @@ def removed_frame(seq: int, incarnation: int, key: bytes) -> bytes:
     return _frame(msgpack.packb([RecordKind.REMOVED, seq, incarnation, key]))
 
 
+Layout = tuple[tuple[str, str], ...]
+_READY, _REMOVED = int(RecordKind.READY), int(RecordKind.REMOVED)
+
+
 class Record:
     """One decoded record. ``slots`` are packed u32, ``digests`` packed u64 (maybe empty)."""
 
     __slots__ = ("digests", "incarnation", "key", "kind", "layout", "seq", "slots")
 
-    def __init__(self, body: list[Any]) -> None:
-        kind = RecordKind(body[0])
-        self.kind = kind
-        self.seq = int(body[1])
-        self.incarnation = int(body[2])
+    def __init__(self, body: Any, layouts: dict[Layout, Layout]) -> None:
+        """``body``: the decoded msgpack (arrays as tuples); ``layouts``: the layouts seen so
+        far, each checked once and shared by every record that has it."""
+        kind = body[0]
+        if type(kind) is not int or kind not in (_READY, _REMOVED) or type(body[1]) is not int or type(body[2]) is not int:
+            raise ValueError("kind")
+        self.kind = RecordKind.READY if kind == _READY else RecordKind.REMOVED
+        self.seq: int = body[1]
+        self.incarnation: int = body[2]
         key = body[3]
         if type(key) is not bytes:
             raise ValueError("key")
-        self.key = key
-        if kind is RecordKind.READY:
-            layout = tuple((str(span), str(pool)) for span, pool in body[4])
-            slots, digests = body[5], body[6]
-            if not layout or type(slots) is not bytes or len(slots) != 4 * len(layout) or type(digests) is not bytes:
-                raise ValueError("layout")
+        self.key: bytes = key
+        if kind == _READY:
+            _, _, _, _, raw, slots, digests = body
+            layout = layouts.get(raw)
+            if layout is None:
+                if type(raw) is not tuple or not raw or not all(
+                        type(span) is tuple and len(span) == 2 and type(span[0]) is str and type(span[1]) is str
+                        for span in raw):
+                    raise ValueError("layout")
+                layout = layouts[raw] = raw
+            if type(slots) is not bytes or len(slots) != 4 * len(layout) or type(digests) is not bytes:
+                raise ValueError("slots")
             if digests and len(digests) != 8 * len(layout):
                 raise ValueError("digests")
-            self.layout: tuple[tuple[str, str], ...] = layout
+            self.layout: Layout = layout
             self.slots: bytes = slots
             self.digests: bytes = digests
         else:
             self.layout, self.slots, self.digests = (), b"", b""
 
 
-def read_frames(data: bytes, dropped: Callable[[Dropped], None]) -> Iterator[Record]:
+def read_frames(data: bytes, dropped: Callable[[Dropped], None], layouts: dict[Layout, Layout] | None = None,
+                ) -> Iterator[Record]:
     """The records in one file's bytes (after its magic), in order; what cannot be read is
     reported to ``dropped``. A corrupt record is skipped by its length; a file that ends
-    inside a record, or a length that cannot be, ends the file."""
+    inside a record, or a length that cannot be, ends the file. ``layouts`` shares equal
+    layouts among the records (and across files)."""
+    layouts = {} if layouts is None else layouts
+    head_size = _HEAD.size
+    value, extend, unpack = google_crc32c.value, google_crc32c.extend, msgpack.unpackb
     at, end = 0, len(data)
     while at < end:
-        if end - at < _HEAD.size:
+        if end - at < head_size:
             dropped(Dropped.TORN)
             return
         length, crc = _HEAD.unpack_from(data, at)
         if length > MAX_RECORD:
             dropped(Dropped.CORRUPT)
             return
-        body_at = at + _HEAD.size
+        body_at = at + head_size
         if body_at + length > end:
             dropped(Dropped.TORN)
             return
         body = data[body_at:body_at + length]
-        at = body_at + length
-        if google_crc32c.extend(google_crc32c.value(data[body_at - _HEAD.size:body_at - 4]), body) != crc:
+        if extend(value(data[at:at + 4]), body) != crc:
+            at = body_at + length
             dropped(Dropped.CORRUPT)
             continue
+        at = body_at + length
         try:
-            decoded = msgpack.unpackb(body)
-            yield Record(decoded)
+            record = Record(unpack(body, use_list=False), layouts)
         except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException):
             dropped(Dropped.MALFORMED)
+            continue
+        yield record
 
 
 def state_files(directory: Path) -> list[tuple[int, str, Path]]:
@@ -174,10 +195,32 @@ def files_to_read(directory: Path) -> list[Path]:
     return [path for gen, kind, path in files if (kind == "snapshot" and gen == base) or (kind == "journal" and gen >= base)]
 
 
-def file_body(path: Path) -> bytes:
-    """A state file's records (its bytes after the magic; nothing when it has none)."""
-    data = path.read_bytes()
-    return data[len(FILE_MAGIC):] if data.startswith(FILE_MAGIC) else b""
+def file_head(epochs: Mapping[str, int]) -> bytes:
+    """The start of a journal or snapshot file: the magic, then the epochs of the pools' files
+    its records describe (``kvcr_node.state_dir``), msgpack after its length (u32)."""
+    body = msgpack.packb(dict(epochs))
+    return FILE_MAGIC + struct.pack("<I", len(body)) + body
+
+
+def read_file(path: Path) -> tuple[dict[str, int], bytes] | None:
+    """A state file's pool epochs and its records' bytes; None when its head cannot be read."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    at = len(FILE_MAGIC) + 4
+    if not data.startswith(FILE_MAGIC) or len(data) < at:
+        return None
+    (length,) = struct.unpack_from("<I", data, len(FILE_MAGIC))
+    if length > MAX_RECORD or at + length > len(data):
+        return None
+    try:
+        epochs = msgpack.unpackb(data[at:at + length])
+    except (ValueError, msgpack.UnpackException):
+        return None
+    if type(epochs) is not dict or not all(type(k) is str and type(v) is int for k, v in epochs.items()):
+        return None
+    return epochs, data[at + length:]
 
 
 def _name(kind: str, gen: int) -> str:
@@ -193,13 +236,17 @@ class Journal:
     """
 
     def __init__(
-        self, directory: Path, incarnation: int, generation: int, seq: int, held: dict[bytes, ObjectEntry],
-        kept: Callable[[ObjectEntry], bool], failed: Callable[[BaseException], None],
-        compact_bytes: int = COMPACT_BYTES,
+        self, directory: Path, incarnation: int, epochs: Mapping[str, int], generation: int, seq: int,
+        held: dict[bytes, ObjectEntry], kept: Callable[[ObjectEntry], bool], failed: Callable[[BaseException], None],
+        compact_bytes: int = COMPACT_BYTES, snapshot: bool = True,
     ) -> None:
         """Start generation ``generation`` holding ``held`` (the objects adopted), with
-        records numbered from ``seq``: its snapshot is written in the background at once."""
+        records numbered from ``seq``, under the pools' ``epochs``. ``snapshot``: write the
+        snapshot of ``held`` at once, in the background (and then delete the older files);
+        else the older files stay, and make the state with the new journal, until the
+        first compaction."""
         self.directory = directory
+        self.head = file_head(epochs)
         self.incarnation = incarnation
         self.seq = seq
         self.held = held
@@ -220,7 +267,7 @@ class Journal:
         self._compacting: threading.Thread | None = None
         for stale in directory.glob("snapshot.*.tmp"):  # a compaction a killed node left half-written
             stale.unlink(missing_ok=True)
-        self._start_generation()
+        self._start_generation(snapshot)
 
     # -- what the store reports (InventoryListener) -------------------------------------
 
@@ -271,9 +318,9 @@ class Journal:
     def compacting(self) -> bool:
         return self._compacting is not None and self._compacting.is_alive()
 
-    def _start_generation(self) -> None:
+    def _start_generation(self, snapshot: bool = True) -> None:
         """Appends go to a new journal file; the snapshot of what is held now is written in
-        the background, and then the older files go."""
+        the background, and then the older files go (``snapshot``)."""
         if self.compacting:
             return  # the running one ends first; ``flush`` tries again
         self.generation += 1
@@ -283,11 +330,13 @@ class Journal:
         path = self.directory / _name("journal", self.generation)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-            os.write(fd, FILE_MAGIC)
+            os.write(fd, self.head)
         except OSError as exc:
             self._fail(exc)
             return
         self.fd, self.written = fd, 0
+        if not snapshot:
+            return
         entries = list(self.held.values())
         thread = threading.Thread(
             target=self._write_snapshot, args=(self.generation, entries, self.incarnation), name="kvcr-journal",
@@ -300,7 +349,7 @@ class Journal:
         tmp = self.directory / (_name("snapshot", generation) + ".tmp")
         try:
             with open(tmp, "wb") as out:
-                out.write(FILE_MAGIC)
+                out.write(self.head)
                 for entry in entries:
                     # A snapshot record has seq 0: order among them does not matter.
                     out.write(ready_frame(0, incarnation, entry))

@@ -74,17 +74,14 @@ class PoolMemory:
         pool is made resident at once, so one larger than that is refused here, naming it,
         rather than the kernel ending the process as its pages are faulted in.
 
-        ``file``: keep the pool in this file (shared memory under a state directory,
-        ``kvcr_node.state_dir``), so that its bytes outlive the process. A file of the pool's
-        size is mapped as it is (``kept`` is True: a previous node's bytes); any other is made
-        anew, zero filled."""
+        ``file``: keep the pool in this file, of the pool's size (shared memory under a state
+        directory, ``kvcr_node.state_dir``), so that its bytes outlive the process."""
         self.spec = spec
         self.device = hbm_device(spec.memory)
-        self.kept = False
         self._keep: Any
         if self.device is None:
             if file is not None:
-                self._keep, self.kept = _map_file(spec, file, available)
+                self._keep = _map_file(spec, file)
             else:
                 if available is not None and spec.size > available:
                     raise PoolAllocationError(spec, MemoryError(f"the host has {available} bytes available"))
@@ -121,25 +118,20 @@ class PoolMemory:
                 pass
 
 
-def _map_file(spec: PoolSpec, file: Path, available: int | None) -> tuple[mmap.mmap, bool]:
-    """Map ``file`` shared as ``spec``'s pool: as it is when it has the pool's size, else made
-    anew at that size (zero filled). Returns the mapping and whether the file was kept."""
+def _map_file(spec: PoolSpec, file: Path) -> mmap.mmap:
+    """Map ``file`` shared as ``spec``'s pool (the state directory made it at the pool's size)."""
     try:
-        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(file, os.O_RDWR)
     except OSError as exc:
         raise PoolAllocationError(spec, exc) from exc
     try:
-        kept = os.fstat(fd).st_size == spec.size
-        if not kept:
-            # A new pool, or one whose file was cut or grown: nothing in it is trusted.
-            if available is not None and spec.size > available:
-                raise PoolAllocationError(spec, MemoryError(f"the host has {available} bytes available"))
-            os.ftruncate(fd, 0)
-            os.ftruncate(fd, spec.size)
+        size = os.fstat(fd).st_size
+        if size != spec.size:
+            raise PoolAllocationError(spec, ValueError(f"{file} has {size} bytes"))
         # Every page allocated now: a full tmpfs fails here, by name, not with SIGBUS at a
         # transfer's first touch.
         os.posix_fallocate(fd, 0, spec.size)
-        return mmap.mmap(fd, spec.size, flags=mmap.MAP_SHARED), kept
+        return mmap.mmap(fd, spec.size, flags=mmap.MAP_SHARED)
     except (OSError, OverflowError, ValueError) as exc:
         raise PoolAllocationError(spec, exc) from exc
     finally:

@@ -44,7 +44,7 @@ from kvcr_node.event_publisher import EventPublisher
 from kvcr_node.eviction import make_policy
 from kvcr_node.exporter import MetricsExporter
 from kvcr_node.inventory import Inventory
-from kvcr_node.journal import Journal
+from kvcr_node.journal import Journal, state_files
 from kvcr_node.leases import Leases
 from kvcr_node.links import Links
 from kvcr_node.memory import PoolMemory, available_bytes
@@ -103,6 +103,8 @@ GRANT_SERVING_CPU_S = 200e-6
 buffer at a time: milliseconds; an idle call costs tens of microseconds): the agent is
 progressed at ``GRANT_PROGRESS_S`` again until ``GRANT_SERVING_HOLD_S`` after the last such call."""
 GRANT_SERVING_HOLD_S = 0.05
+START_FILES = 3
+"""State files a node starts on and keeps as they are, at most: past that it snapshots what it took back at once."""
 _FAILURE_LOG_INTERVAL_S = 10.0
 """An internal failure of one kind is logged (with its traceback) at most this often; each is counted."""
 
@@ -210,11 +212,10 @@ class Node:
     def _recover(self, state: StateDir) -> None:
         """Take back what the journal says the kept pools hold (verified), then journal from here on."""
         started = time.monotonic()
-        replayed = replay(state.path)
+        replayed = replay(state.path, state.epochs)
         records = verify(replayed, self.memories)
         entries = self.store.adopt_all([(r.key, r.layout, r.slots, r.digests) for r in records])
-        kept_any = any(mem.kept for mem in self.memories.values())
-        self.sessions.kept = state.previous if kept_any else 0
+        self.sessions.kept = state.previous if state.kept else 0
         self.recovery = {
             "kept": self.sessions.kept,
             "recovered": len(entries),
@@ -230,9 +231,12 @@ class Node:
         def kept_whole(entry: ObjectEntry) -> bool:
             return all(pool in kept for pool, _ in entry.info.need)
 
+        # The files read stay the state until the first compaction, unless some of what they
+        # say was dropped (or there are many): then a snapshot of what was taken back at once.
+        snapshot = bool(replayed.dropped) or len(state_files(state.path)) > START_FILES
         journal = self.journal = Journal(
-            state.path, self.incarnation, replayed.generation, replayed.seq, {e.key: e for e in entries}, kept_whole,
-            self._journal_failed, self.config.journal_compact_bytes)
+            state.path, self.incarnation, state.epochs, replayed.generation, replayed.seq, {e.key: e for e in entries},
+            kept_whole, self._journal_failed, self.config.journal_compact_bytes, snapshot)
         self.stats.journal = journal
         listener: InventoryListener = journal
         if self.events is not None:

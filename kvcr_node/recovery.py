@@ -2,9 +2,10 @@
 
 ``replay`` reads the journal's files (``kvcr_node.journal``) in order and keeps, per key,
 the last READY record not removed since; a record whose slots a later one takes loses
-them (its bytes were written over). ``verify`` then keeps only what the pools can vouch
-for: pools this node keeps, whose files were there at the pool's size, slots in range,
-and bytes that still match the digests recorded with them. Every record or object not
+them (its bytes were written over), and one written under another epoch of a pool's file
+(the file was made anew since, ``kvcr_node.state_dir``) describes bytes that are gone.
+``verify`` then keeps only what the pools can vouch for: pools this node keeps, slots in
+range, and bytes that still match the digests recorded with them. Every record or object not
 taken back is counted by reason (``Dropped``); nothing unverified is ever served.
 """
 
@@ -14,9 +15,10 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvcr_io.digests import UNCHECKED, span_digest, unpack_digests
-from kvcr_node.journal import Dropped, Record, RecordKind, file_body, files_to_read, read_frames, state_files
+from kvcr_node.journal import Dropped, Layout, Record, RecordKind, files_to_read, read_file, read_frames, state_files
 from kvcr_node.memory import PoolMemory
 
 
@@ -32,48 +34,71 @@ class Replayed:
     """The generation the next node starts."""
 
 
-def replay(directory: Path) -> Replayed:
-    """Read ``directory``'s journal: what it holds, in record order."""
+def replay(directory: Path, epochs: Mapping[str, int]) -> Replayed:
+    """Read ``directory``'s journal: what it holds, in record order. ``epochs``: the pools'
+    files' epochs now; a record written under another epoch of a pool it names describes
+    bytes that file no longer holds."""
     out = Replayed()
     files = state_files(directory)
     out.generation = max((gen for gen, _, _ in files), default=-1) + 1
-    owner: dict[tuple[str, int], bytes] = {}
+    owners: dict[str, dict[int, bytes]] = {}
+    """Pool -> slot -> the key of the object recorded in it."""
     objects = out.objects
+    layouts: dict[Layout, Layout] = {}
 
     def forget(key: bytes) -> None:
         record = objects.pop(key)
         for (_, pool), slot in zip(record.layout, memoryview(record.slots).cast("I"), strict=True):
-            if owner.get((pool, slot)) == key:
-                del owner[(pool, slot)]
+            owner = owners[pool]
+            if owner.get(slot) == key:
+                del owner[slot]
 
     def count(reason: Dropped) -> None:
         out.dropped[reason] += 1
 
+    seq = 0
     for path in files_to_read(directory):
-        for record in read_frames(file_body(path), count):
-            out.seq = max(out.seq, record.seq + 1)
-            if record.key in objects:
-                forget(record.key)  # placed again, or removed
+        read = read_file(path)
+        if read is None:
+            out.dropped[Dropped.CORRUPT] += 1  # its head: none of its records can be trusted
+            continue
+        written_under, body = read
+        lost = {pool for pool, epoch in epochs.items() if written_under.get(pool) != epoch}
+        for record in read_frames(body, count, layouts):
+            if record.seq >= seq:
+                seq = record.seq + 1
+            key = record.key
+            if key in objects:
+                forget(key)  # placed again, or removed
             if record.kind is RecordKind.REMOVED:
                 continue
-            for (_, pool), slot in zip(record.layout, memoryview(record.slots).cast("I"), strict=True):
-                other = owner.get((pool, slot))
-                if other is not None:
+            if lost and any(pool in lost for _, pool in record.layout):
+                out.dropped[Dropped.POOL_LOST] += 1
+                continue
+            slots = memoryview(record.slots).cast("I")
+            for (_, pool), slot in zip(record.layout, slots, strict=True):
+                owner = owners.get(pool)
+                if owner is None:
+                    owner = owners[pool] = {}
+                other = owner.get(slot)
+                if other is not None and other != key:
                     forget(other)
                     out.dropped[Dropped.SLOT_REUSED] += 1
-            for (_, pool), slot in zip(record.layout, memoryview(record.slots).cast("I"), strict=True):
-                owner[(pool, slot)] = record.key
-            objects[record.key] = record
+                owner[slot] = key
+            objects[key] = record
+    out.seq = seq
     return out
 
 
 def verify(replayed: Replayed, memories: Mapping[str, PoolMemory]) -> list[Record]:
     """The replayed objects whose pools and bytes vouch for them, in record order; the rest
     counted in ``replayed.dropped``."""
+    pools = {name: (memory.spec.slot_count, memory.spec.slot_size, memory.array)
+             for name, memory in memories.items() if memory.device is None}
     kept: list[Record] = []
     dropped = replayed.dropped
     for record in replayed.objects.values():
-        reason = _check(record, memories)
+        reason = _check(record, pools)
         if reason is None:
             kept.append(record)
         else:
@@ -81,21 +106,17 @@ def verify(replayed: Replayed, memories: Mapping[str, PoolMemory]) -> list[Recor
     return kept
 
 
-def _check(record: Record, memories: Mapping[str, PoolMemory]) -> Dropped | None:
+def _check(record: Record, pools: Mapping[str, tuple[int, int, Any]]) -> Dropped | None:
+    """Why ``record`` cannot be taken back, or None. ``pools``: each kept pool's slot count,
+    slot size and bytes."""
     slots = memoryview(record.slots).cast("I")
-    for (_, pool), slot in zip(record.layout, slots, strict=True):
-        memory = memories.get(pool)
-        if memory is None or memory.device is not None or slot >= memory.spec.slot_count:
+    recorded = unpack_digests(record.digests) if record.digests else None
+    for i, ((_, pool), slot) in enumerate(zip(record.layout, slots, strict=True)):
+        kept = pools.get(pool)
+        if kept is None or slot >= kept[0]:
             return Dropped.FOREIGN
-        if not memory.kept:
-            return Dropped.POOL_LOST
-    if record.digests:
-        recorded = unpack_digests(record.digests)
-        for (_, pool), slot, digest in zip(record.layout, slots, recorded, strict=True):
-            if digest == UNCHECKED:
-                continue
-            size = memories[pool].spec.slot_size
-            if span_digest(memories[pool].array[slot * size:(slot + 1) * size]) != digest:
+        if recorded is not None and recorded[i] != UNCHECKED:
+            size = kept[1]
+            if span_digest(kept[2][slot * size:(slot + 1) * size]) != recorded[i]:
                 return Dropped.DIGEST_MISMATCH
     return None
-

@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,8 +37,18 @@ class StateDirError(ValueError):
 
 
 class StateDir:
-    """An open, locked state directory. ``previous`` is the incarnation that last wrote it
-    (0 for a new directory); ``pool_file`` says where each kept pool lives."""
+    """An open, locked state directory whose pool files are ready to map.
+
+    ``previous`` is the incarnation that last wrote it (0 for a new directory); ``files``
+    says where each kept pool lives, ``epochs`` names each pool file's contents, and
+    ``kept`` lists the pools whose files were found whole.
+
+    A pool's epoch is a random number drawn whenever its file is made anew (missing, or of
+    another size): every journal file says the epochs it was written under, so a record of
+    bytes in an earlier file of that pool is never taken for what the new file holds. The new
+    epoch is written to ``layout.json`` before the file is made, so a node killed between
+    the two leaves a directory that still reads right.
+    """
 
     def __init__(self, path: str | os.PathLike[str], pools: Sequence[PoolSpec], pool_dir: str, incarnation: int) -> None:
         self.path = Path(path)
@@ -54,8 +65,16 @@ class StateDir:
                 spec.name: self.pool_dir / f"kvcr-{tag}-{spec.name}" for spec in pools if hbm_device(spec.memory) is None
             }
             """Pool name -> its file, for every pool kept (DRAM; HBM dies with its process)."""
-            self.previous = self._check_layout(pools)
+            self.previous, epochs = self._check_layout(pools)
+            sizes = {spec.name: spec.size for spec in pools}
+            self.kept = {name for name, file in self.files.items() if name in epochs and _size(file) == sizes[name]}
+            """The pools whose files were found whole: what they hold may be taken back."""
+            self.epochs = {name: epochs[name] if name in self.kept else secrets.randbits(63) | 1 for name in self.files}
+            """Pool name -> the epoch of its file's contents."""
             self._write_layout(pools, incarnation)
+            for name, file in self.files.items():
+                if name not in self.kept:
+                    _make_file(file, sizes[name])
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -78,13 +97,14 @@ class StateDir:
         os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
         return fd
 
-    def _check_layout(self, pools: Sequence[PoolSpec]) -> int:
-        """The incarnation that wrote the directory, after checking that its pools are ours."""
+    def _check_layout(self, pools: Sequence[PoolSpec]) -> tuple[int, dict[str, int]]:
+        """The incarnation that wrote the directory and its pools' epochs, after checking
+        that its pools are ours."""
         path = self.path / LAYOUT_FILE
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            return 0
+            return 0, {}
         except OSError as exc:
             raise StateDirError(f"state directory {self.path}: cannot read {LAYOUT_FILE}: {exc.strerror}") from None
         try:
@@ -92,7 +112,8 @@ class StateDir:
             version = layout["version"]
             theirs = [PoolSpec(p["name"], p["slot_size"], p["slot_count"], p["memory"]) for p in layout["pools"]]
             previous = int(layout["incarnation"])
-        except (ValueError, KeyError, TypeError) as exc:
+            epochs = {str(name): int(epoch) for name, epoch in layout.get("epochs", {}).items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise StateDirError(f"state directory {self.path}: {LAYOUT_FILE} is unreadable ({exc})") from None
         if version != STATE_VERSION:
             raise StateDirError(
@@ -101,7 +122,7 @@ class StateDir:
             raise StateDirError(
                 f"state directory {self.path} was written with other pools ({_describe(theirs)}; now {_describe(pools)}): "
                 "start with those pools, or on another directory")
-        return previous
+        return previous, epochs
 
     def _write_layout(self, pools: Sequence[PoolSpec], incarnation: int) -> None:
         layout = {
@@ -110,6 +131,7 @@ class StateDir:
             "pools": [{"name": p.name, "slot_size": p.slot_size, "slot_count": p.slot_count, "memory": p.memory}
                       for p in pools],
             "pool_files": {name: str(path) for name, path in self.files.items()},
+            "epochs": self.epochs,
         }
         tmp = self.path / (LAYOUT_FILE + ".tmp")
         try:
@@ -123,6 +145,28 @@ class StateDir:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+def _size(file: Path) -> int:
+    try:
+        return file.stat().st_size
+    except OSError:
+        return -1
+
+
+def _make_file(file: Path, size: int) -> None:
+    """``file`` anew, ``size`` bytes of zeros (its old contents, if any, are gone)."""
+    try:
+        file.unlink(missing_ok=True)
+        fd = os.open(file, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise StateDirError(f"pool file {file}: cannot make it: {exc.strerror}") from None
+    try:
+        os.ftruncate(fd, size)
+    except OSError as exc:
+        raise StateDirError(f"pool file {file}: cannot size it to {size} bytes: {exc.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 def _describe(pools: Sequence[PoolSpec]) -> str:

@@ -16,6 +16,7 @@ Lifecycle (architecture §2)::
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvcr_node.eviction import EvictionIndex, EvictionPolicy, Layout, LayoutInfo
@@ -279,27 +280,38 @@ class Store:
                 self._alloc[pool].free(wanted[pool])
             raise StoreError(f"adopt: {exc}") from None
         entries = []
+        used: dict[int, LayoutInfo] = {}
+        stored = self._objects
+        on_ready, listener = self.on_ready, self.listener
+        layout_of: Layout | None = None
+        info = tier = None
         for key, layout, packed, digests in objects:
-            info = self._layouts.get(layout)
-            if info is None:
-                info = self._layouts[layout] = LayoutInfo(layout)
+            if layout is not layout_of:  # runs of one layout (the journal shares them) look it up once
+                info = self._layouts.get(layout)
+                if info is None:
+                    info = self._layouts[layout] = LayoutInfo(layout)
+                used[id(info)] = info
+                layout_of, tier = layout, self._tier_of[layout[0][1]]
+            assert info is not None and tier is not None
             info.users += 1
-            entry = ObjectEntry(key, info, packed, self._tier_of[layout[0][1]])
+            entry = ObjectEntry(key, info, packed, tier)
             entry.state = _READY
             entry.lookup += 1
             entry.digests = digests
-            self._objects[key] = entry
-            self._ready += 1
-            for pool, _ in info.need:
-                self._pool_objects[pool] += 1
-            self._access(entry)
-            if not digests and self.on_ready is not None:
-                self.on_ready(entry)
-            if self.listener is not None:
-                self.listener.stored(entry)
-            self._index.add(entry)
+            stored[key] = entry
+            self._tick += 1
+            entry.last_access = self._tick
+            if not digests and on_ready is not None:
+                on_ready(entry)
+            if listener is not None:
+                listener.stored(entry)
             entries.append(entry)
-        for info in {id(e.info): e.info for e in entries}.values():
+        self._index.add_all(entries)
+        self._ready += len(entries)
+        users = Counter(id(entry.info) for entry in entries)
+        for key_of_info, info in used.items():
+            for pool, _ in info.need:
+                self._pool_objects[pool] += users[key_of_info]
             self._check_pressure(info)
         return entries
 

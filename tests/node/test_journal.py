@@ -17,7 +17,7 @@ import pytest
 
 from kvcr_io.digests import pack_digests, span_digest
 from kvcr_node.eviction import make_policy
-from kvcr_node.journal import FILE_MAGIC, Dropped, Journal, files_to_read, state_files
+from kvcr_node.journal import FILE_MAGIC, Dropped, Journal, file_head, files_to_read, state_files
 from kvcr_node.memory import PoolMemory
 from kvcr_node.objects import ObjectEntry
 from kvcr_node.poolspec import PoolSpec
@@ -33,18 +33,20 @@ POOLS = (PoolSpec("kv", SLOT, 32), PoolSpec("small", 512, 16))
 class Held:
     """A store, its journal in ``path``, and pools in files: what a node with a state directory has."""
 
-    def __init__(self, path: Path, pool_dir: Path, compact_bytes: int = 1 << 20, incarnation: int = 7) -> None:
+    def __init__(self, path: Path, pool_dir: Path, compact_bytes: int = 1 << 20, incarnation: int = 7,
+                 snapshot: bool = True) -> None:
         self.path = path
         self.state = StateDir(path, POOLS, str(pool_dir), incarnation)
         self.memories = {spec.name: PoolMemory(spec, None, self.state.files[spec.name]) for spec in POOLS}
         self.store = Store(POOLS, make_policy("lru"))
         self.store.on_ready = self.digest
-        self.replayed = replay(path)
+        self.replayed = replay(path, self.state.epochs)
         records = verify(self.replayed, self.memories)
         entries = self.store.adopt_all([(r.key, r.layout, r.slots, r.digests) for r in records])
         self.failures: list[BaseException] = []
-        self.journal = Journal(path, incarnation, self.replayed.generation, self.replayed.seq,
-                               {e.key: e for e in entries}, lambda entry: True, self.failures.append, compact_bytes)
+        self.journal = Journal(path, incarnation, self.state.epochs, self.replayed.generation, self.replayed.seq,
+                               {e.key: e for e in entries}, lambda entry: True, self.failures.append, compact_bytes,
+                               snapshot)
         self.store.listener = self.journal
 
     def digest(self, entry: ObjectEntry) -> None:
@@ -127,8 +129,9 @@ def test_a_torn_tail_and_a_flipped_record_are_dropped_and_counted(dirs: tuple[Pa
     held.close()
     journal = max(p for _, kind, p in state_files(dirs[0]) if kind == "journal")
     data = bytearray(journal.read_bytes())
+    head = len(file_head(held.state.epochs))
     assert data.startswith(FILE_MAGIC)
-    data[len(FILE_MAGIC) + 20] ^= 0xFF  # inside the first record
+    data[head + 20] ^= 0xFF  # inside the first record
     journal.write_bytes(bytes(data[:-5]))  # and the last one cut short
     again = reopen(dirs)
     assert again.replayed.dropped[Dropped.CORRUPT] == 1
@@ -206,7 +209,7 @@ def test_a_compaction_cut_short_leaves_a_state_that_reads_whole(dirs: tuple[Path
     partial = dirs[0] / f"snapshot.{gen + 1:08d}.tmp"
     partial.write_bytes(FILE_MAGIC + b"\x00" * 10)
     held.journal.fd = os.open(dirs[0] / f"journal.{gen + 1:08d}", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    os.write(held.journal.fd, FILE_MAGIC)
+    os.write(held.journal.fd, file_head(held.state.epochs))
     held.store.remove(b"a0")
     held.put(b"b0", spans=1)
     held.journal.close()
@@ -318,3 +321,20 @@ def test_records_naming_pools_or_slots_this_node_does_not_have_are_foreign(dirs:
     again = reopen(dirs)
     assert again.replayed.dropped == {Dropped.FOREIGN: 2} and len(again.store) == 0
     again.close()
+
+
+def test_a_pool_file_made_anew_is_never_taken_for_the_old_one_without_digests(dirs: tuple[Path, Path]) -> None:
+    """No digests to catch it (``integrity`` off): the epochs alone keep records of a lost
+    pool file's bytes from describing the zeros of the file made in its place, however many
+    restarts come between."""
+    held = reopen(dirs, compact_bytes=1 << 30, snapshot=False)
+    held.store.on_ready = None
+    held.put(b"old", spans=1)
+    held.close()
+    os.truncate(reopen_pool_file(dirs, "kv"), 1)
+    for start in range(3):  # nothing written in between: each start reads the same old records
+        again = reopen(dirs, snapshot=False)
+        # The first start makes the file anew; the next ones find it whole, under its new epoch.
+        assert ("kv" in again.state.kept) == (start > 0)
+        assert b"old" not in again.store and again.replayed.dropped == {Dropped.POOL_LOST: 1}
+        again.close()
