@@ -8,6 +8,7 @@ router's view of which keys the node holds, in which pools and tier.
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,8 @@ REPLAY_TIMEOUT_S = 5.0
 _SYNC_ROUNDS = 64
 """Replay rounds one ``sync`` makes at most (an answer carries a bounded number of batches)."""
 SUB_HWM = 100_000
+LEFT_INCARNATIONS = 8
+"""Incarnations a stream remembers having left (each node start draws a new one at random)."""
 """Batches the SUB queues while the subscriber is busy (a replay); past it ZeroMQ drops, and replay fills in."""
 
 
@@ -113,6 +116,9 @@ class EventStream:
         self.sub.connect(endpoint)
         self._dealer: zmq.Socket[bytes] | None = None
         self.incarnation: int | None = None
+        self._left: collections.deque[int] = collections.deque(maxlen=LEFT_INCARNATIONS)
+        """Incarnations the stream has left: a batch of one still queued in the SUB when the
+        stream went on to the node's next incarnation (by replay) is stale, never handed out."""
         self.expected = 0
         """The seq of the next batch to hand out."""
         self.lost = 0
@@ -155,7 +161,9 @@ class EventStream:
             seq, payload = message
             batch = _decode(payload, seq)
             if batch.incarnation != self.incarnation:
-                self.incarnation = batch.incarnation
+                if batch.incarnation in self._left:
+                    continue
+                self._switch(batch.incarnation)
                 self.expected = 0 if self.from_start else seq
             if seq < self.expected:
                 continue  # already had it by replay
@@ -163,6 +171,12 @@ class EventStream:
                 out.extend(self._fill(self.expected, seq))
             out.append((seq, batch))
             self.expected = seq + 1
+
+    def _switch(self, incarnation: int) -> None:
+        """Follow ``incarnation`` of the node from now on; the one followed so far is left."""
+        if self.incarnation is not None:
+            self._left.append(self.incarnation)
+        self.incarnation = incarnation
 
     def _connected(self) -> bool:
         """Whether the SUB connected (again) since the last look."""
@@ -188,7 +202,8 @@ class EventStream:
             start = self.expected if self.incarnation is not None else 0
             batches, end = self._replay(start)
             if end.incarnation != self.incarnation:
-                self.incarnation, self.expected = end.incarnation, 0
+                self._switch(end.incarnation)
+                self.expected = 0
                 if start != 0:
                     continue  # the node restarted: ask the new incarnation from its start
             if end.oldest > self.expected:  # the ring no longer holds them

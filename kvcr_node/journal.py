@@ -12,7 +12,8 @@ digests]`` (a removal: ``[kind, seq, incarnation, key]``). ``seq`` counts up acr
 records of one directory; ``incarnation`` is the node that wrote it.
 
 Files, by generation ``g``: ``journal.g`` takes appends; ``snapshot.g`` holds one READY
-record per object the journal held when generation ``g`` began. A node's state is the
+record per object the journal held when generation ``g`` began. Each file begins with its
+magic and the epochs of the pools' files it describes (``file_head``, ``kvcr_node.state_dir``). A node's state is the
 newest snapshot, then every journal of that generation or later, in order. Compaction
 starts a generation: appends go to the new journal at once, and a background thread writes
 the snapshot (to a temporary name, renamed when whole) and then deletes the older files,

@@ -126,14 +126,18 @@ def test_a_stopped_node_comes_back_with_its_objects_and_says_so(site: Site) -> N
             for i, key in enumerate(keys):
                 assert got[key] == src[i * LAYOUT.nbytes:(i + 1) * LAYOUT.nbytes].tobytes(), key
 
-            # A subscriber learns of the new incarnation from its next batch (PUB drops what
-            # goes out before the subscriber reconnects), then replays it from its start.
-            client.deposit({b"new": LAYOUT.source_spans(reg(src), 0)}).result(RESULT_TIMEOUT_S)
+            # A subscriber learns of the new incarnation from a batch it receives (PUB drops
+            # what goes out before the subscriber has reconnected), then replays it from its
+            # start: new objects are stored until one reaches it.
+            region = reg(src)
+            fresh: list[bytes] = []
 
             def caught_up() -> bool:
-                for _, batch in stream.recv(0.05):
+                fresh.append(b"new-%d" % len(fresh))
+                client.deposit({fresh[-1]: LAYOUT.source_spans(region, 0)}).result(RESULT_TIMEOUT_S)
+                for _, batch in stream.recv(0.2):
                     mirror.apply(batch)
-                return mirror.incarnation == client.node.incarnation and set(mirror.keys) == {*keys, b"new"}  # type: ignore[union-attr]
+                return mirror.incarnation == client.node.incarnation and set(mirror.keys) == {*keys, *fresh}  # type: ignore[union-attr]
 
             assert wait_until(caught_up, FOLLOW_TIMEOUT_S), "the new incarnation's cleared and stored"
             reg.close()
