@@ -17,8 +17,6 @@ over the ``Links`` made here and handed to it), ``Source`` (what peers ask of us
 from __future__ import annotations
 
 import functools
-import hashlib
-import hmac
 import logging
 import secrets
 import time
@@ -43,14 +41,14 @@ from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.event_publisher import EventPublisher
 from kvcr_node.eviction import make_policy
 from kvcr_node.exporter import MetricsExporter
+from kvcr_node.introductions import Introductions
 from kvcr_node.inventory import Inventory
-from kvcr_node.journal import Journal, state_files
+from kvcr_node.journal import Journal
 from kvcr_node.leases import Leases
 from kvcr_node.links import Links
 from kvcr_node.memory import PoolMemory, available_bytes
 from kvcr_node.metrics import Metrics
 from kvcr_node.metrics_publisher import MetricsPublisher
-from kvcr_node.objects import InventoryListener, Listeners, ObjectEntry
 from kvcr_node.operations import Operations
 from kvcr_node.ops.deliver import Deliveries
 from kvcr_node.ops.deposit import Deposits
@@ -58,7 +56,7 @@ from kvcr_node.ops.fetch import Fetches
 from kvcr_node.ops.query import Queries
 from kvcr_node.outbox import Outbox
 from kvcr_node.puts import Puts
-from kvcr_node.recovery import replay, verify
+from kvcr_node.recovery import take_back
 from kvcr_node.router import Router
 from kvcr_node.sessions import Sessions
 from kvcr_node.source import Source, SubmitWrite
@@ -70,22 +68,16 @@ from kvcr_node.target import Target
 from kvcr_node.transfers import LocalLists, Transfers
 from kvcr_protocol import (
     ErrorCode,
-    GrantNode,
     Limits,
-    PeerHello,
     PoolInfo,
     ProjectionCache,
-    Region,
     Role,
     supported_up_to,
 )
-from kvcr_protocol.columns import U32, pack
 
 log = logging.getLogger("kvcr.node")
 
 _IDLE_POLL_MS = 1000
-LINK_TOKEN_BYTES = 16
-"""Bytes of a link's token in ``peer_hello`` (spec section 5.3)."""
 _SHUTDOWN_DRAIN_S = 10.0
 _FAILED_POLL_S = 0.05
 """After a failed poll the loop waits this long, so a failing poll cannot spin."""
@@ -103,8 +95,6 @@ GRANT_SERVING_CPU_S = 200e-6
 buffer at a time: milliseconds; an idle call costs tens of microseconds): the agent is
 progressed at ``GRANT_PROGRESS_S`` again until ``GRANT_SERVING_HOLD_S`` after the last such call."""
 GRANT_SERVING_HOLD_S = 0.05
-START_FILES = 3
-"""State files a node starts on and keeps as they are, at most: past that it snapshots what it took back at once."""
 _FAILURE_LOG_INTERVAL_S = 10.0
 """An internal failure of one kind is logged (with its traceback) at most this often; each is counted."""
 
@@ -123,8 +113,6 @@ class Node:
         """Where the source side's READY writes are submitted when not at once (measurement only: ``Source``)."""
         self.versions = supported_up_to(config.protocol_version)
         self.incarnation = secrets.randbits(63) | 1
-        self._link_secret = secrets.token_bytes(32)
-        """Keys the tokens of our links to sources (``_peer_hello``); never leaves this process."""
         self.store = Store(config.pools, make_policy(config.policy), config.low_watermark)
         self.memories: dict[str, PoolMemory] = {}
         self._regs: list[Any] = []
@@ -210,38 +198,12 @@ class Node:
             self._start_exporter()
 
     def _recover(self, state: StateDir) -> None:
-        """Take back what the journal says the kept pools hold (verified), then journal from here on."""
-        started = time.monotonic()
-        replayed = replay(state.path, state.epochs)
-        records = verify(replayed, self.memories)
-        entries = self.store.adopt_all([(r.key, r.layout, r.slots, r.digests) for r in records])
-        self.sessions.kept = state.previous if state.kept else 0
-        self.recovery = {
-            "kept": self.sessions.kept,
-            "recovered": len(entries),
-            "dropped": {reason.value: n for reason, n in replayed.dropped.items()},
-            "seconds": round(time.monotonic() - started, 6),
-        }
-        self.stats.recovery = self.recovery
-        if entries or replayed.dropped:
-            log.info("took back %d objects from %s (dropped: %s)", len(entries), state.path,
-                     self.recovery["dropped"] or "none")
-        kept = {name for name, mem in self.memories.items() if mem.device is None}
-
-        def kept_whole(entry: ObjectEntry) -> bool:
-            return all(pool in kept for pool, _ in entry.info.need)
-
-        # The files read stay the state until the first compaction, unless some of what they
-        # say was dropped (or there are many): then a snapshot of what was taken back at once.
-        snapshot = bool(replayed.dropped) or len(state_files(state.path)) > START_FILES
-        journal = self.journal = Journal(
-            state.path, self.incarnation, state.epochs, replayed.generation, replayed.seq, {e.key: e for e in entries},
-            kept_whole, self._journal_failed, self.config.journal_compact_bytes, snapshot)
-        self.stats.journal = journal
-        listener: InventoryListener = journal
-        if self.events is not None:
-            listener = Listeners(journal, self.events.inventory)
-        self.store.listener = listener
+        """Take back what the last node on ``state`` held (``kvcr_node.recovery``), then journal."""
+        taken = take_back(state, self.store, self.memories, self.incarnation, self.config.journal_compact_bytes,
+                          self._journal_failed, self.events.inventory if self.events is not None else None)
+        self.journal = self.stats.journal = taken.journal
+        self.recovery = self.stats.recovery = taken.figures
+        self.sessions.kept = taken.figures["kept"]
 
     def _journal_failed(self, exc: BaseException) -> None:
         log.error("journal: a write failed (%s): the journal starts again from what is held; "
@@ -273,13 +235,15 @@ class Node:
     def _wire(self) -> None:
         """Make the parts that own the node's state, each handed what it reports to (architecture §1)."""
         config, failure = self.config, self.internal_failure
+        intro = Introductions(self.agent, config.pools, self.memories, config.name, self.incarnation, self.versions,
+                              config.client_grace_ms if config.heartbeat_ms else 0)
         self.outbox = Outbox(self.protocol_errors)
         self.remote_agents = RemoteAgents(self.agent, lambda name: self.sessions.agent_use(name), self.clock)
         self.operations = Operations(
             config, self.store, self.transfers, self.remote_agents, self.outbox, self.clock, self.endpoint, failure,
             self.metrics)
         self.links = Links(
-            config, self.context, self._poller, self.remote_agents, self._peer_hello, self.versions, self.counters,
+            config, self.context, self._poller, self.remote_agents, intro.peer_hello, self.versions, self.counters,
             self.protocol_errors, self.clock, self.curve.peer_keys if self.curve is not None else None,
         )
         self.target = Target(
@@ -289,7 +253,7 @@ class Node:
         self.links.owner = self.target
         self.leases = Leases(config, self.store, self.outbox, self.links, self.clock, self.endpoint)
         self.links.lease_owner = self.leases
-        self.leases.grant_node = self._grant_node
+        self.leases.grant_node = intro.grant_node
         self.leases.pool_index = {spec.name: i for i, spec in enumerate(config.pools)}
         self._next_grant_progress = 0.0
         self._grant_serving_until = 0.0
@@ -320,7 +284,7 @@ class Node:
         )
         deposits = Deposits(self.store, self.memories, self.operations)
         self.puts = Puts(config, self.store, deposits, self.operations, self.remote_agents, self.outbox, self.clock,
-                         self.leases.pool_index, self._grant_node)
+                         self.leases.pool_index, intro.grant_node)
         self.sessions.puts = self.puts
         self.puts.end_session = self.sessions.end
         self.puts.session_count = lambda: sum(1 for s in self.sessions.table.values() if s.role is not Role.PEER)
@@ -334,19 +298,6 @@ class Node:
             Limits(max_frame=config.max_frame), self.clock, failure, self.puts, suspects,
         )
 
-    def _grant_node(self, session: object) -> GrantNode:
-        """What a read grant tells a client's agent (spec section 6.12): the node's agent and
-        the registration of every pool, in ``welcome.pools`` order, its grace period and the
-        pools' slot sizes."""
-        pools = tuple(
-            Region(i, mem.kind, mem.nixl_device, mem.address, mem.spec.size)
-            for i, mem in enumerate(self.memories[spec.name] for spec in self.config.pools)
-        )
-        grace = self.config.client_grace_ms if self.config.heartbeat_ms else 0
-        # Slot sizes too: a target passes this on to its clients, who have no welcome of ours.
-        sizes = pack([spec.slot_size for spec in self.config.pools], U32)
-        return GrantNode(self.agent.name, self.agent.metadata(), pools, grace, sizes)
-
     def _start_events(self) -> EventPublisher:
         """Bind the event stream's sockets and have the store report to its inventory."""
         tiers = {spec.name: spec.memory for spec in self.config.pools}
@@ -356,17 +307,6 @@ class Node:
                                 self.config.events_replay_requesters)
         self.store.listener = inventory
         return events
-
-    def _peer_hello(self, hello_id: int, endpoint: str) -> PeerHello:
-        """Our ``peer_hello`` to ``endpoint`` (spec section 5.3): versions, identity, agent
-        metadata, our pools as regions (region id = pool index in welcome order), so sources
-        can write into them (fetch), and the link's token: a digest of our secret and the
-        endpoint as spelled, the same at every reconnect of that link, which nobody who only
-        knows our incarnation can forge."""
-        regions = tuple(Region(i, m.kind, m.nixl_device, m.address, m.spec.size) for i, m in enumerate(self.memories.values()))
-        link = hmac.new(self._link_secret, endpoint.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()[:LINK_TOKEN_BYTES]
-        return PeerHello(hello_id, self.versions, self.config.name, self.incarnation, self.agent.name,
-                         self.agent.metadata(), regions, link)
 
     def snapshot(self) -> dict[str, Any]:
         """Statistics and the result of the accounting check (``stats``; O(objects))."""

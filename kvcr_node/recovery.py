@@ -11,15 +11,78 @@ taken back is counted by reason (``Dropped``); nothing unverified is ever served
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvcr_io.digests import UNCHECKED, span_digest, unpack_digests
-from kvcr_node.journal import Dropped, Layout, Record, RecordKind, files_to_read, read_file, read_frames, state_files
+from kvcr_node.journal import (
+    Dropped,
+    Journal,
+    Layout,
+    Record,
+    RecordKind,
+    files_to_read,
+    read_file,
+    read_frames,
+    state_files,
+)
 from kvcr_node.memory import PoolMemory
+from kvcr_node.objects import InventoryListener, Listeners, ObjectEntry
+from kvcr_node.state_dir import StateDir
+from kvcr_node.store import Store
+
+log = logging.getLogger("kvcr.node")
+
+START_FILES = 3
+"""A start writes a snapshot of what it took back when the directory holds more journal files
+than this (or something was dropped); else the files read stay the state until the first
+compaction."""
+
+
+@dataclass(frozen=True)
+class TakenBack:
+    """What a start took back: the journal it writes from now on, and the figures ``stats``
+    shows under ``recovery``."""
+
+    journal: Journal
+    figures: dict[str, Any]
+
+
+def take_back(
+    state: StateDir, store: Store, memories: Mapping[str, PoolMemory], incarnation: int, compact_bytes: int,
+    failed: Callable[[BaseException], None], inventory: InventoryListener | None,
+) -> TakenBack:
+    """Take back what the journal says the kept pools hold (verified) into ``store``, then
+    journal from here on: the journal becomes the store's listener, before ``inventory``."""
+    started = time.monotonic()
+    replayed = replay(state.path, state.epochs)
+    records = verify(replayed, memories)
+    entries = store.adopt_all([(r.key, r.layout, r.slots, r.digests) for r in records])
+    figures = {
+        "kept": state.previous if state.kept else 0,
+        "recovered": len(entries),
+        "dropped": {reason.value: n for reason, n in replayed.dropped.items()},
+        "seconds": round(time.monotonic() - started, 6),
+    }
+    if entries or replayed.dropped:
+        log.info("took back %d objects from %s (dropped: %s)", len(entries), state.path, figures["dropped"] or "none")
+    kept = {name for name, mem in memories.items() if mem.device is None}
+
+    def kept_whole(entry: ObjectEntry) -> bool:
+        return all(pool in kept for pool, _ in entry.info.need)
+
+    # The files read stay the state until the first compaction, unless some of what they
+    # say was dropped (or there are many): then a snapshot of what was taken back at once.
+    snapshot = bool(replayed.dropped) or len(state_files(state.path)) > START_FILES
+    journal = Journal(state.path, incarnation, state.epochs, replayed.generation, replayed.seq,
+                      {e.key: e for e in entries}, kept_whole, failed, compact_bytes, snapshot)
+    store.listener = journal if inventory is None else Listeners(journal, inventory)
+    return TakenBack(journal, figures)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from kvcr_node.objects import (
 )
 from kvcr_node.poolspec import PoolSpec
 from kvcr_node.slots import SlotAllocator
+from kvcr_node.store_audit import StoreTables, audit
 
 __all__ = [
     "LOOKUP_ABSENT",
@@ -518,87 +519,9 @@ class Store:
 
         O(objects + slots): for tests and debugging, not for the hot path.
         """
-        breaches: list[str] = []
-        for name, alloc in self._alloc.items():
-            if alloc.free_count + alloc.allocated_count != alloc.total:
-                breaches.append(f"pool {name!r}: free + allocated != total")
-            breaches.extend(f"pool {name!r}: {b}" for b in alloc.check())
-        owner: dict[tuple[str, int], bytes] = {}
-        held = dict.fromkeys(self._pools, 0)
-        objects = dict.fromkeys(self._pools, 0)
-        expected: set[int] = set()
-        writing = ready = claims = 0
-        users: dict[int, int] = {}
-        for entry in self._condemned.values():
-            if entry.state is not _CONDEMNED or entry.claims <= 0 or self._objects.get(entry.key) is entry:
-                breaches.append(f"condemned {entry.key!r} is {entry.state.name} with {entry.claims} claims")
-        for key, entry in [*self._objects.items(), *((e.key, e) for e in self._condemned.values())]:
-            if entry.key != key:
-                breaches.append(f"{key!r} filed under another key {entry.key!r}")
-            if entry.claims < 0:
-                breaches.append(f"{key!r} holds {entry.claims} claims")
-            claims += entry.claims
-            info = entry.info
-            users[id(info)] = users.get(id(info), 0) + 1
-            if entry.state is _CONDEMNED:
-                pass
-            elif entry.state is _WRITING:
-                writing += 1
-                if entry.claims:
-                    breaches.append(f"{key!r} is WRITING yet holds {entry.claims} claims")
-            else:
-                ready += 1
-                if entry.claims == 0:
-                    expected.add(id(entry))
-            if entry.state is not _CONDEMNED and entry.lookup != lookup_code(self._tier_of[info.layout[0][1]], entry.state):
-                breaches.append(f"{key!r}: lookup code {entry.lookup} does not say its tier and {entry.state.name}")
-            if self._layouts.get(info.layout) is not info:
-                breaches.append(f"{key!r}: its layout is not the shared one")
-            slots = entry.slots
-            if len(slots) != len(info.layout):
-                breaches.append(f"{key!r}: {len(slots)} slots for {len(info.layout)} spans")
-            for pool, slot in zip(info.signature, slots, strict=False):
-                other = owner.get((pool, slot))
-                if other is not None:
-                    breaches.append(f"slot {slot} of pool {pool!r} owned by {other!r} and {key!r}")
-                owner[(pool, slot)] = key
-                if not self._alloc[pool].is_allocated(slot):
-                    breaches.append(f"{key!r} holds slot {slot} of {pool!r}, which is free")
-                held[pool] += 1
-            for pool, _ in info.need:
-                objects[pool] += 1
-        for name, alloc in self._alloc.items():
-            if held[name] != alloc.allocated_count:
-                breaches.append(f"pool {name!r}: {alloc.allocated_count} slots allocated, objects hold {held[name]}")
-            if objects[name] != self._pool_objects[name]:
-                breaches.append(f"pool {name!r}: object count {self._pool_objects[name]} is stale")
-        if (writing, ready, claims) != (self._writing, self._ready, self._claims):
-            breaches.append(
-                f"counters writing/ready/claims {self._writing}/{self._ready}/{self._claims}, "
-                f"recounted {writing}/{ready}/{claims}"
-            )
-        for layout, info in self._layouts.items():
-            if info.layout is not layout and info.layout != layout:
-                breaches.append(f"layout table filed {info!r} under another layout")
-            if info.users != users.get(id(info), 0):
-                breaches.append(f"{info!r}: {info.users} users counted, {users.get(id(info), 0)} found")
-        # architecture §3: "an object is in both or in neither", and it is in both exactly
-        # when it is evictable (READY with no claim).
-        breaches.extend(self._index.check())
-        in_global, in_groups = self._index.members()
-        for what, members in (("global queue", in_global), ("layout index", in_groups)):
-            ids = {id(e) for e in members}
-            if ids != expected:
-                extra = [e.key for e in members if id(e) not in expected]
-                missing = [e.key for e in self._objects.values() if id(e) in expected - ids]
-                breaches.append(f"{what}: extra {extra!r}, missing {missing!r}")
-            for e in members:
-                if self._objects.get(e.key) is not e:
-                    breaches.append(f"{what} holds {e.key!r}, which is not in the store")
-        for entry in self._objects.values():
-            if (entry.index_seq != 0) != (id(entry) in expected):
-                breaches.append(f"{entry.key!r}: index membership flag disagrees with its state")
-        return breaches
+        return audit(StoreTables(
+            self._objects, self._condemned, self._alloc, self._layouts, self._tier_of, self._pool_objects,
+            (self._writing, self._ready, self._claims), self._index))
 
 
 def _check_layout(layout: Layout) -> None:
