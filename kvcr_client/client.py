@@ -1,6 +1,6 @@
 """``Client`` (blocking) and ``AsyncClient`` (asyncio) over one ``ClientCore``.
 
-Both are ``Operations`` (operations.py: every request, its handle and results); what is
+Both are ``Operations`` (operations.py: every request; sender.py: its handle and results); what is
 here opens the session and waits for what blocks or is awaited: the welcome, a region's
 registration and withdrawal (regions.py), the close. Arguments are checked before
 anything is sent (checks.py, spans.py): ``ArgumentError`` names the field.
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcr_client import checks
+from kvcr_client.client_state import DEFAULT_MAX_COMPLETED
 from kvcr_client.errors import ArgumentError, KvcrError, NodeLostError
-from kvcr_client.operations import DEFAULT_MAX_COMPLETED, Operations
+from kvcr_client.operations import Operations
 from kvcr_client.regions import RegionHandle
 from kvcr_client.requests import CONTROL_TIMEOUT_S
 from kvcr_client.spans import Destination, Span

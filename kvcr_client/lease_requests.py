@@ -1,37 +1,35 @@
 """The lease requests of a client (spec section 6.11): ``lease``, ``renew``, ``unlease``, and
 the node's ``lease_end`` applied to the handles.
 
-``LeaseRequests`` is the part of ``Operations`` (``kvcr_client.operations``) that asks for
-leases and their read grants, keeps the live ones in the session's scope (so that a
-``lease_end`` reaches their ``LeaseHandle``), and hands grants to ``Grants``; a lease
-answered after its session ended adds nothing.
+``LeaseRequests`` asks for leases and their read grants, keeps the live ones in the
+session's scope (so that a ``lease_end`` reaches their ``LeaseHandle``), and hands grants to
+``Grants``; a lease answered after its session ended adds nothing. It stands on the
+client's state (``kvcr_client.client_state``); ``Operations`` adds the other requests.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from kvcr_client import checks
+from kvcr_client.client_state import DEFAULT_MAX_COMPLETED, ClientState
 from kvcr_client.core import ClientCore
 from kvcr_client.errors import ArgumentError, NodeError
-from kvcr_client.grants import Grants
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.requests import CONTROL_TIMEOUT_S
 from kvcr_client.results import OpHandle
-from kvcr_client.session_scope import CurrentScope
 from kvcr_protocol import ErrorCode, Lease, LeaseEnded, LeaseReply, Message, ReleaseLease, RenewLease
 from kvcr_protocol.versions import GRANTS_VERSION, LEASES_VERSION
 
 
-class LeaseRequests:
-    """Leases asked for, renewed and released (mixed into ``Operations``)."""
+class LeaseRequests(ClientState):
+    """Leases asked for, renewed and released."""
 
-    core: ClientCore
-    _grants: Grants
-    _scope: CurrentScope
-    _handle: Callable[..., OpHandle[Any]]
+    def __init__(self, core: ClientCore, max_completed: int = DEFAULT_MAX_COMPLETED) -> None:
+        super().__init__(core, max_completed)
+        core.on_lease_end = self._lease_ended
 
     def lease(
         self, keys: Iterable[bytes], request_id: str | None = None, ttl_ms: int = 0, read: bool = True,
@@ -77,7 +75,7 @@ class LeaseRequests:
             return handle
 
         op_id, fut = core.request(lambda i: Lease(i, ks, request_id, ttl, read, node_md), convert, CONTROL_TIMEOUT_S)
-        return self._handle(op_id, "lease", fut)
+        return self._send.handle(op_id, "lease", fut)
 
     def renew_lease(self, lease: LeaseHandle, ttl_ms: int = 0) -> OpHandle[int]:
         """Keep ``lease`` ``ttl_ms`` more from now (0: its own time to live); resolves to the
@@ -93,7 +91,7 @@ class LeaseRequests:
             return msg.ttl_ms
 
         op_id, fut = self.core.request(lambda i: RenewLease(i, lease.id, ttl), convert, CONTROL_TIMEOUT_S)
-        return self._handle(op_id, "renew", fut)
+        return self._send.handle(op_id, "renew", fut)
 
     def release_lease(self, lease: LeaseHandle) -> OpHandle[None]:
         """End ``lease`` now: what it held may be evicted again. A second release (or one of
@@ -104,7 +102,7 @@ class LeaseRequests:
         self._scope().leases.pop(lease.id, None)
         self._grants.drop(lease)
         op_id, fut = self.core.request(lambda i: ReleaseLease(i, lease.id), checks.ack, CONTROL_TIMEOUT_S)
-        return self._handle(op_id, "unlease", fut)
+        return self._send.handle(op_id, "unlease", fut)
 
     def _live_lease(self, lease: Any) -> None:
         if not isinstance(lease, LeaseHandle):

@@ -1,62 +1,49 @@
-"""The operations both clients send, and what they leave behind.
+"""The operations both clients send: deposit, put, deliver, fetch, release, query, hints, stats.
 
-``Operations`` owns a client's session core (``ClientCore``), its ``RegionTable``, the
-completion queue ``poll_completed`` drains, the live leases and the session's notification
-token. Every operation checks its arguments before anything is sent (``checks``, ``spans``:
-an ``ArgumentError`` names the field) and returns an ``OpHandle`` that resolves to
-per-key results; a deliver with a layer plan returns a ``DeliverHandle`` fed group by group.
-``Client`` and ``AsyncClient`` add the calls that block or await.
+``Operations`` builds each request, on the client's state (``kvcr_client.client_state``) and
+its lease requests (``kvcr_client.lease_requests``). Every operation checks its arguments
+before anything is sent (``checks``, ``spans``: an ``ArgumentError`` names the field) and
+hands the request to the ``Sender`` (``kvcr_client.sender``), which returns an ``OpHandle``
+that resolves to per-key results, or a ``DeliverHandle`` fed group by group for a deliver
+with a layer plan. ``Client`` and ``AsyncClient`` add the calls that block or await.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, ClassVar, overload
+from typing import Any, overload
 
 from kvcr_client import checks
 from kvcr_client import spans as _spans
-from kvcr_client.completions import Completions
+from kvcr_client.client_state import DEFAULT_MAX_COMPLETED
 from kvcr_client.core import ClientCore
-from kvcr_client.counters import Count, Counters
 from kvcr_client.errors import ArgumentError
-from kvcr_client.grants import Grants
 from kvcr_client.lease_requests import LeaseRequests
 from kvcr_client.puts import Puts
-from kvcr_client.regions import RegionHandle, RegionTable
 from kvcr_client.requests import CONTROL_TIMEOUT_S
 from kvcr_client.results import (
     DeliverHandle,
-    GroupDone,
     KeyOutcome,
     OpHandle,
     Presences,
     Results,
     StoreHandle,
-    store_handle,
 )
-from kvcr_client.session_scope import CurrentScope, GrantedKey
 from kvcr_client.spans import Destination, LayerPlan, Span
 from kvcr_protocol import (
     COLUMNS_VERSION,
     DEFAULT_LIMITS,
     PRESENCE_CODE,
-    Abort,
-    Completion,
     DeliverColumns,
     DeliverItem,
     Deposit,
     DepositItem,
     DiscardHint,
-    ErrorCode,
     Fetch,
     FetchItem,
-    KeyResult,
     LayoutSpan,
     Message,
-    PoolInfo,
     Presence,
     Query,
     QueryColumns,
@@ -65,21 +52,13 @@ from kvcr_protocol import (
     StatsReply,
     StatsRequest,
     SubmitHint,
-    Welcome,
-    code_of,
     deliver_blocks,
     deposit_blocks,
     endpoint_problem,
 )
 from kvcr_protocol import Deliver as DeliverMsg
 
-log = logging.getLogger("kvcr.client")
-
 DEFAULT_DEADLINE_MS = 30_000
-DEFAULT_MAX_COMPLETED = 8192
-"""Completed operations kept for ``poll_completed`` at most; older ones are dropped and counted."""
-ABORT_TIMEOUT_S = 5.0
-"""How long an abort request waits for its acknowledgement (the operation completes on its own)."""
 RELEASE_DEADLINE_MS = 10_000
 """The deadline of a release (the node answers it at once)."""
 
@@ -87,138 +66,9 @@ RELEASE_DEADLINE_MS = 10_000
 class Operations(LeaseRequests):
     """What both clients share: request building, the handles operations return, their results."""
 
-    core: ClientCore
-    core_class: ClassVar[type[ClientCore]] = ClientCore
-    """The session core a client runs on; a subclass may name a subclass of it (tests do, to lose notifications)."""
-
     def __init__(self, core: ClientCore, max_completed: int = DEFAULT_MAX_COMPLETED) -> None:
-        self.core = core
-        self._regions = RegionTable(core)
-        self._completions = Completions(max_completed)
-        self._scope = CurrentScope()
-        """What the session owns (``kvcr_client.session_scope``): its notification token (spec
-        section 6.10), its live leases by id (so that the node's ``lease_end`` reaches their
-        handles), its grants; replaced whole at each hello and at close."""
-        self._counters = Counters()
-        self._grants = Grants(core, self._counters, self._scope)
-        """The slots leases granted this session, read by ``deliver`` (spec section 6.12)."""
-        self.core.on_lease_end = self._lease_ended
+        super().__init__(core, max_completed)
         self._puts = Puts(self, self._counters, self._regions, self._grants, self._completions, self._scope)
-
-    def _handle(self, op_id: int, kind: str, fut: Future[Any], abort: Any = None) -> OpHandle[Any]:
-        handle: OpHandle[Any] = OpHandle(op_id, kind, fut, abort, self.core.wait, self.core.poll, self.core.wait_async)
-        self._completions.when_done(fut, handle)
-        return handle
-
-    def _store_handle(self, op_id: int, kind: str, fut: Future[Any], written: Future[None],
-                      abort: Any = None) -> StoreHandle:
-        """A deposit's handle: ``written`` once the memory is free, then the results."""
-        return store_handle(self.core, self._completions, op_id, kind, fut, written, abort)
-
-    def poll_completed(self) -> list[OpHandle[Any] | GroupDone]:
-        """The operations that completed since the last call, for engines that poll once per step.
-
-        A deliver with a layer plan also reports each group as it ends for every key
-        (``GroupDone``: delivered or failed), in group order, before its handle.
-
-        The first call says that the engine polls: completions are queued from then on,
-        only for handles nobody waited on (``result``) or awaited, and at most
-        ``max_completed`` of them (the oldest are dropped beyond, counted in
-        ``completed_dropped``). An engine that waits on or awaits its handles, and never
-        calls this, keeps no queue at all.
-        """
-        self._completions.polling = True
-        self.core.poll()
-        return self._completions.drain()
-
-    @property
-    def completed_dropped(self) -> int:
-        """Completions dropped from the full ``poll_completed`` queue (``max_completed``)."""
-        return self._completions.dropped
-
-    def tables(self) -> dict[str, int]:
-        """Sizes of the client's tables (for monitoring, and churn tests that check nothing grows)."""
-        return {**self.core.tables(), "completed": len(self._completions), "regions": len(self._regions),
-                "leases": len(self._scope().leases), "granted_keys": len(self._grants)}
-
-    def counters(self) -> dict[str, int]:
-        """What this client counted, every counter by name (``kvcr_client.counters.Count``):
-        delivers read under grants, spans checked against digests, mismatches, puts and
-        their fallbacks."""
-        return {count.value: self._counters[count] for count in Count}
-
-    @property
-    def grant_reads(self) -> int:
-        """Delivers this client served by READs under read grants (spec section 6.12)."""
-        return self._counters[Count.GRANT_READS]
-
-    @property
-    def pools(self) -> dict[str, PoolInfo]:
-        welcome = self.core.welcome
-        return {p.name: p for p in welcome.pools} if welcome else {}
-
-    @property
-    def node(self) -> Welcome | None:
-        """The node's welcome: its name, incarnation, version and pools."""
-        return self.core.welcome
-
-    def destination(self, spans: Sequence[Span]) -> Destination:
-        """Destination spans checked once, for delivering into the same memory again and again.
-
-        ``deliver`` takes a ``Destination`` wherever it takes a sequence of ``Span``, and
-        then does no per-span work. It stays valid while its regions stay registered.
-        """
-        return _spans.destination(spans, self, self._regions.by_id)
-
-    # -- operations
-
-    def _op(self, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool, regions: set[RegionHandle]) -> OpHandle[Any]:
-        """Send one operation; its handle resolves to per-key results (``_send_op``)."""
-        op_id = self.core.next_id()
-        fut = self._send_op(op_id, kind, keys, build, deadline_ms, touches, regions)
-        return self._handle(op_id, kind, fut, self._abort)
-
-    def _send_op(
-        self, op_id: int, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool,
-        regions: set[RegionHandle], on_reply: Callable[[Message], None] | None = None,
-        observer: Callable[[Any], None] | None = None, written: Future[None] | None = None,
-    ) -> Future[Any]:
-        """Send one operation. Its regions stay in use until the node can no longer touch them.
-
-        That is when the node answered, or the session is over (closed, or the node lost);
-        not when the client merely stopped waiting (spec section 5.1). ``deadline_ms`` 0
-        is the node's default, which the client does not know: it waits for the answer.
-        ``on_reply`` sees the reply first, ``observer`` the request's events (lock held);
-        ``written`` resolves when the regions are free.
-        """
-        table = self._regions
-        if regions:
-            table.hold(op_id, kind, regions)
-        elif written is not None:
-            written.set_result(None)
-
-        def settled() -> None:
-            table.settle(op_id, regions)
-            if written is not None and not written.done():
-                written.set_result(None)
-
-        def convert(msg: Message) -> Results[Any]:
-            assert isinstance(msg, Completion)
-            if len(msg.results) != len(keys):
-                raise ValueError(f"{len(msg.results)} results for {len(keys)} keys")
-            if on_reply is not None:
-                on_reply(msg)
-            return Results([
-                (k, KeyOutcome(r.status, code_of(r.code), r.reason, r.handle))
-                for k, r in zip(keys, msg.results, strict=True)
-            ])
-
-        timeout_s = deadline_ms / 1000 if deadline_ms else math.inf
-        _, fut = self.core.request(build, convert, timeout_s, touches, op_id, settled if regions else None, observer)
-        return fut
-
-    def _abort(self, op_id: int) -> None:
-        self.core.request(lambda i: Abort(i, op_id), lambda m: None, ABORT_TIMEOUT_S)
 
     def deposit(
         self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
@@ -241,9 +91,9 @@ class Operations(LeaseRequests):
         records = () if columns else frozen
         op_id = self.core.next_id()
         written: Future[None] = Future()
-        fut = self._send_op(op_id, "deposit", keys, lambda i: Deposit(i, records, no_evict, optional, deadline_ms, columns),
+        fut = self._send.send(op_id, "deposit", keys, lambda i: Deposit(i, records, no_evict, optional, deadline_ms, columns),
                             deadline_ms, True, regions, written=written)
-        return self._store_handle(op_id, "deposit", fut, written, self._abort)
+        return self._send.store_handle(op_id, "deposit", fut, written, self._send.abort)
 
     def put(self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
             ttl_ms: int = 0, deadline_ms: int = DEFAULT_DEADLINE_MS) -> StoreHandle:
@@ -291,7 +141,7 @@ class Operations(LeaseRequests):
         granted = self._grants.cover(frozen)
         if granted is not None:
             # Every key is leased with a read grant: READ it ourselves, no node turn (spec section 6.12).
-            return self._read_granted(frozen, keys, granted, groups, deadline_ms, regions)
+            return self._send.read_granted(frozen, keys, granted, groups, deadline_ms, regions)
         # Version 1 sessions cannot carry the flag; their remote deliveries name whole layouts.
         flag = partial and self.core.version >= 2
         columns: tuple[DeliverColumns, ...] = ()
@@ -301,74 +151,8 @@ class Operations(LeaseRequests):
         records = () if columns else frozen
         build = lambda i: DeliverMsg(i, records, request_id, deadline_ms, flag, columns, token)  # noqa: E731
         if groups is None:
-            return self._op("deliver", keys, build, deadline_ms, True, regions)
-        return self._planned(keys, build, deadline_ms, regions, [max(g, default=0) + 1 for g in groups], token)
-
-    def _planned(
-        self, keys: list[bytes], build: Any, deadline_ms: int, regions: set[RegionHandle], counts: list[int], token: int,
-    ) -> DeliverHandle:
-        """Send a deliver with layer plans: a ``DeliverHandle`` fed by notifications, progress
-        and the reply (``PlanProgress``), whose groups fail when the request ends without a
-        reply (spec section 6.10)."""
-        op_id = self.core.next_id()
-        handle = DeliverHandle(op_id, Future(), keys, counts, token, self._abort, self.core.wait, self.core.poll)
-        handle.on_group = self._completions.add
-
-        def reply(msg: Message) -> None:
-            assert isinstance(msg, Completion)
-            handle.apply(handle.progress.on_reply(msg))
-            if token and regions and any(r.code == ErrorCode.DESTINATION_UNCERTAIN for r in msg.results):
-                self._regions.linger(op_id, regions)
-
-        fut = self._send_op(op_id, "deliver", keys, build, deadline_ms, True, regions, reply, handle.observe)
-        handle.future = fut
-        self._completions.when_done(fut, handle, planned=True)
-        return handle
-
-    def _read_granted(
-        self, items: tuple[DeliverItem, ...], keys: list[bytes], granted: list[GrantedKey],
-        groups: list[tuple[int, ...]] | None, deadline_ms: int, regions: set[RegionHandle],
-    ) -> OpHandle[Results[KeyOutcome]] | DeliverHandle:
-        """A deliver served by READs under grants (``Grants.deliver``): its handle returns once
-        group 0 is posted; the core's turns post the rest, report each group as it lands and
-        passes the lease check, and resolve the handle after the last."""
-        op_id = self.core.next_id()
-        fut: Future[Results[KeyOutcome]] = Future()
-        handle: OpHandle[Results[KeyOutcome]] | DeliverHandle
-        if groups is None:
-            handle = self._handle(op_id, "deliver", fut)
-        else:
-            planned = DeliverHandle(op_id, fut, keys, [max(g, default=0) + 1 for g in groups], 0, None, self.core.wait,
-                                    self.core.poll)
-            planned.on_group = self._completions.add
-            self._completions.when_done(fut, planned, planned=True)
-            handle = planned
-
-        def landed(members: list[int], group: int) -> None:  # lock held
-            if isinstance(handle, DeliverHandle):
-                handle.apply(handle.progress.on_landed(members, group + 1))
-
-        def finished(results: list[KeyResult] | BaseException, done: list[int]) -> None:  # lock held
-            if isinstance(results, BaseException):
-                fut.set_exception(results)
-                return
-            if isinstance(handle, DeliverHandle):
-                handle.apply(handle.progress.on_results(results, done))
-            fut.set_result(Results([
-                (k, KeyOutcome(r.status, code_of(r.code), r.reason, None)) for k, r in zip(keys, results, strict=True)
-            ]))
-
-        table = self._regions
-        table.hold(op_id, "deliver", regions)
-        try:
-            self._grants.deliver(items, granted, groups, table.by_id, deadline_ms, landed, finished,
-                                 lambda: table.settle(op_id, regions))
-        except BaseException as exc:
-            table.settle(op_id, regions)
-            if not fut.done():
-                fut.set_exception(exc)
-            raise
-        return handle
+            return self._send.op("deliver", keys, build, deadline_ms, True, regions)
+        return self._send.planned(keys, build, deadline_ms, regions, [max(g, default=0) + 1 for g in groups], token)
 
     def fetch(
         self, expected_layouts: Mapping[bytes, Sequence[tuple[str, str]]], request_id: str | None = None,
@@ -395,14 +179,14 @@ class Operations(LeaseRequests):
             keys.append(key)
         checks.span_total(items, "layout", "expected_layouts")
         frozen = tuple(items)
-        return self._op("fetch", keys, lambda i: Fetch(i, frozen, request_id, deadline_ms), deadline_ms, False, set())
+        return self._send.op("fetch", keys, lambda i: Fetch(i, frozen, request_id, deadline_ms), deadline_ms, False, set())
 
     def release(self, handles: Iterable[int]) -> OpHandle[Results[KeyOutcome]]:
         """Drop handle claims; results are keyed by the handle as 8 big-endian bytes."""
         hs = checks.handles(handles)
         keys = [h.to_bytes(8, "big") for h in hs]
         frozen = tuple(hs)
-        return self._op("release", keys, lambda i: Release(i, frozen), RELEASE_DEADLINE_MS, False, set())
+        return self._send.op("release", keys, lambda i: Release(i, frozen), RELEASE_DEADLINE_MS, False, set())
 
     def query(self, keys: Iterable[bytes], request_id: str | None = None) -> OpHandle[Presences]:
         """Where are these keys? Advisory: a HIT may be evicted before the next call.
@@ -418,7 +202,7 @@ class Operations(LeaseRequests):
             return Presences(ks, msg.columns if msg.columns is not None else msg.results)
 
         op_id, fut = self.core.request(lambda i: Query(i, ks, request_id), convert, CONTROL_TIMEOUT_S)
-        return self._handle(op_id, "query", fut)
+        return self._send.handle(op_id, "query", fut)
 
     def query_prefix(
         self, keys: Iterable[bytes], request_id: str | None = None, presences: Iterable[Presence] = (Presence.HIT,),
@@ -451,7 +235,7 @@ class Operations(LeaseRequests):
             return count
 
         op_id, fut = self.core.request(build, convert, CONTROL_TIMEOUT_S)
-        return self._handle(op_id, "query_prefix", fut)
+        return self._send.handle(op_id, "query_prefix", fut)
 
     def submit_hint(self, request_id: str, source_endpoint: str, keys: Iterable[bytes]) -> OpHandle[None]:
         """Tell the node that, for ``request_id``, ``keys`` may be held by the node at ``source_endpoint``."""
@@ -462,13 +246,13 @@ class Operations(LeaseRequests):
             raise ArgumentError("source_endpoint", problem)
         ks = checks.keys(keys, "keys")
         op_id, fut = self.core.request(lambda i: SubmitHint(i, request_id, source_endpoint, ks), checks.ack, CONTROL_TIMEOUT_S)
-        return self._handle(op_id, "hint", fut)
+        return self._send.handle(op_id, "hint", fut)
 
     def discard_hint(self, request_id: str) -> OpHandle[None]:
         """The request is over: the node forgets its hints."""
         request_id = checks.request_id(request_id)
         op_id, fut = self.core.request(lambda i: DiscardHint(i, request_id), checks.ack, CONTROL_TIMEOUT_S)
-        return self._handle(op_id, "unhint", fut)
+        return self._send.handle(op_id, "unhint", fut)
 
     def abort(self, handle: OpHandle[Any]) -> None:
         """Best effort; the operation then completes, ABORTED where it had not finished."""
@@ -482,16 +266,4 @@ class Operations(LeaseRequests):
             return msg.stats
 
         op_id, fut = self.core.request(lambda i: StatsRequest(i), convert, CONTROL_TIMEOUT_S)
-        return self._handle(op_id, "stats", fut)
-
-    def _hello(self, timeout_s: float) -> Future[Any]:
-        """Open a session (again), announcing every registered region."""
-        self._end_session()
-        # The previous session ends at once, its puts freed, unless a WRITE of a put may
-        # still land (spec section 5.2): then it ends as the node finds it gone.
-        return self.core.hello(self._regions.wires(), timeout_s, resume=self._puts.quiet())
-
-    def _end_session(self) -> None:
-        """The session's scope goes whole: a new token (a late notification of the old session
-        matches nothing), its leases (their handles say NODE_LOST), its grants."""
-        self._grants.retire(self._scope.renew())
+        return self._send.handle(op_id, "stats", fut)
