@@ -29,7 +29,7 @@ from kvcr_client.counters import Count, Counters
 from kvcr_client.errors import ClientClosed
 from kvcr_client.leases import LeaseHandle
 from kvcr_io.agent import Agent, Desc, TransferError, XferStatus
-from kvcr_protocol import DeliverItem, ErrorCode, KeyResult, KeyStatus, MemoryKind
+from kvcr_protocol import DeliverItem, ErrorCode, GroupLedger, KeyResult, KeyStatus, MemoryKind
 
 CLOSE_DRAIN_S = 5.0
 """How long ``close`` waits for READs still running before it lets go of them."""
@@ -125,7 +125,11 @@ class GrantRead:
         self.granted = granted
         self.counts = counts
         self.posts = sorted(posts, key=lambda p: p[0])
-        self.codes = codes
+        self.ledger = GroupLedger(counts)
+        """Per item: groups delivered (landed and checked) in a row, and why it failed."""
+        for k, code in enumerate(codes):
+            if code:
+                self.ledger.fail(k, code)
         self.deadline = deadline
         self.landed = landed
         self.finished = finished
@@ -138,7 +142,6 @@ class GrantRead:
         self.group = 0
         """The next group to report."""
         self.group_count = max(counts, default=0)
-        self.done = [0] * len(items)
         self.reads: list[_Read] = []
         self.by_group: dict[int, list[_Read]] = {}
         """The READs posted for each group (a group's report looks at its own alone)."""
@@ -182,7 +185,7 @@ class GrantRead:
                 handle, state = self.agent.start_listed("READ", local_kind, local, remote_kind, remote, peer)
             except TransferError:
                 for k in set(owners):
-                    self.codes[k] = ErrorCode.TRANSFER_FAILED
+                    self.ledger.fail(k, ErrorCode.TRANSFER_FAILED)
                 continue
             read = _Read(g, handle, state)
             self.reads.append(read)
@@ -201,7 +204,7 @@ class GrantRead:
             return
         if any(r.state is not XferStatus.DONE for r in self.by_group.get(g, ())):
             return
-        members = [k for k, count in enumerate(self.counts) if count > g and not self.codes[k]]
+        members = self._members(g)
         if g == self.group_count - 1:
             # The last part: nothing left to copy while it is hashed, and its bytes are in
             # this core's cache (the copy was this thread's post): checked here.
@@ -256,19 +259,18 @@ class GrantRead:
         over = self.posted > g and all(r.state is not XferStatus.RUNNING for r in mine)
         if not over and not self.expired:
             return False
-        codes, done = self.codes, self.done
-        counts = self.counts
-        members = [k for k in range(len(counts)) if not codes[k] and counts[k] > g]
+        ledger = self.ledger
+        members = self._members(g)
         if not over:
             # Past the deadline: a READ still running may write the destination; a group
             # never posted writes nothing.
             code = ErrorCode.DESTINATION_UNCERTAIN if self.posted > g else ErrorCode.TIMEOUT
             for k in members:
-                codes[k] = code
+                ledger.fail(k, code)
             return True
         if not all(r.state is XferStatus.DONE for r in mine):
             for k in members:
-                codes[k] = ErrorCode.TRANSFER_FAILED
+                ledger.fail(k, ErrorCode.TRANSFER_FAILED)
             return True
         failed: list[int] | None = None
         if g in self.checking:
@@ -283,23 +285,29 @@ class GrantRead:
             if verdict is None:
                 continue  # only a confirmation can tell: the check after the last group
             if verdict:
-                codes[k] = verdict
+                ledger.fail(k, verdict)
                 self.grants.counters.inc(Count.GRANT_REFUSED)
             elif not self._intact(k, g, g + 1, failed):
                 continue
-            elif done[k] == g:
-                done[k] = g + 1
+            elif ledger.delivered[k] == g:  # an earlier group only a confirmation can vouch for stops it
+                ledger.advance(k, g + 1)
                 landed.append(k)
         if landed and self.landed is not None and g < self.group_count - 1:
             self.landed(landed, g)
         return True
+
+    def _members(self, g: int) -> list[int]:
+        """The items that have group ``g`` and have not failed."""
+        ledger = self.ledger
+        return [k for k, count in enumerate(ledger.groups) if count > g and not ledger.failed(k)]
 
     def _confirm(self, seen: float) -> None:
         """Every group is over (seen so at ``seen``): keys whose READs all landed but whose lease
         the clock alone could not vouch for are confirmed with one ``renew`` per lease; the
         last reply finishes."""
         self.phase = Phase.CONFIRMING
-        unsure = [k for k in range(len(self.items)) if not self.codes[k] and self.done[k] < self.counts[k]]
+        ledger = self.ledger
+        unsure = [k for k in range(len(ledger)) if not ledger.failed(k) and ledger.delivered[k] < ledger.groups[k]]
         verdicts = self.grants.check(self.items, self.granted, unsure, seen)
         leases: dict[int, list[int]] = {}
         for k in unsure:
@@ -329,10 +337,10 @@ class GrantRead:
             if code == 0 and self.granted[k].lease.lost_key(self.items[k].key):
                 code = ErrorCode.LEASE_LOST
             if code:
-                self.codes[k] = code
+                self.ledger.fail(k, code)
                 self.grants.counters.inc(Count.GRANT_REFUSED)
-            elif self._intact(k, self.done[k], self.counts[k]):
-                self.done[k] = self.counts[k]
+            elif self._intact(k, self.ledger.delivered[k], self.counts[k]):
+                self.ledger.advance(k, self.counts[k])
 
     def _intact(self, k: int, first: int, end: int, failed: list[int] | None = None) -> bool:
         """Whether groups ``first`` to ``end - 1`` of item ``k``, landed under a lease that
@@ -344,19 +352,20 @@ class GrantRead:
         self.grants.counters.inc(Count.SPANS_CHECKED, sum(checks.count(k, g) for g in range(first, end)))
         if k not in failed if failed is not None else all(checks.intact(k, g) for g in range(first, end)):
             return True
-        self.codes[k] = ErrorCode.DIGEST_MISMATCH
+        self.ledger.fail(k, ErrorCode.DIGEST_MISMATCH)
         self.grants.mismatch(self.granted[k], self.items[k].key)
         return False
 
     def _finish(self) -> None:
         self.phase = Phase.OVER
-        done = self.done
+        ledger = self.ledger
         results = [
-            KeyResult(KeyStatus.OK) if not code and done[k] == self.counts[k] else KeyResult(
-                KeyStatus.FAILED, int(code or ErrorCode.LEASE_LOST), REASONS.get(int(code), "the read under the grant failed"))
-            for k, code in enumerate(self.codes)
+            KeyResult(KeyStatus.OK) if not ledger.failed(k) and done == ledger.groups[k] else KeyResult(
+                KeyStatus.FAILED, int(ledger.code(k) or ErrorCode.LEASE_LOST),
+                REASONS.get(ledger.code(k), "the read under the grant failed"))
+            for k, done in enumerate(ledger.delivered)
         ]
-        self.finished(results, done)
+        self.finished(results, ledger.delivered)
 
     def _release(self) -> None:
         if self.checking:  # a check still reading the destination holds it too
@@ -380,7 +389,7 @@ class GrantRead:
         self.running = [r for r in self.running if r.state is XferStatus.RUNNING]
         self._release()
         if not resolved:
-            self.finished(ClientClosed("the client is closed"), self.done)
+            self.finished(ClientClosed("the client is closed"), self.ledger.delivered)
 
 
 class Job(Protocol):

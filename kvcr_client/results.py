@@ -264,19 +264,6 @@ class GroupFuture:
         return asyncio.wrap_future(self.future).__await__()
 
 
-def _remaining(groups: Sequence[int]) -> list[int]:
-    """Per group number g: how many of ``groups`` (each key's group count) exceed g."""
-    most = max(groups)
-    ending = [0] * (most + 1)
-    for count in groups:
-        ending[count] += 1
-    out, left = [], len(groups)
-    for g in range(most):
-        left -= ending[g]
-        out.append(left)
-    return out
-
-
 class DeliverHandle(OpHandle[Results[KeyOutcome]]):
     """A deliver with layer plans: completion per group, as well as for the whole request.
 
@@ -297,9 +284,8 @@ class DeliverHandle(OpHandle[Results[KeyOutcome]]):
         self.groups = tuple(groups)
         """Groups per key, in request order."""
         self.progress = PlanProgress(op_id, groups, token)
-        self._remaining = _remaining(groups)
-        """Per group number: keys that have it and have not delivered it yet."""
-        self._failed: dict[int, int] = {}
+        self._ledger = self.progress.ledger
+        """Where every group stands, per key and for the whole request (``GroupLedger``)."""
         self._over: set[int] = set()
         """Groups reported over for the whole request."""
         self._futures: dict[tuple[int, int | None], Future[None]] = {}
@@ -309,7 +295,7 @@ class DeliverHandle(OpHandle[Results[KeyOutcome]]):
     @property
     def group_count(self) -> int:
         """The most groups any key has."""
-        return len(self._remaining)
+        return self._ledger.group_count
 
     @property
     def disagreements(self) -> int:
@@ -349,16 +335,15 @@ class DeliverHandle(OpHandle[Results[KeyOutcome]]):
             self.apply(self.progress.on_notification(event))
 
     def apply(self, events: Sequence[GroupEvent]) -> None:
+        """Events ``progress`` returned (its ledger already moved): resolve what waits on them,
+        and report each group once it is over for the whole request (the first failure of
+        group g ends it)."""
+        ledger = self._ledger
         for event in events:
             g = event.group
-            if event.state is GroupState.FAILED:
-                # The first failure of group g ends it for the request.
-                self._failed.setdefault(g, event.code)
-                self._group_over(g, GroupState.FAILED, event.code)
-            elif event.state is GroupState.DELIVERED:
-                self._remaining[g] -= 1
-                if self._remaining[g] == 0:
-                    self._group_over(g, GroupState.DELIVERED, 0)
+            state = ledger.group_state(g)
+            if state is not GroupState.PENDING:
+                self._group_over(g, state, ledger.group_codes.get(g, 0))
             self._resolve(g, event.item)
             self._resolve(g, None)
 
@@ -381,10 +366,8 @@ class DeliverHandle(OpHandle[Results[KeyOutcome]]):
 
     def _state(self, group: int, item: int | None) -> GroupState:
         if item is not None:
-            return self.progress.state(item, group)
-        if group in self._failed:
-            return GroupState.FAILED
-        return GroupState.DELIVERED if self._remaining[group] == 0 else GroupState.PENDING
+            return self._ledger.state(item, group)
+        return self._ledger.group_state(group)
 
     def _resolve(self, group: int, item: int | None) -> None:
         future = self._futures.get((group, item))
@@ -394,8 +377,5 @@ class DeliverHandle(OpHandle[Results[KeyOutcome]]):
         if state is GroupState.DELIVERED:
             future.set_result(None)
         elif state is GroupState.FAILED:
-            code = self._failed.get(group, 0) if item is None else self._item_code(item)
+            code = self._ledger.group_codes.get(group, 0) if item is None else self._ledger.code(item)
             future.set_exception(GroupFailed(code, f"group {group} will not be delivered"))
-
-    def _item_code(self, item: int) -> int:
-        return self.progress.code(item)

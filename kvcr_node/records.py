@@ -18,7 +18,7 @@ from typing import Protocol
 from kvcr_node.buckets import TokenBucket
 from kvcr_node.objects import ObjectEntry
 from kvcr_node.transfers import Transfer
-from kvcr_protocol import KeyResult, KeyStatus, Notification, Region, Role, encode_notification
+from kvcr_protocol import GroupLedger, KeyResult, KeyStatus, Notification, Region, Role, encode_notification
 from kvcr_protocol.columns import U32, pack
 
 Hint = tuple[str, frozenset[bytes]]
@@ -275,56 +275,46 @@ class Operation:
 
 @dataclass
 class Plan:
-    """Where each item's groups stand (spec section 6.8): counts delivered in a row, groups
-    landed out of order, the first failed group, transfers still running per item."""
+    """Where each item's groups stand (spec section 6.8), in a ``GroupLedger``; the items
+    whose count grew since the last ``progress``; transfers still running per item."""
 
     groups: list[int]
     """Groups per item (1 for an item without a plan)."""
     planned: bool
     """Whether any item carries a plan: progress and ``done`` are then sent."""
-    delivered: list[int] = field(default_factory=list)
-    landed: dict[int, set[int]] = field(default_factory=dict)
-    """Item -> groups landed beyond ``delivered`` (a later group may land first)."""
-    failed_from: dict[int, int] = field(default_factory=dict)
+    notify: tuple[int, int, Sequence[int] | None] | None = None
+    """(token, the client's request id, the client's item index of each item, None: the
+    same) when the client asked for notifications (spec section 6.10)."""
+    ledger: GroupLedger = field(init=False)
     outstanding: dict[int, int] = field(default_factory=dict)
     """Item -> its transfers not yet terminal."""
     progressed: set[int] = field(default_factory=set)
     """Items whose delivered count grew since the last ``progress``."""
-    notify: tuple[int, int, Sequence[int] | None] | None = None
-    """(token, the client's request id, the client's item index of each item, None: the
-    same) when the client asked for notifications (spec section 6.10)."""
 
     def __post_init__(self) -> None:
-        if not self.delivered:
-            self.delivered = [0] * len(self.groups)
+        self.ledger = GroupLedger(self.groups)
+
+    @property
+    def delivered(self) -> list[int]:
+        """Per item: groups delivered in a row, from the first."""
+        return self.ledger.delivered
 
     def land(self, item: int, group: int) -> bool:
         """Group ``group`` of ``item`` landed; True if the item's delivered count grew."""
-        if group >= self.failed_from.get(item, self.groups[item]):
-            return False
-        landed = self.landed.setdefault(item, set())
-        landed.add(group)
-        count = start = self.delivered[item]
-        while count in landed:
-            landed.discard(count)
-            count += 1
-        if count == start:
-            return False
-        self.delivered[item] = count
-        self.progressed.add(item)
-        return True
+        if self.ledger.land(item, group):
+            self.progressed.add(item)
+            return True
+        return False
 
     def advance(self, item: int, count: int) -> None:
         """Groups 0 .. ``count`` - 1 of ``item`` are known delivered (a source said so)."""
-        count = min(count, self.groups[item], self.failed_from.get(item, self.groups[item]))
-        if count > self.delivered[item]:
-            self.delivered[item] = count
+        if self.ledger.advance(item, count):
             self.progressed.add(item)
 
     def fail(self, item: int, group: int) -> None:
-        """Group ``group`` of ``item`` failed: no group from it on is reported delivered."""
-        self.failed_from[item] = min(group, self.failed_from.get(item, group))
-        self.landed.pop(item, None)
+        """Group ``group`` of ``item`` failed: no group from it on is reported delivered (the
+        operation's result says why)."""
+        self.ledger.fail(item, 0, group)
 
     def client_index(self, item: int) -> int:
         assert self.notify is not None

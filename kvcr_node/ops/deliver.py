@@ -162,7 +162,7 @@ class Deliveries:
             for i, entry, groups in run.claimed:
                 if g >= len(groups) or i not in plan.outstanding:
                     continue
-                if i in plan.failed_from or op.aborted:
+                if plan.ledger.failed(i) or op.aborted:
                     # An earlier group failed (or the client aborted): the later ones are never submitted.
                     self._finish_item(op, run, i, entry, len(groups) - g)
                     continue

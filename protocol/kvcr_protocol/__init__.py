@@ -55,7 +55,7 @@ from kvcr_protocol.notify import (
     is_notification,
 )
 from kvcr_protocol.operations import ANY_REQUEST, REQUEST_CODES, RequestCodes
-from kvcr_protocol.plans import GroupEvent, GroupState, PlanProgress
+from kvcr_protocol.plans import GroupEvent, GroupLedger, GroupState, PlanProgress
 from kvcr_protocol.projection import Projection, ProjectionCache, compute_projection
 from kvcr_protocol.puts import Commit, Put, PutReply, Unput
 from kvcr_protocol.session_rules import Role, SessionState
@@ -100,6 +100,7 @@ __all__ = [
     "GrantNode",
     "GrantSource",
     "GroupEvent",
+    "GroupLedger",
     "GroupState",
     "Lease",
     "LeaseColumns",

@@ -131,7 +131,7 @@ def test_a_group_copied_past_expiry_fails_though_its_turn_began_before() -> None
     reads.step(turn)
     reads.step(clock.t)
     assert out and out[0][0].status is KeyStatus.FAILED and out[0][0].code == ErrorCode.LEASE_EXPIRED
-    assert read.done == [1], "group 0 was checked in time and counts; group 1 does not"
+    assert read.ledger.delivered == [1], "group 0 was checked in time and counts; group 1 does not"
 
 
 def test_groups_read_inside_the_lease_are_ok() -> None:

@@ -150,7 +150,7 @@ def test_the_next_part_is_posted_before_a_part_is_reported_and_the_last_is_check
         "report", "report", "report", "release", "release", "release", "quiet"]
     assert log.count("checked") == 2 and log.index("quiet") > max(i for i, e in enumerate(log) if e == "checked")
     assert out and [r.status for r in out[0]] == [KeyStatus.OK, KeyStatus.OK]
-    assert job.done == [3, 3] and not reads.running
+    assert job.ledger.delivered == [3, 3] and not reads.running
 
 
 def test_a_changed_part_fails_its_key_and_the_other_key_is_ok() -> None:
@@ -165,7 +165,7 @@ def test_a_changed_part_fails_its_key_and_the_other_key_is_ok() -> None:
     assert a.status is KeyStatus.FAILED and a.code == ErrorCode.DIGEST_MISMATCH
     assert b.status is KeyStatus.OK
     assert job.grants.mismatches == [b"a"]  # type: ignore[attr-defined]
-    assert job.done == [1, 4], "key a stops at the part that changed"
+    assert job.ledger.delivered == [1, 4], "key a stops at the part that changed"
 
 
 def test_the_destination_is_let_go_of_only_once_no_check_reads_it() -> None:
