@@ -166,3 +166,72 @@ def test_a_request_that_ends_without_a_reply_fails_what_was_not_delivered() -> N
     lost = int(ErrorCode.NODE_LOST)
     assert plan.end(lost) == [GroupEvent(0, 1, FAILED, lost), GroupEvent(0, 2, FAILED, lost)]
     assert plan.end(lost) == [] and plan.finished and plan.state(0, 0) is DELIVERED
+
+
+# -- the ledger under every deliver's groups (GroupLedger)
+
+
+def test_the_ledger_delivers_in_order_whatever_order_groups_land_in() -> None:
+    ledger = kp.GroupLedger([3, 1])
+    assert ledger.land(0, 2) == range(0), "group 2 waits for 0 and 1"
+    assert ledger.land(0, 0) == range(0, 1)
+    assert ledger.land(0, 1) == range(1, 3), "group 1 delivers 1 and the waiting 2"
+    assert ledger.delivered == [3, 0] and ledger.landed == {}
+    assert [ledger.group_state(g) for g in range(3)] == [PENDING, DELIVERED, DELIVERED], "item 1 still owes group 0"
+    assert ledger.land(1, 0) == range(0, 1) and ledger.group_state(0) is DELIVERED
+    assert ledger.land(1, 0) == range(0), "a group lands once"
+
+
+def test_an_advance_takes_the_groups_that_landed_beyond_it() -> None:
+    ledger = kp.GroupLedger([4])
+    ledger.land(0, 2)
+    assert ledger.advance(0, 2) == range(0, 3), "0 and 1 by the count, 2 already landed"
+    assert ledger.advance(0, 1) == range(0), "counts only grow"
+    assert ledger.advance(0, 9) == range(3, 4), "never past the item's groups"
+
+
+def test_a_failure_stands_and_nothing_past_it_is_ever_delivered() -> None:
+    ledger = kp.GroupLedger([4, 2])
+    ledger.land(0, 0)
+    ledger.land(0, 2)
+    assert ledger.fail(0, int(ErrorCode.TRANSFER_FAILED), 1) == range(1, 4)
+    assert ledger.landed == {}, "what landed beyond the failure is forgotten"
+    assert ledger.land(0, 1) == range(0) and ledger.advance(0, 4) == range(0)
+    assert ledger.fail(0, int(ErrorCode.TIMEOUT)) == range(0), "the first failure stands"
+    assert ledger.code(0) == ErrorCode.TRANSFER_FAILED and ledger.failed(0) and not ledger.failed(1)
+    assert [ledger.state(0, g) for g in range(4)] == [DELIVERED, FAILED, FAILED, FAILED]
+    assert ledger.group_state(1) is FAILED and ledger.group_codes[1] == ErrorCode.TRANSFER_FAILED
+    assert ledger.advance(1, 2) == range(0, 2)
+    assert ledger.group_state(0) is DELIVERED, "every item delivered group 0"
+    assert ledger.group_state(1) is FAILED, "item 0 failed it, whatever item 1 did"
+
+
+def test_a_failure_never_takes_back_what_was_delivered() -> None:
+    ledger = kp.GroupLedger([3])
+    ledger.advance(0, 2)
+    assert ledger.fail(0, int(ErrorCode.TRANSFER_FAILED), 0) == range(2, 3)
+    assert ledger.delivered == [2] and ledger.state(0, 1) is DELIVERED
+
+
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=5), st.lists(st.tuples(
+    st.sampled_from(["land", "advance", "fail"]), st.integers(0, 4), st.integers(0, 6)), max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_the_ledger_per_group_counts_agree_with_its_items(groups: list[int], steps: list[tuple[str, int, int]]) -> None:
+    ledger = kp.GroupLedger(groups)
+    delivered: list[set[int]] = [set() for _ in groups]
+    for what, item, n in steps:
+        k = item % len(groups)
+        if what == "land":
+            got = ledger.land(k, n % groups[k])
+        elif what == "advance":
+            got = ledger.advance(k, n)
+        else:
+            ledger.fail(k, 1, n % groups[k])
+            continue
+        assert not delivered[k] & set(got), "a group is delivered once"
+        delivered[k] |= set(got)
+    for k, count in enumerate(groups):
+        assert delivered[k] == set(range(ledger.delivered[k]))
+        assert ledger.delivered[k] <= ledger.failed_from.get(k, count)
+    for g in range(ledger.group_count):
+        assert ledger.owed[g] == sum(1 for k, count in enumerate(groups) if count > g and ledger.delivered[k] <= g)
