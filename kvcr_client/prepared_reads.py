@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcr_client.digest_checks import SpanChecks, parts, span_checks
+from kvcr_client.posted import Post
 from kvcr_client.readplans import LocalColumns
 from kvcr_client.readplans import plan as plan_reads
-from kvcr_client.reads import Post
 from kvcr_client.regions import RegionHandle
 from kvcr_protocol import DeliverItem
 

@@ -25,12 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcr_client.errors import ClientClosed, NodeError
+from kvcr_client.posted import PostedTransfers, Poster
 from kvcr_client.results import KeyOutcome, Results
-from kvcr_io.agent import Agent, TransferError, XferStatus
 from kvcr_protocol import ErrorCode, KeyResult, KeyStatus, MemoryKind, PutReply, code_of
-
-CLOSE_DRAIN_S = 5.0
-"""How long ``close`` waits for WRITEs still running before it lets go of them."""
 
 Runs = dict[tuple[MemoryKind, MemoryKind], tuple[Any, Any]]
 """Per (local kind, remote kind): the local and remote descriptors of one WRITE."""
@@ -79,7 +76,7 @@ class PutJob:
     future holds no cycle back to the job, so a closed client goes without the collector."""
 
     def __init__(
-        self, steps: PutSteps, reply: Future[PutReply], agent: Agent, keys: Sequence[bytes], give_up: float,
+        self, steps: PutSteps, reply: Future[PutReply], agent: Poster, keys: Sequence[bytes], give_up: float,
         result: Future[Results[KeyOutcome]], written: Future[None],
     ) -> None:
         self.steps = steps
@@ -91,7 +88,8 @@ class PutJob:
         self.result = result
         self.written = written
         self.phase = PutPhase.ASKING
-        self.writes: list[tuple[Any, XferStatus]] = []
+        self.writes: PostedTransfers | None = None
+        """The WRITEs, once the reply's grant was taken (one group)."""
         self.refused_post = False
         """NIXL refused to post one of the WRITEs: the put fails (those posted still run)."""
         self.results: list[KeyResult] = []
@@ -159,28 +157,30 @@ class PutJob:
         else:
             runs, peer = planned
             self.peer = peer
-            for (local_kind, remote_kind), (local, remote) in runs.items():
-                try:
-                    self.writes.append(self.agent.start_listed("WRITE", local_kind, local, remote_kind, remote, peer))
-                except TransferError:
-                    self.refused_post = True
+            every = list(range(len(self.keys)))
+            self.writes = PostedTransfers(self.agent, "WRITE", [
+                (0, local_kind, local, remote_kind, remote, every, peer)
+                for (local_kind, remote_kind), (local, remote) in runs.items()], 1)
+            self.refused_post = bool(self.writes.post_group())
         self.phase = PutPhase.WRITING
 
     def _poll(self, now: float) -> None:
-        agent = self.agent
-        self.writes = [(h, agent.state(h) if s is XferStatus.RUNNING else s) for h, s in self.writes]
-        running = any(s is XferStatus.RUNNING for _, s in self.writes)
+        writes = self.writes
+        if writes is not None:
+            writes.poll()
+        running = writes is not None and bool(writes.running)
         if running and now < self.give_up:
             return
         gate = self.steps.gate
         if not running and gate is not None and gate("written") is False:
             return
-        for handle, _ in self.writes:
-            agent.release(handle)
+        landed = writes is None or writes.landed(0)
+        if writes is not None:
+            writes.release()
         if running:  # past the deadline: it may still land, so nothing is sent
             self._over([KeyResult(KeyStatus.FAILED, ErrorCode.TIMEOUT, "the WRITE outlived the deadline; left to expire")
                         if r.status is KeyStatus.OK else r for r in self.results], None, let_go=True)
-        elif self.refused_post or any(s is not XferStatus.DONE for _, s in self.writes):
+        elif self.refused_post or not landed:
             self.steps.send("unput", self.put_id)
             self._over([KeyResult(KeyStatus.FAILED, ErrorCode.TRANSFER_FAILED, "writing the reserved slots failed")
                         if r.status is KeyStatus.OK else r for r in self.results], None)
@@ -223,12 +223,7 @@ class PutJob:
         let go of; an unresolved put fails ``ClientClosed``."""
         if self.phase is PutPhase.OVER:
             return
-        agent = self.agent
-        handles = [h for h, _ in self.writes]
-        self.writes = list(zip(handles, agent.drain(handles, CLOSE_DRAIN_S), strict=True))
-        for handle in handles:
-            agent.release(handle)
-        self._end(not any(s is XferStatus.RUNNING for _, s in self.writes))
+        self._end(self.writes is None or self.writes.drain())
         self.written.set_result(None)
         if not self.result.done():
             self.result.set_exception(ClientClosed("the client is closed"))

@@ -22,22 +22,15 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvcr_client.counters import Count, Counters
 from kvcr_client.errors import ClientClosed
 from kvcr_client.leases import LeaseHandle
-from kvcr_io.agent import Agent, Desc, TransferError, XferStatus
-from kvcr_protocol import DeliverItem, ErrorCode, GroupLedger, KeyResult, KeyStatus, MemoryKind
+from kvcr_client.posted import CLOSE_DRAIN_S, Post, PostedTransfers
+from kvcr_io.agent import Agent
+from kvcr_protocol import DeliverItem, ErrorCode, GroupLedger, KeyResult, KeyStatus
 
-CLOSE_DRAIN_S = 5.0
-"""How long ``close`` waits for READs still running before it lets go of them."""
-
-Post = tuple[int, MemoryKind, list[Desc] | Any, MemoryKind, list[Desc] | Any, list[int], str]
-"""One READ to post: its group, local kind and descriptors, remote kind and descriptors (rows,
-or an N x 3 array: ``kvcr_client.readplans``), the items it carries, and the remote agent
-(the node's, or a source's: spec section 6.12)."""
 Finished = Callable[[list[KeyResult] | BaseException, list[int]], None]
 """The deliver's outcome (lock held): per item its result and groups delivered in a row, or the error."""
 
@@ -87,15 +80,6 @@ class Phase(enum.Enum):
     """The handle is resolved; READs past the deadline may still run (the destination stays in use)."""
 
 
-@dataclass(eq=False)
-class _Read:
-    """One posted transfer: the group it belongs to, and its NIXL request."""
-
-    group: int
-    handle: Any
-    state: XferStatus
-
-
 class GrantRead:
     """One deliver's READs under grants: posted group by group, polled, checked, resolved."""
 
@@ -124,7 +108,9 @@ class GrantRead:
         self.items = items
         self.granted = granted
         self.counts = counts
-        self.posts = sorted(posts, key=lambda p: p[0])
+        self.group_count = max(counts, default=0)
+        self.transfers = PostedTransfers(agent, "READ", posts, self.group_count)
+        """The READs, posted group by group and polled."""
         self.ledger = GroupLedger(counts)
         """Per item: groups delivered (landed and checked) in a row, and why it failed."""
         for k, code in enumerate(codes):
@@ -135,18 +121,8 @@ class GrantRead:
         self.finished = finished
         self.quiet = quiet
         self.phase = Phase.READING
-        self.next = 0
-        """The next post (an index into ``posts``)."""
-        self.posted = 0
-        """Groups posted so far (every group below this number)."""
         self.group = 0
         """The next group to report."""
-        self.group_count = max(counts, default=0)
-        self.reads: list[_Read] = []
-        self.by_group: dict[int, list[_Read]] = {}
-        """The READs posted for each group (a group's report looks at its own alone)."""
-        self.running: list[_Read] = []
-        """The READs not yet terminal: the only ones a turn polls."""
         self.expired = False
         self.held = False
         """The gate held the next post back to a later turn."""
@@ -155,7 +131,7 @@ class GrantRead:
     @property
     def remotes(self) -> set[str]:
         """The remote agents this deliver reads from (the node's, sources')."""
-        return {post[6] for post in self.posts}
+        return self.transfers.remotes
 
     @property
     def live(self) -> bool:
@@ -165,34 +141,22 @@ class GrantRead:
     @property
     def posting(self) -> bool:
         """Whether groups are left to post now: the next turn should come at once."""
-        return self.phase is Phase.READING and not self.expired and not self.held and self.next < len(self.posts)
+        return self.phase is Phase.READING and not self.expired and not self.held and self.transfers.left
 
     def post(self) -> bool:
         """Post every READ of the next group (one per pair of memory kinds); a READ NIXL
         refuses fails the keys it carries. False when the gate held the group back."""
-        if self.next >= len(self.posts):
-            self.posted = self.group_count
+        transfers = self.transfers
+        if not transfers.left:
+            transfers.post_group()  # nothing left: every group counts as posted
             return True
-        group = self.posts[self.next][0]
+        group = transfers.next_group
         gate = self.gate
         self.held = gate is not None and gate(f"posting {group}") is False
         if self.held:
             return False
-        while self.next < len(self.posts) and self.posts[self.next][0] == group:
-            g, local_kind, local, remote_kind, remote, owners, peer = self.posts[self.next]
-            self.next += 1
-            try:
-                handle, state = self.agent.start_listed("READ", local_kind, local, remote_kind, remote, peer)
-            except TransferError:
-                for k in set(owners):
-                    self.ledger.fail(k, ErrorCode.TRANSFER_FAILED)
-                continue
-            read = _Read(g, handle, state)
-            self.reads.append(read)
-            self.by_group.setdefault(g, []).append(read)
-            if state is XferStatus.RUNNING:
-                self.running.append(read)
-        self.posted = group + 1 if self.next < len(self.posts) else self.group_count
+        for k in set(transfers.post_group()):
+            self.ledger.fail(k, ErrorCode.TRANSFER_FAILED)
         self._check_ahead(group)
         if gate is not None:
             gate(f"posted {group}")
@@ -202,7 +166,7 @@ class GrantRead:
         """Hand group ``g``'s checks to ``ahead`` once its READs are all seen complete."""
         if self.ahead is None or self.checks is None or g in self.checking:
             return
-        if any(r.state is not XferStatus.DONE for r in self.by_group.get(g, ())):
+        if not self.transfers.landed(g):
             return
         members = self._members(g)
         if g == self.group_count - 1:
@@ -230,17 +194,16 @@ class GrantRead:
             else:
                 # One group a turn; the parts of a whole deliver all in one (each part is
                 # hashed on the worker while the next is copied: nothing else to wait for).
-                while post and self.next < len(self.posts):
+                while post and self.transfers.left:
                     if not self.post():
                         break
                     post = self.ahead is not None
-        if self.running:
-            for r in self.running:
-                r.state = self.agent.state(r.handle)
-            self.running = [r for r in self.running if r.state is XferStatus.RUNNING]
-            for g in range(self.group, self.posted):
+        transfers = self.transfers
+        if transfers.running:
+            transfers.poll()
+            for g in range(self.group, transfers.posted):
                 self._check_ahead(g)
-        running = bool(self.running)
+        running = bool(transfers.running)
         if self.phase is Phase.READING:
             seen = self.clock()
             while self.group < self.group_count and self._report(self.group, seen):
@@ -255,8 +218,8 @@ class GrantRead:
     def _report(self, g: int, seen: float) -> bool:
         """Report group ``g`` if it is over (landed, failed, or past the deadline); its leases
         are checked at ``seen``, a time after its READs were seen terminal."""
-        mine = self.by_group.get(g, ())
-        over = self.posted > g and all(r.state is not XferStatus.RUNNING for r in mine)
+        transfers = self.transfers
+        over = transfers.over(g)
         if not over and not self.expired:
             return False
         ledger = self.ledger
@@ -264,11 +227,11 @@ class GrantRead:
         if not over:
             # Past the deadline: a READ still running may write the destination; a group
             # never posted writes nothing.
-            code = ErrorCode.DESTINATION_UNCERTAIN if self.posted > g else ErrorCode.TIMEOUT
+            code = ErrorCode.DESTINATION_UNCERTAIN if transfers.posted > g else ErrorCode.TIMEOUT
             for k in members:
                 ledger.fail(k, code)
             return True
-        if not all(r.state is XferStatus.DONE for r in mine):
+        if not transfers.landed(g):
             for k in members:
                 ledger.fail(k, ErrorCode.TRANSFER_FAILED)
             return True
@@ -371,11 +334,7 @@ class GrantRead:
         if self.checking:  # a check still reading the destination holds it too
             wait(self.checking.values(), CLOSE_DRAIN_S)
             self.checking.clear()
-        for r in self.reads:
-            self.agent.release(r.handle)
-        self.reads.clear()
-        self.by_group.clear()
-        self.running.clear()
+        self.transfers.release()
         self.quiet()
 
     def close(self) -> None:
@@ -383,10 +342,7 @@ class GrantRead:
         waited for (bounded), then let go; an unresolved deliver fails ``ClientClosed``."""
         resolved = self.phase is Phase.OVER
         self.phase = Phase.OVER
-        for r, state in zip(self.running, self.agent.drain([r.handle for r in self.running], CLOSE_DRAIN_S),
-                            strict=True):
-            r.state = state
-        self.running = [r for r in self.running if r.state is XferStatus.RUNNING]
+        self.transfers.drain()
         self._release()
         if not resolved:
             self.finished(ClientClosed("the client is closed"), self.ledger.delivered)

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from kvcr_client.errors import ClientClosed, NodeError
-from kvcr_client.put_jobs import CLOSE_DRAIN_S, PutJob, PutPhase, PutSteps, Runs
+from kvcr_client.posted import CLOSE_DRAIN_S
+from kvcr_client.put_jobs import PutJob, PutPhase, PutSteps, Runs
 from kvcr_client.results import KeyOutcome, Results
 from kvcr_io.agent import TransferError, XferStatus
 from kvcr_protocol import ErrorCode, KeyResult, KeyStatus, MemoryKind, PutReply
@@ -183,7 +184,7 @@ def test_the_gate_holds_the_commit_back_without_holding_the_turn() -> None:
 
 
 def test_close_waits_for_a_running_write_then_fails_the_put(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvcr_client.put_jobs.CLOSE_DRAIN_S", 0.05)
+    monkeypatch.setattr("kvcr_client.posted.CLOSE_DRAIN_S", 0.05)
     assert CLOSE_DRAIN_S > 0.05
     client, agent = Client(), Agent()
     job, reply = make(client, agent)
