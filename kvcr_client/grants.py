@@ -46,6 +46,8 @@ from kvcr_protocol import (
     ErrorCode,
     GrantNode,
     GrantSource,
+    GroupEvent,
+    GroupLedger,
     KeyResult,
     KeyStatus,
     LeaseGrant,
@@ -246,16 +248,17 @@ class Grants:
 
     def deliver(
         self, items: Sequence[DeliverItem], granted: Sequence[GrantedKey], groups: Sequence[tuple[int, ...]] | None,
-        regions: Mapping[int, RegionHandle], deadline_ms: int, landed: Callable[[list[int], int], None] | None,
-        finished: Finished, quiet: Callable[[], None],
+        regions: Mapping[int, RegionHandle], deadline_ms: int, ledger: GroupLedger | None,
+        report: Callable[[list[GroupEvent]], None] | None, finished: Finished, quiet: Callable[[], None],
     ) -> None:
         """READ ``items`` under their grants: post group 0 here, then leave the rest to the
         core's turns (``GrantRead``), and return at once.
 
-        ``landed(items, g)`` reports group ``g`` landed (and checked) for those items before
-        the whole deliver ends; ``finished`` gives per item its result and groups delivered
-        in a row (or the error); ``quiet`` says no READ runs any more (the destination's
-        regions may go). All three run with the I/O lock held.
+        ``ledger`` is the handle's (None: a whole deliver, nobody waits for groups): the READs
+        move it, and ``report`` takes what moved each turn, groups delivered (landed, their
+        lease held, their digests matched) or failed; ``finished`` gives per item its result
+        and groups delivered in a row (or the error); ``quiet`` says no READ runs any more
+        (the destination's regions may go). All three run with the I/O lock held.
         """
         self.counters.inc(Count.GRANT_READS)
         deadline = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_READ_S)
@@ -263,12 +266,13 @@ class Grants:
         # repeat posts group 0 with nothing to plan.
         plan = self.prepared.plan(items, granted, groups, regions)
         if plan.in_parts:  # read and checked in parts, it still ends as one group
-            landed, finished = None, _as_whole(finished)
+            ledger, report, finished = None, None, _as_whole(finished)
         if plan.unchecked:
             self.counters.inc(Count.SPANS_UNCHECKED, plan.unchecked)
         core = self.core
-        job = GrantRead(self, core.agent, items, granted, plan.counts, plan.posts, list(plan.codes), deadline, landed,
-                        finished, quiet, checks=plan.checks, ahead=on_worker if plan.in_parts else None, gate=self.hook)
+        job = GrantRead(self, core.agent, items, granted, plan.counts, plan.posts, list(plan.codes), deadline, report,
+                        finished, quiet, checks=plan.checks, ahead=on_worker if plan.in_parts else None, gate=self.hook,
+                        ledger=ledger)
         # Group 0 is posted, polled and reported in one turn of the lock: the caller may
         # wait on it the moment this returns.
         error = core.call(lambda: core.reads.start(job)).exception()

@@ -12,6 +12,7 @@ I/O lock held, in whichever thread takes the turn.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,6 +27,8 @@ Post = tuple[int, MemoryKind, list[Desc] | Any, MemoryKind, list[Desc] | Any, li
 """One transfer to post: its group, local kind and descriptors, remote kind and descriptors
 (rows, or an N x 3 array: ``kvcr_client.readplans``), the items it carries, and the remote
 agent (the node's, or a source's: spec section 6.12)."""
+
+_GROUP = operator.itemgetter(0)
 
 
 class Poster(Protocol):
@@ -53,7 +56,7 @@ class PostedTransfers:
     def __init__(self, agent: Poster, op: str, posts: Sequence[Post], groups: int) -> None:
         self.agent = agent
         self.op = op
-        self.posts = sorted(posts, key=lambda p: p[0])
+        self.posts = sorted(posts, key=_GROUP)  # in group order already, mostly: one pass
         self.groups = groups
         self.next = 0
         """The next post (an index into ``posts``)."""

@@ -29,7 +29,7 @@ from kvcr_client.errors import ClientClosed
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.posted import CLOSE_DRAIN_S, Post, PostedTransfers
 from kvcr_io.agent import Agent
-from kvcr_protocol import DeliverItem, ErrorCode, GroupLedger, KeyResult, KeyStatus
+from kvcr_protocol import DeliverItem, ErrorCode, GroupEvent, GroupLedger, GroupState, KeyResult, KeyStatus
 
 Finished = Callable[[list[KeyResult] | BaseException, list[int]], None]
 """The deliver's outcome (lock held): per item its result and groups delivered in a row, or the error."""
@@ -86,9 +86,9 @@ class GrantRead:
     def __init__(
         self, grants: Validity, agent: Agent, items: Sequence[DeliverItem], granted: Sequence[Granted],
         counts: list[int], posts: list[Post], codes: list[int], deadline: float,
-        landed: Callable[[list[int], int], None] | None, finished: Finished, quiet: Callable[[], None],
+        report: Callable[[list[GroupEvent]], None] | None, finished: Finished, quiet: Callable[[], None],
         clock: Callable[[], float] = time.monotonic, checks: Checks | None = None, ahead: Ahead | None = None,
-        gate: Gate | None = None,
+        gate: Gate | None = None, ledger: GroupLedger | None = None,
     ) -> None:
         self.grants = grants
         self.gate = gate
@@ -111,13 +111,18 @@ class GrantRead:
         self.group_count = max(counts, default=0)
         self.transfers = PostedTransfers(agent, "READ", posts, self.group_count)
         """The READs, posted group by group and polled."""
-        self.ledger = GroupLedger(counts)
-        """Per item: groups delivered (landed and checked) in a row, and why it failed."""
+        self.ledger = ledger if ledger is not None else GroupLedger(counts)
+        """Per item: groups delivered (landed and checked) in a row, and why it failed; the
+        deliver's handle reads the same one (``ledger``, of ``counts``)."""
+        self.report = report
+        """Takes the group events of each turn (the handle's ``apply``); None: nobody waits
+        for groups (a whole deliver)."""
+        self._events: list[GroupEvent] = []
+        """What moved in the ledger since the last report."""
         for k, code in enumerate(codes):
             if code:
-                self.ledger.fail(k, code)
+                self._fail(k, code)
         self.deadline = deadline
-        self.landed = landed
         self.finished = finished
         self.quiet = quiet
         self.phase = Phase.READING
@@ -156,7 +161,7 @@ class GrantRead:
         if self.held:
             return False
         for k in set(transfers.post_group()):
-            self.ledger.fail(k, ErrorCode.TRANSFER_FAILED)
+            self._fail(k, ErrorCode.TRANSFER_FAILED)
         self._check_ahead(group)
         if gate is not None:
             gate(f"posted {group}")
@@ -210,6 +215,7 @@ class GrantRead:
                 self.group += 1
             if self.group >= self.group_count:
                 self._confirm(seen)
+        self._flush()
         if self.phase is Phase.OVER and not running:
             self._release()
             return True
@@ -229,11 +235,11 @@ class GrantRead:
             # never posted writes nothing.
             code = ErrorCode.DESTINATION_UNCERTAIN if transfers.posted > g else ErrorCode.TIMEOUT
             for k in members:
-                ledger.fail(k, code)
+                self._fail(k, code)
             return True
         if not transfers.landed(g):
             for k in members:
-                ledger.fail(k, ErrorCode.TRANSFER_FAILED)
+                self._fail(k, ErrorCode.TRANSFER_FAILED)
             return True
         failed: list[int] | None = None
         if g in self.checking:
@@ -242,22 +248,34 @@ class GrantRead:
                 return False  # hashed on the worker while the next group is copied
             failed = future.result()
         verdicts = self.grants.check(self.items, self.granted, members, seen)
-        landed = []
         for k in members:
             verdict = verdicts[k]
             if verdict is None:
                 continue  # only a confirmation can tell: the check after the last group
             if verdict:
-                ledger.fail(k, verdict)
+                self._fail(k, verdict)
                 self.grants.counters.inc(Count.GRANT_REFUSED)
             elif not self._intact(k, g, g + 1, failed):
                 continue
             elif ledger.delivered[k] == g:  # an earlier group only a confirmation can vouch for stops it
-                ledger.advance(k, g + 1)
-                landed.append(k)
-        if landed and self.landed is not None and g < self.group_count - 1:
-            self.landed(landed, g)
+                self._advance(k, g + 1)
         return True
+
+    def _advance(self, k: int, count: int) -> None:
+        delivered = self.ledger.advance(k, count)
+        if self.report is not None:
+            self._events += [GroupEvent(k, g, GroupState.DELIVERED) for g in delivered]
+
+    def _fail(self, k: int, code: int) -> None:
+        failed = self.ledger.fail(k, code)
+        if self.report is not None:
+            self._events += [GroupEvent(k, g, GroupState.FAILED, code) for g in failed]
+
+    def _flush(self) -> None:
+        """Report what moved in the ledger (lock held)."""
+        if self._events and self.report is not None:
+            events, self._events = self._events, []
+            self.report(events)
 
     def _members(self, g: int) -> list[int]:
         """The items that have group ``g`` and have not failed."""
@@ -300,10 +318,10 @@ class GrantRead:
             if code == 0 and self.granted[k].lease.lost_key(self.items[k].key):
                 code = ErrorCode.LEASE_LOST
             if code:
-                self.ledger.fail(k, code)
+                self._fail(k, code)
                 self.grants.counters.inc(Count.GRANT_REFUSED)
             elif self._intact(k, self.ledger.delivered[k], self.counts[k]):
-                self.ledger.advance(k, self.counts[k])
+                self._advance(k, self.counts[k])
 
     def _intact(self, k: int, first: int, end: int, failed: list[int] | None = None) -> bool:
         """Whether groups ``first`` to ``end - 1`` of item ``k``, landed under a lease that
@@ -315,7 +333,7 @@ class GrantRead:
         self.grants.counters.inc(Count.SPANS_CHECKED, sum(checks.count(k, g) for g in range(first, end)))
         if k not in failed if failed is not None else all(checks.intact(k, g) for g in range(first, end)):
             return True
-        self.ledger.fail(k, ErrorCode.DIGEST_MISMATCH)
+        self._fail(k, ErrorCode.DIGEST_MISMATCH)
         self.grants.mismatch(self.granted[k], self.items[k].key)
         return False
 
@@ -328,6 +346,7 @@ class GrantRead:
                 REASONS.get(ledger.code(k), "the read under the grant failed"))
             for k, done in enumerate(ledger.delivered)
         ]
+        self._flush()
         self.finished(results, ledger.delivered)
 
     def _release(self) -> None:

@@ -20,7 +20,17 @@ from kvcr_client.grants import Grants
 from kvcr_client.regions import RegionHandle, RegionTable
 from kvcr_client.results import DeliverHandle, KeyOutcome, OpHandle, Results, StoreHandle, store_handle
 from kvcr_client.session_scope import GrantedKey
-from kvcr_protocol import Abort, Completion, DeliverItem, ErrorCode, KeyResult, Message, code_of
+from kvcr_protocol import (
+    Abort,
+    Completion,
+    DeliverItem,
+    ErrorCode,
+    GroupEvent,
+    GroupLedger,
+    KeyResult,
+    Message,
+    code_of,
+)
 
 ABORT_TIMEOUT_S = 5.0
 """How long an abort request waits for its acknowledgement (the operation completes on its own)."""
@@ -129,6 +139,8 @@ class Sender:
         op_id = core.next_id()
         fut: Future[Results[KeyOutcome]] = Future()
         handle: OpHandle[Results[KeyOutcome]] | DeliverHandle
+        ledger: GroupLedger | None = None
+        report: Callable[[list[GroupEvent]], None] | None = None
         if groups is None:
             handle = self.handle(op_id, "deliver", fut)
         else:
@@ -137,10 +149,8 @@ class Sender:
             planned.on_group = self.completions.add
             self.completions.when_done(fut, planned, planned=True)
             handle = planned
-
-        def landed(members: list[int], group: int) -> None:  # lock held
-            if isinstance(handle, DeliverHandle):
-                handle.apply(handle.progress.on_landed(members, group + 1))
+            # The READs move the handle's own ledger, and tell it each turn what moved.
+            ledger, report = planned.progress.ledger, planned.apply
 
         def finished(results: list[KeyResult] | BaseException, done: list[int]) -> None:  # lock held
             if isinstance(results, BaseException):
@@ -155,7 +165,7 @@ class Sender:
         table = self.regions
         table.hold(op_id, "deliver", regions)
         try:
-            self.grants.deliver(items, granted, groups, table.by_id, deadline_ms, landed, finished,
+            self.grants.deliver(items, granted, groups, table.by_id, deadline_ms, ledger, report, finished,
                                 lambda: table.settle(op_id, regions))
         except BaseException as exc:
             table.settle(op_id, regions)

@@ -80,15 +80,16 @@ class GroupLedger:
         self.codes: dict[int, int] = {}
         """Item -> why it failed (its first failure's code)."""
         most = max(self.groups, default=0)
-        ending = [0] * (most + 1)
-        for count in self.groups:
-            ending[count] += 1
-        self.owed: list[int] = []
+        self.owed: list[int] = [len(self.groups)] * most
         """Per group number: items that have it and have not delivered it."""
-        left = len(self.groups)
-        for g in range(most):
-            left -= ending[g]
-            self.owed.append(left)
+        if min(self.groups, default=most) != most:  # items of fewer groups: count them out
+            ending = [0] * (most + 1)
+            for count in self.groups:
+                ending[count] += 1
+            left = len(self.groups)
+            for g in range(most):
+                left -= ending[g]
+                self.owed[g] = left
         self.group_codes: dict[int, int] = {}
         """Group number -> the code of the first item that failed it."""
 

@@ -94,7 +94,7 @@ def job(clock: Clock, agent: CopyingAgent, peer: str, until: float, groups: int,
         out.append(results)
 
     return GrantRead(HeldUntil(), agent, [DeliverItem(b"k", ())], [Granted(Lease(until))], [groups], posts, [0],
-                     deadline=100.0, landed=None, finished=finished, quiet=lambda: None, clock=clock)
+                     deadline=100.0, report=None, finished=finished, quiet=lambda: None, clock=clock)
 
 
 def test_two_delivers_in_one_turn_each_check_after_their_own_copy() -> None:

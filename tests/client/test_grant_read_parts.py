@@ -129,7 +129,7 @@ def read(n_parts: int, bad: set[int], log: list[str], out: list[list[KeyResult]]
 
     job = GrantRead(Logged(log), Agent(log), [DeliverItem(b"a", ()), DeliverItem(b"b", ())],
                     [Granted(Lease(50.0)), Granted(Lease(50.0))], [n_parts, n_parts], posts, [0, 0], deadline=100.0,
-                    landed=None, finished=finished, quiet=lambda: log.append("quiet"), clock=Clock(),
+                    report=None, finished=finished, quiet=lambda: log.append("quiet"), clock=Clock(),
                     checks=Changed(bad), ahead=worker)
     return job, worker
 
