@@ -157,7 +157,9 @@ class Leases(SourceHolds):
             else:
                 self.counters.inc(LeaseCount.KEYS_REFUSED_LIMIT)
                 status[i] = LeaseStatus.LEASE_LIMIT
-        self.store.claim_all(record.entries)
+        # A lease is an access, in key order: its client reads what it holds, under a read
+        # grant without the node seeing it, so the lease is LRU's only sign of that use.
+        self.store.claim_all(record.entries, accessed=True)
         self.table[record.id] = record
         session.leases.add(record.id)
         self._schedule(record)

@@ -356,14 +356,18 @@ class Store:
             self._index.add(entry)
             self._check_pressure(entry.info)
 
-    def claim_all(self, entries: Sequence[ObjectEntry]) -> None:
-        """``claim`` each of ``entries`` once (no access): a lease holding many objects
-        checks capacity pressure once per layout, not once per object."""
+    def claim_all(self, entries: Sequence[ObjectEntry], accessed: bool = False) -> None:
+        """``claim`` each of ``entries`` once: a lease holding many objects checks capacity
+        pressure once per layout, not once per object. ``accessed``: each is an access now,
+        in order (a lease is: its client reads what it holds, under a grant unseen here)."""
         layouts: dict[int, LayoutInfo] = {}
         for entry in entries:
             self._own(entry)
             if entry.state is not _READY:
                 raise StoreError(f"claim of {entry.key!r}: it is {entry.state.name}, not READY")
+            if accessed:
+                self._tick += 1
+                entry.last_access = self._tick
             if entry.claims == 0:
                 self._index.remove(entry)
                 layouts[id(entry.info)] = entry.info
