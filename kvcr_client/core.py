@@ -58,7 +58,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -94,6 +94,7 @@ from kvcr_protocol import (
 )
 
 log = logging.getLogger("kvcr.client")
+R = TypeVar("R")
 
 
 def _agent_name(client: str) -> str:
@@ -209,6 +210,18 @@ class ClientCore:
                 if not self.reading:
                     self._drain_socket()
         return future
+
+    def locked(self, fn: Callable[[], R]) -> R:
+        """``fn``'s result, run now holding the I/O lock (``call`` without a future: for the
+        caller's own path, where a future's cost shows, as posting a deliver's first group)."""
+        if self.closed:
+            raise ClientClosed("the client is closed")
+        with self.io_lock:
+            try:
+                return fn()
+            finally:
+                if not self.reading:
+                    self._drain_socket()
 
     def request(
         self,

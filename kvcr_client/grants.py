@@ -275,10 +275,11 @@ class Grants:
                         ledger=ledger)
         # Group 0 is posted, polled and reported in one turn of the lock: the caller may
         # wait on it the moment this returns.
-        error = core.call(lambda: core.reads.start(job)).exception()
-        if error is not None:  # closed meanwhile: group 0's READ, if posted, is let go of here
+        try:
+            core.locked(lambda: core.reads.start(job))
+        except BaseException:  # closed meanwhile: group 0's READ, if posted, is let go of here
             core.call(job.close, closed=True)
-            raise error
+            raise
         core.pace()
 
     # ------------------------------------------------------------------ validity

@@ -173,10 +173,11 @@ class Puts:
         result: Future[Results[KeyOutcome]] = Future()
         written: Future[None] = Future()
         job = PutJob(steps, asked, core.agent, keys, give_up, result, written)
-        error = core.call(lambda: core.reads.take(job)).exception()
-        if error is not None:  # closed meanwhile
+        try:
+            core.locked(lambda: core.reads.take(job))
+        except BaseException:  # closed meanwhile
             core.call(job.close, closed=True)
-            raise error
+            raise
         # The reply is read in a turn (lock held), or was read already: the job takes it at
         # once, not at the next turn (an event loop takes one only when the socket speaks).
         asked.add_done_callback(lambda _: core.call(lambda: core.reads.nudge(job), closed=True))

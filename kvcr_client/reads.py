@@ -119,9 +119,10 @@ class GrantRead:
         for groups (a whole deliver)."""
         self._events: list[GroupEvent] = []
         """What moved in the ledger since the last report."""
-        for k, code in enumerate(codes):
-            if code:
-                self._fail(k, code)
+        if any(codes):
+            for k, code in enumerate(codes):
+                if code:
+                    self._fail(k, code)
         self.deadline = deadline
         self.finished = finished
         self.quiet = quiet
