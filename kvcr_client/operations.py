@@ -10,7 +10,8 @@ with a layer plan. ``Client`` and ``AsyncClient`` add the calls that block or aw
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, overload
 
@@ -18,7 +19,7 @@ from kvcr_client import checks
 from kvcr_client import spans as _spans
 from kvcr_client.client_state import DEFAULT_MAX_COMPLETED
 from kvcr_client.core import ClientCore
-from kvcr_client.errors import ArgumentError
+from kvcr_client.errors import ArgumentError, ClientClosed
 from kvcr_client.lease_requests import LeaseRequests
 from kvcr_client.puts import Puts
 from kvcr_client.requests import CONTROL_TIMEOUT_S
@@ -68,7 +69,8 @@ class Operations(LeaseRequests):
 
     def __init__(self, core: ClientCore, max_completed: int = DEFAULT_MAX_COMPLETED) -> None:
         super().__init__(core, max_completed)
-        self._puts = Puts(self, self._counters, self._regions, self._grants, self._completions, self._scope)
+        self._puts = Puts(core, _weakly(self.deposit), self._counters, self._regions, self._grants, self._completions,
+                          self._scope)
 
     def deposit(
         self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
@@ -267,3 +269,16 @@ class Operations(LeaseRequests):
 
         op_id, fut = self.core.request(lambda i: StatsRequest(i), convert, CONTROL_TIMEOUT_S)
         return self._send.handle(op_id, "stats", fut)
+
+
+def _weakly(method: Callable[..., StoreHandle]) -> Callable[..., StoreHandle]:
+    """``method`` of a client, held weakly: a part the client owns calls it without keeping the
+    client alive (a closed client goes without the cyclic collector)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> StoreHandle:
+        bound = ref()
+        if bound is None:
+            raise ClientClosed("the client is gone")
+        return bound(*args, **kwargs)
+    return call

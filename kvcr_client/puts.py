@@ -20,7 +20,6 @@ import functools
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -51,7 +50,6 @@ from kvcr_protocol import (
     LeaseGrant,
     MemoryKind,
     Message,
-    PoolInfo,
     Put,
     PutReply,
     Unput,
@@ -60,17 +58,11 @@ from kvcr_protocol import (
 from kvcr_protocol.records import U32_MAX
 
 
-class Owner(Protocol):
-    """What a put needs of the client (``Operations``, which owns ``Puts``): its session core,
-    its pools, and ``deposit``, the path a put falls back to."""
+class Deposit(Protocol):
+    """The client's ``deposit``, the path a put falls back to (``Operations.deposit``)."""
 
-    core: ClientCore
-
-    @property
-    def pools(self) -> dict[str, PoolInfo]: ...
-
-    def deposit(self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
-                deadline_ms: int = ...) -> StoreHandle: ...
+    def __call__(self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
+                 deadline_ms: int = ...) -> StoreHandle: ...
 
 DEFAULT_WRITE_S = 30.0
 """How long the WRITEs of a put with deadline 0 may take."""
@@ -79,9 +71,12 @@ DEFAULT_WRITE_S = 30.0
 class Puts:
     """The puts of one client: they ride on its ``Operations`` (regions, grants, deposit)."""
 
-    def __init__(self, ops: Owner, counters: Counters, regions: RegionTable, grants: Grants, completions: Completing,
-                 scope: Callable[[], SessionScope]) -> None:
-        self.ops: Owner = weakref.proxy(ops)  # the client owns its puts: no cycle keeps a closed client alive
+    def __init__(self, core: ClientCore, deposit: Deposit, counters: Counters, regions: RegionTable, grants: Grants,
+                 completions: Completing, scope: Callable[[], SessionScope]) -> None:
+        self.core = core
+        self.deposit = deposit
+        """The client's ``deposit`` (held weakly by the client that hands it: no cycle keeps a
+        closed client alive)."""
         self.counters = counters
         self.regions = regions
         self.grants = grants
@@ -110,8 +105,7 @@ class Puts:
             return quiet
 
     def offered(self) -> bool:
-        core = self.ops.core
-        return core.version >= GRANTS_VERSION and not self.scope().puts_refused
+        return self.core.version >= GRANTS_VERSION and not self.scope().puts_refused
 
     def put(
         self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
@@ -120,19 +114,21 @@ class Puts:
         """Store objects as ``deposit`` does, writing their bytes from this client's agent when
         the node grants writes; the results are a deposit's (``STORED``, ``DUPLICATE``, ...).
         Returns at once: the turns run the put (``PutJob``)."""
-        ops = self.ops
         no_evict = checks.flag(no_evict, "no_evict")
         optional = checks.flag(optional, "optional")
         ttl_ms = checks.uint(ttl_ms, "ttl_ms", U32_MAX)
         deadline_ms = checks.deadline(deadline_ms)
-        frozen, keys, regions = _spans.span_items(objects, DepositItem, ops, self.regions.by_id, ops.pools)
+        core = self.core
+        welcome = core.welcome
+        pools = {p.name: p for p in welcome.pools} if welcome else {}
+        frozen, keys, regions = _spans.span_items(objects, DepositItem, self, self.regions.by_id, pools)
         if not self.offered() or not frozen:
             self.counters.inc(Count.PUT_FALLBACKS)
-            return ops.deposit(objects, no_evict, optional, deadline_ms)
+            return self.deposit(objects, no_evict, optional, deadline_ms)
         columns = deposit_blocks(frozen)
         node_md = self.grants.wants_node()
         give_up = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_WRITE_S)
-        core, table = ops.core, self.regions
+        table = self.regions
         op_id = core.next_id()
         table.hold(op_id, "put", regions)
         with self._lock:
@@ -150,7 +146,7 @@ class Puts:
                 self._let_go = self._let_go or not clean
 
         def deposit(indices: list[int]) -> tuple[Future[Results[KeyOutcome]], Future[None]]:
-            handle = ops.deposit({keys[i]: objects[keys[i]] for i in indices}, no_evict, optional, deadline_ms)
+            handle = self.deposit({keys[i]: objects[keys[i]] for i in indices}, no_evict, optional, deadline_ms)
             return handle.future, handle.written.future
 
         scope = self.scope()
@@ -203,7 +199,7 @@ class Puts:
             reply: PutReply = asked.result()
             if reply.put:
                 self.counters.inc(Count.PUTS_HANDED_BACK)
-                self.ops.core.request(lambda i: Unput(i, reply.put), _ack, CONTROL_TIMEOUT_S)
+                self.core.request(lambda i: Unput(i, reply.put), _ack, CONTROL_TIMEOUT_S)
 
         asked.add_done_callback(hand_back)
 
