@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from kvcr_client.errors import NodeError, translated
 from kvcr_client.requests import Request, settle
@@ -35,33 +35,29 @@ from kvcr_protocol import CapacityEvent, ErrorCode, LeaseEnded, ProtocolError
 log = logging.getLogger("kvcr.client")
 
 
-class Owner(Protocol):
-    """What the actions use of the core that owns them (``ClientCore``): its session,
-    transport, waiters and callbacks. A protocol, so this module never imports the core."""
+@dataclass
+class Hooks:
+    """Where the node's events go, set by the client above the core (lock held when called)."""
 
-    session: ClientSession[Request]
-    transport: Transport
-    waiters: Waiters
-    on_capacity: Callable[[CapacityEvent], None] | None
-    on_lease_end: Callable[[LeaseEnded], None] | None
+    on_capacity: Callable[[CapacityEvent], None] | None = None
+    on_lease_end: Callable[[LeaseEnded], None] | None = None
+    """Takes the node's ``lease_end`` events."""
 
 
 class Actions:
     """Carries out a core's session events (lock held), one handler per event type."""
 
-    def __init__(self, core: Owner) -> None:
-        self.core: Owner = weakref.proxy(core)  # the core owns this part: no cycle keeps a closed core alive
-        self._by_type: dict[type, Callable[[Any], None]] = {
-            Replied: self._replied, Failed: self._failed, Settled: self._settled, Observed: self._observed,
-            Capacity: self._capacity, LeaseEnd: self._lease_end, SendFrame: self._send_frame,
-            Undecodable: self._undecodable, Unmatched: self._unmatched, Lost: self._lost,
-        }
+    def __init__(self, session: ClientSession[Request], transport: Transport, waiters: Waiters, hooks: Hooks) -> None:
+        self.session = session
+        self.transport = transport
+        self.waiters = waiters
+        self.hooks = hooks
 
     def __call__(self, events: list[Event[Request]]) -> None:
         """Carry out ``events`` in their order."""
-        by_type = self._by_type
+        by_type = _BY_TYPE
         for event in events:
-            by_type[type(event)](event)
+            by_type[type(event)](self, event)
 
     def _replied(self, event: Replied[Request]) -> None:
         future = event.handle
@@ -75,26 +71,24 @@ class Actions:
             )
         else:
             future.set_result(result)
-        self.core.waiters.wake_leader(future)
+        self.waiters.wake_leader(future)
 
     def _failed(self, event: Failed[Request]) -> None:
         future = event.handle
         if not future.done():
             future.set_exception(event.error)
-        self.core.waiters.wake_leader(future)
+        self.waiters.wake_leader(future)
 
-    @staticmethod
-    def _settled(event: Settled[Request]) -> None:
+    def _settled(self, event: Settled[Request]) -> None:
         settle(event.handle)
 
-    @staticmethod
-    def _observed(event: Observed[Request]) -> None:
+    def _observed(self, event: Observed[Request]) -> None:
         observer = event.handle.observer
         if observer is not None:
             observer(event.message)
 
     def _capacity(self, event: Capacity) -> None:
-        callback = self.core.on_capacity
+        callback = self.hooks.on_capacity
         if callback is not None:
             try:
                 callback(event.event)
@@ -103,7 +97,7 @@ class Actions:
 
     def _lease_end(self, event: LeaseEnd) -> None:
         # An event, not a reply: its id counts the session's events (spec section 6.11).
-        callback = self.core.on_lease_end
+        callback = self.hooks.on_lease_end
         if callback is not None:
             try:
                 callback(event.event)
@@ -111,18 +105,22 @@ class Actions:
                 log.exception("lease end handling failed")
 
     def _send_frame(self, event: SendFrame) -> None:
-        core = self.core
-        if not core.transport.send(event.frame):
-            core.session.heartbeat_unsent(time.monotonic())
+        if not self.transport.send(event.frame):
+            self.session.heartbeat_unsent(time.monotonic())
 
-    @staticmethod
-    def _undecodable(event: Undecodable) -> None:
+    def _undecodable(self, event: Undecodable) -> None:
         log.warning("undecodable frame from the node: %s", event.error)
 
-    @staticmethod
-    def _unmatched(event: Unmatched) -> None:
+    def _unmatched(self, event: Unmatched) -> None:
         log.debug("reply for no pending request: %s", event.message.TAG)
 
-    @staticmethod
-    def _lost(event: Lost) -> None:
+    def _lost(self, event: Lost) -> None:
         log.debug("the session is lost: %s", event.reason)
+
+
+_BY_TYPE: dict[type, Callable[[Actions, Any], None]] = {
+    Replied: Actions._replied, Failed: Actions._failed, Settled: Actions._settled, Observed: Actions._observed,
+    Capacity: Actions._capacity, LeaseEnd: Actions._lease_end, SendFrame: Actions._send_frame,
+    Undecodable: Actions._undecodable, Unmatched: Actions._unmatched, Lost: Actions._lost,
+}
+"""One handler per event type, unbound: the actions hold no cycle through their own methods."""

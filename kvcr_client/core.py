@@ -62,7 +62,7 @@ from typing import Any, TypeVar
 
 import zmq
 
-from kvcr_client.actions import Actions
+from kvcr_client.actions import Actions, Hooks
 from kvcr_client.errors import ClientClosed, NodeError, NodeLostError, translated
 from kvcr_client.loops import MONITOR_READY, SOCKET_READY, LoopReaders
 from kvcr_client.reads import Reads
@@ -79,10 +79,8 @@ from kvcr_protocol import (
     CURRENT_VERSION,
     DEFAULT_LIMITS,
     Bye,
-    CapacityEvent,
     ErrorCode,
     Hello,
-    LeaseEnded,
     LocalProtocolError,
     Message,
     Notification,
@@ -153,10 +151,9 @@ class ClientCore:
         self.bg_watch: tuple[int, ...] = (self.bg_wakeup.read_fd,)
         self._ids = itertools.count(1)
         self.closed = False
-        self.on_capacity: Callable[[CapacityEvent], None] | None = None
-        self.on_lease_end: Callable[[LeaseEnded], None] | None = None
-        """Takes the node's ``lease_end`` events (lock held)."""
-        self._apply = Actions(self)
+        self.hooks = Hooks()
+        """Where the node's capacity and ``lease_end`` events go (the client above sets them)."""
+        self._apply = Actions(self.session, self.transport, self.waiters, self.hooks)
         """Carries out the session's events (lock held)."""
         pacing = weakref.WeakMethod(self.pacing_starts)  # the core owns its parts: no cycle back to it
         self.reads = Reads(lambda: _call(pacing))
@@ -317,7 +314,7 @@ class ClientCore:
         self.bg_wakeup.close()
         # The callbacks name the client above: without them nothing the core holds leads
         # back to it, so a closed client and its NIXL agent go without the cyclic collector.
-        self.on_capacity = self.on_lease_end = None
+        self.hooks.on_capacity = self.hooks.on_lease_end = None
         if self._own_context:
             self.context.term()
 

@@ -29,7 +29,7 @@ class LeaseRequests(ClientState):
 
     def __init__(self, core: ClientCore, max_completed: int = DEFAULT_MAX_COMPLETED) -> None:
         super().__init__(core, max_completed)
-        core.on_lease_end = self._lease_ended
+        core.hooks.on_lease_end = self._lease_ended
 
     def lease(
         self, keys: Iterable[bytes], request_id: str | None = None, ttl_ms: int = 0, read: bool = True,
