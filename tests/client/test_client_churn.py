@@ -14,7 +14,6 @@ import json
 import subprocess
 import sys
 import threading
-import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ import kvcr_client.session
 from kvcr_client import AsyncClient, Client, KeyStatus, OperationTimeout, Presence, Span
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import Layout, Registrar, StoredObject
-from kvcr_testing.measure import RSS_SLACK_KIB, Snapshot
+from kvcr_testing.measure import RSS_SLACK_KIB, Heap, Snapshot
 from kvcr_testing.nodes import frozen
 from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
 
@@ -200,14 +199,12 @@ def test_sessions_come_and_go(node_factory: Callable[..., Any]) -> None:
     asyncio.run(_async_sessions(node.endpoint, 2))
     with Client(node.endpoint, name="watch") as watch:
         before = Snapshot.take(watch)
-        tracemalloc.start()
-        heap_before = tracemalloc.get_traced_memory()[0]
-        for i in range(SESSIONS):
-            session(i)
-        asyncio.run(_async_sessions(node.endpoint, SESSIONS // 4))
-        after = Snapshot.take(watch)
-        heap_grown = tracemalloc.get_traced_memory()[0] - heap_before
-        tracemalloc.stop()
+        with Heap(collect=False) as heap:
+            for i in range(SESSIONS):
+                session(i)
+            asyncio.run(_async_sessions(node.endpoint, SESSIONS // 4))
+            after = Snapshot.take(watch)
+            heap_grown = heap.grown()
         # Every object the client makes per session is gone: the Python heap is back.
         assert heap_grown <= SESSION_HEAP_SLACK, ("sessions", "Python heap bytes", heap_grown)
         sessions = SESSIONS + SESSIONS // 4

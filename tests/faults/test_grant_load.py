@@ -16,10 +16,8 @@
 
 from __future__ import annotations
 
-import gc
 import signal
 import threading
-import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +30,7 @@ from kvcr_node.agents import DEPARTED_AGENTS
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.hostile import Worker
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
-from kvcr_testing.measure import fd_count, rss_kib, thread_count
+from kvcr_testing.measure import Heap, fd_count, rss_kib, thread_count
 from kvcr_testing.nodes import short_ipc_dir, start_node
 from kvcr_testing.patterns import KiB, pattern
 
@@ -216,21 +214,17 @@ def test_granted_lease_churn_leaves_nothing_behind(node_factory: Callable[..., A
             lease.release().result(RESULT_TIMEOUT_S)
         before = {"fds": fd_count(pid), "threads": thread_count(pid), "rss": rss_kib(pid)}
         reads = client.counters()["grant_reads"]
-        gc.collect()
-        tracemalloc.start()
-        heap_before = tracemalloc.get_traced_memory()[0]
-        for i in range(CYCLES):
-            k = keys[i % KEYS]
-            lease = client.lease([k, keys[(i * 7) % KEYS], b"absent"]).result(RESULT_TIMEOUT_S)
-            assert lease.status(k) is LeaseStatus.LEASED
-            dst[:] = 0
-            assert client.deliver({k: spans}).result(RESULT_TIMEOUT_S)[k].ok
-            if i % 100 == 0:
-                assert np.array_equal(dst, src)
-            lease.release().result(RESULT_TIMEOUT_S)
-        gc.collect()
-        heap_grown = tracemalloc.get_traced_memory()[0] - heap_before
-        tracemalloc.stop()
+        with Heap() as heap:
+            for i in range(CYCLES):
+                k = keys[i % KEYS]
+                lease = client.lease([k, keys[(i * 7) % KEYS], b"absent"]).result(RESULT_TIMEOUT_S)
+                assert lease.status(k) is LeaseStatus.LEASED
+                dst[:] = 0
+                assert client.deliver({k: spans}).result(RESULT_TIMEOUT_S)[k].ok
+                if i % 100 == 0:
+                    assert np.array_equal(dst, src)
+                lease.release().result(RESULT_TIMEOUT_S)
+            heap_grown = heap.grown()
         # The client keeps nothing per cycle: leases, grant rows, read jobs, handles all go.
         assert heap_grown <= HEAP_SLACK, ("granted cycles", "Python heap bytes", heap_grown)
         assert client.counters()["grant_reads"] == reads + CYCLES, "a deliver went to the node"

@@ -9,8 +9,6 @@ accounted for, and the client's Python heap is back: nothing is kept per put or 
 
 from __future__ import annotations
 
-import gc
-import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +19,7 @@ from kvcr_client import Client, ErrorCode, Span
 from kvcr_node.agents import DEPARTED_AGENTS
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
-from kvcr_testing.measure import fd_count, rss_kib, thread_count
+from kvcr_testing.measure import Heap, fd_count, rss_kib, thread_count
 from kvcr_testing.nodes import frozen
 from kvcr_testing.patterns import KiB, pattern
 
@@ -66,19 +64,15 @@ def test_put_churn_leaves_nothing_behind(node_factory: Callable[..., Any]) -> No
             assert client.put({b"w%d" % i: spans}).result(RESULT_TIMEOUT_S).all_ok
         before = {"fds": fd_count(pid), "threads": thread_count(pid), "rss": rss_kib(pid)}
         written = client.counters()["puts"]
-        gc.collect()
-        tracemalloc.start()
-        heap_before = tracemalloc.get_traced_memory()[0]
-        for i in range(PUTS):
-            key = b"p%d" % i
-            assert client.put({key: spans}).result(RESULT_TIMEOUT_S).all_ok
-            if i % 250 == 0:
-                dst[:] = 0
-                assert client.deliver({key: into}).result(RESULT_TIMEOUT_S)[key].ok
-                assert np.array_equal(dst, src)
-        gc.collect()
-        heap_grown = tracemalloc.get_traced_memory()[0] - heap_before
-        tracemalloc.stop()
+        with Heap() as heap:
+            for i in range(PUTS):
+                key = b"p%d" % i
+                assert client.put({key: spans}).result(RESULT_TIMEOUT_S).all_ok
+                if i % 250 == 0:
+                    dst[:] = 0
+                    assert client.deliver({key: into}).result(RESULT_TIMEOUT_S)[key].ok
+                    assert np.array_equal(dst, src)
+            heap_grown = heap.grown()
         assert heap_grown <= HEAP_SLACK, ("puts", "Python heap bytes", heap_grown)
         assert client.counters()["puts"] == written + PUTS, "a put went as a deposit"
         assert at_rest(client), put_stats(client)

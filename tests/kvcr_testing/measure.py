@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import tracemalloc
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,46 @@ FD_SLACK = 4
 RSS_SLACK_KIB = 4096
 """RSS growth a client churn may leave (allocator arenas, caches warmed once), far below what a leak of
 one object per operation costs over thousands of operations."""
+
+
+NOT_THE_CLIENTS = (
+    tracemalloc.Filter(False, "*/kvcr_testing/nodes.py"),
+    tracemalloc.Filter(False, "*/_pytest/*"),
+    tracemalloc.Filter(False, "*/logging/__init__.py"),
+    tracemalloc.Filter(False, tracemalloc.__file__),
+)
+"""What a heap check leaves out: a node's output, which the test's reader thread collects, and
+log records pytest keeps (a loaded machine makes both grow: a late heartbeat is logged)."""
+
+
+class Heap:
+    """The Python heap the code under test holds, for churn tests: ``grown()`` since ``with``.
+    ``collect``: run the cyclic collector first at both ends (False: garbage in cycles counts,
+    for tests that hold the client to freeing what it made without the collector)."""
+
+    def __init__(self, collect: bool = True) -> None:
+        self.collect = collect
+        self.before = 0
+
+    def __enter__(self) -> Heap:
+        if self.collect:
+            gc.collect()
+        tracemalloc.start()
+        self.before = self.size()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        tracemalloc.stop()
+
+    @staticmethod
+    def size() -> int:
+        """Bytes traced now, less what ``NOT_THE_CLIENTS`` leaves out."""
+        return sum(stat.size for stat in tracemalloc.take_snapshot().filter_traces(NOT_THE_CLIENTS).statistics("filename"))
+
+    def grown(self) -> int:
+        if self.collect:
+            gc.collect()
+        return self.size() - self.before
 
 
 def fd_count(pid: int | None = None) -> int:
