@@ -17,7 +17,7 @@ from typing import Any
 from kvcr_client.counters import Counters
 from kvcr_client.reads import GrantRead, Reads
 from kvcr_io.agent import XferStatus
-from kvcr_protocol import DeliverItem, ErrorCode, KeyResult, KeyStatus, MemoryKind
+from kvcr_protocol import DeliverItem, ErrorCode, GroupEvent, GroupLedger, GroupState, KeyResult, KeyStatus, MemoryKind
 
 
 class Clock:
@@ -143,3 +143,38 @@ def test_groups_read_inside_the_lease_are_ok() -> None:
     while not out:
         reads.step(clock.t)
     assert out[0][0].status is KeyStatus.OK
+
+
+def test_the_handles_ledger_moves_with_the_reads_and_a_failed_group_is_told_when_it_fails() -> None:
+    """A deliver and its handle keep one ``GroupLedger``: each turn reports the group events that
+    moved it, and a group whose lease check fails is failed for the handle in that turn, not
+    when the last group is over."""
+    clock = Clock()
+    agent = CopyingAgent(clock, {"node": 0.1})
+    ledger = GroupLedger([3, 3])
+    events: list[list[GroupEvent]] = []
+    out: list[list[KeyResult]] = []
+
+    def finished(results: list[KeyResult] | BaseException, done: list[int]) -> None:
+        assert isinstance(results, list)
+        out.append(results)
+
+    posts = [(g, MemoryKind.DRAM, [(0, 1, 0)], MemoryKind.DRAM, [(0, 1, 0)], [0, 1], "node") for g in range(3)]
+    # Key 1's lease ends between its group 0 (checked at 0.1) and group 1 (checked at 0.2).
+    read = GrantRead(HeldUntil(), agent, [DeliverItem(b"a", ()), DeliverItem(b"b", ())],
+                     [Granted(Lease(50.0)), Granted(Lease(0.15))], [3, 3], posts, [0, 0], deadline=100.0,
+                     report=events.append, finished=finished, quiet=lambda: None, clock=clock, ledger=ledger)
+    reads = Reads()
+    reads.start(read)
+    assert events == [[GroupEvent(0, 0, GroupState.DELIVERED), GroupEvent(1, 0, GroupState.DELIVERED)]]
+    assert ledger.group_state(0) is GroupState.DELIVERED and read.ledger is ledger
+    reads.step(clock())
+    expired = int(ErrorCode.LEASE_EXPIRED)
+    assert events[1] == [GroupEvent(0, 1, GroupState.DELIVERED), GroupEvent(1, 1, GroupState.FAILED, expired),
+                         GroupEvent(1, 2, GroupState.FAILED, expired)], "told in the turn that found it"
+    assert ledger.group_state(1) is GroupState.FAILED and ledger.group_state(2) is GroupState.FAILED
+    assert not out, "the deliver itself is not over: key a's group 2 is still to read"
+    reads.step(clock())
+    assert events[2] == [GroupEvent(0, 2, GroupState.DELIVERED)]
+    assert [r.status for r in out[0]] == [KeyStatus.OK, KeyStatus.FAILED] and out[0][1].code == expired
+    assert ledger.delivered == [3, 1] and not reads.running
