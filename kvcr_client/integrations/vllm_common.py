@@ -172,6 +172,11 @@ class KvcrConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     node_stalled: bool = False
     """The scheduler side finds the node stalled (``NodeLink.stalled``): the workers save
     nothing this step rather than each wait ``save_timeout_s`` for it."""
+    node_away: bool = False
+    """The scheduler side finds the node away (its session lost, a reconnect under way): the
+    workers save nothing this step and wait for nothing (a worker whose session still stands
+    would wait ``save_timeout_s`` on a node that stopped answering, one whose session is lost
+    ``CONNECT_WAIT_S`` for a welcome); their own reconnects go on."""
 
 
 def hint_id(request_id: object) -> str:

@@ -305,7 +305,8 @@ class KvcrScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> KvcrConnectorMetadata:
         """What the workers load and save this step. Never raises: a request whose saves cannot
         be worked out is not saved (the loads stand, so vLLM is told of any that fail)."""
-        meta = KvcrConnectorMetadata(loads=self._loads, node_stalled=self.link.stalled(self.settings.lookup_timeout_s))
+        meta = KvcrConnectorMetadata(loads=self._loads, node_stalled=self.link.stalled(self.settings.lookup_timeout_s),
+                                     node_away=not self.link.up)
         self._loads = []
         try:
             self._sweep()

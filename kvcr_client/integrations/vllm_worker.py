@@ -73,7 +73,9 @@ REPLY_SLACK_S = 5.0
 """How much longer than the deadline a layer waits for the node to say it failed."""
 CONNECT_WAIT_S = 0.2
 """How long a step waits for the welcome of a reconnecting hello it sent (the hello announces
-the KV cache again; a node still away costs a step this once per backoff interval)."""
+the KV cache again). Not while the scheduler side finds the node away too
+(``KvcrConnectorMetadata.node_away``): then the hello goes, nothing waits for it, and the
+step saves nothing."""
 
 
 class BlockObserver:
@@ -236,7 +238,7 @@ class KvcrWorker:
             # The boundary with vLLM: an exception here would stop its engine.
             self._causes.warn(f"load:{type(exc).__name__}", "kvcr: no loads this step (%s)", brief(exc))
             return
-        if loads and not self.link.ready(CONNECT_WAIT_S):
+        if loads and not self.link.ready(0.0 if meta.node_away else CONNECT_WAIT_S):
             # The node is away: recomputed, without waiting for it (a reconnect is under way).
             for load in loads:
                 self.counts.add("node_away")
@@ -385,6 +387,12 @@ class KvcrWorker:
             return
         if meta.node_stalled:
             self.counts.add("node_stalled")  # the scheduler side finds the node frozen: not saved, not waited on
+            return
+        if meta.node_away:
+            # The scheduler side lost the node: not saved, not waited on (a save into a node
+            # that stopped answering waits save_timeout_s); this side's own reconnect goes on.
+            self.link.ready(0.0)
+            self.counts.add("node_away")
             return
         if not self.link.ready(CONNECT_WAIT_S):
             self.counts.add("node_away")  # not saved: the node is away (a reconnect is under way)
