@@ -77,6 +77,10 @@ def test_the_connector_rides_out_a_frozen_node_and_a_restarted_one() -> None:
     assert frozen["counts"].get("node_stalled") == 1 and not frozen["counts"].get("saves_timed_out"), frozen
     print(f"wait_for_save with the node known stalled: longest {max(frozen['saves']) * 1000:.1f} ms")
     assert max(frozen["saves"]) < CALL_BOUND_S, frozen["saves"]
+    # Once the scheduler side found the node lost, the step's metadata said it was away: the
+    # worker saved nothing and waited for nothing, neither a save nor a welcome.
+    print(f"wait_for_save with the node known away: longest {max(away['saves'], default=0.0) * 1000:.1f} ms")
+    assert max(away["saves"], default=0.0) < CALL_BOUND_S, away["saves"]
 
     # Back: the blocks load again after SIGCONT, and after a restart once saved anew.
     assert by_phase["thawed"][-1]["counts"].get("blocks_loaded") == 3, by_phase["thawed"]
