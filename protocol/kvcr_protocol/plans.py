@@ -126,16 +126,20 @@ class GroupLedger:
     def land(self, item: int, group: int) -> range:
         """Group ``group`` of ``item`` landed (perhaps before earlier ones): the groups this
         delivered, in order (empty when it only waits for an earlier one)."""
-        if group >= self.failed_from.get(item, self.groups[item]) or group < self.delivered[item]:
+        delivered = self.delivered[item]
+        if group >= self.failed_from.get(item, self.groups[item]) or group < delivered:
             return range(0)
-        landed = self.landed.setdefault(item, set())
-        landed.add(group)
-        count = self.delivered[item]
-        while count in landed:
-            landed.discard(count)
-            count += 1
-        if not landed:
-            del self.landed[item]
+        if group > delivered:
+            self.landed.setdefault(item, set()).add(group)
+            return range(0)
+        count = group + 1  # in order, the usual case: no set unless a later group came first
+        landed = self.landed.get(item)
+        if landed:
+            while count in landed:
+                landed.discard(count)
+                count += 1
+            if not landed:
+                del self.landed[item]
         return self._deliver(item, count)
 
     def advance(self, item: int, count: int) -> range:
