@@ -18,6 +18,10 @@ Rules it applies:
 - at the request's deadline, with no final reply, the groups not yet delivered fail
   ``TIMEOUT``; later messages change nothing for the caller (the memory stays
   registered until the reply, spec section 5.1).
+
+Its state is a ``GroupLedger``, the one ledger of a deliver's groups: the node keeps its
+plans in one too, and a client that READs the groups itself under grants moves its
+handle's ledger directly (``kvcr_client.reads``), ending with ``on_results``.
 """
 
 from __future__ import annotations
@@ -233,15 +237,6 @@ class PlanProgress:
             self.ignored += 1
             return []
         return self._advance_all(msg.pairs())
-
-    def on_landed(self, items: Sequence[int], count: int) -> list[GroupEvent]:
-        """``items`` delivered their first ``count`` groups, learnt by the client itself (its
-        own READs under a grant completed and passed the lease check: spec section 6.12);
-        events for the groups this delivered."""
-        if self.finished:
-            self.ignored += 1
-            return []
-        return self._advance_all((k, count) for k in items)
 
     def on_reply(self, msg: Completion) -> list[GroupEvent]:
         """The request's ``complete``: every group's final state."""

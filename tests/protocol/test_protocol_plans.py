@@ -60,22 +60,12 @@ def test_progress_alone_delivers_and_repeats_change_nothing() -> None:
     assert plan.on_reply(reply(OK, OK, done=(3, 2))) == [GroupEvent(0, 2, DELIVERED), GroupEvent(1, 1, DELIVERED)]
 
 
-def test_groups_the_client_landed_itself_deliver_and_bad_counts_are_ignored() -> None:
-    plan = PlanProgress(REQUEST, [3, 2])
-    assert plan.on_landed([0, 1], 1) == [GroupEvent(0, 0, DELIVERED), GroupEvent(1, 0, DELIVERED)]
-    assert plan.on_landed([0], 1) == []  # a repeat changes nothing
-    assert plan.on_landed([1, 7], 3) == [] and plan.ignored == 2  # more groups than item 1 has; no item 7
-    assert plan.on_landed([0], 3) == [GroupEvent(0, 1, DELIVERED), GroupEvent(0, 2, DELIVERED)]
-    assert plan.on_reply(reply(OK, OK, done=(3, 2))) == [GroupEvent(1, 1, DELIVERED)]
-    assert plan.on_landed([1], 2) == [] and plan.ignored == 3  # finished
-
-
 def test_a_client_that_read_the_groups_itself_finishes_from_its_results_as_from_a_reply() -> None:
     """No message is forged for it: ``on_results`` is what ``on_reply`` does with a reply's fields."""
     results, done = (failed(ErrorCode.LEASE_LOST), OK), (1, 2)
     own, node = PlanProgress(REQUEST, [3, 2]), PlanProgress(REQUEST, [3, 2])
-    own.on_landed([1], 1)
-    node.on_landed([1], 1)
+    own.ledger.advance(1, 1)  # what a read under grants moves itself (kvcr_client.reads)
+    node.ledger.advance(1, 1)
     assert own.on_results(results, done) == node.on_reply(reply(*results, done=done))
     assert [own.state(0, g) for g in range(3)] == [DELIVERED, FAILED, FAILED] and own.finished
     assert own.on_results(results, done) == [] and own.ignored == 1  # once only
