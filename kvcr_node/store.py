@@ -356,16 +356,16 @@ class Store:
             self._index.add(entry)
             self._check_pressure(entry.info)
 
-    def claim_all(self, entries: Sequence[ObjectEntry], accessed: bool = False) -> None:
+    def claim_all(self, entries: Sequence[ObjectEntry], accessed: int = 0) -> None:
         """``claim`` each of ``entries`` once: a lease holding many objects checks capacity
-        pressure once per layout, not once per object. ``accessed``: each is an access now,
-        in order (a lease is: its client reads what it holds, under a grant unseen here)."""
+        pressure once per layout, not once per object. The first ``accessed`` of them are an
+        access now, in order (a lease's leading keys: its client reads them, unseen here)."""
         layouts: dict[int, LayoutInfo] = {}
-        for entry in entries:
+        for n, entry in enumerate(entries):
             self._own(entry)
             if entry.state is not _READY:
                 raise StoreError(f"claim of {entry.key!r}: it is {entry.state.name}, not READY")
-            if accessed:
+            if n < accessed:
                 self._tick += 1
                 entry.last_access = self._tick
             if entry.claims == 0:

@@ -252,6 +252,23 @@ def test_a_lease_is_an_access_for_lru_in_key_order(ipc_dir: Path, agent: ClientA
         at_rest(d)
 
 
+def test_keys_a_lease_holds_past_a_gap_are_no_access(ipc_dir: Path, agent: ClientAgent) -> None:
+    """An engine looks up a prefix: a block held after a missing one is no use to it, and its
+    lease does not make it recent."""
+    with node_driver(config(ipc_dir, lease_pool_fraction=1.0, policy="lru")) as d:
+        d.hello(b"c", agent)
+        for i in range(16):
+            stored(d, b"k%d" % i)
+        lease = reply_of(d.receive(b"c", Lease(2, (b"k1", b"absent", b"k0"))), 2).lease
+        assert d.receive(b"c", ReleaseLease(3, lease)) == [Ack(3)]
+        outcome, entry = d.node.store.begin_deposit(b"new", (("L0", "kv"),))
+        assert outcome is DepositOutcome.NEW and entry is not None
+        d.node.store.commit(entry)
+        assert d.node.store.lookup(b"k0") is None, "k0, past the gap, is still the least recently used"
+        assert d.node.store.lookup(b"k1") is not None
+        at_rest(d)
+
+
 def test_leases_and_saves_over_shared_prefixes_get_an_exact_lrus_hits(ipc_dir: Path, agent: ClientAgent) -> None:
     """An engine's pattern under pressure: lease the leading blocks a request finds, read
     them, release, save the request's blocks. The node's LRU gets exactly the hits an exact
