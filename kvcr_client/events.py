@@ -117,8 +117,9 @@ class EventStream:
         self._dealer: zmq.Socket[bytes] | None = None
         self.incarnation: int | None = None
         self._left: collections.deque[int] = collections.deque(maxlen=LEFT_INCARNATIONS)
-        """Incarnations the stream has left: a batch of one still queued in the SUB when the
-        stream went on to the node's next incarnation (by replay) is stale, never handed out."""
+        """Incarnations the stream has left, or found stale (``_live``): a batch of one still
+        queued in the SUB when the stream went on to the node's present incarnation (by
+        replay) is never handed out."""
         self.expected = 0
         """The seq of the next batch to hand out."""
         self.lost = 0
@@ -163,6 +164,11 @@ class EventStream:
             if batch.incarnation != self.incarnation:
                 if batch.incarnation in self._left:
                     continue
+                if self.incarnation is not None and not self._live(batch.incarnation):
+                    # Stale: queued in the SUB before the stream went on to the node's present
+                    # incarnation by replay (one it never followed, so not among those it left).
+                    self._left.append(batch.incarnation)
+                    continue
                 self._switch(batch.incarnation)
                 self.expected = 0 if self.from_start else seq
             if seq < self.expected:
@@ -171,6 +177,15 @@ class EventStream:
                 out.extend(self._fill(self.expected, seq))
             out.append((seq, batch))
             self.expected = seq + 1
+
+    def _live(self, incarnation: int) -> bool:
+        """Whether the node now runs ``incarnation``, as its replay socket says (the PUB may
+        still hold an older one's batches); True when it cannot be asked (trust the PUB)."""
+        try:
+            _, end = self._replay(self.expected)
+        except (EventStreamError, NodeError):
+            return True
+        return end.incarnation == incarnation
 
     def _switch(self, incarnation: int) -> None:
         """Follow ``incarnation`` of the node from now on; the one followed so far is left."""

@@ -145,6 +145,49 @@ def test_a_stopped_node_comes_back_with_its_objects_and_says_so(site: Site) -> N
         assert second.stop() == 0
 
 
+def test_a_subscriber_that_slept_through_a_restart_follows_the_new_incarnation(site: Site) -> None:
+    """The subscriber reads nothing while the first incarnation publishes, so its SUB still
+    holds that one's batches when it first reads, after the restart: it goes on to the new
+    incarnation by replay and must not go back to the old one for a stale batch (it never
+    followed it, so it is not among those it left). Seen once in twenty runs of the test above."""
+    first = site.start()
+    src = pattern(LAYOUT.nbytes, 5)
+    with EventStream(site.events) as stream:
+        with Client(site.endpoint, name="before") as client:
+            reg = Registrar(client)
+            region = reg(src)
+            n = [0]
+
+            def queued() -> bool:  # a batch of the first incarnation waits, unread, in the SUB
+                n[0] += 1
+                client.deposit({b"old-%d" % n[0]: LAYOUT.source_spans(region, 0)}).result(RESULT_TIMEOUT_S)
+                return bool(stream.sub.poll(200))
+
+            assert wait_until(queued, FOLLOW_TIMEOUT_S), "the SUB never received a batch"
+            old = client.node.incarnation if client.node is not None else 0
+            reg.close()
+        assert first.stop() == 0
+        site.start()
+        with Client(site.endpoint, name="after") as client:
+            assert client.node is not None and client.node.incarnation != old
+            new = client.node.incarnation
+            reg = Registrar(client)
+            region = reg(src)
+            client.deposit({b"after": LAYOUT.source_spans(region, 0)}).result(RESULT_TIMEOUT_S)
+            mirror = InventoryMirror()
+            seen: set[int] = set()
+
+            def caught_up() -> bool:
+                for _, batch in stream.recv(0.2):
+                    seen.add(batch.incarnation)
+                    mirror.apply(batch)
+                return mirror.incarnation == new and b"after" in mirror.keys
+
+            assert wait_until(caught_up, FOLLOW_TIMEOUT_S), (seen, old, new, stream.incarnation)
+            assert old not in seen and stream.incarnation == new, "a stale batch of the old incarnation came out"
+            reg.close()
+
+
 def check_served(client: Client, burst: Burst, must: list[bytes]) -> int:
     """Every key of ``must`` is served with its bytes, and every other key of the burst is
     either absent or served with its bytes; returns how many were served."""
