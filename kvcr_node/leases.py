@@ -130,15 +130,14 @@ class Leases(SourceHolds):
         hint = None if session.role is Role.PEER or msg.request_id is None else session.hints.get(msg.request_id)
         remote: dict[str, list[int]] = {}
         seen: set[bytes] = set()
-        leading = -1  # entries held before the first key that is not (-1: every key so far is)
+        leading = len(keys)  # entries held before the first key not held here (no gap: all)
         for i, key in enumerate(keys):
             if key in seen:
                 continue  # a repeated key is held once; it reports its first answer (``_answer``)
             seen.add(key)
             entry = self.store.lookup(key)
             if entry is None or entry.state is ObjectState.WRITING:
-                if leading < 0:
-                    leading = len(record.entries)
+                leading = min(leading, len(record.entries))
             if entry is None:
                 if hint is not None and key in hint[1] and hint[0] != self.endpoint:
                     if session.leased_slots + 1 > self.config.max_leased_slots_per_session:
@@ -161,13 +160,10 @@ class Leases(SourceHolds):
             else:
                 self.counters.inc(LeaseCount.KEYS_REFUSED_LIMIT)
                 status[i] = LeaseStatus.LEASE_LIMIT
-                if leading < 0:
-                    leading = len(record.entries)
-        # A lease is an access for the run of keys it holds from the first, in key order: its
-        # client reads them, under a read grant without the node seeing it, so the lease is
-        # LRU's only sign of that use. Keys past a gap are not: an engine looks up a prefix,
-        # and a block after a missing one is no use to it.
-        self.store.claim_all(record.entries, accessed=len(record.entries) if leading < 0 else leading)
+                leading = min(leading, len(record.entries))
+        # A lease is an access (LRU's only sign that its client reads what it holds, unseen
+        # under a grant) for the keys it holds up to a gap: an engine looks up a prefix.
+        self.store.claim_all(record.entries, accessed=leading)
         self.table[record.id] = record
         session.leases.add(record.id)
         self._schedule(record)
@@ -585,9 +581,8 @@ def _charge(session: Session, entry: ObjectEntry) -> None:
     session.held_objects[entry] = mine + 1
     if not mine:
         session.leased_slots += len(entry.info.layout)
-        pool_slots = session.pool_slots
         for pool, count in entry.info.need:
-            pool_slots[pool] += count
+            session.pool_slots[pool] += count
 
 
 def _drop_one(counts: dict[ObjectEntry, int], entry: ObjectEntry) -> bool:
