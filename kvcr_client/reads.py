@@ -107,13 +107,12 @@ class GrantRead:
         self.agent = agent
         self.items = items
         self.granted = granted
-        self.counts = counts
-        self.group_count = max(counts, default=0)
-        self.transfers = PostedTransfers(agent, "READ", posts, self.group_count)
-        """The READs, posted group by group and polled."""
         self.ledger = ledger if ledger is not None else GroupLedger(counts)
         """Per item: groups delivered (landed and checked) in a row, and why it failed; the
         deliver's handle reads the same one (``ledger``, of ``counts``)."""
+        self.group_count = self.ledger.group_count
+        self.transfers = PostedTransfers(agent, "READ", posts, self.group_count)
+        """The READs, posted group by group and polled."""
         self.report = report
         """Takes the group events of each turn (the handle's ``apply``); None: nobody waits
         for groups (a whole deliver)."""
@@ -321,8 +320,8 @@ class GrantRead:
             if code:
                 self._fail(k, code)
                 self.grants.counters.inc(Count.GRANT_REFUSED)
-            elif self._intact(k, self.ledger.delivered[k], self.counts[k]):
-                self._advance(k, self.counts[k])
+            elif self._intact(k, self.ledger.delivered[k], self.ledger.groups[k]):
+                self._advance(k, self.ledger.groups[k])
 
     def _intact(self, k: int, first: int, end: int, failed: list[int] | None = None) -> bool:
         """Whether groups ``first`` to ``end - 1`` of item ``k``, landed under a lease that
