@@ -16,8 +16,8 @@ streaming ``/v1/completions`` request timed from the request to its first token:
    just before the kill (``hit_rate_after_restart``: their share served from kvcr, same text);
 4. the node frozen (SIGSTOP): cold 256-token requests, one after another; ``frozen_first_ms``
    is how much longer the first took than a cold request with the node up (the lookup gives
-   up after ``lookup_timeout_s``; the heartbeat sent with it is unanswered, so the step does
-   not wait to save), ``frozen_next_ms`` the same for the median of the next ones (the node
+   up once the heartbeat sent with it is unanswered for half of ``lookup_timeout_s``, and
+   the step does not wait to save), ``frozen_next_ms`` the same for the median of the next ones (the node
    known stalled: no lookup, no save waited on).
 
 The anchor is the cold request of the same run, on the same server; the tokens of every

@@ -43,6 +43,12 @@ LOOKUP_TIMEOUT_S = 0.2
 """Default ``extra_config["lookup_timeout_s"]``: the longest a request's lookup (its hint and
 lease, through its source's dial) may take; past it the request is a miss. Meanwhile vLLM's
 scheduler is answered "not yet" and schedules the others."""
+STALL_FRACTION = 0.5
+"""The part of ``lookup_timeout_s`` after which a node that has left the heartbeat sent with a
+lookup unanswered is taken as frozen (``Settings.stall_s``). The node's loop answers a
+heartbeat in its next turn whatever the lease behind it waits for (a source's dial), so a
+live node answers it in milliseconds: waiting the rest of the bound for the lease would only
+delay the miss a frozen node makes certain."""
 LOOKUP_WAIT_S = 0.02
 """Default ``extra_config["lookup_wait_s"]``: the longest one scheduler call waits for a lookup
 it has just started (a lease at the engine's own node is answered well within it)."""
@@ -71,7 +77,8 @@ COUNTERS: dict[str, str] = {
     "saves_paused": "Saves passed over after a save timed out (SAVE_PAUSE_S): blocks not saved (worker).",
     "sources_refused": "Requests whose kv_transfer_params named a source that is not allowed, or no endpoint: "
                        "looked up without it, nothing dialled (scheduler); loads naming one (worker).",
-    "lookups_timed_out": "Lookups not answered within lookup_timeout_s: a miss (scheduler).",
+    "lookups_timed_out": "Lookups not answered within lookup_timeout_s, or whose heartbeat the node left "
+                         "unanswered for half of it (frozen): a miss (scheduler).",
     "lookup_errors": "Lookups that failed (the node refused or was lost, the request could not be looked up): "
                      "a miss (scheduler).",
     "node_outages": "Times the side found its node lost (restarted, or silent past the heartbeats) (both).",
@@ -80,7 +87,7 @@ COUNTERS: dict[str, str] = {
     "node_away": "Lookups (scheduler), loads and saves (worker) passed over because the node was away: "
                  "a miss, blocks recomputed, blocks not saved.",
     "node_stalled": "Lookups (scheduler) and saves (worker) passed over because the node left the scheduler's "
-                    "heartbeat unanswered for lookup_timeout_s (frozen): a miss, blocks not saved.",
+                    "heartbeat unanswered for half of lookup_timeout_s (frozen): a miss, blocks not saved.",
 }
 """What a connector counts: name -> what it means."""
 
@@ -232,6 +239,13 @@ class Settings:
     one, unless vLLM hashes finer than the blocks it allocates."""
     block_hashes: str = ""
     """How vLLM roots and computes its block hashes (``block_hash_scheme``), for the log."""
+
+    @property
+    def stall_s(self) -> float:
+        """How long the heartbeat sent with a lookup may go unanswered before the node is taken
+        as frozen: the lookup in flight is then a miss, and so is every lookup until the node
+        speaks again (``STALL_FRACTION`` of ``lookup_timeout_s``)."""
+        return self.lookup_timeout_s * STALL_FRACTION
 
     @classmethod
     def read(cls, vllm_config: VllmConfig, kv_cache_config: Any = None) -> Settings:

@@ -9,8 +9,9 @@ all that reaches them); ``request_finished`` releases the lease and names this n
 at the node they name only where the operator allowed it (``SourcePolicy``). The lookup never
 holds the scheduler: its hint and lease are sent without waiting, the call waits
 ``lookup_wait_s`` at most, then answers "not yet" (None) until the lease is in, and a miss
-past ``lookup_timeout_s``. A node that leaves the heartbeat sent with a lookup unanswered that
-long (frozen: ``NodeLink.stalled``) costs the request that found it that bound and no other: later lookups
+past ``lookup_timeout_s``. A node that leaves the heartbeat sent with a lookup unanswered for
+half that (``Settings.stall_s``; frozen: ``NodeLink.stalled``) costs the request that found it
+that much and no other: later lookups
 are misses at once, and the step's metadata tells the workers not to wait on it to save, until
 it speaks again. No call raises into vLLM: the worst is a miss, counted and logged
 once per cause (``CauseLog``). While the node is away (``NodeLink``: lost, reconnecting with
@@ -145,8 +146,8 @@ class KvcrScheduler:
                 self._give_up(lookup)
             self.counts.add("node_away")
             return 0
-        if (lookup is None or lookup.stage is _Stage.ADMITTED) and self.link.stalled(self.settings.lookup_timeout_s):
-            # The node left a heartbeat unanswered for a lookup's bound (frozen): a miss now,
+        if (lookup is None or lookup.stage is _Stage.ADMITTED) and self.link.stalled(self.settings.stall_s):
+            # The node left a heartbeat unanswered past its bound (frozen): a miss now,
             # with no lease it would not answer; lookups lease again once it speaks.
             self.counts.add("node_stalled")
             return 0
@@ -243,7 +244,14 @@ class KvcrScheduler:
                 local = frozenset(k for k in lease.held if lease.tier(k) != "remote")  # a source's blocks are saved here
                 lookup.whole = frozenset(self.settings.fingerprint.whole_blocks(lookup.keys, local)[1])
             return
-        if time.monotonic() - lookup.started >= self.settings.lookup_timeout_s:
+        if self.link.stalled(self.settings.stall_s):
+            # The heartbeat sent with the lookup is unanswered past its bound: the node is
+            # frozen, and the lease behind the heartbeat is not coming either.
+            self.counts.add("lookups_timed_out")
+            self._causes.warn("lookup:stalled", "kvcr: the node left a lookup's heartbeat unanswered for %.3f s "
+                              "(frozen): a miss, and lookups miss until it answers", self.settings.stall_s)
+            self._give_up(lookup)
+        elif time.monotonic() - lookup.started >= self.settings.lookup_timeout_s:
             self.counts.add("lookups_timed_out")
             self._causes.warn("lookup:timeout", "kvcr: a lookup%s took over lookup_timeout_s (%.3f s): a miss",
                               f" at {lookup.source}" if lookup.source else "", self.settings.lookup_timeout_s)
@@ -305,7 +313,7 @@ class KvcrScheduler:
     def build_connector_meta(self, scheduler_output: Any) -> KvcrConnectorMetadata:
         """What the workers load and save this step. Never raises: a request whose saves cannot
         be worked out is not saved (the loads stand, so vLLM is told of any that fail)."""
-        meta = KvcrConnectorMetadata(loads=self._loads, node_stalled=self.link.stalled(self.settings.lookup_timeout_s),
+        meta = KvcrConnectorMetadata(loads=self._loads, node_stalled=self.link.stalled(self.settings.stall_s),
                                      node_away=not self.link.up)
         self._loads = []
         try:

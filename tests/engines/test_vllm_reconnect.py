@@ -73,7 +73,7 @@ def test_the_connector_rides_out_a_frozen_node_and_a_restarted_one() -> None:
     print(f"wait_for_save meeting the frozen node: longest {max(unseen['saves']) * 1000:.0f} ms")
     assert max(unseen["saves"]) < SAVE_BOUND_S, unseen["saves"]
     # Once the scheduler side's lookup found the node stalled (its heartbeat unanswered for
-    # lookup_timeout_s), the step's metadata said so and the save was skipped, not waited on.
+    # half of lookup_timeout_s), the step's metadata said so and the save was skipped, not waited on.
     assert frozen["counts"].get("node_stalled") == 1 and not frozen["counts"].get("saves_timed_out"), frozen
     print(f"wait_for_save with the node known stalled: longest {max(frozen['saves']) * 1000:.1f} ms")
     assert max(frozen["saves"]) < CALL_BOUND_S, frozen["saves"]

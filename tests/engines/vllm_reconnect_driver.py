@@ -9,8 +9,8 @@ client finds a silent node lost within 2.5 s), and with the tiny Llama of
 1. saves a prompt's blocks and loads them in a second generation (the reference);
 2. freezes the node (SIGSTOP) for ``FREEZE_S``: a one-block prompt (nothing looked up: its
    save gives up at ``save_timeout_s``), a generation while the session still stands (its
-   lookup answered "not yet", then a miss at ``lookup_timeout_s``; the heartbeat sent with the
-   lease unanswered, so the step's save is skipped, not waited on) and one once both sides
+   lookup answered "not yet", then a miss once the heartbeat sent with the lease is unanswered
+   for half of ``lookup_timeout_s``, so the step's save is skipped, not waited on too) and one once both sides
    found the node lost (a miss at once, the save skipped), all served by recompute;
 3. SIGCONT: generates the first prompt until its blocks load again (the same incarnation);
 4. kill -9 and a new node on the same endpoint (a new incarnation, empty): generates until
