@@ -328,8 +328,10 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="also print one JSON object of the ratios")
     parser.add_argument("--plot", type=Path, metavar="FILE", help="write a PNG of the distributions beside the raw anchors")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--no-integrity", action="store_true",
+                        help="nodes that take no digests (the goals' condition; bench/integrity.py prices them)")
     args = parser.parse_args()
-    flags = node_flags()
+    flags = [*node_flags(), *(["--no-integrity"] if args.no_integrity else [])]
     progress = Progress("remote", 5, enabled=not args.quiet)
     with process_group("rbench") as (run, procs):
         progress.step("start nodes A, B and a deferred-submission B, and the raw NIXL writer")

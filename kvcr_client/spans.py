@@ -205,6 +205,10 @@ engine passes the same plan for every request of a model."""
 _plans: dict[tuple[tuple[tuple[str, ...], ...], tuple[str, ...]], tuple[int, ...]] = {}
 
 
+_by_spans: dict[int, tuple[tuple[Any, ...], tuple[tuple[str, ...], ...], tuple[int, ...]]] = {}
+"""Spans tuple id -> (the tuple, the plan's hashable form, its group numbers): the plan
+applied to the spans last seen with it."""
+
 _last: tuple[Any, Any, tuple[tuple[str, ...], ...] | None] = (None, None, None)
 """The plan seen last: the object, a copy of it (it may have changed since), its hashable form."""
 
@@ -239,6 +243,12 @@ def plan_groups(items: Sequence[DeliverItem], plan: Any) -> list[tuple[int, ...]
     if frozen is not None:
         out = []
         for item in items:
+            # A prepared Destination hands every deliver the same spans tuple: its numbers
+            # under this plan are one identity lookup away.
+            seen = _by_spans.get(id(item.spans))
+            if seen is not None and seen[0] is item.spans and seen[1] is frozen:
+                out.append(seen[2])
+                continue
             names = tuple([span[0] for span in item.spans])
             numbers = _plans.get((frozen, names))
             if numbers is None:
@@ -246,6 +256,9 @@ def plan_groups(items: Sequence[DeliverItem], plan: Any) -> list[tuple[int, ...]
                 if len(_plans) >= PLAN_CACHE_SIZE:
                     _plans.clear()
                 _plans[frozen, names] = numbers
+            if len(_by_spans) >= PLAN_CACHE_SIZE:
+                _by_spans.clear()
+            _by_spans[id(item.spans)] = (item.spans, frozen, numbers)  # keeps the spans alive: the id stays theirs
             out.append(numbers)
         return out
     return _plan_groups(items, plan)

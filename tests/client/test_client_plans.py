@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -245,3 +246,30 @@ async def test_async_groups_are_awaitable(node_factory: Callable[..., Any]) -> N
             reg.close()
         finally:
             src_client.close()
+
+
+def test_waiting_on_a_delivered_group_returns_at_once_and_on_any_other_waits() -> None:
+    """``DeliverHandle.wait`` on a group its ledger says delivered returns without driving
+    the client (the caller's first layer costs no waiter); a pending or failed group, or a
+    group the plan does not have, goes the usual way."""
+    driven: list[float | None] = []
+
+    def waiter(future: Future[Any], timeout: float | None) -> None:
+        driven.append(timeout)
+        raise TimeoutError
+
+    handle = DeliverHandle(1, Future(), [b"a", b"b"], [3, 2], 0, None, waiter)
+    ledger = handle.progress.ledger
+    ledger.land(0, 0)
+    with pytest.raises(TimeoutError):
+        handle.wait(0, 0.5)  # key b has not delivered group 0 yet
+    ledger.land(1, 0)
+    handle.wait(0, 0.5)
+    handle.wait(0, 0.5, key=b"a")
+    assert driven == [0.5]
+    ledger.fail(0, 7)
+    with pytest.raises(GroupFailed):
+        handle.wait(1, 0.5)
+    with pytest.raises(IndexError):
+        handle.wait(2, 0.5, key=b"b")
+    assert driven == [0.5]

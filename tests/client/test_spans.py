@@ -13,8 +13,8 @@ import pytest
 
 from kvcr_client.errors import ArgumentError
 from kvcr_client.regions import describe_region
-from kvcr_client.spans import _WIRE_COLUMNS_FROM, Span, wire_spans
-from kvcr_protocol import PoolInfo
+from kvcr_client.spans import _WIRE_COLUMNS_FROM, Span, plan_groups, wire_spans
+from kvcr_protocol import DeliverItem, DstSpan, PoolInfo
 
 SLOT = 4096
 N = 2 * _WIRE_COLUMNS_FROM
@@ -90,3 +90,25 @@ def test_a_region_that_is_not_registered_is_refused_among_many(world: Any) -> No
         wire_spans(spans(stranger), "s", regions, pools)
     assert info.value.field.startswith("s[0]"), info.value.field
     del a
+
+
+def _item(key: bytes, names: list[str]) -> DeliverItem:
+    return DeliverItem(key, tuple(DstSpan(name, 1, i * 8, 8) for i, name in enumerate(names)))
+
+
+def test_a_plan_reapplied_to_the_same_spans_gives_its_numbers_and_a_changed_plan_its_own() -> None:
+    """``plan_groups`` keeps the numbers of the spans tuple it saw last with a plan (what a
+    prepared Destination hands every deliver): the same tuple under the same plan gets
+    them; the plan edited in place, another plan, or other spans are worked out anew."""
+    item = _item(b"k", ["L0", "L1", "L2", "L3"])
+    plan = [["L0"], ["L1"], ["L2"], ["L3"]]
+    assert plan_groups([item], plan) == [(0, 1, 2, 3)]
+    assert plan_groups([item], plan) == [(0, 1, 2, 3)]
+    plan[1:] = [["L1", "L2", "L3"]]  # the same list, edited
+    assert plan_groups([item], plan) == [(0, 1, 1, 1)]
+    assert plan_groups([item], [["L3", "L2"], ["L1", "L0"]]) == [(1, 1, 0, 0)]
+    other = _item(b"k", ["L3", "L2", "L1", "L0"])
+    assert plan_groups([other], plan) == [(1, 1, 1, 0)]
+    assert plan_groups([item, other], plan) == [(0, 1, 1, 1), (1, 1, 1, 0)]
+    with pytest.raises(ArgumentError):
+        plan_groups([_item(b"k", ["L0", "L9"])], plan)
