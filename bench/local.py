@@ -606,6 +606,8 @@ def main() -> int:
                         help="write a PNG of latency distributions and throughput against span size (runs --sweep)")
     parser.add_argument("--sweep", action="store_true", help="measure deliver throughput against span size too")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--no-integrity", action="store_true",
+                        help="a node that takes no digests (the goals' condition; bench/integrity.py prices them)")
     args = parser.parse_args()
     if args.raw_writer:
         raw_writer(args.raw_writer)
@@ -622,7 +624,7 @@ def main() -> int:
         pools += [arg for span in SWEEP_SPANS for arg in ("--pool", f"{sweep_pool(span)}:{span}:{SWEEP_BYTES // span}")]
     with process_group("bench") as (run, procs):
         procs.append(node := spawn("-m", "kvcr_node.cli", "--endpoint", f"ipc://{run}/node.sock", *pools,
-                                   "--log-level", "WARNING"))
+                                   "--log-level", "WARNING", *(["--no-integrity"] if args.no_integrity else [])))
         procs.append(spawn(__file__, "--raw-writer", f"ipc://{run}/raw.sock"))
         peer = Peer(f"ipc://{run}/raw.sock")
         try:
