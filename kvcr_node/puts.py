@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
+from kvcr_node.eviction import Layout
 from kvcr_node.operations import Operations
 from kvcr_node.ops.deposit import Deposits, Fills
 from kvcr_node.outbox import Outbox
@@ -53,6 +54,9 @@ is looked at again this often (that session's end lets the agent go)."""
 
 _LITTLE = sys.byteorder == "little"
 """Slots are stored as native u32 and travel little-endian: on such hosts, as they are."""
+
+GRANT_LAYOUTS_KEPT = 256
+"""Layouts whose grant columns are kept (``Puts._grant_layout``): a model has a few."""
 
 
 class PutState(enum.Enum):
@@ -108,6 +112,8 @@ class Puts:
         self.outbox = outbox
         self.clock = clock
         self.pool_index = pool_index
+        self._grant_layouts: dict[int, tuple[Layout, str, bytes]] = {}
+        """Layout id -> (the layout, its names joined, its pools' indices): ``_grant_layout``."""
         self.grant_node = grant_node
         self.table: dict[int, PutRecord] = {}
         self.total: collections.Counter[str] = collections.Counter()
@@ -186,19 +192,28 @@ class Puts:
         """The slots of the reserved entries as a ``LeaseGrant`` (spec sections 6.12 and 6.13):
         one row per key of the put; each entry's slots are already a u32 column."""
         table: dict[str, int] = {}
-        pools: dict[str, bytes] = {}
         layout = [0] * n
         pool, slot = bytearray(), bytearray()
         for i, entry in reserved:
-            spans = entry.info.layout
-            names = "\0".join(name for name, _ in spans)
+            names, column = self._grant_layout(entry.info.layout)
             layout[i] = table.setdefault(names, len(table) + 1)
-            column = pools.get(names)
-            if column is None:
-                column = pools[names] = bytes(self.pool_index[p] for _, p in spans)
             pool += column
             slot += entry.slot_view.cast("B") if _LITTLE else pack(entry.slot_view.tolist(), U32)
         return LeaseGrant(pack(layout, U32), tuple(table), bytes(pool), bytes(slot), node)
+
+    def _grant_layout(self, spans: Layout) -> tuple[str, bytes]:
+        """A layout as a grant names it: its span names joined, and its pools' indices. Kept
+        by the layout's identity (an entry's layout is the store's shared tuple), the tuple
+        held with them so that its id stays its own."""
+        kept = self._grant_layouts.get(id(spans))
+        if kept is not None and kept[0] is spans:
+            return kept[1], kept[2]
+        names = "\0".join(name for name, _ in spans)
+        column = bytes(self.pool_index[p] for _, p in spans)
+        if len(self._grant_layouts) >= GRANT_LAYOUTS_KEPT:
+            self._grant_layouts.clear()
+        self._grant_layouts[id(spans)] = (spans, names, column)
+        return names, column
 
     def on_commit(self, session: Session, msg: Commit) -> None:
         record = self._held(session, msg.id, msg.put)
@@ -243,8 +258,9 @@ class Puts:
         for item in msg.items:
             asked.update(span.pool for span in item.spans)
         for block in msg.columns:
-            for pool in block.pool_names():
-                asked[pool] += len(block.keys)
+            rows = len(block.keys)
+            for pool, count in collections.Counter(block.pool_names()).items():
+                asked[pool] += count * rows
         held = self.by_agent.get(session.agent, collections.Counter())
         fraction = max(self.config.put_session_fraction, 1 / max(1, self.session_count()))
         pools = self.store.pools

@@ -9,7 +9,8 @@ start (spec section 9: DUPLICATE means stored).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 
@@ -50,6 +51,8 @@ class Deposits:
         self.store = store
         self.memories = memories
         self.operations = operations
+        self._layouts: dict[tuple[str, str, bytes | int], _Layout] = {}
+        """Layouts checked against the pools (which never change in a node's life)."""
 
     def on_deposit(self, session: Session, msg: Deposit) -> None:
         blocks, where, keys = self.column_blocks(msg)
@@ -84,7 +87,8 @@ class Deposits:
     def column_blocks(self, msg: Deposit | Put) -> tuple[list[_ColumnBlock], list[tuple[int, int]], list[bytes]]:
         """A deposit's (or put's) column blocks, each checked once, where each key is in
         them, and every key in item order."""
-        blocks = [_ColumnBlock(block, f"columns[{b}]", self.memories) for b, block in enumerate(msg.columns)]
+        blocks = [_ColumnBlock(block, f"columns[{b}]", self.memories, self._layouts)
+                  for b, block in enumerate(msg.columns)]
         where = [(b, r) for b, block in enumerate(msg.columns) for r in range(len(block.keys))]
         keys = [item.key for item in msg.items] if not blocks else [k for block in msg.columns for k in block.keys]
         return blocks, where, keys
@@ -255,34 +259,77 @@ class Deposits:
         self.operations.settle(op)
 
 
+LAYOUTS_KEPT = 256
+"""Distinct layouts (names, pools, lengths) whose check ``Deposits`` keeps: an engine sends
+the same few for every block of a model."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """A layout that fits the node's pools: its (name, pool) pairs and each span's slot size."""
+
+    layout: tuple[tuple[str, str], ...]
+    pools: tuple[str, ...]
+    sizes: list[int]
+
+
 class _ColumnBlock:
     """One ``DepositColumns`` block, checked once for all its keys (spec section 6.7)."""
 
-    def __init__(self, block: DepositColumns, path: str, memories: dict[str, PoolMemory]) -> None:
+    def __init__(self, block: DepositColumns, path: str, memories: dict[str, PoolMemory],
+                 layouts: dict[tuple[str, str, bytes | int], _Layout]) -> None:
         self.block = block
         self.path = path
-        names, pools = block.span_names(), block.pool_names()
-        self.layout = tuple(zip(names, pools, strict=True))
-        self.pools = pools
-        self.lengths = block.length_column()
-        self.sizes: list[int] = []
         self.failure: ProtocolError | None = None
-        for j, pool in enumerate(pools):
-            mem = memories.get(pool)
-            if mem is None:
-                self.failure = ProtocolError(ErrorCode.UNKNOWN_POOL, f"pool {pool!r} does not exist", f"{path}.pools[{j}]")
-                break
-            if self.lengths[j] != mem.spec.slot_size:
-                where = "" if isinstance(block.lengths, int) else f"[{j}]"
-                self.failure = ProtocolError(
-                    ErrorCode.SIZE_MISMATCH, f"span {j} of {self.lengths[j]} bytes, pool {pool!r} slots hold {mem.spec.slot_size}",
-                    f"{path}.lengths{where}",
-                )
-                break
-            self.sizes.append(mem.spec.slot_size)
+        self.sizes: list[int] = []
+        known = layouts.get((block.names, block.pools, block.lengths))
+        if known is None:
+            known = self._fit_pools(block, path, memories)
+            if known is not None:
+                if len(layouts) >= LAYOUTS_KEPT:
+                    layouts.clear()
+                layouts[block.names, block.pools, block.lengths] = known
+        if known is not None:
+            self.layout, self.pools, self.sizes = known.layout, known.pools, known.sizes
         self._uniform: tuple[Region, np.ndarray] | None = None
         self._extents: ColumnExtents | None = None
         self._resolved = False
+
+    def _fit_pools(self, block: DepositColumns, path: str, memories: dict[str, PoolMemory]) -> _Layout | None:
+        """The layout, where each span's pool exists and its length is that pool's slot size;
+        else None, with ``failure`` naming the first span that does not fit."""
+        names, pools = block.span_names(), block.pool_names()
+        self.layout = tuple(zip(names, pools, strict=True))
+        self.pools = pools
+        # Each distinct pool looked up once, the lengths compared in one C-level pass; the
+        # span to name is looked for only when something is wrong.
+        slot_sizes = {pool: None if (mem := memories.get(pool)) is None else mem.spec.slot_size
+                      for pool in dict.fromkeys(pools)}
+        if len(slot_sizes) == 1:
+            sizes: list[int | None] = list(slot_sizes.values()) * len(pools)
+        else:
+            sizes = [slot_sizes[pool] for pool in pools]
+        if sizes == block.length_column().tolist():
+            return _Layout(self.layout, pools, cast(list[int], sizes))
+        self.failure = self._misfit(block, path, pools, slot_sizes)
+        return None
+
+    def _misfit(
+        self, block: DepositColumns, path: str, pools: Sequence[str], slot_sizes: dict[str, int | None],
+    ) -> ProtocolError:
+        """The first span whose pool does not exist or whose length is not its pool's slot size."""
+        for j, pool in enumerate(pools):
+            size = slot_sizes[pool]
+            if size is None:
+                return ProtocolError(ErrorCode.UNKNOWN_POOL, f"pool {pool!r} does not exist", f"{path}.pools[{j}]")
+            length = block.length_column()[j]
+            if length != size:
+                where = "" if isinstance(block.lengths, int) else f"[{j}]"
+                return ProtocolError(
+                    ErrorCode.SIZE_MISMATCH, f"span {j} of {length} bytes, pool {pool!r} slots hold {size}",
+                    f"{path}.lengths{where}",
+                )
+        raise AssertionError("every span fits its pool")
 
     def _resolve(self, regions: dict[int, Region]) -> None:
         if self._resolved:
