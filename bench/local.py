@@ -250,7 +250,7 @@ def bench_grants(
     followed by the raw consumer READs of the same descriptors; the kvcr times per form."""
     progress.step(f"deliver {OBJECT >> 20} MiB under a read grant against raw NIXL READ, {reps} times")
     lease = client.lease([b"obj"]).result(30)
-    if len(client._grants) != 1:
+    if client.tables()["granted_keys"] != 1:
         raise AssertionError("the node granted no read of the leased object (client_transfers off?)")
     reads = client.counters()["grant_reads"]
     for how, dest in dests.items():
@@ -476,7 +476,7 @@ def idle_client(endpoint: str, grants: int) -> None:
                 key = f"idle{i}".encode()
                 assert client.deposit({key: [Span("L0", region, 0, SPAN, "kv")]}).result(30).all_ok
                 leases.append(client.lease([key], ttl_ms=IDLE_LEASE_TTL_MS).result(30))
-            if len(client._grants) != grants or client.stats().result(5)["leases"]["with_grants"] != grants:
+            if client.tables()["granted_keys"] != grants or client.stats().result(5)["leases"]["with_grants"] != grants:
                 raise AssertionError("the node granted fewer reads than leases were taken")
             time.sleep(GRANT_BURST_S + IDLE_SETTLE_S)  # the fast pace after the last grant is over
         print("ready", flush=True)

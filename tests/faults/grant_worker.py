@@ -68,7 +68,7 @@ class GrantClient:
             return {"error": getattr(exc.code, "name", str(exc.code))}
         self.leases.append(lease)
         return {"id": lease.id, "statuses": {k: lease.status(k.encode()).name for k in keys},
-                "granted_keys": len(self.client._grants)}
+                "granted_keys": self.client.tables()["granted_keys"]}
 
     def deliver(self, key: str, spans: int, seed: int, plan: bool, deadline_ms: int) -> dict[str, Any]:
         dst, region = self.buffer(spans)

@@ -228,7 +228,7 @@ def test_granted_lease_churn_leaves_nothing_behind(node_factory: Callable[..., A
         # The client keeps nothing per cycle: leases, grant rows, read jobs, handles all go.
         assert heap_grown <= HEAP_SLACK, ("granted cycles", "Python heap bytes", heap_grown)
         assert client.counters()["grant_reads"] == reads + CYCLES, "a deliver went to the node"
-        assert len(client._grants) <= 2 * PRUNE_SLACK and client.tables()["leases"] == 0
+        assert client.tables()["granted_keys"] <= 2 * PRUNE_SLACK and client.tables()["leases"] == 0
         assert at_rest(stats(client)), node_tables(stats(client))
 
         # Sessions that take a grant, read under it, and close (half without releasing).
@@ -238,7 +238,7 @@ def test_granted_lease_churn_leaves_nothing_behind(node_factory: Callable[..., A
                 mid = fd_count(pid)
             with Client(node.endpoint, name=f"leaver{n}") as leaver:
                 lease = leaver.lease([keys[n % KEYS], keys[(n + 1) % KEYS]]).result(RESULT_TIMEOUT_S)
-                assert lease.held and len(leaver._grants) == 2
+                assert lease.held and leaver.tables()["granted_keys"] == 2
                 if n % 2:
                     lease.release().result(RESULT_TIMEOUT_S)
         assert wait_until(lambda: at_rest(stats(client)), 10), node_tables(stats(client))
@@ -273,7 +273,7 @@ def test_a_clients_node_agent_goes_when_a_later_session_loads_another() -> None:
                 assert loaded(first)
                 # The same node again: its agent stays loaded (its connection kept) and is reused.
                 client.reconnect()
-                assert client._grants.node is None and len(client._grants) == 0
+                assert client._grants.node is None and client.tables()["granted_keys"] == 0
                 client.lease([b"k"]).result(RESULT_TIMEOUT_S)
                 assert client._grants.node.name == first and loaded(first) and client._grants.stale == 0
                 # A new node on the same endpoint: the next grant loads its agent, the old one goes.

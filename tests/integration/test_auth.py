@@ -204,7 +204,7 @@ def test_only_allowed_clients_get_read_grants(node_factory: Callable[..., Any], 
         st = stats(client)
         posted = st["transfers"]["posted"]
         granted = 1 if transfers == "on" else 0
-        assert len(client._grants) == granted and st["leases"]["with_grants"] == granted, st["leases"]
+        assert client.tables()["granted_keys"] == granted and st["leases"]["with_grants"] == granted, st["leases"]
         dst = pattern(LAYOUT.nbytes, 12)
         dregion = reg(dst)
         spans = [Span(n, dregion, o, s) for (n, _, s), o in zip(LAYOUT.spans, LAYOUT.offsets, strict=True)]
