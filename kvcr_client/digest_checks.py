@@ -28,6 +28,7 @@ import numpy as np
 from kvcr_client.readplans import by_group
 from kvcr_client.regions import RegionHandle
 from kvcr_io.digests import UNCHECKED, digest_at, host_view, span_digest
+from kvcr_io.runs import distinct
 from kvcr_protocol import DeliverItem, MemoryKind
 
 PART_BYTES = 4 << 20
@@ -116,7 +117,7 @@ def span_checks(
         g = np.zeros(len(spans), np.int64) if numbers is None else np.asarray(numbers, np.int64)
         wanted = digests != UNCHECKED
         checked = 0
-        for r in np.unique(region_ids).tolist():
+        for r in distinct(region_ids):
             region = regions[r]
             mine = np.flatnonzero(wanted & (region_ids == r))
             if region.kind is not MemoryKind.DRAM or not len(mine):

@@ -37,7 +37,7 @@ from kvcr_client.requests import CONTROL_TIMEOUT_S
 from kvcr_client.results import Completing, KeyOutcome, Results, StoreHandle, store_handle
 from kvcr_client.session_scope import NodePool, SessionScope
 from kvcr_client.spans import Span
-from kvcr_io.runs import cut, cut_rows
+from kvcr_io.runs import cut, cut_rows, distinct
 from kvcr_protocol import (
     DEFAULT_LIMITS,
     GRANTS_VERSION,
@@ -247,7 +247,7 @@ def _column_runs(
             continue
         if not isinstance(block.regions, int) or not isinstance(block.lengths, int) or length not in (0, block.lengths):
             return None
-        if any(grant.layouts[int(i) - 1] != block.names for i in np.unique(layout[key - rows:key][reserved])):
+        if any(grant.layouts[int(i) - 1] != block.names for i in distinct(layout[key - rows:key][reserved])):
             return None
         p = granted_pools[at:at + m * n]
         if not len(p) or int(p.min()) != int(p.max()) or int(p[0]) >= len(pools):

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvcr_client.regions import RegionHandle
 from kvcr_io.agent import Desc
-from kvcr_io.runs import cut, cut_rows
+from kvcr_io.runs import cut, cut_rows, distinct
 from kvcr_protocol import DeliverItem, ErrorCode, MemoryKind, ProtocolError, compute_projection
 
 VECTOR_SPANS = 64
@@ -199,7 +199,7 @@ def _plan_arrays(
     first = regions[int(region_ids[0])]
     same_region = bool((region_ids == region_ids[0]).all())
     if not same_region:
-        handles = {int(r): regions[int(r)] for r in np.unique(region_ids)}
+        handles = {r: regions[r] for r in distinct(region_ids)}
         if len({(h.kind, h.device) for h in handles.values()}) != 1:
             return False
         bases = np.zeros(int(region_ids.max()) + 1, dtype=np.uint64)
@@ -241,7 +241,7 @@ def by_group(groups: np.ndarray) -> list[tuple[int, Any]]:
     if bool((groups[1:] >= groups[:-1]).all()):
         bounds = np.flatnonzero(np.concatenate(([True], groups[1:] != groups[:-1], [True]))).tolist()
         return [(int(groups[a]), slice(a, b)) for a, b in itertools.pairwise(bounds)]
-    return [(group, groups == group) for group in np.unique(groups).tolist()]
+    return [(group, groups == group) for group in distinct(groups)]
 
 
 def _rows(descs: Descs) -> np.ndarray:

@@ -66,3 +66,10 @@ def cut_rows(rows: Iterable[tuple[K, int, int, int]]) -> list[tuple[K, int, int,
     if count > 0:
         runs.append((group, l0, r0, size, count))  # type: ignore[arg-type]
     return runs
+
+
+def distinct(values: np.ndarray) -> list[int]:
+    """The distinct values of an integer column, ascending, as ints. ``np.unique`` answers
+    the same, but its first call in a process imports ``numpy.ma`` (35 ms here, holding the
+    GIL): a client's first put or deliver would stall an engine's event loop that long."""
+    return sorted(set(values.tolist()))
