@@ -205,6 +205,10 @@ engine passes the same plan for every request of a model."""
 _plans: dict[tuple[tuple[tuple[str, ...], ...], tuple[str, ...]], tuple[int, ...]] = {}
 
 
+SPANS_KEPT = 16
+"""Spans tuples whose group numbers are kept by identity (``_by_spans``): the prepared
+destinations an engine reuses. Few, since each keeps its tuple alive, and a deliver of a
+list of spans brings a new tuple every time."""
 _by_spans: dict[int, tuple[tuple[Any, ...], tuple[tuple[str, ...], ...], tuple[int, ...]]] = {}
 """Spans tuple id -> (the tuple, the plan's hashable form, its group numbers): the plan
 applied to the spans last seen with it."""
@@ -256,7 +260,7 @@ def plan_groups(items: Sequence[DeliverItem], plan: Any) -> list[tuple[int, ...]
                 if len(_plans) >= PLAN_CACHE_SIZE:
                     _plans.clear()
                 _plans[frozen, names] = numbers
-            if len(_by_spans) >= PLAN_CACHE_SIZE:
+            if len(_by_spans) >= SPANS_KEPT:
                 _by_spans.clear()
             _by_spans[id(item.spans)] = (item.spans, frozen, numbers)  # keeps the spans alive: the id stays theirs
             out.append(numbers)
