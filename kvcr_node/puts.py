@@ -24,7 +24,7 @@ from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
 from kvcr_node.eviction import Layout
 from kvcr_node.operations import Operations
-from kvcr_node.ops.deposit import Deposits, Fills
+from kvcr_node.ops.deposit import LAYOUT_KEPT_SPANS, Deposits, Fills
 from kvcr_node.outbox import Outbox
 from kvcr_node.records import ItemResults, OpKind, Session
 from kvcr_node.store import ObjectState, Store
@@ -55,8 +55,9 @@ is looked at again this often (that session's end lets the agent go)."""
 _LITTLE = sys.byteorder == "little"
 """Slots are stored as native u32 and travel little-endian: on such hosts, as they are."""
 
-GRANT_LAYOUTS_KEPT = 256
-"""Layouts whose grant columns are kept (``Puts._grant_layout``): a model has a few."""
+GRANT_LAYOUTS_KEPT = 16
+"""Layouts whose grant columns are kept (``Puts._grant_layout``): a model has a few, and
+each keeps its layout alive after the objects that had it are gone."""
 
 
 class PutState(enum.Enum):
@@ -210,9 +211,10 @@ class Puts:
             return kept[1], kept[2]
         names = "\0".join(name for name, _ in spans)
         column = bytes(self.pool_index[p] for _, p in spans)
-        if len(self._grant_layouts) >= GRANT_LAYOUTS_KEPT:
-            self._grant_layouts.clear()
-        self._grant_layouts[id(spans)] = (spans, names, column)
+        if len(spans) <= LAYOUT_KEPT_SPANS:
+            if len(self._grant_layouts) >= GRANT_LAYOUTS_KEPT:
+                self._grant_layouts.clear()
+            self._grant_layouts[id(spans)] = (spans, names, column)
         return names, column
 
     def on_commit(self, session: Session, msg: Commit) -> None:

@@ -259,9 +259,12 @@ class Deposits:
         self.operations.settle(op)
 
 
-LAYOUTS_KEPT = 256
+LAYOUTS_KEPT = 16
 """Distinct layouts (names, pools, lengths) whose check ``Deposits`` keeps: an engine sends
 the same few for every block of a model."""
+LAYOUT_KEPT_SPANS = 4096
+"""The most spans of a layout kept: 16 of them hold a few MiB at most, whatever layouts a
+client sends; a larger one is checked each time it comes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +288,7 @@ class _ColumnBlock:
         known = layouts.get((block.names, block.pools, block.lengths))
         if known is None:
             known = self._fit_pools(block, path, memories)
-            if known is not None:
+            if known is not None and len(known.pools) <= LAYOUT_KEPT_SPANS:
                 if len(layouts) >= LAYOUTS_KEPT:
                     layouts.clear()
                 layouts[block.names, block.pools, block.lengths] = known

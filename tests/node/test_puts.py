@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvcr_node.config import NodeConfig
+from kvcr_node.ops.deposit import LAYOUT_KEPT_SPANS, LAYOUTS_KEPT, _ColumnBlock
 from kvcr_node.poolspec import PoolSpec
 from kvcr_protocol import (
     CURRENT_VERSION,
@@ -34,6 +35,7 @@ from kvcr_protocol import (
     SrcSpan,
     Unput,
 )
+from kvcr_protocol.columns import deposit_blocks
 from kvcr_testing.nodes import ClientAgent, NodeDriver, node_driver
 
 SLOT = 4096
@@ -298,3 +300,35 @@ def test_reconnect_churn_with_open_puts_keeps_slots_and_tables_bounded(ipc_dir: 
         assert st["counters"]["sessions_resumed"] == 1000 and st["puts"]["freed_on_resume"] == 2000
         assert st["tables"] == base and st["tables"]["sessions"] == 1 and st["invariants"] == []
         assert d.node.puts.by_agent == {} and len(d.node.sessions.table) == 1
+
+
+class _Pool:
+    def __init__(self, slot_size: int) -> None:
+        self.spec = type("Spec", (), {"slot_size": slot_size})()
+
+
+def test_layouts_checked_once_are_kept_within_a_bound_and_a_misfit_is_named() -> None:
+    """A column block's layout is checked against the pools once and kept for the next
+    block like it; however many layouts a client sends, at most ``LAYOUTS_KEPT`` are kept,
+    none over ``LAYOUT_KEPT_SPANS`` spans, and a layout that does not fit is named by its
+    first bad span every time, never kept."""
+    memories: Any = {"kv": _Pool(64)}
+    kept: dict[Any, Any] = {}
+    for n in range(3 * LAYOUTS_KEPT):
+        items = (DepositItem(b"k", tuple(SrcSpan(f"L{n}.{j}", "kv", 1, 64 * j, 64) for j in range(4))),)
+        block = _ColumnBlock(deposit_blocks(items)[0], "columns[0]", memories, kept)
+        assert block.failure is None and block.sizes == [64] * 4
+        assert 1 <= len(kept) <= LAYOUTS_KEPT
+    again = _ColumnBlock(deposit_blocks(items)[0], "columns[0]", memories, kept)
+    assert again.layout is block.layout  # the kept check, not a new one
+    kept.clear()
+    big = (DepositItem(b"k", tuple(SrcSpan(f"L{j}", "kv", 1, 64 * j, 64) for j in range(LAYOUT_KEPT_SPANS + 1))),)
+    assert _ColumnBlock(deposit_blocks(big)[0], "columns[0]", memories, kept).failure is None and not kept
+    for spans, code, path in (
+        ((SrcSpan("a", "kv", 1, 0, 64), SrcSpan("b", "nope", 1, 64, 64)), ErrorCode.UNKNOWN_POOL, "columns[0].pools[1]"),
+        ((SrcSpan("a", "kv", 1, 0, 64), SrcSpan("b", "kv", 1, 64, 32)), ErrorCode.SIZE_MISMATCH, "columns[0].lengths[1]"),
+    ):
+        for _ in range(2):
+            block = _ColumnBlock(deposit_blocks((DepositItem(b"k", spans),))[0], "columns[0]", memories, kept)
+            assert block.failure is not None and (block.failure.code, block.failure.path) == (code, path)
+            assert not kept
