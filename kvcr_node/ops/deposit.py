@@ -276,6 +276,31 @@ class _Layout:
     sizes: list[int]
 
 
+def _fit_pools(block: DepositColumns, path: str, memories: dict[str, PoolMemory]) -> _Layout | ProtocolError:
+    """The block's layout, where each span's pool exists and its length is that pool's slot
+    size; else the error naming the first span that does not fit. Each distinct pool is looked
+    up once and the lengths compared in one C-level pass; the span to name is looked for
+    only when something is wrong."""
+    names, pools = block.span_names(), block.pool_names()
+    slot_sizes = {pool: None if (mem := memories.get(pool)) is None else mem.spec.slot_size
+                  for pool in dict.fromkeys(pools)}
+    if len(slot_sizes) == 1:
+        sizes: list[int | None] = list(slot_sizes.values()) * len(pools)
+    else:
+        sizes = [slot_sizes[pool] for pool in pools]
+    lengths = block.length_column().tolist()
+    if sizes == lengths:
+        return _Layout(tuple(zip(names, pools, strict=True)), pools, cast(list[int], sizes))
+    for j, (pool, size, length) in enumerate(zip(pools, sizes, lengths, strict=True)):
+        if size is None:
+            return ProtocolError(ErrorCode.UNKNOWN_POOL, f"pool {pool!r} does not exist", f"{path}.pools[{j}]")
+        if length != size:
+            where = "" if isinstance(block.lengths, int) else f"[{j}]"
+            return ProtocolError(ErrorCode.SIZE_MISMATCH, f"span {j} of {length} bytes, pool {pool!r} slots hold {size}",
+                                 f"{path}.lengths{where}")
+    raise AssertionError("every span fits its pool")
+
+
 class _ColumnBlock:
     """One ``DepositColumns`` block, checked once for all its keys (spec section 6.7)."""
 
@@ -284,55 +309,26 @@ class _ColumnBlock:
         self.block = block
         self.path = path
         self.failure: ProtocolError | None = None
+        self.layout: tuple[tuple[str, str], ...] = ()
+        self.pools: tuple[str, ...] = ()
         self.sizes: list[int] = []
-        known = layouts.get((block.names, block.pools, block.lengths))
+        key = (block.names, block.pools, block.lengths)
+        known = layouts.get(key)
         if known is None:
-            known = self._fit_pools(block, path, memories)
-            if known is not None and len(known.pools) <= LAYOUT_KEPT_SPANS:
-                if len(layouts) >= LAYOUTS_KEPT:
-                    layouts.clear()
-                layouts[block.names, block.pools, block.lengths] = known
+            fit = _fit_pools(block, path, memories)
+            if isinstance(fit, ProtocolError):
+                self.failure = fit
+            else:
+                known = fit
+                if len(known.pools) <= LAYOUT_KEPT_SPANS:
+                    if len(layouts) >= LAYOUTS_KEPT:
+                        layouts.clear()
+                    layouts[key] = known
         if known is not None:
             self.layout, self.pools, self.sizes = known.layout, known.pools, known.sizes
         self._uniform: tuple[Region, np.ndarray] | None = None
         self._extents: ColumnExtents | None = None
         self._resolved = False
-
-    def _fit_pools(self, block: DepositColumns, path: str, memories: dict[str, PoolMemory]) -> _Layout | None:
-        """The layout, where each span's pool exists and its length is that pool's slot size;
-        else None, with ``failure`` naming the first span that does not fit."""
-        names, pools = block.span_names(), block.pool_names()
-        self.layout = tuple(zip(names, pools, strict=True))
-        self.pools = pools
-        # Each distinct pool looked up once, the lengths compared in one C-level pass; the
-        # span to name is looked for only when something is wrong.
-        slot_sizes = {pool: None if (mem := memories.get(pool)) is None else mem.spec.slot_size
-                      for pool in dict.fromkeys(pools)}
-        if len(slot_sizes) == 1:
-            sizes: list[int | None] = list(slot_sizes.values()) * len(pools)
-        else:
-            sizes = [slot_sizes[pool] for pool in pools]
-        if sizes == block.length_column().tolist():
-            return _Layout(self.layout, pools, cast(list[int], sizes))
-        self.failure = self._misfit(block, path, pools, slot_sizes)
-        return None
-
-    def _misfit(
-        self, block: DepositColumns, path: str, pools: Sequence[str], slot_sizes: dict[str, int | None],
-    ) -> ProtocolError:
-        """The first span whose pool does not exist or whose length is not its pool's slot size."""
-        for j, pool in enumerate(pools):
-            size = slot_sizes[pool]
-            if size is None:
-                return ProtocolError(ErrorCode.UNKNOWN_POOL, f"pool {pool!r} does not exist", f"{path}.pools[{j}]")
-            length = block.length_column()[j]
-            if length != size:
-                where = "" if isinstance(block.lengths, int) else f"[{j}]"
-                return ProtocolError(
-                    ErrorCode.SIZE_MISMATCH, f"span {j} of {length} bytes, pool {pool!r} slots hold {size}",
-                    f"{path}.lengths{where}",
-                )
-        raise AssertionError("every span fits its pool")
 
     def _resolve(self, regions: dict[int, Region]) -> None:
         if self._resolved:
