@@ -40,7 +40,7 @@ _COMPACT_MIN = 64
 class LayoutInfo:
     """What the store and index derive once from a layout; shared by equal layouts."""
 
-    __slots__ = ("layout", "need", "signature", "users")
+    __slots__ = ("grant", "layout", "need", "signature", "users")
 
     layout: Layout
     signature: Signature
@@ -48,6 +48,9 @@ class LayoutInfo:
     """Slots per distinct pool, pools in order of first appearance."""
     users: int
     """Live objects with this layout (the store drops the info at zero)."""
+    grant: tuple[str, bytes] | None
+    """How a put's grant names the layout: span names joined, pools' indices (filled by
+    ``kvcr_node.puts`` the first time a put of this layout is granted)."""
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
@@ -57,6 +60,7 @@ class LayoutInfo:
             counts[pool] = counts.get(pool, 0) + 1
         self.need = tuple(counts.items())
         self.users = 0
+        self.grant = None
 
     def __repr__(self) -> str:
         return f"LayoutInfo(signature={self.signature!r}, need={dict(self.need)!r})"

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 from kvcr_node.agents import RemoteAgents
 from kvcr_node.config import NodeConfig
-from kvcr_node.eviction import Layout
+from kvcr_node.eviction import LayoutInfo
 from kvcr_node.operations import Operations
-from kvcr_node.ops.deposit import LAYOUT_KEPT_SPANS, Deposits, Fills
+from kvcr_node.ops.deposit import Deposits, Fills
 from kvcr_node.outbox import Outbox
 from kvcr_node.records import ItemResults, OpKind, Session
 from kvcr_node.store import ObjectState, Store
@@ -54,10 +54,6 @@ is looked at again this often (that session's end lets the agent go)."""
 
 _LITTLE = sys.byteorder == "little"
 """Slots are stored as native u32 and travel little-endian: on such hosts, as they are."""
-
-GRANT_LAYOUTS_KEPT = 16
-"""Layouts whose grant columns are kept (``Puts._grant_layout``): a model has a few, and
-each keeps its layout alive after the objects that had it are gone."""
 
 
 class PutState(enum.Enum):
@@ -113,8 +109,6 @@ class Puts:
         self.outbox = outbox
         self.clock = clock
         self.pool_index = pool_index
-        self._grant_layouts: dict[int, tuple[Layout, str, bytes]] = {}
-        """Layout id -> (the layout, its names joined, its pools' indices): ``_grant_layout``."""
         self.grant_node = grant_node
         self.table: dict[int, PutRecord] = {}
         self.total: collections.Counter[str] = collections.Counter()
@@ -196,26 +190,18 @@ class Puts:
         layout = [0] * n
         pool, slot = bytearray(), bytearray()
         for i, entry in reserved:
-            names, column = self._grant_layout(entry.info.layout)
+            names, column = self._grant_layout(entry.info)
             layout[i] = table.setdefault(names, len(table) + 1)
             pool += column
             slot += entry.slot_view.cast("B") if _LITTLE else pack(entry.slot_view.tolist(), U32)
         return LeaseGrant(pack(layout, U32), tuple(table), bytes(pool), bytes(slot), node)
 
-    def _grant_layout(self, spans: Layout) -> tuple[str, bytes]:
-        """A layout as a grant names it: its span names joined, and its pools' indices. Kept
-        by the layout's identity (an entry's layout is the store's shared tuple), the tuple
-        held with them so that its id stays its own."""
-        kept = self._grant_layouts.get(id(spans))
-        if kept is not None and kept[0] is spans:
-            return kept[1], kept[2]
-        names = "\0".join(name for name, _ in spans)
-        column = bytes(self.pool_index[p] for _, p in spans)
-        if len(spans) <= LAYOUT_KEPT_SPANS:
-            if len(self._grant_layouts) >= GRANT_LAYOUTS_KEPT:
-                self._grant_layouts.clear()
-            self._grant_layouts[id(spans)] = (spans, names, column)
-        return names, column
+    def _grant_layout(self, info: LayoutInfo) -> tuple[str, bytes]:
+        """A layout as a grant names it: its span names joined, and its pools' indices;
+        worked out once per layout, kept with it (``LayoutInfo.grant``)."""
+        if info.grant is None:
+            info.grant = ("\0".join(name for name, _ in info.layout), bytes(self.pool_index[p] for _, p in info.layout))
+        return info.grant
 
     def on_commit(self, session: Session, msg: Commit) -> None:
         record = self._held(session, msg.id, msg.put)
