@@ -311,8 +311,8 @@ class DeliverHandle(OpHandle[Results[KeyOutcome]]):
     def group(self, group: int, key: bytes | None = None) -> GroupFuture:
         """The completion of group ``group`` (of ``key``, or of every key that has it)."""
         item = self._item(key)
-        if not 0 <= group < (self.group_count if item is None else self.groups[item]):
-            raise IndexError(f"group {group}: the plan has {self.group_count if item is None else self.groups[item]}")
+        if not 0 <= group < self._group_count(item):
+            raise IndexError(f"group {group}: the plan has {self._group_count(item)}")
         future = self._futures.get((group, item))
         if future is None:
             future = Future()
@@ -324,8 +324,7 @@ class DeliverHandle(OpHandle[Results[KeyOutcome]]):
         """Block until group ``group`` is delivered (driving the client's socket and agent);
         ``GroupFailed`` when it will not be, ``TimeoutError`` when ``timeout`` passes first."""
         item = self._item(key)
-        if 0 <= group < (self.group_count if item is None else self.groups[item]) and \
-                self._state(group, item) is GroupState.DELIVERED:
+        if 0 <= group < self._group_count(item) and self._state(group, item) is GroupState.DELIVERED:
             # Read without the lock: a delivered group stays delivered, so what this sees
             # can only be late (then the future below waits), never wrong.
             return
@@ -369,6 +368,10 @@ class DeliverHandle(OpHandle[Results[KeyOutcome]]):
         if item is None:
             raise KeyError(key)
         return item
+
+    def _group_count(self, item: int | None) -> int:
+        """Groups of ``item`` (None: the most any key has)."""
+        return self.group_count if item is None else self.groups[item]
 
     def _state(self, group: int, item: int | None) -> GroupState:
         if item is not None:
