@@ -2,12 +2,16 @@
 
 ``PutJob`` takes the ``put_reply``, WRITEs every reserved span from the caller's memory into
 the slots it names (one transfer per pair of memory kinds), polls its own agent until each
-WRITE is terminal, and then sends ``commit`` (or, when a WRITE failed, ``unput``); keys
-another writer holds (``BUSY``) go by ``deposit``, which waits for that writer. Nothing
+WRITE is terminal, and then sends ``commit`` (or, when a WRITE failed, ``unput``). Nothing
 blocks: whoever takes the core's turns (a waiting caller, an event loop, the background
 thread, ``poll``) steps it with the I/O lock held, as it steps reads under grants. The
-handle's ``written`` resolves once no WRITE of it runs any more (the caller's memory is
-its own again); the handle itself with the commit's reply.
+handle's ``written`` resolves once nothing of it reads the caller's memory any more (it is
+the caller's again); the handle itself with the commit's reply.
+
+Keys another writer holds (``BUSY``) go by ``deposit``, and so does every reserved key when
+the reply's grant cannot be used (the reservation goes back with ``unput``): ``written``
+then waits for those deposits too, since the node reads the caller's memory for them only
+once the other writer is done.
 
 The deadline bounds the wait for the ``put_reply`` too: a stalled node costs a caller the
 deadline, not the control timeout; the keys fail ``TIMEOUT``, and a reservation that
@@ -97,7 +101,10 @@ class PutJob:
         self.peer = ""
         """The agent the WRITEs go to (the node's), once posted."""
         self.busy: dict[int, Future[Results[KeyOutcome]]] = {}
-        """Keys another writer holds, deposited: their results."""
+        """Keys the node moves after all (another writer holds them, or the grant could not be
+        used), deposited: their results."""
+        self.reading: list[Future[None]] = []
+        """Those deposits' ``written``: the node may read the caller's memory until each is done."""
 
     posting = False
     """Nothing to post in the next turn (``Reads``' question to its jobs)."""
@@ -143,26 +150,40 @@ class PutJob:
             return
         reply = asked.result()
         self.results = list(reply.results)
-        busy = [i for i, r in enumerate(self.results) if r.code == ErrorCode.BUSY]
-        if busy:  # another writer holds these keys: a deposit waits for it (spec section 9)
-            deposited, _ = self.steps.deposit(busy)
-            self.busy = dict.fromkeys(busy, deposited)
+        # Keys another writer holds go by a deposit, which waits for that writer (spec section 9).
+        self._deposit([i for i, r in enumerate(self.results) if r.code == ErrorCode.BUSY])
         self.put_id = reply.put
         if not reply.put:
             self._over(self.results, None)
             return
+        self._plan(reply)
+
+    def _plan(self, reply: PutReply) -> None:
+        """Post the WRITEs the reply's grant asks for."""
         planned = self.steps.runs(reply)
         if planned is None:
-            self.refused_post = True
-        else:
-            runs, peer = planned
-            self.peer = peer
-            every = list(range(len(self.keys)))
-            self.writes = PostedTransfers(self.agent, "WRITE", [
-                (0, local_kind, local, remote_kind, remote, every, peer)
-                for (local_kind, remote_kind), (local, remote) in runs.items()], 1)
-            self.refused_post = bool(self.writes.post_group())
+            # The grant cannot be used here (it does not fit the put, the session ended): the
+            # reservation goes back and the node moves those keys.
+            self.steps.send("unput", self.put_id)
+            self._deposit([i for i, r in enumerate(self.results) if r.status is KeyStatus.OK])
+            self._over(self.results, None)
+            return
+        runs, peer = planned
+        self.peer = peer
+        every = list(range(len(self.keys)))
+        self.writes = PostedTransfers(self.agent, "WRITE", [
+            (0, local_kind, local, remote_kind, remote, every, peer)
+            for (local_kind, remote_kind), (local, remote) in runs.items()], 1)
+        self.refused_post = bool(self.writes.post_group())
         self.phase = PutPhase.WRITING
+
+    def _deposit(self, indices: list[int]) -> None:
+        """Deposit the keys at ``indices`` instead: their results join the put's, and the
+        memory stays the node's until that deposit read it."""
+        if indices:
+            deposited, reading = self.steps.deposit(indices)
+            self.busy.update(dict.fromkeys(indices, deposited))
+            self.reading.append(reading)
 
     def _poll(self, now: float) -> None:
         writes = self.writes
@@ -195,7 +216,8 @@ class PutJob:
         """No WRITE runs any more: the memory is free; the handle resolves once the commit
         (which answers for the reserved keys) and the deposit of ``BUSY`` keys answered."""
         self._end(not let_go)
-        self.written.set_result(None)
+        _chain_all(self.reading, self.written)
+        self.reading = []
         pending = [f for f in (committed, *set(self.busy.values())) if f is not None]
         keys, busy, out = self.keys, dict(self.busy), self.result
         self.busy = {}
@@ -224,7 +246,8 @@ class PutJob:
         if self.phase is PutPhase.OVER:
             return
         self._end(self.writes is None or self.writes.drain())
-        self.written.set_result(None)
+        if not self.written.done():
+            self.written.set_result(None)
         if not self.result.done():
             self.result.set_exception(ClientClosed("the client is closed"))
 
@@ -244,3 +267,18 @@ def _chain(source: Future[Any], target: Future[Any]) -> None:
         else:
             target.set_result(done.result())
     source.add_done_callback(settle)
+
+
+def _chain_all(sources: Sequence[Future[None]], target: Future[None]) -> None:
+    """``target`` resolves once every one of ``sources`` is done (at once when there are none)."""
+    left = [len(sources)]
+
+    def one(_: Future[None] | None = None) -> None:
+        left[0] -= 1
+        if left[0] <= 0 and not target.done():
+            target.set_result(None)
+
+    if not sources:
+        one()
+    for source in sources:
+        source.add_done_callback(one)

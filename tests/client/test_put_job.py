@@ -65,6 +65,8 @@ class Client:
     deposits: list[tuple[list[int], Future[Results[KeyOutcome]], Future[None]]] = field(default_factory=list)
     settled: list[bool] = field(default_factory=list)
     gate: Callable[[str], Any] | None = None
+    fits: bool = True
+    """Whether the reply's grant can be used (else ``runs`` answers None)."""
 
     def steps(self) -> PutSteps:
         def send(what: str, put_id: int) -> Future[Any]:
@@ -80,7 +82,10 @@ class Client:
             self.deposits.append((indices, results, memory))
             return results, memory
 
-        return PutSteps(lambda r: (RUNS, "node"), send, deposit, lambda: self.log.append("refused"),
+        def runs(reply: PutReply) -> Any:
+            return (RUNS, "node") if self.fits else None
+
+        return PutSteps(runs, send, deposit, lambda: self.log.append("refused"),
                         lambda reply: self.log.append("late"), self.settled.append, self.gate)
 
 
@@ -163,11 +168,28 @@ def test_busy_keys_are_deposited_and_their_results_joined_with_the_commits() -> 
     assert client.log == ["deposit [1]"]
     agent.states[0] = XferStatus.DONE
     job.step(0.1)
+    assert not job.written.done(), "the deposit waits for the other writer: the node reads the memory later"
     client.sent["commit"].set_result((STORED, KeyResult(KeyStatus.FAILED, ErrorCode.BUSY)))
     assert not job.result.done(), "the deposit of the busy key has not answered"
+    client.deposits[0][2].set_result(None)
+    assert job.written.done()
     client.deposits[0][1].set_result(Results([(b"b", KeyOutcome(KeyStatus.DUPLICATE))]))
     out = job.result.result(0)
     assert out[b"a"].status is KeyStatus.STORED and out[b"b"].status is KeyStatus.DUPLICATE
+
+
+def test_a_grant_that_cannot_be_used_hands_the_reservation_back_and_deposits() -> None:
+    client, agent = Client(fits=False), Agent()
+    job, reply = make(client, agent)
+    reply.set_result(reserved(OK, KeyResult(KeyStatus.FAILED, ErrorCode.BUSY)))
+    assert job.step(0.0) and agent.states == [], "nothing is written"
+    assert client.log == ["deposit [1]", "unput 42", "deposit [0]"]
+    assert not job.written.done()
+    for indices, results, memory in client.deposits:
+        memory.set_result(None)
+        results.set_result(Results([(KEYS[i], KeyOutcome(KeyStatus.STORED)) for i in indices]))
+    assert job.written.done() and client.settled == [True]
+    assert all(o.status is KeyStatus.STORED for o in job.result.result(0).values())
 
 
 def test_the_gate_holds_the_commit_back_without_holding_the_turn() -> None:
@@ -196,3 +218,4 @@ def test_close_waits_for_a_running_write_then_fails_the_put(monkeypatch: pytest.
         job.result.result(0)
     job.close()
     assert client.settled == [False], "settled once"
+

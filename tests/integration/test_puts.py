@@ -209,6 +209,33 @@ def test_a_key_another_writer_holds_is_busy_for_a_put(client: Client, register: 
     assert np.array_equal(dst, src)
 
 
+def test_a_put_whose_key_another_writer_holds_keeps_the_memory_until_its_deposit_read_it(
+        client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
+    """A ``BUSY`` key goes by deposit, which waits for the other writer and only then reads the
+    caller's memory: ``written`` must wait for that read too, or a caller that reuses its
+    buffer at ``written`` has other bytes stored under ``STORED``."""
+    w, x = key("held"), key("free")
+    held = raw_put(client, register(pattern(SLOT, 20)), [w])
+    assert held.put
+    src = pattern(2 * SLOT, 21)
+    original = src.copy()
+    region = register(src)
+    handle = client.put({w: [Span("L0", region, 0, SLOT, "kv")], x: [Span("L0", region, SLOT, SLOT, "kv")]})
+    assert wait_until(lambda: client.query([x]).result(RESULT_TIMEOUT_S)[x].presence.value == "HIT", 10), \
+        "the free key was written and committed"
+    assert not handle.written.done(), "the held key's deposit has not read the memory yet"
+    ask(client, lambda i: Unput(i, held.put))  # the other writer gives up: the deposit reads now
+    handle.written.result(RESULT_TIMEOUT_S)
+    src[:] = pattern(2 * SLOT, 22)  # the caller reuses its buffer once told it may
+    res = handle.result(RESULT_TIMEOUT_S)
+    assert res[w].status is KeyStatus.STORED and res[x].status is KeyStatus.STORED
+    dst = np.zeros(SLOT, np.uint8)
+    rd = register(dst)
+    for k, at in ((w, 0), (x, SLOT)):
+        assert client.deliver({k: [Span("L0", rd, 0, SLOT)]}).result(RESULT_TIMEOUT_S)[k].ok
+        assert np.array_equal(dst, original[at:at + SLOT]), k
+
+
 def test_an_expired_put_stays_quarantined_until_the_session_names_it(client: Client, register: Registrar,
                                                                       key: Callable[[str], bytes]) -> None:
     before = slot_accounting(stats(client))
