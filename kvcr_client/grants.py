@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from kvcr_client.agent_loads import AgentLoads
 from kvcr_client.core import ClientCore
 from kvcr_client.counters import Count, Counters
 from kvcr_client.digest_checks import on_worker
@@ -94,6 +95,8 @@ class Grants:
         self.prepared = PreparedReads(self.columns)
         """The READs of recent delivers, planned once per destination, grants and plan."""
         self.hook: Hook | None = None
+        self.loads = AgentLoads(core.agent.add_remote, lambda fn: core.call(fn, closed=True), lambda: core.wake())
+        """Loads the node's and sources' agents off the turns."""
 
     # ------------------------------------------------------------------ what is granted
 
@@ -109,21 +112,42 @@ class Grants:
 
     def wants_node(self) -> bool:
         """Whether a ``lease`` should ask for the node's agent (``!node_md``): not yet loaded
-        for this session."""
-        return self.scope().node is None
+        (nor loading) for this session."""
+        scope = self.scope()
+        return scope.node is None and scope.node_loading is None
 
-    def add(self, scope: SessionScope, lease: LeaseHandle, keys: Sequence[bytes], grant: LeaseGrant) -> frozenset[bytes]:
+    def add(self, scope: SessionScope, lease: LeaseHandle, keys: Sequence[bytes],
+            grant: LeaseGrant) -> Future[frozenset[bytes]]:
         """A ``lease_reply`` of the session ``scope`` carried ``grant`` for ``lease`` (its keys
-        in request order); returns the keys this client may now READ itself (none when that
-        session is over)."""
+        in request order); resolves to the keys this client may now READ itself (none when
+        that session is over). At once when the agents the grant names are loaded; else once
+        the loader thread loaded them (lock held then too): the turn that read the reply
+        never waits for NIXL."""
+        out: Future[frozenset[bytes]] = Future()
+        waits: list[Future[None]] = []
+        if scope is self.scope():
+            if grant.node is not None and scope.node is None:
+                waits.append(self.load(scope, grant.node))
+            waits.extend(w for w in (self._load_source(scope, s) for s in grant.sources) if w is not None)
+
+        def granted() -> None:
+            try:
+                out.set_result(self._granted(scope, lease, keys, grant))
+            except Exception as exc:  # never leave the lease's caller waiting
+                out.set_exception(exc)
+
+        _after(waits, granted)
+        return out
+
+    def _granted(self, scope: SessionScope, lease: LeaseHandle, keys: Sequence[bytes],
+                 grant: LeaseGrant) -> frozenset[bytes]:
+        """``add`` once the agents are loaded (lock held)."""
         if scope is not self.scope():
             return frozenset()
-        if grant.node is not None:
-            self.load(grant.node)
         node = scope.node
         if node is None:
             return frozenset()  # no agent to read with: the keys travel by deliver
-        sources = [self._source(source, node) for source in grant.sources]
+        sources = [self._source(scope, source) for source in grant.sources]
         added = set()
         at = 0
         for i, names, pools, slots in grant.keys(DEFAULT_LIMITS):
@@ -142,18 +166,51 @@ class Grants:
             scope.sweep_at = 2 * len(scope.granted) + PRUNE_SLACK
         return frozenset(added)
 
-    def load(self, node: GrantNode) -> None:
-        """Load the node's agent into ours; its pools must be the session's pools."""
+    def load(self, scope: SessionScope, node: GrantNode) -> Future[None]:
+        """Load the node's agent into ours for ``scope`` (its pools must be the session's
+        pools) in the loader thread; resolves, lock held, once ``scope.node`` is set (or
+        stays None: the grant does not fit, NIXL refused it, or the session is over)."""
+        if scope.node_loading is not None:
+            return scope.node_loading
+        done: Future[None] = Future()
+        if scope.node is not None:
+            done.set_result(None)
+            return done
         welcome = self.core.welcome
         if welcome is None or len(node.pools) != len(welcome.pools):
-            return
+            done.set_result(None)
+            return done
         pools = []
         for i, (region, info) in enumerate(zip(node.pools, welcome.pools, strict=True)):
             if region.region != i or info.slot_size * info.slot_count > region.length:
-                return
+                done.set_result(None)
+                return done
             pools.append(NodePool(region.kind, region.device, region.address, info.slot_size))
-        name = self.core.call(lambda: self._add(node.agent_md)).result()
-        self.scope().node = NodeAgent(name, tuple(pools), node.grace_ms / 1000 if node.grace_ms else math.inf)
+        grace = node.grace_ms / 1000 if node.grace_ms else math.inf
+        scope.node_loading = done
+
+        def loaded(name: str | None) -> None:
+            # Not kept once resolved (a future keeps its callbacks, and they name leases):
+            # with no node set after all, a later grant tries again.
+            scope.node_loading = None
+            if name is not None and self._keep(scope, name):
+                scope.node = NodeAgent(name, tuple(pools), grace)
+            done.set_result(None)
+
+        self.loads.load(node.agent_md, loaded)
+        return done
+
+    def _keep(self, scope: SessionScope, name: str) -> bool:
+        """An agent loaded for ``scope`` (lock held): kept when that session is still the
+        current one, else it goes with the other agents of ended sessions. The agents of
+        ended sessions go now, but this one (the same node again keeps its connection)."""
+        current = scope is self.scope()
+        if current:
+            self._stale.discard(name)
+        else:
+            self._stale.add(name)
+        self.drop_stale()
+        return current
 
     def drop(self, lease: LeaseHandle) -> None:
         """``lease`` ended: its grants go now (they name the lease, which names the client)."""
@@ -162,13 +219,6 @@ class Grants:
             granted = keys.get(key)
             if granted is not None and granted.lease is lease:
                 del keys[key]
-
-    def _add(self, metadata: bytes) -> str:
-        """Load the node's agent (lock held); the agents of ended sessions go, but this one."""
-        name = self.core.agent.add_remote(metadata)
-        self._stale.discard(name)  # the same node again: keep its connection
-        self.drop_stale()
-        return name
 
     def drop_stale(self) -> None:
         """Remove the node agents of ended sessions that no READ runs on any more (lock held)."""
@@ -182,33 +232,56 @@ class Grants:
             except Exception:  # already gone (NIXL refused): nothing more to free
                 continue
 
-    def _source(self, source: GrantSource, node: NodeAgent) -> NodeAgent | None:
-        """A source's agent as loaded into ours: cached for its endpoint and incarnation, or
-        loaded now from ``source.node``; None when neither (its rows travel by deliver)."""
+    def _load_source(self, scope: SessionScope, source: GrantSource) -> Future[None] | None:
+        """A source's agent is loading for ``scope``: what to wait for; None when it is
+        loaded already, or cannot be (its rows travel by deliver)."""
         name = (source.endpoint, source.incarnation)
-        sources = self.scope().sources
-        cached = sources.get(name)
-        if cached is not None:
-            sources[name] = sources.pop(name)  # the most recently used goes last
-            return cached
+        if name in scope.sources:
+            return None
+        loading = scope.sources_loading.get(name)
+        if loading is not None:
+            return loading
         md = source.node
         sizes = md.slot_sizes() if md is not None else []
         if md is None or len(sizes) != len(md.pools) or any(r.region != i for i, r in enumerate(md.pools)):
             return None
         if any(size <= 0 for size in sizes):
             return None
-        # One agent per source endpoint: an older incarnation's (the source restarted; its
-        # leases ended with it) goes, and past MAX_SOURCES the longest unused; each is
-        # removed from ours once no READ runs on it.
-        for old in [k for k in sources if k[0] == source.endpoint]:
-            self._stale.add(sources.pop(old).name)
-        while len(sources) >= MAX_SOURCES:
-            self._stale.add(sources.pop(next(iter(sources))).name)
         pools = tuple(NodePool(r.kind, r.device, r.address, size) for r, size in zip(md.pools, sizes, strict=True))
-        agent = self.core.call(lambda: self._add(md.agent_md)).result()
-        grace = min(node.grace_s, md.grace_ms / 1000 if md.grace_ms else math.inf)
-        loaded = sources[name] = NodeAgent(agent, pools, grace)
-        return loaded
+        grace = md.grace_ms / 1000 if md.grace_ms else math.inf
+        done = scope.sources_loading[name] = Future()
+
+        def loaded(agent: str | None) -> None:
+            del scope.sources_loading[name]
+            if agent is not None and scope is self.scope():
+                sources = scope.sources
+                # One agent per source endpoint: an older incarnation's (the source restarted;
+                # its leases ended with it) goes, and past MAX_SOURCES the longest unused;
+                # each is removed from ours once no READ runs on it.
+                for old in [k for k in sources if k[0] == source.endpoint]:
+                    self._stale.add(sources.pop(old).name)
+                while len(sources) >= MAX_SOURCES:
+                    self._stale.add(sources.pop(next(iter(sources))).name)
+                if self._keep(scope, agent):
+                    # The node's agent loads first (one loader, in order): its grace bounds too.
+                    node_grace = scope.node.grace_s if scope.node is not None else math.inf
+                    sources[name] = NodeAgent(agent, pools, min(grace, node_grace))
+            elif agent is not None:
+                self._keep(scope, agent)
+            done.set_result(None)
+
+        self.loads.load(md.agent_md, loaded)
+        return done
+
+    @staticmethod
+    def _source(scope: SessionScope, source: GrantSource) -> NodeAgent | None:
+        """A source's agent as loaded into ours; None when it is not (its rows travel by deliver)."""
+        name = (source.endpoint, source.incarnation)
+        sources = scope.sources
+        cached = sources.get(name)
+        if cached is not None:
+            sources[name] = sources.pop(name)  # the most recently used goes last
+        return cached
 
     def retire(self, scope: SessionScope) -> None:
         """The session ``scope`` is over (a new hello, or the client closes): its grants went
@@ -376,3 +449,21 @@ def _as_whole(finished: Finished) -> Finished:
             return
         finished(results, [int(r.status is KeyStatus.OK) for r in results])
     return whole
+
+
+def _after(waits: Sequence[Future[None]], then: Callable[[], None]) -> None:
+    """Run ``then`` once every one of ``waits`` is done: now when they all are, else where
+    the last one resolves (the loader thread, lock held)."""
+    left = [w for w in waits if not w.done()]
+    if not left:
+        then()
+        return
+    count = [len(left)]
+
+    def one(_: Future[None]) -> None:
+        count[0] -= 1
+        if not count[0]:
+            then()
+
+    for w in left:
+        w.add_done_callback(one)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import Any
 
 from kvcr_client import checks
@@ -61,6 +62,8 @@ class LeaseRequests(ClientState):
         def live() -> bool:
             return not core.closed and not core.lost and current() is scope
 
+        granting: list[Future[frozenset[bytes]]] = []
+
         def convert(msg: Message) -> LeaseHandle:
             if not isinstance(msg, LeaseReply) or msg.columns is None:
                 raise ValueError(f"expected lease_reply with columns, got {msg.TAG}")
@@ -71,11 +74,11 @@ class LeaseRequests(ClientState):
             if msg.lease:
                 scope.leases[msg.lease] = handle
                 if msg.grant is not None and live():
-                    handle.granted = self._grants.add(scope, handle, ks, msg.grant)
+                    granting.append(self._grants.add(scope, handle, ks, msg.grant))
             return handle
 
-        op_id, fut = core.request(lambda i: Lease(i, ks, request_id, ttl, read, node_md), convert, CONTROL_TIMEOUT_S)
-        return self._send.handle(op_id, "lease", fut)
+        op_id, replied = core.request(lambda i: Lease(i, ks, request_id, ttl, read, node_md), convert, CONTROL_TIMEOUT_S)
+        return self._send.handle(op_id, "lease", _with_grants(replied, granting))
 
     def renew_lease(self, lease: LeaseHandle, ttl_ms: int = 0) -> OpHandle[int]:
         """Keep ``lease`` ``ttl_ms`` more from now (0: its own time to live); resolves to the
@@ -128,3 +131,29 @@ class LeaseRequests(ClientState):
             del leases[msg.lease]
             self._grants.drop(handle)
 
+
+
+def _with_grants(replied: Future[LeaseHandle], granting: list[Future[frozenset[bytes]]]) -> Future[LeaseHandle]:
+    """The lease's handle once its grants are in place too: a grant that names an agent not
+    yet loaded (the session's first) waits for the loader thread, never for the turn."""
+    out: Future[LeaseHandle] = Future()
+
+    def answered(done: Future[LeaseHandle]) -> None:
+        error = done.exception()
+        if error is not None:
+            out.set_exception(error)
+            return
+        handle = done.result()
+        if not granting:
+            out.set_result(handle)
+            return
+
+        def granted(added: Future[frozenset[bytes]]) -> None:
+            if added.exception() is None:
+                handle.granted = added.result()
+            out.set_result(handle)
+
+        granting[0].add_done_callback(granted)
+
+    replied.add_done_callback(answered)
+    return out

@@ -11,7 +11,8 @@ the caller's again); the handle itself with the commit's reply.
 Keys another writer holds (``BUSY``) go by ``deposit``, and so does every reserved key when
 the reply's grant cannot be used (the reservation goes back with ``unput``): ``written``
 then waits for those deposits too, since the node reads the caller's memory for them only
-once the other writer is done.
+once the other writer is done. While the node's agent is still loading (the session's
+first grant, ``kvcr_client.agent_loads``), the job waits for it without holding the turn.
 
 The deadline bounds the wait for the ``put_reply`` too: a stalled node costs a caller the
 deadline, not the control timeout; the keys fail ``TIMEOUT``, and a reservation that
@@ -53,9 +54,11 @@ class PutSteps:
     """What a ``PutJob`` asks of the client (``Puts``, which makes it): narrow callables,
     none a way back to the whole client."""
 
-    runs: Callable[[PutReply], tuple[Runs, str] | None]
+    runs: Callable[[PutReply, bool], tuple[Runs, str] | Future[None] | None]
     """The WRITEs the reply's grant asks for and the agent they go to (the node's, loaded);
-    None when the grant does not fit the put."""
+    None when the grant does not fit the put; while the node's agent is still loading (and
+    the second argument lets it load), a future that resolves once it is (the job is stepped
+    again then)."""
     send: Callable[[str, int], Future[Any]]
     """Sends ``commit`` or ``unput`` for a put: its answer (per key results for a commit)."""
     deposit: Callable[[list[int]], tuple[Future[Results[KeyOutcome]], Future[None]]]
@@ -68,6 +71,8 @@ class PutSteps:
     settle: Callable[[bool], None]
     """No WRITE of the put runs any more (False: one was let go of while it ran): its
     regions are free. Called once."""
+    wait: Callable[[Future[None], PutJob], None]
+    """The job waits for this future (the node's agent loading): step it again once done."""
     gate: Callable[[str], Any] | None = None
     """Called with ``"written"`` once the WRITEs are terminal, before ``commit``: returning
     False defers the rest to a later turn (tests hold a put there). Not a product setting."""
@@ -105,6 +110,10 @@ class PutJob:
         used), deposited: their results."""
         self.reading: list[Future[None]] = []
         """Those deposits' ``written``: the node may read the caller's memory until each is done."""
+        self.loading: tuple[Future[None], PutReply] | None = None
+        """The node's agent loads before the WRITEs can be planned: what to wait for, and the reply."""
+        self.waited = False
+        """It waited for a load once: a put does not wait for another."""
 
     posting = False
     """Nothing to post in the next turn (``Reads``' question to its jobs)."""
@@ -122,7 +131,16 @@ class PutJob:
     def step(self, now: float) -> bool:
         """One turn: take the reply, poll the WRITEs; True once none runs (the table drops it)."""
         reply = self.reply
-        if self.phase is PutPhase.ASKING and reply is not None:
+        loading = self.loading
+        if loading is not None:
+            if loading[0].done():
+                self.loading = None
+                self._plan(loading[1])
+            elif now >= self.give_up:  # nothing was written: the reservation goes back
+                self.loading = None
+                self.steps.send("unput", self.put_id)
+                self._over([_TIMEOUT if r.status is KeyStatus.OK else r for r in self.results], None)
+        elif self.phase is PutPhase.ASKING and reply is not None:
             if reply.done():
                 self.reply = None
                 self._replied(reply)
@@ -159,11 +177,16 @@ class PutJob:
         self._plan(reply)
 
     def _plan(self, reply: PutReply) -> None:
-        """Post the WRITEs the reply's grant asks for."""
-        planned = self.steps.runs(reply)
+        """Post the WRITEs the reply's grant asks for (or wait for the node's agent to load)."""
+        planned = self.steps.runs(reply, not self.waited)
+        if isinstance(planned, Future):
+            self.loading = (planned, reply)
+            self.waited = True
+            self.steps.wait(planned, self)
+            return
         if planned is None:
-            # The grant cannot be used here (it does not fit the put, the session ended): the
-            # reservation goes back and the node moves those keys.
+            # The grant cannot be used here (the node's agent could not be loaded, the session
+            # ended): the reservation goes back and the node moves those keys.
             self.steps.send("unput", self.put_id)
             self._deposit([i for i, r in enumerate(self.results) if r.status is KeyStatus.OK])
             self._over(self.results, None)

@@ -164,8 +164,12 @@ class Puts:
         # reservation that comes after the caller gave up is still handed back.
         _, asked = core.request(lambda i: Put(i, (), no_evict, optional, ttl_ms, columns, node_md),
                                 self._put_reply(len(keys)), math.inf, op_id=op_id)
-        steps = PutSteps(functools.partial(self._runs, scope, frozen, columns), send, deposit, refused, self._late, settle,
-                         self.hook)
+        def wait(loading: Future[None], job: PutJob) -> None:
+            # Resolved by the loader thread with the lock held: the job goes on there.
+            loading.add_done_callback(lambda _: core.reads.nudge(job))
+
+        steps = PutSteps(functools.partial(self._runs, scope, frozen, columns), send, deposit, refused, self._late,
+                         settle, wait, self.hook)
         result: Future[Results[KeyOutcome]] = Future()
         written: Future[None] = Future()
         job = PutJob(steps, asked, core.agent, keys, give_up, result, written)
@@ -204,16 +208,19 @@ class Puts:
         asked.add_done_callback(hand_back)
 
     def _runs(self, scope: SessionScope, items: Sequence[DepositItem], columns: Sequence[DepositColumns],
-              reply: PutReply) -> tuple[Runs, str] | None:
+              reply: PutReply, load: bool) -> tuple[Runs, str] | Future[None] | None:
         """The WRITEs of the reserved spans and the node's agent they go to; None when the
-        grant does not fit, or the put's session (``scope``) is over."""
+        grant does not fit, or the put's session (``scope``) is over; while the node's agent
+        loads (the session's first grant; ``load``: a put waits for one load, not a second
+        after NIXL refused the first), what to wait for before asking again."""
         if scope is not self.scope():
             return None
-        grants = self.grants
         grant = reply.grant
-        if grant is not None and grant.node is not None:
-            grants.load(grant.node)
-        node = grants.node
+        if load and grant is not None and grant.node is not None and scope.node is None:
+            loading = self.grants.load(scope, grant.node)
+            if not loading.done():
+                return loading
+        node = scope.node
         if grant is None or node is None:
             return None
         by_id = self.regions.by_id

@@ -15,6 +15,7 @@ the parts that fill them import this module and it imports none of them.
 from __future__ import annotations
 
 import secrets
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvcr_client.leases import LeaseHandle
@@ -88,8 +89,12 @@ class SessionScope:
     """``granted``'s size at which keys of ended leases are swept out."""
     node: NodeAgent | None = None
     """The node's agent, loaded from the first grant that carried it."""
+    node_loading: Future[None] | None = None
+    """The node's agent being loaded (``kvcr_client.agent_loads``): what needs it waits on this."""
     sources: dict[tuple[str, int], NodeAgent] = field(default_factory=dict)
     """Sources' agents loaded for this session, by (endpoint, incarnation), least recently used first."""
+    sources_loading: dict[tuple[str, int], Future[None]] = field(default_factory=dict)
+    """Sources' agents being loaded, by (endpoint, incarnation)."""
     puts_refused: bool = False
     """The node refused ``put`` (it grants no writes): deposit instead."""
     reports_refused: bool = False

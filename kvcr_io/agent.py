@@ -3,7 +3,10 @@
 The agent runs without NIXL's own progress thread: that thread spins a whole core while
 idle (the Python bindings hard-code its delay to 0). Whoever owns an ``Agent`` progresses
 it from its own loop (``progress``, ``state``), at a short interval only while a transfer
-that touches its memory is in flight. An ``Agent`` is not thread-safe: one thread owns it.
+that touches its memory is in flight. One thread at a time drives an ``Agent``; NIXL
+serializes the calls of its agent itself (``NIXL_THREAD_SYNC_STRICT``, one mutex per call,
+uncontended), so that a remote agent's metadata can load in a thread of its own while
+another thread posts (``add_remote`` lets go of the GIL for the milliseconds it takes).
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ class Agent:
     def __init__(self, name: str) -> None:
         nixl = load_nixl()
         _quiet_nixl_logging()
-        config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                        sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._nixl: Any = nixl.nixl_agent(name, config)
         if "UCX" not in self._nixl.backends:
             raise RuntimeError("the NIXL UCX backend is not available")

@@ -67,6 +67,11 @@ class Client:
     gate: Callable[[str], Any] | None = None
     fits: bool = True
     """Whether the reply's grant can be used (else ``runs`` answers None)."""
+    loading: Future[None] | None = None
+    """The node's agent loading: ``runs`` answers this future when it may wait for a load."""
+    loaded: bool = True
+    """Whether the agent is there once ``loading`` is done (False: NIXL refused it)."""
+    waited: list[Future[None]] = field(default_factory=list)
 
     def steps(self) -> PutSteps:
         def send(what: str, put_id: int) -> Future[Any]:
@@ -82,11 +87,18 @@ class Client:
             self.deposits.append((indices, results, memory))
             return results, memory
 
-        def runs(reply: PutReply) -> Any:
-            return (RUNS, "node") if self.fits else None
+        def runs(reply: PutReply, load: bool) -> Any:
+            loading = self.loading
+            if load and loading is not None:
+                return loading
+            return (RUNS, "node") if self.fits and self.loaded else None
+
+        def wait(loading: Future[None], job: PutJob) -> None:
+            self.log.append("wait")
+            self.waited.append(loading)
 
         return PutSteps(runs, send, deposit, lambda: self.log.append("refused"),
-                        lambda reply: self.log.append("late"), self.settled.append, self.gate)
+                        lambda reply: self.log.append("late"), self.settled.append, wait, self.gate)
 
 
 def make(client: Client, agent: Agent, give_up: float = 10.0) -> tuple[PutJob, Future[PutReply]]:
@@ -219,3 +231,37 @@ def test_close_waits_for_a_running_write_then_fails_the_put(monkeypatch: pytest.
     job.close()
     assert client.settled == [False], "settled once"
 
+
+def test_a_put_whose_node_agent_still_loads_waits_for_it_then_writes() -> None:
+    client, agent = Client(loading=Future()), Agent()
+    job, reply = make(client, agent)
+    reply.set_result(reserved())
+    assert not job.step(0.1) and job.phase is PutPhase.ASKING and not job.live
+    assert client.log == ["wait"] and client.waited == [client.loading] and agent.states == [], "nothing posted yet"
+    assert not job.step(0.2) and agent.states == [], "still loading: still nothing"
+    assert client.loading is not None
+    client.loading.set_result(None)
+    assert not job.step(0.3) and job.phase is PutPhase.WRITING and agent.states == [XferStatus.RUNNING]
+    agent.states[0] = XferStatus.DONE
+    assert job.step(0.4) and client.log == ["wait", "commit 42"] and client.settled == [True]
+
+
+def test_a_node_agent_that_loads_past_the_deadline_hands_the_reservation_back() -> None:
+    client, agent = Client(loading=Future()), Agent()
+    job, reply = make(client, agent, give_up=1.0)
+    reply.set_result(reserved())
+    assert not job.step(0.5)
+    assert job.step(1.0)
+    assert client.log == ["wait", "unput 42"] and agent.states == [] and client.settled == [True]
+    assert job.written.done() and all(o.code is ErrorCode.TIMEOUT for o in job.result.result(0).values())
+
+
+def test_a_put_whose_node_agent_was_refused_after_its_wait_deposits_without_a_second_wait() -> None:
+    client, agent = Client(loading=Future(), loaded=False), Agent()
+    job, reply = make(client, agent)
+    reply.set_result(reserved())
+    assert not job.step(0.1) and client.log == ["wait"]
+    assert client.loading is not None
+    client.loading.set_result(None)
+    assert job.step(0.2) and agent.states == []
+    assert client.log == ["wait", "unput 42", "deposit [0, 1]"]
