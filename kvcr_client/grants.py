@@ -241,6 +241,8 @@ class Grants:
         loading = scope.sources_loading.get(name)
         if loading is not None:
             return loading
+        if len(scope.sources_loading) >= MAX_SOURCES:
+            return None  # a node naming sources faster than they load: those rows go by deliver
         md = source.node
         sizes = md.slot_sizes() if md is not None else []
         if md is None or len(sizes) != len(md.pools) or any(r.region != i for i, r in enumerate(md.pools)):
