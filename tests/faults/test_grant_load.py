@@ -275,7 +275,7 @@ def test_a_clients_node_agent_goes_when_a_later_session_loads_another() -> None:
                 client.reconnect()
                 assert client._grants.node is None and client.tables()["granted_keys"] == 0
                 client.lease([b"k"]).result(RESULT_TIMEOUT_S)
-                assert client._grants.node.name == first and loaded(first) and client.tables()["stale_agents"] == 0
+                assert client._grants.node.name == first and loaded(first) and client._grants.stale == 0
                 # A new node on the same endpoint: the next grant loads its agent, the old one goes.
                 node.stop()
                 node = start_node(endpoint, "--pool", "kv:4KiB:16")
@@ -283,7 +283,7 @@ def test_a_clients_node_agent_goes_when_a_later_session_loads_another() -> None:
                 src = put(client, reg, [b"k"], seed=8)
                 client.lease([b"k"]).result(RESULT_TIMEOUT_S)
                 second = client._grants.node.name
-                assert second != first and loaded(second) and not loaded(first) and client.tables()["stale_agents"] == 0
+                assert second != first and loaded(second) and not loaded(first) and client._grants.stale == 0
                 dst = np.zeros(SLOT, np.uint8)
                 region = reg(dst)
                 assert client.deliver({b"k": [Span("L0", region, 0, SLOT)]}).result(RESULT_TIMEOUT_S)[b"k"].ok
