@@ -29,8 +29,10 @@ PNG (``bench/plots.py``): the latency distributions of each kvcr measurement bes
 anchor, and throughput against span size. With ``--json`` the report goes to stderr and
 stdout carries one JSON object: ``query_ratio`` and ``query_ratio_async`` (query p50 / echo p50), ``deliver_ratio``
 (raw NIXL WRITE p50 / kvcr deliver p50, list of spans), ``grant_deliver_ratio`` (raw NIXL READ
-p50 of the same 1024 descriptors / kvcr deliver p50 under a read grant; ``_merged``: against one
-descriptor), ``grant_deliver_ms`` and ``raw_grant_read_ms`` (their medians) and
+p50 of the same 1024 descriptors, the node's slots of the object, by a bare agent / kvcr deliver
+p50 under a read grant; ``_writer``: the same READ shape from a raw writer process's buffer
+instead, which copies faster here than any live node's pool; ``_merged``: from that buffer, one
+descriptor), ``grant_deliver_ms``, ``raw_grant_read_ms`` and ``raw_writer_read_ms`` (their medians) and
 ``grant_deliver_spread`` and ``raw_grant_read_spread`` ((p90 - p10) / median), ``deposit_ratio`` (raw NIXL READ p50
 / kvcr deposit p50), ``planned_vs_whole_local`` (the same object delivered by the node in 32
 groups of a layer plan, p50 / whole, both to the prepared destination), ``put_deposit_ratio`` (raw NIXL WRITE p50 of the same 1024 descriptors by a bare
@@ -71,7 +73,7 @@ from stats import Progress, fmt_gbps, fmt_us, summary
 from kvcr_client import AsyncClient, Client, Span
 from kvcr_io.agent import load_nixl
 from kvcr_node.node import GRANT_BURST_S
-from kvcr_protocol import CURRENT_VERSION
+from kvcr_protocol import CURRENT_VERSION, DEFAULT_LIMITS, Lease, LeaseReply, ReleaseLease
 
 SPAN = 64 << 10
 SPANS = 1024
@@ -179,7 +181,7 @@ class RawNixl:
                           "src": src.ctypes.data})["t"] == "ok"
         self.runs: dict[str, list[float]] = {"write": [], "write_e2e": [], "write_merged": [], "read": [],
                                              "consumer_read": [], "consumer_read_merged": [], "consumer_write": [],
-                                             "consumer_write_merged": []}
+                                             "consumer_write_merged": [], "node_read": []}
         found = peer.call({"t": "md"})
         self.writer = self.agent.add_remote_agent(found["md"])
         self.writer_addr = int(found["addr"])
@@ -189,6 +191,8 @@ class RawNixl:
             self.writer, [(self.writer_addr + i * SPAN, SPAN, 0) for i in range(SPANS)], "DRAM")
         self.sweep: dict[int, list[float]] = {}
         """Span size -> raw NIXL WRITE times of ``SWEEP_BYTES`` in spans of that size."""
+        self.node = ""
+        self.node_slots: Any = None
 
     def run(self, kind: str) -> None:
         """One timed request: ``write``, ``write_merged`` or ``read``."""
@@ -230,6 +234,40 @@ class RawNixl:
         name = "consumer_read" if op == "READ" else "consumer_write"
         self.runs[f"{name}_merged" if merged else name].append(time.perf_counter() - t0)
 
+    def reach_node(self, client: Client, key: bytes) -> None:
+        """Make ready the anchor of a deliver under a read grant that reads what the deliver
+        reads: the node's own pool slots holding ``key`` (its agent and their addresses, from
+        a lease asked for here with the node's agent metadata), into ``dst``. Released at once:
+        the benchmark's own lease keeps the object in place."""
+        _, asked = client.core.request(lambda i: Lease(i, (key,), None, 0, True, True), lambda m: m, 10.0)
+        reply = client.core.wait(asked, 12.0)
+        if not isinstance(reply, LeaseReply) or reply.grant is None or reply.grant.node is None:
+            raise AssertionError("the node granted no read with its agent (client_transfers off?)")
+        grant = reply.grant
+        node = self.agent.add_remote_agent(grant.node.agent_md)
+        slot_size = client.pools["kv"].slot_size
+        [(_, _, pools, slots)] = list(grant.keys(DEFAULT_LIMITS))
+        addresses = [grant.node.pools[p].address + s * slot_size for p, s in zip(pools, slots, strict=True)]
+        self.node = node
+        self.node_slots = self.agent.prep_xfer_dlist(node, [(a, SPAN, 0) for a in addresses], "DRAM")
+        client.core.wait(client.core.request(lambda i: ReleaseLease(i, reply.lease), lambda m: m, 10.0)[1], 12.0)
+
+    def node_read(self) -> None:
+        """The anchor of a deliver under a read grant: one timed READ, by this bare agent, of
+        the node's 1024 slots of the object into ``dst`` (``reach_node``): the same
+        descriptors, in the same memory, as the deliver's."""
+        agent = self.agent
+        t0 = time.perf_counter()
+        handle = agent.make_prepped_xfer("READ", self.mine[self.dst.ctypes.data], list(range(SPANS)),
+                                         self.node_slots, list(range(SPANS)))
+        state = agent.transfer(handle)
+        give_up = t0 + 30
+        while state == "PROC" and time.perf_counter() < give_up:
+            state = agent.check_xfer_state(handle)
+        agent.release_xfer_handle(handle)
+        assert state == "DONE", state
+        self.runs["node_read"].append(time.perf_counter() - t0)
+
     def run_span(self, span: int) -> None:
         """One timed WRITE of ``SWEEP_BYTES`` in descriptors of ``span`` bytes."""
         reply = self.peer.call({"t": "write", "span": span, "n": SWEEP_BYTES // span}, self.agent.get_new_notifs)
@@ -253,11 +291,17 @@ def bench_grants(
     if client.tables()["granted_keys"] != 1:
         raise AssertionError("the node granted no read of the leased object (client_transfers off?)")
     reads = client.counters()["grant_reads"]
+    raw.reach_node(client, b"obj")
     for how, dest in dests.items():
         dst[:] = 0
         assert client.deliver(dest).result(30)[b"obj"].ok
         if not np.array_equal(src, dst):
             raise AssertionError(f"bytes read under the grant differ from the deposited bytes ({how})")
+    dst[:] = 0
+    raw.node_read()
+    if not np.array_equal(src, dst):
+        raise AssertionError("the anchor's READ of the node's slots did not read the object")
+    raw.runs["node_read"].clear()
     times: dict[str, list[float]] = {"list": [], "prepared": []}
     for rep in range(reps):
         progress.tick("grant deliveries", rep, reps)
@@ -266,6 +310,7 @@ def bench_grants(
             res = client.deliver(dest).result(30)
             times[how].append(time.perf_counter() - t0)
             assert res[b"obj"].ok, res
+        raw.node_read()
         raw.consumer_read(merged=False)
         raw.consumer_read(merged=True)
     if client.counters()["grant_reads"] != reads + 2 + 2 * reps:
@@ -502,12 +547,14 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
         "deliver_ratio": r["write"]["median"] / k["deliver"]["median"],
         "deposit_ratio": r["read"]["median"] / k["deposit"]["median"],
         "planned_vs_whole_local": k["deliver_planned"]["median"] / k["deliver_prepared"]["median"],
-        "grant_deliver_ratio": r["consumer_read"]["median"] / k["grant_deliver"]["median"],
+        "grant_deliver_ratio": r["node_read"]["median"] / k["grant_deliver"]["median"],
+        "grant_deliver_ratio_writer": r["consumer_read"]["median"] / k["grant_deliver"]["median"],
         "grant_deliver_ratio_merged": r["consumer_read_merged"]["median"] / k["grant_deliver"]["median"],
         "grant_deliver_ms": k["grant_deliver"]["median"] * 1e3,
         "grant_deliver_spread": k["grant_deliver"]["spread"],
-        "raw_grant_read_ms": r["consumer_read"]["median"] * 1e3,
-        "raw_grant_read_spread": r["consumer_read"]["spread"],
+        "raw_grant_read_ms": r["node_read"]["median"] * 1e3,
+        "raw_grant_read_spread": r["node_read"]["spread"],
+        "raw_writer_read_ms": r["consumer_read"]["median"] * 1e3,
         "put_deposit_ratio": r["consumer_write"]["median"] / k["put"]["median"],
         "put_deposit_ratio_merged": r["consumer_write_merged"]["median"] / k["put"]["median"],
         "put_ms": k["put"]["median"] * 1e3,
@@ -542,10 +589,12 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
     say("deliver of the same object under a read grant (the client READs the node's pool), against raw NIXL READ")
     say(f"  kvcr deliver, list of spans      {fmt_gbps(OBJECT, k['grant_deliver'])}")
     say(f"  kvcr deliver, prepared dest.     {fmt_gbps(OBJECT, k['grant_deliver_prepared'])}")
-    say(f"  raw NIXL READ, 1024 descriptors  {fmt_gbps(OBJECT, r['consumer_read'])}")
-    say(f"  raw NIXL READ, one merged desc   {fmt_gbps(OBJECT, r['consumer_read_merged'])}")
-    say(f"  ratio kvcr / raw NIXL READ: {figures['grant_deliver_ratio']:.2f} (goal >= 0.95); "
-        f"against one merged descriptor: {figures['grant_deliver_ratio_merged']:.2f}")
+    say(f"  raw NIXL READ of the node's slots {fmt_gbps(OBJECT, r['node_read'])}")
+    say(f"  raw NIXL READ, a writer's buffer {fmt_gbps(OBJECT, r['consumer_read'])}")
+    say(f"  ... one merged desc              {fmt_gbps(OBJECT, r['consumer_read_merged'])}")
+    say(f"  ratio kvcr / raw NIXL READ of the node's slots: {figures['grant_deliver_ratio']:.2f} (goal >= 0.95); "
+        f"of a writer's buffer: {figures['grant_deliver_ratio_writer']:.2f}, one merged descriptor: "
+        f"{figures['grant_deliver_ratio_merged']:.2f}")
     say("deposit of the same object under a new key (evicting one), against raw NIXL READ")
     say(f"  kvcr deposit, list of spans      {fmt_gbps(OBJECT, k['deposit'])}")
     say(f"  raw NIXL READ (in the reader)    {fmt_gbps(OBJECT, r['read'])}")
