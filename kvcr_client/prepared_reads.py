@@ -9,7 +9,9 @@ hands the same tuple to every deliver), the grants (the same ``GrantedKey`` obje
 their lease holds) and the layer plan. So ``PreparedReads`` keeps the last few plans by
 those, and a repeat posts group 0 with nothing left to work out. A plan holds the spans
 and grants it was made of, so their identities cannot be reused while it is kept; a grant
-of a new lease, or a list of ``Span`` (a new tuple each deliver), simply misses.
+of a new lease simply misses. A list of ``Span`` brings a new tuple each deliver: such a
+miss looks the plan up by the spans' content (region ids are never reused within a client,
+so equal spans name the same memory), which costs a hash of the spans instead of a plan.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class PreparedReads:
     def __init__(self, columns: LocalColumns) -> None:
         self.columns = columns
         self._kept: collections.OrderedDict[tuple[Any, ...], ReadPlan] = collections.OrderedDict()
+        self._by_content: collections.OrderedDict[tuple[Any, ...], ReadPlan] = collections.OrderedDict()
+        """The same plans by the spans' content (with the grants' and groups' identity)."""
         self.hits = 0
 
     def plan(
@@ -68,10 +72,17 @@ class PreparedReads:
             self._kept.move_to_end(key)
             self.hits += 1
             return kept
+        content = (tuple([item.spans for item in items]), key[1], key[2])
+        made = self._by_content.get(content)
+        if made is not None:
+            self._by_content.move_to_end(content)
+            self.hits += 1
+            return made
         made = self._make(items, granted, groups, regions)
-        self._kept[key] = made
-        if len(self._kept) > KEPT:
-            self._kept.popitem(last=False)
+        for table, at in ((self._kept, key), (self._by_content, content)):
+            table[at] = made
+            if len(table) > KEPT:
+                table.popitem(last=False)
         return made
 
     def _make(
@@ -97,6 +108,7 @@ class PreparedReads:
     def clear(self) -> None:
         """Forget every plan (their session ended: its grants are void)."""
         self._kept.clear()
+        self._by_content.clear()
 
     def __len__(self) -> int:
         return len(self._kept)

@@ -1,9 +1,10 @@
 """A deliver's READs planned once and kept (``kvcr_client.prepared_reads``), in process.
 
 The same destination tuple read under the same grants with the same plan gets the plan
-made the first time (nothing worked out again before group 0 is posted); a new tuple of
-spans, another grant (a new lease) or another plan is planned anew, and what is kept is
-bounded. A kept plan is the plan that would be made now: same posts, counts, codes."""
+made the first time (nothing worked out again before group 0 is posted), and so do equal
+spans in a new tuple (a list of ``Span`` checked anew each deliver); other spans, another
+grant (a new lease) or another plan is planned anew, and what is kept is bounded. A kept
+plan is the plan that would be made now: same posts, counts, codes."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def grant() -> Grant:
     return Grant(tuple(f"L{i}" for i in range(SPANS)), remote_spans([POOL], bytes(SPANS), list(range(SPANS))))
 
 
-def destination() -> tuple[DstSpan, ...]:
-    return tuple(DstSpan(f"L{i}", 0, i * SLOT, SLOT) for i in range(SPANS))
+def destination(base: int = 0) -> tuple[DstSpan, ...]:
+    return tuple(DstSpan(f"L{i}", 0, base + i * SLOT, SLOT) for i in range(SPANS))
 
 
 def test_a_repeat_gets_the_kept_plan_and_anything_else_is_planned_anew() -> None:
@@ -49,8 +50,11 @@ def test_a_repeat_gets_the_kept_plan_and_anything_else_is_planned_anew() -> None
     assert len(first.posts) == SPANS and first.counts == [SPANS] and first.codes == (0,)
     again = reads.plan([DeliverItem(b"k", spans)], [g], [tuple(range(SPANS))], REGIONS)
     assert again is first and reads.hits == 1
-    # Equal spans in a new tuple, a grant of another lease, another plan, a whole deliver: anew.
-    for items, granted, groups in (([DeliverItem(b"k", destination())], [g], layers),
+    assert reads.plan([DeliverItem(b"k", destination())], [g], layers, REGIONS) is first, "equal spans, a new tuple"
+    assert reads.hits == 2
+    # Other spans, a grant of another lease, another plan, a whole deliver: anew.
+    moved = (*spans[:-1], spans[-1]._replace(offset=spans[-1].offset + SLOT))
+    for items, granted, groups in (([DeliverItem(b"k", moved)], [g], layers),
                                    ([DeliverItem(b"k", spans)], [grant()], layers),
                                    ([DeliverItem(b"k", spans)], [g], [(0,) * SPANS]),
                                    ([DeliverItem(b"k", spans)], [g], None)):
@@ -58,13 +62,13 @@ def test_a_repeat_gets_the_kept_plan_and_anything_else_is_planned_anew() -> None
         assert other is not first
         fresh = PreparedReads(LocalColumns()).plan(items, granted, groups, REGIONS)
         assert (other.posts, other.counts, other.codes) == (fresh.posts, fresh.counts, fresh.codes)
-    assert reads.hits == 1
+    assert reads.hits == 2
 
 
 def test_what_is_kept_is_bounded_least_recently_used_first() -> None:
     reads = PreparedReads(LocalColumns())
     g = grant()
-    kept = [destination() for _ in range(prepared_reads.KEPT + 1)]
+    kept = [destination(i * SPANS * SLOT) for i in range(prepared_reads.KEPT + 1)]
     for spans in kept:
         reads.plan([DeliverItem(b"k", spans)], [g], None, REGIONS)
     assert len(reads) == prepared_reads.KEPT
