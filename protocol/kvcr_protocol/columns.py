@@ -299,15 +299,18 @@ def _layout_columns(
     return regions, offsets, _uniform_or_packed(lengths, U64)
 
 
-def deliver_columns(items: Sequence[DeliverItem], groups: Sequence[int] = ()) -> DeliverColumns:
+def deliver_columns(items: Sequence[DeliverItem], groups: Sequence[int] = (),
+                    columns: Sequence[tuple[tuple[Any, ...], ...]] | None = None) -> DeliverColumns:
     """One block of columns for items that share a layout (same names and lengths).
 
-    ``groups`` is each span's group number (a layer plan), or empty. Raises ``ValueError``
-    when the items cannot share one block.
+    ``groups`` is each span's group number (a layer plan), or empty; ``columns``, each
+    item's spans as columns, when the caller has them already. Raises ``ValueError`` when
+    the items cannot share one block.
     """
     if not items:
         raise ValueError("a block holds at least one key")
-    columns = [tuple(zip(*item.spans, strict=True)) for item in items]
+    if columns is None:
+        columns = [tuple(zip(*item.spans, strict=True)) for item in items]
     names = columns[0][0]
     if any(key[0] != names for key in columns):
         raise ValueError("the keys' span names differ: one block holds one layout")
@@ -319,11 +322,13 @@ def deliver_columns(items: Sequence[DeliverItem], groups: Sequence[int] = ()) ->
     return block
 
 
-def deposit_columns(items: Sequence[DepositItem]) -> DepositColumns:
-    """One block of columns for deposit items that share a layout (names, pools, lengths)."""
+def deposit_columns(items: Sequence[DepositItem], columns: Sequence[tuple[tuple[Any, ...], ...]] | None = None) -> DepositColumns:
+    """One block of columns for deposit items that share a layout (names, pools, lengths);
+    ``columns``, each item's spans as columns, when the caller has them already."""
     if not items:
         raise ValueError("a block holds at least one key")
-    columns = [tuple(zip(*item.spans, strict=True)) for item in items]
+    if columns is None:
+        columns = [tuple(zip(*item.spans, strict=True)) for item in items]
     names, pools = columns[0][0], columns[0][1]
     if any(key[0] != names or key[1] != pools for key in columns):
         raise ValueError("the keys' span names or pools differ: one block holds one layout")
@@ -365,28 +370,33 @@ def deliver_blocks(
     None for no plan at all.
     """
 
+    columns = [tuple(zip(*item.spans, strict=True)) for item in items]
+
     def shape(n: int, item: DeliverItem) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
-        names, _, _, lengths = zip(*item.spans, strict=True)
+        names, _, _, lengths = columns[n]
         return names, lengths, tuple(groups[n]) if groups is not None else ()
 
     runs = layout_runs(items, shape)
     if any(NUL in "".join(names) for (names, _, _), _, _ in runs):
         return ()
-    return tuple(deliver_columns(items[start:stop], plan) for (_, _, plan), start, stop in runs)
+    return tuple(deliver_columns(items[start:stop], plan, columns[start:stop]) for (_, _, plan), start, stop in runs)
 
 
 def deposit_blocks(items: Sequence[DepositItem]) -> tuple[DepositColumns, ...]:
     """A deposit's items as column blocks, one per run of consecutive keys with one layout
     (names, pools, lengths); none, to send them as records, when a name or pool holds NUL."""
 
+    # Each item's spans as columns, once: its shape and its block's columns both read them.
+    columns = [tuple(zip(*item.spans, strict=True)) for item in items]
+
     def shape(n: int, item: DepositItem) -> tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]]:
-        names, pools, _, _, lengths = zip(*item.spans, strict=True)
+        names, pools, _, _, lengths = columns[n]
         return names, pools, lengths
 
     runs = layout_runs(items, shape)
     if any(NUL in "".join(names) or NUL in "".join(pools) for (names, pools, _), _, _ in runs):
         return ()
-    return tuple(deposit_columns(items[start:stop]) for _, start, stop in runs)
+    return tuple(deposit_columns(items[start:stop], columns[start:stop]) for _, start, stop in runs)
 
 
 # -------------------------------------------------------------------- query columns
