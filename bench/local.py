@@ -225,14 +225,19 @@ class RawNixl:
             handle = agent.initialize_xfer(op, ldesc, rdesc, self.writer)
         else:
             handle = agent.make_prepped_xfer(op, self.mine[base], list(range(SPANS)), self.theirs, list(range(SPANS)))
+        name = "consumer_read" if op == "READ" else "consumer_write"
+        self._finish(handle, t0, f"{name}_merged" if merged else name)
+
+    def _finish(self, handle: Any, t0: float, name: str) -> None:
+        """Post ``handle``, wait for it (bounded), release it, and record its time since ``t0`` as ``name``."""
+        agent = self.agent
         state = agent.transfer(handle)
         give_up = t0 + 30
         while state == "PROC" and time.perf_counter() < give_up:
             state = agent.check_xfer_state(handle)
         agent.release_xfer_handle(handle)
         assert state == "DONE", state
-        name = "consumer_read" if op == "READ" else "consumer_write"
-        self.runs[f"{name}_merged" if merged else name].append(time.perf_counter() - t0)
+        self.runs[name].append(time.perf_counter() - t0)
 
     def reach_node(self, client: Client, key: bytes) -> None:
         """Make ready the anchor of a deliver under a read grant that reads what the deliver
@@ -256,17 +261,10 @@ class RawNixl:
         """The anchor of a deliver under a read grant: one timed READ, by this bare agent, of
         the node's 1024 slots of the object into ``dst`` (``reach_node``): the same
         descriptors, in the same memory, as the deliver's."""
-        agent = self.agent
         t0 = time.perf_counter()
-        handle = agent.make_prepped_xfer("READ", self.mine[self.dst.ctypes.data], list(range(SPANS)),
-                                         self.node_slots, list(range(SPANS)))
-        state = agent.transfer(handle)
-        give_up = t0 + 30
-        while state == "PROC" and time.perf_counter() < give_up:
-            state = agent.check_xfer_state(handle)
-        agent.release_xfer_handle(handle)
-        assert state == "DONE", state
-        self.runs["node_read"].append(time.perf_counter() - t0)
+        handle = self.agent.make_prepped_xfer("READ", self.mine[self.dst.ctypes.data], list(range(SPANS)),
+                                              self.node_slots, list(range(SPANS)))
+        self._finish(handle, t0, "node_read")
 
     def run_span(self, span: int) -> None:
         """One timed WRITE of ``SWEEP_BYTES`` in descriptors of ``span`` bytes."""

@@ -12,6 +12,17 @@ from kvcr_client.agent_loads import AgentLoads
 from kvcr_testing.health import wait_until
 
 
+def call_locked(lock: Any, fn: Callable[[], Any]) -> Future[Any]:
+    """``fn``'s outcome, run holding ``lock`` (what ``ClientCore.call`` does with its I/O lock)."""
+    future: Future[Any] = Future()
+    with lock:
+        try:
+            future.set_result(fn())
+        except Exception as exc:
+            future.set_exception(exc)
+    return future
+
+
 class Fake:
     """The client's side of the loads: an agent that loads when told to, a lock, a wake."""
 
@@ -30,13 +41,7 @@ class Fake:
         return "agent-" + metadata.decode()
 
     def locked(self, fn: Callable[[], None]) -> Future[Any]:
-        future: Future[Any] = Future()
-        with self.lock:
-            try:
-                future.set_result(fn())
-            except Exception as exc:
-                future.set_exception(exc)
-        return future
+        return call_locked(self.lock, fn)
 
     def wake(self) -> None:
         self.wakes += 1

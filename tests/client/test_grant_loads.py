@@ -20,6 +20,8 @@ from kvcr_protocol import GrantNode, GrantSource, LeaseGrant, MemoryKind
 from kvcr_protocol.records import PoolInfo, Region
 from kvcr_testing.health import wait_until
 
+from .test_agent_loads import call_locked
+
 SLOT = 4096
 POOLS = (Region(0, MemoryKind.DRAM, 0, 1 << 20, 16 * SLOT),)
 
@@ -54,13 +56,7 @@ class FakeCore:
         self.reads = FakeReads()
 
     def call(self, fn: Any, closed: bool = False) -> Future[Any]:
-        future: Future[Any] = Future()
-        with self.lock:
-            try:
-                future.set_result(fn())
-            except Exception as exc:
-                future.set_exception(exc)
-        return future
+        return call_locked(self.lock, fn)
 
     def wake(self) -> None:
         pass
