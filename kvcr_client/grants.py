@@ -2,7 +2,8 @@
 
 A version-5 ``lease`` asks for a read grant; the node answers with the pool and slot of
 every span it holds, and once per session with its agent and pool registrations, which
-``Grants`` loads into the client's own agent. A ``deliver`` whose keys are all granted
+``Grants`` loads into the client's own agent off the turns (``kvcr_client.agent_loads``:
+the lease resolves, and a put WRITEs, once the agent is loaded). A ``deliver`` whose keys are all granted
 then posts NIXL READs from the node's pools into the client's registered memory, one
 transfer per group of its plan (and per pair of memory kinds), and learns completion from
 its own agent: no control message. ``Grants`` owns the granted slots and the node's agent,
