@@ -10,6 +10,7 @@ client's state (``kvcr_client.client_state``); ``Operations`` adds the other req
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
@@ -58,9 +59,12 @@ class LeaseRequests(ClientState):
         asked_at = time.monotonic()
         current = self._scope
         scope = current()
+        # The handle lives in its scope's table: it names the scope weakly, or an unreleased
+        # lease would keep its closed client (and its NIXL agent) for the cyclic collector.
+        scope_ref = weakref.ref(scope)
 
         def live() -> bool:
-            return not core.closed and not core.lost and current() is scope
+            return not core.closed and not core.lost and current() is scope_ref()
 
         granting: list[Future[frozenset[bytes]]] = []
 

@@ -254,6 +254,8 @@ def used(c):
     assert put.result(10)[b"gc/1"].ok
     c.unregister(into)
     c.unregister(region)
+    held = c.lease([b"gc/0"], read=True).result(5)  # held at close: it ends with the session
+    assert b"gc/0" in held.held
 
 async def used_async():
     c = await AsyncClient.connect(endpoint, name="gc-async")
