@@ -24,6 +24,7 @@ from kvcr_client.results import GroupDone, OpHandle
 from kvcr_client.sender import Sender
 from kvcr_client.session_scope import CurrentScope
 from kvcr_client.spans import Destination, Span
+from kvcr_client.uncertain import UncertainDestinations
 from kvcr_protocol import PoolInfo, Welcome
 
 DEFAULT_MAX_COMPLETED = 8192
@@ -48,7 +49,10 @@ class ClientState:
         section 6.10), its live leases by id (so that the node's ``lease_end`` reaches their
         handles), its grants; replaced whole at each hello and at close."""
         self._counters = Counters()
-        self._grants = Grants(core, self._counters, self._scope)
+        self._uncertain = UncertainDestinations()
+        """Destination spans a READ past its deadline may still write: no deliver into them,
+        no deposit or put from them, until it ended (``kvcr_client.uncertain``)."""
+        self._grants = Grants(core, self._counters, self._scope, self._uncertain.hold)
         """The slots leases granted this session, read by ``deliver`` (spec section 6.12)."""
         self._send = Sender(core, self._regions, self._completions, self._grants)
 

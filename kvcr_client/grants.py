@@ -41,6 +41,7 @@ from kvcr_client.readplans import LocalColumns, remote_spans
 from kvcr_client.reads import Finished, GrantRead
 from kvcr_client.regions import RegionHandle
 from kvcr_client.session_scope import PRUNE_SLACK, GrantedKey, NodeAgent, NodePool, SessionScope
+from kvcr_client.uncertain import Hold
 from kvcr_protocol import (
     DEFAULT_LIMITS,
     Completion,
@@ -83,8 +84,11 @@ Not a setting of the product."""
 class Grants:
     """The granted slots of this session's leases, the node's agent, and the READs of a deliver."""
 
-    def __init__(self, core: ClientCore, counters: Counters, scope: Callable[[], SessionScope]) -> None:
+    def __init__(self, core: ClientCore, counters: Counters, scope: Callable[[], SessionScope],
+                 hold: Hold | None = None) -> None:
         self.core = core
+        self.hold = hold
+        """Holds the destination of a READ past its deadline until it ends (``kvcr_client.uncertain``)."""
         self.counters = counters
         self.scope = scope
         """The current session's scope: the granted keys and loaded agents live there."""
@@ -348,7 +352,7 @@ class Grants:
         core = self.core
         job = GrantRead(self, core.agent, items, granted, plan.counts, plan.posts, list(plan.codes), deadline, report,
                         finished, quiet, checks=plan.checks, ahead=on_worker if plan.in_parts else None, gate=self.hook,
-                        ledger=ledger)
+                        ledger=ledger, hold=self.hold)
         # Group 0 is posted, polled and reported in one turn of the lock: the caller may
         # wait on it the moment this returns.
         try:

@@ -70,7 +70,7 @@ class Operations(LeaseRequests):
     def __init__(self, core: ClientCore, max_completed: int = DEFAULT_MAX_COMPLETED) -> None:
         super().__init__(core, max_completed)
         self._puts = Puts(core, _weakly(self.deposit), self._counters, self._regions, self._grants, self._completions,
-                          self._scope)
+                          self._scope, self._uncertain.check)
 
     def deposit(
         self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
@@ -89,6 +89,7 @@ class Operations(LeaseRequests):
         optional = checks.flag(optional, "optional")
         deadline_ms = checks.deadline(deadline_ms)
         frozen, keys, regions = _spans.span_items(objects, DepositItem, self, self._regions.by_id, self.pools)
+        self._uncertain.check(frozen)
         columns = deposit_blocks(frozen) if self.core.version >= COLUMNS_VERSION else ()
         records = () if columns else frozen
         op_id = self.core.next_id()
@@ -139,6 +140,7 @@ class Operations(LeaseRequests):
         deadline_ms = checks.deadline(deadline_ms)
         partial = checks.flag(partial, "partial")
         frozen, keys, regions = _spans.span_items(objects, DeliverItem, self, self._regions.by_id, None)
+        self._uncertain.check(frozen)
         groups = None if plan is None else _spans.plan_groups(frozen, plan)
         granted = self._grants.cover(frozen)
         if granted is not None:

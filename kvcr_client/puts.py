@@ -72,8 +72,11 @@ class Puts:
     """The puts of one client: they ride on its ``Operations`` (regions, grants, deposit)."""
 
     def __init__(self, core: ClientCore, deposit: Deposit, counters: Counters, regions: RegionTable, grants: Grants,
-                 completions: Completing, scope: Callable[[], SessionScope]) -> None:
+                 completions: Completing, scope: Callable[[], SessionScope],
+                 certain: Callable[[Sequence[Any]], None] = lambda items: None) -> None:
         self.core = core
+        self.certain = certain
+        """Refuses items whose memory a READ past its deadline may still write (``kvcr_client.uncertain``)."""
         self.deposit = deposit
         """The client's ``deposit`` (held weakly by the client that hands it: no cycle keeps a
         closed client alive)."""
@@ -122,6 +125,7 @@ class Puts:
         welcome = core.welcome
         pools = {p.name: p for p in welcome.pools} if welcome else {}
         frozen, keys, regions = _spans.span_items(objects, DepositItem, self, self.regions.by_id, pools)
+        self.certain(frozen)
         if not self.offered() or not frozen:
             self.counters.inc(Count.PUT_FALLBACKS)
             return self.deposit(objects, no_evict, optional, deadline_ms)

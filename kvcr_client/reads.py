@@ -28,6 +28,7 @@ from kvcr_client.counters import Count, Counters
 from kvcr_client.errors import ClientClosed
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.posted import CLOSE_DRAIN_S, Post, PostedTransfers
+from kvcr_client.uncertain import Hold
 from kvcr_io.agent import Agent
 from kvcr_protocol import DeliverItem, ErrorCode, GroupEvent, GroupLedger, GroupState, KeyResult, KeyStatus
 
@@ -88,9 +89,13 @@ class GrantRead:
         counts: list[int], posts: list[Post], codes: list[int], deadline: float,
         report: Callable[[list[GroupEvent]], None] | None, finished: Finished, quiet: Callable[[], None],
         clock: Callable[[], float] = time.monotonic, checks: Checks | None = None, ahead: Ahead | None = None,
-        gate: Gate | None = None, ledger: GroupLedger | None = None,
+        gate: Gate | None = None, ledger: GroupLedger | None = None, hold: Hold | None = None,
     ) -> None:
         self.grants = grants
+        self.hold = hold
+        """Holds destination spans a READ past the deadline may still write
+        (``kvcr_client.uncertain``) until this job's READs are terminal."""
+        self._held: list[Callable[[], None]] = []
         self.gate = gate
         self.checks = checks
         """Checks each item's group against the grant's digests once it landed and its lease
@@ -234,6 +239,9 @@ class GrantRead:
             # Past the deadline: a READ still running may write the destination; a group
             # never posted writes nothing.
             code = ErrorCode.DESTINATION_UNCERTAIN if transfers.posted > g else ErrorCode.TIMEOUT
+            if code == ErrorCode.DESTINATION_UNCERTAIN and self.hold is not None and members:
+                items = self.items
+                self._held.append(self.hold((span[-3], span[-2], span[-1]) for k in members for span in items[k].spans))
             for k in members:
                 self._fail(k, code)
             return True
@@ -354,6 +362,9 @@ class GrantRead:
             wait(self.checking.values(), CLOSE_DRAIN_S)
             self.checking.clear()
         self.transfers.release()
+        for let_go in self._held:  # no READ of this job runs: its destination is certain again
+            let_go()
+        self._held.clear()
         self.quiet()
 
     def close(self) -> None:
