@@ -40,6 +40,7 @@ from kvcr_client.prepared_reads import PreparedReads
 from kvcr_client.readplans import LocalColumns, remote_spans
 from kvcr_client.reads import Finished, GrantRead
 from kvcr_client.regions import RegionHandle
+from kvcr_client.results import when_all
 from kvcr_client.session_scope import PRUNE_SLACK, GrantedKey, NodeAgent, NodePool, SessionScope
 from kvcr_client.uncertain import Hold
 from kvcr_protocol import (
@@ -141,7 +142,7 @@ class Grants:
             except Exception as exc:  # never leave the lease's caller waiting
                 out.set_exception(exc)
 
-        _after(waits, granted)
+        when_all(waits, granted)  # the last load resolves in the loader thread, lock held
         return out
 
     def _granted(self, scope: SessionScope, lease: LeaseHandle, keys: Sequence[bytes],
@@ -457,20 +458,3 @@ def _as_whole(finished: Finished) -> Finished:
         finished(results, [int(r.status is KeyStatus.OK) for r in results])
     return whole
 
-
-def _after(waits: Sequence[Future[None]], then: Callable[[], None]) -> None:
-    """Run ``then`` once every one of ``waits`` is done: now when they all are, else where
-    the last one resolves (the loader thread, lock held)."""
-    left = [w for w in waits if not w.done()]
-    if not left:
-        then()
-        return
-    count = [len(left)]
-
-    def one(_: Future[None]) -> None:
-        count[0] -= 1
-        if not count[0]:
-            then()
-
-    for w in left:
-        w.add_done_callback(one)

@@ -31,7 +31,7 @@ from typing import Any
 
 from kvcr_client.errors import ClientClosed, NodeError
 from kvcr_client.posted import PostedTransfers, Poster
-from kvcr_client.results import KeyOutcome, Results
+from kvcr_client.results import KeyOutcome, Results, when_all
 from kvcr_protocol import ErrorCode, KeyResult, KeyStatus, MemoryKind, PutReply, code_of
 
 Runs = dict[tuple[MemoryKind, MemoryKind], tuple[Any, Any]]
@@ -239,7 +239,8 @@ class PutJob:
         """No WRITE runs any more: the memory is free; the handle resolves once the commit
         (which answers for the reserved keys) and the deposit of ``BUSY`` keys answered."""
         self._end(not let_go)
-        _chain_all(self.reading, self.written)
+        written = self.written
+        when_all(self.reading, lambda: None if written.done() else written.set_result(None))
         self.reading = []
         pending = [f for f in (committed, *set(self.busy.values())) if f is not None]
         keys, busy, out = self.keys, dict(self.busy), self.result
@@ -291,17 +292,3 @@ def _chain(source: Future[Any], target: Future[Any]) -> None:
             target.set_result(done.result())
     source.add_done_callback(settle)
 
-
-def _chain_all(sources: Sequence[Future[None]], target: Future[None]) -> None:
-    """``target`` resolves once every one of ``sources`` is done (at once when there are none)."""
-    left = [len(sources)]
-
-    def one(_: Future[None] | None = None) -> None:
-        left[0] -= 1
-        if left[0] <= 0 and not target.done():
-            target.set_result(None)
-
-    if not sources:
-        one()
-    for source in sources:
-        source.add_done_callback(one)

@@ -388,3 +388,21 @@ class DeliverHandle(OpHandle[Results[KeyOutcome]]):
         elif state is GroupState.FAILED:
             code = self._ledger.group_codes.get(group, 0) if item is None else self._ledger.code(item)
             future.set_exception(GroupFailed(code, f"group {group} will not be delivered"))
+
+
+def when_all(futures: Sequence[Future[Any]], then: Callable[[], None]) -> None:
+    """Run ``then`` once every one of ``futures`` is done: now when they all are (or there are
+    none), else in the thread that resolves the last of them."""
+    left = [f for f in futures if not f.done()]
+    if not left:
+        then()
+        return
+    count = [len(left)]
+
+    def one(_: Future[Any]) -> None:
+        count[0] -= 1
+        if not count[0]:
+            then()
+
+    for f in left:
+        f.add_done_callback(one)
