@@ -81,7 +81,8 @@ class ClientState:
         """Sizes of the client's tables (for monitoring, and churn tests that check nothing grows)."""
         return {**self.core.tables(), "completed": len(self._completions), "regions": len(self._regions),
                 "leases": len(self._scope().leases), "granted_keys": len(self._grants),
-                "agent_loads": self._grants.loads.pending}
+                "agent_loads": self._grants.loads.pending, "uncertain_held": len(self._uncertain),
+                "uncertain_node": self._uncertain.node_held}
 
     def counters(self) -> dict[str, int]:
         """What this client counted, every counter by name (``kvcr_client.counters.Count``):

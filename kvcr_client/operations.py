@@ -36,6 +36,7 @@ from kvcr_protocol import (
     COLUMNS_VERSION,
     DEFAULT_LIMITS,
     PRESENCE_CODE,
+    Completion,
     DeliverColumns,
     DeliverItem,
     Deposit,
@@ -142,7 +143,8 @@ class Operations(LeaseRequests):
         frozen, keys, regions = _spans.span_items(objects, DeliverItem, self, self._regions.by_id, None)
         self._uncertain.check(frozen)
         groups = None if plan is None else _spans.plan_groups(frozen, plan)
-        granted = self._grants.cover(frozen)
+        # Memory the node reported uncertain goes by the node, which knows when it is free (spec section 12).
+        granted = None if self._uncertain.node_reserved(frozen) else self._grants.cover(frozen)
         if granted is not None:
             # Every key is leased with a read grant: READ it ourselves, no node turn (spec section 6.12).
             return self._send.read_granted(frozen, keys, granted, groups, deadline_ms, regions)
@@ -154,9 +156,16 @@ class Operations(LeaseRequests):
         token = self._scope().token if columns and groups is not None else 0
         records = () if columns else frozen
         build = lambda i: DeliverMsg(i, records, request_id, deadline_ms, flag, columns, token)  # noqa: E731
+        uncertain = self._uncertain
+
+        def answered(msg: Message) -> None:
+            assert isinstance(msg, Completion)
+            uncertain.node_answered(frozen, msg.results)
+
         if groups is None:
-            return self._send.op("deliver", keys, build, deadline_ms, True, regions)
-        return self._send.planned(keys, build, deadline_ms, regions, [max(g, default=0) + 1 for g in groups], token)
+            return self._send.op("deliver", keys, build, deadline_ms, True, regions, answered)
+        return self._send.planned(keys, build, deadline_ms, regions, [max(g, default=0) + 1 for g in groups], token,
+                                  answered)
 
     def fetch(
         self, expected_layouts: Mapping[bytes, Sequence[tuple[str, str]]], request_id: str | None = None,

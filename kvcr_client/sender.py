@@ -58,10 +58,10 @@ class Sender:
         return store_handle(self.core, self.completions, op_id, kind, fut, written, abort)
 
     def op(self, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool,
-           regions: set[RegionHandle]) -> OpHandle[Any]:
+           regions: set[RegionHandle], on_reply: Callable[[Message], None] | None = None) -> OpHandle[Any]:
         """Send one operation; its handle resolves to per-key results (``send``)."""
         op_id = self.core.next_id()
-        fut = self.send(op_id, kind, keys, build, deadline_ms, touches, regions)
+        fut = self.send(op_id, kind, keys, build, deadline_ms, touches, regions, on_reply)
         return self.handle(op_id, kind, fut, self.abort)
 
     def send(
@@ -108,6 +108,7 @@ class Sender:
 
     def planned(
         self, keys: list[bytes], build: Any, deadline_ms: int, regions: set[RegionHandle], counts: list[int], token: int,
+        on_reply: Callable[[Message], None] | None = None,
     ) -> DeliverHandle:
         """Send a deliver with layer plans: a ``DeliverHandle`` fed by notifications, progress
         and the reply (``PlanProgress``), whose groups fail when the request ends without a
@@ -120,6 +121,8 @@ class Sender:
         def reply(msg: Message) -> None:
             assert isinstance(msg, Completion)
             handle.apply(handle.progress.on_reply(msg))
+            if on_reply is not None:
+                on_reply(msg)
             if token and regions and any(r.code == ErrorCode.DESTINATION_UNCERTAIN for r in msg.results):
                 self.regions.linger(op_id, regions)
 

@@ -57,6 +57,7 @@ from kvcr_node.ops.query import Queries
 from kvcr_node.outbox import Outbox
 from kvcr_node.puts import Puts
 from kvcr_node.recovery import take_back
+from kvcr_node.reservations import Reservations
 from kvcr_node.router import Router
 from kvcr_node.sessions import Sessions
 from kvcr_node.source import Source, SubmitWrite
@@ -246,9 +247,10 @@ class Node:
             config, self.context, self._poller, self.remote_agents, intro.peer_hello, self.versions, self.counters,
             self.protocol_errors, self.clock, self.curve.peer_keys if self.curve is not None else None,
         )
+        self.reservations = Reservations()
         self.target = Target(
             self.links, self.remote_agents, self.store, self.memories, self.operations, self.outbox, self.counters,
-            self.agent.name, failure,
+            self.agent.name, failure, self.reservations,
         )
         self.links.owner = self.target
         self.leases = Leases(config, self.store, self.outbox, self.links, self.clock, self.endpoint)
@@ -282,7 +284,7 @@ class Node:
             self.transfers, self.remote_agents, projections, self.outbox, self.counters, self.protocol_errors,
             self.metrics,
         )
-        deposits = Deposits(self.store, self.memories, self.operations)
+        deposits = Deposits(self.store, self.memories, self.operations, self.reservations)
         self.puts = Puts(config, self.store, deposits, self.operations, self.remote_agents, self.outbox, self.clock,
                          self.leases.pool_index, intro.grant_node)
         self.sessions.puts = self.puts

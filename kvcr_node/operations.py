@@ -132,13 +132,14 @@ class Operations:
         """Split a batch: keys READY here, and keys a hint sends to another node.
 
         The operation waits on keys still WRITING here; keys neither here nor hinted
-        fail NOT_FOUND, repeated keys DUPLICATE_KEY.
+        fail NOT_FOUND, repeated keys DUPLICATE_KEY; keys that already failed stay out.
         """
         unique = self.unique_keys(op, keys)
         ready: list[int] = []
         remote: dict[str, list[int]] = {}
+        results = op.results
         for i, key in enumerate(keys):
-            if not unique[i]:
+            if not unique[i] or results[i] is not None:
                 continue
             entry = self.store.lookup(key)
             if entry is None:

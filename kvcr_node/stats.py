@@ -129,6 +129,7 @@ class Stats:
             "hints": sum(len(s.hints) for s in clients),
             "hinted_keys": sum(s.hinted_keys for s in clients),
             "withdrawals": sum(len(s.withdrawals) for s in clients),
+            "reserved_writes": len(self.target.reservations),
             "suspects_at_sources": sum(s.suspects_at_sources for s in clients),
             **self.leases.sizes(),
             **(self.puts.sizes() if self.puts is not None else {}),

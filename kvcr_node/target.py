@@ -22,6 +22,7 @@ from kvcr_node.operations import Failure, Operations
 from kvcr_node.outbox import REASON_MAX, Outbox
 from kvcr_node.peers import RemoteWrite, WriteStage
 from kvcr_node.records import Operation, Plan, Session, Withdrawal
+from kvcr_node.reservations import Reservations, write_extents
 from kvcr_node.store import ObjectEntry, Store
 from kvcr_node.wanted import Wanted
 from kvcr_protocol import (
@@ -61,7 +62,11 @@ class Target:
     def __init__(
         self, links: Links, agents: RemoteAgents, store: Store, memories: dict[str, PoolMemory],
         operations: Operations, outbox: Outbox, counters: Counters, agent_name: str, failure: Failure,
+        reservations: Reservations,
     ) -> None:
+        self.reservations = reservations
+        """Client memory an uncertain write may still reach, by agent: reserved here from the
+        write's deadline to its end; ``deliver``, ``deposit`` and ``put`` refuse it."""
         self.store = store
         self.memories = memories
         self.pool_index = {name: i for i, name in enumerate(memories)}
@@ -152,6 +157,8 @@ class Target:
         operations = self.operations
         if was_uncertain:
             self.counters.inc(Count.UNCERTAIN_RESOLVED)
+            if write.client is not None:
+                self.reservations.end(write.agent, write.id)
             for entry in write.fills or ():
                 self.store.abandon(entry)
                 operations.wake(entry.key)
@@ -209,6 +216,8 @@ class Target:
     def write_uncertain(self, write: RemoteWrite) -> None:
         """The deadline passed with the write unanswered: fail the items, keep the memory."""
         op = write.op
+        if write.client is not None:
+            self.reservations.reserve(write.agent, write.id, write_extents(write.items, write.columns))
         op.remote_answered()
         for i in write.indices:
             op.fail(i, ErrorCode.DESTINATION_UNCERTAIN,

@@ -12,6 +12,7 @@ from typing import cast
 
 import numpy as np
 
+from kvcr_node.reservations import Extent, record_extents, row_extents
 from kvcr_node.transfers import Move
 from kvcr_protocol import DeliverColumns, DeliverItem, ProtocolError, Region, resolve_columns
 from kvcr_protocol.descriptors import ColumnExtents, resolve_spans
@@ -119,6 +120,13 @@ class Wanted:
             b, r = self.where[i]
             rows.setdefault(b, []).append(r)
         return (), tuple(cast(DeliverColumns, self.blocks[b].block.select(picked)) for b, picked in rows.items())
+
+    def extents(self, i: int) -> list[Extent]:
+        """Item ``i``'s destination as (region id, offset, length), span by span."""
+        if not self.blocks:
+            return record_extents(self.items[i].spans)
+        b, r = self.where[i]
+        return row_extents(self.blocks[b].block, r)
 
     def region_ids(self, i: int) -> set[int]:
         """The region ids item ``i``'s destination names."""

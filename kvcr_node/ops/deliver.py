@@ -100,6 +100,13 @@ class Deliveries:
         )
         if op is None:
             return
+        reservations = self.target.reservations
+        if reservations.holds(session.agent):
+            # Spec section 12, "Reserved memory": an earlier write may still land there after this one.
+            for i in range(len(wanted)):
+                why = reservations.reason(session.agent, wanted.extents(i), f"{wanted.item_path(i)}.spans")
+                if why is not None:
+                    op.fail(i, ErrorCode.DESTINATION_UNCERTAIN, why)
         ready, remote = self.operations.sort_items(op, wanted.keys, msg.request_id)
         self.deliver_ready(ready, op, wanted)
         for source, indices in remote.items():

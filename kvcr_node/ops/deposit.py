@@ -17,6 +17,7 @@ import numpy as np
 from kvcr_node.memory import PoolMemory
 from kvcr_node.operations import Operations
 from kvcr_node.records import Operation, OpKind, Outcomes, Session
+from kvcr_node.reservations import Reservations, record_extents, row_extents
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
 from kvcr_node.transfers import Move, run_moves, uniform_columns
 from kvcr_protocol import (
@@ -47,7 +48,11 @@ class Deposits:
     """Placement of new objects (``deposit`` and ``put``), the ``deposit`` handler and the
     READs it starts, and the commit both end with."""
 
-    def __init__(self, store: Store, memories: dict[str, PoolMemory], operations: Operations) -> None:
+    def __init__(
+        self, store: Store, memories: dict[str, PoolMemory], operations: Operations, reservations: Reservations,
+    ) -> None:
+        self.reservations = reservations
+        """Client memory an uncertain write may still change: never read from (spec section 12)."""
         self.store = store
         self.memories = memories
         self.operations = operations
@@ -103,6 +108,8 @@ class Deposits:
         An item whose key another writer holds is handed to ``waiting`` (a deposit waits
         for that writer), or fails ``BUSY`` without it (a put, section 6.13). Nothing moves."""
         placed: Placed = []
+        if self.reservations.holds(session.agent):
+            indices = self._unreserved(session.agent, outcomes, msg, indices, blocks, where)
         try:
             if blocks:
                 self._place_columns(session, outcomes, msg, indices, blocks, where, placed, waiting)
@@ -112,6 +119,26 @@ class Deposits:
             self._abandon([(i, entry) for i, entry, _ in placed])
             raise
         return placed
+
+    def _unreserved(
+        self, agent: str, outcomes: Outcomes, msg: Deposit | Put, indices: Sequence[int],
+        blocks: Sequence[_ColumnBlock], where: Sequence[tuple[int, int]],
+    ) -> list[int]:
+        """``indices`` less the items whose source an uncertain write may still change, which
+        fail ``DESTINATION_UNCERTAIN`` (spec section 12): what they would store is not known."""
+        kept = []
+        for i in indices:
+            if blocks:
+                b, r = where[i]
+                extents, path = row_extents(blocks[b].block, r), f"{blocks[b].path}.keys[{r}].spans"
+            else:
+                extents, path = record_extents(msg.items[i].spans), f"items[{i}].spans"
+            why = self.reservations.reason(agent, extents, path)
+            if why is None:
+                kept.append(i)
+            else:
+                outcomes.fail(i, ErrorCode.DESTINATION_UNCERTAIN, why)
+        return kept
 
     def _abandon(self, fills: Fills) -> None:
         self.operations.abandon_fills(

@@ -95,7 +95,7 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 306
     """The node is stopping and accepts no new work."""
     DESTINATION_UNCERTAIN = 307
-    """The operation failed but a transfer may still have written the destination."""
+    """The operation failed but a transfer may still have written the destination; or the memory a key names is reserved because one may (section 12)."""
     NODE_LOST = 308
     """The client lost its node before the operation completed."""
     INTERNAL = 309

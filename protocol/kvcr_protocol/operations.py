@@ -64,9 +64,10 @@ _PEER_KEY = _codes(
 
 _PUT_RESULTS = _codes(
     E.CAPACITY, E.LAYOUT_MISMATCH, E.SIZE_MISMATCH, E.BAD_DESCRIPTOR, E.UNKNOWN_POOL, E.DUPLICATE_KEY, E.BUSY,
-    E.INTERNAL,
+    E.DESTINATION_UNCERTAIN, E.INTERNAL,
 )
-"""A put's per-key codes: a deposit's checks, and ``BUSY`` for a key another writer holds."""
+"""A put's per-key codes: a deposit's checks, ``BUSY`` for a key another writer holds, and
+``DESTINATION_UNCERTAIN`` for a source a late write may still change (section 12)."""
 
 REQUEST_CODES: Mapping[str, RequestCodes] = {
     # Client requests (section 5.2).
@@ -77,7 +78,7 @@ REQUEST_CODES: Mapping[str, RequestCodes] = {
         _codes(E.BUSY) | _STOPPING,
         _codes(
             E.CAPACITY, E.LAYOUT_MISMATCH, E.SIZE_MISMATCH, E.BAD_DESCRIPTOR, E.UNKNOWN_POOL, E.DUPLICATE_KEY,
-            E.TRANSFER_FAILED, E.TIMEOUT, E.ABORTED, E.SHUTTING_DOWN, E.INTERNAL,
+            E.TRANSFER_FAILED, E.TIMEOUT, E.ABORTED, E.SHUTTING_DOWN, E.DESTINATION_UNCERTAIN, E.INTERNAL,
         ),
     ),
     "query": RequestCodes(_STOPPING),

@@ -26,6 +26,7 @@ from kvcr_node.operations import Operations
 from kvcr_node.outbox import Outbox
 from kvcr_node.peers import RemoteWrite, WriteStage
 from kvcr_node.records import Operation, OpKind, Plan, Session
+from kvcr_node.reservations import Reservations
 from kvcr_node.store import Store
 from kvcr_node.target import Target
 from kvcr_node.wanted import Wanted
@@ -114,9 +115,10 @@ class World:
             out.append(decode(payload))
         return out
 
-    def deliver(self, msg_id: int, n: int, endpoint: str = SOURCE) -> Operation:
-        """A deliver of ``n`` keys into region 1 that a hint sends to ``endpoint``, all forwarded."""
-        wanted = Wanted(tuple(DeliverItem(f"k{i}".encode(), (DstSpan("L0", 1, i * 4096, 4096),)) for i in range(n)), ())
+    def deliver(self, msg_id: int, n: int, endpoint: str = SOURCE, at: int = 0) -> Operation:
+        """A deliver of ``n`` keys into region 1 from byte ``at`` on, 4 KiB each, that a hint
+        sends to ``endpoint``."""
+        wanted = Wanted(tuple(DeliverItem(f"k{i}".encode(), (DstSpan("L0", 1, at + i * 4096, 4096),)) for i in range(n)), ())
         op = self.operations.admit(self.client, msg_id, OpKind.DELIVER, n, 0, agent=self.client.agent,
                                    regions=self.client.regions, plan=Plan(wanted.group_counts(), wanted.planned))
         assert op is not None
@@ -140,7 +142,8 @@ def world() -> World:
     operations = Operations(config, store, None, agents, outbox, clock, "ipc:///tmp/kvcr-test-target/node.sock",  # type: ignore[arg-type]
                             failure, Metrics(clock))
     links = FakeLinks()
-    target = Target(links, agents, store, {}, operations, outbox, counters, "target-agent", failure)  # type: ignore[arg-type]
+    target = Target(links, agents, store, {}, operations, outbox, counters, "target-agent", failure,  # type: ignore[arg-type]
+                    Reservations())
     client = Session(b"client", "engine", "client-agent", VERSION, regions={1: REGION})
     return World(target, links, operations, outbox, counters, client, failures)
 
@@ -195,3 +198,28 @@ def test_an_unregions_waits_for_the_write_that_may_reach_its_region(world: World
     ack, reply = world.sent()
     assert ack == Ack(9) and isinstance(reply, Completion) and reply.id == 7
     assert world.client.withdrawals == {} and world.target.withdrawing == {}
+
+
+def test_a_write_past_its_deadline_reserves_its_destination_until_it_is_over(world: World) -> None:
+    """Spec section 12, "Reserved memory": from the deadline of a write that may still land
+    to its end, its destination spans are reserved under the client's agent (what
+    ``deliver``, ``deposit`` and ``put`` refuse), and only those."""
+    world.deliver(7, 2)  # bytes 0..8192 of region 1
+    [first] = world.links.submitted
+    reservations = world.target.reservations
+    assert not reservations.holds("client-agent")  # sent, not yet past its deadline
+    first.state = WriteStage.UNCERTAIN  # what the links do at the deadline
+    world.target.write_uncertain(first)
+    [reply] = world.sent()
+    assert isinstance(reply, Completion)
+    assert [r.code for r in reply.results] == [ErrorCode.DESTINATION_UNCERTAIN] * 2
+    assert len(reservations) == 1 and reservations.holds("client-agent") and not reservations.holds("other-agent")
+    assert reservations.overlap("client-agent", [(1, 8192, 4096), (1, 8191, 1)]) == 1
+    assert reservations.overlap("client-agent", [(2, 0, 8192)]) is None
+
+    # The source confirms the write over (a probe, a late answer, or known gone): free again.
+    first.state = WriteStage.DONE
+    first.link.writes.pop(first.id, None)
+    world.target.write_over(first, None, "", (), True)
+    assert len(reservations) == 0 and not reservations.holds("client-agent")
+    assert world.counters[Count.UNCERTAIN_RESOLVED] == 1 and world.sent() == [] and not world.failures
