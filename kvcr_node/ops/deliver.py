@@ -104,6 +104,8 @@ class Deliveries:
         if reservations.holds(session.agent):
             # Spec section 12, "Reserved memory": an earlier write may still land there after this one.
             for i in range(len(wanted)):
+                if wanted.descriptor_problem(i, session.regions) is not None:
+                    continue  # failed as such below
                 why = reservations.reason(session.agent, wanted.extents(i), f"{wanted.item_path(i)}.spans")
                 if why is not None:
                     op.fail(i, ErrorCode.DESTINATION_UNCERTAIN, why)

@@ -109,7 +109,7 @@ class Deposits:
         for that writer), or fails ``BUSY`` without it (a put, section 6.13). Nothing moves."""
         placed: Placed = []
         if self.reservations.holds(session.agent):
-            indices = self._unreserved(session.agent, outcomes, msg, indices, blocks, where)
+            indices = self._unreserved(session, outcomes, msg, indices, blocks, where)
         try:
             if blocks:
                 self._place_columns(session, outcomes, msg, indices, blocks, where, placed, waiting)
@@ -121,7 +121,7 @@ class Deposits:
         return placed
 
     def _unreserved(
-        self, agent: str, outcomes: Outcomes, msg: Deposit | Put, indices: Sequence[int],
+        self, session: Session, outcomes: Outcomes, msg: Deposit | Put, indices: Sequence[int],
         blocks: Sequence[_ColumnBlock], where: Sequence[tuple[int, int]],
     ) -> list[int]:
         """``indices`` less the items whose source an uncertain write may still change, which
@@ -133,7 +133,9 @@ class Deposits:
                 extents, path = row_extents(blocks[b].block, r), f"{blocks[b].path}.keys[{r}].spans"
             else:
                 extents, path = record_extents(msg.items[i].spans), f"items[{i}].spans"
-            why = self.reservations.reason(agent, extents, path)
+            # A span outside the session's regions fails as such when the item is placed.
+            known = all(region in session.regions for region, _, _ in extents)
+            why = self.reservations.reason(session.agent, extents, path) if known else None
             if why is None:
                 kept.append(i)
             else:
