@@ -38,8 +38,10 @@ class OperationTimeout(KvcrError, TimeoutError):
 
     For a deposit or deliver, the node may still read or write the memory it names until
     it answers: the client keeps that memory's regions in use (``unregister`` refuses
-    them) until the node's late answer arrives or the session is over. Do not reuse a
-    deliver's destination blindly.
+    them) until the node's late answer arrives or the session is over. Meanwhile a
+    deliver into a timed-out deliver's destination, or a deposit or put from it, fails
+    ``ArgumentError`` naming the span; a timed-out deposit's memory is free once its
+    handle's ``written`` resolves.
     """
 
 

@@ -162,10 +162,14 @@ class Operations(LeaseRequests):
             assert isinstance(msg, Completion)
             uncertain.node_answered(frozen, msg.results)
 
+        def hold() -> Callable[[], None]:
+            # The caller stopped waiting; the node may still write there until it answers.
+            return uncertain.hold((span.region, span.offset, span.length) for item in frozen for span in item.spans)
+
         if groups is None:
-            return self._send.op("deliver", keys, build, deadline_ms, True, regions, answered)
+            return self._send.op("deliver", keys, build, deadline_ms, True, regions, answered, hold)
         return self._send.planned(keys, build, deadline_ms, regions, [max(g, default=0) + 1 for g in groups], token,
-                                  answered)
+                                  answered, hold)
 
     def fetch(
         self, expected_layouts: Mapping[bytes, Sequence[tuple[str, str]]], request_id: str | None = None,

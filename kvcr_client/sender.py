@@ -16,6 +16,7 @@ from typing import Any
 
 from kvcr_client.completions import Completions
 from kvcr_client.core import ClientCore
+from kvcr_client.errors import OperationTimeout
 from kvcr_client.grants import Grants
 from kvcr_client.regions import RegionHandle, RegionTable
 from kvcr_client.results import DeliverHandle, KeyOutcome, OpHandle, Results, StoreHandle, store_handle
@@ -58,16 +59,18 @@ class Sender:
         return store_handle(self.core, self.completions, op_id, kind, fut, written, abort)
 
     def op(self, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool,
-           regions: set[RegionHandle], on_reply: Callable[[Message], None] | None = None) -> OpHandle[Any]:
+           regions: set[RegionHandle], on_reply: Callable[[Message], None] | None = None,
+           hold: Callable[[], Callable[[], None]] | None = None) -> OpHandle[Any]:
         """Send one operation; its handle resolves to per-key results (``send``)."""
         op_id = self.core.next_id()
-        fut = self.send(op_id, kind, keys, build, deadline_ms, touches, regions, on_reply)
+        fut = self.send(op_id, kind, keys, build, deadline_ms, touches, regions, on_reply, hold=hold)
         return self.handle(op_id, kind, fut, self.abort)
 
     def send(
         self, op_id: int, kind: str, keys: list[bytes], build: Any, deadline_ms: int, touches: bool,
         regions: set[RegionHandle], on_reply: Callable[[Message], None] | None = None,
         observer: Callable[[Any], None] | None = None, written: Future[None] | None = None,
+        hold: Callable[[], Callable[[], None]] | None = None,
     ) -> Future[Any]:
         """Send one operation. Its regions stay in use until the node can no longer touch them.
 
@@ -75,16 +78,23 @@ class Sender:
         not when the client merely stopped waiting (spec section 5.1). ``deadline_ms`` 0
         is the node's default, which the client does not know: it waits for the answer.
         ``on_reply`` sees the reply first, ``observer`` the request's events (lock held);
-        ``written`` resolves when the regions are free.
+        ``written`` resolves when the regions are free. ``hold`` holds the memory the
+        request names (``kvcr_client.uncertain``) when the client stops waiting before
+        the node can no longer touch it, and returns what lets go of it then.
         """
         table = self.regions
         if regions:
             table.hold(op_id, kind, regions)
         elif written is not None:
             written.set_result(None)
+        let_go: list[Callable[[], None]] = []
+        over: list[bool] = []
 
         def settled() -> None:
+            over.append(True)
             table.settle(op_id, regions)
+            for release in let_go:
+                release()
             if written is not None and not written.done():
                 written.set_result(None)
 
@@ -101,6 +111,14 @@ class Sender:
 
         timeout_s = deadline_ms / 1000 if deadline_ms else math.inf
         _, fut = self.core.request(build, convert, timeout_s, touches, op_id, settled if regions else None, observer)
+        if hold is not None and regions:
+
+            def timed_out(done: Future[Any]) -> None:
+                # The node may still write the memory after the caller saw OperationTimeout.
+                if not over and isinstance(done.exception(), OperationTimeout):
+                    let_go.append(hold())
+
+            fut.add_done_callback(timed_out)
         return fut
 
     def abort(self, op_id: int) -> None:
@@ -108,7 +126,7 @@ class Sender:
 
     def planned(
         self, keys: list[bytes], build: Any, deadline_ms: int, regions: set[RegionHandle], counts: list[int], token: int,
-        on_reply: Callable[[Message], None] | None = None,
+        on_reply: Callable[[Message], None] | None = None, hold: Callable[[], Callable[[], None]] | None = None,
     ) -> DeliverHandle:
         """Send a deliver with layer plans: a ``DeliverHandle`` fed by notifications, progress
         and the reply (``PlanProgress``), whose groups fail when the request ends without a
@@ -126,7 +144,7 @@ class Sender:
             if token and regions and any(r.code == ErrorCode.DESTINATION_UNCERTAIN for r in msg.results):
                 self.regions.linger(op_id, regions)
 
-        fut = self.send(op_id, "deliver", keys, build, deadline_ms, True, regions, reply, handle.observe)
+        fut = self.send(op_id, "deliver", keys, build, deadline_ms, True, regions, reply, handle.observe, hold=hold)
         handle.future = fut
         self.completions.when_done(fut, handle, planned=True)
         return handle

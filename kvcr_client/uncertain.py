@@ -1,4 +1,4 @@
-"""Destination spans a READ that missed its deadline may still write (spec section 6.12).
+"""Destination spans a transfer that missed its deadline may still write (spec sections 5.1, 6.12, 12).
 
 A deliver under grants whose deadline passes while one of its READs still runs fails those
 keys ``DESTINATION_UNCERTAIN``: the READ may land later, over whatever is in the
@@ -14,6 +14,10 @@ way; there the node keeps the spans reserved and refuses a deliver into them, or
 or put from them, itself (spec section 12), but a READ of our own under a grant would not
 ask it. Those spans are held here too, as the node's: a deliver that overlaps them goes
 by the node, never by grants, and once the node served one into them (``OK``) they are free.
+
+A deliver the caller stopped waiting for (``OperationTimeout``: no answer by its deadline
+and a grace) may still be written by the node until it answers (spec section 5.1): its
+destination is held here from the timeout to that answer, or to the end of the session.
 """
 
 from __future__ import annotations
@@ -96,8 +100,8 @@ class UncertainDestinations:
                 if _overlaps(held, span):
                     raise ArgumentError(
                         f"{path}[{item.key!r}].spans[{j}]",
-                        "overlaps a destination that a READ past its deadline may still write "
-                        "(DESTINATION_UNCERTAIN); use it again once that READ ended",
+                        "overlaps a destination that a transfer past its deadline may still write "
+                        "(DESTINATION_UNCERTAIN, or a deliver that timed out); use it again once that transfer ended",
                     )
 
 

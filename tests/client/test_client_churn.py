@@ -17,10 +17,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 import kvcr_client.session
-from kvcr_client import AsyncClient, Client, KeyStatus, OperationTimeout, Presence, Span
+from kvcr_client import ArgumentError, AsyncClient, Client, KeyStatus, OperationTimeout, Presence, Span
 from kvcr_testing.health import assert_clean, slot_accounting, stats, wait_until
 from kvcr_testing.layouts import Layout, Registrar, StoredObject
 from kvcr_testing.measure import RSS_SLACK_KIB, Heap, Snapshot
@@ -161,19 +162,29 @@ def test_timed_out_operations_are_all_released(node_factory: Callable[..., Any],
         slots = slot_accounting(stats(client))
         for i in range(WARMUP):
             _check(_mixed(client, f, i).result(5), f)
+        # Each late deliver has a destination of its own: a timed-out one's is held (kvcr_client.uncertain).
+        late = np.zeros(LATE * LAYOUT.nbytes, np.uint8)
+        late_region = reg(late)
+        dests = [client.destination([Span(n, late_region, i * LAYOUT.nbytes + o, size)
+                                     for (n, _, size), o in zip(LAYOUT.spans, LAYOUT.offsets, strict=True)])
+                 for i in range(LATE)]
+        late[:] = 1  # its pages in place before the measure
         before = Snapshot.take(client)
         for _ in range(2):
-            f.dst[:] = pattern(f.dst.size, 23)
+            late[:] = 0
             with frozen(node):
-                handles = [client.deliver({f.key: f.dest}, deadline_ms=1) for _ in range(LATE)]
+                handles = [client.deliver({f.key: dest}, deadline_ms=1) for dest in dests]
                 for h in handles:
                     with pytest.raises(OperationTimeout):
                         h.result(SETTLE_S)
-                assert client.tables()["timed_out"] == LATE
-                assert f.dst_region.in_use == LATE
+                assert client.tables()["timed_out"] == LATE and client.tables()["uncertain_held"] == LATE
+                assert late_region.in_use == LATE
+                with pytest.raises(ArgumentError):  # the frozen node may still write there
+                    client.deliver({f.key: dests[0]})
             # Received late with a 1 ms deadline: each completes OK or TIMEOUT, and answers.
             assert wait_until(lambda: client.tables()["timed_out"] == 0, SETTLE_S), client.tables()
-            assert f.dst_region.in_use == 0
+            assert late_region.in_use == 0 and client.tables()["uncertain_held"] == 0
+        f.dst[:] = pattern(f.dst.size, 23)
         assert client.deliver({f.key: f.dest}).result(10)[f.key].status is KeyStatus.OK
         assert_bytes_equal(f.dst, f.src, "destination after the late answers")
         Snapshot.take(client).assert_back_within(before, "timed-out operations")

@@ -9,6 +9,7 @@ again once let go, every byte right.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,11 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcr_client import ArgumentError, Client, KeyStatus, Span
+from kvcr_client import ArgumentError, Client, KeyStatus, OperationTimeout, Span
 from kvcr_client.reads import GrantRead, Reads
 from kvcr_client.uncertain import UncertainDestinations
 from kvcr_io.agent import XferStatus
 from kvcr_protocol import DeliverItem, DepositItem, DstSpan, ErrorCode, KeyResult, MemoryKind, SrcSpan
+from kvcr_testing.health import wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar
 from kvcr_testing.nodes import NodeProcess
 from kvcr_testing.patterns import KiB, pattern
@@ -126,3 +128,35 @@ def test_a_held_destination_refuses_delivers_into_it_and_stores_from_it_until_le
     assert np.array_equal(dst[:SLOT], src[:SLOT])
     assert client.put({key("from"): [Span("L0", rs, SLOT, SLOT, "kv")]}).result(RESULT_TIMEOUT_S)[key("from")].status \
         is KeyStatus.STORED
+
+
+def test_a_deliver_the_caller_stopped_waiting_for_holds_its_destination_until_the_node_answers(
+        node_factory: Callable[..., NodeProcess]) -> None:
+    """Spec section 5.1: a deliver whose answer did not come by its deadline (and a grace)
+    fails ``OperationTimeout`` for the caller, but the node may still write the destination
+    until it answers. Until then a deliver into that memory, or a put from it, is refused
+    naming the span; the late answer frees it. (A long heartbeat keeps the frozen node from
+    counting as lost, which would end the session and free the memory for that reason.)"""
+    node = node_factory("--pool", "kv:4KiB:16", "--heartbeat-ms", "60000")
+    with Client(node.endpoint, name="timed-out") as c:
+        src = pattern(SLOT, 41)
+        assert c.deposit({b"k": [Span("L0", c.register(src), 0, SLOT, "kv")]}).result(RESULT_TIMEOUT_S).all_ok
+        dst = np.zeros(2 * SLOT, np.uint8)
+        rd = c.register(dst)
+        node.proc.send_signal(signal.SIGSTOP)
+        try:
+            late = c.deliver({b"k": [Span("L0", rd, 0, SLOT)]}, deadline_ms=100)
+            with pytest.raises(OperationTimeout):
+                late.result(RESULT_TIMEOUT_S)
+            assert c.tables()["uncertain_held"] == 1
+            with pytest.raises(ArgumentError) as info:
+                c.deliver({b"k": [Span("L0", rd, SLOT // 2, SLOT)]})
+            assert info.value.field == "objects[b'k'].spans[0]" and "timed out" in str(info.value)
+            with pytest.raises(ArgumentError):
+                c.put({b"from": [Span("L0", rd, 0, SLOT, "kv")]})
+        finally:
+            node.proc.send_signal(signal.SIGCONT)
+        # The node answers late: the memory is free again.
+        assert wait_until(lambda: c.tables()["uncertain_held"] == 0, RESULT_TIMEOUT_S)
+        assert c.deliver({b"k": [Span("L0", rd, SLOT, SLOT)]}).result(RESULT_TIMEOUT_S)[b"k"].ok
+        assert np.array_equal(dst[:SLOT], src) and np.array_equal(dst[SLOT:], src)
