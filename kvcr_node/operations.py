@@ -23,7 +23,7 @@ from kvcr_node.metrics import Metrics
 from kvcr_node.outbox import REASON_MAX, Outbox
 from kvcr_node.records import Operation, OpKind, Outcomes, Plan, Report, Resume, Session
 from kvcr_node.store import ObjectEntry, ObjectState, Store
-from kvcr_node.transfers import Move, Transfers
+from kvcr_node.transfers import Move, Prepared, Transfers
 from kvcr_protocol import (
     Completion,
     ErrorCode,
@@ -302,12 +302,23 @@ class Operations:
 
     # ------------------------------------------------------------------ transfers and claims
 
+    def prepare(self, op: Operation, entries: Sequence[Sequence[Move]]) -> Prepared | None:
+        """Descriptor lists for transfers of ``op`` made of ``entries`` (``Transfers.prepare``),
+        or None when NIXL refuses them (each transfer then prepares its own)."""
+        try:
+            return self.transfers.prepare(op.agent or op.session.agent, entries)
+        except TransferError as exc:
+            log.warning("descriptor lists refused for %s %d: %s", op.kind, op.id, exc)
+            return None
+
     def start(
         self, op: Operation, kind: str, moves: list[Move], on_done: Callable[[bool], None], notifs: Sequence[bytes] = (),
+        prepared: tuple[Prepared, Sequence[int]] | None = None,
     ) -> None:
         """Submit one NIXL transfer for ``op``; ``on_done`` runs when it is terminal (or refused).
 
-        ``notifs`` reach the remote agent once the bytes are in place (spec section 6.10)."""
+        ``notifs`` reach the remote agent once the bytes are in place (spec section 6.10).
+        ``prepared``: the moves are those entries of lists prepared for ``op`` (``prepare``)."""
         def done(ok: bool) -> None:
             # A completion that raises breaks its operation only, never the loop.
             try:
@@ -317,7 +328,10 @@ class Operations:
                 self.break_op(op, f"the node failed while completing {op.kind}: {type(exc).__name__}: {exc}")
 
         try:
-            transfer = self.transfers.start(kind, op.agent or op.session.agent, moves, done, notifs)
+            if prepared is None:
+                transfer = self.transfers.start(kind, op.agent or op.session.agent, moves, done, notifs)
+            else:
+                transfer = self.transfers.start_prepared(kind, prepared[0], prepared[1], done, notifs)
         except TransferError as exc:
             log.warning("transfer refused for %s %d: %s", op.kind, op.id, exc)
             done(False)

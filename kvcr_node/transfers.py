@@ -170,6 +170,24 @@ class LocalLists:
             self.lists[group] = agent.prep_local(group[0], descs)
 
 
+@dataclass(eq=False)
+class Prepared:
+    """Descriptor lists prepared once for several transfers to one agent (the groups of a
+    planned deliver): a transfer of some of its entries only selects their indices."""
+
+    agent: str
+    entries: list[list[tuple[int, list[int], list[int]]]]
+    """Per entry (one list of moves): per request key, (key, local indices, remote indices)."""
+    requests: list[tuple[Any, Any]]
+    """Per request key: (local list, remote list)."""
+    bytes: list[int]
+    """Bytes per entry."""
+    dlists: list[Any] = field(default_factory=list)
+    """The lists prepared for it (the pools' own lists are not among them)."""
+    held: bool = True
+    """Until ``Transfers.release_prepared`` (or the one transfer that owns it ends)."""
+
+
 class Transfers:
     """Posts transfers and polls them to a terminal state."""
 
@@ -184,6 +202,8 @@ class Transfers:
         self.notify_failed = 0
         self.notified = 0
         """Notifications attached to transfers or sent on their own (spec section 6.10)."""
+        self.prepared = 0
+        """Prepared lists held by their owner (not yet let go of with ``release_prepared``)."""
 
     def start(
         self, op: str, remote_agent: str, moves: Sequence[Move], on_done: Callable[[bool], None],
@@ -197,45 +217,150 @@ class Transfers:
         rides on the transfer itself when it is one NIXL request; otherwise each is sent
         on its own once every part is done (spec section 6.10).
         """
+        prepared = self.prepare(remote_agent, [moves])
+        try:
+            transfer = self.start_prepared(op, prepared, (0,), on_done, notifs, owned=True)
+        except BaseException:
+            self.release_prepared(prepared)
+            raise
+        prepared.held = False  # the transfer owns the lists now
+        self.prepared -= 1
+        return transfer
+
+    def prepare(self, remote_agent: str, entries: Sequence[Sequence[Move]]) -> Prepared:
+        """The descriptor lists of transfers of ``entries`` (each a list of moves), prepared
+        once: ``start_prepared`` then posts any of them, together or apart, with no list of
+        its own. ``release_prepared`` lets go of the lists once nothing posted from them runs."""
         pools = self.local.pools
-        # Group by (local memory, remote memory); within a group, merge contiguous runs.
-        groups: dict[tuple[tuple[MemoryKind, int], MemoryKind, int], list[list[Any]]] = {}
+        # Group by (local memory, remote memory); within a group and an entry, merge contiguous runs.
+        groups: dict[tuple[tuple[MemoryKind, int], MemoryKind, int], list[tuple[int, list[list[Any]]]]] = {}
+        totals: list[int] = []
+        for e, moves in enumerate(entries):
+            total = 0
+            last_pool: str | None = None
+            last_region: Region | None = None
+            runs: list[list[Any]] = []
+            base = pool_addr = size = 0
+            for pool, slot, address, length, region, count in moves:
+                total += length
+                if pool is not last_pool or region is not last_region:
+                    # Consecutive moves mostly share pool and region: look the group up once.
+                    group, base, pool_addr, size = pools[pool]
+                    key = (group, region.kind, region.device)
+                    listed = groups.setdefault(key, [])
+                    if not listed or listed[-1][0] != e:
+                        listed.append((e, []))
+                    runs = listed[-1][1]
+                    last_pool, last_region = pool, region
+                local_addr = pool_addr + slot * size
+                if runs:
+                    last = runs[-1]
+                    # Only consecutive slots of one pool into one region: pools (and regions) may
+                    # sit back to back in memory, and a descriptor must lie in one registration.
+                    if (last[5] == pool and last[6] is region and last[0] + last[2] == local_addr
+                            and last[1] + last[2] == address):
+                        last[2] += length
+                        last[3] += count
+                        continue
+                runs.append([local_addr, address, length, count, base + slot, pool, region])
+            totals.append(total)
+        prepared = Prepared(remote_agent, [[] for _ in entries], [], totals)
+        try:
+            for key, listed in groups.items():
+                self._prepare_group(prepared, key, listed)
+        except BaseException:
+            for dlist in prepared.dlists:
+                self.agent.release_dlist(dlist)
+            raise
+        self.prepared += 1
+        return prepared
+
+    def _prepare_group(
+        self, prepared: Prepared, key: tuple[tuple[MemoryKind, int], MemoryKind, int],
+        listed: list[tuple[int, list[list[Any]]]],
+    ) -> None:
+        """One local and one remote list for every entry's runs between one local memory and one remote memory."""
+        group, rkind, rdev = key
+        spans = sum(r[3] for _, runs in listed for r in runs)
+        count_runs = sum(len(runs) for _, runs in listed)
+        blocks: dict[tuple[int, int], tuple[list[int], list[Desc]]] = {}
+        owner: list[tuple[int, int]] = []
+        """Per descriptor moved, in the order given to ``anchored``: (entry, local index)."""
+        if count_runs * _MERGE_GAIN <= spans:
+            # Merged runs: a local list of their own.
+            self.merged += 1
+            local_descs: list[Desc] = []
+            for e, runs in listed:
+                for local_addr, address, length, _, _, _, region in runs:
+                    idx, descs = blocks.setdefault((region.address, region.length), ([], []))
+                    idx.append(len(owner))
+                    owner.append((e, len(local_descs)))
+                    descs.append((address, length, rdev))
+                    local_descs.append((local_addr, length, group[1]))
+            local = self.agent.prep_local(group[0], local_descs)
+            prepared.dlists.append(local)
+        else:
+            local = self.local.lists[group]
+            for e, runs in listed:
+                for _, address, length, count, first, _, region in runs:
+                    idx, descs = blocks.setdefault((region.address, region.length), ([], []))
+                    size = length // count
+                    for k in range(count):
+                        idx.append(len(owner))
+                        owner.append((e, first + k))
+                        descs.append((address + k * size, size, rdev))
+        order, remote_descs, remote_idx = anchored(blocks, rdev)
+        rlist = self.agent.prep_remote(prepared.agent, rkind, remote_descs)
+        prepared.dlists.append(rlist)
+        r = len(prepared.requests)
+        prepared.requests.append((local, rlist))
+        per_entry: dict[int, tuple[list[int], list[int]]] = {}
+        for k, j in zip(order, remote_idx, strict=True):
+            e, local_index = owner[k]
+            li, ri = per_entry.setdefault(e, ([], []))
+            li.append(local_index)
+            ri.append(j)
+        for e, (li, ri) in per_entry.items():
+            prepared.entries[e].append((r, li, ri))
+
+    def start_prepared(
+        self, op: str, prepared: Prepared, entries: Sequence[int], on_done: Callable[[bool], None],
+        notifs: Sequence[bytes] = (), owned: bool = False,
+    ) -> Transfer:
+        """Post ``op`` for the ``entries`` of ``prepared`` together (as ``start``); with
+        ``owned`` the transfer lets go of the prepared lists when it is released."""
+        chosen: dict[int, tuple[list[int], list[int]]] = {}
         total = 0
-        last_pool: str | None = None
-        last_region: Region | None = None
-        runs: list[list[Any]] = []
-        base = pool_addr = size = 0
-        for pool, slot, address, length, region, count in moves:
-            total += length
-            if pool is not last_pool or region is not last_region:
-                # Consecutive moves mostly share pool and region: look the group up once.
-                group, base, pool_addr, size = pools[pool]
-                runs = groups.setdefault((group, region.kind, region.device), [])
-                last_pool, last_region = pool, region
-            local_addr = pool_addr + slot * size
-            if runs:
-                last = runs[-1]
-                # Only consecutive slots of one pool into one region: pools (and regions) may
-                # sit back to back in memory, and a descriptor must lie in one registration.
-                if last[5] == pool and last[6] is region and last[0] + last[2] == local_addr and last[1] + last[2] == address:
-                    last[2] += length
-                    last[3] += count
-                    continue
-            runs.append([local_addr, address, length, count, base + slot, pool, region])
-        transfer = Transfer(on_done, total, remote_agent)
+        for e in entries:
+            total += prepared.bytes[e]
+            for r, li, ri in prepared.entries[e]:
+                if r in chosen:
+                    chosen[r][0].extend(li)
+                    chosen[r][1].extend(ri)
+                else:
+                    chosen[r] = (li, ri) if len(entries) == 1 else (list(li), list(ri))
+        transfer = Transfer(on_done, total, prepared.agent)
         attach = b""
-        if len(notifs) == 1 and len(groups) == 1:
+        if len(notifs) == 1 and len(chosen) == 1:
             attach = notifs[0]
             self.notified += 1
         else:
             transfer.notifs = tuple(notifs)
         try:
-            for (group, rkind, rdev), runs in groups.items():
-                self._post_group(transfer, op, remote_agent, group, rkind, rdev, runs, attach)
+            for r, (li, ri) in chosen.items():
+                local, rlist = prepared.requests[r]
+                handle, state = self.agent.start(op, local, li, rlist, ri, attach)
+                transfer.requests.append(handle)
+                if state is XferStatus.FAILED:
+                    raise TransferError(f"NIXL failed to post the {op}")
+                if state is XferStatus.RUNNING:
+                    transfer.pending.append(handle)
         except Exception:
             # Whatever failed, parts already posted may still touch memory.
             self._drain_then_release(transfer)
             raise
+        if owned:
+            transfer.dlists = prepared.dlists
         self.posted += 1
         self.bytes += total
         if attach and not transfer.pending:
@@ -247,42 +372,15 @@ class Transfers:
         self.inflight.append(transfer)
         return transfer
 
-    def _post_group(
-        self, transfer: Transfer, op: str, remote_agent: str, group: tuple[MemoryKind, int],
-        rkind: MemoryKind, rdev: int, runs: list[list[Any]], notif: bytes = b"",
-    ) -> None:
-        spans = sum(r[3] for r in runs)
-        blocks: dict[tuple[int, int], tuple[list[int], list[Desc]]] = {}
-        if len(runs) * _MERGE_GAIN <= spans:
-            # Merged runs: a local list of this transfer's own.
-            self.merged += 1
-            local = self.agent.prep_local(group[0], [(r[0], r[2], group[1]) for r in runs])
-            transfer.dlists.append(local)
-            for i, (_, address, length, _, _, _, region) in enumerate(runs):
-                idx, descs = blocks.setdefault((region.address, region.length), ([], []))
-                idx.append(i)
-                descs.append((address, length, rdev))
-        else:
-            local = self.local.lists[group]
-            for _, address, length, count, first, _, region in runs:
-                idx, descs = blocks.setdefault((region.address, region.length), ([], []))
-                if count == 1:
-                    idx.append(first)
-                    descs.append((address, length, rdev))
-                    continue
-                size = length // count
-                for k in range(count):
-                    idx.append(first + k)
-                    descs.append((address + k * size, size, rdev))
-        local_idx, remote_descs, remote_idx = anchored(blocks, rdev)
-        rlist = self.agent.prep_remote(remote_agent, rkind, remote_descs)
-        transfer.dlists.append(rlist)
-        handle, state = self.agent.start(op, local, local_idx, rlist, remote_idx, notif)
-        transfer.requests.append(handle)
-        if state is XferStatus.FAILED:
-            raise TransferError(f"NIXL failed to post the {op}")
-        if state is XferStatus.RUNNING:
-            transfer.pending.append(handle)
+    def release_prepared(self, prepared: Prepared) -> None:
+        """Let go of ``prepared``'s lists (nothing posted from them may still run); once."""
+        if not prepared.held:
+            return
+        prepared.held = False
+        for dlist in prepared.dlists:
+            self.agent.release_dlist(dlist)
+        prepared.dlists = []
+        self.prepared -= 1
 
     def _drain_then_release(self, transfer: Transfer) -> None:
         # Parts already posted may still touch memory: wait for them before freeing.
@@ -321,7 +419,7 @@ class Transfers:
 
     def stats(self) -> dict[str, int]:
         return {"in_flight": len(self.inflight), "posted": self.posted, "failed": self.failed, "bytes": self.bytes,
-                "notified": self.notified, "notify_failed": self.notify_failed}
+                "notified": self.notified, "notify_failed": self.notify_failed, "prepared": self.prepared}
 
     def poll(self) -> int:
         """Check every in-flight transfer once; returns how many became terminal."""

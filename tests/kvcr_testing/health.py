@@ -35,7 +35,7 @@ def assert_clean(client: Client, *, slots_before: dict[str, tuple[int, int]] | N
     assert st["claims"].get("leases", 0) == 0, st["claims"]
     assert st.get("leases", {}).get("held", 0) == 0, st["leases"]
     assert st["operations_pending"] == 0, st
-    assert st["transfers"]["in_flight"] == 0, st["transfers"]
+    assert st["transfers"]["in_flight"] == 0 and st["transfers"]["prepared"] == 0, st["transfers"]
     assert st["writing"] == 0, st
     for name, pool in st["pools"].items():
         assert pool["free"] + pool["allocated"] == pool["total"], (name, pool)

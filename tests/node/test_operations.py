@@ -96,7 +96,7 @@ def assert_at_rest(d: NodeDriver) -> dict[str, Any]:
     assert st["invariants"] == [], st["invariants"]
     assert st["claims"]["total"] == 0 and st["operations_pending"] == 0, st
     assert st["tables"]["waiters"] == 0 and st["tables"]["handles"] == 0, st["tables"]
-    assert st["transfers"]["in_flight"] == 0, st["transfers"]
+    assert st["transfers"]["in_flight"] == 0 and st["transfers"]["prepared"] == 0, st["transfers"]
     return st
 
 

@@ -105,7 +105,7 @@ def assert_at_rest(d: NodeDriver) -> dict[str, Any]:
     st = d.stats()
     assert st["invariants"] == [], st["invariants"]
     assert st["claims"]["total"] == 0 and st["operations_pending"] == 0, st
-    assert st["transfers"]["in_flight"] == 0, st["transfers"]
+    assert st["transfers"]["in_flight"] == 0 and st["transfers"]["prepared"] == 0, st["transfers"]
     return st
 
 
@@ -141,7 +141,7 @@ def test_a_failed_group_fails_the_later_ones_and_keeps_the_earlier(
         d.hello(b"c", agent)
         stored(d, agent)
         agent.notifications.clear()
-        real = d.node.transfers.start
+        real = d.node.transfers.start_prepared  # a plan's groups post from lists prepared once
         calls = []
 
         def start(*args: Any, **kwargs: Any) -> Any:
@@ -150,7 +150,7 @@ def test_a_failed_group_fails_the_later_ones_and_keeps_the_earlier(
                 raise TransferError("refused for the test")
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(d.node.transfers, "start", start)
+        monkeypatch.setattr(d.node.transfers, "start_prepared", start)
         block = deliver_columns(deliver_items(), groups=range(SPANS))
         first = d.receive(b"c", Deliver(8, (), columns=(block,), notify=TOKEN))
         _, reply = collect(d, agent, first)

@@ -292,7 +292,7 @@ def test_a_planned_write_with_notify_serves_and_reports_each_group(
         announce(d, b"p", client, 2)
         client.notifications.clear()
         if fail_group is not None:
-            real, calls = d.node.transfers.start, []
+            real, calls = d.node.transfers.start_prepared, []  # a plan's groups post from lists prepared once
 
             def start(*args: Any, **kwargs: Any) -> Any:
                 calls.append(1)
@@ -300,7 +300,7 @@ def test_a_planned_write_with_notify_serves_and_reports_each_group(
                     raise TransferError("refused for the test")
                 return real(*args, **kwargs)
 
-            monkeypatch.setattr(d.node.transfers, "start", start)
+            monkeypatch.setattr(d.node.transfers, "start_prepared", start)
         block = deliver_columns(write(0, client.name).items, groups=range(SPANS))
         notify = WriteNotify(0xC0FFEE, 41, pack([5], U32))  # the client's deliver 41, its item 5
         first = d.receive(b"p", WriteRequest(3, client.name, (), 5_000, columns=(block,), notify=notify))

@@ -184,3 +184,115 @@ def test_drain_waits_for_running_transfers_and_stops_at_its_bound() -> None:
     assert forever.drain([1, 2], 0.05) == [D, R]
     assert time.monotonic() - start >= 0.05 and forever.looks > 2
     assert Scripted({}).drain([], 5.0) == []
+
+
+class Recording(Agent):
+    """An agent that keeps the lists it prepared and the transfers it posted (no NIXL)."""
+
+    def __init__(self) -> None:  # no NIXL agent behind it
+        self.lists: dict[int, list[Desc]] = {}
+        self.ids = itertools.count(100)
+        self.posted: list[tuple[int, list[int], int, list[int], bytes]] = []
+        self.released: list[int] = []
+
+    def prep_local(self, kind: MemoryKind, descs: Any) -> Any:
+        handle = next(self.ids)
+        self.lists[handle] = list(descs)
+        return handle
+
+    def prep_remote(self, agent: str, kind: MemoryKind, descs: Any) -> Any:
+        return self.prep_local(kind, descs)
+
+    def start(self, op: str, local: Any, local_idx: Any, remote: Any, remote_idx: Any, notif: bytes = b"") -> Any:
+        self.posted.append((local, list(local_idx), remote, list(remote_idx), notif))
+        return len(self.posted), XferStatus.DONE
+
+    def state(self, handle: Any) -> XferStatus:
+        return XferStatus.DONE
+
+    def release(self, handle: Any) -> None:
+        pass
+
+    def release_dlist(self, dlist: Any) -> None:
+        self.released.append(dlist)
+
+    def progress(self) -> None:
+        pass
+
+
+POOL_AT = 1 << 20
+
+
+def recording_transfers() -> tuple[Recording, Any]:
+    from kvcr_node.transfers import LocalLists, Transfers
+
+    agent = Recording()
+    local = LocalLists.__new__(LocalLists)
+    slots = [(POOL_AT + i * SLOT, SLOT, DEV) for i in range(64)]
+    local.lists = {(MemoryKind.DRAM, DEV): agent.prep_local(MemoryKind.DRAM, slots)}
+    local.pools = {"kv": ((MemoryKind.DRAM, DEV), 0, POOL_AT, SLOT)}
+    return agent, Transfers(agent, local)
+
+
+def pairs_posted(agent: Recording, post: tuple[int, list[int], int, list[int], bytes]) -> set[tuple[int, int]]:
+    """(local address, remote address) of every slot-sized piece a posted request moves."""
+    local, li, remote, ri, _ = post
+    out = set()
+    for i, j in zip(li, ri, strict=True):
+        (la, length, _), (ra, rlength, _) = agent.lists[local][i], agent.lists[remote][j]
+        assert length == rlength
+        out |= {(la + k, ra + k) for k in range(0, length, SLOT)}
+    return out
+
+
+def pairs_of(moves: list[Any]) -> set[tuple[int, int]]:
+    return {(POOL_AT + (slot + k) * SLOT, address + k * SLOT)
+            for _, slot, address, length, _, count in moves for k in range(count)}
+
+
+def test_prepared_lists_move_each_entry_alone_or_with_others() -> None:
+    """A planned deliver's groups share one local and one remote list (anchored), prepared
+    once: posting any entries moves exactly their spans, merged runs or slot by slot, and
+    the lists go only when the owner lets go of them (``start``'s own lists with its transfer)."""
+    region = Region(1, MemoryKind.DRAM, DEV, 1 << 30, 1 << 24)
+    other = Region(2, MemoryKind.DRAM, DEV, 1 << 29, 1 << 24)
+    rng = random.Random(11)
+    for _ in range(200):
+        agent, transfers = recording_transfers()
+        entries = []
+        for _ in range(rng.randint(1, 6)):
+            moves = []
+            for _ in range(rng.randint(1, 5)):
+                count = rng.randint(1, 4)
+                reg = rng.choice((region, other))
+                moves.append(("kv", rng.randrange(60), reg.address + rng.randrange(1000) * SLOT, count * SLOT, reg, count))
+            entries.append(moves)
+        prepared = transfers.prepare("client", entries)
+        made = len(prepared.dlists)
+        assert made in (1, 2)  # the remote list, and a merged local list when merging pays
+        picked = sorted(rng.sample(range(len(entries)), rng.randint(1, len(entries))))
+        done: list[bool] = []
+        transfers.start_prepared("WRITE", prepared, picked, done.append)
+        [post] = agent.posted
+        assert pairs_posted(agent, post) == set().union(*(pairs_of(entries[e]) for e in picked))
+        transfers.poll()
+        assert done == [True] and agent.released == []  # the owner's lists stay
+        assert transfers.prepared == 1
+        transfers.release_prepared(prepared)
+        transfers.release_prepared(prepared)  # once or more
+        assert len(agent.released) == made and prepared.dlists == [] and transfers.prepared == 0
+
+
+def test_a_transfer_of_its_own_releases_its_lists_and_carries_one_notification() -> None:
+    region = Region(1, MemoryKind.DRAM, DEV, 1 << 30, 1 << 24)
+    agent, transfers = recording_transfers()
+    moves = [("kv", 0, region.address, 4 * SLOT, region, 4), ("kv", 8, region.address + 8 * SLOT, SLOT, region, 1)]
+    done: list[bool] = []
+    transfers.start("WRITE", "client", moves, done.append, [b"landed"])
+    [post] = agent.posted
+    assert post[4] == b"landed" and pairs_posted(agent, post) == pairs_of(moves)
+    remote = agent.lists[post[2]]
+    assert remote[0] == (region.address, region.length, DEV), "the region's own descriptor anchors the list"
+    transfers.poll()
+    assert done == [True] and len(agent.released) == 2  # merged local list (5 spans in 2 runs) and remote list
+    assert transfers.prepared == 0 and transfers.inflight == []
