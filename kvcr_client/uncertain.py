@@ -34,7 +34,8 @@ Hold = Callable[[Iterable[tuple[int, int, int]]], Callable[[], None]]
 
 
 class UncertainDestinations:
-    """Held spans by region id, each hold under a token until its READ is terminal."""
+    """Held spans by region id, each hold under a token until the transfer that may still
+    write them is terminal; and, apart, the spans the node reported uncertain."""
 
     def __init__(self) -> None:
         self._held: dict[int, dict[int, list[tuple[int, int]]]] = {}
