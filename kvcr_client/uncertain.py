@@ -28,21 +28,21 @@ from typing import Any
 
 from kvcr_client.errors import ArgumentError
 from kvcr_protocol import ErrorCode, KeyResult, KeyStatus
+from kvcr_protocol.holds import Extent, SpanHolds
 
-Hold = Callable[[Iterable[tuple[int, int, int]]], Callable[[], None]]
+Hold = Callable[[Iterable[Extent]], Callable[[], None]]
 """Holds (region id, offset, length) spans; returns what lets go of them."""
 
 
 class UncertainDestinations:
-    """Held spans by region id, each hold under a token until the transfer that may still
-    write them is terminal; and, apart, the spans the node reported uncertain."""
+    """Spans held (``SpanHolds``) under a token until the transfer that may still write them
+    is terminal; and, apart, the spans the node reported uncertain."""
 
     def __init__(self) -> None:
-        self._held: dict[int, dict[int, list[tuple[int, int]]]] = {}
-        """Token -> region id -> (start, end) ranges."""
+        self._held = SpanHolds()
+        self._node = SpanHolds()
+        """Spans the node reported ``DESTINATION_UNCERTAIN``, a token per key."""
         self._tokens = itertools.count(1)
-        self._node: dict[int, dict[int, list[tuple[int, int]]]] = {}
-        """Spans the node reported ``DESTINATION_UNCERTAIN``: token -> region id -> ranges."""
 
     def __bool__(self) -> bool:
         return bool(self._held)
@@ -50,15 +50,11 @@ class UncertainDestinations:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, spans: Iterable[tuple[int, int, int]]) -> Callable[[], None]:
+    def hold(self, spans: Iterable[Extent]) -> Callable[[], None]:
         """Hold ``spans`` until the returned function is called (once or more)."""
         token = next(self._tokens)
-        self._held[token] = _by_region(spans)
-
-        def let_go() -> None:
-            self._held.pop(token, None)
-
-        return let_go
+        self._held.add(token, spans)
+        return lambda: self._held.drop(token)
 
     @property
     def node_held(self) -> int:
@@ -68,10 +64,7 @@ class UncertainDestinations:
     def node_reserved(self, items: Sequence[Any]) -> bool:
         """Whether a span of ``items`` overlaps one the node reported uncertain: such a
         deliver goes by the node, which knows when its reservation ends."""
-        if not self._node:
-            return False
-        held = list(self._node.values())  # one step: a turn may change it meanwhile
-        return any(_overlaps(by_region, span) for item in items for span in item.spans for by_region in held)
+        return bool(self._node) and any(self._node.overlap(_extents(item)) is not None for item in items)
 
     def node_answered(self, items: Sequence[Any], results: Sequence[KeyResult]) -> None:
         """The node answered a deliver of ``items`` (lock held): hold the spans of keys failed
@@ -81,42 +74,26 @@ class UncertainDestinations:
             return  # the usual case
         for item, result in zip(items, results, strict=True):
             if result.status is KeyStatus.OK and self._node:
-                for token, by_region in list(self._node.items()):
-                    if any(_overlaps(by_region, span) for span in item.spans):
-                        del self._node[token]
+                for token in list(self._node.overlapping(_extents(item))):
+                    self._node.drop(token)
             elif result.code == ErrorCode.DESTINATION_UNCERTAIN:
-                self._node[next(self._tokens)] = _by_region((s[-3], s[-2], s[-1]) for s in item.spans)
+                self._node.add(next(self._tokens), _extents(item))
 
     def check(self, items: Sequence[Any], path: str = "objects") -> None:
         """Refuse ``items`` (wire items: a key and spans naming region id, offset and length
         as the last three fields) when a span overlaps a held one."""
         if not self._held:
             return
-        held: dict[int, list[tuple[int, int]]] = {}
-        for by_region in list(self._held.values()):  # one step: a turn may let go meanwhile
-            for region, spans in by_region.items():
-                held.setdefault(region, []).extend(spans)
         for item in items:
-            for j, span in enumerate(item.spans):
-                if _overlaps(held, span):
-                    raise ArgumentError(
-                        f"{path}[{item.key!r}].spans[{j}]",
-                        "overlaps a destination that a transfer past its deadline may still write "
-                        "(DESTINATION_UNCERTAIN, or a deliver that timed out); use it again once that transfer ended",
-                    )
+            j = self._held.overlap(_extents(item))
+            if j is not None:
+                raise ArgumentError(
+                    f"{path}[{item.key!r}].spans[{j}]",
+                    "overlaps a destination that a transfer past its deadline may still write "
+                    "(DESTINATION_UNCERTAIN, or a deliver that timed out); use it again once that transfer ended",
+                )
 
 
-def _by_region(spans: Iterable[tuple[int, int, int]]) -> dict[int, list[tuple[int, int]]]:
-    by_region: dict[int, list[tuple[int, int]]] = {}
-    for region, offset, length in spans:
-        by_region.setdefault(region, []).append((offset, offset + length))
-    return by_region
-
-
-def _overlaps(by_region: dict[int, list[tuple[int, int]]], span: Any) -> bool:
-    """Whether a wire span (region id, offset, length last) overlaps a range in ``by_region``."""
-    ranges = by_region.get(span[-3])
-    if not ranges:
-        return False
-    offset, end = span[-2], span[-2] + span[-1]
-    return any(start < end and offset < stop for start, stop in ranges)
+def _extents(item: Any) -> list[Extent]:
+    """A wire item's spans as (region id, offset, length): their last three fields."""
+    return [(span[-3], span[-2], span[-1]) for span in item.spans]

@@ -16,9 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvcr_protocol import DeliverItem, DstSpan, SpanColumns, SrcSpan
-
-Extent = tuple[int, int, int]
-"""(region id, offset, length) of a span of client memory."""
+from kvcr_protocol.holds import Extent, SpanHolds
 
 
 def record_extents(spans: Sequence[DstSpan] | Sequence[SrcSpan]) -> list[Extent]:
@@ -41,15 +39,14 @@ def write_extents(items: Sequence[DeliverItem], columns: Sequence[SpanColumns]) 
 
 
 class Reservations:
-    """Reserved spans by client agent and region, each under the id of the write that may land."""
+    """Reserved spans by client agent, each write's under its id (``SpanHolds``)."""
 
     def __init__(self) -> None:
-        self._by_agent: dict[str, dict[int, dict[int, list[tuple[int, int]]]]] = {}
-        """Agent -> write id -> region id -> (start, end) ranges."""
+        self._by_agent: dict[str, SpanHolds] = {}
 
     def __len__(self) -> int:
         """Writes whose destination is reserved."""
-        return sum(len(writes) for writes in self._by_agent.values())
+        return sum(len(holds) for holds in self._by_agent.values())
 
     def holds(self, agent: str) -> bool:
         """Whether anything of ``agent``'s memory is reserved."""
@@ -57,32 +54,23 @@ class Reservations:
 
     def reserve(self, agent: str, write: int, extents: Iterable[Extent]) -> None:
         """Reserve ``extents`` of ``agent``'s memory until ``end(agent, write)``."""
-        by_region: dict[int, list[tuple[int, int]]] = {}
-        for region, offset, length in extents:
-            by_region.setdefault(region, []).append((offset, offset + length))
-        if by_region:
-            self._by_agent.setdefault(agent, {})[write] = by_region
+        holds = self._by_agent.get(agent) or SpanHolds()
+        holds.add(write, extents)
+        if holds:
+            self._by_agent[agent] = holds
 
     def end(self, agent: str, write: int) -> None:
         """No transfer of ``write`` can reach ``agent``'s memory any more."""
-        writes = self._by_agent.get(agent)
-        if writes is not None:
-            writes.pop(write, None)
-            if not writes:
+        holds = self._by_agent.get(agent)
+        if holds is not None:
+            holds.drop(write)
+            if not holds:
                 del self._by_agent[agent]
 
     def overlap(self, agent: str, extents: Iterable[Extent]) -> int | None:
         """The index of the first of ``extents`` that overlaps a reserved span, or None."""
-        writes = self._by_agent.get(agent)
-        if not writes:
-            return None
-        for j, (region, offset, length) in enumerate(extents):
-            end = offset + length
-            for by_region in writes.values():
-                ranges = by_region.get(region)
-                if ranges and any(start < end and offset < stop for start, stop in ranges):
-                    return j
-        return None
+        holds = self._by_agent.get(agent)
+        return None if holds is None else holds.overlap(extents)
 
     def reason(self, agent: str, extents: Sequence[Extent], path: str) -> str | None:
         """Why a key whose spans are ``extents`` (at field ``path``) cannot be served now, or None."""

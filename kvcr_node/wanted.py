@@ -12,10 +12,11 @@ from typing import cast
 
 import numpy as np
 
-from kvcr_node.reservations import Extent, record_extents, row_extents
+from kvcr_node.reservations import record_extents, row_extents
 from kvcr_node.transfers import Move
 from kvcr_protocol import DeliverColumns, DeliverItem, ProtocolError, Region, resolve_columns
 from kvcr_protocol.descriptors import ColumnExtents, resolve_spans
+from kvcr_protocol.holds import Extent
 
 GroupMoves = list[list[Move]]
 """An item's moves, one list per group of its plan, in group order."""
