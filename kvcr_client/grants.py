@@ -357,11 +357,15 @@ class Grants:
         # Group 0 is posted, polled and reported in one turn of the lock: the caller may
         # wait on it the moment this returns.
         try:
-            core.locked(lambda: core.reads.start(job))
+            running = core.locked(lambda: core.reads.start(job))
         except BaseException:  # closed meanwhile: group 0's READ, if posted, is let go of here
             core.call(job.close, closed=True)
             raise
-        core.pace()
+        if running:
+            # Later groups to post, or READs to poll: whoever reads paces them. A deliver
+            # that ended in its first turn (a whole one whose copy ran inside the post)
+            # wakes nobody: a second thread woken costs the caller a GIL hand-off.
+            core.pace()
 
     # ------------------------------------------------------------------ validity
 

@@ -437,12 +437,14 @@ class Reads:
         elif job.live and not live:
             self.paced()
 
-    def start(self, job: GrantRead) -> None:
+    def start(self, job: GrantRead) -> bool:
         """Post ``job``'s group 0 and take it, looking at it once without posting more (one
-        turn: group 0, landed, is reported at once)."""
+        turn: group 0, landed, is reported at once); whether it still runs."""
         job.post()
-        if not job.step(job.clock(), post=False):
-            self.running.append(job)
+        if job.step(job.clock(), post=False):
+            return False
+        self.running.append(job)
+        return True
 
     def step(self, now: float) -> None:
         paced = False
