@@ -32,7 +32,8 @@ stdout carries one JSON object: ``query_ratio`` and ``query_ratio_async`` (query
 p50 of the same 1024 descriptors, the node's slots of the object, by a bare agent / kvcr deliver
 p50 under a read grant; ``_writer``: the same READ shape from a raw writer process's buffer
 instead, which copies faster here than any live node's pool; ``_merged``: from that buffer, one
-descriptor), ``grant_deliver_ms``, ``raw_grant_read_ms`` and ``raw_writer_read_ms`` (their medians) and
+descriptor), ``grant_deliver_small_us`` and ``grant_deliver_small_ratio`` (a granted whole deliver
+of one 64 KiB span, p50, and over a bare agent's READ of its slot), ``grant_deliver_ms``, ``raw_grant_read_ms`` and ``raw_writer_read_ms`` (their medians) and
 ``grant_deliver_spread`` and ``raw_grant_read_spread`` ((p90 - p10) / median), ``deposit_ratio`` (raw NIXL READ p50
 / kvcr deposit p50), ``planned_vs_whole_local`` (the same object delivered by the node in 32
 groups of a layer plan, p50 / whole, both to the prepared destination), ``put_deposit_ratio`` (raw NIXL WRITE p50 of the same 1024 descriptors by a bare
@@ -80,6 +81,8 @@ SPANS = 1024
 OBJECT = SPAN * SPANS  # 64 MiB
 LAYERS = [[f"L{i}" for i in range(g * SPANS // 32, (g + 1) * SPANS // 32)] for g in range(32)]
 """A layer plan of 32 groups over the object's spans, in order (``planned_vs_whole_local``)."""
+SMALL_PER_REP = 20
+"""Granted delivers of the one-span object per repetition (each a few tens of microseconds)."""
 IDLE_CLIENT_S = 3600.0
 """How long the idle client process waits to be stopped (it always is, long before)."""
 IDLE_SETTLE_S = 0.2
@@ -181,7 +184,7 @@ class RawNixl:
                           "src": src.ctypes.data})["t"] == "ok"
         self.runs: dict[str, list[float]] = {"write": [], "write_e2e": [], "write_merged": [], "read": [],
                                              "consumer_read": [], "consumer_read_merged": [], "consumer_write": [],
-                                             "consumer_write_merged": [], "node_read": []}
+                                             "consumer_write_merged": [], "node_read": [], "node_read_small": []}
         found = peer.call({"t": "md"})
         self.writer = self.agent.add_remote_agent(found["md"])
         self.writer_addr = int(found["addr"])
@@ -193,6 +196,8 @@ class RawNixl:
         """Span size -> raw NIXL WRITE times of ``SWEEP_BYTES`` in spans of that size."""
         self.node = ""
         self.node_slots: Any = None
+        self.small_slot: Any = None
+        """The node's one slot of the one-span object (``reach_node``), for ``node_read_small``."""
 
     def run(self, kind: str) -> None:
         """One timed request: ``write``, ``write_merged`` or ``read``."""
@@ -239,7 +244,7 @@ class RawNixl:
         assert state == "DONE", state
         self.runs[name].append(time.perf_counter() - t0)
 
-    def reach_node(self, client: Client, key: bytes) -> None:
+    def reach_node(self, client: Client, key: bytes, small: bool = False) -> None:
         """Make ready the anchor of a deliver under a read grant that reads what the deliver
         reads: the node's own pool slots holding ``key`` (its agent and their addresses, from
         a lease asked for here with the node's agent metadata), into ``dst``. Released at once:
@@ -254,7 +259,11 @@ class RawNixl:
         [(_, _, pools, slots)] = list(grant.keys(DEFAULT_LIMITS))
         addresses = [grant.node.pools[p].address + s * slot_size for p, s in zip(pools, slots, strict=True)]
         self.node = node
-        self.node_slots = self.agent.prep_xfer_dlist(node, [(a, SPAN, 0) for a in addresses], "DRAM")
+        dlist = self.agent.prep_xfer_dlist(node, [(a, SPAN, 0) for a in addresses], "DRAM")
+        if small:
+            self.small_slot = dlist
+        else:
+            self.node_slots = dlist
         client.core.wait(client.core.request(lambda i: ReleaseLease(i, reply.lease), lambda m: m, 10.0)[1], 12.0)
 
     def node_read(self) -> None:
@@ -265,6 +274,13 @@ class RawNixl:
         handle = self.agent.make_prepped_xfer("READ", self.mine[self.dst.ctypes.data], list(range(SPANS)),
                                               self.node_slots, list(range(SPANS)))
         self._finish(handle, t0, "node_read")
+
+    def node_read_small(self) -> None:
+        """The anchor of the granted deliver of the one-span object: one timed READ of its
+        node slot into the first span of ``dst`` (the deliver's destination)."""
+        t0 = time.perf_counter()
+        handle = self.agent.make_prepped_xfer("READ", self.mine[self.dst.ctypes.data], [0], self.small_slot, [0])
+        self._finish(handle, t0, "node_read_small")
 
     def run_span(self, span: int) -> None:
         """One timed WRITE of ``SWEEP_BYTES`` in descriptors of ``span`` bytes."""
@@ -285,11 +301,13 @@ def bench_grants(
     """Deliveries of the object under a read grant (the client READs the node's pools), each
     followed by the raw consumer READs of the same descriptors; the kvcr times per form."""
     progress.step(f"deliver {OBJECT >> 20} MiB under a read grant against raw NIXL READ, {reps} times")
-    lease = client.lease([b"obj"]).result(30)
-    if client.tables()["granted_keys"] != 1:
-        raise AssertionError("the node granted no read of the leased object (client_transfers off?)")
+    small = dests.pop("small")
+    lease = client.lease([b"obj", b"small"]).result(30)
+    if client.tables()["granted_keys"] != 2:
+        raise AssertionError("the node granted no read of the leased objects (client_transfers off?)")
     reads = client.counters()["grant_reads"]
     raw.reach_node(client, b"obj")
+    raw.reach_node(client, b"small", small=True)
     for how, dest in dests.items():
         dst[:] = 0
         assert client.deliver(dest).result(30)[b"obj"].ok
@@ -300,7 +318,13 @@ def bench_grants(
     if not np.array_equal(src, dst):
         raise AssertionError("the anchor's READ of the node's slots did not read the object")
     raw.runs["node_read"].clear()
-    times: dict[str, list[float]] = {"list": [], "prepared": []}
+    dst[:SPAN] = 0
+    assert client.deliver(small).result(30)[b"small"].ok
+    raw.node_read_small()
+    if not np.array_equal(src[:SPAN], dst[:SPAN]):
+        raise AssertionError("bytes read under the grant differ from the deposited bytes (one span)")
+    raw.runs["node_read_small"].clear()
+    times: dict[str, list[float]] = {"list": [], "prepared": [], "small": []}
     for rep in range(reps):
         progress.tick("grant deliveries", rep, reps)
         for how, dest in dests.items():
@@ -311,7 +335,13 @@ def bench_grants(
         raw.node_read()
         raw.consumer_read(merged=False)
         raw.consumer_read(merged=True)
-    if client.counters()["grant_reads"] != reads + 2 + 2 * reps:
+        for _ in range(SMALL_PER_REP):
+            t0 = time.perf_counter()
+            res = client.deliver(small).result(30)
+            times["small"].append(time.perf_counter() - t0)
+            assert res[b"small"].ok, res
+            raw.node_read_small()
+    if client.counters()["grant_reads"] != reads + 3 + (2 + SMALL_PER_REP) * reps:
         raise AssertionError("a deliver of the leased object went to the node")
     lease.release().result(30)
     return times
@@ -469,7 +499,10 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, 
             assert res[b"obj"].ok, res
             raw.run("write")
             raw.run("write_merged")
-        granted = bench_grants(client, raw, dests, src, dst, reps, progress)
+        # One span of the object under a key of its own: a small granted deliver, whole.
+        assert client.deposit({b"small": [Span("L0", rs, 0, SPAN, "kv")]}).result(30)[b"small"].ok
+        granted = bench_grants(client, raw, {**dests, "small": {b"small": client.destination(spans[:1])}}, src, dst,
+                               reps, progress)
         progress.step(f"one-key queries against a raw ZeroMQ echo, {queries} each with Client and AsyncClient")
         queried = bench_queries(client, endpoint, peer, queries)
         # Deposits of the same 64 MiB under new keys: each evicts the oldest object (FIFO).
@@ -497,10 +530,11 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, 
         assert stats["invariants"] == [], stats["invariants"]
     samples = {**queried, "deliver": times["list"], "deliver_prepared": times["prepared"], "deliver_planned": times["planned"], "deposit": deposits, "put": put_times,
                "put_written": put_written, "grant_deliver": granted["list"], "grant_deliver_prepared": granted["prepared"],
+               "grant_deliver_small": granted["small"],
                **{f"raw_{name}": runs for name, runs in raw.runs.items()}}
     return {**{name: summary(queried[name]) for name in queried}, "deliver": summary(times["list"]),
             "grant_deliver": summary(granted["list"]), "grant_deliver_prepared": summary(granted["prepared"]),
-            "deliver_prepared": summary(times["prepared"]), "deliver_planned": summary(times["planned"]), "deposit": summary(deposits), "put": summary(put_times),
+            "grant_deliver_small": summary(granted["small"]), "deliver_prepared": summary(times["prepared"]), "deliver_planned": summary(times["planned"]), "deposit": summary(deposits), "put": summary(put_times),
             "put_written": summary(put_written), "raw": raw.summaries(),
             "samples": samples, "sweep": {span: {"kvcr": swept[span], "raw": raw.sweep[span]} for span in swept}}
 
@@ -548,6 +582,8 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
         "grant_deliver_ratio": r["node_read"]["median"] / k["grant_deliver"]["median"],
         "grant_deliver_ratio_writer": r["consumer_read"]["median"] / k["grant_deliver"]["median"],
         "grant_deliver_ratio_merged": r["consumer_read_merged"]["median"] / k["grant_deliver"]["median"],
+        "grant_deliver_small_us": k["grant_deliver_small"]["median"] * 1e6,
+        "grant_deliver_small_ratio": k["grant_deliver_small"]["median"] / r["node_read_small"]["median"],
         "grant_deliver_ms": k["grant_deliver"]["median"] * 1e3,
         "grant_deliver_spread": k["grant_deliver"]["spread"],
         "raw_grant_read_ms": r["node_read"]["median"] * 1e3,
@@ -593,6 +629,9 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
     say(f"  ratio kvcr / raw NIXL READ of the node's slots: {figures['grant_deliver_ratio']:.2f} (goal >= 0.95); "
         f"of a writer's buffer: {figures['grant_deliver_ratio_writer']:.2f}, one merged descriptor: "
         f"{figures['grant_deliver_ratio_merged']:.2f}")
+    say(f"one span of {SPAN >> 10} KiB under a read grant, whole: kvcr {fmt_us(k['grant_deliver_small'])}, "
+        f"raw NIXL READ of its slot {fmt_us(r['node_read_small'])}, "
+        f"kvcr / raw {figures['grant_deliver_small_ratio']:.2f}")
     say("deposit of the same object under a new key (evicting one), against raw NIXL READ")
     say(f"  kvcr deposit, list of spans      {fmt_gbps(OBJECT, k['deposit'])}")
     say(f"  raw NIXL READ (in the reader)    {fmt_gbps(OBJECT, r['read'])}")
@@ -666,7 +705,7 @@ def main() -> int:
     queries = 1000 if args.quick else args.queries
     sweep = args.sweep or args.plot is not None
     progress = Progress("local", 8 + sweep, enabled=not args.quiet)
-    pools = ["--pool", f"kv:64KiB:{2 * SPANS}"]
+    pools = ["--pool", f"kv:64KiB:{2 * SPANS + 8}"]  # the object twice, and the one-span object
     if sweep:
         pools += [arg for span in SWEEP_SPANS for arg in ("--pool", f"{sweep_pool(span)}:{span}:{SWEEP_BYTES // span}")]
     with process_group("bench") as (run, procs):
