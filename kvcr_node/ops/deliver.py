@@ -55,7 +55,8 @@ class _GroupRun:
     def __init__(self, claimed: list[tuple[int, ObjectEntry, GroupMoves]]) -> None:
         self.claimed = claimed
         self.prepared: Prepared | None = None
-        """The descriptor lists of every group of every key, prepared once (several groups)."""
+        """The descriptor lists of every later group of every key, prepared once, right after
+        group 0 was posted (with lists of its own, so that nothing comes before it)."""
         self.entries: dict[tuple[int, int], int] = {}
         """(item, group) -> its entry in ``prepared``."""
         self.changed: set[int] = set()
@@ -160,16 +161,18 @@ class Deliveries:
         plan = op.plan
         assert plan is not None
         run = _GroupRun(claimed)
-        entries: list[list[Move]] = []
         for i, _, groups in claimed:
             plan.outstanding[i] = len(groups)
-            for g, moves in enumerate(groups):
-                run.entries[(i, g)] = len(entries)
-                entries.append(moves)
-        if run.deepest > 1:
-            # The groups' descriptor lists once, not once per group (architecture §6).
-            run.prepared = self.operations.prepare(op, entries)
         self._pump(op, run)
+        if run.deepest > 1 and run.next < run.deepest:
+            # The later groups' descriptor lists once, not once per group (architecture §6),
+            # while group 0 moves.
+            entries: list[list[Move]] = []
+            for i, _, groups in claimed:
+                for g in range(1, len(groups)):
+                    run.entries[(i, g)] = len(entries)
+                    entries.append(groups[g])
+            run.prepared = self.operations.prepare(op, entries)
 
     def _pump(self, op: Operation, run: _GroupRun) -> None:
         """Submit the next groups of ``run`` while fewer than its window are in flight."""
@@ -196,7 +199,7 @@ class Deliveries:
                 notifs = plan.payloads(g, [i for i, _, _ in members]) if self.digests is None else ()
                 done = functools.partial(self.group_done, op, run, g, members, moves)
                 prepared = None
-                if run.prepared is not None:
+                if run.prepared is not None and g > 0:
                     prepared = (run.prepared, [run.entries[(i, g)] for i, _, _ in members])
                 self.operations.start(op, "WRITE", moves, done, notifs, prepared)
         if run.prepared is not None and run.running == 0 and run.next >= run.deepest:
