@@ -38,7 +38,9 @@ of one 64 KiB span, p50, and over a bare agent's READ of its slot), ``grant_deli
 / kvcr deposit p50), ``planned_vs_whole_local`` (the same object delivered by the node in 32
 groups of a layer plan, p50 / whole, both to the prepared destination), ``put_deposit_ratio`` (raw NIXL WRITE p50 of the same 1024 descriptors by a bare
 agent / kvcr put p50 under a write grant, put, WRITE and commit included; ``_merged``: against one
-descriptor; ``put_ms``, ``raw_put_write_ms`` and their ``_spread``), ``put_written_ratio`` (the same
+descriptor; ``put_ms``, ``raw_put_write_ms`` and their ``_spread``), ``put_node_ratio`` and
+``raw_node_write_ms`` (the same WRITE by a bare agent into the node's very slots the put wrote,
+so the pool's memory is in the anchor too), ``put_written_ratio`` (the same
 anchor / the put's ``written``, once its WRITE is done and before its commit's reply: when an
 engine may reuse its buffer) and ``put_written_ms``, ``idle_cpu_percent`` (node and an idle client process holding 64 read-granted
 leases together, % of a core, past the node's fast progress after a grant; ``idle_node_cpu_percent``:
@@ -184,7 +186,7 @@ class RawNixl:
                           "src": src.ctypes.data})["t"] == "ok"
         self.runs: dict[str, list[float]] = {"write": [], "write_e2e": [], "write_merged": [], "read": [],
                                              "consumer_read": [], "consumer_read_merged": [], "consumer_write": [],
-                                             "consumer_write_merged": [], "node_read": [], "node_read_small": []}
+                                             "consumer_write_merged": [], "node_read": [], "node_read_small": [], "node_write": []}
         found = peer.call({"t": "md"})
         self.writer = self.agent.add_remote_agent(found["md"])
         self.writer_addr = int(found["addr"])
@@ -244,7 +246,7 @@ class RawNixl:
         assert state == "DONE", state
         self.runs[name].append(time.perf_counter() - t0)
 
-    def reach_node(self, client: Client, key: bytes, small: bool = False) -> None:
+    def reach_node(self, client: Client, key: bytes, small: bool = False) -> Any:
         """Make ready the anchor of a deliver under a read grant that reads what the deliver
         reads: the node's own pool slots holding ``key`` (its agent and their addresses, from
         a lease asked for here with the node's agent metadata), into ``dst``. Released at once:
@@ -265,6 +267,7 @@ class RawNixl:
         else:
             self.node_slots = dlist
         client.core.wait(client.core.request(lambda i: ReleaseLease(i, reply.lease), lambda m: m, 10.0)[1], 12.0)
+        return dlist
 
     def node_read(self) -> None:
         """The anchor of a deliver under a read grant: one timed READ, by this bare agent, of
@@ -274,6 +277,18 @@ class RawNixl:
         handle = self.agent.make_prepped_xfer("READ", self.mine[self.dst.ctypes.data], list(range(SPANS)),
                                               self.node_slots, list(range(SPANS)))
         self._finish(handle, t0, "node_read")
+
+    def node_write(self, client: Client, key: bytes) -> None:
+        """The same-memory anchor of a put under a write grant: one timed WRITE, by this bare
+        agent, of ``src`` into the node's slots of the object the put just stored under
+        ``key`` (found untimed, ``reach_node``): the very memory the put wrote, and the very
+        bytes, so the stored object stays as it is."""
+        slots = self.reach_node(client, key)
+        t0 = time.perf_counter()
+        handle = self.agent.make_prepped_xfer("WRITE", self.mine[self.src.ctypes.data], list(range(SPANS)),
+                                              slots, list(range(SPANS)))
+        self._finish(handle, t0, "node_write")
+        self.agent.release_dlist_handle(slots)
 
     def node_read_small(self) -> None:
         """The anchor of the granted deliver of the one-span object: one timed READ of its
@@ -367,6 +382,7 @@ def bench_puts(client: Client, raw: RawNixl, rs: Any, spans: list[Span], src: np
         assert res.all_ok, res
         raw.consumer_write(merged=False)
         raw.consumer_write(merged=True)
+        raw.node_write(client, f"put{i}".encode())
     if client.counters()["puts"] != puts + reps:
         raise AssertionError("a put went to the node as a deposit (client_transfers off?)")
     dst[:] = 0
@@ -591,6 +607,8 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
         "raw_writer_read_ms": r["consumer_read"]["median"] * 1e3,
         "put_deposit_ratio": r["consumer_write"]["median"] / k["put"]["median"],
         "put_deposit_ratio_merged": r["consumer_write_merged"]["median"] / k["put"]["median"],
+        "put_node_ratio": r["node_write"]["median"] / k["put"]["median"],
+        "raw_node_write_ms": r["node_write"]["median"] * 1e3,
         "put_ms": k["put"]["median"] * 1e3,
         "put_written_ms": k["put_written"]["median"] * 1e3,
         "put_written_ratio": r["consumer_write"]["median"] / k["put_written"]["median"],
@@ -641,9 +659,11 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
     say(f"  kvcr put written (memory free)   {fmt_gbps(OBJECT, k['put_written'])}")
     say(f"  raw NIXL WRITE, 1024 descriptors {fmt_gbps(OBJECT, r['consumer_write'])}")
     say(f"  raw NIXL WRITE, one merged desc  {fmt_gbps(OBJECT, r['consumer_write_merged'])}")
+    say(f"  raw NIXL WRITE of the node's slots {fmt_gbps(OBJECT, r['node_write'])}")
     say(f"  ratio kvcr / raw NIXL WRITE: {figures['put_deposit_ratio']:.2f} (goal >= 0.95); "
         f"against one merged descriptor: {figures['put_deposit_ratio_merged']:.2f}; "
-        f"to the put's written: {figures['put_written_ratio']:.2f}")
+        f"to the put's written: {figures['put_written_ratio']:.2f}; "
+        f"against a raw WRITE of the slots it wrote: {figures['put_node_ratio']:.2f}")
     say("query round trip, each kvcr query followed by one raw echo")
     say(f"  kvcr query, Client         {fmt_us(k['query'])}")
     say(f"  kvcr query, AsyncClient    {fmt_us(k['query_async'])}")
