@@ -33,8 +33,10 @@ observer). The session changes only with the lock held. The background thread lo
 between turns without the lock, so it never walks its tables there: it reads a count of
 memory-touching requests and the nearest deadline, both kept up to date where the tables change.
 The pieces of I/O are split by concern: ``requests`` (the futures), ``transport`` (the
-socket and its monitor), ``waiters`` (leader and followers, and the background thread's
-loop), ``loops`` (event loop readers), ``actions`` (the session's events carried out).
+socket and its monitor), ``driver`` (the lock, the wake pipes, select, the background
+thread), ``waiters`` (leader and followers, and the background thread's loop), ``loops``
+(event loop readers), ``actions`` (the session's events carried out). The readers are handed
+the driver and a ``Schedule`` of the core's turn and timers, never the core.
 
 A request that may touch client memory and gets no answer within its deadline (plus a
 grace) fails for its waiter with ``OperationTimeout``, but the node may still be moving
@@ -52,8 +54,6 @@ import logging
 import math
 import os
 import secrets
-import select
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -63,15 +63,15 @@ from typing import Any, TypeVar
 import zmq
 
 from kvcr_client.actions import Actions, Hooks
+from kvcr_client.driver import MONITOR_READY, SOCKET_READY, Driver, Schedule
 from kvcr_client.errors import ClientClosed, NodeError, NodeLostError, translated
-from kvcr_client.loops import MONITOR_READY, SOCKET_READY, LoopReaders
+from kvcr_client.loops import LoopReaders
 from kvcr_client.reads import Reads
 from kvcr_client.requests import Request, settle
 from kvcr_client.session import ClientSession
 from kvcr_client.transport import Link, Transport
 from kvcr_client.waiters import _CLOSE_TIMEOUT_S, _IDLE_S, _LATE_PROGRESS_S, _PARK_S, Waiters
 from kvcr_io.agent import Agent
-from kvcr_io.wake import WakePipe
 from kvcr_io.zmq_flags import EVENTS as _EVENTS
 from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
 from kvcr_io.zmq_flags import POLLIN as _POLLIN
@@ -137,20 +137,14 @@ class ClientCore:
         """NIXL notifications drained from our agent: matched to a pending request, ignored, malformed."""
         self.capacity_events = self.session.capacity_events
         self.transport = Transport(endpoint, self.context, curve)
-        self.io_lock = threading.RLock()
-        self.waiters = Waiters(self)
+        self.driver = Driver(self.transport)
+        """The I/O lock, the wake pipes, select and the background thread."""
+        self.io_lock = self.driver.io_lock
+        schedule = Schedule.weak(self.turn, self.busy, self.posting, self.due, self.idle_timeout, self.has_pending)
+        self.waiters = Waiters(self.driver, schedule)
         """Who waits: the leader, its followers, the event loops with awaiters."""
-        self.loops = LoopReaders(self)
-        self.reading = 0
-        """How deep the lock holder is in reading replies (read and written with the lock held)."""
-        self.wakeup = WakePipe()
-        """Wakes a leading caller (its result came in on another thread, pacing starts, close)."""
-        self.bg_wakeup = WakePipe()
-        """Wakes the background thread (callers began waiting, a new socket, close)."""
-        self.watch: tuple[int, ...] = (self.wakeup.read_fd,)
-        self.bg_watch: tuple[int, ...] = (self.bg_wakeup.read_fd,)
+        self.loops = LoopReaders(self.driver, self.transport, self.waiters, schedule)
         self._ids = itertools.count(1)
-        self.closed = False
         self.hooks = Hooks()
         """Where the node's capacity and ``lease_end`` events go (the client above sets them)."""
         self._apply = Actions(self.session, self.transport, self.waiters, self.hooks)
@@ -158,10 +152,13 @@ class ClientCore:
         pacing = weakref.WeakMethod(self.pacing_starts)  # the core owns its parts: no cycle back to it
         self.reads = Reads(lambda: _call(pacing))
         """Delivers under read grants whose READs the turns post and poll (lock held)."""
-        self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
-        self._thread.start()
+        self.driver.start(self._background, f"kvcr-io-{self.name}")
 
     # ------------------------------------------------------------------ the session's state, read through
+
+    @property
+    def closed(self) -> bool:
+        return self.driver.closed
 
     @property
     def connected(self) -> bool:
@@ -204,7 +201,7 @@ class ClientCore:
             except Exception as exc:
                 future.set_exception(exc)
             finally:
-                if not self.reading:
+                if not self.driver.reading:
                     self._drain_socket()
         return future
 
@@ -217,7 +214,7 @@ class ClientCore:
             try:
                 return fn()
             finally:
-                if not self.reading:
+                if not self.driver.reading:
                     self._drain_socket()
 
     def request(
@@ -249,7 +246,7 @@ class ClientCore:
         # Every holder keeps the lock only for a short turn: wait for it.
         with self.io_lock:
             self._send_request(op_id, build, timeout_s, fut)
-            if not self.reading:  # from a callback inside a read: that read goes on after it
+            if not self.driver.reading:  # from a callback inside a read: that read goes on after it
                 self._drain_socket()
         waiters = self.waiters
         if waiters.parked and not (waiters.count or waiters.loop_waiting) and self.session.last_sent - waiters.waited_at > _PARK_S:
@@ -285,7 +282,7 @@ class ClientCore:
         try:
             # Not from inside a read (a done-callback that looks at another handle): that
             # read goes on after the callback, and reading again there would nest dispatches.
-            if not self.reading:
+            if not self.driver.reading:
                 self.turn(MONITOR_READY)
         finally:
             self.io_lock.release()
@@ -300,18 +297,15 @@ class ClientCore:
                 self.wait(fut, timeout)
             except Exception:
                 log.debug("bye was not acknowledged", exc_info=True)
-        self.closed = True
-        self.wakeup.wake()
-        self.bg_wakeup.wake()
+        self.driver.closed = True
         self.waiters.resume.set()
-        self._thread.join(timeout)
+        self.driver.stop(timeout)
         with self.io_lock:
             self.reads.close()  # no READ left running into our memory
             self._apply(self.session.close())
             self._close_socket()
             self.loops.release_all()
-        self.wakeup.close()
-        self.bg_wakeup.close()
+        self.driver.close_pipes()
         # The callbacks name the client above: without them nothing the core holds leads
         # back to it, so a closed client and its NIXL agent go without the cyclic collector.
         self.hooks.on_capacity = self.hooks.on_lease_end = None
@@ -320,8 +314,7 @@ class ClientCore:
 
     def wake(self) -> None:
         """Wake the background thread (and a leading caller) to look at the state again."""
-        self.bg_wakeup.wake()
-        self.wakeup.wake()
+        self.driver.wake()
 
     # ------------------------------------------------------------------ socket (lock held)
 
@@ -330,16 +323,13 @@ class ClientCore:
         self._close_socket()
         transport = self.transport
         transport.open()
-        self.watch = (*transport.fds, self.wakeup.read_fd)
-        self.bg_watch = (*transport.fds, self.bg_wakeup.read_fd)
         self.session.reopen()
         self._drain_monitor()  # its descriptor signals only once what is there was read
-        self.wake()  # waiters select on the new descriptors
+        self.driver.watch_socket()  # readers select on the new descriptors (woken to)
         self.loops.rewatch()
 
     def _close_socket(self) -> None:
-        self.watch = (self.wakeup.read_fd,)
-        self.bg_watch = (self.bg_wakeup.read_fd,)
+        self.driver.unwatch_socket()
         self.transport.close()
 
     def hello(self, regions: tuple[Region, ...], timeout_s: float, resume: bool = False) -> Future[Any]:
@@ -347,9 +337,7 @@ class ClientCore:
         previous session's resume token, so that the node ends it at once (spec section 5.2)."""
         with self.io_lock:
             self.open_socket()
-            if not self._thread.is_alive() and not self.closed:
-                self._thread = threading.Thread(target=self._background, name=f"kvcr-io-{self.name}", daemon=True)
-                self._thread.start()
+            self.driver.start(self._background, f"kvcr-io-{self.name}")  # after a failure, anew
             op_id = self.next_id()
             token = self.session.resume if resume else b""
             hello = Hello(op_id, self.versions, self.name, self.agent.name, self.agent.metadata(), regions, token)
@@ -388,6 +376,14 @@ class ClientCore:
             pending.set_exception(NodeLostError(f"the node at {self.endpoint} is not reachable"))
             settle(pending)
 
+    def has_pending(self) -> bool:
+        """Whether requests await the node's answer (safe without the lock)."""
+        return bool(self.session.pending)
+
+    def posting(self) -> bool:
+        """Whether a deliver under grants has a group to post at the next turn (safe without the lock)."""
+        return self.reads.posting
+
     def busy(self) -> bool:
         """Whether requests that may touch client memory are pending, or a deliver under
         grants is unresolved: whoever reads paces the agent (safe without the lock)."""
@@ -412,22 +408,6 @@ class ClientCore:
     def timed_out_ids(self) -> frozenset[int]:
         """Ids of memory-touching requests the client stopped waiting for and the node has not answered."""
         return frozenset(list(self.session.timed_out))
-
-    def select_ready(self, watch: tuple[int, ...], wait_s: float | None, wakeup: WakePipe) -> int:
-        """Block in select on ``watch`` (no lock held) up to ``wait_s`` (None: until readable); what
-        is readable (``SOCKET_READY``, ``MONITOR_READY``)."""
-        try:
-            readable = select.select(watch, (), (), wait_s)[0]
-        except (OSError, ValueError):  # a descriptor closed under us (reconnect, close): look again
-            return 0
-        if not readable:
-            return 0
-        if wakeup.read_fd in readable:
-            wakeup.drain()
-        fds = self.transport.fds
-        if not fds:
-            return 0
-        return (SOCKET_READY if fds[0] in readable else 0) | (MONITOR_READY if fds[1] in readable else 0)
 
     def turn(self, ready: int = 0) -> None:
         """One turn with the lock held: read what arrived, progress the agent while needed, timers."""
@@ -503,7 +483,8 @@ class ClientCore:
         sock = self.transport.sock
         if sock is None:
             return
-        self.reading += 1
+        driver = self.driver
+        driver.reading += 1
         try:
             if readable:
                 try:
@@ -515,7 +496,7 @@ class ClientCore:
             while sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
                 self._apply(self.session.receive(sock.recv(_NOBLOCK), time.monotonic()))
         finally:
-            self.reading -= 1
+            driver.reading -= 1
 
 
 def _call(method: weakref.WeakMethod[Callable[[], None]]) -> None:

@@ -11,34 +11,12 @@ import asyncio
 import os
 import threading
 import time
-import weakref
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
-from kvcr_client.requests import Request
-from kvcr_client.session import ClientSession
+from kvcr_client.driver import MONITOR_READY, SOCKET_READY, Driver, Schedule
 from kvcr_client.transport import Transport
 from kvcr_client.waiters import _PARK_S, Waiters
-from kvcr_io.wake import WakePipe
-
-SOCKET_READY = 1
-MONITOR_READY = 2
-"""What ``select`` found readable: the socket's descriptor, the monitor's."""
-
-
-class Owner(Protocol):
-    """What the loop readers use of the core that owns them (``ClientCore``): its lock,
-    session, transport, waiters and turns. A protocol, so this module never imports the core."""
-
-    session: ClientSession[Request]
-    transport: Transport
-    waiters: Waiters
-    io_lock: Any
-    reading: int
-    bg_wakeup: WakePipe
-
-    def turn(self, ready: int = 0) -> None: ...
-    def busy(self) -> bool: ...
 
 
 class LoopReader:
@@ -80,8 +58,11 @@ def _copy_outcome(source: Future[Any], target: asyncio.Future[Any]) -> None:
 class LoopReaders:
     """The event loops that watch the core's socket (changed with the I/O lock held)."""
 
-    def __init__(self, core: Owner) -> None:
-        self.core: Owner = weakref.proxy(core)  # the core owns this part: no cycle keeps a closed core alive
+    def __init__(self, driver: Driver, transport: Transport, waiters: Waiters, schedule: Schedule) -> None:
+        self.driver = driver
+        self.transport = transport
+        self.waiters = waiters
+        self.schedule = schedule
         self.loops: dict[asyncio.AbstractEventLoop, LoopReader] = {}
 
     def __len__(self) -> int:
@@ -112,30 +93,29 @@ class LoopReaders:
 
     def _attach(self, loop: asyncio.AbstractEventLoop) -> LoopReader | None:
         """An awaiter of ``loop`` begins: the loop watches the current socket (None: no socket)."""
-        core = self.core
         reader = self.loops.get(loop)
-        if reader is None or reader.generation != core.transport.generation:
-            with core.io_lock:
+        if reader is None or reader.generation != self.transport.generation:
+            with self.driver.io_lock:
                 reader = self._watch_from(loop, reader)
             if reader is None:
                 return None
         reader.awaiters += 1
         if reader.awaiters == 1:
-            waiters = core.waiters
+            waiters = self.waiters
             with waiters.lock:
                 waiters.loop_waiting += 1
                 waiters.orphaned = False
-            if core.busy():
+            if self.schedule.busy():
                 waiters.resume.set()  # the loop cannot pace the agent: the background thread does
             elif waiters.selecting:
-                core.bg_wakeup.wake()  # move the background thread off the socket: the loop reads
+                self.driver.bg_wakeup.wake()  # move the background thread off the socket: the loop reads
         return reader
 
     def _watch_from(self, loop: asyncio.AbstractEventLoop, reader: LoopReader | None) -> LoopReader | None:
         """I/O lock held, in the loop's thread: make the loop watch the current socket."""
         if reader is not None:
             self._unwatch(reader)
-        transport = self.core.transport
+        transport = self.transport
         if not transport.fds:
             return None
         fds = tuple(os.dup(fd) for fd in transport.fds)
@@ -153,13 +133,13 @@ class LoopReaders:
         if reader.awaiters:
             return
         now = time.monotonic()
-        waiters = self.core.waiters
+        waiters = self.waiters
         with waiters.lock:
             waiters.loop_waiting -= 1
             alone = not waiters.count and not waiters.loop_waiting
             if alone:
                 waiters.waited_at = now
-        if alone and self.core.session.pending:
+        if alone and self.schedule.pending():
             waiters.orphan()
         # Not at once: an awaiter usually follows soon (the next request's). One timer looks
         # after a while, however many awaiters come and go meanwhile.
@@ -178,11 +158,7 @@ class LoopReaders:
             reader.release_due = True
             reader.loop.call_later(later, self._release_idle, reader)
             return
-        lock = self._lock()
-        if lock is None:
-            self._unwatch(reader)
-            return
-        with lock:
+        with self.driver.io_lock:
             self.release(reader)
 
     def release(self, reader: LoopReader) -> None:
@@ -205,20 +181,8 @@ class LoopReaders:
             self.release(reader)
 
     def _release_later(self, reader: LoopReader) -> None:
-        lock = self._lock()
-        if lock is None:
+        with self.driver.io_lock:
             self._unwatch(reader)
-            return
-        with lock:
-            self._unwatch(reader)
-
-    def _lock(self) -> Any:
-        """The core's I/O lock, or None when the core is gone: a callback the loop runs later
-        may outlive a closed core (which let go of every loop in ``release_all``)."""
-        try:
-            return self.core.io_lock
-        except ReferenceError:
-            return None
 
     @staticmethod
     def _unwatch(reader: LoopReader) -> None:
@@ -231,13 +195,11 @@ class LoopReaders:
 
     def _loop_turn(self, monitor: bool) -> None:
         """The socket (or its monitor) is readable in a loop with awaiters: read, in the loop's thread."""
-        lock = self._lock()
-        if lock is None:
-            return
-        core = self.core
-        with lock:
-            if not core.reading and core.transport.sock is not None:
-                core.turn(MONITOR_READY if monitor else SOCKET_READY)
+        driver = self.driver
+        with driver.io_lock:
+            # A closed core let go of every loop (``release_all``); a callback queued before may still run.
+            if not driver.closed and not driver.reading and self.transport.sock is not None:
+                self.schedule.turn(MONITOR_READY if monitor else SOCKET_READY)
 
     def rewatch(self) -> None:
         """I/O lock held, a new socket: each loop that reads watches it from now on."""
@@ -252,10 +214,7 @@ class LoopReaders:
                 self._unwatch(reader)
 
     def _rewatch_later(self, loop: asyncio.AbstractEventLoop) -> None:
-        lock = self._lock()
-        if lock is None:
-            return
-        with lock:
+        with self.driver.io_lock:
             reader = self.loops.get(loop)
-            if reader is not None and reader.generation != self.core.transport.generation:
+            if reader is not None and reader.generation != self.transport.generation:
                 self._watch_from(loop, reader)

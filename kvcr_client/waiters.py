@@ -11,18 +11,14 @@ them to lead. The counts here also tell the background thread when to stay off t
 from __future__ import annotations
 
 import collections
-import math
 import threading
 import time
-import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Protocol
+from typing import Any
 
-from kvcr_client.requests import Request
-from kvcr_client.session import ClientSession
+from kvcr_client.driver import Driver, Schedule
 from kvcr_io.pacing import Pacer
-from kvcr_io.wake import WakePipe
 
 _IDLE_S = 0.2
 """While requests are pending, the longest a waiter or the background thread blocks before it
@@ -37,29 +33,6 @@ _PARK_MAX_S = 0.02
 request sent within ``_PARK_S`` of a caller's wait that nobody waits on is read within this."""
 _CLOSE_TIMEOUT_S = 5.0
 """How long ``close`` waits for the node to acknowledge ``bye`` and for the thread to end."""
-
-
-class Owner(Protocol):
-    """What the waiters use of the core that owns them (``ClientCore``): its lock, session,
-    wake pipes and turns. A protocol, so this module never imports the core above it."""
-
-    session: ClientSession[Request]
-    io_lock: Any
-    closed: bool
-    reading: int
-    wakeup: WakePipe
-    bg_wakeup: WakePipe
-    watch: tuple[int, ...]
-    bg_watch: tuple[int, ...]
-
-    def turn(self, ready: int = 0) -> None: ...
-    def select_ready(self, watch: tuple[int, ...], wait_s: float | None, wakeup: WakePipe) -> int: ...
-    def due(self) -> float: ...
-    def idle_timeout(self) -> float | None: ...
-    def wake(self) -> None: ...
-    def busy(self) -> bool: ...
-    @property
-    def reads(self) -> Any: ...
 
 
 class Follower:
@@ -78,8 +51,9 @@ class Follower:
 class Waiters:
     """Who waits on the core's results; every field but ``resume`` changes under ``lock`` (a leaf lock)."""
 
-    def __init__(self, core: Owner) -> None:
-        self.core: Owner = weakref.proxy(core)  # the core owns this part: no cycle keeps a closed core alive
+    def __init__(self, driver: Driver, schedule: Schedule) -> None:
+        self.driver = driver
+        self.schedule = schedule
         self.lock = threading.Lock()
         """Guards who waits: the leader, the followers, the counts below (a leaf lock)."""
         self.count = 0
@@ -102,9 +76,9 @@ class Waiters:
 
     def wait(self, future: Future[Any], timeout: float | None) -> Any:
         """Block until ``future`` is done, leading or following (see the module)."""
-        core = self.core
+        driver = self.driver
         end = None if timeout is None else time.monotonic() + timeout
-        if core.reading and core.io_lock._is_owned():  # type: ignore[attr-defined]
+        if driver.reading and driver.io_lock._is_owned():  # type: ignore[attr-defined]
             return self._drive_nested(future, end)  # from a callback inside our own read
         follower = None
         with self.lock:
@@ -117,7 +91,7 @@ class Waiters:
                 self._lead_as(future)
             selecting = self.selecting
         if selecting:
-            core.bg_wakeup.wake()  # move the background thread off the socket's descriptor
+            driver.bg_wakeup.wake()  # move the background thread off the socket's descriptor
         leading = follower is None
         try:
             if follower is not None:
@@ -166,9 +140,9 @@ class Waiters:
                 self.waited_at = time.monotonic()
         if successor is not None:
             successor.wake()
-        if alone and self.core.session.pending:
+        if alone and self.schedule.pending():
             self.orphan()  # nobody waits for what is left: the background thread reads it
-        elif alone and self.core.reads.posting:
+        elif alone and self.schedule.posting():
             # A deliver under grants has groups left to post while the caller computes on
             # the one it waited for: the background thread posts them now, not after a park.
             self.resume.set()
@@ -181,7 +155,7 @@ class Waiters:
     def pacing_starts(self) -> None:
         """The first memory-touching request: whoever reads must now progress the agent at a short interval."""
         if self.leading or self.selecting:
-            self.core.wake()  # a leader or the background thread blocked for longer: pace from now
+            self.driver.wake()  # a leader or the background thread blocked for longer: pace from now
         if self.loop_waiting:
             self.resume.set()  # event loops cannot pace: the background thread does
 
@@ -189,15 +163,14 @@ class Waiters:
         """``future``'s outcome is in: wake the leader if it is its and another thread read it
         (the leader may be in select)."""
         if future is self.leader_future and self.leader_thread != threading.get_ident():
-            self.core.wakeup.wake()
+            self.driver.wakeup.wake()
 
     def _lead(self, future: Future[Any], end: float | None) -> None:
         """Select on the socket without the lock, then take a turn with it, until ``future`` is done."""
-        core = self.core
-        session = core.session
+        driver, schedule = self.driver, self.schedule
         pacer: Pacer | None = None
         while not future.done():
-            if core.closed:
+            if driver.closed:
                 # close() fails every pending request once the background thread has ended.
                 future.exception(_CLOSE_TIMEOUT_S if end is None else max(0.0, end - time.monotonic()))
                 return
@@ -205,36 +178,31 @@ class Waiters:
             if end is not None and now >= end:
                 raise FutureTimeout()
             wait_s: float | None
-            if core.busy():
+            if schedule.busy():
                 pacer = pacer or Pacer()
-                wait_s = 0.0 if core.reads.posting else pacer.next()
+                wait_s = 0.0 if schedule.posting() else pacer.next()
             else:
                 if pacer is not None:
                     pacer.reset()
-                # Until the next deadline or heartbeat (``_idle_timeout``, inline: once per reply).
-                nearest, beat = session.nearest, session.next_heartbeat
-                due = nearest if nearest < beat else beat
-                if session.timed_out:
-                    due = min(due, now + _LATE_PROGRESS_S)
-                wait_s = None if due == math.inf else min(max(0.0, due - now), _IDLE_S if session.pending else math.inf)
+                wait_s = schedule.idle_timeout()  # until the next deadline or heartbeat
             if end is not None and (wait_s is None or end - now < wait_s):
                 wait_s = end - now
-            ready = core.select_ready(core.watch, wait_s, core.wakeup)
-            with core.io_lock:
-                core.turn(ready)
+            ready = driver.select_ready(wait_s)
+            with driver.io_lock:
+                schedule.turn(ready)
 
     def _drive_nested(self, future: Future[Any], end: float | None) -> Any:
         """Wait from a callback that runs inside this thread's read (lock held): read on, nested."""
-        core = self.core
+        driver, schedule = self.driver, self.schedule
         pacer = Pacer()
         while not future.done():
             now = time.monotonic()
             if end is not None and now >= end:
                 raise FutureTimeout()
             wait_s = _IDLE_S if end is None else min(_IDLE_S, end - now)
-            if core.busy():  # the agent needs pacing (READs under grants among them)
-                wait_s = min(wait_s, 0.0 if core.reads.posting else pacer.next())
-            core.turn(core.select_ready(core.watch, wait_s, core.wakeup))
+            if schedule.busy():  # the agent needs pacing (READs under grants among them)
+                wait_s = min(wait_s, 0.0 if schedule.posting() else pacer.next())
+            schedule.turn(driver.select_ready(wait_s))
         return future.result(0)
 
     def serve(self) -> None:
@@ -245,16 +213,16 @@ class Waiters:
         waits for it; it still paces the agent while memory-touching requests are pending
         and only event loops wait. Idle, it blocks in ``select`` and costs nothing.
         """
-        core = self.core
-        session = core.session
+        driver, schedule = self.driver, self.schedule
         pacer = Pacer()
         park = _PARK_S
-        while not core.closed:
+        while not driver.closed:
             self.resume.clear()
             now = time.monotonic()
-            busy = core.busy()
+            busy = schedule.busy()
+            pending = schedule.pending()
             with self.lock:
-                if not session.pending:
+                if not pending:
                     self.orphaned = False
                 # Park while callers wait (they read and pace), and, unless the agent
                 # needs pacing, while event loops wait and a moment after callers stopped
@@ -266,25 +234,25 @@ class Waiters:
                 self.parked = parked
                 self.selecting = not parked
             if parked:
-                self.resume.wait(max(0.0, min(park, core.due() - now)))
+                self.resume.wait(max(0.0, min(park, schedule.due() - now)))
                 self.parked = False
-                if not core.closed and time.monotonic() >= core.due():
-                    with core.io_lock:  # a deadline or heartbeat nobody else is awake for
-                        core.turn()
+                if not driver.closed and time.monotonic() >= schedule.due():
+                    with driver.io_lock:  # a deadline or heartbeat nobody else is awake for
+                        schedule.turn(0)
                 park = min(2 * park, _PARK_MAX_S)
                 continue
             park = _PARK_S
             wait_s: float | None
             if busy:
-                wait_s = 0.0 if core.reads.posting else pacer.next()
+                wait_s = 0.0 if schedule.posting() else pacer.next()
             else:
                 pacer.reset()
-                wait_s = core.idle_timeout()
-            ready = core.select_ready(core.bg_watch, wait_s, core.bg_wakeup)
+                wait_s = schedule.idle_timeout()
+            ready = driver.select_ready(wait_s, background=True)
             self.selecting = False
-            if core.closed:
+            if driver.closed:
                 break
             if self.count:
                 continue  # a caller leads now: its turns read (the monitor too)
-            with core.io_lock:
-                core.turn(ready)
+            with driver.io_lock:
+                schedule.turn(ready)

@@ -69,8 +69,8 @@ def test_the_node_parts_import_one_way() -> None:
 
 def test_the_client_parts_import_one_way() -> None:
     """checks <- regions <- spans <- operations <- client, and the core's parts below the core
-    (session <- waiters <- loops, actions <- core: a part names its owner by a protocol), with
-    no cycle (architecture §1)."""
+    (transport <- driver <- waiters <- loops, session <- actions <- core: a part is handed
+    what it uses), with no cycle (architecture §1)."""
     graph: dict[str, set[str]] = {}
     for path in sorted(PACKAGES["kvcr_client"].glob("*.py")):
         deps = graph.setdefault(module_name(path), set())
@@ -85,10 +85,31 @@ def test_the_client_parts_import_one_way() -> None:
     except graphlib.CycleError as exc:
         pytest.fail(f"an import cycle inside kvcr_client: {exc.args[1]}")
     for chain in (("checks", "regions", "spans", "operations", "client"),
-                  ("session", "waiters", "loops", "core"), ("session", "waiters", "actions", "core")):
+                  ("transport", "driver", "waiters", "loops", "core"), ("session", "waiters", "actions", "core")):
         parts = [f"kvcr_client.{part}" for part in chain]
         upward = {part: sorted(graph[part] & set(parts[i + 1:])) for i, part in enumerate(parts)}
         assert {part: above for part, above in upward.items() if above} == {}, chain
+
+
+def test_no_part_holds_a_proxy_to_the_whole() -> None:
+    """A part of the client is handed what it uses (the core's parts: the driver and a
+    ``Schedule`` of narrow callables), never a ``weakref.proxy`` to its owner, and no protocol
+    a part names its owner by lists a private member (architecture §1)."""
+    breaches: list[str] = []
+    for path in sorted(PACKAGES["kvcr_client"].rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.Attribute) and node.attr == "proxy" and isinstance(node.value, ast.Name) \
+                    and node.value.id == "weakref":
+                breaches.append(f"{rel}:{node.lineno}: weakref.proxy")
+            if isinstance(node, ast.ClassDef) and any(isinstance(b, ast.Name) and b.id == "Protocol" for b in node.bases):
+                for member in node.body:
+                    name = (member.name if isinstance(member, (ast.FunctionDef, ast.AsyncFunctionDef)) else
+                            member.target.id if isinstance(member, ast.AnnAssign) and isinstance(member.target, ast.Name)
+                            else "")
+                    if name.startswith("_") and not name.startswith("__"):
+                        breaches.append(f"{rel}:{member.lineno}: {node.name}.{name}")
+    assert breaches == []
 
 
 ENGINE_PACKAGES = {"torch", "transformers", "vllm", "sglang", "cupy"}

@@ -144,7 +144,7 @@ def test_many_threads_beside_the_background_thread(node_factory: Callable[..., A
         before = Snapshot.take(client)
         for _ in range(ROUNDS):
             run_threads()
-        assert client.core._thread.is_alive()
+        assert client.core.driver.thread.is_alive()
         assert_bytes_equal(f.dst, f.src, "destination after the threads")
         Snapshot.take(client).assert_back_within(before, "threads beside the background thread")
         assert f.dst_region.in_use == 0

@@ -65,7 +65,7 @@ def test_background_thread_survives_concurrent_requests(node_factory: Callable[.
                 f"{sum(not h.future.done() for h in handles)} of {len(handles)} requests never completed"
             )
             assert all(h.result(0)[key].presence is Presence.HIT for h in handles)
-        assert client.core._thread.is_alive(), "the background thread died"
+        assert client.core.driver.thread.is_alive(), "the background thread died"
         assert not client.core.lost
         # Memory-touching requests after the storm: the agent is still progressed.
         assert all(h.result(10).all_ok for h in [client.deliver({key: spans}) for _ in range(8)])
@@ -121,18 +121,18 @@ def test_background_thread_failure_is_logged_and_fails_fast(
     with Client(node.endpoint, name="bgfail") as client:
         core = client.core
         fired = threading.Event()
-        original = core.idle_timeout
+        original = core.driver.select_ready
 
-        def broken() -> float:
-            if threading.current_thread() is core._thread and not fired.is_set():
+        def broken(wait_s: float | None, background: bool = False) -> int:
+            if threading.current_thread() is core.driver.thread and not fired.is_set():
                 fired.set()
                 raise RuntimeError("injected background failure")
-            return original()
+            return original(wait_s, background)
 
         with caplog.at_level(logging.ERROR, logger="kvcr.client"):
-            monkeypatch.setattr(core, "idle_timeout", broken)
-            core.wake()
-            assert wait_until(lambda: not core._thread.is_alive(), 10.0)
+            monkeypatch.setattr(core.driver, "select_ready", broken)
+            core.driver.wake()
+            assert wait_until(lambda: not core.driver.thread.is_alive(), 10.0)
         assert fired.is_set()
         assert any("background thread failed" in r.getMessage() for r in caplog.records), caplog.records
         # Nothing waits for a reply nobody would read: new work fails at once.
@@ -141,7 +141,7 @@ def test_background_thread_failure_is_logged_and_fails_fast(
             client.query([b"k"]).result(5)
         # reconnect() opens a new session with a new background thread.
         client.reconnect()
-        assert core._thread.is_alive()
+        assert core.driver.thread.is_alive()
         handle = client.query([b"k"])
         assert wait_until(lambda: handle.future.done(), 10.0)
         assert handle.result(0)[b"k"].presence is Presence.MISS
