@@ -15,6 +15,7 @@ from kvcr_client.errors import (
     NodeLostError,
     OperationTimeout,
 )
+from kvcr_client.grants import GrantedView, GrantsView
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.results import (
     DeliverHandle,
@@ -31,7 +32,7 @@ from kvcr_protocol import ErrorCode, GroupState, KeyStatus, LeaseStatus, Presenc
 
 __all__ = [
     "ArgumentError", "AsyncClient", "Client", "ClientClosed", "ClientStateError", "CurveKeys", "DeliverHandle", "Destination", "ErrorCode",
-    "GroupDone", "GroupFailed", "GroupFuture", "GroupState", "KeyOutcome", "KeyPresence",
+    "GrantedView", "GrantsView", "GroupDone", "GroupFailed", "GroupFuture", "GroupState", "KeyOutcome", "KeyPresence",
     "KeyStatus", "KvcrError", "LeaseHandle", "LeaseStatus", "NodeError", "NodeLostError", "OpHandle", "OperationTimeout", "Presence", "Presences",
     "RegionHandle", "Results", "Span", "StoreHandle",
 ]

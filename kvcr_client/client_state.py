@@ -17,7 +17,7 @@ from kvcr_client import spans as _spans
 from kvcr_client.completions import Completions
 from kvcr_client.core import ClientCore
 from kvcr_client.counters import Count, Counters
-from kvcr_client.grants import Grants
+from kvcr_client.grants import Grants, GrantsView
 from kvcr_client.puts import Puts
 from kvcr_client.regions import RegionTable
 from kvcr_client.results import GroupDone, OpHandle
@@ -83,6 +83,14 @@ class ClientState:
                 "leases": len(self._scope().leases), "granted_keys": len(self._grants),
                 "agent_loads": self._grants.loads.pending, "uncertain_held": len(self._uncertain),
                 "uncertain_node": self._uncertain.node_held}
+
+    def grants(self) -> GrantsView:
+        """What this client READs itself in its current session (spec section 6.12): the
+        node's agent as loaded, the sources', agents of ended sessions still loaded, and each
+        key under a live lease's read grant (its lease, the agent its READs name, whether
+        digests check it). A snapshot, taken in a turn of the I/O lock."""
+        grants = self._grants
+        return self.core.locked(grants.view)
 
     def counters(self) -> dict[str, int]:
         """What this client counted, every counter by name (``kvcr_client.counters.Count``):

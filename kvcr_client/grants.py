@@ -29,6 +29,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from kvcr_client.agent_loads import AgentLoads
@@ -82,6 +83,34 @@ kill a source or hold a group back there; a gated deliver takes the same path as
 Not a setting of the product."""
 
 
+@dataclass(frozen=True)
+class GrantedView:
+    """One key this client READs itself, under a live lease's read grant (``Client.grants``)."""
+
+    lease: int
+    """The lease's id."""
+    agent: str
+    """The remote agent its READs name: the node's, or a source's (a grant passed on)."""
+    spans: int
+    """Its stored spans."""
+    digests: bool
+    """Whether the grant carried digests that its spans are checked against."""
+
+
+@dataclass(frozen=True)
+class GrantsView:
+    """What this client may READ itself in its current session (``Client.grants``)."""
+
+    node_agent: str | None
+    """The node's NIXL agent as loaded into ours for this session (None: not loaded)."""
+    stale_agents: int
+    """Agents of ended sessions still loaded (each goes once no READ runs on it)."""
+    sources: tuple[str, ...]
+    """Endpoints of the sources whose agents are loaded for this session."""
+    keys: dict[bytes, GrantedView]
+    """The keys under live leases' grants."""
+
+
 class Grants:
     """The granted slots of this session's leases, the node's agent, and the READs of a deliver."""
 
@@ -106,15 +135,13 @@ class Grants:
 
     # ------------------------------------------------------------------ what is granted
 
-    @property
-    def node(self) -> NodeAgent | None:
-        """The node's agent as loaded for the current session."""
-        return self.scope().node
-
-    @property
-    def keys(self) -> dict[bytes, GrantedKey]:
-        """The current session's granted keys."""
-        return self.scope().granted
+    def view(self) -> GrantsView:
+        """What the current session may READ itself, as plain values (lock held)."""
+        scope = self.scope()
+        keys = {key: GrantedView(g.lease.id, g.peer, len(g.names), bool(g.digests))
+                for key, g in scope.granted.items() if g.lease.ended is None and not g.lease.lost_key(key)}
+        return GrantsView(None if scope.node is None else scope.node.name, len(self._stale),
+                          tuple(sorted(endpoint for endpoint, _ in scope.sources)), keys)
 
     def wants_node(self) -> bool:
         """Whether a ``lease`` should ask for the node's agent (``!node_md``): not yet loaded

@@ -113,6 +113,10 @@ class Agent:
     def remove_remote(self, name: str) -> None:
         self._nixl.remove_remote_agent(name)
 
+    def knows(self, name: str) -> bool:
+        """Whether the remote agent ``name`` is loaded (its metadata added, not removed)."""
+        return bool(self._nixl.check_remote_metadata(name))
+
     # -- transfers
 
     def prep_local(self, kind: MemoryKind, descs: Sequence[Desc]) -> Any:

@@ -156,7 +156,7 @@ class PeerConformance:
         lease = client.lease([k], request_id=rid).result(RESULT_TIMEOUT_S)
         assert lease.status(k) is LeaseStatus.LEASED_REMOTE
         granted = pair.agreed >= GRANTS_VERSION
-        assert (k in client._grants.keys) is granted
+        assert (k in client.grants().keys) is granted
         posted = pair.source.stats()["transfers"]["posted"]
         reads = client.counters()["grant_reads"]
         deliver_checked(pair.target, k, layout, src, range(2), seed=24, request_id=rid)

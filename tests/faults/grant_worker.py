@@ -99,7 +99,7 @@ class GrantClient:
         return {"released": len(leases)}
 
     def tables(self) -> dict[str, Any]:
-        return {"tables": self.client.tables(), "node_loaded": self.client._grants.node is not None}
+        return {"tables": self.client.tables(), "node_loaded": self.client.grants().node_agent is not None}
 
     def serve(self) -> None:
         emit("ready", agent=self.client.core.agent.name)

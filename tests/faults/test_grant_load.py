@@ -127,7 +127,7 @@ def test_a_flood_of_granted_leases_from_many_sessions_meets_typed_limits(node_fa
             assert st["leases"]["refused_lease_limit"] == outcomes["refused"], st["leases"]
             # Each granted lease reads byte for byte under its grant, the flood notwithstanding.
             c = clients[0]
-            k = next(k for k, g in c._grants.keys.items() if g.lease.ended is None)
+            k = next(iter(c.grants().keys))  # a key under a live grant
             dst = np.zeros(SLOT, np.uint8)
             region = c.register(dst)
             reads = c.counters()["grant_reads"]
@@ -267,23 +267,26 @@ def test_a_clients_node_agent_goes_when_a_later_session_loads_another() -> None:
                 reg = Registrar(client)
                 put(client, reg, [b"k"])
                 client.lease([b"k"]).result(RESULT_TIMEOUT_S)
-                assert client._grants.node is not None
-                first = client._grants.node.name
-                loaded = client.core.agent._nixl.check_remote_metadata
+                first = client.grants().node_agent
+                assert first is not None
+                loaded = client.core.agent.knows
                 assert loaded(first)
                 # The same node again: its agent stays loaded (its connection kept) and is reused.
                 client.reconnect()
-                assert client._grants.node is None and client.tables()["granted_keys"] == 0
+                assert client.grants().node_agent is None and client.tables()["granted_keys"] == 0
                 client.lease([b"k"]).result(RESULT_TIMEOUT_S)
-                assert client._grants.node.name == first and loaded(first) and client._grants.stale == 0
+                view = client.grants()
+                assert view.node_agent == first and loaded(first) and view.stale_agents == 0
                 # A new node on the same endpoint: the next grant loads its agent, the old one goes.
                 node.stop()
                 node = start_node(endpoint, "--pool", "kv:4KiB:16")
                 client.reconnect()
                 src = put(client, reg, [b"k"], seed=8)
                 client.lease([b"k"]).result(RESULT_TIMEOUT_S)
-                second = client._grants.node.name
-                assert second != first and loaded(second) and not loaded(first) and client._grants.stale == 0
+                view = client.grants()
+                second = view.node_agent
+                assert second is not None and second != first and loaded(second) and not loaded(first)
+                assert view.stale_agents == 0
                 dst = np.zeros(SLOT, np.uint8)
                 region = reg(dst)
                 assert client.deliver({b"k": [Span("L0", region, 0, SLOT)]}).result(RESULT_TIMEOUT_S)[b"k"].ok

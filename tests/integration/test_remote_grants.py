@@ -77,10 +77,10 @@ def test_a_remote_read_lease_reads_from_the_source_directly(sites: Sites) -> Non
     assert [lease.status(k) for k in (b"k0", b"k1", b"here")] == [LeaseStatus.LEASED_REMOTE] * 2 + [LeaseStatus.LEASED]
     assert b.stats()["leases"]["with_grants"] == 1 and a.stats()["leases"]["with_grants"] == 1
     assert a.stats()["tables"]["source_grant_agents"] == 1, "A's cache of its sources' agents is in its tables"
-    assert all(a.client._grants.keys[k].digests for k in srcs), "B's digests came through A with its rows"
-    grants = a.client._grants
-    assert len(grants.scope().sources) == 1 and grants.node is not None
-    assert grants.keys[b"k0"].agent is not grants.node and grants.keys[b"here"].agent is grants.node
+    view = a.client.grants()
+    assert all(view.keys[k].digests for k in srcs), "B's digests came through A with its rows"
+    assert len(view.sources) == 1 and view.node_agent is not None
+    assert view.keys[b"k0"].agent != view.node_agent and view.keys[b"here"].agent == view.node_agent
     before = (posted(a), posted(b))
     reads = a.client.counters()["grant_reads"]
 
@@ -110,7 +110,7 @@ def test_a_remote_read_lease_reads_from_the_source_directly(sites: Sites) -> Non
     assert (posted(a), posted(b)) == before, "a node posted a transfer for a granted deliver"
     # A second lease of the same source: its agent is cached, not sent again.
     again = a.client.lease([b"k0"], request_id=rid).result(RESULT_TIMEOUT_S)
-    assert again.status(b"k0") is LeaseStatus.LEASED_REMOTE and len(grants.scope().sources) == 1
+    assert again.status(b"k0") is LeaseStatus.LEASED_REMOTE and len(a.client.grants().sources) == 1
     for handle_ in (lease, again):
         handle_.release().result(RESULT_TIMEOUT_S)
     no_grants_left(a, b)
@@ -124,7 +124,7 @@ def node_driven(a: Site, b: Site) -> None:
     rid = hint(a, b, [b"k"])
     lease = a.client.lease([b"k"], request_id=rid).result(RESULT_TIMEOUT_S)
     assert lease.status(b"k") is LeaseStatus.LEASED_REMOTE
-    assert a.client._grants.cover([]) is None and b"k" not in a.client._grants.keys
+    assert b"k" not in a.client.grants().keys
     before, reads = posted(b), a.client.counters()["grant_reads"]
     dst = np.zeros(LAYOUT.nbytes, np.uint8)
     res = a.client.deliver({b"k": spans_into(a, dst)}, request_id=rid).result(RESULT_TIMEOUT_S)
@@ -159,7 +159,7 @@ def test_a_source_killed_before_the_read_never_returns_bytes(sites: Sites) -> No
     src = b.deposit(b"k", LAYOUT, seed=6)
     rid = hint(a, b, [b"k"])
     lease = a.client.lease([b"k"], request_id=rid, ttl_ms=60_000).result(RESULT_TIMEOUT_S)
-    assert b"k" in a.client._grants.keys
+    assert b"k" in a.client.grants().keys
     dst = np.zeros(LAYOUT.nbytes, np.uint8)
     spans = spans_into(a, dst)
 
@@ -186,7 +186,7 @@ def test_a_slot_the_source_reused_after_expiry_is_detected(sites: Sites) -> None
     old = b.deposit(b"old", LAYOUT, seed=7)
     rid = hint(a, b, [b"old"])
     lease = a.client.lease([b"old"], request_id=rid, ttl_ms=300).result(RESULT_TIMEOUT_S)
-    assert b"old" in a.client._grants.keys
+    assert b"old" in a.client.grants().keys
     dst = np.zeros(LAYOUT.nbytes, np.uint8)
     spans = spans_into(a, dst)
     fresh: list[np.ndarray] = []
@@ -221,7 +221,6 @@ def test_a_restarted_sources_old_agents_are_let_go(sites: Sites, ipc_dir: Path) 
     incarnation (which at MAX_SOURCES would stop grants across nodes)."""
     (a,) = sites.start("a")
     endpoint = f"ipc://{ipc_dir}/src.sock"
-    grants = a.client._grants
     for restart in range(4):
         source = start_node(endpoint, *POOLS, "--peer-grants")
         try:
@@ -234,14 +233,15 @@ def test_a_restarted_sources_old_agents_are_let_go(sites: Sites, ipc_dir: Path) 
                 rid = f"r{restart}"
                 a.client.submit_hint(rid, endpoint, [k]).result(RESULT_TIMEOUT_S)
                 lease = a.client.lease([k], request_id=rid).result(RESULT_TIMEOUT_S)
-                assert lease.status(k) is LeaseStatus.LEASED_REMOTE and k in grants.keys
+                assert lease.status(k) is LeaseStatus.LEASED_REMOTE and k in a.client.grants().keys
                 dst = np.zeros(LAYOUT.nbytes, np.uint8)
                 res = a.client.deliver({k: spans_into(a, dst)}, request_id=rid).result(RESULT_TIMEOUT_S)
                 assert res[k].ok and np.array_equal(dst, src)
                 lease.release().result(RESULT_TIMEOUT_S)
                 writer.unregister(region)
-            assert len(grants.scope().sources) == 1, grants.scope().sources.keys()
-            assert grants.stale <= 1, "older incarnations' agents were let go"
+            view = a.client.grants()
+            assert len(view.sources) == 1, view.sources
+            assert view.stale_agents <= 1, "older incarnations' agents were let go"
         finally:
             source.stop()
     poll_stats(a, lambda st: st["leases"]["held"] == 0, SLACK_S, "A let go of every lease")
@@ -258,7 +258,7 @@ def test_a_source_slot_overwritten_under_a_grant_fails_digest_mismatch_across_no
     forge(b.endpoint, b"k", 2, forged)
     rid = hint(a, b, [b"k"])
     lease = a.client.lease([b"k"], request_id=rid).result(RESULT_TIMEOUT_S)
-    assert lease.status(b"k") is LeaseStatus.LEASED_REMOTE and a.client._grants.keys[b"k"].digests
+    assert lease.status(b"k") is LeaseStatus.LEASED_REMOTE and a.client.grants().keys[b"k"].digests
     dst = np.zeros(LAYOUT.nbytes, np.uint8)
     res = a.client.deliver({b"k": spans_into(a, dst)}, request_id=rid).result(RESULT_TIMEOUT_S)
     assert res[b"k"].status is KeyStatus.FAILED and res[b"k"].code is ErrorCode.DIGEST_MISMATCH, res
