@@ -187,10 +187,10 @@ def bench_grants(
     vouches for every read (spec section 6.12, "Validity")."""
     progress.step(f"under a read grant from B: first layer and {SPANS * SPAN >> 20} MiB, {reps * 2} times each")
     lease = eng.lease([b"layers", b"big"], request_id="bench", ttl_ms=600_000).result(10)
-    grants = eng._grants
-    if not grants.scope().sources or len(grants) != 2:
+    grants = eng.grants()
+    if not grants.sources or len(grants.keys) != 2:
         raise AssertionError(f"B's grant did not reach the client (client_transfers off, or below version 5?): "
-                             f"{len(grants)} keys, {len(grants.scope().sources)} sources, {[lease.status(k) for k in lease.keys]}")
+                             f"{len(grants.keys)} keys, {len(grants.sources)} sources, {[lease.status(k) for k in lease.keys]}")
     reads = eng.counters()["grant_reads"]
     times: dict[str, list[float]] = {"grant_first": [], "grant_planned_all": [], "grant_whole_big": [],
                                      "raw_read_first": [], "raw_read_layers": [], "raw_read_whole": [], "raw_read_hot": []}
