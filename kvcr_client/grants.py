@@ -37,6 +37,7 @@ from kvcr_client.core import ClientCore
 from kvcr_client.counters import Count, Counters
 from kvcr_client.digest_checks import on_worker
 from kvcr_client.leases import LeaseHandle
+from kvcr_client.posted import Gate
 from kvcr_client.prepared_reads import PreparedReads
 from kvcr_client.readplans import LocalColumns, remote_spans
 from kvcr_client.reads import Finished, GrantRead
@@ -75,12 +76,6 @@ MAX_SOURCES = 256
 """Sources' agents one session keeps loaded at most (one per endpoint); past it the longest
 unused goes, and a lease of its keys loads it again."""
 
-Hook = Callable[[str], Any]
-"""The gate each deliver's ``GrantRead`` is made with (``kvcr_client.reads.Gate``): called in
-the turn that posts group ``g``, lock held, with ``"posting g"`` before and ``"posted g"``
-after; returning False before defers that post to a later turn. Tests freeze a reader,
-kill a source or hold a group back there; a gated deliver takes the same path as any.
-Not a setting of the product."""
 
 
 @dataclass(frozen=True)
@@ -129,7 +124,8 @@ class Grants:
         """Prepared destinations' spans as arrays, for planning many spans at once."""
         self.prepared = PreparedReads(self.columns)
         """The READs of recent delivers, planned once per destination, grants and plan."""
-        self.hook: Hook | None = None
+        self.gate: Gate | None = None
+        """Made into each deliver's ``GrantRead`` (``kvcr_client.posted.Gate``; tests only)."""
         self.loads = AgentLoads(core.agent.add_remote, lambda fn: core.call(fn, closed=True), lambda: core.wake())
         """Loads the node's and sources' agents off the turns."""
 
@@ -379,7 +375,7 @@ class Grants:
             self.counters.inc(Count.SPANS_UNCHECKED, plan.unchecked)
         core = self.core
         job = GrantRead(self, core.agent, items, granted, plan.counts, plan.posts, list(plan.codes), deadline, report,
-                        finished, quiet, checks=plan.checks, ahead=on_worker if plan.in_parts else None, gate=self.hook,
+                        finished, quiet, checks=plan.checks, ahead=on_worker if plan.in_parts else None, gate=self.gate,
                         ledger=ledger, hold=self.hold)
         # Group 0 is posted, polled and reported in one turn of the lock: the caller may
         # wait on it the moment this returns.

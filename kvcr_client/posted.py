@@ -13,7 +13,7 @@ I/O lock held, in whichever thread takes the turn.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,6 +27,14 @@ Post = tuple[int, MemoryKind, list[Desc] | Any, MemoryKind, list[Desc] | Any, li
 """One transfer to post: its group, local kind and descriptors, remote kind and descriptors
 (rows, or an N x 3 array: ``kvcr_client.readplans``), the items it carries, and the remote
 agent (the node's, or a source's: spec section 6.12)."""
+
+Gate = Callable[[str], Any]
+"""A test's gate on a job's transfers, made with the job and called in the turn, lock held:
+a read under grants calls it before and after each group's post (``posting G``, ``posted
+G``), a put once its WRITEs are terminal, before ``commit`` (``written``); ``False`` from
+``posting G`` or ``written`` defers the rest to a later turn. Tests freeze a reader, kill a
+source or hold a group or a commit back there; a gated job takes the same path as any.
+Not a setting of the product."""
 
 _GROUP = operator.itemgetter(0)
 

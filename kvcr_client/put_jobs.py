@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcr_client.errors import ClientClosed, NodeError
-from kvcr_client.posted import PostedTransfers, Poster
+from kvcr_client.posted import Gate, PostedTransfers, Poster
 from kvcr_client.results import KeyOutcome, Results, when_all
 from kvcr_protocol import ErrorCode, KeyResult, KeyStatus, MemoryKind, PutReply, code_of
 
@@ -73,9 +73,9 @@ class PutSteps:
     regions are free. Called once."""
     wait: Callable[[Future[None], PutJob], None]
     """The job waits for this future (the node's agent loading): step it again once done."""
-    gate: Callable[[str], Any] | None = None
-    """Called with ``"written"`` once the WRITEs are terminal, before ``commit``: returning
-    False defers the rest to a later turn (tests hold a put there). Not a product setting."""
+    gate: Gate | None = None
+    """Called with ``"written"`` once the WRITEs are terminal, before ``commit``
+    (``kvcr_client.posted.Gate``)."""
 
 
 class PutJob:

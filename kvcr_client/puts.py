@@ -31,6 +31,7 @@ from kvcr_client import spans as _spans
 from kvcr_client.core import ClientCore
 from kvcr_client.counters import Count, Counters
 from kvcr_client.grants import Grants
+from kvcr_client.posted import Gate
 from kvcr_client.put_jobs import PutJob, PutSteps, Runs
 from kvcr_client.regions import RegionHandle, RegionTable
 from kvcr_client.requests import CONTROL_TIMEOUT_S
@@ -91,10 +92,8 @@ class Puts:
         self._let_go = False
         """A WRITE was let go of while running in this session: it may still land."""
         self._lock = threading.Lock()
-        self.hook: Any = None
-        """Called (lock held, in a turn) with ``"written"`` once a put's WRITEs are terminal,
-        before ``commit``: returning False defers the rest to a later turn (tests hold a put
-        there). Not a setting of the product."""
+        self.gate: Gate | None = None
+        """Made into each put's ``PutJob`` (``kvcr_client.posted.Gate``; tests only)."""
 
     def quiet(self) -> bool:
         """Whether no WRITE of a put of this session runs or may still land, so that the next
@@ -173,7 +172,7 @@ class Puts:
             loading.add_done_callback(lambda _: core.reads.nudge(job))
 
         steps = PutSteps(functools.partial(self._runs, scope, frozen, columns), send, deposit, refused, self._late,
-                         settle, wait, self.hook)
+                         settle, wait, self.gate)
         result: Future[Results[KeyOutcome]] = Future()
         written: Future[None] = Future()
         job = PutJob(steps, asked, core.agent, keys, give_up, result, written)

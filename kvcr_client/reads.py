@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from kvcr_client.counters import Count, Counters
 from kvcr_client.errors import ClientClosed
 from kvcr_client.leases import LeaseHandle
-from kvcr_client.posted import CLOSE_DRAIN_S, Post, PostedTransfers
+from kvcr_client.posted import CLOSE_DRAIN_S, Gate, Post, PostedTransfers
 from kvcr_client.uncertain import Hold
 from kvcr_io.agent import Agent
 from kvcr_protocol import DeliverItem, ErrorCode, GroupEvent, GroupLedger, GroupState, KeyResult, KeyStatus
@@ -67,10 +67,6 @@ class Checks(Protocol):
 
 Ahead = Callable[[Callable[[], list[int]]], "Future[list[int]]"]
 """Runs a group's checks off the turn (the digest worker) while the next group is copied."""
-Gate = Callable[[str], Any]
-"""Called before and after each group's post (``posting G``, ``posted G``), in the turn that
-posts it: a test stalls or breaks things there; ``False`` before a post holds it back to a
-later turn. Every deliver takes the same path, gated or not."""
 
 
 class Phase(enum.Enum):

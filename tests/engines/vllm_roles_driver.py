@@ -74,14 +74,14 @@ def lease_lost(sched: Any, keys: list[bytes], layers: list[str]) -> dict[str, An
             for lease in list(client._scope().leases.values()):
                 lease.release()
 
-    client._grants.hook = release_all
+    client._grants.gate = release_all
     worker.bind_connector_metadata(KvcrConnectorMetadata(loads=[BlockLoad("r-lost", keys, [20, 21, 22])]))
     worker.start_load_kv(None)
     for name in layers:
         worker.wait_for_layer_load(name)
     failed = sorted(worker.get_block_ids_with_load_errors())
     worker.clear_connector_metadata()
-    client._grants.hook = None
+    client._grants.gate = None
     stats = worker.get_kv_connector_stats()
     worker.shutdown()
     return {"failed": failed, "refused": client.counters()["grant_refused"], "stats": stats.data if stats is not None else {}}

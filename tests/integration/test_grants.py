@@ -56,13 +56,13 @@ def node_args() -> tuple[str, ...]:
 
 @pytest.fixture
 def hook(client: Client) -> Iterator[Callable[[Callable[[str], None]], None]]:
-    """Install a gate the client's grant reads call at ``posting G`` and ``posted G`` (``kvcr_client.reads.Gate``)."""
+    """Install a gate the client's grant reads call at ``posting G`` and ``posted G`` (``kvcr_client.posted.Gate``)."""
 
     def install(fn: Callable[[str], None]) -> None:
-        client._grants.hook = fn
+        client._grants.gate = fn
 
     yield install
-    client._grants.hook = None
+    client._grants.gate = None
 
 
 def put(client: Client, register: Registrar, key: bytes, seed: int, layers: int = LAYERS) -> np.ndarray:
@@ -244,10 +244,10 @@ def test_a_reader_dropped_for_silence_between_groups_is_not_ok(key: Callable[[st
                 fresh.append(refill.copy())
                 assert other.deposit({key(f"refill{i}"): [Span("L0", other_region, 0, SLOT, "kv")]}).result(RESULT_TIMEOUT_S).all_ok
 
-        client._grants.hook = stall
+        client._grants.gate = stall
         res = client.deliver({k: [Span(f"L{i}", region, i * SLOT, SLOT) for i in range(2)]}, plan=[["L0"], ["L1"]])
         outcome = res.result(RESULT_TIMEOUT_S)[k]
-        client._grants.hook = None
+        client._grants.gate = None
         assert fresh, "the hook never stalled group 1's turn"
         assert outcome.status is KeyStatus.FAILED and outcome.code in (ErrorCode.LEASE_LOST, ErrorCode.LEASE_EXPIRED), outcome
         assert any(np.array_equal(dst[SLOT:], f) for f in fresh), "group 1's READ did land another object's bytes"
@@ -300,7 +300,7 @@ def test_the_async_client_reads_under_grants_too(node: NodeProcess, key: Callabl
             assert (await c.deposit({k: [Span(f"L{i}", rs, i * SLOT, SLOT, "kv") for i in range(LAYERS)]})).all_ok
             lease = await c.lease([k], ttl_ms=1000)
             # Late enough that the clock alone cannot vouch: the confirmation runs in the loop.
-            c._grants.hook = lambda stage: time.sleep(0.9) if stage == "posted 0" else None
+            c._grants.gate = lambda stage: time.sleep(0.9) if stage == "posted 0" else None
             res = await c.deliver({k: [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(LAYERS)]})
             assert res[k].ok and np.array_equal(dst, src) and c.counters()["grant_reads"] == 1 and c.counters()["grant_confirms"] == 1
             await lease.release()
@@ -452,7 +452,7 @@ def test_an_async_deliver_under_grants_leaves_the_loop_running(node: NodeProcess
                     return True
                 return False
 
-            c._grants.hook = hold_back(LAYERS - 1, until, stages)
+            c._grants.gate = hold_back(LAYERS - 1, until, stages)
             task = asyncio.create_task(other())
             await asyncio.sleep(0)
             start = ticks
@@ -463,7 +463,7 @@ def test_an_async_deliver_under_grants_leaves_the_loop_running(node: NodeProcess
             task.cancel()
             assert res[k].ok and np.array_equal(dst, src)
             assert released and released[0] >= TICKS, "the loop did not run while the deliver was outstanding"
-            c._grants.hook = None
+            c._grants.gate = None
             await lease.release()
             await c.unregister(rs)
             await c.unregister(rd)
@@ -501,7 +501,7 @@ def test_close_during_a_grant_deliver_leaves_no_read_running(node: NodeProcess, 
         rs, rd = c.register(src), c.register(dst)
         assert c.deposit({k: [Span(f"L{i}", rs, i * SLOT, SLOT, "kv") for i in range(LAYERS)]}).result(RESULT_TIMEOUT_S).all_ok
         lease = c.lease([k]).result(RESULT_TIMEOUT_S)
-        c._grants.hook = hold_back(LAYERS - 1, lambda: False, [])
+        c._grants.gate = hold_back(LAYERS - 1, lambda: False, [])
         handle = c.deliver({k: [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(LAYERS)]},
                            plan=[[f"L{i}"] for i in range(LAYERS)])
         handle.wait(LAYERS - 2, RESULT_TIMEOUT_S)

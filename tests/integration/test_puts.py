@@ -343,7 +343,7 @@ KILLED = textwrap.dedent("""
             said.append(stage)
             print(stage, flush=True)
         return False
-    c._puts.hook = hook
+    c._puts.gate = hook
     c.put({b"killed-mid-put": [Span(f"L{i}", r, i * 4096, 4096, "kv") for i in range(4)]})
     time.sleep(600)
 """)
@@ -422,7 +422,7 @@ def test_a_reconnect_while_a_put_writes_presents_no_token(node: Any, client: Cli
             written.set()
             return release.is_set()
 
-        c._puts.hook = hook
+        c._puts.gate = hook
         resumed = stats(c)["counters"].get("sessions_resumed", 0)
         handle = c.put({b"busy": spans(r)})
         try:
@@ -434,7 +434,7 @@ def test_a_reconnect_while_a_put_writes_presents_no_token(node: Any, client: Cli
         finally:
             release.set()
         handle.written.result(RESULT_TIMEOUT_S)
-        c._puts.hook = None
+        c._puts.gate = None
         assert wait_until(lambda: stats(c)["puts"]["quarantined"] == 1, 10.0)
     assert wait_until(lambda: stats(client)["puts"]["quarantined"] == 0, 20.0)
 

@@ -58,7 +58,7 @@ def spans_into(site: Site, buf: np.ndarray, names: list[str] | None = None) -> l
 
 
 def set_hook(client: Client, fn: Callable[[str], Any] | None) -> None:
-    client._grants.hook = fn
+    client._grants.gate = fn
 
 
 def no_grants_left(*sites: Site) -> None:
