@@ -3,7 +3,7 @@
 ``render`` turns one published snapshot into the bytes the exporter serves for it, once per
 snapshot; ``render_exporter`` adds the exporter's own families (open connections, drops by
 reason), which change between snapshots. No ``prometheus_client``: it would build an object
-per sample on every scrape. Names follow Prometheus conventions; the README lists them all.
+per sample on every scrape. Names follow Prometheus conventions; docs/metrics.md lists them all.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class _Text:
 
 
 def render(s: MetricsSnapshot) -> bytes:
-    """The text exposition of one snapshot (README, "Metrics")."""
+    """The text exposition of one snapshot (docs/metrics.md)."""
     t = _Text()
 
     def counter(name: str, doc: str, labels: Iterable[str], rows: Iterable[tuple[Any, ...]]) -> None:

@@ -1,6 +1,6 @@
 """Every public argument is checked before anything is sent (issue #10, defect 13).
 
-The README promises that bad arguments raise ``ArgumentError`` naming the field before
+docs/client.md promises that bad arguments raise ``ArgumentError`` naming the field before
 anything is sent. Each row of the table below is one bad value of one argument; the test
 asserts the error, its field path, and that nothing reached the node: no request id was
 used (the next request gets the very next id), and the node's error and outcome counters

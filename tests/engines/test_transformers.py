@@ -7,7 +7,7 @@ Engine B, another process whose client talks to node A, leases the blocks (held 
 through A), gets them delivered layer by layer into a ``KvcrCache`` and computes only the
 rest. Its logits are ``torch.equal`` to A's, its tokens the same, and every layer waited
 for its own group once. Both nodes end clean. The engines run ``examples/transformers_prefix.py``,
-the example the README shows.
+the example docs/engines.md shows.
 
 On one node (``both``: the two engines one after the other in one process) engine B's
 lease gets a read grant and its deliver READs the node's pools itself, layer by layer: the
