@@ -37,7 +37,7 @@ def test_waited_handles_are_not_kept(node_factory: Callable[..., Any]) -> None:
             handle = client.query([b"k%d" % i]) if i % 2 else client.stats()
             handle.result(5)
         after = rss_kib()
-        assert len(client._completions) == 0, f"{len(client._completions)} handles kept for a queue nobody reads"
+        assert client.tables()["completed"] == 0, f"{client.tables()['completed']} handles kept for a queue nobody reads"
         assert after - before <= RSS_SLACK_KIB, (before, after)
         assert_clean(client)
 
@@ -47,7 +47,7 @@ async def test_awaited_handles_are_not_kept(node_factory: Callable[..., Any]) ->
     async with await AsyncClient.connect(node.endpoint, name="awaiter") as client:
         for i in range(OPERATIONS // 5):
             assert (await client.query([b"k%d" % i]))[b"k%d" % i].presence is Presence.MISS
-        assert len(client._completions) == 0
+        assert client.tables()["completed"] == 0
         st = await client.stats()
         assert st["invariants"] == []
 
@@ -77,7 +77,7 @@ def test_poll_completed_returns_each_unwaited_handle_once(node_factory: Callable
         assert waited not in seen, "a handle its caller waited on was queued"
         assert all(h.done() and h.result(0).all_ok for h in seen)
         assert_bytes_equal(dst, src, "deliver a polling engine looked at")
-        assert client.poll_completed() == [] and len(client._completions) == 0
+        assert client.poll_completed() == [] and client.tables()["completed"] == 0
         assert_clean(client)
         reg.close()
 
@@ -91,7 +91,7 @@ def test_completion_queue_is_bounded(node_factory: Callable[..., Any]) -> None:
         assert wait_until(lambda: all(h.future.done() for h in handles), 10.0)
         # Done callbacks run right after each result is set; the last one may trail its future.
         assert wait_until(lambda: client.completed_dropped == 2 * bound, 5.0), client.completed_dropped
-        assert len(client._completions) == bound
+        assert client.tables()["completed"] == bound
         out = client.poll_completed()
         assert out == handles[-bound:], "the newest completions are kept, in order"
         assert client.tables()["completed"] == 0
