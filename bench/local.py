@@ -32,7 +32,8 @@ stdout carries one JSON object: ``query_ratio`` and ``query_ratio_async`` (query
 p50 of the same 1024 descriptors, the node's slots of the object, by a bare agent / kvcr deliver
 p50 under a read grant; ``_writer``: the same READ shape from a raw writer process's buffer
 instead, which copies faster here than any live node's pool; ``_merged``: from that buffer, one
-descriptor), ``grant_deliver_small_us`` and ``grant_deliver_small_ratio`` (a granted whole deliver
+descriptor), ``grant_deliver_prepared_ratio`` (the same anchor / the deliver to a prepared
+``Destination``, which skips checking and converting 1024 ``Span``: docs/performance.md), ``grant_deliver_small_us`` and ``grant_deliver_small_ratio`` (a granted whole deliver
 of one 64 KiB span, p50, and over a bare agent's READ of its slot), ``grant_deliver_ms``, ``raw_grant_read_ms`` and ``raw_writer_read_ms`` (their medians) and
 ``grant_deliver_spread`` and ``raw_grant_read_spread`` ((p90 - p10) / median), ``deposit_ratio`` (raw NIXL READ p50
 / kvcr deposit p50), ``planned_vs_whole_local`` (the same object delivered by the node in 32
@@ -598,6 +599,7 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
         "grant_deliver_ratio": r["node_read"]["median"] / k["grant_deliver"]["median"],
         "grant_deliver_ratio_writer": r["consumer_read"]["median"] / k["grant_deliver"]["median"],
         "grant_deliver_ratio_merged": r["consumer_read_merged"]["median"] / k["grant_deliver"]["median"],
+        "grant_deliver_prepared_ratio": r["node_read"]["median"] / k["grant_deliver_prepared"]["median"],
         "grant_deliver_small_us": k["grant_deliver_small"]["median"] * 1e6,
         "grant_deliver_small_ratio": k["grant_deliver_small"]["median"] / r["node_read_small"]["median"],
         "grant_deliver_ms": k["grant_deliver"]["median"] * 1e3,
@@ -646,7 +648,8 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
     say(f"  ... one merged desc              {fmt_gbps(OBJECT, r['consumer_read_merged'])}")
     say(f"  ratio kvcr / raw NIXL READ of the node's slots: {figures['grant_deliver_ratio']:.2f} (goal >= 0.95); "
         f"of a writer's buffer: {figures['grant_deliver_ratio_writer']:.2f}, one merged descriptor: "
-        f"{figures['grant_deliver_ratio_merged']:.2f}")
+        f"{figures['grant_deliver_ratio_merged']:.2f}; a prepared destination against the node's slots: "
+        f"{figures['grant_deliver_prepared_ratio']:.2f}")
     say(f"one span of {SPAN >> 10} KiB under a read grant, whole: kvcr {fmt_us(k['grant_deliver_small'])}, "
         f"raw NIXL READ of its slot {fmt_us(r['node_read_small'])}, "
         f"kvcr / raw {figures['grant_deliver_small_ratio']:.2f}")
