@@ -55,7 +55,6 @@ import math
 import os
 import secrets
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -63,14 +62,14 @@ from typing import Any, TypeVar
 import zmq
 
 from kvcr_client.actions import Actions, Hooks
-from kvcr_client.driver import MONITOR_READY, SOCKET_READY, Driver, Schedule
+from kvcr_client.driver import MONITOR_READY, SOCKET_READY, Driver, Schedule, weakly
 from kvcr_client.errors import ClientClosed, NodeError, NodeLostError, translated
 from kvcr_client.loops import LoopReaders
 from kvcr_client.reads import Reads
 from kvcr_client.requests import Request, settle
 from kvcr_client.session import ClientSession
 from kvcr_client.transport import Link, Transport
-from kvcr_client.waiters import _CLOSE_TIMEOUT_S, _IDLE_S, _LATE_PROGRESS_S, _PARK_S, Waiters
+from kvcr_client.waiters import _CLOSE_TIMEOUT_S, _IDLE_S, _PARK_S, Waiters
 from kvcr_io.agent import Agent
 from kvcr_io.zmq_flags import EVENTS as _EVENTS
 from kvcr_io.zmq_flags import NOBLOCK as _NOBLOCK
@@ -92,6 +91,10 @@ from kvcr_protocol import (
 )
 
 log = logging.getLogger("kvcr.client")
+
+_LATE_PROGRESS_S = 0.01
+"""How often the agent is progressed while only timed-out memory-touching operations (or
+transfers under grants, or lingering writes) remain."""
 R = TypeVar("R")
 
 
@@ -149,8 +152,7 @@ class ClientCore:
         """Where the node's capacity and ``lease_end`` events go (the client above sets them)."""
         self._apply = Actions(self.session, self.transport, self.waiters, self.hooks)
         """Carries out the session's events (lock held)."""
-        pacing = weakref.WeakMethod(self.pacing_starts)  # the core owns its parts: no cycle back to it
-        self.reads = Reads(lambda: _call(pacing))
+        self.reads = Reads(weakly(self.pacing_starts, None))  # the core owns its parts: no cycle back to it
         """Delivers under read grants whose READs the turns post and poll (lock held)."""
         self.driver.start(self._background, f"kvcr-io-{self.name}")
 
@@ -498,9 +500,3 @@ class ClientCore:
         finally:
             driver.reading -= 1
 
-
-def _call(method: weakref.WeakMethod[Callable[[], None]]) -> None:
-    """Call a weakly held method, if its object still lives."""
-    bound = method()
-    if bound is not None:
-        bound()

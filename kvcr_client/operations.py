@@ -32,6 +32,7 @@ from kvcr_client.results import (
     StoreHandle,
 )
 from kvcr_client.spans import Destination, LayerPlan, Span
+from kvcr_client.uncertain import extents
 from kvcr_protocol import (
     COLUMNS_VERSION,
     DEFAULT_LIMITS,
@@ -164,7 +165,7 @@ class Operations(LeaseRequests):
 
         def hold() -> Callable[[], None]:
             # The caller stopped waiting; the node may still write there until it answers.
-            return uncertain.hold((span.region, span.offset, span.length) for item in frozen for span in item.spans)
+            return uncertain.hold(extents(frozen))
 
         if groups is None:
             return self._send.op("deliver", keys, build, deadline_ms, True, regions, answered, hold)

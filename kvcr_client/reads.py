@@ -28,7 +28,7 @@ from kvcr_client.counters import Count, Counters
 from kvcr_client.errors import ClientClosed
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.posted import CLOSE_DRAIN_S, Gate, Post, PostedTransfers
-from kvcr_client.uncertain import Hold
+from kvcr_client.uncertain import Hold, extents
 from kvcr_io.agent import Agent
 from kvcr_protocol import DeliverItem, ErrorCode, GroupEvent, GroupLedger, GroupState, KeyResult, KeyStatus
 
@@ -237,7 +237,7 @@ class GrantRead:
             code = ErrorCode.DESTINATION_UNCERTAIN if transfers.posted > g else ErrorCode.TIMEOUT
             if code == ErrorCode.DESTINATION_UNCERTAIN and self.hold is not None and members:
                 items = self.items
-                self._held.append(self.hold((span[-3], span[-2], span[-1]) for k in members for span in items[k].spans))
+                self._held.append(self.hold(extents(items[k] for k in members)))
             for k in members:
                 self._fail(k, code)
             return True

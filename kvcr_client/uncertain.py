@@ -64,7 +64,7 @@ class UncertainDestinations:
     def node_reserved(self, items: Sequence[Any]) -> bool:
         """Whether a span of ``items`` overlaps one the node reported uncertain: such a
         deliver goes by the node, which knows when its reservation ends."""
-        return bool(self._node) and any(self._node.overlap(_extents(item)) is not None for item in items)
+        return bool(self._node) and any(self._node.overlap(extents((item,))) is not None for item in items)
 
     def node_answered(self, items: Sequence[Any], results: Sequence[KeyResult]) -> None:
         """The node answered a deliver of ``items`` (lock held): hold the spans of keys failed
@@ -74,10 +74,10 @@ class UncertainDestinations:
             return  # the usual case
         for item, result in zip(items, results, strict=True):
             if result.status is KeyStatus.OK and self._node:
-                for token in list(self._node.overlapping(_extents(item))):
+                for token in list(self._node.overlapping(extents((item,)))):
                     self._node.drop(token)
             elif result.code == ErrorCode.DESTINATION_UNCERTAIN:
-                self._node.add(next(self._tokens), _extents(item))
+                self._node.add(next(self._tokens), extents((item,)))
 
     def check(self, items: Sequence[Any], path: str = "objects") -> None:
         """Refuse ``items`` (wire items: a key and spans naming region id, offset and length
@@ -85,7 +85,7 @@ class UncertainDestinations:
         if not self._held:
             return
         for item in items:
-            j = self._held.overlap(_extents(item))
+            j = self._held.overlap(extents((item,)))
             if j is not None:
                 raise ArgumentError(
                     f"{path}[{item.key!r}].spans[{j}]",
@@ -94,6 +94,6 @@ class UncertainDestinations:
                 )
 
 
-def _extents(item: Any) -> list[Extent]:
-    """A wire item's spans as (region id, offset, length): their last three fields."""
-    return [(span[-3], span[-2], span[-1]) for span in item.spans]
+def extents(items: Iterable[Any]) -> list[Extent]:
+    """Wire items' spans as (region id, offset, length): their last three fields."""
+    return [(span[-3], span[-2], span[-1]) for item in items for span in item.spans]

@@ -23,8 +23,6 @@ from kvcr_io.pacing import Pacer
 _IDLE_S = 0.2
 """While requests are pending, the longest a waiter or the background thread blocks before it
 looks at deadlines and heartbeats again."""
-_LATE_PROGRESS_S = 0.01
-"""How often the agent is progressed while only timed-out memory-touching operations remain."""
 _PARK_S = 0.005
 """How long the background thread stays off the socket after callers stopped waiting (and an
 event loop keeps watching it after its last awaiter)."""
