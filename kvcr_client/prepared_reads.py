@@ -12,12 +12,14 @@ and grants it was made of, so their identities cannot be reused while it is kept
 of a new lease simply misses. A list of ``Span`` brings a new tuple each deliver: such a
 miss looks the plan up by the spans' content (region ids are never reused within a client,
 so equal spans name the same memory), which costs a hash of the spans instead of a plan.
+A plan's descriptor rows are kept as the lists NIXL made of them (``Agent.listed``): a
+repeat's post does not convert them again.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +28,7 @@ from kvcr_client.posted import Post
 from kvcr_client.readplans import LocalColumns
 from kvcr_client.readplans import plan as plan_reads
 from kvcr_client.regions import RegionHandle
-from kvcr_protocol import DeliverItem
+from kvcr_protocol import DeliverItem, MemoryKind
 
 KEPT = 16
 """Plans kept, the least recently used dropped first."""
@@ -53,8 +55,11 @@ class ReadPlan:
 class PreparedReads:
     """The plans of recent delivers under grants, by what they were made of."""
 
-    def __init__(self, columns: LocalColumns) -> None:
+    def __init__(self, columns: LocalColumns, listed: Callable[[MemoryKind, Any], Any] | None = None) -> None:
         self.columns = columns
+        self.listed = listed
+        """Makes a post's descriptor rows into a list NIXL took once (``kvcr_io.agent.Agent.listed``):
+        a kept plan's READs are posted without converting them again. None: rows as they are."""
         self._kept: collections.OrderedDict[tuple[Any, ...], ReadPlan] = collections.OrderedDict()
         self._by_content: collections.OrderedDict[tuple[Any, ...], ReadPlan] = collections.OrderedDict()
         """The same plans by the spans' content (with the grants' and groups' identity)."""
@@ -101,6 +106,10 @@ class PreparedReads:
         posts = [(g, lk, local, rk, remote, owners, peer) for (g, peer, lk, rk), (local, remote, owners)
                  in plan_reads(items, granted, groups, regions, codes, columns).items()]
         posts.sort(key=lambda p: p[0])
+        listed = self.listed
+        if listed is not None:
+            posts = [(g, lk, listed(lk, local), rk, listed(rk, remote), owners, peer)
+                     for g, lk, local, rk, remote, owners, peer in posts]
         checks, unchecked = span_checks(items, granted, groups, regions, columns)
         made_of = (*[item.spans for item in items], *granted)
         return ReadPlan(made_of, groups, in_parts is not None, counts, posts, tuple(codes), checks, unchecked)

@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -50,6 +51,18 @@ def _status(state: str) -> XferStatus:
 def _rows(descs: Any) -> Any:
     """Descriptors as NIXL takes them: a list of (address, length, device), or an N x 3 array as it is."""
     return descs if isinstance(descs, list) or hasattr(descs, "shape") else list(descs)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Listed:
+    """A descriptor list NIXL took once (``Agent.listed``): whoever keeps a transfer's plan
+    (a client's READs of one destination under one lease) posts it again as it is, without
+    NIXL converting the same rows each time."""
+
+    kind: MemoryKind
+    descs: Any
+    rows: Any
+    """The rows it was made of (an N x 3 array or a list of (address, length, device))."""
 
 
 class TransferError(RuntimeError):
@@ -148,16 +161,26 @@ class Agent:
             raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
         return handle, self._post(op, handle)
 
+    def listed(self, kind: MemoryKind, rows: Sequence[Desc] | Any) -> Listed | Any:
+        """``rows`` as a descriptor list NIXL took (``start_listed`` posts it as it is), or
+        the rows themselves where NIXL refuses them (the post then fails as it would have)."""
+        try:
+            return Listed(kind, self._nixl.get_xfer_descs(_rows(rows), _MEM[kind]), rows)
+        except Exception:  # the post names the failure
+            return rows
+
     def start_listed(
         self, op: str, local_kind: MemoryKind, local: Sequence[Desc] | Any, remote_kind: MemoryKind,
         remote: Sequence[Desc] | Any, remote_agent: str,
     ) -> tuple[Any, XferStatus]:
         """Create and post a transfer between descriptor lists made for it (no prepared
         lists: a client's READ under a grant names slots it learnt a moment ago); each a
-        sequence of (address, length, device) or an N x 3 ``uint64`` array."""
+        sequence of (address, length, device), an N x 3 ``uint64`` array, or a ``Listed``."""
+        nixl = self._nixl
         try:
-            local_descs = self._nixl.get_xfer_descs(_rows(local), _MEM[local_kind])
-            remote_descs = self._nixl.get_xfer_descs(_rows(remote), _MEM[remote_kind])
+            local_descs = local.descs if type(local) is Listed else nixl.get_xfer_descs(_rows(local), _MEM[local_kind])
+            remote_descs = (remote.descs if type(remote) is Listed
+                            else nixl.get_xfer_descs(_rows(remote), _MEM[remote_kind]))
             handle = self._nixl.initialize_xfer(op, local_descs, remote_descs, remote_agent)
         except Exception as exc:
             raise TransferError(f"NIXL could not create the {op}: {exc}") from exc

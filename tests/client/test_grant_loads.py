@@ -40,6 +40,9 @@ class FakeAgent:
     def remove_remote(self, name: str) -> None:
         self.removed.append(name)
 
+    def listed(self, kind: object, rows: object) -> object:
+        return rows
+
 
 class FakeReads:
     def remotes(self) -> set[str]:

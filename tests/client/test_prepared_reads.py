@@ -76,3 +76,25 @@ def test_what_is_kept_is_bounded_least_recently_used_first() -> None:
     assert reads.hits == 1
     reads.plan([DeliverItem(b"k", kept[0])], [g], None, REGIONS)  # dropped first
     assert reads.hits == 1 and len(reads) == prepared_reads.KEPT
+
+
+def test_a_plan_keeps_its_descriptor_lists_as_the_agent_made_them() -> None:
+    """Each post's rows are handed to ``listed`` once, when the plan is made (the agent makes
+    them a descriptor list NIXL took: ``kvcr_io.agent.Agent.listed``); a repeat posts those."""
+    made: list[tuple[MemoryKind, object]] = []
+
+    def listed(kind: MemoryKind, rows: object) -> object:
+        made.append((kind, rows))
+        return ("listed", kind, rows)
+
+    reads = PreparedReads(LocalColumns(), listed)
+    spans, g = destination(), grant()
+    layers = [tuple(range(SPANS))]
+    first = reads.plan([DeliverItem(b"k", spans)], [g], layers, REGIONS)
+    plain = PreparedReads(LocalColumns()).plan([DeliverItem(b"k", spans)], [g], layers, REGIONS)
+    assert len(made) == 2 * len(first.posts)
+    for post, rows in zip(first.posts, plain.posts, strict=True):
+        assert post[2] == ("listed", rows[1], rows[2]) and post[4] == ("listed", rows[3], rows[4])
+        assert (post[0], post[1], post[3], post[5], post[6]) == (rows[0], rows[1], rows[3], rows[5], rows[6])
+    assert reads.plan([DeliverItem(b"k", spans)], [g], layers, REGIONS) is first
+    assert len(made) == 2 * len(first.posts), "a repeat made its lists again"

@@ -122,6 +122,33 @@ def test_a_read_lease_grants_slots_and_deliver_reads_them_without_the_node(clien
     assert posted(client) == before + 1
 
 
+def test_a_prepared_destination_read_again_under_other_grants_gets_their_bytes(
+    client: Client, register: Registrar, key: Callable[[str], bytes],
+) -> None:
+    """A destination's READs are planned once per grants and plan, their descriptor lists
+    kept as NIXL took them (``kvcr_client.prepared_reads``): each repeat lands byte for byte,
+    and the same destination read under another lease's grants (another object's slots, or
+    the same object's anew) gets that object's bytes, never the kept plan's slots."""
+    first, second = key("first"), key("second")
+    sources = {first: put(client, register, first, seed=11), second: put(client, register, second, seed=12)}
+    dst = np.zeros(LAYERS * SLOT, np.uint8)
+    region = register(dst)
+    dest = client.destination([Span(f"L{i}", region, i * SLOT, SLOT) for i in range(LAYERS)])
+    plan = [[f"L{i}"] for i in range(LAYERS)]
+    reads = client.counters()["grant_reads"]
+    for k in (first, second, first):
+        lease = client.lease([k], ttl_ms=30_000).result(RESULT_TIMEOUT_S)
+        assert lease.status(k) is LeaseStatus.LEASED
+        for _ in range(3):
+            dst[:] = 0
+            handle = client.deliver({k: dest}, plan=plan)
+            handle.wait(0, RESULT_TIMEOUT_S)
+            assert handle.result(RESULT_TIMEOUT_S)[k].ok
+            assert np.array_equal(dst, sources[k])
+        lease.release().result(RESULT_TIMEOUT_S)
+    assert client.counters()["grant_reads"] == reads + 9, "a deliver went through the node"
+
+
 def test_bad_destinations_fail_before_anything_is_read(client: Client, register: Registrar, key: Callable[[str], bytes]) -> None:
     k = key("obj")
     put(client, register, k, seed=2, layers=3)
