@@ -34,8 +34,10 @@ and V x 4 bytes = 16 KiB here (``--pool kv:16KiB:2048``). Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -79,6 +81,7 @@ def tiny_llama(layers: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = Path(tempfile.mkdtemp(prefix="kvcr-tiny-llama-"))
+    atexit.register(shutil.rmtree, folder, True)  # the process's own files go with it
     fields = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type", "torch_dtype")}
     torch.manual_seed(WEIGHT_SEED)
     model = LlamaForCausalLM(LlamaConfig(**{**fields, "num_hidden_layers": layers}, initializer_range=INIT_STD))

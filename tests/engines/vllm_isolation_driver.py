@@ -16,8 +16,10 @@ are its first pass's. The keys each saved and loaded (the worker's block observe
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -47,6 +49,7 @@ def adapter(seed: int) -> Path:
     hidden, head_dim = int(config["hidden_size"]), int(config["head_dim"])
     kv_out = int(config["num_key_value_heads"]) * head_dim
     folder = Path(tempfile.mkdtemp(prefix=f"kvcr-tiny-lora-{seed}-"))
+    atexit.register(shutil.rmtree, folder, True)  # the process's own files go with it
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(int(config["num_hidden_layers"])):

@@ -20,9 +20,11 @@ their shape.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -100,6 +102,7 @@ def scheduler(endpoint: str, extra: dict[str, Any] | None = None, tp: int = 1) -
     replaces ``PATIENT`` in) its extra config; ``tp`` tensor-parallel ranks (the KV heads split
     among them, as vLLM's workers would describe their caches)."""
     folder = Path(tempfile.mkdtemp(prefix="kvcr-tiny-llama-"))
+    atexit.register(shutil.rmtree, folder, True)  # the process's own files go with it
     (folder / "config.json").write_text(json.dumps(CONFIG))
     config = EngineArgs(
         model=str(folder), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",

@@ -21,8 +21,10 @@ whose bytes are compared with what was deposited there.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -261,6 +263,7 @@ def worker_run(sched: Scheduler, b: str, c: str, folder: Path) -> dict[str, Any]
 def main() -> int:
     a, b, c = sys.argv[1:4]
     folder = Path(tempfile.mkdtemp(prefix="kvcr-src-", dir="/tmp"))
+    atexit.register(shutil.rmtree, folder, True)  # the process's own files go with it
     report, sched = main_run(a, b, c, folder)
     report["worker"] = worker_run(sched, b, c, folder)
     sched.shutdown()
