@@ -30,7 +30,16 @@ DRAIN_POLL_S = 0.001
 """How often ``drain`` looks at the transfers it waits for."""
 
 _NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
-_MEM = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
+
+FILE = "FILE"
+"""The memory kind of a file registered with NIXL's POSIX backend (``Agent.register_file``):
+a node's disk pools, moved to and from its own memory pools by transfers of its agent with
+itself. Never on the wire: clients only ever name DRAM and VRAM."""
+
+Kind = MemoryKind | str
+"""A transfer side's memory kind: a ``MemoryKind``, or ``FILE``."""
+
+_MEM: dict[Kind, str] = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM", FILE: "FILE"}
 
 
 class XferStatus(enum.Enum):
@@ -59,7 +68,7 @@ class Listed:
     (a client's READs of one destination under one lease) posts it again as it is, without
     NIXL converting the same rows each time."""
 
-    kind: MemoryKind
+    kind: Kind
     descs: Any
     rows: Any
     """The rows it was made of (an N x 3 array or a list of (address, length, device))."""
@@ -92,9 +101,9 @@ def _quiet_nixl_logging() -> None:
 
 
 class Agent:
-    """One NIXL agent with UCX, no progress thread."""
+    """One NIXL agent with UCX, no progress thread; with ``files``, NIXL's POSIX backend too."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, files: bool = False) -> None:
         nixl = load_nixl()
         _quiet_nixl_logging()
         config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
@@ -102,6 +111,11 @@ class Agent:
         self._nixl: Any = nixl.nixl_agent(name, config)
         if "UCX" not in self._nixl.backends:
             raise RuntimeError("the NIXL UCX backend is not available")
+        if files:
+            try:
+                self._nixl.create_backend("POSIX")
+            except Exception as exc:
+                raise RuntimeError(f"the NIXL POSIX backend is not available (disk pools need it): {exc}") from exc
         self.name = name
 
     # -- memory and metadata
@@ -109,6 +123,11 @@ class Agent:
     def register(self, kind: MemoryKind, address: int, length: int, device: int) -> Any:
         """Register one region; returns the handle ``deregister`` takes."""
         return self._nixl.register_memory([(address, length, device, "")], _MEM[kind])
+
+    def register_file(self, fd: int, length: int) -> Any:
+        """Register the first ``length`` bytes of the open file ``fd`` (memory kind ``FILE``;
+        the agent needs ``files``); its descriptors are (file offset, length, ``fd``)."""
+        return self._nixl.register_memory([(0, length, fd, "")], "FILE")
 
     def deregister(self, handle: Any) -> None:
         self._nixl.deregister_memory(handle)
@@ -136,7 +155,7 @@ class Agent:
         """Prepare a local descriptor list; transfers select entries by index."""
         return self._nixl.prep_xfer_dlist("NIXL_INIT_AGENT", list(descs), _MEM[kind])
 
-    def prep_remote(self, agent: str, kind: MemoryKind, descs: Sequence[Desc]) -> Any:
+    def prep_remote(self, agent: str, kind: Kind, descs: Sequence[Desc]) -> Any:
         """Prepare a remote descriptor list; NIXL checks it lies in the remote's registered memory."""
         try:
             return self._nixl.prep_xfer_dlist(agent, list(descs), _MEM[kind])
@@ -161,7 +180,7 @@ class Agent:
             raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
         return handle, self._post(op, handle)
 
-    def listed(self, kind: MemoryKind, rows: Sequence[Desc] | Any) -> Listed | Any:
+    def listed(self, kind: Kind, rows: Sequence[Desc] | Any) -> Listed | Any:
         """``rows`` as a descriptor list NIXL took (``start_listed`` posts it as it is), or
         the rows themselves where NIXL refuses them (the post then fails as it would have)."""
         try:
@@ -170,12 +189,14 @@ class Agent:
             return rows
 
     def start_listed(
-        self, op: str, local_kind: MemoryKind, local: Sequence[Desc] | Any, remote_kind: MemoryKind,
+        self, op: str, local_kind: Kind, local: Sequence[Desc] | Any, remote_kind: Kind,
         remote: Sequence[Desc] | Any, remote_agent: str,
     ) -> tuple[Any, XferStatus]:
         """Create and post a transfer between descriptor lists made for it (no prepared
         lists: a client's READ under a grant names slots it learnt a moment ago); each a
-        sequence of (address, length, device), an N x 3 ``uint64`` array, or a ``Listed``."""
+        sequence of (address, length, device), an N x 3 ``uint64`` array, or a ``Listed``.
+        ``remote_agent`` may be this agent's own ``name``: a move between its own memory and
+        its files (``FILE``: rows of (offset, length, fd)) through the POSIX backend."""
         nixl = self._nixl
         try:
             local_descs = local.descs if type(local) is Listed else nixl.get_xfer_descs(_rows(local), _MEM[local_kind])

@@ -18,20 +18,35 @@ import builtins
 import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from kvcr_io.agent import Agent, Desc, TransferError, XferStatus
+from kvcr_io.agent import Agent, Desc, Kind, TransferError, XferStatus
 from kvcr_io.runs import cut, cut_rows
 from kvcr_node.memory import PoolMemory
 from kvcr_protocol import MemoryKind, Region
 
-Move = tuple[str, int, int, int, Region, int]
+
+class Remote(Protocol):
+    """The other side of a transfer: a client's or peer's registered ``Region``, or one of
+    this node's disk pools' files (``kvcr_node.disk_pools.FileRegion``, moved by its own agent)."""
+
+    @property
+    def kind(self) -> Kind: ...
+    @property
+    def device(self) -> int: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+
+
+Move = tuple[str, int, int, int, Remote, int]
 """(pool, first slot, remote address, length, remote region, spans): ``spans`` consecutive
 slots of the pool and as many contiguous spans of remote memory (usually 1)."""
 
-def run_moves(pool: str, size: int, region: Region, offsets: np.ndarray, slots: np.ndarray) -> list[Move]:
+def run_moves(pool: str, size: int, region: Remote, offsets: np.ndarray, slots: np.ndarray) -> list[Move]:
     """Moves for spans of one pool and one remote region, each ``size`` bytes, in order.
 
     ``offsets`` (uint64) are the spans' offsets in ``region``, already checked to lie in
@@ -49,7 +64,7 @@ def run_moves(pool: str, size: int, region: Region, offsets: np.ndarray, slots: 
     ]
 
 
-def list_moves(pool: str, size: int, region: Region, offsets: Sequence[int], slots: Sequence[int]) -> list[Move]:
+def list_moves(pool: str, size: int, region: Remote, offsets: Sequence[int], slots: Sequence[int]) -> list[Move]:
     """``run_moves`` for a few spans given as lists (a layer plan's group): a Python loop
     over a handful of spans costs less than the numpy calls that pay off on long lists."""
     base = region.address
@@ -233,12 +248,12 @@ class Transfers:
         its own. ``release_prepared`` lets go of the lists once nothing posted from them runs."""
         pools = self.local.pools
         # Group by (local memory, remote memory); within a group and an entry, merge contiguous runs.
-        groups: dict[tuple[tuple[MemoryKind, int], MemoryKind, int], list[tuple[int, list[list[Any]]]]] = {}
+        groups: dict[tuple[tuple[MemoryKind, int], Kind, int], list[tuple[int, list[list[Any]]]]] = {}
         totals: list[int] = []
         for e, moves in enumerate(entries):
             total = 0
             last_pool: str | None = None
-            last_region: Region | None = None
+            last_region: Remote | None = None
             runs: list[list[Any]] = []
             base = pool_addr = size = 0
             for pool, slot, address, length, region, count in moves:
@@ -276,7 +291,7 @@ class Transfers:
         return prepared
 
     def _prepare_group(
-        self, prepared: Prepared, key: tuple[tuple[MemoryKind, int], MemoryKind, int],
+        self, prepared: Prepared, key: tuple[tuple[MemoryKind, int], Kind, int],
         listed: list[tuple[int, list[list[Any]]]],
     ) -> None:
         """One local and one remote list for every entry's runs between one local memory and one remote memory."""

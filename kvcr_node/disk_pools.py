@@ -1,0 +1,93 @@
+"""The files behind a node's disk pools (architecture §9).
+
+A disk pool keeps ``slot_count`` slots of ``slot_size`` bytes in one file, allocated in full
+when the pool is opened (``posix_fallocate``: a disk too small refuses the pool, naming it,
+rather than failing a later write), and registered with the node's agent as ``FILE`` memory
+(NIXL's POSIX backend, ``kvcr_io.agent.Agent(files=True)``). Its bytes move to and from the
+node's memory pools as every other byte does, through ``kvcr_node.transfers.Transfers`` with
+the node's own agent as the other side: the pool's file is the remote ``Region`` of such a
+transfer (``region``), and slot ``s`` of it is at file offset ``s * slot_size``.
+
+This module owns the file: where it is, that it has the pool's size, its registration, and
+letting go of both.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcr_io.agent import FILE, Agent, Kind
+from kvcr_node.memory import PoolAllocationError
+from kvcr_node.poolspec import PoolSpec
+
+DISK_PREFIX = "disk:"
+"""A pool's memory ``disk:/directory``: its slots in a file under that directory."""
+
+FILE_SUFFIX = ".kvcr-pool"
+
+
+def disk_directory(memory: str) -> Path | None:
+    """The directory of a ``disk:/directory`` memory, or None for any other memory."""
+    if not memory.startswith(DISK_PREFIX):
+        return None
+    return Path(memory[len(DISK_PREFIX):])
+
+
+def pool_file(spec: PoolSpec, directory: Path) -> Path:
+    """Where ``spec``'s slots are kept under ``directory``."""
+    return directory / f"{spec.name}{FILE_SUFFIX}"
+
+
+@dataclass(frozen=True, slots=True)
+class FileRegion:
+    """A disk pool's file as the remote side of a transfer (``kvcr_node.transfers.Remote``):
+    descriptors of (file offset, length, fd), the whole file its one registration."""
+
+    device: int
+    """The file's descriptor (NIXL's ``FILE`` descriptors carry it where memory has a device)."""
+    length: int
+    kind: Kind = FILE
+    address: int = 0
+
+
+class DiskPool:
+    """One disk pool's file, open and registered with ``agent`` for as long as the node runs."""
+
+    def __init__(self, spec: PoolSpec, path: Path, agent: Agent) -> None:
+        """Open (or make) ``path`` as ``spec``'s file: one of the pool's size is kept as it is;
+        an empty or new one is allocated in full; one of another size is refused, naming it,
+        since its bytes belong to another pool layout."""
+        self.spec = spec
+        self.path = path
+        self._agent = agent
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise PoolAllocationError(spec, exc) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size not in (0, spec.size):
+                raise PoolAllocationError(spec, ValueError(f"{path} has {size} bytes, not the pool's {spec.size}"))
+            # Every block allocated now: a full disk refuses the pool here, by name.
+            os.posix_fallocate(fd, 0, spec.size)
+            self._registration: Any = agent.register_file(fd, spec.size)
+        except PoolAllocationError:
+            os.close(fd)
+            raise
+        except (OSError, OverflowError, ValueError, RuntimeError) as exc:
+            os.close(fd)
+            raise PoolAllocationError(spec, exc) from exc
+        self.fd = fd
+        self.region = FileRegion(fd, spec.size)
+        """The file as the remote side of a transfer of the node's agent with itself."""
+
+    def close(self) -> None:
+        """Let go of the registration and the file (no transfer of it may still run)."""
+        if self.fd < 0:
+            return
+        self._agent.deregister(self._registration)
+        os.close(self.fd)
+        self.fd = -1
