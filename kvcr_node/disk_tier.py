@@ -1,0 +1,267 @@
+"""The disk tier beside a node's memory pools (architecture §9): which objects have a copy
+on disk, which copies are being written or read back, and what to copy next.
+
+Pure, as the store is: no I/O, no clock. The copies live in a ``Store`` of their own over
+the disk pools (its slots, its eviction by the node's policy, its claims: a copy being
+read back is claimed), under the object's key; a copy's layout is the object's span names,
+each in the disk pool paired with the span's memory pool (the first disk pool of the same
+slot size). The node posts the moves this returns through its ``Transfers`` (a WRITE of a
+demotion, a READ of a promotion, with its own agent on the other side) and reports each
+one's end back.
+
+- **Demotion** copies an object that stays READY in memory, claimed while its copy is
+  written, so that eviction, which never waits on a disk, finds the copy already there:
+  evicting an object with a READY copy leaves the object on disk. What is copied is what
+  the memory store would evict next, once a pool's free slots fall under ``mark`` of it:
+  as many slots' worth as are missing to the mark, counting the objects being copied.
+  The claim's release records no access, so under LRU a copied object keeps its place
+  in the eviction order; under FIFO a release puts it at the back, as any release does.
+- **Promotion** places a memory copy of an object held only on disk (WRITING: operations
+  wait on it as on any fill) and reads it back; the node checks its bytes against the
+  digests taken when it was first stored before it commits it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvcr_node.eviction import EvictionPolicy, Layout
+from kvcr_node.objects import DepositOutcome, ObjectEntry, ObjectState
+from kvcr_node.poolspec import PoolSpec
+from kvcr_node.store import Store
+from kvcr_node.transfers import Move, Remote, list_moves
+
+DEMOTE_MARK = 0.25
+"""A memory pool's free slots under this fraction of it start copying what it would evict next."""
+DEMOTIONS_IN_FLIGHT = 8
+"""Copies written at once: the disk's queue stays short, and so does the time a claim holds."""
+
+
+@dataclass(eq=False)
+class Demotion:
+    """An object's copy being written: the memory object (claimed) and its copy (WRITING)."""
+
+    entry: ObjectEntry
+    copy: ObjectEntry
+    moves: list[Move]
+
+
+@dataclass(eq=False)
+class Promotion:
+    """An object read back from its copy (claimed) into a memory copy (WRITING)."""
+
+    entry: ObjectEntry
+    copy: ObjectEntry
+    moves: list[Move]
+
+
+class DiskTier:
+    """The disk copies of a node's objects, and their demotions and promotions in flight."""
+
+    def __init__(
+        self, memory: Store, disk_pools: Sequence[PoolSpec], files: Mapping[str, Remote], policy: EvictionPolicy,
+        mark: float = DEMOTE_MARK, in_flight: int = DEMOTIONS_IN_FLIGHT,
+    ) -> None:
+        """``files``: each disk pool's file, as the remote side of its moves."""
+        self.memory = memory
+        self.disk = Store(disk_pools, policy)
+        self.disk.listener = self  # a copy it evicts or removes takes its memory layout with it
+        self.files = dict(files)
+        self.pairs: dict[str, str] = {}
+        """Memory pool -> the disk pool its spans are copied to (the first of its slot size)."""
+        for name, spec in memory.pools.items():
+            pair = next((d.name for d in disk_pools if d.slot_size == spec.slot_size), None)
+            if pair is not None:
+                self.pairs[name] = pair
+        self._marks = {name: math.ceil(mark * memory.pools[name].slot_count) for name in self.pairs}
+        self._in_flight = in_flight
+        self.demoting: dict[bytes, Demotion] = {}
+        self._copying = dict.fromkeys(self.pairs, 0)
+        """Memory slots per pool whose objects are being copied (claimed, so not evictable,
+        but on their way to being what eviction may take without loss)."""
+        self.promoting: dict[bytes, Promotion] = {}
+        self._layouts: dict[bytes, Layout] = {}
+        """Per copy, the object's layout in memory pools (several memory pools may share a disk pool)."""
+        self._seen: tuple[int, int] | None = None
+        """The memory store as of the last look that found nothing to copy (tick, objects)."""
+        self.counts = dict.fromkeys(("demoted", "demotions_failed", "promoted", "promotions_failed", "dropped"), 0)
+
+    # -- reading ---------------------------------------------------------------------
+
+    def copy(self, key: bytes) -> ObjectEntry | None:
+        """The READY copy of ``key``, or None."""
+        copy = self.disk.lookup(key)
+        return copy if copy is not None and copy.state is ObjectState.READY else None
+
+    def on_disk_only(self, key: bytes) -> ObjectEntry | None:
+        """The READY copy of an object that is on disk only (not in memory, not being read back)."""
+        copy = self.copy(key)
+        return copy if copy is not None and key not in self.memory else None
+
+    def layout(self, key: bytes) -> Layout:
+        """The layout in memory pools of the object whose copy is under ``key``."""
+        return self._layouts[key]
+
+    def fits(self, layout: Layout) -> bool:
+        """Whether every span of ``layout`` has a disk pool to go to."""
+        pairs = self.pairs
+        return all(pool in pairs for _, pool in layout)
+
+    # -- demotion --------------------------------------------------------------------
+
+    def next_demotions(self) -> list[Demotion]:
+        """Copies to write now: what a pool under its mark would evict next and has no copy,
+        up to the copies allowed in flight; each object is claimed and its copy placed."""
+        room = self._in_flight - len(self.demoting)
+        if room <= 0 or not self.pairs:
+            return []
+        memory = self.memory
+        seen = (memory.tick, len(memory))
+        if seen == self._seen:
+            return []  # nothing changed since the last look found nothing to copy
+        out: list[Demotion] = []
+        stats = memory.pool_stats()
+        for pool, mark in self._marks.items():
+            want = min(mark - stats[pool]["free"] - self._copying[pool], stats[pool]["evictable"])
+            if want <= 0:
+                continue
+            for entry in memory.index.select_victims({pool: want}) or ():
+                if len(out) >= room:
+                    break
+                if entry.key in self.demoting or self.disk.lookup(entry.key) is not None or not self.fits(entry.layout):
+                    continue
+                demotion = self._place(entry)
+                if demotion is None:
+                    break  # the disk pools are full of copies in use
+                out.append(demotion)
+        if not out:
+            self._seen = seen
+        return out
+
+    def _place(self, entry: ObjectEntry) -> Demotion | None:
+        layout = entry.layout
+        outcome, copy = self.disk.begin_deposit(entry.key, tuple((name, self.pairs[pool]) for name, pool in layout))
+        if outcome is not DepositOutcome.NEW or copy is None:
+            return None
+        self.memory.claim(entry)
+        self._layouts[entry.key] = layout
+        for pool, count in entry.info.need:
+            self._copying[pool] += count
+        demotion = Demotion(entry, copy, self._moves(layout, entry.slots, copy.slots))
+        self.demoting[entry.key] = demotion
+        return demotion
+
+    def demoted(self, demotion: Demotion, ok: bool) -> None:
+        """A copy's WRITE ended: the copy is READY (with the object's digests), or abandoned;
+        the object is unclaimed either way (no access: it stays as cold as it was)."""
+        del self.demoting[demotion.entry.key]
+        entry, copy = demotion.entry, demotion.copy
+        for pool, count in entry.info.need:
+            self._copying[pool] -= count
+        live = entry.state is ObjectState.READY  # not condemned meanwhile
+        self.memory.unclaim(entry, accessed=False)
+        if ok and live:
+            copy.digests = entry.digests
+            self.disk.commit(copy)
+            self.counts["demoted"] += 1
+        else:
+            self.disk.abandon(copy)  # a WRITING copy: the store tells no listener
+            del self._layouts[entry.key]
+            self.counts["demotions_failed"] += 1
+
+    # -- promotion -------------------------------------------------------------------
+
+    def promote(self, key: bytes) -> Promotion | DepositOutcome:
+        """Read an object held on disk only back into memory: its memory copy placed
+        (WRITING, evicting as a deposit does) and its disk copy claimed; or the outcome that
+        refused the placement (``CAPACITY``)."""
+        if key in self.promoting:
+            return self.promoting[key]
+        copy = self.on_disk_only(key)
+        if copy is None:
+            raise ValueError(f"promote of {key!r}: no copy held on disk only")
+        layout = self._layouts[key]
+        outcome, entry = self.memory.begin_deposit(key, layout)
+        if outcome is not DepositOutcome.NEW or entry is None:
+            return outcome
+        self.disk.claim(copy, accessed=True)
+        promotion = Promotion(entry, copy, self._moves(layout, entry.slots, copy.slots))
+        self.promoting[key] = promotion
+        return promotion
+
+    def promoted(self, promotion: Promotion, ok: bool) -> None:
+        """A READ back ended. ``ok`` (its bytes matched the copy's digests): the memory copy
+        is READY with those digests; else it is abandoned and the copy, whose file cannot be
+        trusted, dropped."""
+        del self.promoting[promotion.entry.key]
+        entry, copy = promotion.entry, promotion.copy
+        self.disk.unclaim(copy, accessed=False)
+        if ok:
+            entry.digests = copy.digests
+            self.memory.commit(entry)
+            self.counts["promoted"] += 1
+            return
+        self.memory.abandon(entry)
+        self.counts["promotions_failed"] += 1
+        self.drop(entry.key)
+
+    # -- removal ---------------------------------------------------------------------
+
+    def drop(self, key: bytes) -> bool:
+        """Forget ``key``'s copy (its object was removed or condemned, or the copy is
+        damaged); a copy being written or read is left to that transfer's end."""
+        copy = self.disk.lookup(key)
+        if copy is None or copy.state is not ObjectState.READY or copy.claims:
+            return False
+        self.disk.remove(key)
+        self.counts["dropped"] += 1
+        return True
+
+    # -- the disk store's listener (kvcr_node.objects.InventoryListener) ---------------
+
+    def stored(self, copy: ObjectEntry) -> None:
+        pass
+
+    def removed(self, copy: ObjectEntry, evicted: bool) -> None:
+        """A copy left the disk store (evicted for another, or removed): its layout goes too."""
+        del self._layouts[copy.key]
+
+    # -- moves -----------------------------------------------------------------------
+
+    def _moves(self, layout: Layout, memory_slots: Sequence[int], disk_slots: Sequence[int]) -> list[Move]:
+        """The moves between an object's memory slots and its copy's disk slots, span by
+        span, runs merged per (memory pool, disk pool)."""
+        pools = self.memory.pools
+        by_pair: dict[str, tuple[list[int], list[int]]] = {}
+        for (_, pool), slot, disk_slot in zip(layout, memory_slots, disk_slots, strict=True):
+            offsets, slots = by_pair.setdefault(pool, ([], []))
+            size = pools[pool].slot_size
+            offsets.append(disk_slot * size)
+            slots.append(slot)
+        moves: list[Move] = []
+        for pool, (offsets, slots) in by_pair.items():
+            moves += list_moves(pool, pools[pool].slot_size, self.files[self.pairs[pool]], offsets, slots)
+        return moves
+
+    # -- accounting ------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counts, "copies": len(self.disk), "demoting": len(self.demoting),
+                "promoting": len(self.promoting)}
+
+    def check_invariants(self) -> list[str]:
+        """Breaches, human-readable: the disk store's own, and copies and moves in flight
+        that disagree with the stores."""
+        out = [f"disk: {breach}" for breach in self.disk.check_invariants()]
+        for key, demotion in self.demoting.items():
+            if demotion.copy.state is not ObjectState.WRITING or demotion.entry.claims < 1:
+                out.append(f"demotion of {key!r}: copy {demotion.copy.state.name}, {demotion.entry.claims} claims")
+        for key, promotion in self.promoting.items():
+            if promotion.entry.state is not ObjectState.WRITING or promotion.copy.claims < 1:
+                out.append(f"promotion of {key!r}: entry {promotion.entry.state.name}, {promotion.copy.claims} claims")
+        stray = [key for key in self._layouts if key not in self.disk]
+        if stray or len(self._layouts) != len(self.disk):
+            out.append(f"{len(self.disk)} copies, {len(self._layouts)} memory layouts ({len(stray)} of no copy)")
+        return out
