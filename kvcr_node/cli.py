@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcr_io import package_version
 from kvcr_io.endpoints import default_endpoint
-from kvcr_node.config import ConfigError, NodeConfig, load_toml, pool_from_flag
+from kvcr_node.config import ConfigError, NodeConfig, load_toml, pool_from_flag, split_pools
 from kvcr_node.logs import configure as configure_logs
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
         if value is not None:
             changes[attr] = value
     if args.pool:
-        changes["pools"] = tuple(pool_from_flag(text) for text in args.pool)
+        changes.update(split_pools([pool_from_flag(text) for text in args.pool]))
     return dataclasses.replace(config, **changes).validated()
 
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None, node_class: type[Node] | None = None) ->
         return 1
     signal.signal(signal.SIGTERM, lambda *_: node.request_stop())
     signal.signal(signal.SIGINT, lambda *_: node.request_stop())
-    pools = ", ".join(f"{p.name}={p.slot_count}x{p.slot_size}B@{p.memory}" for p in config.pools)
+    pools = ", ".join(f"{p.name}={p.slot_count}x{p.slot_size}B@{p.memory}" for p in (*config.pools, *config.disk_pools))
     metrics = ""
     if node.metrics_port is not None:
         host = f"[{config.metrics_address}]" if ":" in config.metrics_address else config.metrics_address

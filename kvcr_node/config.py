@@ -10,13 +10,14 @@ import ipaddress
 import os
 import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvcr_io.endpoints import default_endpoint
 from kvcr_node.logs import LOG_FORMATS
-from kvcr_node.poolspec import PoolSpec
+from kvcr_node.poolspec import DISK_PREFIX, PoolSpec, disk_directory
 from kvcr_node.replays import REPLAY_BYTES, REPLAY_REQUESTERS, REQUESTER_BYTES
 from kvcr_protocol import CURRENT_VERSION, PROTOCOL_VERSIONS, Limits
 from kvcr_protocol.events import replay_endpoint
@@ -53,10 +54,21 @@ def parse_size(value: Any, field: str) -> int:
 
 
 def parse_memory(value: Any, field: str) -> str:
-    """``dram`` or ``hbm:N`` (GPU N)."""
+    """``dram``, ``hbm:N`` (GPU N), or ``disk:/DIR`` (a disk pool's file under that directory,
+    architecture §9)."""
+    if isinstance(value, str) and value.startswith(DISK_PREFIX):
+        if not value[len(DISK_PREFIX):].startswith("/"):
+            raise ConfigError(field, f"a disk pool names an absolute directory, as 'disk:/var/cache/kvcr', got {value!r}")
+        return value
     if not isinstance(value, str) or not _MEMORY.match(value):
-        raise ConfigError(field, f"expected 'dram' or 'hbm:N', got {value!r}")
+        raise ConfigError(field, f"expected 'dram', 'hbm:N' or 'disk:/DIR', got {value!r}")
     return value
+
+
+def split_pools(pools: Sequence[PoolSpec]) -> dict[str, tuple[PoolSpec, ...]]:
+    """Pools as ``NodeConfig`` holds them: ``pools`` in memory, ``disk_pools`` in files."""
+    return {"pools": tuple(p for p in pools if disk_directory(p.memory) is None),
+            "disk_pools": tuple(p for p in pools if disk_directory(p.memory) is not None)}
 
 
 def hbm_device(memory: str) -> int | None:
@@ -218,6 +230,9 @@ class NodeConfig:
     (tmpfs, or a hugetlbfs mount for huge pages)."""
     journal_compact_bytes: int = DEFAULT_JOURNAL_COMPACT_BYTES
     """A journal file grows to at least this many bytes before it is compacted."""
+    disk_pools: tuple[PoolSpec, ...] = ()
+    """Pools kept in files (memory ``disk:/DIR``, architecture §9): the disk tier. Each holds
+    copies of what the memory pool of its slot size evicts; clients never name them."""
 
     def validated(self) -> NodeConfig:
         """Check every field; raise ``ConfigError`` naming the first bad one."""
@@ -238,6 +253,24 @@ class NodeConfig:
                 raise ConfigError(f"pools[{i}].name", f"pool {pool.name!r} is declared twice")
             seen.add(pool.name)
             parse_memory(pool.memory, f"pools[{i}].memory")
+            if disk_directory(pool.memory) is not None:
+                raise ConfigError(f"pools[{i}].memory", "a disk pool belongs in disk_pools")
+        sizes = {pool.slot_size for pool in self.pools}
+        for i, pool in enumerate(self.disk_pools):
+            where = f"disk_pools[{i}]"
+            if not pool.name or len(pool.name.encode()) > max_name:
+                raise ConfigError(f"{where}.name", f"must be 1 to {max_name} bytes, got {pool.name!r}")
+            if pool.name in seen:
+                raise ConfigError(f"{where}.name", f"pool {pool.name!r} is declared twice")
+            seen.add(pool.name)
+            directory = disk_directory(parse_memory(pool.memory, f"{where}.memory"))
+            if directory is None:
+                raise ConfigError(f"{where}.memory", f"expected 'disk:/DIR', got {pool.memory!r}")
+            if not directory.is_dir():
+                raise ConfigError(f"{where}.memory", f"{directory} is not a directory")
+            if pool.slot_size not in sizes:
+                raise ConfigError(f"{where}.slot_size", f"no memory pool has slots of {pool.slot_size} bytes: "
+                                  "nothing would ever be copied to this disk pool")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError("log_format", f"expected one of {list(LOG_FORMATS)}, got {self.log_format!r}")
         if self.policy not in ("fifo", "lru") and ":" not in self.policy:
@@ -349,10 +382,9 @@ def pool_from_mapping(raw: Any, where: str) -> PoolSpec:
 
 
 def pool_from_flag(text: str) -> PoolSpec:
-    """A pool from ``NAME:SLOT_SIZE:SLOT_COUNT[:MEMORY]``, e.g. ``kv:64KiB:4096:dram``."""
-    parts = text.split(":")
-    if len(parts) == 5 and parts[3] == "hbm":
-        parts = [*parts[:3], f"hbm:{parts[4]}"]
+    """A pool from ``NAME:SLOT_SIZE:SLOT_COUNT[:MEMORY]``, e.g. ``kv:64KiB:4096:dram``,
+    ``kv-gpu:64KiB:4096:hbm:0`` or ``kv-disk:64KiB:65536:disk:/var/cache/kvcr``."""
+    parts = text.split(":", 3)
     if len(parts) not in (3, 4):
         raise ConfigError("--pool", f"expected NAME:SLOT_SIZE:SLOT_COUNT[:MEMORY], got {text!r}")
     count: Any = int(parts[2]) if parts[2].isdigit() else parts[2]
@@ -397,7 +429,7 @@ def from_mapping(raw: dict[str, Any], base: NodeConfig | None = None) -> NodeCon
         if key == "pools":
             if not isinstance(value, list):
                 raise ConfigError("pools", "expected an array of tables ([[pools]])")
-            changes["pools"] = tuple(pool_from_mapping(p, f"pools[{i}]") for i, p in enumerate(value))
+            changes.update(split_pools([pool_from_mapping(p, f"pools[{i}]") for i, p in enumerate(value)]))
             continue
         expected = _TOP_FIELDS.get(key)
         if expected is None:

@@ -14,6 +14,7 @@ letting go of both.
 
 from __future__ import annotations
 
+import fcntl
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,19 +22,11 @@ from typing import Any
 
 from kvcr_io.agent import FILE, Agent, Kind
 from kvcr_node.memory import PoolAllocationError
-from kvcr_node.poolspec import PoolSpec
+from kvcr_node.poolspec import PoolSpec, disk_directory
 
-DISK_PREFIX = "disk:"
-"""A pool's memory ``disk:/directory``: its slots in a file under that directory."""
+__all__ = ["DiskPool", "FileRegion", "disk_directory", "pool_file"]
 
 FILE_SUFFIX = ".kvcr-pool"
-
-
-def disk_directory(memory: str) -> Path | None:
-    """The directory of a ``disk:/directory`` memory, or None for any other memory."""
-    if not memory.startswith(DISK_PREFIX):
-        return None
-    return Path(memory[len(DISK_PREFIX):])
 
 
 def pool_file(spec: PoolSpec, directory: Path) -> Path:
@@ -68,6 +61,10 @@ class DiskPool:
         except OSError as exc:
             raise PoolAllocationError(spec, exc) from exc
         try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # one live node per file; the lock goes with it
+            except BlockingIOError:
+                raise PoolAllocationError(spec, BlockingIOError(f"{path} is in use by another live node")) from None
             size = os.fstat(fd).st_size
             if size not in (0, spec.size):
                 raise PoolAllocationError(spec, ValueError(f"{path} has {size} bytes, not the pool's {spec.size}"))

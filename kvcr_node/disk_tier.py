@@ -86,7 +86,9 @@ class DiskTier:
         """Per copy, the object's layout in memory pools (several memory pools may share a disk pool)."""
         self._seen: tuple[int, int] | None = None
         """The memory store as of the last look that found nothing to copy (tick, objects)."""
-        self.counts = dict.fromkeys(("demoted", "demotions_failed", "promoted", "promotions_failed", "dropped"), 0)
+        self.counts = dict.fromkeys(("demoted", "demotions_failed", "promoted", "promotions_failed", "mismatched",
+                                     "dropped"), 0)
+        """``mismatched``: read backs whose bytes did not match their digests (counted by the node)."""
 
     # -- reading ---------------------------------------------------------------------
 
@@ -219,6 +221,13 @@ class DiskTier:
         self.counts["dropped"] += 1
         return True
 
+    def stored_anew(self, entry: ObjectEntry) -> None:
+        """``entry`` became READY in memory: unless it is a promotion's, the key was stored
+        anew (a deposit, a put, a fetch), and a copy of what it held before goes: only the
+        bytes stored last are ever served."""
+        if entry.key not in self.promoting:
+            self.drop(entry.key)
+
     # -- the disk store's listener (kvcr_node.objects.InventoryListener) ---------------
 
     def stored(self, copy: ObjectEntry) -> None:
@@ -265,3 +274,17 @@ class DiskTier:
         if stray or len(self._layouts) != len(self.disk):
             out.append(f"{len(self.disk)} copies, {len(self._layouts)} memory layouts ({len(stray)} of no copy)")
         return out
+
+
+class MemoryListener:
+    """The memory store's listener for the disk tier (``kvcr_node.objects.InventoryListener``):
+    a key stored anew takes its old copy with it (``DiskTier.stored_anew``)."""
+
+    def __init__(self, tier: DiskTier) -> None:
+        self.tier = tier
+
+    def stored(self, entry: ObjectEntry) -> None:
+        self.tier.stored_anew(entry)
+
+    def removed(self, entry: ObjectEntry, evicted: bool) -> None:
+        pass

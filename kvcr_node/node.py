@@ -37,6 +37,8 @@ from kvcr_node.auth import CurveServer
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.digests import Digests
+from kvcr_node.disk_pools import DiskPool, disk_directory, pool_file
+from kvcr_node.disk_tier import DiskTier, MemoryListener
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.event_publisher import EventPublisher
 from kvcr_node.eviction import make_policy
@@ -49,6 +51,7 @@ from kvcr_node.links import Links
 from kvcr_node.memory import PoolMemory, available_bytes
 from kvcr_node.metrics import Metrics
 from kvcr_node.metrics_publisher import MetricsPublisher
+from kvcr_node.objects import Listeners
 from kvcr_node.operations import Operations
 from kvcr_node.ops.deliver import Deliveries
 from kvcr_node.ops.deposit import Deposits
@@ -66,6 +69,7 @@ from kvcr_node.stats import Stats
 from kvcr_node.store import Store
 from kvcr_node.suspects import Suspects
 from kvcr_node.target import Target
+from kvcr_node.tiering import Tiering
 from kvcr_node.transfers import LocalLists, Transfers
 from kvcr_protocol import (
     ErrorCode,
@@ -124,7 +128,9 @@ class Node:
         """What this node took back at its start (``stats`` ``recovery``)."""
         if config.state_dir:
             self.state = StateDir(config.state_dir, config.pools, config.pool_dir, self.incarnation)
-        self.agent = Agent(f"{config.name}.{self.incarnation:x}")
+        self.agent = Agent(f"{config.name}.{self.incarnation:x}", files=bool(config.disk_pools))
+        self.disk_files: list[DiskPool] = []
+        """The disk pools' files (architecture §9), open and registered for the node's life."""
         available = available_bytes()
         try:
             for spec in config.pools:
@@ -135,6 +141,10 @@ class Node:
                 # Registered with NIXL once, at start (architecture §6).
                 self._regs.append(self.agent.register(mem.kind, mem.address, spec.size, mem.nixl_device))
             self.local = LocalLists(self.agent, list(self.memories.values()))
+            for spec in config.disk_pools:
+                directory = disk_directory(spec.memory)
+                assert directory is not None  # validated
+                self.disk_files.append(DiskPool(spec, pool_file(spec, directory), self.agent))
         except Exception:
             self._release_memory()
             raise
@@ -195,6 +205,11 @@ class Node:
             except BaseException:
                 self._abandon_start()
                 raise
+        if self.tiering is not None:
+            # After the journal and the events: they hear of a key stored anew first.
+            listener = MemoryListener(self.tiering.tier)
+            self.store.listener = listener if self.store.listener is None else Listeners(self.store.listener, listener)
+            self.stats.tiering = self.tiering.tier
         if self.config.metrics_port is not None:
             self._start_exporter()
 
@@ -270,6 +285,14 @@ class Node:
         self.digests = Digests(self.memories, self.store, self.counters)
         if config.integrity:
             self.store.on_ready = self.digests.take  # before anyone can read the object (spec 6.12)
+        self.tiering: Tiering | None = None
+        """The disk tier at work (architecture §9), when the node has disk pools."""
+        if self.disk_files:
+            tier = DiskTier(self.store, config.disk_pools, {f.spec.name: f.region for f in self.disk_files},
+                            make_policy(config.policy))
+            self.tiering = Tiering(tier, self.disk_files, self.transfers, self.agent.name, self.digests,
+                                   self.operations.wake)
+            self.operations.promote = self.tiering.promote
         # Spec 6.12: the node checks what it sends itself where a grant could have changed it.
         exposed = config.integrity and (config.client_transfers or config.peer_grants)
         self.deliveries = Deliveries(self.store, slot_sizes, projections, self.operations, self.target, failure,
@@ -296,7 +319,8 @@ class Node:
         self.router = Router(
             self.sessions, self.operations, deposits, self.deliveries,
             Fetches(self.store, self.memories, self.operations, self.target),
-            Queries(self.store, self.outbox, self.metrics), self.leases, self.source, self.stats, self.outbox, self.versions,
+            Queries(self.store, self.outbox, self.metrics,
+                    self.tiering.tier.on_disk_only if self.tiering is not None else None), self.leases, self.source, self.stats, self.outbox, self.versions,
             Limits(max_frame=config.max_frame), self.clock, failure, self.puts, suspects,
         )
 
@@ -374,6 +398,8 @@ class Node:
             if self.leases.granted or self.puts.table:
                 self._guarded("agent progress", self._progress_for_grants)
         self._guarded("transfer completion", self.transfers.poll)
+        if self.tiering is not None:
+            self._guarded("disk tier", self.tiering.step)
         if self.operations.progressing:
             self._guarded("progress", self.operations.flush_progress)
         now = self.clock()
@@ -575,5 +601,7 @@ class Node:
         self._regs.clear()
         for mem in self.memories.values():
             mem.close()
+        for pool in self.disk_files:
+            pool.close()
         if self.journal is None and self.state is not None:  # a start that failed
             self.state.close()

@@ -81,6 +81,9 @@ class Operations:
         """Per-key results sent, by operation, status and code (named at the edge: ``outcome_name``)."""
         self.progressing: dict[int, Operation] = {}
         """Operations whose groups advanced since the last ``progress`` went out (by ``id()``)."""
+        self.promote: Callable[[bytes], bool] | None = None
+        """Reads a key missing from the memory pools back from the disk tier, if it is there
+        (``kvcr_node.tiering.Tiering.promote``): True when it is coming (``wake`` follows)."""
 
     # ------------------------------------------------------------------ admission
 
@@ -131,7 +134,8 @@ class Operations:
     ) -> tuple[list[int], dict[str, list[int]]]:
         """Split a batch: keys READY here, and keys a hint sends to another node.
 
-        The operation waits on keys still WRITING here; keys neither here nor hinted
+        The operation waits on keys still WRITING here, and on keys being read back from
+        the disk tier (``promote``); keys neither here nor hinted
         fail NOT_FOUND, repeated keys DUPLICATE_KEY; keys that already failed stay out.
         """
         unique = self.unique_keys(op, keys)
@@ -142,7 +146,9 @@ class Operations:
             if not unique[i] or results[i] is not None:
                 continue
             entry = self.store.lookup(key)
-            if entry is None:
+            if entry is None and self.promote is not None and self.promote(key):
+                self.wait(op, key, i)  # read back from the disk tier (architecture §9)
+            elif entry is None:
                 source = self.hinted_source(op.session, request_id, key)
                 if source is None:
                     op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node"

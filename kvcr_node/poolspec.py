@@ -1,12 +1,16 @@
 """The description of one memory pool, importable without the store.
 
 architecture §2: a pool is a named region of one memory kind (``dram``, or ``hbm`` on a device)
-cut into fixed-size slots. Config parsing builds these; the store only reads them.
+cut into fixed-size slots; a disk pool (``disk:/DIR``, architecture §9) the same in a file. Config parsing builds these; the store only reads them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+DISK_PREFIX = "disk:"
+"""A pool's memory ``disk:/DIR``: its slots in a file under that directory (architecture §9)."""
 
 MAX_SLOTS = (1 << 32) - 1
 """Slot indices are stored packed as unsigned 32-bit integers."""
@@ -37,3 +41,10 @@ class PoolSpec:
     def size(self) -> int:
         """Bytes in the whole pool."""
         return self.slot_size * self.slot_count
+
+
+def disk_directory(memory: str) -> Path | None:
+    """The directory of a ``disk:/DIR`` memory, or None for any other memory."""
+    if not memory.startswith(DISK_PREFIX):
+        return None
+    return Path(memory[len(DISK_PREFIX):])

@@ -10,7 +10,7 @@ after the run that holds the first key its mask does not count.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvcr_node.metrics import Metrics
 from kvcr_node.outbox import Outbox
@@ -23,6 +23,11 @@ REMOTE_TIER = "remote"
 HINTED = 1
 """The lookup code of a key the store lacks and the session's hint names (the store's codes
 leave 1 free)."""
+DISK_TIER = "disk"
+"""The tier a key held only in the disk tier is reported in (architecture §9)."""
+ON_DISK = 255
+"""The lookup code of a key the memory pools lack and the disk tier holds (the store's codes
+stop below it: ``MAX_TIERS``)."""
 FIRST_RUN = 16
 """Keys a prefix query looks up first; each further run is twice as long (spec section 6.9)."""
 _CODES = 256
@@ -31,12 +36,15 @@ _CODES = 256
 class Queries:
     """The ``query`` handler; its tier table is the node's: no tier, remote, then the store's tiers."""
 
-    def __init__(self, store: Store, outbox: Outbox, metrics: Metrics) -> None:
+    def __init__(self, store: Store, outbox: Outbox, metrics: Metrics,
+                 on_disk: Callable[[bytes], object] | None = None) -> None:
+        """``on_disk``: the disk tier's copy of a key held on disk only (None: no disk tier)."""
         self.store = store
         self.outbox = outbox
         self.metrics = metrics
+        self.on_disk = on_disk
         self._hit = bytes([PRESENCE_CODE[Presence.HIT]])
-        self.tiers: tuple[str, ...] = ("", REMOTE_TIER, *store.tiers)
+        self.tiers: tuple[str, ...] = ("", REMOTE_TIER, *store.tiers, *((DISK_TIER,) if on_disk else ()))
         presence = bytearray(_CODES)
         tier = bytearray(_CODES)
         presence[LOOKUP_ABSENT] = PRESENCE_CODE[Presence.MISS]
@@ -45,6 +53,8 @@ class Queries:
             for state, answer in ((ObjectState.WRITING, Presence.FETCHING), (ObjectState.READY, Presence.HIT)):
                 code = lookup_code(index, state)
                 presence[code], tier[code] = PRESENCE_CODE[answer], 2 + index
+        if on_disk is not None:
+            presence[ON_DISK], tier[ON_DISK] = PRESENCE_CODE[Presence.HIT], len(self.tiers) - 1
         self._presence = bytes(presence)
         """Lookup code -> presence code."""
         self._tier = bytes(tier)
@@ -73,6 +83,12 @@ class Queries:
     def _codes(self, keys: Sequence[bytes], hinted: frozenset[bytes] | None) -> bytes:
         """The lookup code of each key; a key the store lacks and ``hinted`` names is ``HINTED``."""
         codes = self.store.lookup_codes(keys)
+        on_disk = self.on_disk
+        if on_disk is not None and LOOKUP_ABSENT in codes:
+            codes = bytes([
+                ON_DISK if code == LOOKUP_ABSENT and on_disk(key) is not None else code
+                for code, key in zip(codes, keys, strict=True)
+            ])
         if hinted and LOOKUP_ABSENT in codes:
             codes = bytes([
                 HINTED if code == LOOKUP_ABSENT and key in hinted else code for code, key in zip(codes, keys, strict=True)

@@ -83,6 +83,8 @@ def test_parse_memory_refuses(bad: Any) -> None:
         ("name:64KiB:16:hbm:1", PoolSpec("name", 64 * KiB, 16, "hbm:1")),
         ("full:64KiB:1024:hbm:0", PoolSpec("full", 64 * KiB, 1024, "hbm:0")),
         ("s:4096:2", PoolSpec("s", 4096, 2, "dram")),
+        ("kv-disk:64KiB:65536:disk:/var/cache/kvcr", PoolSpec("kv-disk", 64 * KiB, 65536, "disk:/var/cache/kvcr")),
+        ("d:4096:2:disk:/a:b", PoolSpec("d", 4096, 2, "disk:/a:b")),
     ],
 )
 def test_pool_from_flag(flag: str, spec: PoolSpec) -> None:
@@ -94,8 +96,10 @@ def test_pool_from_flag(flag: str, spec: PoolSpec) -> None:
     [
         ("bad", "--pool"),
         ("kv:64KiB", "--pool"),
-        ("kv:64KiB:16:dram:extra", "--pool"),
-        ("kv:64KiB:16:hbm:0:1", "--pool"),
+        ("kv:64KiB:16:dram:extra", "--pool.memory"),
+        ("kv:64KiB:16:hbm:0:1", "--pool.memory"),
+        ("kv:64KiB:16:disk:relative/dir", "--pool.memory"),
+        ("kv:64KiB:16:disk:", "--pool.memory"),
         (":64KiB:16", "--pool.name"),
         ("kv:huge:16", "--pool.slot_size"),
         ("kv:0:16", "--pool.slot_size"),
@@ -460,3 +464,16 @@ def test_peer_link_settings(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         build_config(_args("--max-peers", "0"))
     assert err.value.field == "max_peers"
+
+
+def test_disk_pools_are_read_apart_from_the_memory_pools(tmp_path: Path) -> None:
+    """A pool in ``disk:/DIR`` is one of ``disk_pools`` (architecture §9), from TOML as from flags."""
+    config = from_mapping({"pools": [
+        {"name": "kv", "slot_size": "64KiB", "slot_count": 16},
+        {"name": "kv-disk", "slot_size": "64KiB", "slot_count": 1024, "memory": f"disk:{tmp_path}"},
+    ]})
+    assert config.pools == (PoolSpec("kv", 64 * KiB, 16, "dram"),)
+    assert config.disk_pools == (PoolSpec("kv-disk", 64 * KiB, 1024, f"disk:{tmp_path}"),)
+    with pytest.raises(ConfigError) as err:
+        NodeConfig(pools=config.disk_pools).validated()
+    assert err.value.field == "pools[0].memory"

@@ -1,0 +1,160 @@
+"""The disk tier against a real ``kvcr-node`` (architecture §9): a node with a memory pool
+and a disk pool of the same slot size copies what it would evict next to the disk pool's
+file through NIXL's POSIX backend, so that objects the memory pool evicts stay held; a
+query names their tier ``disk``, and a deliver reads them back into memory and lands byte
+for byte. Bytes changed in the file by hand are found by their digests when read back, and
+never served; a key deposited anew replaces its copy; the node's claims, slots and tables
+are back at rest after every test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvcr_client import Client, KeyStatus, Presence, Span
+from kvcr_node.config import ConfigError, NodeConfig
+from kvcr_node.poolspec import PoolSpec
+from kvcr_testing.health import assert_clean, stats, wait_until
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
+from kvcr_testing.nodes import NodeProcess
+from kvcr_testing.patterns import KiB, pattern
+
+SLOT = 16 * KiB
+MEMORY_SLOTS = 16
+DISK_SLOTS = 64
+LAYOUT = plain_layout(2, "kv", SLOT)
+OBJECTS = 20
+"""Objects of two slots deposited into a pool of 16 slots: the first dozen are evicted."""
+SETTLE_S = 30.0
+
+
+@pytest.fixture
+def disk_node(node_factory: Callable[..., NodeProcess], tmp_path: Path) -> Iterator[tuple[NodeProcess, Path]]:
+    node = node_factory("--pool", f"kv:{SLOT // KiB}KiB:{MEMORY_SLOTS}",
+                        "--pool", f"kv-disk:{SLOT // KiB}KiB:{DISK_SLOTS}:disk:{tmp_path}")
+    yield node, tmp_path / "kv-disk.kvcr-pool"
+
+
+def tier(client: Client) -> dict[str, Any]:
+    result: dict[str, Any] = stats(client)["disk_tier"]
+    return result
+
+
+def settled(client: Client) -> dict[str, Any]:
+    """The disk tier once no copy is being written or read back."""
+    assert wait_until(lambda: tier(client)["demoting"] == 0 and tier(client)["promoting"] == 0, SETTLE_S)
+    return tier(client)
+
+
+def deposit_all(client: Client, register: Registrar, tag: str, seed: int) -> tuple[list[bytes], np.ndarray]:
+    """Deposit ``OBJECTS`` objects one by one, letting the copies of each turn be written
+    before the next deposit evicts (a node fed faster evicts some uncopied: a miss, no harm)."""
+    src = pattern(LAYOUT.nbytes * OBJECTS, seed)
+    region = register(src)
+    keys = [f"{tag}/{i}".encode() for i in range(OBJECTS)]
+    for i, key in enumerate(keys):
+        res = client.deposit({key: LAYOUT.source_spans(region, i * LAYOUT.nbytes)}).result(RESULT_TIMEOUT_S)
+        assert res[key].status is KeyStatus.STORED, res
+        settled(client)
+    return keys, src
+
+
+def deliver(client: Client, register: Registrar, key: bytes) -> tuple[Any, np.ndarray]:
+    dst = np.zeros(LAYOUT.nbytes, np.uint8)
+    region = register(dst)
+    res = client.deliver({key: [Span(name, region, off, SLOT) for name, off in zip(LAYOUT.names, LAYOUT.offsets,
+                                                                                   strict=True)]})
+    return res.result(RESULT_TIMEOUT_S)[key], dst
+
+
+def test_evicted_objects_stay_on_disk_and_come_back_byte_for_byte(
+    disk_node: tuple[NodeProcess, Path],
+) -> None:
+    node, _ = disk_node
+    with Client(node.endpoint, name="disk-tier") as client:
+        register = Registrar(client)
+        keys, src = deposit_all(client, register, "t", seed=3)
+        st = stats(client)
+        assert st["pools"]["kv"]["free"] + st["pools"]["kv"]["allocated"] == MEMORY_SLOTS
+        assert sum(st["evictions"].values()) >= OBJECTS - MEMORY_SLOTS // 2
+        assert "kv-disk" not in st["pools"], "a disk pool is not one clients may name"
+        answers = client.query(keys).result(RESULT_TIMEOUT_S)
+        on_disk = [k for k in keys if answers[k].tier == "disk"]
+        in_memory = [k for k in keys if answers[k].tier == "dram"]
+        assert all(answers[k].presence is Presence.HIT for k in keys), dict(answers)
+        assert len(on_disk) >= OBJECTS - MEMORY_SLOTS // 2 and len(on_disk) + len(in_memory) == OBJECTS
+
+        for key in on_disk[:6]:
+            outcome, dst = deliver(client, register, key)
+            assert outcome.ok, outcome
+            i = keys.index(key)
+            assert np.array_equal(dst, src[i * LAYOUT.nbytes:(i + 1) * LAYOUT.nbytes]), f"{key!r} came back changed"
+            assert client.query([key]).result(RESULT_TIMEOUT_S)[key].tier == "dram", "read back into memory"
+        figures = settled(client)
+        assert figures["promoted"] == 6 and figures["mismatched"] == 0 and figures["promotions_failed"] == 0
+        assert figures["demoted"] >= len(on_disk)
+        assert_clean(client)
+
+
+def test_bytes_changed_on_disk_are_never_served(
+    disk_node: tuple[NodeProcess, Path],
+) -> None:
+    node, file = disk_node
+    with Client(node.endpoint, name="disk-tamper") as client:
+        register = Registrar(client)
+        keys, _ = deposit_all(client, register, "x", seed=5)
+        answers = client.query(keys).result(RESULT_TIMEOUT_S)
+        on_disk = [k for k in keys if answers[k].tier == "disk"]
+        assert on_disk
+        changed = 255 - np.fromfile(file, np.uint8)  # every copy's bytes changed in place, by hand
+        with open(file, "r+b") as f:
+            f.write(changed.tobytes())
+        assert file.stat().st_size == DISK_SLOTS * SLOT
+        for key in on_disk:
+            outcome, dst = deliver(client, register, key)
+            assert not outcome.ok, f"{key!r} served from a changed file"
+            assert outcome.code.name == "NOT_FOUND", outcome
+            assert not dst.any(), "nothing of a changed copy reaches the destination"
+        figures = settled(client)
+        assert figures["mismatched"] == len(on_disk) and figures["promoted"] == 0
+        answers = client.query(on_disk).result(RESULT_TIMEOUT_S)
+        assert all(answers[k].presence is Presence.MISS for k in on_disk), "a dropped copy is not held"
+        assert_clean(client)
+
+
+def test_a_key_deposited_anew_replaces_its_copy(
+    disk_node: tuple[NodeProcess, Path],
+) -> None:
+    node, _ = disk_node
+    with Client(node.endpoint, name="disk-anew") as client:
+        register = Registrar(client)
+        keys, _ = deposit_all(client, register, "n", seed=7)
+        answers = client.query(keys).result(RESULT_TIMEOUT_S)
+        key = next(k for k in keys if answers[k].tier == "disk")
+        fresh = pattern(LAYOUT.nbytes, 99)
+        region = register(fresh)
+        res = client.deposit({key: LAYOUT.source_spans(region)}).result(RESULT_TIMEOUT_S)
+        assert res[key].status is KeyStatus.STORED, res
+        before = settled(client)["dropped"]
+        assert before >= 1, "the old copy stays"
+        outcome, dst = deliver(client, register, key)
+        assert outcome.ok and np.array_equal(dst, fresh), "the bytes stored last are served"
+        settled(client)
+        assert_clean(client)
+
+
+def test_a_disk_pool_is_checked_before_the_node_starts(tmp_path: Path) -> None:
+    memory = (PoolSpec("kv", SLOT, MEMORY_SLOTS),)
+    for disk, field, why in (
+        (PoolSpec("d", 2 * SLOT, 4, f"disk:{tmp_path}"), "disk_pools[0].slot_size", "no memory pool has slots"),
+        (PoolSpec("d", SLOT, 4, f"disk:{tmp_path / 'absent'}"), "disk_pools[0].memory", "is not a directory"),
+        (PoolSpec("kv", SLOT, 4, f"disk:{tmp_path}"), "disk_pools[0].name", "declared twice"),
+    ):
+        with pytest.raises(ConfigError, match=why) as caught:
+            NodeConfig(pools=memory, disk_pools=(disk,)).validated()
+        assert caught.value.field == field
