@@ -109,6 +109,9 @@ class Leases(SourceHolds):
         self.granted_at = -math.inf
         """When a grant was last given or a granted lease renewed: its client reads soon."""
         self.source_grants = SourceGrants()
+        self.promote: Callable[[bytes], bool] | None = None
+        """Reads a key held only in the disk tier back into memory (the node sets it,
+        architecture §9): the lease answers it ``PENDING``, and a later lease holds it."""
 
     # ------------------------------------------------------------------ requests
 
@@ -136,6 +139,8 @@ class Leases(SourceHolds):
                 continue  # a repeated key is held once; it reports its first answer (``_answer``)
             seen.add(key)
             entry = self.store.lookup(key)
+            if entry is None and self.promote is not None and self.promote(key):
+                entry = self.store.lookup(key)  # being read back from the disk tier: PENDING
             if entry is None or entry.state is ObjectState.WRITING:
                 leading = min(leading, len(record.entries))
             if entry is None:

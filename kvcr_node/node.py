@@ -292,7 +292,7 @@ class Node:
                             make_policy(config.policy))
             self.tiering = Tiering(tier, self.disk_files, self.transfers, self.agent.name, self.digests,
                                    self.operations.wake)
-            self.operations.promote = self.tiering.promote
+            self.operations.promote = self.leases.promote = self.tiering.promote
         # Spec 6.12: the node checks what it sends itself where a grant could have changed it.
         exposed = config.integrity and (config.client_transfers or config.peer_grants)
         self.deliveries = Deliveries(self.store, slot_sizes, projections, self.operations, self.target, failure,

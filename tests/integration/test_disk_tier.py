@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvcr_client import Client, KeyStatus, Presence, Span
+from kvcr_client import Client, KeyStatus, LeaseStatus, Presence, Span
 from kvcr_node.config import ConfigError, NodeConfig
 from kvcr_node.poolspec import PoolSpec
 from kvcr_testing.health import assert_clean, stats, wait_until
@@ -158,3 +158,27 @@ def test_a_disk_pool_is_checked_before_the_node_starts(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=why) as caught:
             NodeConfig(pools=memory, disk_pools=(disk,)).validated()
         assert caught.value.field == field
+
+
+def test_a_lease_reads_a_key_back_and_a_later_lease_holds_it(disk_node: tuple[NodeProcess, Path]) -> None:
+    """An engine leases before it delivers: a key held only on disk answers ``PENDING`` while
+    it is read back (spec section 6.11), and the next lease holds it and grants its slots,
+    which the client READs itself, byte for byte."""
+    node, _ = disk_node
+    with Client(node.endpoint, name="disk-lease") as client:
+        register = Registrar(client)
+        keys, src = deposit_all(client, register, "l", seed=11)
+        answers = client.query(keys).result(RESULT_TIMEOUT_S)
+        key = next(k for k in keys if answers[k].tier == "disk")
+        lease = client.lease([key], ttl_ms=30_000).result(RESULT_TIMEOUT_S)
+        assert lease.status(key) is LeaseStatus.PENDING  # holding nothing, the lease is over at once
+        settled(client)
+        lease = client.lease([key], ttl_ms=30_000).result(RESULT_TIMEOUT_S)
+        assert lease.status(key) is LeaseStatus.LEASED
+        reads = client.counters()["grant_reads"]
+        outcome, dst = deliver(client, register, key)
+        i = keys.index(key)
+        assert outcome.ok and np.array_equal(dst, src[i * LAYOUT.nbytes:(i + 1) * LAYOUT.nbytes])
+        assert client.counters()["grant_reads"] == reads + 1, "read under the lease's grant"
+        lease.release().result(RESULT_TIMEOUT_S)
+        assert_clean(client)
