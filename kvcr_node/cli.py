@@ -59,6 +59,8 @@ SETTINGS: tuple[tuple[str, type, str], ...] = (
     ("events_replay_endpoint", str, "bind the event replay socket here (default: ipc PATH.replay, or the next tcp port)"),
     ("events_replay_bytes", int, "bytes the event replay requesters' queues may hold together (BUSY past it)"),
     ("events_replay_requesters", int, "event replay requesters tracked at once (BUSY past it)"),
+    ("disk_demote_mark", float, "copy to the disk tier what a DRAM pool would evict next while fewer than this "
+                                "fraction of its slots are free (default 0.25; 1: everything evictable)"),
     ("state_dir", str, "keep a journal here and the DRAM pools in files, so a restart on it keeps the cache"),
     ("pool_dir", str, "where a node with a state dir keeps its pools' files (default /dev/shm; a hugetlbfs mount)"),
     ("journal_compact_bytes", int, "bytes a journal file grows to at least before it is compacted"),

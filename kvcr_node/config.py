@@ -94,6 +94,8 @@ def default_pools() -> tuple[PoolSpec, ...]:
 
 DEFAULT_JOURNAL_COMPACT_BYTES = 64 << 20
 """``journal_compact_bytes`` by default."""
+DEFAULT_DISK_DEMOTE_MARK = 0.25
+"""``disk_demote_mark`` by default: copies run a quarter of a pool ahead of its evictions."""
 
 
 @dataclass(frozen=True)
@@ -232,7 +234,11 @@ class NodeConfig:
     """A journal file grows to at least this many bytes before it is compacted."""
     disk_pools: tuple[PoolSpec, ...] = ()
     """Pools kept in files (memory ``disk:/DIR``, architecture §9): the disk tier. Each holds
-    copies of what the memory pool of its slot size evicts; clients never name them."""
+    copies of what the DRAM pools of its slot size evict; clients never name them."""
+    disk_demote_mark: float = DEFAULT_DISK_DEMOTE_MARK
+    """While a DRAM pool has fewer free slots than this fraction of it, the node copies to the
+    disk tier what that pool would evict next (as many slots' worth as are missing); 1 copies
+    everything evictable, as soon as it is."""
 
     def validated(self) -> NodeConfig:
         """Check every field; raise ``ConfigError`` naming the first bad one."""
@@ -255,7 +261,9 @@ class NodeConfig:
             parse_memory(pool.memory, f"pools[{i}].memory")
             if disk_directory(pool.memory) is not None:
                 raise ConfigError(f"pools[{i}].memory", "a disk pool belongs in disk_pools")
-        sizes = {pool.slot_size for pool in self.pools}
+        sizes = {pool.slot_size for pool in self.pools if pool.memory == "dram"}
+        if isinstance(self.disk_demote_mark, bool) or not 0.0 < self.disk_demote_mark <= 1.0:
+            raise ConfigError("disk_demote_mark", f"expected a fraction in (0, 1], got {self.disk_demote_mark!r}")
         for i, pool in enumerate(self.disk_pools):
             where = f"disk_pools[{i}]"
             if not pool.name or len(pool.name.encode()) > max_name:
@@ -269,7 +277,7 @@ class NodeConfig:
             if not directory.is_dir():
                 raise ConfigError(f"{where}.memory", f"{directory} is not a directory")
             if pool.slot_size not in sizes:
-                raise ConfigError(f"{where}.slot_size", f"no memory pool has slots of {pool.slot_size} bytes: "
+                raise ConfigError(f"{where}.slot_size", f"no DRAM pool has slots of {pool.slot_size} bytes: "
                                   "nothing would ever be copied to this disk pool")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError("log_format", f"expected one of {list(LOG_FORMATS)}, got {self.log_format!r}")
@@ -405,7 +413,7 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "lease_session_fraction": (int, float), "metrics_port": int, "metrics_address": str,
     "metrics_max_connections": int, "client_transfers": bool, "peer_grants": bool, "integrity": bool, "put_ttl_ms": int, "max_put_ttl_ms": int,
     "max_puts_per_session": int, "put_quarantine_ms": int, "suspect_bytes_per_s": int, "put_session_fraction": (int, float), "put_pool_fraction": (int, float),
-    "state_dir": str, "pool_dir": str, "journal_compact_bytes": int,
+    "state_dir": str, "pool_dir": str, "journal_compact_bytes": int, "disk_demote_mark": (int, float),
     "events_endpoint": str, "events_replay_endpoint": str, "events_replay_bytes": int, "events_replay_requesters": int,
 }
 
@@ -436,5 +444,6 @@ def from_mapping(raw: dict[str, Any], base: NodeConfig | None = None) -> NodeCon
             raise ConfigError(key, "unknown configuration field")
         if (expected is bool) != isinstance(value, bool) or not isinstance(value, expected):
             raise ConfigError(key, f"wrong type {type(value).__name__}")
-        changes[key] = float(raw[key]) if key in ("low_watermark", "lease_pool_fraction", "lease_session_fraction") else raw[key]
+        fractions = ("low_watermark", "lease_pool_fraction", "lease_session_fraction", "disk_demote_mark")
+        changes[key] = float(raw[key]) if key in fractions else raw[key]
     return replace(config, **changes).validated()

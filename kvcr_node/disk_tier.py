@@ -33,10 +33,14 @@ from kvcr_node.poolspec import PoolSpec
 from kvcr_node.store import Store
 from kvcr_node.transfers import Move, Remote, list_moves
 
-DEMOTE_MARK = 0.25
-"""A memory pool's free slots under this fraction of it start copying what it would evict next."""
-DEMOTIONS_IN_FLIGHT = 8
-"""Copies written at once: the disk's queue stays short, and so does the time a claim holds."""
+DEMOTIONS_IN_FLIGHT = 256
+"""Objects being copied at once, at most."""
+DEMOTIONS_PER_LOOK = 32
+"""Copies one look places at most (they go as one transfer): placing one costs the node's
+loop some tens of microseconds, and a request waits for the turn it arrives in."""
+DEMOTION_BYTES_IN_FLIGHT = 64 << 20
+"""Bytes being copied at once, at most (a single larger object still goes alone): the disk's
+queue stays short, and so does the time a claim holds an object."""
 
 
 @dataclass(eq=False)
@@ -46,6 +50,9 @@ class Demotion:
     entry: ObjectEntry
     copy: ObjectEntry
     moves: list[Move]
+    digests: bytes = b""
+    """The copy's digests when the object has none (taken with ``integrity`` off, by the
+    node, so that no copy is ever read back unchecked); else the object's own are kept."""
 
 
 @dataclass(eq=False)
@@ -62,22 +69,27 @@ class DiskTier:
 
     def __init__(
         self, memory: Store, disk_pools: Sequence[PoolSpec], files: Mapping[str, Remote], policy: EvictionPolicy,
-        mark: float = DEMOTE_MARK, in_flight: int = DEMOTIONS_IN_FLIGHT,
+        mark: float, in_flight: int = DEMOTIONS_IN_FLIGHT,
     ) -> None:
-        """``files``: each disk pool's file, as the remote side of its moves."""
+        """``files``: each disk pool's file, as the remote side of its moves; ``mark``: a DRAM
+        pool's free slots under this fraction of it start copying what it would evict next."""
         self.memory = memory
         self.disk = Store(disk_pools, policy)
         self.disk.listener = self  # a copy it evicts or removes takes its memory layout with it
         self.files = dict(files)
         self.pairs: dict[str, str] = {}
-        """Memory pool -> the disk pool its spans are copied to (the first of its slot size)."""
+        """DRAM pool -> the disk pool its spans are copied to (the first of its slot size)."""
         for name, spec in memory.pools.items():
+            if spec.memory != "dram":
+                continue  # the node reads HBM through no file backend of its own
             pair = next((d.name for d in disk_pools if d.slot_size == spec.slot_size), None)
             if pair is not None:
                 self.pairs[name] = pair
         self._marks = {name: math.ceil(mark * memory.pools[name].slot_count) for name in self.pairs}
         self._in_flight = in_flight
         self.demoting: dict[bytes, Demotion] = {}
+        self._bytes = 0
+        """Bytes of the objects being copied."""
         self._copying = dict.fromkeys(self.pairs, 0)
         """Memory slots per pool whose objects are being copied (claimed, so not evictable,
         but on their way to being what eviction may take without loss)."""
@@ -116,8 +128,8 @@ class DiskTier:
     def next_demotions(self) -> list[Demotion]:
         """Copies to write now: what a pool under its mark would evict next and has no copy,
         up to the copies allowed in flight; each object is claimed and its copy placed."""
-        room = self._in_flight - len(self.demoting)
-        if room <= 0 or not self.pairs:
+        room = min(self._in_flight - len(self.demoting), DEMOTIONS_PER_LOOK)
+        if room <= 0 or self._bytes >= DEMOTION_BYTES_IN_FLIGHT or not self.pairs:
             return []
         memory = self.memory
         seen = (memory.tick, len(memory))
@@ -130,7 +142,7 @@ class DiskTier:
             if want <= 0:
                 continue
             for entry in memory.index.select_victims({pool: want}) or ():
-                if len(out) >= room:
+                if len(out) >= room or (self._bytes >= DEMOTION_BYTES_IN_FLIGHT and self.demoting):
                     break
                 if entry.key in self.demoting or self.disk.lookup(entry.key) is not None or not self.fits(entry.layout):
                     continue
@@ -149,8 +161,10 @@ class DiskTier:
             return None
         self.memory.claim(entry)
         self._layouts[entry.key] = layout
+        pools = self.memory.pools
         for pool, count in entry.info.need:
             self._copying[pool] += count
+            self._bytes += count * pools[pool].slot_size
         demotion = Demotion(entry, copy, self._moves(layout, entry.slots, copy.slots))
         self.demoting[entry.key] = demotion
         return demotion
@@ -160,12 +174,14 @@ class DiskTier:
         the object is unclaimed either way (no access: it stays as cold as it was)."""
         del self.demoting[demotion.entry.key]
         entry, copy = demotion.entry, demotion.copy
+        pools = self.memory.pools
         for pool, count in entry.info.need:
             self._copying[pool] -= count
+            self._bytes -= count * pools[pool].slot_size
         live = entry.state is ObjectState.READY  # not condemned meanwhile
         self.memory.unclaim(entry, accessed=False)
         if ok and live:
-            copy.digests = entry.digests
+            copy.digests = entry.digests or demotion.digests
             self.disk.commit(copy)
             self.counts["demoted"] += 1
         else:
@@ -197,14 +213,15 @@ class DiskTier:
         """A READ back ended. ``ok`` (its bytes matched the copy's digests): the memory copy
         is READY with those digests; else it is abandoned and the copy, whose file cannot be
         trusted, dropped."""
-        del self.promoting[promotion.entry.key]
         entry, copy = promotion.entry, promotion.copy
         self.disk.unclaim(copy, accessed=False)
         if ok:
             entry.digests = copy.digests
-            self.memory.commit(entry)
+            self.memory.commit(entry)  # while promoting: its listener keeps the copy (``stored_anew``)
+            del self.promoting[entry.key]
             self.counts["promoted"] += 1
             return
+        del self.promoting[entry.key]
         self.memory.abandon(entry)
         self.counts["promotions_failed"] += 1
         self.drop(entry.key)

@@ -289,7 +289,7 @@ class Node:
         """The disk tier at work (architecture §9), when the node has disk pools."""
         if self.disk_files:
             tier = DiskTier(self.store, config.disk_pools, {f.spec.name: f.region for f in self.disk_files},
-                            make_policy(config.policy))
+                            make_policy(config.policy), config.disk_demote_mark)
             self.tiering = Tiering(tier, self.disk_files, self.transfers, self.agent.name, self.digests,
                                    self.operations.wake)
             self.operations.promote = self.leases.promote = self.tiering.promote

@@ -40,22 +40,34 @@ class Tiering:
         self.agent = agent
         """This node's own agent: the other side of every move of the tier."""
         self.digests = digests
+        self._reading: list[Promotion] = []
+        """Read backs placed this turn, posted together at its end."""
         self.wake = wake
         """Resumes the operations waiting on a key (``Operations.wake``)."""
 
     def step(self) -> None:
-        """Post the copies to write now (the turn's last step)."""
-        for demotion in self.tier.next_demotions():
-            try:
-                self.transfers.start("WRITE", self.agent, demotion.moves, functools.partial(self._demoted, demotion))
-            except TransferError as exc:
-                log.warning("disk tier: a copy of %s could not be posted: %s", demotion.entry.key.hex(), exc)
-                self.tier.demoted(demotion, False)
+        """Post the turn's read backs, then the copies to write now, each kind as one transfer
+        (the turn's last step: the requests it read asked for the read backs)."""
+        if self._reading:
+            self._read_back()
+        demotions = self.tier.next_demotions()
+        if not demotions:
+            return
+        for demotion in demotions:
+            if not demotion.entry.digests:  # stored with integrity off: a copy is checked all the same
+                demotion.digests = self.digests.of(demotion.entry)
+        moves = [move for demotion in demotions for move in demotion.moves]
+        try:
+            self.transfers.start("WRITE", self.agent, moves, functools.partial(self._demoted, demotions))
+        except TransferError as exc:
+            log.warning("disk tier: %d copies could not be posted: %s", len(demotions), exc)
+            self._demoted(demotions, False)
 
-    def _demoted(self, demotion: Demotion, ok: bool) -> None:
+    def _demoted(self, demotions: list[Demotion], ok: bool) -> None:
         if not ok:
-            log.warning("disk tier: the copy of %s failed; it stays in memory only", demotion.entry.key.hex())
-        self.tier.demoted(demotion, ok)
+            log.warning("disk tier: %d copies failed; their objects stay in memory only", len(demotions))
+        for demotion in demotions:
+            self.tier.demoted(demotion, ok)
 
     def promote(self, key: bytes) -> bool:
         """Read ``key``'s object back from disk, or go on reading it; whether it is coming."""
@@ -67,29 +79,33 @@ class Tiering:
         promotion = tier.promote(key)
         if isinstance(promotion, DepositOutcome):
             return False  # no room in memory now: a miss, as if it were not there
-        try:
-            self.transfers.start("READ", self.agent, promotion.moves, functools.partial(self._promoted, promotion))
-        except TransferError as exc:
-            log.warning("disk tier: reading %s back could not be posted: %s", key.hex(), exc)
-            tier.promoted(promotion, False)
-            return False
+        self._reading.append(promotion)  # posted with the turn's others (``step``)
         return True
 
-    def _promoted(self, promotion: Promotion, ok: bool) -> None:
-        key = promotion.entry.key
+    def _read_back(self) -> None:
+        promotions, self._reading = self._reading, []
+        moves = [move for promotion in promotions for move in promotion.moves]
+        try:
+            self.transfers.start("READ", self.agent, moves, functools.partial(self._promoted, promotions))
+        except TransferError as exc:
+            log.warning("disk tier: %d read backs could not be posted: %s", len(promotions), exc)
+            self._promoted(promotions, False)
+
+    def _promoted(self, promotions: list[Promotion], ok: bool) -> None:
         if not ok:
-            log.warning("disk tier: reading %s back failed; its copy is dropped", key.hex())
-        elif not self._intact(promotion):
-            ok = False
-            self.tier.counts["mismatched"] += 1
-            log.warning("disk tier: %s read back does not match its digests; its copy is dropped", key.hex())
-        self.tier.promoted(promotion, ok)
-        self.wake(key)
+            log.warning("disk tier: reading %d objects back failed; their copies are dropped", len(promotions))
+        for promotion in promotions:
+            key = promotion.entry.key
+            intact = ok and self._intact(promotion)
+            if ok and not intact:
+                self.tier.counts["mismatched"] += 1
+                log.warning("disk tier: %s read back does not match its digests; its copy is dropped", key.hex())
+            self.tier.promoted(promotion, intact)
+            self.wake(key)
 
     def _intact(self, promotion: Promotion) -> bool:
-        """Whether the bytes read back match the digests their object had when stored."""
-        if not promotion.copy.digests:
-            return True  # stored without digests (integrity off): nothing to check against
+        """Whether the bytes read back match the digests their object had when stored (or
+        its copy was written: with ``integrity`` off, the node takes them for the copy)."""
         taken = unpack_digests(promotion.copy.digests)
         now = unpack_digests(self.digests.of(promotion.entry))
         return all(was == UNCHECKED or was == is_ for was, is_ in zip(taken, now, strict=True))

@@ -33,10 +33,12 @@ OBJECTS = 20
 SETTLE_S = 30.0
 
 
-@pytest.fixture
-def disk_node(node_factory: Callable[..., NodeProcess], tmp_path: Path) -> Iterator[tuple[NodeProcess, Path]]:
+@pytest.fixture(params=["integrity", "no-integrity"])
+def disk_node(node_factory: Callable[..., NodeProcess], tmp_path: Path,
+              request: pytest.FixtureRequest) -> Iterator[tuple[NodeProcess, Path]]:
+    """A node with a disk tier; with ``integrity`` off too: its copies get digests all the same."""
     node = node_factory("--pool", f"kv:{SLOT // KiB}KiB:{MEMORY_SLOTS}",
-                        "--pool", f"kv-disk:{SLOT // KiB}KiB:{DISK_SLOTS}:disk:{tmp_path}")
+                        "--pool", f"kv-disk:{SLOT // KiB}KiB:{DISK_SLOTS}:disk:{tmp_path}", f"--{request.param}")
     yield node, tmp_path / "kv-disk.kvcr-pool"
 
 
@@ -97,6 +99,7 @@ def test_evicted_objects_stay_on_disk_and_come_back_byte_for_byte(
             assert client.query([key]).result(RESULT_TIMEOUT_S)[key].tier == "dram", "read back into memory"
         figures = settled(client)
         assert figures["promoted"] == 6 and figures["mismatched"] == 0 and figures["promotions_failed"] == 0
+        assert figures["dropped"] == 0, "a copy read back stays: a later eviction needs no second write"
         assert figures["demoted"] >= len(on_disk)
         assert_clean(client)
 
@@ -151,13 +154,20 @@ def test_a_key_deposited_anew_replaces_its_copy(
 def test_a_disk_pool_is_checked_before_the_node_starts(tmp_path: Path) -> None:
     memory = (PoolSpec("kv", SLOT, MEMORY_SLOTS),)
     for disk, field, why in (
-        (PoolSpec("d", 2 * SLOT, 4, f"disk:{tmp_path}"), "disk_pools[0].slot_size", "no memory pool has slots"),
+        (PoolSpec("d", 2 * SLOT, 4, f"disk:{tmp_path}"), "disk_pools[0].slot_size", "no DRAM pool has slots"),
         (PoolSpec("d", SLOT, 4, f"disk:{tmp_path / 'absent'}"), "disk_pools[0].memory", "is not a directory"),
         (PoolSpec("kv", SLOT, 4, f"disk:{tmp_path}"), "disk_pools[0].name", "declared twice"),
     ):
         with pytest.raises(ConfigError, match=why) as caught:
             NodeConfig(pools=memory, disk_pools=(disk,)).validated()
         assert caught.value.field == field
+    gpu = (PoolSpec("kv", SLOT, MEMORY_SLOTS, "hbm:0"),)
+    with pytest.raises(ConfigError, match="no DRAM pool"):
+        NodeConfig(pools=gpu, disk_pools=(PoolSpec("d", SLOT, 4, f"disk:{tmp_path}"),)).validated()
+    for mark in (0, 1.5, True):
+        with pytest.raises(ConfigError) as caught:
+            NodeConfig(pools=memory, disk_demote_mark=mark).validated()
+        assert caught.value.field == "disk_demote_mark"
 
 
 def test_a_lease_reads_a_key_back_and_a_later_lease_holds_it(disk_node: tuple[NodeProcess, Path]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvcr_node.disk_pools import FileRegion
-from kvcr_node.disk_tier import DiskTier
+from kvcr_node.disk_tier import DiskTier, MemoryListener
 from kvcr_node.eviction import Layout, make_policy
 from kvcr_node.poolspec import PoolSpec
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
@@ -26,14 +26,17 @@ def layout(n: int = 2, pool: str = "kv") -> Layout:
 @pytest.fixture
 def memory() -> Store:
     # LRU, the node's default: a copied object keeps its place in the eviction order.
-    return Store([PoolSpec("kv", SLOT, MEMORY), PoolSpec("big", 4 * SLOT, 4)], make_policy("lru"))
+    return Store([PoolSpec("kv", SLOT, MEMORY), PoolSpec("big", 4 * SLOT, 4), PoolSpec("gpu", SLOT, 4, "hbm:0")],
+                 make_policy("lru"))
 
 
 @pytest.fixture
 def tier(memory: Store) -> DiskTier:
     spec = PoolSpec("kv-disk", SLOT, DISK, "disk:/unused")
-    return DiskTier(memory, [spec], {"kv-disk": FileRegion(FD, spec.size)}, make_policy("fifo"), mark=0.5,
+    tier = DiskTier(memory, [spec], {"kv-disk": FileRegion(FD, spec.size)}, make_policy("fifo"), mark=0.5,
                     in_flight=2)
+    memory.listener = MemoryListener(tier)  # as the node has it
+    return tier
 
 
 def put(store: Store, key: bytes, spans: Layout, digests: bytes = b"") -> ObjectEntry:
@@ -49,7 +52,7 @@ def ok(tier: DiskTier) -> None:
 
 
 def test_only_pools_with_a_disk_pool_of_their_slot_size_are_copied(tier: DiskTier) -> None:
-    assert tier.pairs == {"kv": "kv-disk"}
+    assert tier.pairs == {"kv": "kv-disk"}, "DRAM pools only: the node reads HBM through no file backend"
     assert tier.fits(layout()) and not tier.fits(layout(1, "big")) and not tier.fits((("a", "kv"), ("b", "big")))
 
 
@@ -123,7 +126,11 @@ def test_evicting_a_copied_object_leaves_it_on_disk_and_promotion_reads_it_back(
     tier.promoted(p, True)
     assert p.entry.state is ObjectState.READY and p.entry.digests == b"a" * 16 and p.copy.claims == 0
     assert tier.copy(b"a") is copy, "the copy stays: a later eviction needs no second write"
-    assert tier.counts["promoted"] == 1
+    assert tier.counts["promoted"] == 1 and tier.counts["dropped"] == 0
+    ok(tier)
+    memory.remove(b"a")
+    put(memory, b"a", layout())  # the key stored anew: only the bytes stored last are served
+    assert tier.copy(b"a") is None and tier.counts["dropped"] == 1
     ok(tier)
 
 
