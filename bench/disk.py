@@ -1,0 +1,272 @@
+"""The disk tier (architecture §9): its copies and read backs against raw NIXL POSIX
+transfers of the same bytes, in the same run.
+
+A node with a DRAM pool and a disk pool of 64 KiB slots, told to copy everything evictable
+(``--disk-demote-mark 1``), under three measurements per round:
+
+- ``disk_write_ratio``: 1,000 objects of one 64 KiB span deposited in one call; the time
+  from the deposit's answer until the node reports every copy written (its stats, asked
+  every 10 ms: each answer costs the node a snapshot), against this process's own agent WRITEing the same bytes from a registered
+  buffer into a file of its own in the same directory, one transfer per object, as many in
+  flight as the node allows (``DEMOTIONS_IN_FLIGHT``): raw time / kvcr time (goal >= 0.9).
+- ``disk_read_ratio``: the same objects evicted (another 1,000 deposited over them), the
+  pool's file dropped from the page cache (``fsync``, ``POSIX_FADV_DONTNEED``), then one
+  deliver of all of them into a client buffer (read back from the file into memory, checked
+  against their digests, then delivered), against this process's agent READing the same
+  bytes from its own file, dropped from the cache the same way, one transfer per object, all
+  posted at once: raw time / kvcr time. kvcr's time includes the deliver itself (a copy of
+  the same bytes into the client's buffer) and a digest of each span: a ratio, not a goal
+  met by a copy alone. The bytes delivered are checked after the timing.
+- ``demotion_query_ratio``: the median of one-key queries asked back to back by a second
+  client while the copies of the thousand deposited over a round's objects are written (the
+  node asked for its stats only every 100 ms meanwhile), over the same with the node idle
+  (goal <= 1.3: the node's loop never waits on a disk).
+
+    uv run python bench/disk.py [--rounds 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from procs import process_group, spawn
+from stats import Progress, summary
+
+from kvcr_client import Client, KeyStatus, Span
+from kvcr_io.agent import load_nixl
+from kvcr_node.disk_tier import DEMOTIONS_IN_FLIGHT
+
+SPAN = 64 * 1024
+OBJECTS = 1000
+QUIET_POLL_S = 0.1
+"""How often it is asked while the queries beside the copies are timed."""
+POLL_S = 0.01
+"""How often the node is asked whether its copies are written (a stats snapshot costs it O(objects))."""
+WAIT_S = 120.0
+
+
+def tier(client: Client) -> dict[str, Any]:
+    result: dict[str, Any] = client.stats().result(30)["disk_tier"]
+    return result
+
+
+def drop_cache(path: Path) -> None:
+    """Write ``path``'s dirty pages and drop it from the page cache: the next read is the disk's."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class RawFiles:
+    """This process's own agent with NIXL's POSIX backend: a registered buffer and a file of
+    its own, moved one transfer per object, as the node moves its copies."""
+
+    def __init__(self, directory: Path) -> None:
+        nixl = load_nixl()
+        self.agent = nixl.nixl_agent(f"raw-disk-{os.getpid()}", nixl.nixl_agent_config(enable_prog_thread=False,
+                                                                                          backends=["UCX"]))
+        self.agent.create_backend("POSIX")
+        self.name = f"raw-disk-{os.getpid()}"
+        self.buffer = (np.arange(OBJECTS * SPAN, dtype=np.uint64) * 2654435761 >> 11).astype(np.uint8)
+        self.agent.register_memory([(self.buffer.ctypes.data, self.buffer.nbytes, 0, "")], "DRAM")
+        self.path = directory / "raw.file"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.posix_fallocate(self.fd, 0, self.buffer.nbytes)
+        self.agent.register_memory([(0, self.buffer.nbytes, self.fd, "")], "FILE")
+
+    def move(self, op: str, in_flight: int) -> float:
+        """Seconds to move every object (one descriptor each), ``in_flight`` requests at once."""
+        agent, base = self.agent, self.buffer.ctypes.data
+        pending = list(range(OBJECTS))
+        running: list[Any] = []
+        start = time.perf_counter()
+        while pending or running:
+            while pending and len(running) < in_flight:
+                i = pending.pop(0)
+                local = agent.get_xfer_descs(np.array([(base + i * SPAN, SPAN, 0)], dtype=np.uint64), "DRAM")
+                remote = agent.get_xfer_descs(np.array([(i * SPAN, SPAN, self.fd)], dtype=np.uint64), "FILE")
+                handle = agent.initialize_xfer(op, local, remote, self.name)
+                state = agent.transfer(handle)
+                if state == "ERR":
+                    raise RuntimeError(f"raw {op} failed")
+                running.append(handle)
+            still = []
+            for handle in running:
+                state = agent.check_xfer_state(handle)
+                if state == "PROC":
+                    still.append(handle)
+                elif state == "DONE":
+                    agent.release_xfer_handle(handle)
+                else:
+                    raise RuntimeError(f"raw {op} failed: {state}")
+            running = still
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class Asker(threading.Thread):
+    """Queries one key back to back, keeping each round trip, until stopped."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(daemon=True)
+        self.client = Client(endpoint, name="asker")
+        self.times: list[float] = []
+        self.running = threading.Event()
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            if not self.running.wait(0.05):
+                continue
+            start = time.perf_counter()
+            self.client.query([b"nothing"]).result(30)
+            self.times.append(time.perf_counter() - start)
+
+    def window(self, seconds: float | None = None) -> list[float]:
+        """Round trips asked while ``running`` (for ``seconds``, when given)."""
+        self.times = []
+        self.running.set()
+        if seconds is not None:
+            time.sleep(seconds)
+            self.running.clear()
+        return self.times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of copies and read backs")
+    parser.add_argument("--json", action="store_true", help="also print one JSON object of the figures")
+    args = parser.parse_args()
+    progress = Progress("disk", 3 + args.rounds)
+    directory = Path(tempfile.mkdtemp(prefix="kvcr-bench-disk-", dir="/var/tmp"))
+    samples: dict[str, list[float]] = {"kvcr_write": [], "raw_write": [], "kvcr_read": [], "raw_read": [],
+                                       "busy_query": [], "idle_query": []}
+    try:
+        with process_group("disk") as (run, procs):
+            progress.step("start a node with a disk pool, and the raw agent")
+            endpoint = f"ipc://{run}/node.sock"
+            procs.append(spawn("-m", "kvcr_node.cli", "--endpoint", endpoint, "--log-level", "WARNING",
+                               "--pool", f"kv:64KiB:{OBJECTS}",
+                               "--pool", f"kv-disk:64KiB:{4 * OBJECTS}:disk:{directory}",
+                               "--disk-demote-mark", "1"))
+            raw = RawFiles(directory)
+            pool_file = directory / "kv-disk.kvcr-pool"
+            asker = Asker(endpoint)
+            asker.start()
+            with Client(endpoint, name="disk-bench") as client:
+                src = (np.arange(2 * OBJECTS * SPAN, dtype=np.uint64) * 40503 >> 5).astype(np.uint8)
+                dst = np.zeros(OBJECTS * SPAN, np.uint8)
+                source, sink = client.register(src), client.register(dst)
+                progress.step("idle queries")
+                asker.window(1.0)
+                samples["idle_query"] += asker.times[20:]
+                for r in range(args.rounds + 1):  # the first round warms up: not kept
+                    progress.step(f"round {r}: {OBJECTS} copies written, evicted, read back")
+                    keys = [b"r%d-%d" % (r, i) for i in range(OBJECTS)]
+                    filler = [b"f%d-%d" % (r, i) for i in range(OBJECTS)]
+                    end = time.monotonic() + WAIT_S  # copies in flight hold their objects: let them end
+                    while tier(client)["demoting"] and time.monotonic() < end:
+                        time.sleep(POLL_S)
+                    before = tier(client)["demoted"]
+                    out = client.deposit({k: [Span("L0", source, i * SPAN, SPAN, "kv")] for i, k in enumerate(keys)})
+                    res = out.result(WAIT_S)
+                    start = time.perf_counter()
+                    failed = [(k, res[k]) for k in keys if res[k].status is not KeyStatus.STORED]
+                    if failed:
+                        raise AssertionError(f"{len(failed)} deposits failed, e.g. {failed[0]}: {tier(client)}")
+                    end = time.monotonic() + WAIT_S
+                    while tier(client)["demoted"] < before + OBJECTS and time.monotonic() < end:
+                        time.sleep(POLL_S)
+                    kvcr_write = time.perf_counter() - start
+                    if tier(client)["demoted"] < before + OBJECTS:
+                        raise AssertionError(f"copies not written within {WAIT_S} s: {tier(client)}")
+                    # Evict them all: another thousand over them, whose copies are written while
+                    # the asker's queries are timed (the node asked for its stats rarely meanwhile).
+                    at = OBJECTS * SPAN
+                    before = tier(client)["demoted"]
+                    res = client.deposit({k: [Span("L0", source, at + i * SPAN, SPAN, "kv")]
+                                          for i, k in enumerate(filler)}).result(WAIT_S)
+                    busy = asker.window()
+                    if not all(res[k].status is KeyStatus.STORED for k in filler):
+                        raise AssertionError("a filler deposit failed")
+                    end = time.monotonic() + WAIT_S
+                    while tier(client)["demoted"] < before + OBJECTS and time.monotonic() < end:
+                        time.sleep(QUIET_POLL_S)
+                    asker.running.clear()
+                    answers = client.query(keys).result(WAIT_S)
+                    if any(answers[k].tier != "disk" for k in keys):
+                        raise AssertionError("an object is not on disk only")
+                    raw_write = raw.move("WRITE", DEMOTIONS_IN_FLIGHT)
+                    drop_cache(pool_file)
+                    dst[:] = 0
+                    start = time.perf_counter()
+                    got = client.deliver({k: [Span("L0", sink, i * SPAN, SPAN)] for i, k in enumerate(keys)})
+                    results = got.result(WAIT_S)
+                    kvcr_read = time.perf_counter() - start
+                    failed = [(k, results[k]) for k in keys if not results[k].ok]
+                    if failed:
+                        raise AssertionError(f"{len(failed)} objects not read back, e.g. {failed[0]}: {tier(client)}")
+                    if not np.array_equal(dst, src[:OBJECTS * SPAN]):
+                        raise AssertionError("the objects read back differ from the deposited bytes")
+                    drop_cache(raw.path)
+                    raw_read = raw.move("READ", OBJECTS)
+                    if r:
+                        samples["kvcr_write"].append(kvcr_write)
+                        samples["raw_write"].append(raw_write)
+                        samples["kvcr_read"].append(kvcr_read)
+                        samples["raw_read"].append(raw_read)
+                        samples["busy_query"] += busy
+            asker.stop_event.set()
+            asker.running.set()
+            asker.join(30)
+            asker.client.close()
+            raw.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    figures = {name: summary(values) for name, values in samples.items()}
+    ratios = {
+        "disk_write_ratio": figures["raw_write"]["median"] / figures["kvcr_write"]["median"],
+        "disk_read_ratio": figures["raw_read"]["median"] / figures["kvcr_read"]["median"],
+        "demotion_query_ratio": figures["busy_query"]["median"] / figures["idle_query"]["median"],
+    }
+    mb = OBJECTS * SPAN / 1e6
+    print(f"disk tier, {OBJECTS} objects of 64 KiB ({mb:.0f} MB) a round, {args.rounds} rounds:")
+    for name in ("kvcr_write", "raw_write", "kvcr_read", "raw_read"):
+        s = figures[name]
+        print(f"  {name:12s} median {s['median'] * 1e3:8.1f} ms  ({mb / s['median']:7.0f} MB/s)  "
+              f"p10 {s['p10'] * 1e3:8.1f}  p90 {s['p90'] * 1e3:8.1f}  spread {s['spread']:.2f}")
+    for name in ("idle_query", "busy_query"):
+        s = figures[name]
+        print(f"  {name:12s} median {s['median'] * 1e6:8.1f} us  p90 {s['p90'] * 1e6:8.1f}  (n={int(s['n'])})")
+    print(f"  disk_write_ratio raw WRITE / kvcr copies: {ratios['disk_write_ratio']:.2f} (goal >= 0.9)")
+    print(f"  disk_read_ratio raw READ / kvcr read back and deliver: {ratios['disk_read_ratio']:.2f}")
+    print(f"  demotion_query_ratio query while copying / idle: {ratios['demotion_query_ratio']:.2f} (goal <= 1.3)")
+    if args.json:
+        out = {**ratios, **{f"{name}_ms": figures[name]["median"] * 1e3 for name in
+                            ("kvcr_write", "raw_write", "kvcr_read", "raw_read")},
+               "idle_query_us": figures["idle_query"]["median"] * 1e6, "busy_query_us": figures["busy_query"]["median"] * 1e6,
+               **{f"{name}_spread": figures[name]["spread"] for name in figures}}
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
