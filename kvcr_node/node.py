@@ -209,7 +209,7 @@ class Node:
             # After the journal and the events: they hear of a key stored anew first.
             listener = MemoryListener(self.tiering.tier)
             self.store.listener = listener if self.store.listener is None else Listeners(self.store.listener, listener)
-            self.stats.tiering = self.tiering.tier
+            self.stats.tiering = self.tiering
         if self.config.metrics_port is not None:
             self._start_exporter()
 
@@ -291,7 +291,7 @@ class Node:
             tier = DiskTier(self.store, config.disk_pools, {f.spec.name: f.region for f in self.disk_files},
                             make_policy(config.policy), config.disk_demote_mark)
             self.tiering = Tiering(tier, self.disk_files, self.transfers, self.agent.name, self.digests,
-                                   self.operations.wake)
+                                   self.operations.wake_all)
             self.operations.promote = self.leases.promote = self.tiering.promote
         # Spec 6.12: the node checks what it sends itself where a grant could have changed it.
         exposed = config.integrity and (config.client_transfers or config.peer_grants)

@@ -23,7 +23,7 @@ from kvcr_node.metrics import Metrics
 from kvcr_node.outbox import REASON_MAX, Outbox
 from kvcr_node.records import Operation, OpKind, Outcomes, Plan, Report, Resume, Session
 from kvcr_node.store import ObjectEntry, ObjectState, Store
-from kvcr_node.transfers import Move, Prepared, Transfers
+from kvcr_node.transfers import Move, Prepared, Transfer, Transfers
 from kvcr_protocol import (
     Completion,
     ErrorCode,
@@ -183,11 +183,18 @@ class Operations:
 
     def wake(self, key: bytes) -> None:
         """The writer of ``key`` is done (READY or gone): the items waiting on it go on."""
-        for op in self.waiters.pop(key, ()):
-            indices = op.waiting.pop(key, [])
-            if op.resume is not None:
-                for i in indices:
-                    op.resume(op, i)
+        self.wake_all((key,))
+
+    def wake_all(self, keys: Sequence[bytes]) -> None:
+        """The writers of ``keys`` are done: the items waiting on them go on, each operation's
+        together (a deliver of many keys read back at once sends them as one)."""
+        resumed: dict[int, tuple[Operation, list[int]]] = {}
+        for key in keys:
+            for op in self.waiters.pop(key, ()):
+                resumed.setdefault(id(op), (op, []))[1].extend(op.waiting.pop(key, []))
+        for op, indices in resumed.values():
+            if op.resume is not None and indices:
+                op.resume(op, indices)
             self.settle(op)
 
     def unwait(self, op: Operation, key: bytes) -> list[int]:
@@ -325,8 +332,12 @@ class Operations:
 
         ``notifs`` reach the remote agent once the bytes are in place (spec section 6.10).
         ``prepared``: the moves are those entries of lists prepared for ``op`` (``prepare``)."""
+        started: list[Transfer] = []
+
         def done(ok: bool) -> None:
             # A completion that raises breaks its operation only, never the loop.
+            for transfer in started:
+                op.transfers.pop(id(transfer), None)
             try:
                 on_done(ok)
             except Exception as exc:
@@ -346,7 +357,9 @@ class Operations:
             self.failure(f"{op.kind} transfer", exc)
             done(False)
             return
-        op.transfers.append(transfer)
+        if transfer.running:
+            started.append(transfer)
+            op.transfers[id(transfer)] = transfer
 
     def claim(self, entry: ObjectEntry) -> None:
         """An operation claim: the object stays until the transfer that reads it is terminal."""

@@ -180,7 +180,7 @@ class OpKind(enum.StrEnum):
     """A client's put (spec section 6.13): admitted and checked as a deposit, never started."""
 
 
-Resume = Callable[["Operation", int], None]
+Resume = Callable[["Operation", list[int]], None]
 """Continues one waiting item of an operation once its key is READY (or gone)."""
 Report = Callable[["Operation", tuple[KeyResult, ...]], None]
 """Sends an operation's results when they do not go back as a client's ``complete``."""
@@ -195,11 +195,13 @@ class Operation:
     kind: OpKind
     deadline: float
     results: list[KeyResult | None]
-    transfers: list[Transfer] = field(default_factory=list)
+    transfers: dict[int, Transfer] = field(default_factory=dict)
+    """Its transfers still running, by ``id()``: each leaves once terminal, so that whether
+    any still runs costs one look however many a request of many keys made."""
     waiting: dict[bytes, list[int]] = field(default_factory=dict)
     """Keys still WRITING that items wait on (key -> item indices)."""
     resume: Resume | None = None
-    """Continues one waiting item once its key is READY (or gone)."""
+    """Continues waiting items once their keys are READY (or gone)."""
     report: Report | None = None
     """Sends the results when they do not go back as a client's ``complete`` (a peer write's
     ``write_done``); called once, when the operation settles."""
@@ -250,7 +252,7 @@ class Operation:
         return (
             not self.waiting
             and not self.remote
-            and not any(t.running for t in self.transfers)
+            and not self.transfers
             and (self.broken is not None or all(r is not None for r in self.results))
         )
 

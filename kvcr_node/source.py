@@ -174,9 +174,9 @@ class Source:
         wanted = Wanted(msg.items, msg.columns)
         notify = msg.notify
 
-        def resume(op: Operation, i: int) -> None:
-            self.counters.inc(Count.WRITES_DEFERRED)
-            self.deliveries.deliver_ready([i], op, wanted)
+        def resume(op: Operation, indices: list[int]) -> None:
+            self.counters.inc(Count.WRITES_DEFERRED, len(indices))
+            self.deliveries.deliver_ready(indices, op, wanted)
 
         op = self.operations.admit(
             peer, msg.id, OpKind.WRITE, len(wanted), msg.deadline_ms, agent=msg.agent, regions=regions,
@@ -217,7 +217,7 @@ class Source:
                 continue
             op = session.ops.get(msg.op)
             if op is not None and op.kind is OpKind.WRITE:
-                state = WriteState.IN_FLIGHT if any(t.running for t in op.transfers) else WriteState.WAITING
+                state = WriteState.IN_FLIGHT if op.transfers else WriteState.WAITING
                 break
             if msg.op in session.peer.done:
                 state = WriteState.DONE

@@ -28,9 +28,9 @@ from kvcr_node.transfers import Transfers
 from kvcr_protocol import ProjectionCache, Role, StatsReply, StatsRequest
 
 if TYPE_CHECKING:
-    from kvcr_node.disk_tier import DiskTier
     from kvcr_node.journal import Journal
     from kvcr_node.puts import Puts
+    from kvcr_node.tiering import Tiering
 
 
 class Stats:
@@ -69,8 +69,8 @@ class Stats:
         self.recovery: dict[str, Any] | None = None
         """What the node took back at its start from its state directory (architecture §8)."""
         self.journal: Journal | None = None
-        self.tiering: DiskTier | None = None
-        """The disk tier (architecture §9), when the node has disk pools."""
+        self.tiering: Tiering | None = None
+        """The disk tier at work (architecture §9), when the node has disk pools."""
 
     def on_stats(self, session: Session, msg: StatsRequest) -> None:
         self.outbox.reply(session, StatsReply(msg.id, self.snapshot()))
@@ -114,9 +114,7 @@ class Stats:
             "invariants": self.check_invariants(),
             **({"recovery": self.recovery} if self.recovery is not None else {}),
             **({"journal": self.journal.stats()} if self.journal is not None else {}),
-            **({"disk_tier": {**self.tiering.stats(), "pools": {
-                name: {**pool, "memory": "disk"} for name, pool in self.tiering.disk.pool_stats().items()}}}
-               if self.tiering is not None else {}),
+            **({"disk_tier": self.tiering.stats()} if self.tiering is not None else {}),
         }
 
     def table_sizes(self) -> dict[str, int]:
@@ -148,10 +146,10 @@ class Stats:
         """The store's invariants plus the node's: claims match handles and live operations."""
         breaches = self.store.check_invariants()
         # Objects being copied to the disk tier are claimed by it (architecture §9).
-        copying = len(self.tiering.demoting) if self.tiering is not None else 0
+        copying = len(self.tiering.tier.demoting) if self.tiering is not None else 0
         breaches.extend(self.operations.check_invariants(self.leases.claims + copying))
         if self.tiering is not None:
-            breaches.extend(self.tiering.check_invariants())
+            breaches.extend(self.tiering.tier.check_invariants())
         breaches.extend(self.leases.check_invariants())
         if self.puts is not None:
             breaches.extend(self.puts.check_invariants())

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
+from typing import Any
 
 from kvcr_io.agent import TransferError
 from kvcr_io.digests import UNCHECKED, unpack_digests
@@ -32,7 +34,7 @@ class Tiering:
 
     def __init__(
         self, tier: DiskTier, files: list[DiskPool], transfers: Transfers, agent: str, digests: Digests,
-        wake: Callable[[bytes], None],
+        wake: Callable[[list[bytes]], None],
     ) -> None:
         self.tier = tier
         self.files = files
@@ -41,9 +43,11 @@ class Tiering:
         """This node's own agent: the other side of every move of the tier."""
         self.digests = digests
         self._reading: list[Promotion] = []
+        self.copied_at = 0.0
+        """When a transfer of copies last ended (``time.monotonic``)."""
         """Read backs placed this turn, posted together at its end."""
         self.wake = wake
-        """Resumes the operations waiting on a key (``Operations.wake``)."""
+        """Resumes the operations waiting on keys, each one's together (``Operations.wake_all``)."""
 
     def step(self) -> None:
         """Post the turn's read backs, then the copies to write now, each kind as one transfer
@@ -68,6 +72,14 @@ class Tiering:
             log.warning("disk tier: %d copies failed; their objects stay in memory only", len(demotions))
         for demotion in demotions:
             self.tier.demoted(demotion, ok)
+        self.copied_at = time.monotonic()
+
+    def stats(self) -> dict[str, Any]:
+        """``stats`` ``disk_tier``: the tier's counts, its pools, and when copies last ended
+        (``time.monotonic`` of this host: a benchmark times the copies from outside by it)."""
+        tier = self.tier
+        return {**tier.stats(), "copied_at": self.copied_at,
+                "pools": {name: {**pool, "memory": "disk"} for name, pool in tier.disk.pool_stats().items()}}
 
     def promote(self, key: bytes) -> bool:
         """Read ``key``'s object back from disk, or go on reading it; whether it is coming."""
@@ -95,13 +107,13 @@ class Tiering:
         if not ok:
             log.warning("disk tier: reading %d objects back failed; their copies are dropped", len(promotions))
         for promotion in promotions:
-            key = promotion.entry.key
             intact = ok and self._intact(promotion)
             if ok and not intact:
                 self.tier.counts["mismatched"] += 1
-                log.warning("disk tier: %s read back does not match its digests; its copy is dropped", key.hex())
+                log.warning("disk tier: %s read back does not match its digests; its copy is dropped",
+                            promotion.entry.key.hex())
             self.tier.promoted(promotion, intact)
-            self.wake(key)
+        self.wake([promotion.entry.key for promotion in promotions])
 
     def _intact(self, promotion: Promotion) -> bool:
         """Whether the bytes read back match the digests their object had when stored (or

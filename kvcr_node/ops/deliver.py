@@ -101,7 +101,7 @@ class Deliveries:
         op = self.operations.admit(
             session, msg.id, OpKind.DELIVER, len(wanted), msg.deadline_ms, agent=session.agent, regions=session.regions,
             plan=Plan(wanted.group_counts(), wanted.planned, notify=(msg.notify, msg.id, None) if msg.notify else None),
-            resume=lambda op, i: self.deliver_ready([i], op, wanted),
+            resume=lambda op, indices: self.deliver_ready(indices, op, wanted),
         )
         if op is None:
             return

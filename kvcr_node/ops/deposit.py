@@ -64,7 +64,7 @@ class Deposits:
         # An item whose key another writer holds WRITING waits for that writer's outcome
         # and is then tried again from the start (spec section 9: DUPLICATE means stored).
         op = self.operations.admit(session, msg.id, OpKind.DEPOSIT, len(keys), msg.deadline_ms,
-                                   resume=lambda op, i: self.deposit_items(op, msg, [i], blocks, where))
+                                   resume=lambda op, indices: self.deposit_items(op, msg, indices, blocks, where))
         if op is None:
             return
         unique = self.operations.unique_keys(op, keys)
@@ -84,7 +84,7 @@ class Deposits:
                 self.operations.start(op, "READ", moves, lambda ok: self.deposit_done(op, fills, msg.no_evict, ok))
             except BaseException:
                 # Slots set aside that no transfer took over are freed (the guard fails the items).
-                if not any(t.running for t in op.transfers):
+                if not op.transfers:
                     self._abandon(fills)
                 raise
         self.operations.settle(op)

@@ -26,8 +26,11 @@ class Fetches:
 
     def on_fetch(self, session: Session, msg: Fetch) -> None:
         items = msg.items
-        op = self.operations.admit(session, msg.id, OpKind.FETCH, len(items), msg.deadline_ms,
-                                   resume=lambda op, i: self.fetch_ready(op, i, items[i]))
+        def resume(op: Operation, indices: list[int]) -> None:
+            for i in indices:
+                self.fetch_ready(op, i, items[i])
+
+        op = self.operations.admit(session, msg.id, OpKind.FETCH, len(items), msg.deadline_ms, resume=resume)
         if op is None:
             return
         ready, remote = self.operations.sort_items(op, [item.key for item in items], msg.request_id)
