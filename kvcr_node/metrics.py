@@ -162,6 +162,10 @@ class MetricsSnapshot:
     uncertain_writes: int
     counters: tuple[tuple[str, int], ...]
     """The node's event counters (auth refusals, internal errors, ...), by name (``Count`` values)."""
+    disk_tier: tuple[tuple[str, int], ...] = ()
+    """The disk tier's moves by outcome (``DiskTier.counts``); empty without disk pools."""
+    disk_copies: int = 0
+    """Copies the disk tier holds."""
 
     def counter(self, count: Count) -> int:
         return dict(self.counters).get(count.value, 0)

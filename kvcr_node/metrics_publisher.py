@@ -22,6 +22,7 @@ from kvcr_node.operations import Operations
 from kvcr_node.peers import LinkState, WriteStage
 from kvcr_node.sessions import Sessions
 from kvcr_node.store import Store
+from kvcr_node.tiering import Tiering
 from kvcr_node.transfers import Transfers
 from kvcr_protocol import Role
 
@@ -51,6 +52,8 @@ class MetricsPublisher:
         self.counters = counters
         self.protocol_errors = protocol_errors
         self.memory = {spec.name: spec.memory for spec in config.pools}
+        self.tiering: Tiering | None = None
+        """The disk tier at work, when the node has disk pools (the node sets it)."""
         self.latest: MetricsSnapshot | None = None
         """The snapshot the exporter serves (replaced whole, never changed)."""
         self._next = 0.0
@@ -83,6 +86,12 @@ class MetricsPublisher:
             )
             for name, p in store.pool_stats().items()
         )
+        tier = self.tiering.tier if self.tiering is not None else None
+        if tier is not None:  # the disk pools beside the memory ones (architecture §9)
+            pools += tuple(
+                PoolSnapshot(name, "disk", p["slot_size"], p["total"], p["free"], p["evictable"], p["objects"],
+                             0, 0, 0, 0, 0)
+                for name, p in tier.disk.pool_stats().items())
         results = [(kind.value, status.value.lower(), code.name if code is not None else "", n)
                    for (kind, status, code), n in self.operations.outcomes.items()]
         states = collections.Counter(link.state.value for link in self.links)
@@ -93,7 +102,7 @@ class MetricsPublisher:
             protocol_version=self.protocol_version, lookups=m.lookups, hits=m.hits, pools=pools,
             objects=objects, writing=writing,
             claims=(("handles", len(self.operations.handles)), ("operations", self.operations.claims),
-                    ("leases", self.leases.claims)),
+                    ("leases", self.leases.claims), *((("disk_tier", len(tier.demoting)),) if tier is not None else ())),
             leases=len(self.leases.table), clients=len(sessions) - peers, peer_sessions=peers,
             operations_pending=sum(len(s.ops) for s in sessions), transfers_inflight=len(self.transfers.inflight),
             latency=tuple((kind, h.frozen()) for kind, h in m.latency.items()), first_layer=m.first_layer.frozen(),
@@ -102,4 +111,6 @@ class MetricsPublisher:
             uncertain_writes=sum(1 for link in self.links for w in link.writes.values()
                                  if w.state is WriteStage.UNCERTAIN),
             counters=tuple(sorted(self.counters.snapshot().items())),
+            disk_tier=tuple(sorted(tier.counts.items())) if tier is not None else (),
+            disk_copies=len(tier.disk) if tier is not None else 0,
         )

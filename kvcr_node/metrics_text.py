@@ -116,6 +116,11 @@ def render(s: MetricsSnapshot) -> bytes:
     gauge("kvcr_pool_objects", "Objects with spans in the pool.", by_pool, [(p.name, p.memory, p.objects) for p in s.pools])
     counter("kvcr_evictions", "Objects evicted, per pool they had spans in.", by_pool,
             [(p.name, p.memory, p.evictions) for p in s.pools])
+    if s.disk_tier:
+        counter("kvcr_disk_tier_moves", "Copies to the disk tier and read backs from it, by outcome: demoted, "
+                "demotions_failed, promoted, promotions_failed, mismatched (read back changed: dropped), dropped.",
+                ("outcome",), s.disk_tier)
+        gauge("kvcr_disk_tier_copies", "Objects with a copy in the disk tier.", (), [(s.disk_copies,)])
     gauge("kvcr_objects", "Objects stored (READY or WRITING).", (), [(s.objects,)])
     gauge("kvcr_objects_writing", "Objects whose bytes are still arriving.", (), [(s.writing,)])
     gauge("kvcr_claims", "Claims held on objects, by kind.", ("kind",), s.claims)

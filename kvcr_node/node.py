@@ -232,6 +232,7 @@ class Node:
         publisher = self.publisher = MetricsPublisher(
             config, self.incarnation, self.versions[-1], self.metrics, self.store, self.operations, self.sessions,
             self.leases, self.links, self.transfers, self.counters, self.protocol_errors)
+        publisher.tiering = self.tiering
         publisher.publish()
         try:
             self.exporter = MetricsExporter(config.metrics_address, config.metrics_port, lambda: publisher.latest,

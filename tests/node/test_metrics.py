@@ -302,6 +302,26 @@ def test_the_metrics_page_lists_every_metric_served(driver: NodeDriver) -> None:
     assert not missing, f"docs/metrics.md's table lacks {missing}"
 
 
+def test_a_disk_tier_is_served_and_listed(ipc_dir: Path, tmp_path: Path) -> None:
+    """With disk pools (architecture §9): each in the pool families with ``memory="disk"``,
+    the tier's moves by outcome and its copies, every name on docs/metrics.md."""
+    disk = PoolSpec("kv-disk", SLOT, 2 * SLOTS, f"disk:{tmp_path}")
+    with node_driver(config(ipc_dir, disk_pools=(disk,))) as d:
+        s = snapshot(d)
+        assert ("kv-disk", "disk", 2 * SLOTS) in [(p.name, p.memory, p.slots) for p in s.pools]
+        assert dict(s.disk_tier)["demoted"] == 0 and s.disk_copies == 0 and ("disk_tier", 0) in s.claims
+        port = d.node.metrics_port
+        assert port is not None
+        families = {f.name: f for f in text_string_to_metric_families(get(port))}
+        moves = families["kvcr_disk_tier_moves"]
+        assert {sample.labels["outcome"] for sample in moves.samples} == {
+            "demoted", "demotions_failed", "promoted", "promotions_failed", "mismatched", "dropped"}
+        assert families["kvcr_disk_tier_copies"].samples[0].value == 0
+        readme = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+        served = {sample.name for f in families.values() if f.type != "histogram" for sample in f.samples}
+        assert not sorted(name for name in served if f"`{name}`" not in readme)
+
+
 # --------------------------------------------------------------------------- the exporter in process
 
 
