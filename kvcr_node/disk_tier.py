@@ -35,6 +35,10 @@ from kvcr_node.transfers import Move, Remote, list_moves
 
 DEMOTIONS_IN_FLIGHT = 256
 """Objects being copied at once, at most."""
+LOOK_AHEAD = 1024
+"""Objects a look at what a pool would evict next visits at most: copies run that far ahead
+of evictions at most, whatever the mark, so that a look costs the node's loop a bounded
+time (about half a millisecond) however large the pool."""
 DEMOTIONS_PER_LOOK = 32
 """Copies one look places at most (they go as one transfer): placing one costs the node's
 loop some tens of microseconds, and a request waits for the turn it arrives in."""
@@ -141,7 +145,7 @@ class DiskTier:
             want = min(mark - stats[pool]["free"] - self._copying[pool], stats[pool]["evictable"])
             if want <= 0:
                 continue
-            for entry in memory.index.select_victims({pool: want}) or ():
+            for entry in memory.index.select_victims({pool: want}, LOOK_AHEAD) or ():
                 if len(out) >= room or (self._bytes >= DEMOTION_BYTES_IN_FLIGHT and self.demoting):
                     break
                 if entry.key in self.demoting or self.disk.lookup(entry.key) is not None or not self.fits(entry.layout):

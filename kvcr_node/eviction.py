@@ -367,11 +367,13 @@ class EvictionIndex(Generic[E]):
         for pool, count in info.need:
             self._slots[pool] -= count
 
-    def select_victims(self, deficit: dict[str, int]) -> list[E] | None:
+    def select_victims(self, deficit: dict[str, int], visits: int | None = None) -> list[E] | None:
         """Whole objects whose eviction covers ``deficit`` (slots still needed per pool).
 
         Returns ``[]`` for no deficit, ``None`` when the evictable objects cannot cover
-        it (all or nothing), and never removes anything: the caller evicts.
+        it (all or nothing), and never removes anything: the caller evicts. With
+        ``visits``, the walk looks at that many objects at most and returns what it found
+        so far (the disk tier's look at what would go next, ``kvcr_node.disk_tier``).
         """
         need = {pool: n for pool, n in deficit.items() if n > 0}
         if not need:
@@ -402,10 +404,11 @@ class EvictionIndex(Generic[E]):
         if only is None:  # unreachable after the slot test; kept for safety
             return None
         heap = self._global if several else self._groups[only]
-        return self._walk(heap, need)
+        return self._walk(heap, need, visits)
 
-    def _walk(self, heap: _Heap[E], need: dict[str, int]) -> list[E] | None:
-        """Pop candidates in order until ``need`` is covered, then restore the heap.
+    def _walk(self, heap: _Heap[E], need: dict[str, int], limit: int | None = None) -> list[E] | None:
+        """Pop candidates in order until ``need`` is covered (or ``limit`` live ones were
+        looked at: then what was found), then restore the heap.
 
         A candidate is taken when it uses a pool still in deficit, else skipped. Dead
         items met on the way are dropped for good (their removal already paid for
@@ -415,7 +418,7 @@ class EvictionIndex(Generic[E]):
         popped: list[_Item[E]] = []
         victims: list[E] = []
         visits = 0
-        while need and items:
+        while need and items and (limit is None or visits < limit):
             item = heapq.heappop(items)
             entry = item[2]
             if entry.index_seq != item[1]:
@@ -437,7 +440,7 @@ class EvictionIndex(Generic[E]):
         for item in popped:
             heapq.heappush(items, item)
         self.visits += visits
-        return None if need else victims
+        return None if need and limit is None else victims
 
     def check(self) -> list[str]:
         """Internal consistency, as human-readable breaches (empty when healthy). O(n)."""

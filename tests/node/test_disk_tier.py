@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvcr_node.disk_pools import FileRegion
+from kvcr_node import disk_tier
 from kvcr_node.disk_tier import DiskTier, MemoryListener
 from kvcr_node.eviction import Layout, make_policy
 from kvcr_node.poolspec import PoolSpec
@@ -195,4 +196,23 @@ def test_promotion_into_a_full_memory_is_refused_and_changes_nothing(tier: DiskT
         memory.claim(memory.lookup(key))  # type: ignore[arg-type]
     assert tier.promote(b"a") is DepositOutcome.CAPACITY
     assert tier.disk.lookup(b"a") is d.copy and d.copy.claims == 0 and memory.lookup(b"a") is None
+    ok(tier)
+
+
+def test_a_look_visits_a_bounded_number_of_objects(memory: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A look walks at most ``LOOK_AHEAD`` objects of what would be evicted next: copies run at
+    most that far ahead of evictions, and a look costs the node a bounded time."""
+    monkeypatch.setattr(disk_tier, "LOOK_AHEAD", 3)
+    spec = PoolSpec("kv-disk", SLOT, DISK, "disk:/unused")
+    tier = DiskTier(memory, [spec], {"kv-disk": FileRegion(FD, spec.size)}, make_policy("lru"), mark=1.0)
+    entries = [put(memory, key, layout(1)) for key in (b"a", b"b", b"c", b"d", b"e")]
+    first = tier.next_demotions()
+    assert [d.entry.key for d in first] == [b"a", b"b", b"c"]
+    for d in first:
+        tier.demoted(d, True)
+    assert tier.next_demotions() == [], "the three coldest are copied: the look goes no further"
+    memory.claim(entries[0])
+    memory.unclaim(entries[0])  # a used again: d comes within reach
+    assert [d.entry.key for d in tier.next_demotions()] == [b"d"]
+    assert memory.index.visits < 40
     ok(tier)
