@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcr_io.agent import TransferError
@@ -60,12 +60,16 @@ class Tiering:
         for demotion in demotions:
             if not demotion.entry.digests:  # stored with integrity off: a copy is checked all the same
                 demotion.digests = self.digests.of(demotion.entry)
-        moves = [move for demotion in demotions for move in demotion.moves]
+        self._post("WRITE", demotions, functools.partial(self._demoted, demotions))
+
+    def _post(self, op: str, moved: Sequence[Demotion | Promotion], done: Callable[[bool], None]) -> None:
+        """One transfer of the moves of ``moved`` with the node's own agent; ``done(ok)`` at its
+        end, or at once when NIXL refuses it."""
         try:
-            self.transfers.start("WRITE", self.agent, moves, functools.partial(self._demoted, demotions))
+            self.transfers.start(op, self.agent, [move for job in moved for move in job.moves], done)
         except TransferError as exc:
-            log.warning("disk tier: %d copies could not be posted: %s", len(demotions), exc)
-            self._demoted(demotions, False)
+            log.warning("disk tier: a %s of %d objects could not be posted: %s", op, len(moved), exc)
+            done(False)
 
     def _demoted(self, demotions: list[Demotion], ok: bool) -> None:
         if not ok:
@@ -96,12 +100,7 @@ class Tiering:
 
     def _read_back(self) -> None:
         promotions, self._reading = self._reading, []
-        moves = [move for promotion in promotions for move in promotion.moves]
-        try:
-            self.transfers.start("READ", self.agent, moves, functools.partial(self._promoted, promotions))
-        except TransferError as exc:
-            log.warning("disk tier: %d read backs could not be posted: %s", len(promotions), exc)
-            self._promoted(promotions, False)
+        self._post("READ", promotions, functools.partial(self._promoted, promotions))
 
     def _promoted(self, promotions: list[Promotion], ok: bool) -> None:
         if not ok:

@@ -66,6 +66,12 @@ def deposit_all(client: Client, register: Registrar, tag: str, seed: int) -> tup
     return keys, src
 
 
+def on_disk(client: Client, keys: list[bytes]) -> list[bytes]:
+    """The keys a query finds held in the disk tier only."""
+    answers = client.query(keys).result(RESULT_TIMEOUT_S)
+    return [k for k in keys if answers[k].tier == "disk"]
+
+
 def deliver(client: Client, register: Registrar, key: bytes) -> tuple[Any, np.ndarray]:
     dst = np.zeros(LAYOUT.nbytes, np.uint8)
     region = register(dst)
@@ -111,22 +117,21 @@ def test_bytes_changed_on_disk_are_never_served(
     with Client(node.endpoint, name="disk-tamper") as client:
         register = Registrar(client)
         keys, _ = deposit_all(client, register, "x", seed=5)
-        answers = client.query(keys).result(RESULT_TIMEOUT_S)
-        on_disk = [k for k in keys if answers[k].tier == "disk"]
-        assert on_disk
+        evicted = on_disk(client, keys)
+        assert evicted
         changed = 255 - np.fromfile(file, np.uint8)  # every copy's bytes changed in place, by hand
         with open(file, "r+b") as f:
             f.write(changed.tobytes())
         assert file.stat().st_size == DISK_SLOTS * SLOT
-        for key in on_disk:
+        for key in evicted:
             outcome, dst = deliver(client, register, key)
             assert not outcome.ok, f"{key!r} served from a changed file"
             assert outcome.code.name == "NOT_FOUND", outcome
             assert not dst.any(), "nothing of a changed copy reaches the destination"
         figures = settled(client)
-        assert figures["mismatched"] == len(on_disk) and figures["promoted"] == 0
-        answers = client.query(on_disk).result(RESULT_TIMEOUT_S)
-        assert all(answers[k].presence is Presence.MISS for k in on_disk), "a dropped copy is not held"
+        assert figures["mismatched"] == len(evicted) and figures["promoted"] == 0
+        answers = client.query(evicted).result(RESULT_TIMEOUT_S)
+        assert all(answers[k].presence is Presence.MISS for k in evicted), "a dropped copy is not held"
         assert_clean(client)
 
 
@@ -137,8 +142,7 @@ def test_a_key_deposited_anew_replaces_its_copy(
     with Client(node.endpoint, name="disk-anew") as client:
         register = Registrar(client)
         keys, _ = deposit_all(client, register, "n", seed=7)
-        answers = client.query(keys).result(RESULT_TIMEOUT_S)
-        key = next(k for k in keys if answers[k].tier == "disk")
+        key = on_disk(client, keys)[0]
         fresh = pattern(LAYOUT.nbytes, 99)
         region = register(fresh)
         res = client.deposit({key: LAYOUT.source_spans(region)}).result(RESULT_TIMEOUT_S)
@@ -178,8 +182,7 @@ def test_a_lease_reads_a_key_back_and_a_later_lease_holds_it(disk_node: tuple[No
     with Client(node.endpoint, name="disk-lease") as client:
         register = Registrar(client)
         keys, src = deposit_all(client, register, "l", seed=11)
-        answers = client.query(keys).result(RESULT_TIMEOUT_S)
-        key = next(k for k in keys if answers[k].tier == "disk")
+        key = on_disk(client, keys)[0]
         lease = client.lease([key], ttl_ms=30_000).result(RESULT_TIMEOUT_S)
         assert lease.status(key) is LeaseStatus.PENDING  # holding nothing, the lease is over at once
         settled(client)

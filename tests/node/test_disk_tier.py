@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcr_node.disk_pools import FileRegion
 from kvcr_node import disk_tier
-from kvcr_node.disk_tier import DiskTier, MemoryListener
+from kvcr_node.disk_pools import FileRegion
+from kvcr_node.disk_tier import Demotion, DiskTier, MemoryListener
 from kvcr_node.eviction import Layout, make_policy
 from kvcr_node.poolspec import PoolSpec
 from kvcr_node.store import DepositOutcome, ObjectEntry, ObjectState, Store
@@ -50,6 +50,16 @@ def put(store: Store, key: bytes, spans: Layout, digests: bytes = b"") -> Object
 
 def ok(tier: DiskTier) -> None:
     assert tier.memory.check_invariants() == [] and tier.check_invariants() == []
+
+
+def a_copied(tier: DiskTier, memory: Store, **digests: bytes) -> Demotion:
+    """Objects a, b and c of two slots stored (two slots under the mark), and a copied."""
+    for key in (b"a", b"b", b"c"):
+        put(memory, key, layout(), digests=digests.get(key.decode(), b""))
+    [d] = tier.next_demotions()
+    assert d.entry.key == b"a"
+    tier.demoted(d, True)
+    return d
 
 
 def test_only_pools_with_a_disk_pool_of_their_slot_size_are_copied(tier: DiskTier) -> None:
@@ -107,10 +117,7 @@ def test_copies_in_flight_are_bounded(memory: Store) -> None:
 
 
 def test_evicting_a_copied_object_leaves_it_on_disk_and_promotion_reads_it_back(tier: DiskTier, memory: Store) -> None:
-    for key in (b"a", b"b", b"c"):
-        put(memory, key, layout(), digests=key * 16)
-    [d] = tier.next_demotions()
-    tier.demoted(d, True)
+    d = a_copied(tier, memory, a=b"a" * 16)
     put(memory, b"d", layout())
     outcome, e = memory.begin_deposit(b"e", layout())  # evicts a, the oldest
     assert outcome is DepositOutcome.NEW and e is not None and memory.lookup(b"a") is None
@@ -136,10 +143,7 @@ def test_evicting_a_copied_object_leaves_it_on_disk_and_promotion_reads_it_back(
 
 
 def test_a_read_back_that_fails_or_does_not_match_drops_the_object(tier: DiskTier, memory: Store) -> None:
-    for key in (b"a", b"b", b"c"):
-        put(memory, key, layout())
-    [d] = tier.next_demotions()
-    tier.demoted(d, True)
+    a_copied(tier, memory)
     put(memory, b"d", layout())
     put(memory, b"e", layout())  # evicts a
     p = tier.promote(b"a")
@@ -185,10 +189,7 @@ def test_a_full_disk_evicts_its_oldest_copies_by_the_policy(memory: Store) -> No
 
 
 def test_promotion_into_a_full_memory_is_refused_and_changes_nothing(tier: DiskTier, memory: Store) -> None:
-    for key in (b"a", b"b", b"c"):
-        put(memory, key, layout())
-    [d] = tier.next_demotions()
-    tier.demoted(d, True)
+    d = a_copied(tier, memory)
     memory.remove(b"a")  # on disk only now
     for key in (b"x", b"y"):
         memory.claim(put(memory, key, layout()))
