@@ -124,3 +124,18 @@ def test_a_pool_under_a_missing_directory_is_refused_naming_it(agent: Agent, tmp
 def test_only_disk_memories_name_a_directory() -> None:
     assert disk_directory("disk:/var/cache/kvcr") == Path("/var/cache/kvcr")
     assert disk_directory("dram") is None and disk_directory("hbm:0") is None
+
+
+def test_a_pools_file_in_use_by_a_live_node_is_refused(agent: Agent, tmp_path: Path) -> None:
+    """One live node per disk pool file: a second opening (another node started on the same
+    directory and pool) is refused by name, and the first goes on; once it lets go, it opens."""
+    spec = PoolSpec("shared", SLOT, 4, f"disk:{tmp_path}")
+    path = pool_file(spec, tmp_path)
+    first = DiskPool(spec, path, agent)
+    with pytest.raises(PoolAllocationError, match=r"pool 'shared'.*in use by another live node"):
+        DiskPool(spec, path, agent)
+    os.pwrite(first.fd, b"still mine", 0)
+    first.close()
+    again = DiskPool(spec, path, agent)
+    assert os.pread(again.fd, 10, 0) == b"still mine"
+    again.close()
