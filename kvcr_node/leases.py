@@ -109,9 +109,7 @@ class Leases(SourceHolds):
         self.granted_at = -math.inf
         """When a grant was last given or a granted lease renewed: its client reads soon."""
         self.source_grants = SourceGrants()
-        self.promote: Callable[[bytes], bool] | None = None
-        """Reads a key held only in the disk tier back into memory (the node sets it,
-        architecture §9): the lease answers it ``PENDING``, and a later lease holds it."""
+        self.promote: Callable[[bytes], bool] | None = None  # disk tier read back: PENDING (architecture §9)
 
     # ------------------------------------------------------------------ requests
 

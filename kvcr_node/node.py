@@ -129,8 +129,7 @@ class Node:
         if config.state_dir:
             self.state = StateDir(config.state_dir, config.pools, config.pool_dir, self.incarnation)
         self.agent = Agent(f"{config.name}.{self.incarnation:x}", files=bool(config.disk_pools))
-        self.disk_files: list[DiskPool] = []
-        """The disk pools' files (architecture §9), open and registered for the node's life."""
+        self.disk_files: list[DiskPool] = []  # open and registered for the node's life (architecture §9)
         available = available_bytes()
         try:
             for spec in config.pools:
@@ -286,13 +285,11 @@ class Node:
         self.digests = Digests(self.memories, self.store, self.counters)
         if config.integrity:
             self.store.on_ready = self.digests.take  # before anyone can read the object (spec 6.12)
-        self.tiering: Tiering | None = None
-        """The disk tier at work (architecture §9), when the node has disk pools."""
+        self.tiering: Tiering | None = None  # the disk tier at work, with disk pools (architecture §9)
         if self.disk_files:
             tier = DiskTier(self.store, config.disk_pools, {f.spec.name: f.region for f in self.disk_files},
                             make_policy(config.policy), config.disk_demote_mark)
-            self.tiering = Tiering(tier, self.disk_files, self.transfers, self.agent.name, self.digests,
-                                   self.operations.wake_all)
+            self.tiering = Tiering(tier, self.transfers, self.agent.name, self.digests, self.operations.wake_all)
             self.operations.promote = self.leases.promote = self.tiering.promote
         # Spec 6.12: the node checks what it sends itself where a grant could have changed it.
         exposed = config.integrity and (config.client_transfers or config.peer_grants)

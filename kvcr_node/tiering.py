@@ -21,7 +21,6 @@ from typing import Any
 from kvcr_io.agent import TransferError
 from kvcr_io.digests import UNCHECKED, unpack_digests
 from kvcr_node.digests import Digests
-from kvcr_node.disk_pools import DiskPool
 from kvcr_node.disk_tier import Demotion, DiskTier, Promotion
 from kvcr_node.store import DepositOutcome
 from kvcr_node.transfers import Transfers
@@ -33,11 +32,10 @@ class Tiering:
     """Posts the disk tier's copies and read backs, and reports their ends to it."""
 
     def __init__(
-        self, tier: DiskTier, files: list[DiskPool], transfers: Transfers, agent: str, digests: Digests,
+        self, tier: DiskTier, transfers: Transfers, agent: str, digests: Digests,
         wake: Callable[[list[bytes]], None],
     ) -> None:
         self.tier = tier
-        self.files = files
         self.transfers = transfers
         self.agent = agent
         """This node's own agent: the other side of every move of the tier."""
