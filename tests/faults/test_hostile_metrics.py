@@ -187,6 +187,9 @@ def test_past_the_cap_a_scraper_gets_503_until_a_slot_frees(node_factory: Callab
         for sock in silent:
             sock.close()
     # The silent peers left: their slots free at once, without waiting for their deadline.
+    # The node frees a slot when it reads the peer's end, so the test waits for that (its
+    # descriptors back) before scraping: a scrape sent sooner may still find the cap full.
+    assert wait_until(lambda: fd_count(pid) == base_fds, PUBLISHED_S), (base_fds, fd_count(pid))
     after = settled(port, lambda s: sample(s, "kvcr_metrics_connections") == 1)
     assert sample(after, "kvcr_metrics_connections_dropped_total", ("reason", "limit")) == 2
     assert sample(after, "kvcr_metrics_connections_dropped_total", ("reason", "timeout")) == 0
