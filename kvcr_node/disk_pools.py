@@ -8,14 +8,20 @@ node's memory pools as every other byte does, through ``kvcr_node.transfers.Tran
 the node's own agent as the other side: the pool's file is the remote ``Region`` of such a
 transfer (``region``), and slot ``s`` of it is at file offset ``s * slot_size``.
 
-This module owns the file: where it is, that it has the pool's size, its registration, and
-letting go of both.
+The pools' files outlive the node: a state directory beside them (``STATE_DIR`` in the
+first disk pool's directory, ``kvcr_node.state_dir``) holds the journal of the copies they
+hold, its lock (one live node at a time) and the pools' layout, so that the next node started
+on them with the same disk pools takes the copies back (``kvcr_node.recovery``).
+
+This module owns the files: where they are, that each has its pool's size, their
+registration, their state directory, and letting go of all of it.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +29,13 @@ from typing import Any
 from kvcr_io.agent import FILE, Agent, Kind
 from kvcr_node.memory import PoolAllocationError
 from kvcr_node.poolspec import PoolSpec, disk_directory
+from kvcr_node.state_dir import StateDir
 
-__all__ = ["DiskPool", "FileRegion", "disk_directory", "pool_file"]
+__all__ = ["DiskPool", "DiskPools", "FileRegion", "disk_directory", "pool_file"]
 
 FILE_SUFFIX = ".kvcr-pool"
+STATE_DIR = "kvcr-disk-tier"
+"""The disk tier's state directory, in the directory of the node's first disk pool."""
 
 
 def pool_file(spec: PoolSpec, directory: Path) -> Path:
@@ -88,3 +97,35 @@ class DiskPool:
         self._agent.deregister(self._registration)
         os.close(self.fd)
         self.fd = -1
+
+
+class DiskPools:
+    """A node's disk pools: their state directory (locked, layout checked) and their files,
+    open and registered with ``agent`` for as long as the node runs."""
+
+    def __init__(self, specs: Sequence[PoolSpec], agent: Agent, incarnation: int) -> None:
+        """Refuses, with one line naming why (``StateDirError``, ``PoolAllocationError``), a
+        directory locked by a live node, written with other disk pools, or a file that
+        cannot be made."""
+        paths = {}
+        for spec in specs:
+            directory = disk_directory(spec.memory)
+            assert directory is not None  # validated
+            paths[spec.name] = pool_file(spec, directory)
+        first = disk_directory(specs[0].memory)
+        assert first is not None
+        # Before the files are opened: a pool file the state cannot vouch for is made anew.
+        self.state = StateDir(first / STATE_DIR, specs, str(first), incarnation, files=paths)
+        self.files: list[DiskPool] = []
+        try:
+            for spec in specs:
+                self.files.append(DiskPool(spec, paths[spec.name], agent))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let go of the files and then of the state directory (no transfer may still run)."""
+        for pool in self.files:
+            pool.close()
+        self.state.close()

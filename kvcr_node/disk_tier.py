@@ -122,10 +122,32 @@ class DiskTier:
         """The layout in memory pools of the object whose copy is under ``key``."""
         return self._layouts[key]
 
+    def origin(self, copy: ObjectEntry) -> tuple[str, ...] | None:
+        """Per span of ``copy``, the memory pool its object is read back into (what the
+        journal records with it); None once the copy is gone. Safe from the journal's
+        compaction thread: one lookup of a dict."""
+        layout = self._layouts.get(copy.key)
+        return None if layout is None else tuple(pool for _, pool in layout)
+
     def fits(self, layout: Layout) -> bool:
         """Whether every span of ``layout`` has a disk pool to go to."""
         pairs = self.pairs
         return all(pool in pairs for _, pool in layout)
+
+    def adopt(self, copies: Sequence[tuple[bytes, Layout, bytes, bytes, tuple[str, ...]]]) -> list[ObjectEntry]:
+        """Take back the copies a restarted node's journal recorded (``kvcr_node.recovery``):
+        each ``(key, disk layout, packed slots, digests, origin)``, checked by the caller
+        against the pools (``pairs``); READY in their slots, in order, each reported stored."""
+        memory_layouts: dict[Layout, Layout] = {}
+        for key, layout, _, _, origin in copies:
+            memory = tuple((name, pool) for (name, _), pool in zip(layout, origin, strict=True))
+            self._layouts[key] = memory_layouts.setdefault(memory, memory)
+        try:
+            return self.disk.adopt_all([copy[:4] for copy in copies])
+        except BaseException:
+            for key, *_ in copies:
+                self._layouts.pop(key, None)
+            raise
 
     # -- demotion --------------------------------------------------------------------
 

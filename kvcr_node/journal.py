@@ -9,7 +9,9 @@ again. Objects still WRITING are never recorded.
 A record is a frame: its length (u32), a CRC32C (u32, ``google-crc32c``) of the length
 and the body, and the body, msgpack ``[kind, seq, incarnation, key, layout, slots,
 digests]`` (a removal: ``[kind, seq, incarnation, key]``). ``seq`` counts up across the
-records of one directory; ``incarnation`` is the node that wrote it.
+records of one directory; ``incarnation`` is the node that wrote it. A record of a copy in
+the disk tier (architecture §9) has one more field, ``origin``: per span, the memory pool
+the object is read back into.
 
 Files, by generation ``g``: ``journal.g`` takes appends; ``snapshot.g`` holds one READY
 record per object the journal held when generation ``g`` began. Each file begins with its
@@ -88,10 +90,13 @@ def _frame(body: bytes) -> bytes:
     return _HEAD.pack(len(body), google_crc32c.extend(google_crc32c.value(head), body)) + body
 
 
-def ready_frame(seq: int, incarnation: int, entry: ObjectEntry) -> bytes:
-    """The record of ``entry`` become READY."""
+def ready_frame(seq: int, incarnation: int, entry: ObjectEntry, origin: Origin | None = None) -> bytes:
+    """The record of ``entry`` become READY (with ``origin``: a copy's, in the disk tier)."""
     layout = [list(span) for span in entry.info.layout]
-    return _frame(msgpack.packb([RecordKind.READY, seq, incarnation, entry.key, layout, entry.packed_slots, entry.digests]))
+    body = [RecordKind.READY, seq, incarnation, entry.key, layout, entry.packed_slots, entry.digests]
+    if origin is not None:
+        body.append(list(origin))
+    return _frame(msgpack.packb(body))
 
 
 def removed_frame(seq: int, incarnation: int, key: bytes) -> bytes:
@@ -100,13 +105,15 @@ def removed_frame(seq: int, incarnation: int, key: bytes) -> bytes:
 
 
 Layout = tuple[tuple[str, str], ...]
+Origin = tuple[str, ...]
+"""Per span of a disk copy, the memory pool its object is read back into."""
 _READY, _REMOVED = int(RecordKind.READY), int(RecordKind.REMOVED)
 
 
 class Record:
     """One decoded record. ``slots`` are packed u32, ``digests`` packed u64 (maybe empty)."""
 
-    __slots__ = ("digests", "incarnation", "key", "kind", "layout", "seq", "slots")
+    __slots__ = ("digests", "incarnation", "key", "kind", "layout", "origin", "seq", "slots")
 
     def __init__(self, body: Any, layouts: dict[Layout, Layout]) -> None:
         """``body``: the decoded msgpack (arrays as tuples); ``layouts``: the layouts seen so
@@ -121,8 +128,9 @@ class Record:
         if type(key) is not bytes:
             raise ValueError("key")
         self.key: bytes = key
+        self.origin: Origin | None = None
         if kind == _READY:
-            _, _, _, _, raw, slots, digests = body
+            _, _, _, _, raw, slots, digests, *rest = body
             layout = layouts.get(raw)
             if layout is None:
                 if type(raw) is not tuple or not raw or not all(
@@ -134,6 +142,12 @@ class Record:
                 raise ValueError("slots")
             if digests and len(digests) != 8 * len(layout):
                 raise ValueError("digests")
+            if rest:
+                origin = rest[0]
+                if len(rest) != 1 or type(origin) is not tuple or len(origin) != len(layout) or not all(
+                        type(pool) is str for pool in origin):
+                    raise ValueError("origin")
+                self.origin = origin
             self.layout: Layout = layout
             self.slots: bytes = slots
             self.digests: bytes = digests
@@ -233,13 +247,16 @@ class Journal:
 
     An ``InventoryListener``: the store reports each object that becomes READY or leaves.
     ``kept(entry)`` says whether an object lives wholly in kept pools (others are not
-    recorded). ``flush`` writes what is pending; the node calls it before it sends anything.
+    recorded); ``origin(entry)``, where given, the origin its record carries (a disk copy's;
+    None once the copy is gone). ``flush`` writes what is pending; the node calls it before
+    it sends anything.
     """
 
     def __init__(
         self, directory: Path, incarnation: int, epochs: Mapping[str, int], generation: int, seq: int,
         held: dict[bytes, ObjectEntry], kept: Callable[[ObjectEntry], bool], failed: Callable[[BaseException], None],
         compact_bytes: int = COMPACT_BYTES, snapshot: bool = True,
+        origin: Callable[[ObjectEntry], Origin | None] | None = None,
     ) -> None:
         """Start generation ``generation`` holding ``held`` (the objects adopted), with
         records numbered from ``seq``, under the pools' ``epochs``. ``snapshot``: write the
@@ -253,6 +270,7 @@ class Journal:
         self.held = held
         """Key -> entry of every object recorded READY and not removed since."""
         self.kept = kept
+        self.origin = origin
         self.failed = failed
         self.compact_bytes = compact_bytes
         self.generation = generation - 1
@@ -275,7 +293,7 @@ class Journal:
     def stored(self, entry: ObjectEntry) -> None:
         if not self.kept(entry):
             return
-        frame = ready_frame(self.seq, self.incarnation, entry)
+        frame = ready_frame(self.seq, self.incarnation, entry, self.origin(entry) if self.origin is not None else None)
         self.seq += 1
         self.held[entry.key] = entry
         self._frames += 1
@@ -351,9 +369,17 @@ class Journal:
         try:
             with open(tmp, "wb") as out:
                 out.write(self.head)
+                origin = self.origin
                 for entry in entries:
                     # A snapshot record has seq 0: order among them does not matter.
-                    out.write(ready_frame(0, incarnation, entry))
+                    if origin is None:
+                        out.write(ready_frame(0, incarnation, entry))
+                        continue
+                    # A copy gone since the generation began has no origin: its removal is
+                    # in this generation's journal, and its record can go unwritten.
+                    of = origin(entry)
+                    if of is not None:
+                        out.write(ready_frame(0, incarnation, entry, of))
             tmp.replace(self.directory / _name("snapshot", generation))
             for gen, _, path in state_files(self.directory):
                 if gen < generation:

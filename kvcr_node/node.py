@@ -37,7 +37,7 @@ from kvcr_node.auth import CurveServer
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import Count, Counters, ProtocolErrors
 from kvcr_node.digests import Digests
-from kvcr_node.disk_pools import DiskPool, disk_directory, pool_file
+from kvcr_node.disk_pools import DiskPools
 from kvcr_node.disk_tier import DiskTier, MemoryListener
 from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.event_publisher import EventPublisher
@@ -129,7 +129,7 @@ class Node:
         if config.state_dir:
             self.state = StateDir(config.state_dir, config.pools, config.pool_dir, self.incarnation)
         self.agent = Agent(f"{config.name}.{self.incarnation:x}", files=bool(config.disk_pools))
-        self.disk_files: list[DiskPool] = []  # open and registered for the node's life (architecture §9)
+        self.disk_pools: DiskPools | None = None  # open and registered for the node's life (architecture §9)
         available = available_bytes()
         try:
             for spec in config.pools:
@@ -140,10 +140,8 @@ class Node:
                 # Registered with NIXL once, at start (architecture §6).
                 self._regs.append(self.agent.register(mem.kind, mem.address, spec.size, mem.nixl_device))
             self.local = LocalLists(self.agent, list(self.memories.values()))
-            for spec in config.disk_pools:
-                directory = disk_directory(spec.memory)
-                assert directory is not None  # validated
-                self.disk_files.append(DiskPool(spec, pool_file(spec, directory), self.agent))
+            if config.disk_pools:
+                self.disk_pools = DiskPools(config.disk_pools, self.agent, self.incarnation)
         except Exception:
             self._release_memory()
             raise
@@ -204,7 +202,12 @@ class Node:
             except BaseException:
                 self._abandon_start()
                 raise
-        if self.tiering is not None:
+        if self.tiering is not None and self.disk_pools is not None:
+            try:
+                self.tiering.take_back(self.disk_pools.state, self.incarnation, self.config.journal_compact_bytes, None)
+            except BaseException:
+                self._abandon_start()
+                raise
             # After the journal and the events: they hear of a key stored anew first.
             listener = MemoryListener(self.tiering.tier)
             self.store.listener = listener if self.store.listener is None else Listeners(self.store.listener, listener)
@@ -286,8 +289,8 @@ class Node:
         if config.integrity:
             self.store.on_ready = self.digests.take  # before anyone can read the object (spec 6.12)
         self.tiering: Tiering | None = None  # the disk tier at work, with disk pools (architecture §9)
-        if self.disk_files:
-            tier = DiskTier(self.store, config.disk_pools, {f.spec.name: f.region for f in self.disk_files},
+        if self.disk_pools is not None:
+            tier = DiskTier(self.store, config.disk_pools, {f.spec.name: f.region for f in self.disk_pools.files},
                             make_policy(config.policy), config.disk_demote_mark)
             self.tiering = Tiering(tier, self.transfers, self.agent.name, self.digests, self.operations.wake_all)
             self.operations.promote = self.leases.promote = self.tiering.promote
@@ -557,6 +560,8 @@ class Node:
                 self.operations.abort(op, ErrorCode.SHUTTING_DOWN, "the node is stopping")
         self.leases.end_all(ErrorCode.SHUTTING_DOWN, "the node is stopping")
         self._send_out()
+        if self.tiering is not None:
+            self.tiering.close()
         if self.transfers.inflight:
             log.error("%d transfers still in flight at exit; memory stays registered", len(self.transfers.inflight))
         else:
@@ -599,7 +604,8 @@ class Node:
         self._regs.clear()
         for mem in self.memories.values():
             mem.close()
-        for pool in self.disk_files:
-            pool.close()
+        if self.disk_pools is not None:
+            self.disk_pools.close()
+            self.disk_pools = None
         if self.journal is None and self.state is not None:  # a start that failed
             self.state.close()

@@ -7,6 +7,13 @@ them (its bytes were written over), and one written under another epoch of a poo
 ``verify`` then keeps only what the pools can vouch for: pools this node keeps, slots in
 range, and bytes that still match the digests recorded with them. Every record or object not
 taken back is counted by reason (``Dropped``); nothing unverified is ever served.
+
+The disk tier's copies (architecture §9) come back the same way from the disk pools' own
+state directory (``take_back_copies``), checked against the pools but not read: reading
+every byte of a disk at start would cost minutes, and a copy is read back into memory before
+it is served, checked then against the digests recorded with it
+(``kvcr_node.tiering``). A copy recorded without digests, or without the memory pools it is
+read back into, is never taken back.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcr_io.digests import UNCHECKED, span_digest, unpack_digests
+from kvcr_node.disk_tier import DiskTier
 from kvcr_node.journal import (
     Dropped,
     Journal,
@@ -83,6 +91,55 @@ def take_back(
                       {e.key: e for e in entries}, kept_whole, failed, compact_bytes, snapshot)
     store.listener = journal if inventory is None else Listeners(journal, inventory)
     return TakenBack(journal, figures)
+
+
+def take_back_copies(
+    state: StateDir, tier: DiskTier, incarnation: int, compact_bytes: int, failed: Callable[[BaseException], None],
+    inventory: InventoryListener | None,
+) -> TakenBack:
+    """Take back the copies the disk pools' journal says they hold into ``tier`` (their pools
+    checked; their bytes are checked when read back), then journal its copies from here on:
+    the journal becomes a listener of the tier's store, after the tier and before ``inventory``."""
+    started = time.monotonic()
+    replayed = replay(state.path, state.epochs)
+    records = verify_copies(replayed, tier)
+    copies = tier.adopt([(r.key, r.layout, r.slots, r.digests, r.origin) for r in records if r.origin is not None])
+    figures = {
+        "recovered": len(copies),
+        "dropped": {reason.value: n for reason, n in replayed.dropped.items()},
+        "seconds": round(time.monotonic() - started, 6),
+    }
+    if copies or replayed.dropped:
+        log.info("disk tier: took back %d copies from %s (dropped: %s)", len(copies), state.path,
+                 figures["dropped"] or "none")
+    snapshot = bool(replayed.dropped) or len(state_files(state.path)) > START_FILES
+    journal = Journal(state.path, incarnation, state.epochs, replayed.generation, replayed.seq,
+                      {c.key: c for c in copies}, lambda copy: True, failed, compact_bytes, snapshot, tier.origin)
+    tier.disk.listener = Listeners(tier, journal) if inventory is None else Listeners(tier, journal, inventory)
+    return TakenBack(journal, figures)
+
+
+def verify_copies(replayed: Replayed, tier: DiskTier) -> list[Record]:
+    """The replayed copies whose disk pools, slots and memory pools fit ``tier`` as it is
+    now, with digests to check them by when read back, in record order; the rest counted."""
+    pools = tier.disk.pools
+    pairs = tier.pairs
+    kept: list[Record] = []
+    dropped = replayed.dropped
+    for record in replayed.objects.values():
+        origin = record.origin
+        if origin is None or not record.digests:
+            dropped[Dropped.MALFORMED] += 1
+            continue
+        slots = memoryview(record.slots).cast("I")
+        fits = all(
+            pool in pools and slot < pools[pool].slot_count and pairs.get(memory) == pool
+            for (_, pool), slot, memory in zip(record.layout, slots, origin, strict=True))
+        if fits:
+            kept.append(record)
+        else:
+            dropped[Dropped.FOREIGN] += 1
+    return kept
 
 
 @dataclass

@@ -7,6 +7,10 @@ mount), so that the pool's bytes outlive the process. The next node started on t
 directory with the same pools maps those files again and adopts what the journal says
 they hold (``kvcr_node.recovery``).
 
+The disk tier (architecture §9) keeps its journal the same way, in a state directory of its
+own beside its disk pools' files (``kvcr_node.disk_pools``): a ``StateDir`` told where each
+pool's file is (``files``) rather than ``pool_dir``.
+
 This module owns the directory: its lock (one live node at a time), the layout check, and
 where each pool's file is. Everything that refuses a start is a ``StateDirError`` with one
 line naming why.
@@ -20,7 +24,7 @@ import hashlib
 import json
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kvcr_node.config import hbm_device
@@ -50,7 +54,10 @@ class StateDir:
     the two leaves a directory that still reads right.
     """
 
-    def __init__(self, path: str | os.PathLike[str], pools: Sequence[PoolSpec], pool_dir: str, incarnation: int) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], pools: Sequence[PoolSpec], pool_dir: str, incarnation: int,
+        files: Mapping[str, Path] | None = None,
+    ) -> None:
         self.path = Path(path)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -61,10 +68,10 @@ class StateDir:
             real = os.path.realpath(self.path)
             tag = hashlib.sha256(real.encode("utf-8", "surrogatepass")).hexdigest()[:16]
             self.pool_dir = Path(pool_dir)
-            self.files = {
+            self.files = dict(files) if files is not None else {
                 spec.name: self.pool_dir / f"kvcr-{tag}-{spec.name}" for spec in pools if hbm_device(spec.memory) is None
             }
-            """Pool name -> its file, for every pool kept (DRAM; HBM dies with its process)."""
+            """Pool name -> its file, for every pool kept (DRAM and disk; HBM dies with its process)."""
             self.previous, epochs = self._check_layout(pools)
             sizes = {spec.name: spec.size for spec in pools}
             self.kept = {name for name, file in self.files.items() if name in epochs and _size(file) == sizes[name]}

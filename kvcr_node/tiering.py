@@ -8,6 +8,9 @@ POSIX backend) and reports each end back.
   any fill), False when it is not there to read. A read back is checked against the
   digests its object had when first stored before it is committed: a file changed by
   hand or torn by a crash is dropped, counted, and never served.
+- ``take_back`` adopts the copies a node that ran before on the same disk pools left (their
+  journal, ``kvcr_node.recovery``); from then on the journal records each copy the tier
+  commits or lets go, written each turn (``step``), a removal at once.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from kvcr_io.agent import TransferError
 from kvcr_io.digests import UNCHECKED, unpack_digests
 from kvcr_node.digests import Digests
 from kvcr_node.disk_tier import Demotion, DiskTier, Promotion
+from kvcr_node.journal import Journal
+from kvcr_node.objects import InventoryListener
+from kvcr_node.recovery import take_back_copies
+from kvcr_node.state_dir import StateDir
 from kvcr_node.store import DepositOutcome
 from kvcr_node.transfers import Transfers
 
@@ -41,15 +48,42 @@ class Tiering:
         """This node's own agent: the other side of every move of the tier."""
         self.digests = digests
         self._reading: list[Promotion] = []
+        """Read backs placed this turn, posted together at its end."""
         self.copied_at = 0.0
         """When a transfer of copies last ended (``time.monotonic``)."""
-        """Read backs placed this turn, posted together at its end."""
         self.wake = wake
         """Resumes the operations waiting on keys, each one's together (``Operations.wake_all``)."""
+        self.journal: Journal | None = None
+        self.recovery: dict[str, Any] = {}
+        """What the start took back (``stats`` ``disk_tier`` ``recovery``)."""
+
+    def take_back(
+        self, state: StateDir, incarnation: int, compact_bytes: int, inventory: InventoryListener | None,
+    ) -> None:
+        """Adopt the copies the disk pools' journal records, then journal the tier's copies."""
+        taken = take_back_copies(state, self.tier, incarnation, compact_bytes, self._journal_failed, inventory)
+        self.journal, self.recovery = taken.journal, taken.figures
+
+    @staticmethod
+    def _journal_failed(exc: BaseException) -> None:
+        log.error("disk tier: a journal write failed (%s): it starts again from the copies held; "
+                  "until then a restart would find none", exc)
+
+    def close(self) -> None:
+        """Write the journal's last records (the node is stopping: no copy changes any more)."""
+        if self.journal is not None:
+            try:
+                self.journal.close()
+            except OSError as exc:
+                log.error("disk tier: cannot close its journal: %s", exc)
+            self.journal = None
 
     def step(self) -> None:
         """Post the turn's read backs, then the copies to write now, each kind as one transfer
-        (the turn's last step: the requests it read asked for the read backs)."""
+        (the turn's last step: the requests it read asked for the read backs). The copies
+        committed or let go since the last turn are journaled first."""
+        if self.journal is not None and self.journal.pending:
+            self.journal.flush()
         if self._reading:
             self._read_back()
         demotions = self.tier.next_demotions()
@@ -81,7 +115,8 @@ class Tiering:
         (``time.monotonic`` of this host: a benchmark times the copies from outside by it)."""
         tier = self.tier
         return {**tier.stats(), "copied_at": self.copied_at,
-                "pools": {name: {**pool, "memory": "disk"} for name, pool in tier.disk.pool_stats().items()}}
+                "pools": {name: {**pool, "memory": "disk"} for name, pool in tier.disk.pool_stats().items()},
+                "recovery": self.recovery, **({"journal": self.journal.stats()} if self.journal is not None else {})}
 
     def promote(self, key: bytes) -> bool:
         """Read ``key``'s object back from disk, or go on reading it; whether it is coming."""
