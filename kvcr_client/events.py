@@ -59,10 +59,13 @@ class Held:
 
 
 class InventoryMirror:
-    """The keys a node holds, as its events say; a batch of a new incarnation starts afresh."""
+    """The keys a node holds, as its events say, in each tier (an object of the node's
+    memory may also have a copy in its ``disk`` tier, and an event names the tier it
+    changed); a batch of a new incarnation starts afresh."""
 
     def __init__(self) -> None:
-        self.keys: dict[bytes, Held] = {}
+        self.keys: dict[bytes, dict[str, Held]] = {}
+        """Key -> tier -> where it is held there."""
         self.node = ""
         self.incarnation: int | None = None
 
@@ -74,12 +77,17 @@ class InventoryMirror:
             if isinstance(event, Cleared):
                 self.keys.clear()
             elif isinstance(event, Stored):
-                held = Held(event.pools, event.tier)
+                held, tier = Held(event.pools, event.tier), event.tier
                 for key in event.keys:
-                    self.keys[key] = held
+                    self.keys.setdefault(key, {})[tier] = held
             else:
+                tier = event.tier
                 for key in event.keys:
-                    self.keys.pop(key, None)
+                    tiers = self.keys.get(key)
+                    if tiers is not None:
+                        tiers.pop(tier, None)
+                        if not tiers:
+                            del self.keys[key]
 
 
 class EventStream:

@@ -204,7 +204,8 @@ class Node:
                 raise
         if self.tiering is not None and self.disk_pools is not None:
             try:
-                self.tiering.take_back(self.disk_pools.state, self.incarnation, self.config.journal_compact_bytes, None)
+                self.tiering.take_back(self.disk_pools.state, self.incarnation, self.config.journal_compact_bytes,
+                                       self.events.inventory if self.events is not None else None)
             except BaseException:
                 self._abandon_start()
                 raise
@@ -327,7 +328,8 @@ class Node:
 
     def _start_events(self) -> EventPublisher:
         """Bind the event stream's sockets and have the store report to its inventory."""
-        tiers = {spec.name: spec.memory for spec in self.config.pools}
+        tiers = {**{spec.name: spec.memory for spec in self.config.pools}, **dict.fromkeys(
+            (spec.name for spec in self.config.disk_pools), "disk")}
         inventory = Inventory(self.config.name, self.incarnation, tiers)
         events = EventPublisher(self.context, self.config.events_endpoint, self.config.events_replay_endpoint,
                                 inventory, self.counters, self.clock, self.config.events_replay_bytes,

@@ -103,6 +103,8 @@ def take_back_copies(
     started = time.monotonic()
     replayed = replay(state.path, state.epochs)
     records = verify_copies(replayed, tier)
+    if inventory is not None:  # the copies taken back are published stored, after the start's ``cleared``
+        tier.disk.listener = Listeners(tier, inventory)
     copies = tier.adopt([(r.key, r.layout, r.slots, r.digests, r.origin) for r in records if r.origin is not None])
     figures = {
         "recovered": len(copies),

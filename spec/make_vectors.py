@@ -1761,6 +1761,12 @@ def event_batches() -> list[dict[str, Any]]:
         ("removed", ev.EventBatch("node-a", inc, 1767225602.0, (
             ev.Removed((b"k2", b"k3"), ("kv",), "dram", ev.RemovedReason.REMOVED),
         )), "keys dropped for another reason than eviction"),
+        ("disk-tier", ev.EventBatch("node-a", inc, 1767225602.5, (
+            ev.Stored((b"k4",), ("kv-disk",), "disk"),
+            ev.Removed((b"k4",), ("kv",), "dram"),
+            ev.Removed((b"k5",), ("kv-disk",), "disk", ev.RemovedReason.REMOVED),
+        )), "a copy written to the disk tier, its memory object evicted (k4 is still held, on disk), "
+            "and another copy dropped"),
         ("stop", ev.EventBatch("node-a", (1 << 64) - 1, 1767225603.0, (ev.Cleared(),)),
          "the last batch of a node that stops; the largest incarnation"),
         ("empty", ev.EventBatch("n", 1, 0.0, ()), "a batch of no event"),

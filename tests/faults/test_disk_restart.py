@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvcr_client import Client, KeyStatus, Presence, Span
+from kvcr_client.events import EventStream, InventoryMirror
 from kvcr_node.disk_pools import STATE_DIR
 from kvcr_node.journal import FILE_MAGIC, state_files
 from kvcr_testing.health import assert_clean, stats, wait_until
@@ -37,6 +38,7 @@ class Site:
 
     def __init__(self, ipc_dir: Path, tmp_path: Path) -> None:
         self.endpoint = f"ipc://{ipc_dir}/disk-restart.sock"
+        self.events = f"ipc://{ipc_dir}/disk-restart-events.sock"
         self.disk = tmp_path / "disk"
         self.disk.mkdir()
         self.pools = ("--pool", f"kv:{SLOT // KiB}KiB:{MEMORY_SLOTS}",
@@ -44,7 +46,7 @@ class Site:
         self.nodes: list[NodeProcess] = []
 
     def start(self) -> NodeProcess:
-        node = start_node(self.endpoint, *self.pools)
+        node = start_node(self.endpoint, *self.pools, "--events-endpoint", self.events)
         self.nodes.append(node)
         return node
 
@@ -233,4 +235,51 @@ def test_a_second_node_and_other_disk_pools_are_refused_with_one_line(site: Site
     node = site.start()  # the directory is as it was
     with Client(site.endpoint, name="after") as client:
         assert tier(client)["recovery"]["dropped"] == {}
+    assert node.stop() == 0
+
+
+def follow(stream: EventStream, mirror: InventoryMirror, settled_when: Any) -> bool:
+    """Apply what the stream has until ``settled_when()`` holds (bounded)."""
+    def caught_up() -> bool:
+        for _, batch in stream.recv(0.1):
+            mirror.apply(batch)
+        return bool(settled_when())
+    return wait_until(caught_up, SETTLE_S)
+
+
+def test_events_name_each_tier_and_a_restart_publishes_the_copies_it_took_back(site: Site) -> None:
+    node = site.start()
+    mirror = InventoryMirror()
+    with EventStream(site.events) as stream, Client(site.endpoint, name="events") as client:
+        objects = Objects(client, 24, "e", seed=5)
+        objects.deposit()
+        copies = settled(client)["copies"]
+
+        def agrees() -> bool:
+            """The mirror says what the node holds: memory where a query says so, disk for
+            every copy, and nothing else."""
+            answers = client.query(objects.keys).result(RESULT_TIMEOUT_S)
+            for key in objects.keys:
+                tiers = set(mirror.keys.get(key, {}))
+                answer = answers[key]
+                if answer.presence is not Presence.HIT:
+                    if tiers:
+                        return False
+                elif ("dram" in tiers) != (answer.tier == "dram") or (answer.tier == "disk" and tiers != {"disk"}):
+                    return False
+            return sum("disk" in tiers for tiers in mirror.keys.values()) == copies
+
+        assert follow(stream, mirror, agrees), mirror.keys
+        assert any(set(tiers) == {"dram", "disk"} for tiers in mirror.keys.values()), "copies of objects in memory"
+        assert all(held.pools == ("kv-disk",) for tiers in mirror.keys.values() for t, held in tiers.items()
+                   if t == "disk")
+    assert node.stop() == 0
+    node = site.start()
+    mirror = InventoryMirror()
+    with EventStream(site.events) as stream, Client(site.endpoint, name="after") as client:
+        recovered = tier(client)["recovery"]["recovered"]
+        assert recovered == copies
+        assert follow(stream, mirror, lambda: len(mirror.keys) == recovered), len(mirror.keys)
+        assert all(set(tiers) == {"disk"} for tiers in mirror.keys.values())
+        assert set(mirror.keys) <= set(objects.keys)
     assert node.stop() == 0

@@ -11,14 +11,18 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from kvcr_client.events import InventoryMirror
 from kvcr_node.disk_pools import FileRegion
 from kvcr_node.disk_tier import DiskTier, MemoryListener
 from kvcr_node.eviction import Layout, make_policy
+from kvcr_node.inventory import Inventory
 from kvcr_node.journal import Dropped, Journal, RecordKind, _frame, read_frames, state_files
+from kvcr_node.objects import Listeners
 from kvcr_node.poolspec import PoolSpec
 from kvcr_node.recovery import TakenBack, take_back_copies
 from kvcr_node.state_dir import StateDir, StateDirError
 from kvcr_node.store import DepositOutcome, ObjectEntry, Store
+from kvcr_protocol.events import decode_batch
 
 SLOT = 4096
 DISK = PoolSpec("kv-disk", SLOT, 32, "disk:/unused")
@@ -34,13 +38,13 @@ class Site:
         self.open: list[tuple[StateDir, Journal]] = []
 
     def start(self, memory_pools: list[PoolSpec] | None = None, disk: PoolSpec = DISK,
-              compact_bytes: int = 1 << 20) -> tuple[Store, DiskTier, TakenBack]:
+              compact_bytes: int = 1 << 20, inventory: Inventory | None = None) -> tuple[Store, DiskTier, TakenBack]:
         self.incarnation += 1
         state = StateDir(self.path / "state", [disk], str(self.path), self.incarnation, files=self.files)
         memory = Store(memory_pools or [PoolSpec("kv", SLOT, 8), PoolSpec("kv2", SLOT, 8)], make_policy("lru"))
         tier = DiskTier(memory, [disk], {disk.name: FileRegion(99, disk.size)}, make_policy("lru"), mark=0.5)
         memory.listener = MemoryListener(tier)
-        taken = take_back_copies(state, tier, self.incarnation, compact_bytes, self._failed, None)
+        taken = take_back_copies(state, tier, self.incarnation, compact_bytes, self._failed, inventory)
         self.open.append((state, taken.journal))
         return memory, tier, taken
 
@@ -117,6 +121,35 @@ def test_a_restart_takes_back_every_copy_with_its_slots_layouts_and_digests(site
     assert promotion.entry.layout == before[key][1] and promotion.copy.claims == 1
     tier.promoted(promotion, True)
     assert memory.lookup(key) is not None and memory.lookup(key).digests == before[key][3]  # type: ignore[union-attr]
+
+
+def test_the_copies_taken_back_are_published_and_so_is_every_later_change(site: Site) -> None:
+    memory, tier, _ = site.start()
+    fill(memory, tier, [b"a%d" % i for i in range(10)])
+    before = held(tier)
+    site.stop()
+    inventory = Inventory("n", 2, {"kv": "dram", "kv2": "dram", DISK.name: "disk"})
+    memory, tier, _ = site.start(inventory=inventory)
+    memory.listener = Listeners(inventory, MemoryListener(tier))  # as the node has it
+
+    def mirrored() -> dict[bytes, set[str]]:
+        for _, payload in inventory.take():
+            mirror.apply(decode_batch(payload))
+        return {key: set(tiers) for key, tiers in mirror.keys.items()}
+
+    mirror = InventoryMirror()
+    assert mirrored() == {k: {"disk"} for k in before}, "cleared, then each copy taken back"
+    key = next(iter(before))
+    promotion = tier.promote(key)
+    assert not isinstance(promotion, DepositOutcome)
+    tier.promoted(promotion, True)
+    assert mirrored()[key] == {"dram", "disk"}, "read back: held in both"
+    other = next(k for k in before if k != key)
+    memory.remove(key)  # a copy of a key stored anew goes; here its memory object is removed alone
+    promotion = tier.promote(other)
+    assert not isinstance(promotion, DepositOutcome)
+    tier.promoted(promotion, False)  # its bytes did not match: the copy is dropped
+    assert other not in mirrored() and mirrored()[key] == {"disk"}
 
 
 def test_copies_let_go_stay_gone_and_their_slots_go_to_the_last_record(site: Site) -> None:
