@@ -105,6 +105,8 @@ class DiskTier:
         self.counts = dict.fromkeys(("demoted", "demotions_failed", "promoted", "promotions_failed", "mismatched",
                                      "dropped"), 0)
         """``mismatched``: read backs whose bytes did not match their digests (counted by the node)."""
+        self.moved_bytes = dict.fromkeys(("demoted", "promoted"), 0)
+        """Bytes of the copies written and of the read backs committed."""
 
     # -- reading ---------------------------------------------------------------------
 
@@ -210,6 +212,7 @@ class DiskTier:
             copy.digests = entry.digests or demotion.digests
             self.disk.commit(copy)
             self.counts["demoted"] += 1
+            self.moved_bytes["demoted"] += self._bytes_of(entry)
         else:
             self.disk.abandon(copy)  # a WRITING copy: the store tells no listener
             del self._layouts[entry.key]
@@ -246,6 +249,7 @@ class DiskTier:
             self.memory.commit(entry)  # while promoting: its listener keeps the copy (``stored_anew``)
             del self.promoting[entry.key]
             self.counts["promoted"] += 1
+            self.moved_bytes["promoted"] += self._bytes_of(entry)
             return
         del self.promoting[entry.key]
         self.memory.abandon(entry)
@@ -279,6 +283,10 @@ class DiskTier:
     def removed(self, copy: ObjectEntry, evicted: bool) -> None:
         """A copy left the disk store (evicted for another, or removed): its layout goes too."""
         del self._layouts[copy.key]
+
+    def _bytes_of(self, entry: ObjectEntry) -> int:
+        pools = self.memory.pools
+        return sum(count * pools[pool].slot_size for pool, count in entry.info.need)
 
     # -- moves -----------------------------------------------------------------------
 

@@ -166,6 +166,12 @@ class MetricsSnapshot:
     """The disk tier's moves by outcome (``DiskTier.counts``); empty without disk pools."""
     disk_copies: int = 0
     """Copies the disk tier holds."""
+    disk_bytes: tuple[tuple[str, int], ...] = ()
+    """Bytes copied to the disk tier (``demoted``) and read back (``promoted``)."""
+    disk_latency: tuple[tuple[str, HistogramSnapshot], ...] = ()
+    """Seconds per transfer of the disk tier, by ``write`` and ``read``."""
+    disk_recovery: tuple[tuple[str, int], ...] = ()
+    """Copies taken back at start (``recovered``), and records dropped (``dropped_REASON``)."""
 
     def counter(self, count: Count) -> int:
         return dict(self.counters).get(count.value, 0)

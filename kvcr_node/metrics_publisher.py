@@ -86,7 +86,8 @@ class MetricsPublisher:
             )
             for name, p in store.pool_stats().items()
         )
-        tier = self.tiering.tier if self.tiering is not None else None
+        tiering = self.tiering
+        tier = tiering.tier if tiering is not None else None
         if tier is not None:  # the disk pools beside the memory ones (architecture §9)
             pools += tuple(
                 PoolSnapshot(name, "disk", p["slot_size"], p["total"], p["free"], p["evictable"], p["objects"],
@@ -113,4 +114,7 @@ class MetricsPublisher:
             counters=tuple(sorted(self.counters.snapshot().items())),
             disk_tier=tuple(sorted(tier.counts.items())) if tier is not None else (),
             disk_copies=len(tier.disk) if tier is not None else 0,
+            disk_bytes=tuple(tier.moved_bytes.items()) if tier is not None else (),
+            disk_latency=tuple((op, h.frozen()) for op, h in tiering.latency.items()) if tiering is not None else (),
+            disk_recovery=tiering.recovery_figures() if tiering is not None else (),
         )

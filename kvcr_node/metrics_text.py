@@ -121,6 +121,16 @@ def render(s: MetricsSnapshot) -> bytes:
                 "demotions_failed, promoted, promotions_failed, mismatched (read back changed: dropped), dropped.",
                 ("outcome",), s.disk_tier)
         gauge("kvcr_disk_tier_copies", "Objects with a copy in the disk tier.", (), [(s.disk_copies,)])
+        counter("kvcr_disk_tier_moved_bytes", "Bytes copied to the disk tier (demoted) and read back from it "
+                "(promoted, committed).", ("direction",), s.disk_bytes)
+        t.histogram("kvcr_disk_tier_transfer_seconds", "Seconds a transfer of copies to the disk tier (write) "
+                    "or of read backs from it (read) takes, from its post to its end.",
+                    [((("op", op),), h) for op, h in s.disk_latency])
+        recovery = dict(s.disk_recovery)
+        gauge("kvcr_disk_tier_recovered", "Copies the node took back from its disk pools' journal at start.", (),
+              [(recovery.get("recovered", 0),)])
+        gauge("kvcr_disk_tier_recovery_dropped", "Records of the disk pools' journal dropped at start, by reason.",
+              ("reason",), [(name[len("dropped_"):], n) for name, n in s.disk_recovery if name.startswith("dropped_")])
     gauge("kvcr_objects", "Objects stored (READY or WRITING).", (), [(s.objects,)])
     gauge("kvcr_objects_writing", "Objects whose bytes are still arriving.", (), [(s.writing,)])
     gauge("kvcr_claims", "Claims held on objects, by kind.", ("kind",), s.claims)

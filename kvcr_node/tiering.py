@@ -25,7 +25,8 @@ from kvcr_io.agent import TransferError
 from kvcr_io.digests import UNCHECKED, unpack_digests
 from kvcr_node.digests import Digests
 from kvcr_node.disk_tier import Demotion, DiskTier, Promotion
-from kvcr_node.journal import Journal
+from kvcr_node.journal import Dropped, Journal
+from kvcr_node.metrics import Histogram
 from kvcr_node.objects import InventoryListener
 from kvcr_node.recovery import take_back_copies
 from kvcr_node.state_dir import StateDir
@@ -53,6 +54,8 @@ class Tiering:
         """When a transfer of copies last ended (``time.monotonic``)."""
         self.wake = wake
         """Resumes the operations waiting on keys, each one's together (``Operations.wake_all``)."""
+        self.latency = {"write": Histogram(), "read": Histogram()}
+        """Seconds a transfer of copies (``write``) or of read backs (``read``) takes, post to end."""
         self.journal: Journal | None = None
         self.recovery: dict[str, Any] = {}
         """What the start took back (``stats`` ``disk_tier`` ``recovery``)."""
@@ -97,8 +100,14 @@ class Tiering:
     def _post(self, op: str, moved: Sequence[Demotion | Promotion], done: Callable[[bool], None]) -> None:
         """One transfer of the moves of ``moved`` with the node's own agent; ``done(ok)`` at its
         end, or at once when NIXL refuses it."""
+        histogram, posted = self.latency["write" if op == "WRITE" else "read"], time.monotonic()
+
+        def ended(ok: bool) -> None:
+            histogram.observe(time.monotonic() - posted)
+            done(ok)
+
         try:
-            self.transfers.start(op, self.agent, [move for job in moved for move in job.moves], done)
+            self.transfers.start(op, self.agent, [move for job in moved for move in job.moves], ended)
         except TransferError as exc:
             log.warning("disk tier: a %s of %d objects could not be posted: %s", op, len(moved), exc)
             done(False)
@@ -116,7 +125,14 @@ class Tiering:
         tier = self.tier
         return {**tier.stats(), "copied_at": self.copied_at,
                 "pools": {name: {**pool, "memory": "disk"} for name, pool in tier.disk.pool_stats().items()},
-                "recovery": self.recovery, **({"journal": self.journal.stats()} if self.journal is not None else {})}
+                "moved_bytes": dict(tier.moved_bytes), "recovery": self.recovery,
+                **({"journal": self.journal.stats()} if self.journal is not None else {})}
+
+    def recovery_figures(self) -> tuple[tuple[str, int], ...]:
+        """What the start took back, and dropped by every reason (0 for most), for metrics."""
+        dropped = self.recovery.get("dropped", {})
+        return (("recovered", self.recovery.get("recovered", 0)),
+                *((f"dropped_{reason.value}", dropped.get(reason.value, 0)) for reason in Dropped))
 
     def promote(self, key: bytes) -> bool:
         """Read ``key``'s object back from disk, or go on reading it; whether it is coming."""

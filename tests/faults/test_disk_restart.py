@@ -25,6 +25,8 @@ from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
 from kvcr_testing.nodes import NodeProcess, start_node
 from kvcr_testing.patterns import KiB, pattern
+from kvcr_testing.scrape import metrics_port, sample
+from kvcr_testing.scrape import settled as scrape_settled
 
 SLOT = 16 * KiB
 MEMORY_SLOTS = 16
@@ -45,8 +47,8 @@ class Site:
                       "--pool", f"kv-disk:{SLOT // KiB}KiB:{DISK_SLOTS}:disk:{self.disk}")
         self.nodes: list[NodeProcess] = []
 
-    def start(self) -> NodeProcess:
-        node = start_node(self.endpoint, *self.pools, "--events-endpoint", self.events)
+    def start(self, *extra: str) -> NodeProcess:
+        node = start_node(self.endpoint, *self.pools, "--events-endpoint", self.events, *extra)
         self.nodes.append(node)
         return node
 
@@ -142,7 +144,7 @@ def test_a_stopped_node_comes_back_with_its_disk_tier(site: Site) -> None:
         only_on_disk = [k for k in objects.keys if answers[k].tier == "disk"]
         assert len(only_on_disk) >= 24 - MEMORY_SLOTS // 2
     assert node.stop() == 0
-    node = site.start()
+    node = site.start("--metrics-port", "0")
     with Client(site.endpoint, name="after") as client:
         figures = tier(client)
         assert figures["recovery"]["recovered"] == before["copies"] and figures["recovery"]["dropped"] == {}
@@ -151,6 +153,14 @@ def test_a_stopped_node_comes_back_with_its_disk_tier(site: Site) -> None:
         assert len(held) == before["copies"] and set(only_on_disk) <= set(held)
         after = settled(client)
         assert after["promoted"] == len(held) and after["mismatched"] == 0
+        assert after["moved_bytes"]["promoted"] == len(held) * LAYOUT.nbytes
+        port = metrics_port(node)
+        scraped = scrape_settled(port, lambda s: sample(s, "kvcr_disk_tier_moves_total", ("outcome", "promoted"))
+                                 == len(held))
+        assert sample(scraped, "kvcr_disk_tier_recovered") == before["copies"]
+        assert sample(scraped, "kvcr_disk_tier_recovery_dropped", ("reason", "torn")) == 0
+        assert sample(scraped, "kvcr_disk_tier_moved_bytes_total", ("direction", "promoted")) == len(held) * LAYOUT.nbytes
+        assert sample(scraped, "kvcr_disk_tier_transfer_seconds_count", ("op", "read")) >= 1
         assert_clean(client)
     assert node.stop() == 0
 

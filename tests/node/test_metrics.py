@@ -317,6 +317,14 @@ def test_a_disk_tier_is_served_and_listed(ipc_dir: Path, tmp_path: Path) -> None
         assert {sample.labels["outcome"] for sample in moves.samples} == {
             "demoted", "demotions_failed", "promoted", "promotions_failed", "mismatched", "dropped"}
         assert families["kvcr_disk_tier_copies"].samples[0].value == 0
+        assert {(s.labels["direction"], s.value) for s in families["kvcr_disk_tier_moved_bytes"].samples} == {
+            ("demoted", 0), ("promoted", 0)}
+        transfers = families["kvcr_disk_tier_transfer_seconds"]
+        assert {s.labels["op"] for s in transfers.samples if s.name.endswith("_count")} == {"write", "read"}
+        assert families["kvcr_disk_tier_recovered"].samples[0].value == 0
+        dropped = {s.labels["reason"]: s.value for s in families["kvcr_disk_tier_recovery_dropped"].samples}
+        assert dropped == dict.fromkeys(["torn", "corrupt", "malformed", "foreign", "pool_lost", "slot_reused",
+                                         "digest_mismatch"], 0)
         readme = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
         served = {sample.name for f in families.values() if f.type != "histogram" for sample in f.samples}
         assert not sorted(name for name in served if f"`{name}`" not in readme)
