@@ -46,10 +46,15 @@ from typing import Any
 import google_crc32c
 import msgpack
 
+from kvcr_node.logs import Limiter
 from kvcr_node.objects import ObjectEntry
 
 log = logging.getLogger("kvcr.node")
 
+FAILURE_LOG_S = 10.0
+"""A journal's failed writes are logged once this often at most: after a failure every record
+tries again, so a full disk or a directory gone fails them all (each is counted)."""
+failure_log = Limiter(burst=1, window=FAILURE_LOG_S)
 COMPACT_BYTES = 64 << 20
 """A journal file grows to at least this many bytes before it is compacted."""
 _HEAD = struct.Struct("<II")
@@ -399,7 +404,11 @@ class Journal:
             os.close(self.fd)
             self.fd = -1
         self.settle()
-        for _, _, path in state_files(self.directory):
+        try:
+            files = state_files(self.directory)
+        except OSError:
+            return  # the directory itself is gone: so are its files
+        for _, _, path in files:
             try:
                 path.unlink(missing_ok=True)
             except OSError:

@@ -110,7 +110,8 @@ limiter = Limiter()
 """The node's: refusals and failures are logged from its progress thread only."""
 
 
-def _left_out(n: int) -> str:
+def left_out_note(n: int) -> str:
+    """The tail of a line that a ``Limiter`` admitted after leaving ``n`` out."""
     return f" ({n} more like it left out before this line)" if n else ""
 
 
@@ -156,7 +157,7 @@ def refusal(request: str | None, request_id: int, exc: ProtocolError, name: str 
     session = who(name, identity, peer)
     log.log(level, "refused %s %d from %s %s: %s %s%s%s", request or "frame", request_id, session["role"],
             session["session"], code, exc.reason[:REASON_LOGGED], f" (at {exc.path})" if exc.path else "",
-            _left_out(left_out),
+            left_out_note(left_out),
             extra={"event": "refused", "code": code, "request": request or "frame", "request_id": request_id,
                    "path": exc.path, "suppressed": left_out, **session})
 
@@ -183,6 +184,6 @@ def results(request: str, request_id: int, items: Sequence[KeyResult], name: str
         reasons.setdefault(_name(r.code), r.reason[:REASON_LOGGED])
     summary = ", ".join(f"{code} {n} ({reasons[code]})" for code, n in codes.most_common())
     log.log(level, "%s %d from %s %s: %d of %d keys failed: %s%s", request, request_id, session["role"],
-            session["session"], len(failed), len(items), summary, _left_out(left_out),
+            session["session"], len(failed), len(items), summary, left_out_note(left_out),
             extra={"event": "failed", "code": top, "codes": dict(codes), "op": request, "request_id": request_id,
                    "keys": len(items), "failed": len(failed), "suppressed": left_out, **session})

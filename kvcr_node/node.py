@@ -45,9 +45,10 @@ from kvcr_node.eviction import make_policy
 from kvcr_node.exporter import MetricsExporter
 from kvcr_node.introductions import Introductions
 from kvcr_node.inventory import Inventory
-from kvcr_node.journal import Journal
+from kvcr_node.journal import Journal, failure_log
 from kvcr_node.leases import Leases
 from kvcr_node.links import Links
+from kvcr_node.logs import left_out_note
 from kvcr_node.memory import PoolMemory, available_bytes
 from kvcr_node.metrics import Metrics
 from kvcr_node.metrics_publisher import MetricsPublisher
@@ -225,8 +226,9 @@ class Node:
         self.sessions.kept = taken.figures["kept"]
 
     def _journal_failed(self, exc: BaseException) -> None:
-        log.error("journal: a write failed (%s): the journal starts again from what is held; "
-                  "until then a restart would start empty", exc)
+        if (left_out := failure_log.admit("memory")) is not None:
+            log.error("journal: a write failed (%s): the journal starts again from what is held; "
+                      "until then a restart would start empty%s", exc, left_out_note(left_out))
 
     def _start_exporter(self) -> None:
         """Publish a first snapshot and serve ``/metrics`` (a port that cannot be bound fails the start)."""

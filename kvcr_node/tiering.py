@@ -25,7 +25,8 @@ from kvcr_io.agent import TransferError
 from kvcr_io.digests import UNCHECKED, unpack_digests
 from kvcr_node.digests import Digests
 from kvcr_node.disk_tier import Demotion, DiskTier, Promotion
-from kvcr_node.journal import Dropped, Journal
+from kvcr_node.journal import Dropped, Journal, failure_log
+from kvcr_node.logs import left_out_note
 from kvcr_node.metrics import Histogram
 from kvcr_node.objects import InventoryListener
 from kvcr_node.recovery import take_back_copies
@@ -69,8 +70,9 @@ class Tiering:
 
     @staticmethod
     def _journal_failed(exc: BaseException) -> None:
-        log.error("disk tier: a journal write failed (%s): it starts again from the copies held; "
-                  "until then a restart would find none", exc)
+        if (left_out := failure_log.admit("disk tier")) is not None:
+            log.error("disk tier: a journal write failed (%s): it starts again from the copies held; "
+                      "until then a restart would find none%s", exc, left_out_note(left_out))
 
     def close(self) -> None:
         """Write the journal's last records (the node is stopping: no copy changes any more)."""
