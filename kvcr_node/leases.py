@@ -109,7 +109,11 @@ class Leases(SourceHolds):
         self.granted_at = -math.inf
         """When a grant was last given or a granted lease renewed: its client reads soon."""
         self.source_grants = SourceGrants()
-        self.promote: Callable[[bytes], bool] | None = None  # disk tier read back: PENDING (architecture §9)
+        self.on_disk: Callable[[bytes], bool] | None = None
+        """Whether a key missing from memory is held in the disk tier (architecture §9; the node sets it)."""
+        self.promote: Callable[[bytes], bool] | None = None
+        """Read a key back from the disk tier; whether it is coming (PENDING). Called once the
+        lease's own entries are claimed: a read back evicts, and must not take those."""
 
     # ------------------------------------------------------------------ requests
 
@@ -131,14 +135,17 @@ class Leases(SourceHolds):
         hint = None if session.role is Role.PEER or msg.request_id is None else session.hints.get(msg.request_id)
         remote: dict[str, list[int]] = {}
         seen: set[bytes] = set()
+        on_disk: list[int] = []
         leading = len(keys)  # entries held before the first key not held here (no gap: all)
         for i, key in enumerate(keys):
             if key in seen:
                 continue  # a repeated key is held once; it reports its first answer (``_answer``)
             seen.add(key)
             entry = self.store.lookup(key)
-            if entry is None and self.promote is not None and self.promote(key):
-                entry = self.store.lookup(key)  # being read back from the disk tier: PENDING
+            if entry is None and self.on_disk is not None and self.on_disk(key):
+                on_disk.append(i)  # read back once this lease's entries are claimed (below)
+                leading = min(leading, len(record.entries))
+                continue
             if entry is None or entry.state is ObjectState.WRITING:
                 leading = min(leading, len(record.entries))
             if entry is None:
@@ -167,6 +174,12 @@ class Leases(SourceHolds):
         # A lease is an access (LRU's only sign that its client reads what it holds, unseen
         # under a grant) for the keys it holds up to a gap: an engine looks up a prefix.
         self.store.claim_all(record.entries, accessed=leading)
+        for i in on_disk:
+            # Read back from the disk tier: PENDING; with no room in memory for it, a MISS.
+            if self.promote is not None and self.promote(keys[i]):
+                entry = self.store.lookup(keys[i])
+                assert entry is not None  # placed, WRITING
+                status[i], tier[i] = LeaseStatus.PENDING, 2 + (entry.lookup - 2) // 2
         self.table[record.id] = record
         session.leases.add(record.id)
         self._schedule(record)

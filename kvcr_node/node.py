@@ -197,33 +197,30 @@ class Node:
         self.exporter: MetricsExporter | None = None
         self.metrics_port: int | None = None
         """The port ``/metrics`` is served on (the one bound when configured as 0)."""
+        try:
+            self._take_back()
+        except BaseException:
+            self._abandon_start()
+            raise
+        if self.config.metrics_port is not None:
+            self._start_exporter()
+
+    def _take_back(self) -> None:
+        """Take back what the last node on the state directory and on the disk pools held
+        (``kvcr_node.recovery``), then journal both."""
+        inventory = self.events.inventory if self.events is not None else None
         if self.state is not None:
-            try:
-                self._recover(self.state)
-            except BaseException:
-                self._abandon_start()
-                raise
+            taken = take_back(self.state, self.store, self.memories, self.incarnation,
+                              self.config.journal_compact_bytes, self._journal_failed, inventory)
+            self.journal = self.stats.journal = taken.journal
+            self.recovery = self.stats.recovery = taken.figures
+            self.sessions.kept = taken.figures["kept"]
         if self.tiering is not None and self.disk_pools is not None:
-            try:
-                self.tiering.take_back(self.disk_pools.state, self.incarnation, self.config.journal_compact_bytes,
-                                       self.events.inventory if self.events is not None else None)
-            except BaseException:
-                self._abandon_start()
-                raise
+            self.tiering.take_back(self.disk_pools.state, self.incarnation, self.config.journal_compact_bytes, inventory)
             # After the journal and the events: they hear of a key stored anew first.
             listener = MemoryListener(self.tiering.tier)
             self.store.listener = listener if self.store.listener is None else Listeners(self.store.listener, listener)
             self.stats.tiering = self.tiering
-        if self.config.metrics_port is not None:
-            self._start_exporter()
-
-    def _recover(self, state: StateDir) -> None:
-        """Take back what the last node on ``state`` held (``kvcr_node.recovery``), then journal."""
-        taken = take_back(state, self.store, self.memories, self.incarnation, self.config.journal_compact_bytes,
-                          self._journal_failed, self.events.inventory if self.events is not None else None)
-        self.journal = self.stats.journal = taken.journal
-        self.recovery = self.stats.recovery = taken.figures
-        self.sessions.kept = taken.figures["kept"]
 
     def _journal_failed(self, exc: BaseException) -> None:
         if (left_out := failure_log.admit("memory")) is not None:
@@ -297,6 +294,7 @@ class Node:
                             make_policy(config.policy), config.disk_demote_mark)
             self.tiering = Tiering(tier, self.transfers, self.agent.name, self.digests, self.operations.wake_all)
             self.operations.promote = self.leases.promote = self.tiering.promote
+            self.leases.on_disk = self.tiering.on_disk
         # Spec 6.12: the node checks what it sends itself where a grant could have changed it.
         exposed = config.integrity and (config.client_transfers or config.peer_grants)
         self.deliveries = Deliveries(self.store, slot_sizes, projections, self.operations, self.target, failure,

@@ -136,6 +136,10 @@ class Tiering:
         return (("recovered", self.recovery.get("recovered", 0)),
                 *((f"dropped_{reason.value}", dropped.get(reason.value, 0)) for reason in Dropped))
 
+    def on_disk(self, key: bytes) -> bool:
+        """Whether ``key`` is held in the tier only (not in memory, not being read back)."""
+        return self.tier.on_disk_only(key) is not None
+
     def promote(self, key: bytes) -> bool:
         """Read ``key``'s object back from disk, or go on reading it; whether it is coming."""
         tier = self.tier

@@ -22,6 +22,7 @@ from kvcr_client import Client, KeyStatus, Presence, Span
 from kvcr_client.events import EventStream, InventoryMirror
 from kvcr_node.disk_pools import STATE_DIR
 from kvcr_node.journal import FILE_MAGIC, state_files
+from kvcr_protocol import ErrorCode
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
 from kvcr_testing.nodes import NodeProcess, start_node
@@ -132,7 +133,7 @@ def served(client: Client, objects: Objects, restarted: bool = True) -> list[byt
     out = []
     for key in held:
         outcome, dst = deliver(client, register, key)
-        if not restarted and outcome.code is not None and outcome.code.name == "NOT_FOUND":
+        if not restarted and outcome.code == ErrorCode.NOT_FOUND:
             continue
         assert outcome.ok, (key, outcome)
         assert np.array_equal(dst, objects.bytes_of(key)), f"{key!r} came back changed"
@@ -234,7 +235,7 @@ def test_a_flipped_record_is_dropped_and_changed_bytes_are_never_served(site: Si
         answers = client.query(objects.keys).result(RESULT_TIMEOUT_S)
         for key in [k for k in objects.keys if answers[k].presence is Presence.HIT]:
             outcome, dst = deliver(client, register, key)
-            assert not outcome.ok and outcome.code.name == "NOT_FOUND", (key, outcome)
+            assert not outcome.ok and outcome.code == ErrorCode.NOT_FOUND, (key, outcome)
             assert np.array_equal(dst, pattern(LAYOUT.nbytes, 99)), "nothing of a changed copy reaches the destination"
         after = settled(client)
         assert after["mismatched"] == after["recovery"]["recovered"] and after["promoted"] == 0
