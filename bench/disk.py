@@ -18,6 +18,11 @@ A node with a DRAM pool and a disk pool of 64 KiB slots, told to copy everything
   posted at once: raw time / kvcr time. kvcr's time includes the deliver itself (a copy of
   the same bytes into the client's buffer) and a digest of each span: a ratio, not a goal
   met by a copy alone. The bytes delivered are checked after the timing.
+- ``disk_write_ratio_32mib`` and ``disk_read_ratio_32mib``: the same two for objects of 32
+  MiB (512 spans of 64 KiB), four a round, at a second node whose DRAM pool holds four:
+  the copies against raw WRITEs of the same 512 descriptors per object, as many objects in
+  flight as the node's byte bound allows (``DEMOTION_BYTES_IN_FLIGHT``); the read backs and
+  deliver against raw READs of them, all posted at once.
 - ``demotion_query_ratio``: the median of one-key queries asked back to back by a second
   client while the copies of the thousand deposited over a round's objects are written (the
   node asked for its stats every 100 ms meanwhile), over the same with the node idle
@@ -43,18 +48,92 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from procs import process_group, spawn
+from procs import process_group, spawn, stop
 from stats import Progress, summary
 
 from kvcr_client import Client, KeyStatus, Span
 from kvcr_io.agent import load_nixl
-from kvcr_node.disk_tier import DEMOTIONS_IN_FLIGHT
+from kvcr_node.disk_tier import DEMOTION_BYTES_IN_FLIGHT, DEMOTIONS_IN_FLIGHT
 
 SPAN = 64 * 1024
 OBJECTS = 1000
 POLL_S = 0.1
 """How often the node is asked whether its copies are written (a stats snapshot costs it O(objects))."""
 WAIT_S = 120.0
+LARGE = 4
+"""Objects of 32 MiB a round of the large-object measurement."""
+LARGE_SPANS = 512
+
+
+def wait_demoted(client: Client, count: int) -> dict[str, Any]:
+    """The tier once ``count`` copies in all were written (bounded)."""
+    end = time.monotonic() + WAIT_S
+    while (figures := tier(client))["demoted"] < count and time.monotonic() < end:
+        time.sleep(POLL_S)
+    if figures["demoted"] < count:
+        raise AssertionError(f"copies not written within {WAIT_S} s: {figures}")
+    return figures
+
+
+def large_objects(run: Path, directory: Path, rounds: int, progress: Progress) -> dict[str, list[float]]:
+    """Copies and read backs of 32 MiB objects at a node of their own, beside raw NIXL."""
+    samples: dict[str, list[float]] = {"kvcr_write_32mib": [], "raw_write_32mib": [], "kvcr_read_32mib": [],
+                                       "raw_read_32mib": []}
+    endpoint = f"ipc://{run}/large.sock"
+    pool_slots = LARGE * LARGE_SPANS
+    node = spawn("-m", "kvcr_node.cli", "--endpoint", endpoint, "--log-level", "WARNING",
+                 "--pool", f"kv:64KiB:{pool_slots}", "--pool", f"kv-large:64KiB:{4 * pool_slots}:disk:{directory}",
+                 "--disk-demote-mark", "1")
+    raw = RawFiles(directory, LARGE, LARGE_SPANS, "-large")
+    try:
+        size = LARGE_SPANS * SPAN
+        names = [f"L{j}" for j in range(LARGE_SPANS)]
+        with Client(endpoint, name="disk-bench-large") as client:
+            src = (np.arange(2 * LARGE * size, dtype=np.uint64) * 40503 >> 5).astype(np.uint8)
+            dst = np.zeros(LARGE * size, np.uint8)
+            source, sink = client.register(src), client.register(dst)
+
+            def spans(region: Any, at: int, pool: str = "") -> list[Span]:
+                return [Span(name, region, at + j * SPAN, SPAN, pool) for j, name in enumerate(names)]
+
+            for r in range(rounds + 1):  # the first round warms up: not kept
+                progress.step(f"32 MiB round {r}: {LARGE} copies written, evicted, read back")
+                keys = [b"big%d-%d" % (r, i) for i in range(LARGE)]
+                filler = [b"fill%d-%d" % (r, i) for i in range(LARGE)]
+                demoted = tier(client)["demoted"]
+                res = client.deposit({k: spans(source, i * size, "kv") for i, k in enumerate(keys)}).result(WAIT_S)
+                start = time.monotonic()
+                if not all(res[k].status is KeyStatus.STORED for k in keys):
+                    raise AssertionError(f"a deposit failed: {res}")
+                kvcr_write = wait_demoted(client, demoted + LARGE)["copied_at"] - start
+                res = client.deposit({k: spans(source, (LARGE + i) * size, "kv")
+                                      for i, k in enumerate(filler)}).result(WAIT_S)
+                if not all(res[k].status is KeyStatus.STORED for k in filler):
+                    raise AssertionError("a filler deposit failed")
+                wait_demoted(client, demoted + 2 * LARGE)
+                answers = client.query(keys).result(WAIT_S)
+                if any(answers[k].tier != "disk" for k in keys):
+                    raise AssertionError("an object is not on disk only")
+                raw_write = raw.move("WRITE", max(1, DEMOTION_BYTES_IN_FLIGHT // size))
+                drop_cache(directory / "kv-large.kvcr-pool")
+                dst[:] = 0
+                start = time.perf_counter()
+                results = client.deliver({k: spans(sink, i * size) for i, k in enumerate(keys)}).result(WAIT_S)
+                kvcr_read = time.perf_counter() - start
+                if not all(results[k].ok for k in keys):
+                    raise AssertionError(f"an object was not read back: {results}")
+                if not np.array_equal(dst, src[:LARGE * size]):
+                    raise AssertionError("the objects read back differ from the deposited bytes")
+                drop_cache(raw.path)
+                raw_read = raw.move("READ", LARGE)
+                if r:
+                    for name, value in (("kvcr_write", kvcr_write), ("raw_write", raw_write),
+                                        ("kvcr_read", kvcr_read), ("raw_read", raw_read)):
+                        samples[f"{name}_32mib"].append(value)
+    finally:
+        raw.close()
+        stop([node])
+    return samples
 
 
 def tier(client: Client) -> dict[str, Any]:
@@ -74,32 +153,35 @@ def drop_cache(path: Path) -> None:
 
 class RawFiles:
     """This process's own agent with NIXL's POSIX backend: a registered buffer and a file of
-    its own, moved one transfer per object, as the node moves its copies."""
+    its own, moved one transfer per object (a descriptor per 64 KiB span), as the node moves
+    its copies."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, objects: int = OBJECTS, spans: int = 1, tag: str = "") -> None:
         nixl = load_nixl()
-        self.agent = nixl.nixl_agent(f"raw-disk-{os.getpid()}", nixl.nixl_agent_config(enable_prog_thread=False,
-                                                                                          backends=["UCX"]))
+        self.name = f"raw-disk{tag}-{os.getpid()}"
+        self.agent = nixl.nixl_agent(self.name, nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.agent.create_backend("POSIX")
-        self.name = f"raw-disk-{os.getpid()}"
-        self.buffer = (np.arange(OBJECTS * SPAN, dtype=np.uint64) * 2654435761 >> 11).astype(np.uint8)
+        self.objects, self.spans = objects, spans
+        self.buffer = (np.arange(objects * spans * SPAN, dtype=np.uint64) * 2654435761 >> 11).astype(np.uint8)
         self.agent.register_memory([(self.buffer.ctypes.data, self.buffer.nbytes, 0, "")], "DRAM")
-        self.path = directory / "raw.file"
+        self.path = directory / f"raw{tag}.file"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         os.posix_fallocate(self.fd, 0, self.buffer.nbytes)
         self.agent.register_memory([(0, self.buffer.nbytes, self.fd, "")], "FILE")
 
     def move(self, op: str, in_flight: int) -> float:
-        """Seconds to move every object (one descriptor each), ``in_flight`` requests at once."""
-        agent, base = self.agent, self.buffer.ctypes.data
-        pending = list(range(OBJECTS))
+        """Seconds to move every object, ``in_flight`` requests at once."""
+        agent, base, spans = self.agent, self.buffer.ctypes.data, self.spans
+        pending = list(range(self.objects))
         running: list[Any] = []
         start = time.perf_counter()
         while pending or running:
             while pending and len(running) < in_flight:
                 i = pending.pop(0)
-                local = agent.get_xfer_descs(np.array([(base + i * SPAN, SPAN, 0)], dtype=np.uint64), "DRAM")
-                remote = agent.get_xfer_descs(np.array([(i * SPAN, SPAN, self.fd)], dtype=np.uint64), "FILE")
+                at = np.arange(i * spans, (i + 1) * spans, dtype=np.uint64) * SPAN
+                size = np.full(spans, SPAN, dtype=np.uint64)
+                local = agent.get_xfer_descs(np.stack([base + at, size, np.zeros(spans, np.uint64)], axis=1), "DRAM")
+                remote = agent.get_xfer_descs(np.stack([at, size, np.full(spans, self.fd, np.uint64)], axis=1), "FILE")
                 handle = agent.initialize_xfer(op, local, remote, self.name)
                 state = agent.transfer(handle)
                 if state == "ERR":
@@ -154,7 +236,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="rounds of copies and read backs")
     parser.add_argument("--json", action="store_true", help="also print one JSON object of the figures")
     args = parser.parse_args()
-    progress = Progress("disk", 3 + args.rounds)
+    progress = Progress("disk", 4 + 2 * args.rounds)
     directory = Path(tempfile.mkdtemp(prefix="kvcr-bench-disk-", dir="/var/tmp"))
     samples: dict[str, list[float]] = {"kvcr_write": [], "raw_write": [], "kvcr_read": [], "raw_read": [],
                                        "busy_query": [], "idle_query": []}
@@ -238,6 +320,7 @@ def main() -> int:
             asker.join(30)
             asker.client.close()
             raw.close()
+            samples.update(large_objects(run, directory, args.rounds, progress))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     figures = {name: summary(values) for name, values in samples.items()}
@@ -245,6 +328,8 @@ def main() -> int:
         "disk_write_ratio": figures["raw_write"]["median"] / figures["kvcr_write"]["median"],
         "disk_read_ratio": figures["raw_read"]["median"] / figures["kvcr_read"]["median"],
         "demotion_query_ratio": figures["busy_query"]["median"] / figures["idle_query"]["median"],
+        "disk_write_ratio_32mib": figures["raw_write_32mib"]["median"] / figures["kvcr_write_32mib"]["median"],
+        "disk_read_ratio_32mib": figures["raw_read_32mib"]["median"] / figures["kvcr_read_32mib"]["median"],
     }
     mb = OBJECTS * SPAN / 1e6
     print(f"disk tier, {OBJECTS} objects of 64 KiB ({mb:.0f} MB) a round, {args.rounds} rounds:")
@@ -252,18 +337,28 @@ def main() -> int:
         s = figures[name]
         print(f"  {name:12s} median {s['median'] * 1e3:8.1f} ms  ({mb / s['median']:7.0f} MB/s)  "
               f"p10 {s['p10'] * 1e3:8.1f}  p90 {s['p90'] * 1e3:8.1f}  spread {s['spread']:.2f}")
+    mb_large = LARGE * LARGE_SPANS * SPAN / 1e6
+    print(f"  and {LARGE} objects of 32 MiB ({mb_large:.0f} MB) a round:")
+    for name in ("kvcr_write_32mib", "raw_write_32mib", "kvcr_read_32mib", "raw_read_32mib"):
+        s = figures[name]
+        print(f"  {name:16s} median {s['median'] * 1e3:8.1f} ms  ({mb_large / s['median']:7.0f} MB/s)  "
+              f"p10 {s['p10'] * 1e3:8.1f}  p90 {s['p90'] * 1e3:8.1f}  spread {s['spread']:.2f}")
     for name in ("idle_query", "busy_query"):
         s = figures[name]
         print(f"  {name:12s} median {s['median'] * 1e6:8.1f} us  p90 {s['p90'] * 1e6:8.1f}  (n={int(s['n'])})")
     print(f"  disk_write_ratio raw WRITE / kvcr copies: {ratios['disk_write_ratio']:.2f} (goal >= 0.9)")
     print(f"  disk_read_ratio raw READ / kvcr read back and deliver: {ratios['disk_read_ratio']:.2f}")
+    print(f"  disk_write_ratio_32mib {ratios['disk_write_ratio_32mib']:.2f}, disk_read_ratio_32mib "
+          f"{ratios['disk_read_ratio_32mib']:.2f}")
     print(f"  demotion_query_ratio query while copying / idle: {ratios['demotion_query_ratio']:.2f} (goal <= 1.3)")
     if args.json:
-        out = {**ratios, **{f"{name}_ms": figures[name]["median"] * 1e3 for name in
-                            ("kvcr_write", "raw_write", "kvcr_read", "raw_read")},
-               "idle_query_us": figures["idle_query"]["median"] * 1e6, "busy_query_us": figures["busy_query"]["median"] * 1e6,
-               **{f"{name}_spread": figures[name]["spread"] for name in figures}}
-        print(json.dumps(out))
+        report = {**ratios, **{f"{name}_ms": figures[name]["median"] * 1e3 for name in
+                               ("kvcr_write", "raw_write", "kvcr_read", "raw_read", "kvcr_write_32mib",
+                                "raw_write_32mib", "kvcr_read_32mib", "raw_read_32mib")},
+                  "idle_query_us": figures["idle_query"]["median"] * 1e6,
+                  "busy_query_us": figures["busy_query"]["median"] * 1e6,
+                  **{f"{name}_spread": figures[name]["spread"] for name in figures}}
+        print(json.dumps(report))
     return 0
 
 

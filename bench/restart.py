@@ -17,6 +17,17 @@ Three measurements, each against its anchor in the same run (architecture §8):
 - ``journal_deposit_cost``: the round trip of one deposit (two 4 KiB spans) at a node with
   a state directory over the same at a node without, interleaved, the pool small enough that
   every deposit evicts (so each records a removal too); medians (goal <= 1.1).
+- ``recovery_s_per_100k``: the same for a node's disk tier (architecture §9): a node with a
+  DRAM pool of 8,192 slots and a disk pool of 4 KiB slots, no state directory, copying
+  everything evictable (``--disk-demote-mark 1``), given 10,000 and then 100,000 objects
+  (each deposit's copies written before the next, so that every object evicted has its
+  copy), is stopped and started again on the same directory; the time from the new
+  process's start until a query finds every copy in tier ``disk`` and a deliver of a sample
+  of them succeeds (read back, checked against their digests), for 100,000 copies.
+  ``disk_restart_s_10k`` is the same at 10,000; ``disk_take_back_s_10k`` and
+  ``disk_take_back_s_100k`` are the start's own share (its journal read and the copies
+  adopted: ``disk_tier`` ``recovery`` ``seconds`` in its stats); ``disk_recovery_growth``
+  is the time per copy past an empty start at 100,000 over that at 10,000 (1.0: linear).
 
     uv run python bench/restart.py [--runs 2000] [--json]
 
@@ -37,6 +48,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +66,11 @@ BULK = 1024
 """Keys per deposit while filling a node for the restart timing."""
 QUERY_KEYS = 4096
 """Keys per query (the protocol's ``max_keys``); a restarted node is asked for all its objects in such queries at once."""
+
+
+DISK_MEMORY_SLOTS = 8192
+DISK_SAMPLE = 256
+"""Copies delivered (read back from the file) once a restarted node finds them all."""
 
 
 class StateSite:
@@ -191,6 +208,81 @@ def empty_start(run: Path, count: int) -> float:
         site.close()
 
 
+class DiskSite:
+    """A directory for disk pools under /var/tmp (a disk, not memory), removed at the end."""
+
+    def __init__(self, run: Path, name: str, copies: int) -> None:
+        self.endpoint = f"ipc://{run}/{name}.sock"
+        self.directory = Path(tempfile.mkdtemp(prefix=f"kvcr-bench-{name}-", dir="/var/tmp"))
+        self.args = ("-m", "kvcr_node.cli", "--endpoint", self.endpoint, "--log-level", "WARNING",
+                     "--pool", f"kv:4KiB:{DISK_MEMORY_SLOTS}",
+                     "--pool", f"kv-disk:4KiB:{copies + DISK_MEMORY_SLOTS}:disk:{self.directory}",
+                     "--disk-demote-mark", "1")
+
+    def start(self) -> subprocess.Popen[str]:
+        return spawn(*self.args)
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def disk_tier(client: Client) -> dict[str, Any]:
+    result: dict[str, Any] = client.stats().result(120)["disk_tier"]
+    return result
+
+
+def fill_disk(endpoint: str, count: int) -> list[bytes]:
+    """Deposit ``count`` one-span objects in bulk, each bulk's copies written before the next
+    evicts them; the keys held only on disk at the end."""
+    keys = [b"obj-%08d" % i for i in range(count)]
+    src = (np.arange(BULK * SPAN, dtype=np.uint64) * 40503 >> 3).astype(np.uint8)
+    with Client(endpoint, name="fill") as client:
+        region = client.register(src)
+        for first in range(0, count, BULK):
+            batch = keys[first:first + BULK]
+            out = client.deposit({k: [Span("L0", region, i * SPAN, SPAN, "kv")] for i, k in enumerate(batch)}).result(120)
+            assert all(out[k].status is KeyStatus.STORED for k in batch), "a fill deposit failed"
+            deadline = time.monotonic() + 120
+            while disk_tier(client)["demoting"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+        handles = [(chunk, client.query(chunk)) for chunk in chunks(keys)]
+        return [k for chunk, handle in handles for k, answer in handle.result(120).items() if answer.tier == "disk"]
+
+
+def disk_restart_time(run: Path, count: int) -> tuple[float, float, int]:
+    """Seconds from a restarted node's process start until it serves ``count`` recovered copies
+    (found on disk, a sample delivered), the start's own taking back, and the copies."""
+    site = DiskSite(run, f"disk{count}", count)
+    try:
+        node = site.start()
+        on_disk = fill_disk(site.endpoint, count + DISK_MEMORY_SLOTS)[:count]
+        node.terminate()
+        node.wait(60)
+        started = time.monotonic()
+        node = site.start()
+        with Client(site.endpoint, name="probe") as client:
+            handles = [(chunk, client.query(chunk)) for chunk in chunks(on_disk)]
+            answers = {k: a for _, handle in handles for k, a in handle.result(120).items()}
+            assert all(answers[k].tier == "disk" for k in on_disk), "a copy was not taken back"
+            sample = on_disk[::max(1, len(on_disk) // DISK_SAMPLE)][:DISK_SAMPLE]
+            dst = np.zeros(len(sample) * SPAN, np.uint8)
+            region = client.register(dst)
+            got = client.deliver({k: [Span("L0", region, i * SPAN, SPAN)] for i, k in enumerate(sample)}).result(120)
+            seconds = time.monotonic() - started
+            assert all(got[k].ok for k in sample), "a recovered copy was not served"
+            # Every object was deposited from the same buffer: each copy's bytes are its own slice of it.
+            src = (np.arange(BULK * SPAN, dtype=np.uint64) * 40503 >> 3).astype(np.uint8)
+            for i, k in enumerate(sample):
+                at = (int(k[4:]) % BULK) * SPAN
+                assert np.array_equal(dst[i * SPAN:(i + 1) * SPAN], src[at:at + SPAN]), f"{k!r} came back changed"
+            take_back = float(disk_tier(client)["recovery"]["seconds"])
+        node.terminate()
+        node.wait(60)
+        return seconds, take_back, len(on_disk)
+    finally:
+        site.close()
+
+
 def deposit_cost(run: Path, runs: int) -> dict[str, dict[str, float]]:
     """One deposit's round trip with a state directory and without, interleaved."""
     site = StateSite(run, "journal", "kv:4KiB:64")
@@ -230,6 +322,8 @@ def main() -> int:
         t10k = restart_time(run, 10_000)
         t100k = restart_time(run, 100_000)
         cost = deposit_cost(run, args.runs)
+        d10k, take10k, copies10k = disk_restart_time(run, 10_000)
+        d100k, take100k, copies100k = disk_restart_time(run, 100_000)
     figures = {
         "restart_kept_fraction": fraction,
         "restart_acked": acked,
@@ -243,6 +337,14 @@ def main() -> int:
         "deposit_journal_us": cost["journal"]["median"] * 1e6,
         "deposit_spread": cost["plain"]["spread"],
         "deposit_journal_spread": cost["journal"]["spread"],
+        "recovery_s_per_100k": d100k * 100_000 / copies100k,
+        "disk_restart_s_10k": d10k,
+        "disk_restart_s_100k": d100k,
+        "disk_take_back_s_10k": take10k,
+        "disk_take_back_s_100k": take100k,
+        "disk_recovery_growth": ((d100k - empty) / copies100k) / ((d10k - empty) / copies10k),
+        "disk_copies_10k": copies10k,
+        "disk_copies_100k": copies100k,
     }
     print(f"kill -9 after {acked} acknowledged deposits: {served} served after the restart, "
           f"restart_kept_fraction {fraction:.4f} (goal 1.0)")
@@ -251,6 +353,10 @@ def main() -> int:
     print(f"deposit round trip: {figures['deposit_journal_us']:.0f} us with a journal, {figures['deposit_us']:.0f} us "
           f"without (spreads {figures['deposit_journal_spread']:.2f}, {figures['deposit_spread']:.2f}): "
           f"journal_deposit_cost {figures['journal_deposit_cost']:.3f} (goal <= 1.1)")
+    print(f"disk tier restart to serving: {copies10k} copies {d10k:.2f} s (taking back {take10k:.3f} s), "
+          f"{copies100k} copies {d100k:.2f} s (taking back {take100k:.3f} s); recovery_s_per_100k "
+          f"{figures['recovery_s_per_100k']:.2f}, growth per copy past an empty start "
+          f"{figures['disk_recovery_growth']:.2f} (1.0: linear)")
     if args.json:
         print(json.dumps(figures))
     return 0
