@@ -80,6 +80,8 @@ def large_objects(run: Path, directory: Path, rounds: int, progress: Progress) -
     samples: dict[str, list[float]] = {"kvcr_write_32mib": [], "raw_write_32mib": [], "kvcr_read_32mib": [],
                                        "raw_read_32mib": []}
     endpoint = f"ipc://{run}/large.sock"
+    directory = directory / "large"  # a disk tier of its own (its own state directory and lock)
+    directory.mkdir()
     pool_slots = LARGE * LARGE_SPANS
     node = spawn("-m", "kvcr_node.cli", "--endpoint", endpoint, "--log-level", "WARNING",
                  "--pool", f"kv:64KiB:{pool_slots}", "--pool", f"kv-large:64KiB:{4 * pool_slots}:disk:{directory}",
