@@ -198,14 +198,14 @@ class Node:
         self.metrics_port: int | None = None
         """The port ``/metrics`` is served on (the one bound when configured as 0)."""
         try:
-            self._take_back()
+            self._recover()
         except BaseException:
             self._abandon_start()
             raise
         if self.config.metrics_port is not None:
             self._start_exporter()
 
-    def _take_back(self) -> None:
+    def _recover(self) -> None:
         """Take back what the last node on the state directory and on the disk pools held
         (``kvcr_node.recovery``), then journal both."""
         inventory = self.events.inventory if self.events is not None else None

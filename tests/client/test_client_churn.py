@@ -217,7 +217,7 @@ def test_sessions_come_and_go(node_factory: Callable[..., Any]) -> None:
             after = Snapshot.take(watch)
             heap_grown = heap.grown()
         # Every object the client makes per session is gone: the Python heap is back.
-        assert heap_grown <= SESSION_HEAP_SLACK, ("sessions", "Python heap bytes", heap_grown)
+        assert heap_grown <= SESSION_HEAP_SLACK, ("sessions", "Python heap bytes", heap_grown, heap.where)
         sessions = SESSIONS + SESSIONS // 4
         after.assert_back_within(before, "sessions", rss_slack_kib=RSS_SLACK_KIB + sessions * AGENT_NATIVE_KIB)
         assert wait_until(lambda: stats(watch)["clients"] == 1, SETTLE_S), stats(watch)["clients"]

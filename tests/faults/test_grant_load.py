@@ -226,7 +226,7 @@ def test_granted_lease_churn_leaves_nothing_behind(node_factory: Callable[..., A
                 lease.release().result(RESULT_TIMEOUT_S)
             heap_grown = heap.grown()
         # The client keeps nothing per cycle: leases, grant rows, read jobs, handles all go.
-        assert heap_grown <= HEAP_SLACK, ("granted cycles", "Python heap bytes", heap_grown)
+        assert heap_grown <= HEAP_SLACK, ("granted cycles", "Python heap bytes", heap_grown, heap.where)
         assert client.counters()["grant_reads"] == reads + CYCLES, "a deliver went to the node"
         assert client.tables()["granted_keys"] <= 2 * PRUNE_SLACK and client.tables()["leases"] == 0
         assert at_rest(stats(client)), node_tables(stats(client))

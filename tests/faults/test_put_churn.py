@@ -73,7 +73,7 @@ def test_put_churn_leaves_nothing_behind(node_factory: Callable[..., Any]) -> No
                     assert client.deliver({key: into}).result(RESULT_TIMEOUT_S)[key].ok
                     assert np.array_equal(dst, src)
             heap_grown = heap.grown()
-        assert heap_grown <= HEAP_SLACK, ("puts", "Python heap bytes", heap_grown)
+        assert heap_grown <= HEAP_SLACK, ("puts", "Python heap bytes", heap_grown, heap.where)
         assert client.counters()["puts"] == written + PUTS, "a put went as a deposit"
         assert at_rest(client), put_stats(client)
 

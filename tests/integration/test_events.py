@@ -120,8 +120,8 @@ def test_subscriber_follows_deposits_and_evictions_to_the_nodes_index(
         removed = [e for b in seen for e in b.events if isinstance(e, Removed)]
         assert removed and all(e.reason.value == "evicted" and e.tier == "dram" for e in removed)
         for key in want:
-            assert mirror.keys[key].tier == "dram"
-            assert mirror.keys[key].pools == (("big",) if key.endswith(b"/big") else ("kv",))
+            assert list(mirror.keys[key]) == ["dram"]
+            assert mirror.keys[key]["dram"].pools == (("big",) if key.endswith(b"/big") else ("kv",))
         stored = sum(len(e.keys) for b in seen for e in b.events if isinstance(e, Stored))
         assert stored == len(keys)
         reg.close()

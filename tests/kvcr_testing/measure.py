@@ -30,6 +30,11 @@ NOT_THE_CLIENTS = (
 log records pytest keeps (a loaded machine makes both grow: a late heartbeat is logged)."""
 
 
+TRACE_FRAMES = 4
+"""Frames kept per allocation, so that a heap that grew says through which calls."""
+WHERE_LINES = 5
+
+
 class Heap:
     """The Python heap the code under test holds, for churn tests: ``grown()`` since ``with``.
     ``collect``: run the cyclic collector first at both ends (False: garbage in cycles counts,
@@ -38,6 +43,8 @@ class Heap:
     def __init__(self, collect: bool = True) -> None:
         self.collect = collect
         self.before = 0
+        self.where: list[str] = []
+        self._first: tracemalloc.Snapshot | None = None
         self._reserve: list[str] = []
 
     def __enter__(self) -> Heap:
@@ -48,8 +55,9 @@ class Heap:
         # 1 MB that is no client's. Room made for it first keeps the window to what the code
         # under test holds.
         self._reserve = [sys.intern(f"kvcr-heap-reserve-{i}") for i in range(INTERN_RESERVE)]
-        tracemalloc.start()
-        self.before = self.size()
+        tracemalloc.start(TRACE_FRAMES)
+        self._first = self._snapshot()
+        self.before = self.size(self._first)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -57,14 +65,24 @@ class Heap:
         self._reserve = []
 
     @staticmethod
-    def size() -> int:
-        """Bytes traced now, less what ``NOT_THE_CLIENTS`` leaves out."""
-        return sum(stat.size for stat in tracemalloc.take_snapshot().filter_traces(NOT_THE_CLIENTS).statistics("filename"))
+    def _snapshot() -> tracemalloc.Snapshot:
+        return tracemalloc.take_snapshot().filter_traces(NOT_THE_CLIENTS)
+
+    @staticmethod
+    def size(snapshot: tracemalloc.Snapshot | None = None) -> int:
+        """Bytes traced now (or in ``snapshot``), less what ``NOT_THE_CLIENTS`` leaves out."""
+        snapshot = snapshot if snapshot is not None else Heap._snapshot()
+        return sum(stat.size for stat in snapshot.statistics("filename"))
 
     def grown(self) -> int:
+        """Bytes more than at ``with``; ``where`` then names the lines that grew most (for the
+        assertion's message: a heap that grew says where)."""
         if self.collect:
             gc.collect()
-        return self.size() - self.before
+        now = self._snapshot()
+        self.where = [str(stat) for stat in now.compare_to(self._first, "traceback")[:WHERE_LINES]
+                      if stat.size_diff > 0]
+        return self.size(now) - self.before
 
 
 def fd_count(pid: int | None = None) -> int:
