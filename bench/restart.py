@@ -149,8 +149,9 @@ def kept_fraction(run: Path) -> tuple[float, int, int]:
         site.close()
 
 
-def fill(endpoint: str, count: int) -> list[bytes]:
-    """Deposit ``count`` one-span objects in bulk; their keys."""
+def fill(endpoint: str, count: int, copied: bool = False) -> list[bytes]:
+    """Deposit ``count`` one-span objects in bulk; their keys. ``copied``: each bulk's copies
+    to the node's disk tier are written before the next bulk evicts them."""
     keys = [b"obj-%08d" % i for i in range(count)]
     src = (np.arange(BULK * SPAN, dtype=np.uint64) * 40503 >> 3).astype(np.uint8)
     with Client(endpoint, name="fill") as client:
@@ -159,6 +160,9 @@ def fill(endpoint: str, count: int) -> list[bytes]:
             batch = keys[first:first + BULK]
             out = client.deposit({k: [Span("L0", region, i * SPAN, SPAN, "kv")] for i, k in enumerate(batch)}).result(120)
             assert all(out[k].status is KeyStatus.STORED for k in batch), "a fill deposit failed"
+            deadline = time.monotonic() + 120
+            while copied and disk_tier(client)["demoting"] and time.monotonic() < deadline:
+                time.sleep(0.05)
     return keys
 
 
@@ -233,22 +237,11 @@ def disk_tier(client: Client) -> dict[str, Any]:
     return result
 
 
-def fill_disk(endpoint: str, count: int) -> list[bytes]:
-    """Deposit ``count`` one-span objects in bulk, each bulk's copies written before the next
-    evicts them; the keys held only on disk at the end."""
-    keys = [b"obj-%08d" % i for i in range(count)]
-    src = (np.arange(BULK * SPAN, dtype=np.uint64) * 40503 >> 3).astype(np.uint8)
-    with Client(endpoint, name="fill") as client:
-        region = client.register(src)
-        for first in range(0, count, BULK):
-            batch = keys[first:first + BULK]
-            out = client.deposit({k: [Span("L0", region, i * SPAN, SPAN, "kv")] for i, k in enumerate(batch)}).result(120)
-            assert all(out[k].status is KeyStatus.STORED for k in batch), "a fill deposit failed"
-            deadline = time.monotonic() + 120
-            while disk_tier(client)["demoting"] and time.monotonic() < deadline:
-                time.sleep(0.05)
-        handles = [(chunk, client.query(chunk)) for chunk in chunks(keys)]
-        return [k for chunk, handle in handles for k, answer in handle.result(120).items() if answer.tier == "disk"]
+def held_on_disk(endpoint: str, keys: list[bytes]) -> list[bytes]:
+    """The keys of ``keys`` a node holds in its disk tier only."""
+    with Client(endpoint, name="look") as client:
+        handles = [client.query(chunk) for chunk in chunks(keys)]
+        return [k for handle in handles for k, answer in handle.result(120).items() if answer.tier == "disk"]
 
 
 def disk_restart_time(run: Path, count: int) -> tuple[float, float, int]:
@@ -257,7 +250,7 @@ def disk_restart_time(run: Path, count: int) -> tuple[float, float, int]:
     site = DiskSite(run, f"disk{count}", count)
     try:
         node = site.start()
-        on_disk = fill_disk(site.endpoint, count + DISK_MEMORY_SLOTS)[:count]
+        on_disk = held_on_disk(site.endpoint, fill(site.endpoint, count + DISK_MEMORY_SLOTS, copied=True))[:count]
         node.terminate()
         node.wait(60)
         started = time.monotonic()

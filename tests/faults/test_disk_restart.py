@@ -23,7 +23,9 @@ from kvcr_client.events import EventStream, InventoryMirror
 from kvcr_node.disk_pools import STATE_DIR
 from kvcr_node.journal import FILE_MAGIC, state_files
 from kvcr_protocol import ErrorCode
-from kvcr_testing.health import assert_clean, stats, wait_until
+from kvcr_testing.health import DISK_SETTLE_S, assert_clean, stats, wait_until
+from kvcr_testing.health import disk_settled as settled
+from kvcr_testing.health import disk_tier as tier
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
 from kvcr_testing.nodes import NodeProcess, start_node
 from kvcr_testing.patterns import KiB, pattern
@@ -34,7 +36,6 @@ SLOT = 16 * KiB
 MEMORY_SLOTS = 16
 DISK_SLOTS = 128
 LAYOUT = plain_layout(2, "kv", SLOT)
-SETTLE_S = 30.0
 
 
 class Site:
@@ -73,17 +74,6 @@ def site(ipc_dir: Path, tmp_path: Path) -> Iterator[Site]:
     s = Site(ipc_dir, tmp_path)
     yield s
     s.close()
-
-
-def tier(client: Client) -> dict[str, Any]:
-    result: dict[str, Any] = stats(client)["disk_tier"]
-    return result
-
-
-def settled(client: Client) -> dict[str, Any]:
-    """The disk tier once no copy is being written or read back."""
-    assert wait_until(lambda: tier(client)["demoting"] == 0 and tier(client)["promoting"] == 0, SETTLE_S)
-    return tier(client)
 
 
 class Objects:
@@ -263,7 +253,7 @@ def follow(stream: EventStream, mirror: InventoryMirror, settled_when: Any) -> b
         for _, batch in stream.recv(0.1):
             mirror.apply(batch)
         return bool(settled_when())
-    return wait_until(caught_up, SETTLE_S)
+    return wait_until(caught_up, DISK_SETTLE_S)
 
 
 def test_events_name_each_tier_and_a_restart_publishes_the_copies_it_took_back(site: Site) -> None:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from kvcr_client import Client, KeyStatus, LeaseStatus, Span
 from kvcr_protocol import ErrorCode
-from kvcr_testing.health import assert_clean, stats, wait_until
+from kvcr_testing.health import DISK_SETTLE_S, assert_clean, disk_tier, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
 from kvcr_testing.measure import fd_count, rss_kib, thread_count
 from kvcr_testing.nodes import NodeProcess
@@ -27,18 +26,12 @@ LAYOUT = plain_layout(2, "kv", SLOT)
 OBJECTS = 100
 """Objects of two slots: eight fit the memory pool, every one fits the disk pool."""
 ROUNDS = 12
-SETTLE_S = 30.0
 RSS_SLACK_KIB = 24 << 10
 FD_SLACK = 4
 
 
-def tier(client: Client) -> dict[str, Any]:
-    result: dict[str, Any] = stats(client)["disk_tier"]
-    return result
-
-
 def at_rest(client: Client) -> bool:
-    figures = tier(client)
+    figures = disk_tier(client)
     return bool(figures["demoting"] == 0 and figures["promoting"] == 0 and stats(client)["operations_pending"] == 0)
 
 
@@ -55,7 +48,7 @@ def test_more_disk_keys_than_memory_holds_are_served_or_missed_and_nothing_leaks
         for i, key in enumerate(keys):  # one by one, each copy written before the next evicts
             res = client.deposit({key: LAYOUT.source_spans(region, i * LAYOUT.nbytes)}).result(RESULT_TIMEOUT_S)
             assert res[key].status is KeyStatus.STORED
-            assert wait_until(lambda: at_rest(client), SETTLE_S)
+            assert wait_until(lambda: at_rest(client), DISK_SETTLE_S)
         answers = client.query(keys).result(RESULT_TIMEOUT_S)
         assert sum(answers[k].tier == "disk" for k in keys) >= OBJECTS - MEMORY_SLOTS // 2
         dst = np.zeros(LAYOUT.nbytes * OBJECTS, np.uint8)
@@ -85,10 +78,10 @@ def test_more_disk_keys_than_memory_holds_are_served_or_missed_and_nothing_leaks
             assert statuses <= {LeaseStatus.LEASED, LeaseStatus.PENDING, LeaseStatus.MISS, LeaseStatus.LEASE_LIMIT}, statuses
             if lease.held:
                 lease.release().result(RESULT_TIMEOUT_S)
-            assert wait_until(lambda: at_rest(client), SETTLE_S)
+            assert wait_until(lambda: at_rest(client), DISK_SETTLE_S)
             if round_ == 1:
                 base["rss"] = rss_kib(pid)  # after the first rounds grew what a round needs
-        figures = tier(client)
+        figures = disk_tier(client)
         assert served > 0 and missed > 0, (served, missed)
         assert figures["mismatched"] == 0 and figures["promotions_failed"] == 0, figures
         st = assert_clean(client)

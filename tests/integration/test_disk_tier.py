@@ -19,7 +19,8 @@ import pytest
 from kvcr_client import Client, KeyStatus, LeaseStatus, Presence, Span
 from kvcr_node.config import ConfigError, NodeConfig
 from kvcr_node.poolspec import PoolSpec
-from kvcr_testing.health import assert_clean, stats, wait_until
+from kvcr_testing.health import assert_clean, stats
+from kvcr_testing.health import disk_settled as settled
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
 from kvcr_testing.nodes import NodeProcess
 from kvcr_testing.patterns import KiB, pattern
@@ -30,7 +31,6 @@ DISK_SLOTS = 64
 LAYOUT = plain_layout(2, "kv", SLOT)
 OBJECTS = 20
 """Objects of two slots deposited into a pool of 16 slots: the first dozen are evicted."""
-SETTLE_S = 30.0
 
 
 @pytest.fixture(params=["integrity", "no-integrity"])
@@ -40,17 +40,6 @@ def disk_node(node_factory: Callable[..., NodeProcess], tmp_path: Path,
     node = node_factory("--pool", f"kv:{SLOT // KiB}KiB:{MEMORY_SLOTS}",
                         "--pool", f"kv-disk:{SLOT // KiB}KiB:{DISK_SLOTS}:disk:{tmp_path}", f"--{request.param}")
     yield node, tmp_path / "kv-disk.kvcr-pool"
-
-
-def tier(client: Client) -> dict[str, Any]:
-    result: dict[str, Any] = stats(client)["disk_tier"]
-    return result
-
-
-def settled(client: Client) -> dict[str, Any]:
-    """The disk tier once no copy is being written or read back."""
-    assert wait_until(lambda: tier(client)["demoting"] == 0 and tier(client)["promoting"] == 0, SETTLE_S)
-    return tier(client)
 
 
 def deposit_all(client: Client, register: Registrar, tag: str, seed: int) -> tuple[list[bytes], np.ndarray]:

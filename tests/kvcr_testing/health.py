@@ -70,3 +70,22 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval_s)
+
+
+DISK_SETTLE_S = 30.0
+"""A bound on how long a node's disk tier takes to write or read back what a test gave it."""
+
+
+def disk_tier(client: Client) -> dict[str, Any]:
+    """The ``disk_tier`` part of a node's stats (a node with disk pools)."""
+    result: dict[str, Any] = stats(client)["disk_tier"]
+    return result
+
+
+def disk_settled(client: Client) -> dict[str, Any]:
+    """The disk tier once no copy is being written or read back (bounded wait)."""
+    def settled() -> bool:
+        figures = disk_tier(client)
+        return bool(figures["demoting"] == 0 and figures["promoting"] == 0)
+    assert wait_until(settled, DISK_SETTLE_S), disk_tier(client)
+    return disk_tier(client)

@@ -80,8 +80,9 @@ class Heap:
         if self.collect:
             gc.collect()
         now = self._snapshot()
-        self.where = [str(stat) for stat in now.compare_to(self._first, "traceback")[:WHERE_LINES]
-                      if stat.size_diff > 0]
+        self.where = [f"+{stat.size_diff} B in {stat.count_diff} blocks at "
+                      + " <- ".join(f"{frame.filename}:{frame.lineno}" for frame in reversed(stat.traceback))
+                      for stat in now.compare_to(self._first, "traceback")[:WHERE_LINES] if stat.size_diff > 0]
         return self.size(now) - self.before
 
 
