@@ -74,6 +74,13 @@ class Heap:
         snapshot = snapshot if snapshot is not None else Heap._snapshot()
         return sum(stat.size for stat in snapshot.statistics("filename"))
 
+    def rebase(self) -> None:
+        """Measure from now on (a second window, past what a first one warmed)."""
+        if self.collect:
+            gc.collect()
+        self._first = self._snapshot()
+        self.before = self.size(self._first)
+
     def grown(self) -> int:
         """Bytes more than at ``with``; ``where`` then names the lines that grew most (for the
         assertion's message: a heap that grew says where)."""
