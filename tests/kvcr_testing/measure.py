@@ -30,6 +30,10 @@ NOT_THE_CLIENTS = (
 log records pytest keeps (a loaded machine makes both grow: a late heartbeat is logged)."""
 
 
+RESIZE_BYTES = 512 * 1024
+"""A growth of one block this large is an interpreter table that doubled (the interned strings,
+once large modules were imported in the same process: more than ``INTERN_RESERVE`` can move
+past), not something kept per cycle: ``grown`` leaves it out and ``where`` says so."""
 TRACE_FRAMES = 4
 """Frames kept per allocation, so that a heap that grew says through which calls."""
 WHERE_LINES = 5
@@ -87,10 +91,13 @@ class Heap:
         if self.collect:
             gc.collect()
         now = self._snapshot()
-        self.where = [f"+{stat.size_diff} B in {stat.count_diff} blocks at "
+        diffs = now.compare_to(self._first, "traceback")
+        resized = [stat for stat in diffs if stat.count_diff == 1 and stat.size_diff >= RESIZE_BYTES]
+        self.where = [("(a table resized, not counted) " if stat in resized else "")
+                      + f"+{stat.size_diff} B in {stat.count_diff} blocks at "
                       + " <- ".join(f"{frame.filename}:{frame.lineno}" for frame in reversed(stat.traceback))
-                      for stat in now.compare_to(self._first, "traceback")[:WHERE_LINES] if stat.size_diff > 0]
-        return self.size(now) - self.before
+                      for stat in diffs[:WHERE_LINES] if stat.size_diff > 0]
+        return self.size(now) - self.before - sum(stat.size_diff for stat in resized)
 
 
 def fd_count(pid: int | None = None) -> int:
