@@ -1,6 +1,11 @@
 """The disk tier (architecture §9): its copies and read backs against raw NIXL POSIX
 transfers of the same bytes, in the same run.
 
+The raw anchor is the faster of two agents of this process, one with the POSIX backend's
+default (Linux AIO) and one with io_uring, as the node makes its own where the kernel allows
+it (``kvcr_io.agent.create_posix_backend``): the floor of the machine, whichever way NIXL
+moves the bytes.
+
 A node with a DRAM pool and a disk pool of 64 KiB slots, told to copy everything evictable
 (``--disk-demote-mark 1``), under three measurements per round:
 
@@ -52,7 +57,7 @@ from procs import process_group, spawn, stop
 from stats import Progress, summary
 
 from kvcr_client import Client, KeyStatus, Span
-from kvcr_io.agent import load_nixl
+from kvcr_io.agent import create_posix_backend, load_nixl
 from kvcr_node.disk_tier import DEMOTION_BYTES_IN_FLIGHT, DEMOTIONS_IN_FLIGHT
 
 SPAN = 64 * 1024
@@ -86,7 +91,7 @@ def large_objects(run: Path, directory: Path, rounds: int, progress: Progress) -
     node = spawn("-m", "kvcr_node.cli", "--endpoint", endpoint, "--log-level", "WARNING",
                  "--pool", f"kv:64KiB:{pool_slots}", "--pool", f"kv-large:64KiB:{4 * pool_slots}:disk:{directory}",
                  "--disk-demote-mark", "1")
-    raw = RawFiles(directory, LARGE, LARGE_SPANS, "-large")
+    raw = RawFloor(directory, LARGE, LARGE_SPANS, "-large")
     try:
         size = LARGE_SPANS * SPAN
         names = [f"L{j}" for j in range(LARGE_SPANS)]
@@ -126,7 +131,6 @@ def large_objects(run: Path, directory: Path, rounds: int, progress: Progress) -
                     raise AssertionError(f"an object was not read back: {results}")
                 if not np.array_equal(dst, src[:LARGE * size]):
                     raise AssertionError("the objects read back differ from the deposited bytes")
-                drop_cache(raw.path)
                 raw_read = raw.move("READ", LARGE)
                 if r:
                     for name, value in (("kvcr_write", kvcr_write), ("raw_write", raw_write),
@@ -153,16 +157,47 @@ def drop_cache(path: Path) -> None:
         os.close(fd)
 
 
+class RawFloor:
+    """The floor of raw NIXL POSIX transfers: the same objects moved by an agent with the
+    backend's default (Linux AIO) and by one with io_uring where the kernel allows it (the
+    node's own choice, ``kvcr_io.agent.create_posix_backend``); each move is the faster of
+    the two, a READ from a file just dropped from the page cache."""
+
+    def __init__(self, directory: Path, objects: int = OBJECTS, spans: int = 1, tag: str = "") -> None:
+        self.raws = [RawFiles(directory, objects, spans, f"{tag}-aio", uring=False)]
+        uring = RawFiles(directory, objects, spans, f"{tag}-uring", uring=True)
+        if uring.backend == "uring":
+            self.raws.append(uring)
+        else:
+            uring.close()
+
+    def move(self, op: str, in_flight: int) -> float:
+        times = []
+        for raw in self.raws:
+            if op == "READ":
+                drop_cache(raw.path)
+            times.append(raw.move(op, in_flight))
+        return min(times)
+
+    def close(self) -> None:
+        for raw in self.raws:
+            raw.close()
+
+
 class RawFiles:
     """This process's own agent with NIXL's POSIX backend: a registered buffer and a file of
     its own, moved one transfer per object (a descriptor per 64 KiB span), as the node moves
     its copies."""
 
-    def __init__(self, directory: Path, objects: int = OBJECTS, spans: int = 1, tag: str = "") -> None:
+    def __init__(self, directory: Path, objects: int, spans: int, tag: str, uring: bool) -> None:
         nixl = load_nixl()
         self.name = f"raw-disk{tag}-{os.getpid()}"
         self.agent = nixl.nixl_agent(self.name, nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        self.agent.create_backend("POSIX")
+        if uring:
+            self.backend = create_posix_backend(self.agent)
+        else:
+            self.agent.create_backend("POSIX")
+            self.backend = "aio"
         self.objects, self.spans = objects, spans
         self.buffer = (np.arange(objects * spans * SPAN, dtype=np.uint64) * 2654435761 >> 11).astype(np.uint8)
         self.agent.register_memory([(self.buffer.ctypes.data, self.buffer.nbytes, 0, "")], "DRAM")
@@ -250,7 +285,7 @@ def main() -> int:
                                "--pool", f"kv:64KiB:{OBJECTS}",
                                "--pool", f"kv-disk:64KiB:{4 * OBJECTS}:disk:{directory}",
                                "--disk-demote-mark", "1"))
-            raw = RawFiles(directory)
+            raw = RawFloor(directory)
             pool_file = directory / "kv-disk.kvcr-pool"
             asker = Asker(endpoint)
             asker.start()
@@ -309,7 +344,6 @@ def main() -> int:
                         raise AssertionError(f"{len(failed)} objects not read back, e.g. {failed[0]}: {tier(client)}")
                     if not np.array_equal(dst, src[:OBJECTS * SPAN]):
                         raise AssertionError("the objects read back differ from the deposited bytes")
-                    drop_cache(raw.path)
                     raw_read = raw.move("READ", OBJECTS)
                     if r:
                         samples["kvcr_write"].append(kvcr_write)

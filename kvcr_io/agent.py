@@ -100,6 +100,27 @@ def _quiet_nixl_logging() -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
+POSIX_URING: dict[str, str] = {"use_uring": "true"}
+"""The POSIX backend's parameters where the kernel allows io_uring: a post hands the request to
+the ring and returns (a few microseconds), where its default Linux AIO submits a buffered
+write inside the post (the page cache copy on the caller's thread)."""
+
+
+def create_posix_backend(agent: Any) -> str:
+    """Create NIXL's POSIX backend on ``agent``: with io_uring, else its default (a kernel or a
+    sandbox without io_uring); which one, ``"uring"`` or ``"aio"``."""
+    try:
+        agent.create_backend("POSIX", dict(POSIX_URING))
+        return "uring"
+    except Exception:
+        pass
+    try:
+        agent.create_backend("POSIX")
+    except Exception as exc:
+        raise RuntimeError(f"the NIXL POSIX backend is not available (disk pools need it): {exc}") from exc
+    return "aio"
+
+
 class Agent:
     """One NIXL agent with UCX, no progress thread; with ``files``, NIXL's POSIX backend too."""
 
@@ -112,10 +133,7 @@ class Agent:
         if "UCX" not in self._nixl.backends:
             raise RuntimeError("the NIXL UCX backend is not available")
         if files:
-            try:
-                self._nixl.create_backend("POSIX")
-            except Exception as exc:
-                raise RuntimeError(f"the NIXL POSIX backend is not available (disk pools need it): {exc}") from exc
+            self.files_backend = create_posix_backend(self._nixl)
         self.name = name
 
     # -- memory and metadata
