@@ -132,8 +132,8 @@ class Agent:
         self._nixl: Any = nixl.nixl_agent(name, config)
         if "UCX" not in self._nixl.backends:
             raise RuntimeError("the NIXL UCX backend is not available")
-        if files:
-            self.files_backend = create_posix_backend(self._nixl)
+        self.files_io: str | None = create_posix_backend(self._nixl) if files else None
+        """How the POSIX backend moves file bytes, ``"uring"`` or ``"aio"``; None without ``files``."""
         self.name = name
 
     # -- memory and metadata

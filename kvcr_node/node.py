@@ -292,7 +292,10 @@ class Node:
         if self.disk_pools is not None:
             tier = DiskTier(self.store, config.disk_pools, {f.spec.name: f.region for f in self.disk_pools.files},
                             make_policy(config.policy), config.disk_demote_mark)
-            self.tiering = Tiering(tier, self.transfers, self.agent.name, self.digests, self.operations.wake_all)
+            io = self.agent.files_io or "aio"
+            self.tiering = Tiering(tier, self.transfers, self.agent.name, self.digests, self.operations.wake_all, io)
+            log.info("disk tier: %d disk pools, NIXL's POSIX backend on %s", len(config.disk_pools),
+                     "io_uring" if io == "uring" else "Linux AIO (no io_uring here)")
             self.operations.promote = self.leases.promote = self.tiering.promote
             self.leases.on_disk = self.tiering.on_disk
         # Spec 6.12: the node checks what it sends itself where a grant could have changed it.

@@ -42,12 +42,14 @@ class Tiering:
 
     def __init__(
         self, tier: DiskTier, transfers: Transfers, agent: str, digests: Digests,
-        wake: Callable[[list[bytes]], None],
+        wake: Callable[[list[bytes]], None], io: str = "aio",
     ) -> None:
         self.tier = tier
         self.transfers = transfers
         self.agent = agent
         """This node's own agent: the other side of every move of the tier."""
+        self.io = io
+        """How NIXL's POSIX backend moves the bytes (``kvcr_io.agent.create_posix_backend``)."""
         self.digests = digests
         self._reading: list[Promotion] = []
         """Read backs placed this turn, posted together at its end."""
@@ -122,10 +124,10 @@ class Tiering:
         self.copied_at = time.monotonic()
 
     def stats(self) -> dict[str, Any]:
-        """``stats`` ``disk_tier``: the tier's counts, its pools, and when copies last ended
+        """``stats`` ``disk_tier``: the tier's counts, its pools, its I/O, and when copies last ended
         (``time.monotonic`` of this host: a benchmark times the copies from outside by it)."""
         tier = self.tier
-        return {**tier.stats(), "copied_at": self.copied_at,
+        return {**tier.stats(), "copied_at": self.copied_at, "io": self.io,
                 "pools": {name: {**pool, "memory": "disk"} for name, pool in tier.disk.pool_stats().items()},
                 "moved_bytes": dict(tier.moved_bytes), "recovery": self.recovery,
                 **({"journal": self.journal.stats()} if self.journal is not None else {})}
