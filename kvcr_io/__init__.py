@@ -14,6 +14,6 @@ from importlib.metadata import PackageNotFoundError, version
 def package_version() -> str:
     """The installed kvcr version ("unknown" when run from a tree that is not installed)."""
     try:
-        return version("kvcr")
+        return version("kvcr-runner")
     except PackageNotFoundError:
         return "unknown"
