@@ -103,11 +103,18 @@ class NodeConfig:
     """Everything a node needs to start."""
 
     endpoint: str = field(default_factory=default_endpoint)
+    """The ZeroMQ endpoint clients and peers reach this node at (``ipc://PATH`` or ``tcp://HOST:PORT``);
+    by default an ipc socket in a directory of the user's own."""
     name: str = field(default_factory=lambda: f"kvcr-node-{os.getpid()}")
+    """The node's name, shown to clients and peers, in logs and in ``kvcr_node_info``."""
     pools: tuple[PoolSpec, ...] = field(default_factory=default_pools)
     policy: str = "lru"
+    """The eviction policy: ``fifo``, ``lru``, or ``module:Class`` for a plug-in (docs/node.md)."""
     low_watermark: float = 0.1
+    """When a pool's reclaimable slots (free and evictable) fall under this fraction of it, its
+    clients get one capacity event (architecture §2; again once it was back above)."""
     protocol_version: int = CURRENT_VERSION
+    """The newest protocol version this node speaks: lower it to run beside older nodes during an upgrade."""
     deadline_ms: int = 30_000
     """Deadline of an operation whose request names none."""
     heartbeat_ms: int = 2_000
@@ -190,6 +197,7 @@ class NodeConfig:
     batch: int = 256
     """Control messages drained per progress-loop turn."""
     projection_cache: int = 512
+    """Layouts whose slot projections the node keeps computed (least recently used beyond)."""
     peer_dead_ms: int = 3_000
     """A source disconnected this long is taken as gone: its writes can no longer land."""
     peer_idle_ms: int = DEFAULT_PEER_IDLE_MS
@@ -205,6 +213,7 @@ class NodeConfig:
     log_format: str = "text"
     """``text`` for people, ``json`` for log shippers: one object per line (``kvcr_node.logs``)."""
     log_level: str = "INFO"
+    """The lowest level logged: ``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``."""
     metrics_port: int | None = None
     """TCP port to serve Prometheus metrics on (``/metrics``); 0 takes a free port; None serves none."""
     metrics_address: str = "127.0.0.1"
@@ -356,11 +365,15 @@ class NodeConfig:
             raise ConfigError("events_replay_requesters", f"expected a positive integer, got {count!r}")
 
 
+POOL_FIELDS = ("name", "slot_size", "slot_count", "size", "memory")
+"""The keys of a ``[[pools]]`` table in TOML."""
+
+
 def pool_from_mapping(raw: Any, where: str) -> PoolSpec:
     """A pool from a TOML table: name, slot_size, and slot_count or size, memory."""
     if not isinstance(raw, dict):
         raise ConfigError(where, "expected a table with name, slot_size, slot_count")
-    unknown = set(raw) - {"name", "slot_size", "slot_count", "size", "memory"}
+    unknown = set(raw) - set(POOL_FIELDS)
     if unknown:
         raise ConfigError(f"{where}.{sorted(unknown)[0]}", "unknown pool field")
     name = raw.get("name")
@@ -402,7 +415,7 @@ def pool_from_flag(text: str) -> PoolSpec:
     return pool_from_mapping(raw, "--pool")
 
 
-_TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
+TOML_FIELDS: dict[str, type | tuple[type, ...]] = {
     "endpoint": str, "name": str, "policy": str, "low_watermark": (int, float), "protocol_version": int,
     "deadline_ms": int, "heartbeat_ms": int, "batch": int, "projection_cache": int, "log_level": str, "log_format": str,
     "peer_dead_ms": int, "client_grace_ms": int, "max_clients": int, "max_pending": int,
@@ -416,6 +429,8 @@ _TOP_FIELDS: dict[str, type | tuple[type, ...]] = {
     "state_dir": str, "pool_dir": str, "journal_compact_bytes": int, "disk_demote_mark": (int, float),
     "events_endpoint": str, "events_replay_endpoint": str, "events_replay_bytes": int, "events_replay_requesters": int,
 }
+"""The top-level keys of a node's TOML file and their types (``[[pools]]`` besides): the
+configuration reference of the documentation site is made from these (``scripts/docs_hooks.py``)."""
 
 
 def load_toml(path: Path, base: NodeConfig | None = None) -> NodeConfig:
@@ -439,7 +454,7 @@ def from_mapping(raw: dict[str, Any], base: NodeConfig | None = None) -> NodeCon
                 raise ConfigError("pools", "expected an array of tables ([[pools]])")
             changes.update(split_pools([pool_from_mapping(p, f"pools[{i}]") for i, p in enumerate(value)]))
             continue
-        expected = _TOP_FIELDS.get(key)
+        expected = TOML_FIELDS.get(key)
         if expected is None:
             raise ConfigError(key, "unknown configuration field")
         if (expected is bool) != isinstance(value, bool) or not isinstance(value, expected):
