@@ -79,6 +79,8 @@ COUNTERS: dict[str, str] = {
                        "looked up without it, nothing dialled (scheduler); loads naming one (worker).",
     "lookups_timed_out": "Lookups not answered within lookup_timeout_s, or whose heartbeat the node left "
                          "unanswered for half of it (frozen): a miss (scheduler).",
+    "lookups_asked_again": "Leases asked again because the block after the held ones was on its way into the node "
+                           "(read back from its disk tier, or being written): vLLM asks again next step (scheduler).",
     "lookup_errors": "Lookups that failed (the node refused or was lost, the request could not be looked up): "
                      "a miss (scheduler).",
     "node_outages": "Times the side found its node lost (restarted, or silent past the heartbeats) (both).",

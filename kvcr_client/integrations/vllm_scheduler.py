@@ -49,7 +49,7 @@ from kvcr_client.integrations.sources import CauseLog, Refusal
 from kvcr_client.integrations.vllm_common import BlockLoad, Counts, KvcrConnectorMetadata, Settings, brief, hint_id, log
 from kvcr_client.leases import LeaseHandle
 from kvcr_client.results import OpHandle
-from kvcr_protocol import DEFAULT_LIMITS
+from kvcr_protocol import DEFAULT_LIMITS, LeaseStatus
 
 
 @dataclass
@@ -64,6 +64,10 @@ class _Saving:
     """Blocks before this one are saved (or were loaded, or were cached already)."""
     held: frozenset[bytes] = frozenset()
     """Blocks the request's lease holds in the node: not deposited again."""
+
+
+COMING = frozenset({LeaseStatus.LEASED, LeaseStatus.LEASED_REMOTE, LeaseStatus.PENDING})
+"""The statuses of a block's slices that make a lookup ask again: some on their way, none missing."""
 
 
 class _Stage(enum.Enum):
@@ -164,6 +168,8 @@ class KvcrScheduler:
             wait = self.settings.lookup_wait_s
         if lookup.stage is _Stage.IN_FLIGHT:
             self._poll_lookup(lookup, wait)
+        if lookup.stage is _Stage.LEASED and self._coming(lookup):
+            self._ask_again(lookup)
         if lookup.stage is _Stage.IN_FLIGHT:
             return None
         if lookup.stage is not _Stage.LEASED or lookup.held is None:
@@ -215,6 +221,31 @@ class KvcrScheduler:
         # blocks it loads itself (docs/architecture.md section 5, "Engines under read grants").
         lookup.lease = self.client.lease(slices, request_id=hinted, read=False)
         return lookup
+
+    def _coming(self, lookup: _Lookup) -> bool:
+        """Whether the block after the lease's leading whole ones is on its way into the node:
+        every rank's slice of it held or ``PENDING`` (read back from the node's disk tier, which
+        the lease set going, or still being written), and the lookup's bound not yet reached."""
+        lease = lookup.held
+        if lease is None or time.monotonic() - lookup.started >= self.settings.lookup_timeout_s:
+            return False
+        fingerprint = self.settings.fingerprint
+        leading, _ = fingerprint.whole_blocks(lookup.keys, lease.held)
+        if leading >= len(lookup.keys):
+            return False
+        statuses = {lease.status(fingerprint.slice_key(lookup.keys[leading], rank)) for rank in range(self.ranks)}
+        return LeaseStatus.PENDING in statuses and statuses <= COMING
+
+    def _ask_again(self, lookup: _Lookup) -> None:
+        """Lease the request's blocks again (the lookup goes on under its first bound): vLLM asks
+        again next step, by when the node may have read them back. The partial lease goes."""
+        lease = lookup.held
+        if lease is not None and lease.id and lease.ended is None:
+            lease.release()  # not waited for: the reply is read in the background
+        lookup.held, lookup.whole, lookup.stage = None, frozenset(), _Stage.IN_FLIGHT
+        lookup.lease = self.client.lease(self.settings.fingerprint.all_slices(lookup.keys), request_id=lookup.hint_id,
+                                         read=False)
+        self.counts.add("lookups_asked_again")
 
     def _refused(self, why: Refusal) -> None:
         self.counts.add("sources_refused")

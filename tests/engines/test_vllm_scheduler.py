@@ -118,3 +118,25 @@ def test_keys_isolate_salts_adapters_and_images(node_factory: Callable[..., Node
     with Client(node.endpoint, name="vllm-check") as c:
         st = assert_clean(c)
     assert st["leases"]["held"] == 0 and st["objects"] == len(distinct) == 28
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_blocks_held_on_disk_are_read_back_and_loaded_on_the_first_request(
+    node_factory: Callable[..., NodeProcess], tmp_path: Path,
+) -> None:
+    """A prompt whose blocks the node holds only in its disk tier (as after a restart on its
+    disk pools): the lookup's lease answers them PENDING while the node reads them back, the
+    scheduler answers vLLM "not yet" and leases again, and the request is scheduled with both
+    blocks matched and loaded, not computed."""
+    node = node_factory("--pool", "kv:16KiB:16", "--pool", f"kv-disk:16KiB:256:disk:{tmp_path}",
+                        "--disk-demote-mark", "1")
+    r = run_script(DRIVER, node.endpoint, "disk", timeout_s=TIMEOUT_S, python=VLLM_PY)
+    assert r["unfinished"] is False, r
+    assert r["new"] == {"loaded": {"num_computed_tokens": 64}}, r
+    assert r["loads"] and r["loads"][0]["keys"] == r["loaded_keys"][:2], r
+    counted = {name: sum(s.get(name, 0) for s in r["stats"]) for name in ("leases", "matched_tokens", "lookups_asked_again")}
+    assert counted["leases"] == 1 and counted["matched_tokens"] == 64 and counted["lookups_asked_again"] >= 1, r
+    assert r["not_yet_steps"] >= 1, r  # vLLM was told "not yet" while the node read the blocks back
+    with Client(node.endpoint, name="engines-check") as c:
+        st = assert_clean(c)
+        assert st["leases"]["held"] == 0 and st["disk_tier"]["promoted"] >= 2, st["disk_tier"]

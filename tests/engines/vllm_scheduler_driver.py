@@ -4,7 +4,8 @@ Run in the vLLM environment as ``python vllm_scheduler_driver.py ENDPOINT``; pri
 line with what the scheduler did, step by step, for ``test_vllm_scheduler.py`` to check.
 ``python vllm_scheduler_driver.py ENDPOINT isolation`` drives the connector's scheduler side
 itself with vLLM's requests that differ only in what vLLM folds into its block hashes
-(``isolation_run``).
+(``isolation_run``); ``... ENDPOINT disk`` the scheduler with a prompt whose blocks the node
+holds only in its disk tier (``disk_run``).
 
 The configuration is what ``EngineArgs`` makes for the tiny Llama of
 ``examples/vllm_prefix.py`` (CPU platform, chunked prefill with a budget of 64 tokens a
@@ -296,10 +297,65 @@ def settings_run(sched: Scheduler) -> dict[str, Any]:
     }
 
 
+DISK_WAIT_S = 60.0
+"""How long the node may take to copy blocks to its disk tier, or the driver to evict them from memory."""
+FILLER_BLOCKS = 4
+"""Blocks deposited over the loaded ones, one at a time: as many slots as the test's memory pool has."""
+
+
+def until(done: Any, what: str) -> None:
+    """Wait, bounded, until ``done()``."""
+    deadline = time.monotonic() + DISK_WAIT_S
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def disk_run(endpoint: str) -> dict[str, Any]:
+    """The ``loaded`` request's first two blocks held only in the node's disk tier, as a node
+    restarted on its disk pools holds them: deposited, copied to the tier, then evicted from
+    the memory pool by other blocks. The lookup's lease finds them ``PENDING`` (the node reads
+    them back), the scheduler answers "not yet" and leases again next step, and vLLM schedules
+    the request with both blocks matched. Every step until then is recorded."""
+    sched = scheduler(endpoint, {"lookup_timeout_s": 30.0, "lookup_wait_s": 0.05})
+    connector = sched.connector
+    assert isinstance(connector, KvcrConnector), type(connector)
+    fp = connector.connector_scheduler.settings.fingerprint
+    loaded_keys = prompt_keys(fp, LOADED_PROMPT)
+    slices = fp.all_slices(loaded_keys[:2])
+    deposit_blocks(endpoint, slices)
+    with Client(endpoint, name="driver-disk") as client:
+        def copied() -> bool:
+            tier = client.stats().result(30)["disk_tier"]
+            return bool(tier["copies"] >= len(slices) and tier["demoting"] == 0)
+
+        until(copied, "the node did not copy the blocks to its disk tier")
+        for i in range(FILLER_BLOCKS):
+            deposit_blocks(endpoint, [b"filler-%d" % i])
+        until(lambda: all(a.tier == "disk" for a in client.query(slices).result(30).values()),
+              "the blocks did not leave the memory pool")
+    prompts = {"loaded": LOADED_PROMPT}
+    sched.add_request(request("loaded", LOADED_PROMPT, SamplingParams(max_tokens=1, temperature=0.0)))
+    steps: list[dict[str, Any]] = []
+    deadline = time.monotonic() + DISK_WAIT_S
+    while sched.has_unfinished_requests() and time.monotonic() < deadline:
+        steps.append(step(sched, prompts))
+    report = {"loaded_keys": [k.hex() for k in loaded_keys], "unfinished": sched.has_unfinished_requests(),
+              "not_yet_steps": next((i for i, s in enumerate(steps) if s["new"]), None),
+              "new": next((s["new"] for s in steps if s["new"]), None),
+              "loads": next((s["loads"] for s in steps if s["loads"]), None),
+              "stats": [s["kv_connector_stats"] for s in steps if s["kv_connector_stats"]]}
+    sched.shutdown()
+    return report
+
+
 def main() -> int:
     endpoint = sys.argv[1]
     if sys.argv[2:] == ["isolation"]:
         print(json.dumps(isolation_run(endpoint)), flush=True)
+        return 0
+    if sys.argv[2:] == ["disk"]:
+        print(json.dumps(disk_run(endpoint)), flush=True)
         return 0
     sched = scheduler(endpoint)
     connector = sched.connector
