@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -49,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import torch
+from disk import drop_cache
 from procs import process_group, spawn, stop
 from stats import Progress, summary
 from transformers import DynamicCache
@@ -98,14 +98,9 @@ class Prompt:
 
 
 def drop_pages(directory: Path) -> None:
-    """Drop the page cache of every file under ``directory`` (clean pages go; nothing is written)."""
+    """Drop every file under ``directory`` from the page cache."""
     for path in directory.iterdir():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_cache(path)
 
 
 def settled(client: Client, copies: int) -> None:
