@@ -47,7 +47,8 @@ LOAD_TIMEOUT_S = 5.0
 """The load's deadline where the source is killed: the node gives up on it then."""
 LOADED = {"layer_waits": 4, "loads": 1, "grant_loads": 1, "blocks_loaded": 3, "saves": 0, "blocks_saved": 0, "save_errors": 0, "saves_timed_out": 0,
           "saves_paused": 0, "load_errors": 0, "blocks_failed": 0,
-          "leases": 1, "matched_tokens": 96, "sources_refused": 0, "lookups_timed_out": 0, "lookup_errors": 0,
+          "leases": 1, "matched_tokens": 96, "sources_refused": 0, "lookups_timed_out": 0, "lookups_asked_again": 0,
+          "lookup_errors": 0,
           "node_outages": 0, "reconnects": 0, "node_away_ms": 0, "node_away": 0, "node_stalled": 0}
 """Four layers, three full blocks of 32 of a 100-token prompt: one lease, one load (READ under
 the worker's read grant), a wait per layer."""
