@@ -59,7 +59,13 @@ def test_a_report_flood_drops_nothing_and_reads_within_its_budget() -> None:
         wanted = {k: [Span(f"L{j}", out, (i * SPANS + j) * SLOT, SLOT) for j in range(SPANS)] for i, k in enumerate(keys)}
         started = time.monotonic()
         answers: dict[str, int] = {}
-        for _ in range(RECONNECTS):
+        for session in range(RECONNECTS):
+            if session == 1:
+                # RSS from after the first flood: what the node allocates once (its first
+                # remote agent's UCX state, the queue of a session's reports at its highest,
+                # the allocator's arenas, more of them when the machine is loaded) is not a
+                # leak; what every later session adds, beyond the agents it keeps, would be.
+                rss = rss_kib(pid)
             with Client(node.endpoint, name="flooder") as flooder:
                 hostile = [
                     tuple(keys),  # another client's objects, all intact
@@ -101,6 +107,6 @@ def test_a_report_flood_drops_nothing_and_reads_within_its_budget() -> None:
             k: v for k, v in base["tables"].items() if k not in agents}, (tables, base["tables"])
         assert tables["remote_agents_departed"] <= DEPARTED_AGENTS
         assert fd_count(pid) <= fds + FD_SLACK and thread_count(pid) <= threads + THREAD_SLACK
-        assert rss_kib(pid) <= rss + RSS_GROWTH_KIB
+        assert rss_kib(pid) <= rss + RSS_GROWTH_KIB, (rss, rss_kib(pid))
         innocent.unregister(out)
         assert_clean(innocent)
