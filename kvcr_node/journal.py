@@ -431,3 +431,12 @@ class Journal:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def close_stopping(journal: Journal, what: str) -> None:
+    """Close ``journal`` as its node stops (its last records written): an ``OSError`` (a full or
+    vanished disk) is logged, naming ``what``, not raised, so that the rest of the node closes."""
+    try:
+        journal.close()
+    except OSError as exc:
+        log.error("%s: cannot close its journal: %s", what, exc)

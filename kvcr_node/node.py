@@ -45,7 +45,7 @@ from kvcr_node.eviction import make_policy
 from kvcr_node.exporter import MetricsExporter
 from kvcr_node.introductions import Introductions
 from kvcr_node.inventory import Inventory
-from kvcr_node.journal import Journal, failure_log
+from kvcr_node.journal import Journal, close_stopping, failure_log
 from kvcr_node.leases import Leases
 from kvcr_node.links import Links
 from kvcr_node.logs import left_out_note
@@ -582,10 +582,7 @@ class Node:
     def _close_state(self) -> None:
         """Write the journal's last records and give the state directory up."""
         if self.journal is not None:
-            try:
-                self.journal.close()
-            except OSError as exc:
-                log.error("journal: cannot close it: %s", exc)
+            close_stopping(self.journal, "state directory")
             self.journal = None
         if self.state is not None:
             self.state.close()

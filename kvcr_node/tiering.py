@@ -25,7 +25,7 @@ from kvcr_io.agent import TransferError
 from kvcr_io.digests import UNCHECKED, unpack_digests
 from kvcr_node.digests import Digests
 from kvcr_node.disk_tier import Demotion, DiskTier, Promotion
-from kvcr_node.journal import Dropped, Journal, failure_log
+from kvcr_node.journal import Dropped, Journal, close_stopping, failure_log
 from kvcr_node.logs import left_out_note
 from kvcr_node.metrics import Histogram
 from kvcr_node.objects import InventoryListener
@@ -79,10 +79,7 @@ class Tiering:
     def close(self) -> None:
         """Write the journal's last records (the node is stopping: no copy changes any more)."""
         if self.journal is not None:
-            try:
-                self.journal.close()
-            except OSError as exc:
-                log.error("disk tier: cannot close its journal: %s", exc)
+            close_stopping(self.journal, "disk tier")
             self.journal = None
 
     def step(self) -> None:
