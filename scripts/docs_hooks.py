@@ -49,8 +49,7 @@ SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created", "_info")
 
 def _site_links(markdown: str, prefix: str) -> str:
     """Links written for the repository (``docs/x.md``, ``spec/kvcr-protocol.md``), as the site's."""
-    markdown = markdown.replace(f"]({prefix}spec/kvcr-protocol.md", "](protocol.md")
-    return markdown.replace(f"]({prefix}spec/", "](protocol.md").replace("](docs/", "](")
+    return markdown.replace(f"]({prefix}spec/kvcr-protocol.md", "](protocol.md").replace("](docs/", "](")
 
 
 def _field_docs() -> dict[str, str]:
