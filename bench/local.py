@@ -37,7 +37,9 @@ descriptor), ``grant_deliver_prepared_ratio`` (the same anchor / the deliver to 
 of one 64 KiB span, p50, and over a bare agent's READ of its slot), ``grant_deliver_ms``, ``raw_grant_read_ms`` and ``raw_writer_read_ms`` (their medians) and
 ``grant_deliver_spread`` and ``raw_grant_read_spread`` ((p90 - p10) / median), ``deposit_ratio`` (raw NIXL READ p50
 / kvcr deposit p50), ``planned_vs_whole_local`` (the same object delivered by the node in 32
-groups of a layer plan, p50 / whole, both to the prepared destination), ``put_deposit_ratio`` (raw NIXL WRITE p50 of the same 1024 descriptors by a bare
+groups of a layer plan, p50 / whole, both to the prepared destination; ``planned_vs_whole_raw``: the
+same for raw NIXL, the object as 32 WRITEs in order, each with a notification, / one WRITE, the
+floor of the former; ``planned_deliver_ratio``: those 32 raw WRITEs p50 / kvcr's planned deliver p50), ``put_deposit_ratio`` (raw NIXL WRITE p50 of the same 1024 descriptors by a bare
 agent / kvcr put p50 under a write grant, put, WRITE and commit included; ``_merged``: against one
 descriptor; ``put_ms``, ``raw_put_write_ms`` and their ``_spread``), ``put_node_ratio`` and
 ``raw_node_write_ms`` (the same WRITE by a bare agent into the node's very slots the put wrote,
@@ -147,6 +149,8 @@ def raw_writer(endpoint: str) -> None:
         n = msg.get("n", SPANS)
         span = msg.get("span", SPAN)
         t0 = time.perf_counter()
+        if msg.get("groups"):
+            return write_groups(msg["groups"], t0)
         if msg.get("merged"):
             # The same bytes as one descriptor each side, built per request (what kvcr
             # posts after merging contiguous spans).
@@ -164,6 +168,23 @@ def raw_writer(endpoint: str) -> None:
         while state == "PROC":
             state = agent.check_xfer_state(handle)
         agent.release_xfer_handle(handle)
+        return {"t": "done", "s": time.perf_counter() - t0, "state": state}
+
+    def write_groups(groups: int, t0: float) -> dict[str, Any]:
+        """The object as ``groups`` WRITEs in order, each of its descriptors with a notification,
+        each posted once the one before is done: what a node's planned deliver asks of NIXL."""
+        mine, theirs = dlists(SPAN)
+        per = SPANS // groups
+        state = "DONE"
+        for g in range(groups):
+            rows = list(range(g * per, (g + 1) * per))
+            handle = agent.make_prepped_xfer("WRITE", mine, rows, theirs, rows, f"g{g}".encode())
+            state = agent.transfer(handle)
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+            agent.release_xfer_handle(handle)
+            if state != "DONE":
+                break
         return {"t": "done", "s": time.perf_counter() - t0, "state": state}
 
     serve(endpoint, {"setup": setup, "write": write, "md": md, "echo": echo}, idle=agent.get_new_notifs)
@@ -185,7 +206,7 @@ class RawNixl:
         self.agent.register_memory([(src.ctypes.data, OBJECT, 0, ""), (dst.ctypes.data, OBJECT, 0, "")], "DRAM")
         assert peer.call({"t": "setup", "md": self.agent.get_agent_metadata(), "addr": dst.ctypes.data,
                           "src": src.ctypes.data})["t"] == "ok"
-        self.runs: dict[str, list[float]] = {"write": [], "write_e2e": [], "write_merged": [], "read": [],
+        self.runs: dict[str, list[float]] = {"write": [], "write_e2e": [], "write_merged": [], "write_planned": [], "read": [],
                                              "consumer_read": [], "consumer_read_merged": [], "consumer_write": [],
                                              "consumer_write_merged": [], "node_read": [], "node_read_small": [], "node_write": []}
         found = peer.call({"t": "md"})
@@ -203,10 +224,11 @@ class RawNixl:
         """The node's one slot of the one-span object (``reach_node``), for ``node_read_small``."""
 
     def run(self, kind: str) -> None:
-        """One timed request: ``write``, ``write_merged`` or ``read``."""
+        """One timed request: ``write``, ``write_merged``, ``write_planned`` (the object in the
+        32 groups of ``LAYERS``, one WRITE each) or ``read``."""
         t0 = time.perf_counter()
-        reply = self.peer.call({"t": "write", "merged": kind == "write_merged", "read": kind == "read"},
-                               self.agent.get_new_notifs)
+        reply = self.peer.call({"t": "write", "merged": kind == "write_merged", "read": kind == "read",
+                                "groups": len(LAYERS) if kind == "write_planned" else 0}, self.agent.get_new_notifs)
         assert reply["state"] == "DONE", reply
         self.runs[kind].append(reply["s"])
         if kind == "write":
@@ -516,6 +538,7 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, 
             assert res[b"obj"].ok, res
             raw.run("write")
             raw.run("write_merged")
+            raw.run("write_planned")
         # One span of the object under a key of its own: a small granted deliver, whole.
         assert client.deposit({b"small": [Span("L0", rs, 0, SPAN, "kv")]}).result(30)[b"small"].ok
         granted = bench_grants(client, raw, {**dests, "small": {b"small": client.destination(spans[:1])}}, src, dst,
@@ -596,6 +619,8 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
         "deliver_ratio": r["write"]["median"] / k["deliver"]["median"],
         "deposit_ratio": r["read"]["median"] / k["deposit"]["median"],
         "planned_vs_whole_local": k["deliver_planned"]["median"] / k["deliver_prepared"]["median"],
+        "planned_vs_whole_raw": r["write_planned"]["median"] / r["write"]["median"],
+        "planned_deliver_ratio": r["write_planned"]["median"] / k["deliver_planned"]["median"],
         "grant_deliver_ratio": r["node_read"]["median"] / k["grant_deliver"]["median"],
         "grant_deliver_ratio_writer": r["consumer_read"]["median"] / k["grant_deliver"]["median"],
         "grant_deliver_ratio_merged": r["consumer_read_merged"]["median"] / k["grant_deliver"]["median"],
@@ -639,7 +664,10 @@ def report(k: dict[str, Any], quick: bool, out: TextIO, progress: Progress) -> d
         ratio_e2e = r["write_e2e"]["median"] / k[name]["median"]
         say(f"  ratio kvcr / raw NIXL, {label}: {ratio:.2f} (goal >= 0.9); against raw NIXL + trigger: {ratio_e2e:.2f}")
     say(f"  kvcr deliver, {len(LAYERS)} layers      {fmt_gbps(OBJECT, k['deliver_planned'])}")
-    say(f"  planned / whole (prepared dest.): {figures['planned_vs_whole_local']:.2f} (goal <= 1.2)")
+    say(f"  raw NIXL, {len(LAYERS)} WRITEs in order {fmt_gbps(OBJECT, r['write_planned'])}")
+    say(f"  planned / whole (prepared dest.): {figures['planned_vs_whole_local']:.2f} (goal <= 1.2); "
+        f"raw NIXL the same way: {figures['planned_vs_whole_raw']:.2f}; "
+        f"raw {len(LAYERS)} WRITEs / kvcr planned: {figures['planned_deliver_ratio']:.2f}")
     say("deliver of the same object under a read grant (the client READs the node's pool), against raw NIXL READ")
     say(f"  kvcr deliver, list of spans      {fmt_gbps(OBJECT, k['grant_deliver'])}")
     say(f"  kvcr deliver, prepared dest.     {fmt_gbps(OBJECT, k['grant_deliver_prepared'])}")
