@@ -137,28 +137,43 @@ class Operations:
         The operation waits on keys still WRITING here, and on keys being read back from
         the disk tier (``promote``); keys neither here nor hinted
         fail NOT_FOUND, repeated keys DUPLICATE_KEY; keys that already failed stay out.
+        A read back makes room by eviction, never of this batch's READY keys: they are held
+        (claimed) while the read backs are placed, and the caller claims them for its transfer.
         """
         unique = self.unique_keys(op, keys)
         ready: list[int] = []
-        remote: dict[str, list[int]] = {}
+        held: list[ObjectEntry] = []
+        missing: list[int] = []
         results = op.results
         for i, key in enumerate(keys):
             if not unique[i] or results[i] is not None:
                 continue
             entry = self.store.lookup(key)
-            if entry is None and self.promote is not None and self.promote(key):
-                self.wait(op, key, i)  # read back from the disk tier (architecture §9)
-            elif entry is None:
+            if entry is None:
+                missing.append(i)
+            elif entry.state is ObjectState.WRITING:
+                self.wait(op, key, i)
+            else:
+                ready.append(i)
+                held.append(entry)
+        remote: dict[str, list[int]] = {}
+        if not missing:
+            return ready, remote
+        self.store.claim_all(held)
+        try:
+            for i in missing:
+                key = keys[i]
+                if self.promote is not None and self.promote(key):
+                    self.wait(op, key, i)  # read back from the disk tier (architecture §9)
+                    continue
                 source = self.hinted_source(op.session, request_id, key)
                 if source is None:
                     op.fail(i, ErrorCode.NOT_FOUND, f"items[{i}].key is not stored on this node"
                             + (" and no hint names a source" if request_id is not None else ""))
                 else:
                     remote.setdefault(source, []).append(i)
-            elif entry.state is ObjectState.WRITING:
-                self.wait(op, key, i)
-            else:
-                ready.append(i)
+        finally:
+            self.store.unclaim_all(held)
         return ready, remote
 
     def hinted_source(self, session: Session, request_id: str | None, key: bytes) -> str | None:

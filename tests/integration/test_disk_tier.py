@@ -186,3 +186,33 @@ def test_a_lease_reads_a_key_back_and_a_later_lease_holds_it(disk_node: tuple[No
         assert client.counters()["grant_reads"] == reads + 1, "read under the lease's grant"
         lease.release().result(RESULT_TIMEOUT_S)
         assert_clean(client)
+
+
+def test_a_deliver_that_reads_keys_back_keeps_its_own_keys_in_memory(disk_node: tuple[NodeProcess, Path]) -> None:
+    """One deliver names a key in memory that eviction would take next and keys held on disk
+    only: reading those back makes room by eviction, which must take other objects, not the
+    key the same deliver is about to send (it would fail ``NOT_FOUND`` though it was held)."""
+    node, _ = disk_node
+    with Client(node.endpoint, name="disk-own-keys") as client:
+        register = Registrar(client)
+        keys, src = deposit_all(client, register, "own", seed=9)
+        answers = client.query(keys).result(RESULT_TIMEOUT_S)
+        in_memory = [k for k in keys if answers[k].tier == "dram"]
+        evicted = [k for k in keys if answers[k].tier == "disk"]
+        assert len(in_memory) == MEMORY_SLOTS // 2 and len(evicted) >= 4, dict(answers)
+        # Deposited first and never read since: the least recently used, eviction's next.
+        wanted = [in_memory[0], *evicted[:4]]
+        dst = np.zeros(LAYOUT.nbytes * len(wanted), np.uint8)
+        region = register(dst)
+        res = client.deliver({
+            key: [Span(name, region, j * LAYOUT.nbytes + off, SLOT) for name, off in zip(LAYOUT.names, LAYOUT.offsets,
+                                                                                        strict=True)]
+            for j, key in enumerate(wanted)}).result(RESULT_TIMEOUT_S)
+        assert res.all_ok, dict(res)
+        for j, key in enumerate(wanted):
+            i = keys.index(key)
+            assert np.array_equal(dst[j * LAYOUT.nbytes:(j + 1) * LAYOUT.nbytes],
+                                  src[i * LAYOUT.nbytes:(i + 1) * LAYOUT.nbytes]), f"{key!r} came back changed"
+        figures = settled(client)
+        assert figures["promoted"] == 4 and figures["mismatched"] == 0
+        assert_clean(client)
