@@ -95,6 +95,11 @@ def _parser() -> argparse.ArgumentParser:
         help="grant target nodes' clients reads of this node's slots (default off: they get this node's "
              "pool registrations, read and write; spec sections 6.12 and 14)",
     )
+    p.add_argument(
+        "--disk-promote", action=argparse.BooleanOptionalAction, default=None,
+        help="keep what is read back from the disk tier in memory (default on; off: read through, "
+             "it leaves memory once read and stays on disk)",
+    )
     p.add_argument("--version", action="version", version=f"kvcr-node {package_version()}")
     return p
 
@@ -103,7 +108,7 @@ def build_config(args: argparse.Namespace) -> NodeConfig:
     """Defaults, then the TOML file, then flags."""
     config = load_toml(args.config) if args.config else NodeConfig()
     changes: dict[str, Any] = {}
-    for attr in ("endpoint", "client_transfers", "peer_grants", "integrity", *(field for field, _, _ in SETTINGS)):
+    for attr in ("endpoint", "client_transfers", "peer_grants", "integrity", "disk_promote", *(field for field, _, _ in SETTINGS)):
         value = getattr(args, attr)
         if value is not None:
             changes[attr] = value

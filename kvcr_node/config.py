@@ -248,6 +248,11 @@ class NodeConfig:
     """While a DRAM pool has fewer free slots than this fraction of it, the node copies to the
     disk tier what that pool would evict next (as many slots' worth as are missing); 1 copies
     everything evictable, as soon as it is."""
+    disk_promote: bool = True
+    """Whether an object read back from the disk tier for a deliver, fetch or lease stays in
+    memory (promoted: the next read finds it there). Off, it is read through: it leaves memory
+    with its readers' last claim and its copy stays on disk, so one-off reads of cold prefixes
+    take no room from what is read often."""
 
     def validated(self) -> NodeConfig:
         """Check every field; raise ``ConfigError`` naming the first bad one."""
@@ -300,7 +305,7 @@ class NodeConfig:
             value = getattr(self, share)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
                 raise ConfigError(share, f"expected a fraction in (0, 1], got {value!r}")
-        for flag in ("client_transfers", "peer_grants", "integrity"):
+        for flag in ("client_transfers", "peer_grants", "integrity", "disk_promote"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(flag, f"expected true or false, got {getattr(self, flag)!r}")
         if not 0.0 <= self.low_watermark < 1.0:
@@ -427,6 +432,7 @@ TOML_FIELDS: dict[str, type | tuple[type, ...]] = {
     "metrics_max_connections": int, "client_transfers": bool, "peer_grants": bool, "integrity": bool, "put_ttl_ms": int, "max_put_ttl_ms": int,
     "max_puts_per_session": int, "put_quarantine_ms": int, "suspect_bytes_per_s": int, "put_session_fraction": (int, float), "put_pool_fraction": (int, float),
     "state_dir": str, "pool_dir": str, "journal_compact_bytes": int, "disk_demote_mark": (int, float),
+    "disk_promote": bool,
     "events_endpoint": str, "events_replay_endpoint": str, "events_replay_bytes": int, "events_replay_requesters": int,
 }
 """The top-level keys of a node's TOML file and their types (``[[pools]]`` besides): the

@@ -73,11 +73,14 @@ class DiskTier:
 
     def __init__(
         self, memory: Store, disk_pools: Sequence[PoolSpec], files: Mapping[str, Remote], policy: EvictionPolicy,
-        mark: float, in_flight: int = DEMOTIONS_IN_FLIGHT,
+        mark: float, in_flight: int = DEMOTIONS_IN_FLIGHT, promote: bool = True,
     ) -> None:
         """``files``: each disk pool's file, as the remote side of its moves; ``mark``: a DRAM
-        pool's free slots under this fraction of it start copying what it would evict next."""
+        pool's free slots under this fraction of it start copying what it would evict next;
+        ``promote``: an object read back stays in memory (else it is read through: it leaves
+        memory with its readers' last claim, ``Store.read_through``)."""
         self.memory = memory
+        self.promote_keeps = promote
         self.disk = Store(disk_pools, policy)
         self.disk.listener = self  # a copy it evicts or removes takes its memory layout with it
         self.files = dict(files)
@@ -247,6 +250,8 @@ class DiskTier:
         if ok:
             entry.digests = copy.digests
             self.memory.commit(entry)  # while promoting: its listener keeps the copy (``stored_anew``)
+            if not self.promote_keeps:
+                self.memory.read_through(entry)
             del self.promoting[entry.key]
             self.counts["promoted"] += 1
             self.moved_bytes["promoted"] += self._bytes_of(entry)

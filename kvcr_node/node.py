@@ -291,7 +291,7 @@ class Node:
         self.tiering: Tiering | None = None  # the disk tier at work, with disk pools (architecture §9)
         if self.disk_pools is not None:
             tier = DiskTier(self.store, config.disk_pools, {f.spec.name: f.region for f in self.disk_pools.files},
-                            make_policy(config.policy), config.disk_demote_mark)
+                            make_policy(config.policy), config.disk_demote_mark, promote=config.disk_promote)
             io = self.agent.files_io or "aio"
             self.tiering = Tiering(tier, self.transfers, self.agent.name, self.digests, self.operations.wake_all, io)
             log.info("disk tier: %d disk pools, NIXL's POSIX backend on %s", len(config.disk_pools),

@@ -173,7 +173,7 @@ class Operations:
                 else:
                     remote.setdefault(source, []).append(i)
         finally:
-            self.store.unclaim_all(held)
+            self.store.unclaim_all(held, held_only=True)
         return ready, remote
 
     def hinted_source(self, session: Session, request_id: str | None, key: bytes) -> str | None:

@@ -95,6 +95,9 @@ class Store:
         self._condemned: dict[int, ObjectEntry] = {}
         """Condemned entries still claimed, by id: their slots are not free yet."""
         self._condemned_objects = 0
+        self._read_through: dict[int, ObjectEntry] = {}
+        """Objects read back from the disk tier for their readers only (``read_through``), by id:
+        they leave memory with their last claim."""
         self._low_watermark = low_watermark
         self._threshold = {name: low_watermark * spec.slot_count for name, spec in self._pools.items()}
         self._armed = dict.fromkeys(self._pools, True)
@@ -354,7 +357,18 @@ class Store:
             self._access(entry)
         if entry.claims == 0:
             self._index.add(entry)
+            if self._read_through.pop(id(entry), None) is not None:
+                self._evict(entry)
             self._check_pressure(entry.info)
+
+    def read_through(self, entry: ObjectEntry) -> None:
+        """``entry`` (READY) was read back from the disk tier for its readers only (the node's
+        ``disk_promote`` off): it leaves memory, as an eviction, with the last claim of a
+        reader, and its copy on disk stays."""
+        self._own(entry)
+        if entry.state is not _READY:
+            raise StoreError(f"read through of {entry.key!r}: it is {entry.state.name}, not READY")
+        self._read_through[id(entry)] = entry
 
     def claim_all(self, entries: Sequence[ObjectEntry], accessed: int = 0) -> None:
         """``claim`` each of ``entries`` once: a lease holding many objects checks capacity
@@ -376,8 +390,10 @@ class Store:
         for info in layouts.values():
             self._check_pressure(info)
 
-    def unclaim_all(self, entries: Sequence[ObjectEntry]) -> None:
-        """``unclaim`` each of ``entries`` once, recording no access (a lease that ends)."""
+    def unclaim_all(self, entries: Sequence[ObjectEntry], held_only: bool = False) -> None:
+        """``unclaim`` each of ``entries`` once, recording no access (a lease that ends).
+        ``held_only``: the claims only held the objects while others were placed, nobody read
+        them (a read-through object stays for the reader that comes next)."""
         layouts: dict[int, LayoutInfo] = {}
         for entry in entries:
             self._own(entry)
@@ -389,6 +405,8 @@ class Store:
                     self._drop(entry)
                     continue
                 self._index.add(entry)
+                if not held_only and self._read_through.pop(id(entry), None) is not None:
+                    self._evict(entry)
                 layouts[id(entry.info)] = entry.info
         self._claims -= len(entries)
         for info in layouts.values():
@@ -446,6 +464,7 @@ class Store:
 
     def _drop(self, entry: ObjectEntry) -> None:
         """Forget ``entry`` and free its slots (it is already out of the index)."""
+        self._read_through.pop(id(entry), None)
         if entry.state is _CONDEMNED:
             del self._condemned[id(entry)]
         else:
@@ -523,7 +542,9 @@ class Store:
 
         O(objects + slots): for tests and debugging, not for the hot path.
         """
-        return audit(StoreTables(
+        passing = [f"read-through {e.key!r} is not a stored READY object" for e in self._read_through.values()
+                   if self._objects.get(e.key) is not e or e.state is not _READY]
+        return passing + audit(StoreTables(
             self._objects, self._condemned, self._alloc, self._layouts, self._tier_of, self._pool_objects,
             (self._writing, self._ready, self._claims), self._index))
 

@@ -216,3 +216,34 @@ def test_a_deliver_that_reads_keys_back_keeps_its_own_keys_in_memory(disk_node: 
         figures = settled(client)
         assert figures["promoted"] == 4 and figures["mismatched"] == 0
         assert_clean(client)
+
+
+def test_with_promotion_off_what_is_read_back_is_read_through(
+    node_factory: Callable[..., NodeProcess], tmp_path: Path,
+) -> None:
+    """``--no-disk-promote``: a key read back from disk for a deliver or a lease is served byte
+    for byte, then leaves memory again (its copy stays on disk, so it is read back each time),
+    and takes no room from the objects that are in memory."""
+    node = node_factory("--pool", f"kv:{SLOT // KiB}KiB:{MEMORY_SLOTS}",
+                        "--pool", f"kv-disk:{SLOT // KiB}KiB:{DISK_SLOTS}:disk:{tmp_path}", "--no-disk-promote")
+    with Client(node.endpoint, name="disk-read-through") as client:
+        register = Registrar(client)
+        keys, src = deposit_all(client, register, "rt", seed=13)
+        key = on_disk(client, keys)[0]
+        i = keys.index(key)
+        for _ in range(2):
+            outcome, dst = deliver(client, register, key)
+            assert outcome.ok and np.array_equal(dst, src[i * LAYOUT.nbytes:(i + 1) * LAYOUT.nbytes]), outcome
+            assert client.query([key]).result(RESULT_TIMEOUT_S)[key].tier == "disk", "read through, not kept"
+        lease = client.lease([key], ttl_ms=30_000).result(RESULT_TIMEOUT_S)
+        assert lease.status(key) is LeaseStatus.PENDING
+        settled(client)
+        lease = client.lease([key], ttl_ms=30_000).result(RESULT_TIMEOUT_S)
+        assert lease.status(key) is LeaseStatus.LEASED, "read back, it stays for the reader that comes next"
+        outcome, dst = deliver(client, register, key)
+        assert outcome.ok and np.array_equal(dst, src[i * LAYOUT.nbytes:(i + 1) * LAYOUT.nbytes]), outcome
+        lease.release().result(RESULT_TIMEOUT_S)
+        assert client.query([key]).result(RESULT_TIMEOUT_S)[key].tier == "disk", "gone from memory with the lease"
+        figures = settled(client)
+        assert figures["promoted"] == 3 and figures["mismatched"] == 0 and figures["dropped"] == 0
+        assert_clean(client)

@@ -217,3 +217,57 @@ def test_a_look_visits_a_bounded_number_of_objects(memory: Store, monkeypatch: p
     assert [d.entry.key for d in tier.next_demotions()] == [b"d"]
     assert memory.index.visits < 40
     ok(tier)
+
+
+def test_with_promotion_off_an_object_read_back_leaves_memory_with_its_last_reader(memory: Store) -> None:
+    spec = PoolSpec("kv-disk", SLOT, DISK, "disk:/unused")
+    tier = DiskTier(memory, [spec], {"kv-disk": FileRegion(FD, spec.size)}, make_policy("fifo"), mark=0.5,
+                    in_flight=2, promote=False)
+    memory.listener = MemoryListener(tier)
+    d = a_copied(tier, memory)
+    put(memory, b"d", layout())
+    put(memory, b"e", layout())  # evicts a: on disk only
+    p = tier.promote(b"a")
+    assert not isinstance(p, DepositOutcome)
+    tier.promoted(p, True)
+    evictions = memory.stats()["evicted_objects"]
+    entry = p.entry
+    assert entry.state is ObjectState.READY and memory.lookup(b"a") is entry
+    ok(tier)
+
+    # A hold while other objects are placed (a batch that reads others back) is no reader.
+    memory.claim_all([entry])
+    memory.unclaim_all([entry], held_only=True)
+    assert memory.lookup(b"a") is entry
+    # Two readers: it leaves memory with the last one, as an eviction; its copy stays.
+    memory.claim(entry)
+    memory.claim(entry)
+    memory.unclaim(entry)
+    assert memory.lookup(b"a") is entry
+    memory.unclaim(entry)
+    assert memory.lookup(b"a") is None and tier.on_disk_only(b"a") is d.copy
+    assert memory.stats()["evicted_objects"] == evictions + 1
+    ok(tier)
+
+    # Read back again, then held by a lease that ends: the same.
+    p = tier.promote(b"a")
+    assert not isinstance(p, DepositOutcome)
+    tier.promoted(p, True)
+    memory.claim_all([p.entry])
+    memory.unclaim_all([p.entry])
+    assert memory.lookup(b"a") is None and tier.on_disk_only(b"a") is d.copy
+    assert tier.counts["promoted"] == 2
+    ok(tier)
+
+
+def test_with_promotion_on_an_object_read_back_stays_after_its_readers(tier: DiskTier, memory: Store) -> None:
+    a_copied(tier, memory)
+    put(memory, b"d", layout())
+    put(memory, b"e", layout())
+    p = tier.promote(b"a")
+    assert not isinstance(p, DepositOutcome)
+    tier.promoted(p, True)
+    memory.claim(p.entry)
+    memory.unclaim(p.entry)
+    assert memory.lookup(b"a") is p.entry and tier.on_disk_only(b"a") is None
+    ok(tier)
