@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvcr_io.agent import Agent, Desc, XferStatus
-from kvcr_node.transfers import anchored, list_moves, run_moves
+from kvcr_node.transfers import RUN_MOVES_NUMPY_FROM, anchored, array_moves, list_moves, run_moves
 from kvcr_protocol import MemoryKind, Region
 
 DEV = 0
@@ -141,7 +141,8 @@ def test_random_layouts_of_live_and_withdrawn_registrations() -> None:
 
 
 def test_a_plan_groups_moves_match_the_column_form() -> None:
-    """``list_moves`` (a layer plan's small groups) cuts the same runs as ``run_moves``:
+    """``list_moves`` (a layer plan's small groups, and ``run_moves`` below
+    ``RUN_MOVES_NUMPY_FROM`` spans) cuts the same runs as the numpy form (``array_moves``):
     a run goes on while the next span is the next slot and the next bytes of the region."""
     region = Region(1, MemoryKind.DRAM, DEV, 1 << 30, 1 << 26)
     rng = random.Random(7)
@@ -150,13 +151,15 @@ def test_a_plan_groups_moves_match_the_column_form() -> None:
         offsets: list[int] = []
         slots: list[int] = []
         offset, slot = rng.randrange(16) * size, rng.randrange(8)
-        for _ in range(rng.randint(1, 12)):
+        for _ in range(rng.choice((rng.randint(1, 12), rng.randint(1, 2 * RUN_MOVES_NUMPY_FROM)))):
             offsets.append(offset)
             slots.append(slot)
             offset += size if rng.random() < 0.6 else size * rng.randint(2, 4)
             slot += 1 if rng.random() < 0.6 else rng.randint(2, 3)
-        expected = run_moves("kv", size, region, np.array(offsets, np.uint64), np.array(slots, np.uint32))
+        columns = np.array(offsets, np.uint64), np.array(slots, np.uint32)
+        expected = array_moves("kv", size, region, *columns)
         assert list_moves("kv", size, region, offsets, slots) == expected
+        assert run_moves("kv", size, region, *columns) == expected
     assert list_moves("kv", SLOT, region, [], []) == []
 
 
