@@ -36,6 +36,11 @@ from kvcr_node.transfers import Transfers
 
 log = logging.getLogger("kvcr.node")
 
+READ_BACK_CHUNK_BYTES = 4 << 20
+"""Bytes of read backs one transfer carries at most (one object at least): a turn's read backs
+go as several transfers, posted together, and each one's objects are checked and handed to the
+operations waiting on them as it ends, while the later ones are still being read."""
+
 
 class Tiering:
     """Posts the disk tier's copies and read backs, and reports their ends to it."""
@@ -83,8 +88,8 @@ class Tiering:
             self.journal = None
 
     def step(self) -> None:
-        """Post the turn's read backs, then the copies to write now, each kind as one transfer
-        (the turn's last step: the requests it read asked for the read backs). The copies
+        """Post the turn's read backs (``_read_back``), then the copies to write now as one
+        transfer (the turn's last step: the requests it read asked for the read backs). The copies
         committed or let go since the last turn are journaled first."""
         if self.journal is not None and self.journal.pending:
             self.journal.flush()
@@ -153,8 +158,19 @@ class Tiering:
         return True
 
     def _read_back(self) -> None:
+        """Post the turn's read backs, in order, as transfers of ``READ_BACK_CHUNK_BYTES`` at most."""
         promotions, self._reading = self._reading, []
-        self._post("READ", promotions, functools.partial(self._promoted, promotions))
+        chunk: list[Promotion] = []
+        size = 0
+        for promotion in promotions:
+            moved = sum(move[3] for move in promotion.moves)
+            if chunk and size + moved > READ_BACK_CHUNK_BYTES:
+                self._post("READ", chunk, functools.partial(self._promoted, chunk))
+                chunk, size = [], 0
+            chunk.append(promotion)
+            size += moved
+        if chunk:
+            self._post("READ", chunk, functools.partial(self._promoted, chunk))
 
     def _promoted(self, promotions: list[Promotion], ok: bool) -> None:
         if not ok:

@@ -19,11 +19,14 @@ import pytest
 from kvcr_client import Client, KeyStatus, LeaseStatus, Presence, Span
 from kvcr_node.config import ConfigError, NodeConfig
 from kvcr_node.poolspec import PoolSpec
+from kvcr_node.tiering import READ_BACK_CHUNK_BYTES
 from kvcr_testing.health import assert_clean, stats
 from kvcr_testing.health import disk_settled as settled
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
 from kvcr_testing.nodes import NodeProcess
 from kvcr_testing.patterns import KiB, pattern
+from kvcr_testing.scrape import metrics_port, sample
+from kvcr_testing.scrape import settled as scraped
 
 SLOT = 16 * KiB
 MEMORY_SLOTS = 16
@@ -246,4 +249,44 @@ def test_with_promotion_off_what_is_read_back_is_read_through(
         assert client.query([key]).result(RESULT_TIMEOUT_S)[key].tier == "disk", "gone from memory with the lease"
         figures = settled(client)
         assert figures["promoted"] == 3 and figures["mismatched"] == 0 and figures["dropped"] == 0
+        assert_clean(client)
+
+
+def test_a_deliver_of_many_objects_on_disk_is_read_back_in_several_transfers(
+    node_factory: Callable[..., NodeProcess], tmp_path: Path,
+) -> None:
+    """A deliver whose objects on disk add up to more than ``READ_BACK_CHUNK_BYTES`` reads them
+    back in several transfers, each one's objects checked and delivered as it ends (while the
+    later ones are still read): every byte lands, and the node is at rest after."""
+    slot = 512 * KiB
+    layout = plain_layout(2, "kv", slot)
+    objects, memory_objects = 20, 8
+    node = node_factory("--pool", f"kv:{slot // KiB}KiB:{2 * memory_objects}",
+                        "--pool", f"kv-disk:{slot // KiB}KiB:{2 * objects}:disk:{tmp_path}", "--metrics-port", "0")
+    port = metrics_port(node)
+    with Client(node.endpoint, name="disk-chunks") as client:
+        register = Registrar(client)
+        src = pattern(layout.nbytes * objects, 17)
+        region = register(src)
+        keys = [f"c/{i}".encode() for i in range(objects)]
+        for i, key in enumerate(keys):
+            assert client.deposit({key: layout.source_spans(region, i * layout.nbytes)}).result(RESULT_TIMEOUT_S).all_ok
+            settled(client)
+        wanted = on_disk(client, keys)[:memory_objects]
+        assert len(wanted) * layout.nbytes > READ_BACK_CHUNK_BYTES, "the read backs need more than one transfer"
+        dst = np.zeros(layout.nbytes * len(wanted), np.uint8)
+        out = register(dst)
+        res = client.deliver({
+            key: [Span(name, out, j * layout.nbytes + off, slot) for name, off in zip(layout.names, layout.offsets,
+                                                                                     strict=True)]
+            for j, key in enumerate(wanted)}).result(RESULT_TIMEOUT_S)
+        assert res.all_ok, dict(res)
+        for j, key in enumerate(wanted):
+            i = keys.index(key)
+            assert np.array_equal(dst[j * layout.nbytes:(j + 1) * layout.nbytes],
+                                  src[i * layout.nbytes:(i + 1) * layout.nbytes]), f"{key!r} came back changed"
+        chunks = -(-len(wanted) * layout.nbytes // READ_BACK_CHUNK_BYTES)
+        scraped(port, lambda s: sample(s, "kvcr_disk_tier_transfer_seconds_count", ("op", "read")) == chunks)
+        figures = settled(client)
+        assert figures["promoted"] == len(wanted) and figures["mismatched"] == 0
         assert_clean(client)
