@@ -172,11 +172,11 @@ class DiskTier:
             want = min(mark - stats[pool]["free"] - self._copying[pool], stats[pool]["evictable"])
             if want <= 0:
                 continue
-            for entry in memory.index.select_victims({pool: want}, LOOK_AHEAD) or ():
+            # Objects copied already (or being copied) still count as covered, but only the
+            # first ``room`` of the others are wanted: the walk ends there.
+            for entry in memory.index.select_victims({pool: want}, LOOK_AHEAD, self._uncopied, room - len(out)) or ():
                 if len(out) >= room or (self._bytes >= DEMOTION_BYTES_IN_FLIGHT and self.demoting):
                     break
-                if entry.key in self.demoting or self.disk.lookup(entry.key) is not None or not self.fits(entry.layout):
-                    continue
                 demotion = self._place(entry)
                 if demotion is None:
                     break  # the disk pools are full of copies in use
@@ -184,6 +184,11 @@ class DiskTier:
         if not out:
             self._seen = seen
         return out
+
+    def _uncopied(self, entry: ObjectEntry) -> bool:
+        """Whether ``entry`` still wants a copy: none held or being written, and a disk pool
+        for every span."""
+        return entry.key not in self.demoting and self.disk.lookup(entry.key) is None and self.fits(entry.layout)
 
     def _place(self, entry: ObjectEntry) -> Demotion | None:
         layout = entry.layout

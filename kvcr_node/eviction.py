@@ -20,7 +20,7 @@ import logging
 import math
 import numbers
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, Protocol, TypeVar, cast
 
 from kvcr_io.plugins import load_class
@@ -367,13 +367,18 @@ class EvictionIndex(Generic[E]):
         for pool, count in info.need:
             self._slots[pool] -= count
 
-    def select_victims(self, deficit: dict[str, int], visits: int | None = None) -> list[E] | None:
+    def select_victims(
+        self, deficit: dict[str, int], visits: int | None = None, keep: Callable[[E], bool] | None = None,
+        most: int | None = None,
+    ) -> list[E] | None:
         """Whole objects whose eviction covers ``deficit`` (slots still needed per pool).
 
         Returns ``[]`` for no deficit, ``None`` when the evictable objects cannot cover
         it (all or nothing), and never removes anything: the caller evicts. With
         ``visits``, the walk looks at that many objects at most and returns what it found
-        so far (the disk tier's look at what would go next, ``kvcr_node.disk_tier``).
+        so far (the disk tier's look at what would go next, ``kvcr_node.disk_tier``), and
+        then ``keep`` may leave objects out of what it returns (they still cover the
+        deficit) and ``most`` ends the walk once that many are found.
         """
         need = {pool: n for pool, n in deficit.items() if n > 0}
         if not need:
@@ -404,21 +409,26 @@ class EvictionIndex(Generic[E]):
         if only is None:  # unreachable after the slot test; kept for safety
             return None
         heap = self._global if several else self._groups[only]
-        return self._walk(heap, need, visits)
+        if visits is None:
+            return self._walk(heap, need)
+        return self._walk(heap, need, visits, keep, most)
 
-    def _walk(self, heap: _Heap[E], need: dict[str, int], limit: int | None = None) -> list[E] | None:
+    def _walk(
+        self, heap: _Heap[E], need: dict[str, int], limit: int | None = None, keep: Callable[[E], bool] | None = None,
+        most: int | None = None,
+    ) -> list[E] | None:
         """Pop candidates in order until ``need`` is covered (or ``limit`` live ones were
-        looked at: then what was found), then restore the heap.
+        looked at, or ``most`` taken: then what was found), then restore the heap.
 
-        A candidate is taken when it uses a pool still in deficit, else skipped. Dead
-        items met on the way are dropped for good (their removal already paid for
-        it); live ones are pushed back, so the heap's contents do not change.
+        A candidate is taken when it uses a pool still in deficit (and ``keep`` says so),
+        else skipped. Dead items met on the way are dropped for good (their removal
+        already paid for it); live ones are pushed back, so the heap's contents do not change.
         """
         items = heap.items
         popped: list[_Item[E]] = []
         victims: list[E] = []
         visits = 0
-        while need and items and (limit is None or visits < limit):
+        while need and items and (limit is None or visits < limit) and (most is None or len(victims) < most):
             item = heapq.heappop(items)
             entry = item[2]
             if entry.index_seq != item[1]:
@@ -435,7 +445,7 @@ class EvictionIndex(Generic[E]):
                         need[pool] = left - count
                     else:
                         del need[pool]
-            if useful:
+            if useful and (keep is None or keep(entry)):
                 victims.append(entry)
         for item in popped:
             heapq.heappush(items, item)

@@ -193,6 +193,24 @@ def test_victims_are_whole_objects_and_stop_once_covered() -> None:
     assert keys(index.select_victims({"A": 3})) == ["a", "b"]
 
 
+def test_a_look_ahead_leaves_out_what_keep_refuses_and_ends_at_most() -> None:
+    """The disk tier's look (``visits`` given): objects ``keep`` refuses still cover the
+    deficit but are not returned, and the walk ends once ``most`` were found."""
+    index, _ = filled(FifoPolicy(), [(k, A) for k in "abcdefgh"])
+    copied = {"a", "b", "d"}
+
+    def keep(entry: Entry) -> bool:
+        return entry.key.decode() not in copied
+
+    assert keys(index.select_victims({"A": 5}, 100, keep)) == ["c", "e"]  # a..e cover five slots
+    before = index.visits
+    assert keys(index.select_victims({"A": 8}, 100, keep, most=2)) == ["c", "e"]
+    assert index.visits - before == 5, "the walk ends at the second object kept"
+    assert keys(index.select_victims({"A": 8}, 100, keep, most=0)) == []
+    assert keys(index.order()) == list("abcdefgh"), "a look changes nothing"
+    healthy(index)
+
+
 def test_fast_path_looks_at_no_unrelated_object() -> None:
     spec = [(f"a{i}", A) for i in range(10_000)] + [(f"b{i}", B) for i in range(8)]
     index, _ = filled(FifoPolicy(), spec)
