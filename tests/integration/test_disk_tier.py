@@ -22,7 +22,7 @@ from kvcr_node.poolspec import PoolSpec
 from kvcr_node.tiering import READ_BACK_CHUNK_BYTES
 from kvcr_testing.health import assert_clean, stats
 from kvcr_testing.health import disk_settled as settled
-from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
+from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, plain_layout
 from kvcr_testing.nodes import NodeProcess
 from kvcr_testing.patterns import KiB, pattern
 from kvcr_testing.scrape import metrics_port, sample
@@ -70,6 +70,23 @@ def deliver(client: Client, register: Registrar, key: bytes) -> tuple[Any, np.nd
     res = client.deliver({key: [Span(name, region, off, SLOT) for name, off in zip(LAYOUT.names, LAYOUT.offsets,
                                                                                    strict=True)]})
     return res.result(RESULT_TIMEOUT_S)[key], dst
+
+
+def deliver_together(client: Client, register: Registrar, layout: Layout, wanted: list[bytes], keys: list[bytes],
+                     src: np.ndarray) -> None:
+    """Deliver ``wanted`` in one call into one buffer, every key ``OK`` and byte for byte
+    what was deposited (``src``, the objects of ``keys`` one after another)."""
+    size = layout.nbytes
+    dst = np.zeros(size * len(wanted), np.uint8)
+    region = register(dst)
+    res = client.deliver({
+        key: [Span(name, region, j * size + offset, length) for (name, _, length), offset in zip(
+            layout.spans, layout.offsets, strict=True)]
+        for j, key in enumerate(wanted)}).result(RESULT_TIMEOUT_S)
+    assert res.all_ok, dict(res)
+    for j, key in enumerate(wanted):
+        i = keys.index(key)
+        assert np.array_equal(dst[j * size:(j + 1) * size], src[i * size:(i + 1) * size]), f"{key!r} came back changed"
 
 
 def test_evicted_objects_stay_on_disk_and_come_back_byte_for_byte(
@@ -205,17 +222,7 @@ def test_a_deliver_that_reads_keys_back_keeps_its_own_keys_in_memory(disk_node: 
         assert len(in_memory) == MEMORY_SLOTS // 2 and len(evicted) >= 4, dict(answers)
         # Deposited first and never read since: the least recently used, eviction's next.
         wanted = [in_memory[0], *evicted[:4]]
-        dst = np.zeros(LAYOUT.nbytes * len(wanted), np.uint8)
-        region = register(dst)
-        res = client.deliver({
-            key: [Span(name, region, j * LAYOUT.nbytes + off, SLOT) for name, off in zip(LAYOUT.names, LAYOUT.offsets,
-                                                                                        strict=True)]
-            for j, key in enumerate(wanted)}).result(RESULT_TIMEOUT_S)
-        assert res.all_ok, dict(res)
-        for j, key in enumerate(wanted):
-            i = keys.index(key)
-            assert np.array_equal(dst[j * LAYOUT.nbytes:(j + 1) * LAYOUT.nbytes],
-                                  src[i * LAYOUT.nbytes:(i + 1) * LAYOUT.nbytes]), f"{key!r} came back changed"
+        deliver_together(client, register, LAYOUT, wanted, keys, src)
         figures = settled(client)
         assert figures["promoted"] == 4 and figures["mismatched"] == 0
         assert_clean(client)
@@ -274,17 +281,7 @@ def test_a_deliver_of_many_objects_on_disk_is_read_back_in_several_transfers(
             settled(client)
         wanted = on_disk(client, keys)[:memory_objects]
         assert len(wanted) * layout.nbytes > READ_BACK_CHUNK_BYTES, "the read backs need more than one transfer"
-        dst = np.zeros(layout.nbytes * len(wanted), np.uint8)
-        out = register(dst)
-        res = client.deliver({
-            key: [Span(name, out, j * layout.nbytes + off, slot) for name, off in zip(layout.names, layout.offsets,
-                                                                                     strict=True)]
-            for j, key in enumerate(wanted)}).result(RESULT_TIMEOUT_S)
-        assert res.all_ok, dict(res)
-        for j, key in enumerate(wanted):
-            i = keys.index(key)
-            assert np.array_equal(dst[j * layout.nbytes:(j + 1) * layout.nbytes],
-                                  src[i * layout.nbytes:(i + 1) * layout.nbytes]), f"{key!r} came back changed"
+        deliver_together(client, register, layout, wanted, keys, src)
         chunks = -(-len(wanted) * layout.nbytes // READ_BACK_CHUNK_BYTES)
         scraped(port, lambda s: sample(s, "kvcr_disk_tier_transfer_seconds_count", ("op", "read")) == chunks)
         figures = settled(client)
