@@ -175,7 +175,7 @@ class DiskTier:
             # Objects copied already (or being copied) still count as covered, but only the
             # first ``room`` of the others are wanted: the walk ends there.
             for entry in memory.index.select_victims({pool: want}, LOOK_AHEAD, self._uncopied, room - len(out)) or ():
-                if len(out) >= room or (self._bytes >= DEMOTION_BYTES_IN_FLIGHT and self.demoting):
+                if self._bytes >= DEMOTION_BYTES_IN_FLIGHT and self.demoting:
                     break
                 demotion = self._place(entry)
                 if demotion is None:

@@ -356,9 +356,7 @@ class Store:
         if accessed:
             self._access(entry)
         if entry.claims == 0:
-            self._index.add(entry)
-            if self._read_through.pop(id(entry), None) is not None:
-                self._evict(entry)
+            self._unclaimed(entry, read=True)
             self._check_pressure(entry.info)
 
     def read_through(self, entry: ObjectEntry) -> None:
@@ -404,13 +402,18 @@ class Store:
                 if entry.state is _CONDEMNED:
                     self._drop(entry)
                     continue
-                self._index.add(entry)
-                if not held_only and self._read_through.pop(id(entry), None) is not None:
-                    self._evict(entry)
+                self._unclaimed(entry, read=not held_only)
                 layouts[id(entry.info)] = entry.info
         self._claims -= len(entries)
         for info in layouts.values():
             self._check_pressure(info)
+
+    def _unclaimed(self, entry: ObjectEntry, read: bool) -> None:
+        """``entry``'s last claim went: evictable again, or, read through and ``read`` by a
+        reader, evicted now."""
+        self._index.add(entry)
+        if read and self._read_through.pop(id(entry), None) is not None:
+            self._evict(entry)
 
     def _access(self, entry: ObjectEntry) -> None:
         """Record an access to ``entry`` now: what LRU scores (architecture §3)."""

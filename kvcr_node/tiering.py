@@ -160,16 +160,16 @@ class Tiering:
     def _read_back(self) -> None:
         """Post the turn's read backs, in order, as transfers of ``READ_BACK_CHUNK_BYTES`` at most."""
         promotions, self._reading = self._reading, []
-        chunk: list[Promotion] = []
+        chunks: list[list[Promotion]] = []
         size = 0
         for promotion in promotions:
             moved = sum(move[3] for move in promotion.moves)
-            if chunk and size + moved > READ_BACK_CHUNK_BYTES:
-                self._post("READ", chunk, functools.partial(self._promoted, chunk))
-                chunk, size = [], 0
-            chunk.append(promotion)
+            if not chunks or size + moved > READ_BACK_CHUNK_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(promotion)
             size += moved
-        if chunk:
+        for chunk in chunks:
             self._post("READ", chunk, functools.partial(self._promoted, chunk))
 
     def _promoted(self, promotions: list[Promotion], ok: bool) -> None:
