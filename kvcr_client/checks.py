@@ -102,6 +102,27 @@ def key(value: Any, path: str) -> bytes:
     return value
 
 
+def parents(value: Any, keys: Sequence[bytes]) -> tuple[bytes, ...]:
+    """A call's ``parents`` (a mapping of key -> its parent key, or None) as the wire column:
+    one parent per key of ``keys`` in order, b"" for none; () when none is named. A key it
+    names must be one of ``keys``, and not its own parent."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise ArgumentError("parents", f"expected a mapping of key -> parent key, got {type(value).__name__}")
+    if not value:
+        return ()
+    known = set(keys)
+    for child, parent in value.items():
+        path = f"parents[{child!r}]"
+        if child not in known:
+            raise ArgumentError(path, "names a key the call does not store")
+        key(parent, path)
+        if parent == child:
+            raise ArgumentError(path, "a key is not its own parent")
+    return tuple(value.get(k, b"") for k in keys)
+
+
 def keys(items: Iterable[bytes], what: str) -> tuple[bytes, ...]:
     """A batch of keys (``batch``), each checked as ``key`` checks it: in a few C-level
     passes when all are good, key by key (naming the bad one) otherwise."""

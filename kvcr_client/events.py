@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -58,36 +58,83 @@ class Held:
     tier: str
 
 
+@dataclass(slots=True)
+class MirrorChanges:
+    """What one batch changed in an ``InventoryMirror``: the node's holdings as a set of
+    keys, whatever tier holds them (what a router that places requests by key needs)."""
+
+    restarted: bool = False
+    """The mirror was emptied in this batch (a ``cleared`` event, or a new incarnation):
+    forget every key of the node; ``held`` then lists what it holds since."""
+    held: list[bytes] = field(default_factory=list)
+    """Keys held after this batch (in any tier) that were not held before it, in the order
+    the batch first named them."""
+    gone: list[bytes] = field(default_factory=list)
+    """Keys held before this batch that no tier holds after it (empty when ``restarted``)."""
+
+
 class InventoryMirror:
     """The keys a node holds, as its events say, in each tier (an object of the node's
     memory may also have a copy in its ``disk`` tier, and an event names the tier it
-    changed); a batch of a new incarnation starts afresh."""
+    changed), with the parent each was stored with; a batch of a new incarnation starts afresh."""
 
     def __init__(self) -> None:
         self.keys: dict[bytes, dict[str, Held]] = {}
         """Key -> tier -> where it is held there."""
+        self.parents: dict[bytes, bytes] = {}
+        """Key -> the parent key its ``stored`` event named, for held keys that have one."""
         self.node = ""
         self.incarnation: int | None = None
 
-    def apply(self, batch: EventBatch) -> None:
+    def apply(self, batch: EventBatch) -> MirrorChanges:
+        """Apply ``batch``; returns which keys came to be held and which left (a key stored
+        and removed within one batch is in neither)."""
+        changes = MirrorChanges()
+        keys, parents = self.keys, self.parents
+        before: dict[bytes, bool] = {}
+        """The keys this batch touched: held before it?"""
         if batch.incarnation != self.incarnation:
-            self.keys.clear()
+            self._clear(changes)
             self.node, self.incarnation = batch.node, batch.incarnation
         for event in batch.events:
             if isinstance(event, Cleared):
-                self.keys.clear()
+                self._clear(changes)
+                before.clear()  # the keys touched so far are forgotten with the rest
             elif isinstance(event, Stored):
                 held, tier = Held(event.pools, event.tier), event.tier
-                for key in event.keys:
-                    self.keys.setdefault(key, {})[tier] = held
+                for i, key in enumerate(event.keys):
+                    tiers = keys.get(key)
+                    if key not in before:
+                        before[key] = tiers is not None
+                    if tiers is None:
+                        keys[key] = tiers = {}
+                    tiers[tier] = held
+                    parent = event.parent_of(i)
+                    if parent:
+                        parents[key] = parent
             else:
                 tier = event.tier
                 for key in event.keys:
-                    tiers = self.keys.get(key)
+                    tiers = keys.get(key)
+                    if key not in before:
+                        before[key] = tiers is not None
                     if tiers is not None:
                         tiers.pop(tier, None)
                         if not tiers:
-                            del self.keys[key]
+                            del keys[key]
+                            parents.pop(key, None)
+        for key, was in before.items():
+            now = key in keys
+            if now and not was:
+                changes.held.append(key)
+            elif was and not now:
+                changes.gone.append(key)
+        return changes
+
+    def _clear(self, changes: MirrorChanges) -> None:
+        changes.restarted = True
+        self.keys.clear()
+        self.parents.clear()
 
 
 class EventStream:

@@ -58,6 +58,7 @@ from kvcr_protocol import (
     deliver_blocks,
     deposit_blocks,
     endpoint_problem,
+    message_keys,
 )
 from kvcr_protocol import Deliver as DeliverMsg
 
@@ -76,9 +77,13 @@ class Operations(LeaseRequests):
 
     def deposit(
         self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
-        deadline_ms: int = DEFAULT_DEADLINE_MS,
+        deadline_ms: int = DEFAULT_DEADLINE_MS, parents: Mapping[bytes, bytes] | None = None,
     ) -> StoreHandle:
         """Store objects; each key maps to its layout's spans in order (with pools).
+
+        ``parents``: key -> the key of its parent (an engine's block i-1 for block i), for the
+        keys that have one. The node keeps it only to publish it with the key's ``stored``
+        event, so that a router can build a tree of prefixes (spec section 15).
 
         ``deadline_ms``: milliseconds the node may spend, counted from its receipt of the
         request (0..2**32-1); 0 means the node's default (its ``deadline_ms`` setting,
@@ -94,17 +99,20 @@ class Operations(LeaseRequests):
         self._uncertain.check(frozen)
         columns = deposit_blocks(frozen) if self.core.version >= COLUMNS_VERSION else ()
         records = () if columns else frozen
+        parent_column = checks.parents(parents, message_keys(records, columns))
         op_id = self.core.next_id()
         written: Future[None] = Future()
-        fut = self._send.send(op_id, "deposit", keys, lambda i: Deposit(i, records, no_evict, optional, deadline_ms, columns),
-                            deadline_ms, True, regions, written=written)
+        fut = self._send.send(
+            op_id, "deposit", keys, lambda i: Deposit(i, records, no_evict, optional, deadline_ms, columns, parent_column),
+            deadline_ms, True, regions, written=written)
         return self._send.store_handle(op_id, "deposit", fut, written, self._send.abort)
 
     def put(self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
-            ttl_ms: int = 0, deadline_ms: int = DEFAULT_DEADLINE_MS) -> StoreHandle:
+            ttl_ms: int = 0, deadline_ms: int = DEFAULT_DEADLINE_MS,
+            parents: Mapping[bytes, bytes] | None = None) -> StoreHandle:
         """``deposit``, this client WRITEing the bytes under a write grant when the node offers
         one. Returns at once; the handle's ``written`` says when the spans' memory is free."""
-        return self._puts.put(objects, no_evict, optional, ttl_ms, deadline_ms)
+        return self._puts.put(objects, no_evict, optional, ttl_ms, deadline_ms, parents)
 
     @overload
     def deliver(
@@ -174,11 +182,11 @@ class Operations(LeaseRequests):
 
     def fetch(
         self, expected_layouts: Mapping[bytes, Sequence[tuple[str, str]]], request_id: str | None = None,
-        deadline_ms: int = DEFAULT_DEADLINE_MS,
+        deadline_ms: int = DEFAULT_DEADLINE_MS, parents: Mapping[bytes, bytes] | None = None,
     ) -> OpHandle[Results[KeyOutcome]]:
         """Make objects resident in the node (whole layouts); each OK result carries a release handle.
 
-        ``deadline_ms`` as for ``deposit``.
+        ``deadline_ms`` and ``parents`` as for ``deposit``.
         """
         request_id = checks.optional_request_id(request_id)
         deadline_ms = checks.deadline(deadline_ms)
@@ -197,7 +205,9 @@ class Operations(LeaseRequests):
             keys.append(key)
         checks.span_total(items, "layout", "expected_layouts")
         frozen = tuple(items)
-        return self._send.op("fetch", keys, lambda i: Fetch(i, frozen, request_id, deadline_ms), deadline_ms, False, set())
+        parent_column = checks.parents(parents, keys)
+        return self._send.op("fetch", keys, lambda i: Fetch(i, frozen, request_id, deadline_ms, parent_column),
+                             deadline_ms, False, set())
 
     def release(self, handles: Iterable[int]) -> OpHandle[Results[KeyOutcome]]:
         """Drop handle claims; results are keyed by the handle as 8 big-endian bytes."""

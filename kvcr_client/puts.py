@@ -55,6 +55,7 @@ from kvcr_protocol import (
     PutReply,
     Unput,
     deposit_blocks,
+    message_keys,
 )
 from kvcr_protocol.records import U32_MAX
 
@@ -63,7 +64,7 @@ class Deposit(Protocol):
     """The client's ``deposit``, the path a put falls back to (``Operations.deposit``)."""
 
     def __call__(self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
-                 deadline_ms: int = ...) -> StoreHandle: ...
+                 deadline_ms: int = ..., parents: Mapping[bytes, bytes] | None = None) -> StoreHandle: ...
 
 DEFAULT_WRITE_S = 30.0
 """How long the WRITEs of a put with deadline 0 may take."""
@@ -111,7 +112,7 @@ class Puts:
 
     def put(
         self, objects: Mapping[bytes, Sequence[Span]], no_evict: bool = False, optional: bool = False,
-        ttl_ms: int = 0, deadline_ms: int = 30_000,
+        ttl_ms: int = 0, deadline_ms: int = 30_000, parents: Mapping[bytes, bytes] | None = None,
     ) -> StoreHandle:
         """Store objects as ``deposit`` does, writing their bytes from this client's agent when
         the node grants writes; the results are a deposit's (``STORED``, ``DUPLICATE``, ...).
@@ -127,8 +128,10 @@ class Puts:
         self.certain(frozen)
         if not self.offered() or not frozen:
             self.counters.inc(Count.PUT_FALLBACKS)
-            return self.deposit(objects, no_evict, optional, deadline_ms)
+            return self.deposit(objects, no_evict, optional, deadline_ms, parents)
         columns = deposit_blocks(frozen)
+        parent_column = checks.parents(parents, message_keys((), columns))
+        named = dict(parents) if parents and parent_column else {}
         node_md = self.grants.wants_node()
         give_up = time.monotonic() + (deadline_ms / 1000 if deadline_ms else DEFAULT_WRITE_S)
         table = self.regions
@@ -149,7 +152,9 @@ class Puts:
                 self._let_go = self._let_go or not clean
 
         def deposit(indices: list[int]) -> tuple[Future[Results[KeyOutcome]], Future[None]]:
-            handle = self.deposit({keys[i]: objects[keys[i]] for i in indices}, no_evict, optional, deadline_ms)
+            some = {keys[i]: objects[keys[i]] for i in indices}
+            handle = self.deposit(some, no_evict, optional, deadline_ms,
+                                  {k: p for k, p in named.items() if k in some})
             return handle.future, handle.written.future
 
         scope = self.scope()
@@ -165,7 +170,7 @@ class Puts:
 
         # Tracked until answered (or the session ends), however long the caller waits: a
         # reservation that comes after the caller gave up is still handed back.
-        _, asked = core.request(lambda i: Put(i, (), no_evict, optional, ttl_ms, columns, node_md),
+        _, asked = core.request(lambda i: Put(i, (), no_evict, optional, ttl_ms, columns, node_md, parent_column),
                                 self._put_reply(len(keys)), math.inf, op_id=op_id)
         def wait(loading: Future[None], job: PutJob) -> None:
             # Resolved by the loader thread with the lock held: the job goes on there.

@@ -139,16 +139,16 @@ class DiskTier:
         pairs = self.pairs
         return all(pool in pairs for _, pool in layout)
 
-    def adopt(self, copies: Sequence[tuple[bytes, Layout, bytes, bytes, tuple[str, ...]]]) -> list[ObjectEntry]:
+    def adopt(self, copies: Sequence[tuple[bytes, Layout, bytes, bytes, bytes, tuple[str, ...]]]) -> list[ObjectEntry]:
         """Take back the copies a restarted node's journal recorded (``kvcr_node.recovery``):
-        each ``(key, disk layout, packed slots, digests, origin)``, checked by the caller
+        each ``(key, disk layout, packed slots, digests, parent, origin)``, checked by the caller
         against the pools (``pairs``); READY in their slots, in order, each reported stored."""
         memory_layouts: dict[Layout, Layout] = {}
-        for key, layout, _, _, origin in copies:
+        for key, layout, _, _, _, origin in copies:
             memory = tuple((name, pool) for (name, _), pool in zip(layout, origin, strict=True))
             self._layouts[key] = memory_layouts.setdefault(memory, memory)
         try:
-            return self.disk.adopt_all([copy[:4] for copy in copies])
+            return self.disk.adopt_all([copy[:5] for copy in copies])
         except BaseException:
             for key, *_ in copies:
                 self._layouts.pop(key, None)
@@ -192,7 +192,8 @@ class DiskTier:
 
     def _place(self, entry: ObjectEntry) -> Demotion | None:
         layout = entry.layout
-        outcome, copy = self.disk.begin_deposit(entry.key, tuple((name, self.pairs[pool]) for name, pool in layout))
+        outcome, copy = self.disk.begin_deposit(
+            entry.key, tuple((name, self.pairs[pool]) for name, pool in layout), parent=entry.parent)
         if outcome is not DepositOutcome.NEW or copy is None:
             return None
         self.memory.claim(entry)
@@ -238,7 +239,7 @@ class DiskTier:
         if copy is None:
             raise ValueError(f"promote of {key!r}: no copy held on disk only")
         layout = self._layouts[key]
-        outcome, entry = self.memory.begin_deposit(key, layout)
+        outcome, entry = self.memory.begin_deposit(key, layout, parent=copy.parent)
         if outcome is not DepositOutcome.NEW or entry is None:
             return outcome
         self.disk.claim(copy, accessed=True)

@@ -70,6 +70,8 @@ class Inventory:
         """Encoded bytes in the ring."""
         self._groups: list[_Group] = []
         self._keys: list[list[bytes]] = []
+        self._parents: list[list[bytes]] = []
+        """Per group, its keys' parents (b"": none named); empty for a group of removals."""
         self.cleared()  # a fresh incarnation says so first
 
     # -- what the store reports (InventoryListener) -----------------------------------
@@ -84,16 +86,19 @@ class Inventory:
         """Everything is gone: drop what is pending (it no longer matters) and say so."""
         self._groups = [(Cleared, (), "", RemovedReason.EVICTED)]
         self._keys = [[]]
+        self._parents = [[]]
 
     def _add(self, kind: type[Stored] | type[Removed], entry: ObjectEntry, reason: RemovedReason) -> None:
         info = entry.info
         group: _Group = (kind, tuple(pool for pool, _ in info.need), self.tiers[info.layout[0][1]], reason)
         # Adjacent changes of one kind and layout share an event; order is never changed.
-        if self._groups and self._groups[-1] == group:
-            self._keys[-1].append(entry.key)
-        else:
+        if not (self._groups and self._groups[-1] == group):
             self._groups.append(group)
-            self._keys.append([entry.key])
+            self._keys.append([])
+            self._parents.append([])
+        self._keys[-1].append(entry.key)
+        if kind is Stored:
+            self._parents[-1].append(entry.parent)
 
     @property
     def pending(self) -> bool:
@@ -108,26 +113,28 @@ class Inventory:
         (and published twice) every turn after."""
         if not self._groups:
             return []
-        groups, pending = self._groups, self._keys
-        self._groups, self._keys = [], []
+        groups, pending, parents_of = self._groups, self._keys, self._parents
+        self._groups, self._keys, self._parents = [], [], []
         ts = self.wall()
         out: list[tuple[int, bytes]] = []
         events: list[Event] = []
         room = MAX_BATCH_KEYS
-        for (kind, pools, tier, reason), keys in zip(groups, pending, strict=True):
+        for (kind, pools, tier, reason), keys, parents in zip(groups, pending, parents_of, strict=True):
             if kind is Cleared:
                 events.append(Cleared())
                 room -= 1
+            named = any(parents)
             while keys:
                 if room <= 0:
                     self._emit(events, ts, out)
                     events, room = [], MAX_BATCH_KEYS
                 part, keys = keys[:room], keys[room:]
-                room -= len(part)
                 if kind is Stored:
-                    events.append(Stored(tuple(part), pools, tier))
+                    events.append(Stored(tuple(part), pools, tier, tuple(parents[:room]) if named else ()))
+                    parents = parents[room:]
                 else:
                     events.append(Removed(tuple(part), pools, tier, reason))
+                room -= len(part)
         if events:
             self._emit(events, ts, out)
         return out
@@ -214,6 +221,13 @@ def _keys_of(event: Event) -> int:
     return 0 if isinstance(event, Cleared) else len(event.keys)
 
 
+def _part(event: Stored | Removed, start: int, stop: int) -> Stored | Removed:
+    """``event`` with its keys ``start:stop`` (and their parents)."""
+    if isinstance(event, Stored) and event.parents:
+        return replace(event, keys=event.keys[start:stop], parents=event.parents[start:stop])
+    return replace(event, keys=event.keys[start:stop])
+
+
 def _halves(events: list[Event]) -> tuple[list[Event], list[Event]]:
     """``events`` cut in two, order kept, both non-empty: by keys (an event may be cut in two),
     or by events when they hold fewer than two keys."""
@@ -231,5 +245,5 @@ def _halves(events: list[Event]) -> tuple[list[Event], list[Event]]:
                 return first, events[i + 1:]
             continue
         assert not isinstance(event, Cleared)  # n > left >= 1
-        return [*first, replace(event, keys=event.keys[:left])], [replace(event, keys=event.keys[left:]), *events[i + 1:]]
+        return [*first, _part(event, 0, left)], [_part(event, left, n), *events[i + 1:]]
     raise AssertionError("the keys ran out before half of them")

@@ -11,7 +11,9 @@ and the body, and the body, msgpack ``[kind, seq, incarnation, key, layout, slot
 digests]`` (a removal: ``[kind, seq, incarnation, key]``). ``seq`` counts up across the
 records of one directory; ``incarnation`` is the node that wrote it. A record of a copy in
 the disk tier (architecture §9) has one more field, ``origin``: per span, the memory pool
-the object is read back into.
+the object is read back into. A record of an object whose deposit named a parent (spec
+section 6.4) has ``origin`` (nil outside the disk tier) and then ``parent``, so that a
+restarted node publishes its objects with their parents.
 
 Files, by generation ``g``: ``journal.g`` takes appends; ``snapshot.g`` holds one READY
 record per object the journal held when generation ``g`` began. Each file begins with its
@@ -99,8 +101,10 @@ def ready_frame(seq: int, incarnation: int, entry: ObjectEntry, origin: Origin |
     """The record of ``entry`` become READY (with ``origin``: a copy's, in the disk tier)."""
     layout = [list(span) for span in entry.info.layout]
     body = [RecordKind.READY, seq, incarnation, entry.key, layout, entry.packed_slots, entry.digests]
-    if origin is not None:
-        body.append(list(origin))
+    if origin is not None or entry.parent:
+        body.append(None if origin is None else list(origin))
+    if entry.parent:
+        body.append(entry.parent)
     return _frame(msgpack.packb(body))
 
 
@@ -118,7 +122,7 @@ _READY, _REMOVED = int(RecordKind.READY), int(RecordKind.REMOVED)
 class Record:
     """One decoded record. ``slots`` are packed u32, ``digests`` packed u64 (maybe empty)."""
 
-    __slots__ = ("digests", "incarnation", "key", "kind", "layout", "origin", "seq", "slots")
+    __slots__ = ("digests", "incarnation", "key", "kind", "layout", "origin", "parent", "seq", "slots")
 
     def __init__(self, body: Any, layouts: dict[Layout, Layout]) -> None:
         """``body``: the decoded msgpack (arrays as tuples); ``layouts``: the layouts seen so
@@ -134,6 +138,7 @@ class Record:
             raise ValueError("key")
         self.key: bytes = key
         self.origin: Origin | None = None
+        self.parent: bytes = b""
         if kind == _READY:
             _, _, _, _, raw, slots, digests, *rest = body
             layout = layouts.get(raw)
@@ -147,12 +152,18 @@ class Record:
                 raise ValueError("slots")
             if digests and len(digests) != 8 * len(layout):
                 raise ValueError("digests")
-            if rest:
+            if len(rest) > 2:
+                raise ValueError("fields")
+            if rest and rest[0] is not None:
                 origin = rest[0]
-                if len(rest) != 1 or type(origin) is not tuple or len(origin) != len(layout) or not all(
-                        type(pool) is str for pool in origin):
+                if type(origin) is not tuple or len(origin) != len(layout) or not all(type(pool) is str for pool in origin):
                     raise ValueError("origin")
                 self.origin = origin
+            if len(rest) == 2:
+                parent = rest[1]
+                if type(parent) is not bytes or not parent or parent == key:
+                    raise ValueError("parent")
+                self.parent = parent
             self.layout: Layout = layout
             self.slots: bytes = slots
             self.digests: bytes = digests

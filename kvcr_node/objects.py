@@ -68,7 +68,7 @@ class ObjectEntry:
     packed as 32-bit integers. Treat every field as read-only: the store writes them.
     """
 
-    __slots__ = ("_slots", "claims", "digests", "index_seq", "info", "key", "last_access", "lookup", "state")
+    __slots__ = ("_slots", "claims", "digests", "index_seq", "info", "key", "last_access", "lookup", "parent", "state")
 
     key: bytes
     info: LayoutInfo
@@ -82,12 +82,16 @@ class ObjectEntry:
     digests: bytes
     """One u64 per span in layout order, taken when it became READY (``kvcr_node.digests``);
     empty when none were taken."""
+    parent: bytes
+    """The key its deposit named as its parent (spec section 6.4, "Parents"); b"" for none.
+    Only the inventory events carry it on."""
 
-    def __init__(self, key: bytes, info: LayoutInfo, slots: bytes, tier: int = 0) -> None:
+    def __init__(self, key: bytes, info: LayoutInfo, slots: bytes, tier: int = 0, parent: bytes = b"") -> None:
         self.key = key
         self.info = info
         self._slots = slots
         self.digests = b""
+        self.parent = parent
         self.state = _WRITING
         self.claims = 0
         self.last_access = 0

@@ -70,7 +70,7 @@ def take_back(
     started = time.monotonic()
     replayed = replay(state.path, state.epochs)
     records = verify(replayed, memories)
-    entries = store.adopt_all([(r.key, r.layout, r.slots, r.digests) for r in records])
+    entries = store.adopt_all([(r.key, r.layout, r.slots, r.digests, r.parent) for r in records])
     figures = {
         "kept": state.previous if state.kept else 0,
         "recovered": len(entries),
@@ -105,7 +105,8 @@ def take_back_copies(
     records = verify_copies(replayed, tier)
     if inventory is not None:  # the copies taken back are published stored, after the start's ``cleared``
         tier.disk.listener = Listeners(tier, inventory)
-    copies = tier.adopt([(r.key, r.layout, r.slots, r.digests, r.origin) for r in records if r.origin is not None])
+    copies = tier.adopt([(r.key, r.layout, r.slots, r.digests, r.parent, r.origin)
+                         for r in records if r.origin is not None])
     figures = {
         "recovered": len(copies),
         "dropped": {reason.value: n for reason, n in replayed.dropped.items()},

@@ -149,9 +149,10 @@ class Store:
     # -- deposit ----------------------------------------------------------------------
 
     def begin_deposit(
-        self, key: bytes, layout: Layout, optional: bool = False
+        self, key: bytes, layout: Layout, optional: bool = False, parent: bytes = b""
     ) -> tuple[DepositOutcome, ObjectEntry | None]:
-        """Place a new object, evicting if it must; see :class:`DepositOutcome`.
+        """Place a new object, evicting if it must; see :class:`DepositOutcome`. ``parent``:
+        the key its deposit named as its parent, kept for the inventory events.
 
         Returns the entry for NEW and for an existing key (DUPLICATE,
         LAYOUT_MISMATCH), else None. Nothing changes unless the outcome is NEW.
@@ -204,7 +205,7 @@ class Store:
         if info.users == 0:
             self._layouts[info.layout] = info
         info.users += 1
-        entry = ObjectEntry(key, info, packed, self._tier_of[info.layout[0][1]])
+        entry = ObjectEntry(key, info, packed, self._tier_of[info.layout[0][1]], parent)
         self._objects[key] = entry
         self._writing += 1
         for pool, _ in info.need:
@@ -248,15 +249,15 @@ class Store:
         self._drop(entry)
         self._check_pressure(entry.info)
 
-    def adopt_all(self, objects: Sequence[tuple[bytes, Layout, bytes, bytes]]) -> list[ObjectEntry]:
+    def adopt_all(self, objects: Sequence[tuple[bytes, Layout, bytes, bytes, bytes]]) -> list[ObjectEntry]:
         """Place READY objects in the slots they already hold (a restarted node adopting what
         its journal recorded, ``kvcr_node.recovery``): each ``(key, layout, packed slots,
-        digests)``, keys distinct and absent, slots in range and owned by one object each.
+        digests, parent)``, keys distinct and absent, slots in range and owned by one object each.
         In order, each an access; each is reported stored. Raises ``StoreError`` before
         placing any when they are not."""
         wanted: dict[str, list[int]] = {}
         checked: set[Layout] = set()
-        for key, layout, packed, _ in objects:
+        for key, layout, packed, *_ in objects:
             if key in self._objects:
                 raise StoreError(f"adopt of {key!r}: the key is stored")
             if layout not in checked:
@@ -289,7 +290,7 @@ class Store:
         on_ready, listener = self.on_ready, self.listener
         layout_of: Layout | None = None
         info = tier = None
-        for key, layout, packed, digests in objects:
+        for key, layout, packed, digests, parent in objects:
             if layout is not layout_of:  # runs of one layout (the journal shares them) look it up once
                 info = self._layouts.get(layout)
                 if info is None:
@@ -298,7 +299,7 @@ class Store:
                 layout_of, tier = layout, self._tier_of[layout[0][1]]
             assert info is not None and tier is not None
             info.users += 1
-            entry = ObjectEntry(key, info, packed, tier)
+            entry = ObjectEntry(key, info, packed, tier, parent)
             entry.state = _READY
             entry.lookup += 1
             entry.digests = digests

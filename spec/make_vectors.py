@@ -506,6 +506,12 @@ def valid_instances() -> list[Valid]:
             description="an optional deposit from VRAM that the admission policy may drop",
         ),
         Valid(
+            "deposit-parents",
+            m.Deposit(14, (m.DepositItem(K1, src_layout(1, 0)), m.DepositItem(K2, src_layout(1, 2 * MiB))),
+                      parents=(K3, K1)),
+            description="blocks K1 and K2 of one sequence, K1's parent K3 (stored earlier) and K2's K1 (section 6.4, Parents)",
+        ),
+        Valid(
             "query",
             m.Query(20, (K1, K2, K3)),
             omit_defaults=True,
@@ -1183,6 +1189,8 @@ def put_instances() -> list[Valid]:
               versions=(5,), description="K1 reserved (slots 7, 8 of pool 0, 3 of pool 1, 0 of pool 2), K2 written by another"),
         Valid("put-reply-nothing", kp.PutReply(332, 0, 0, (m.KeyResult(m.KeyStatus.DUPLICATE),)), versions=(5,),
               description="K1 is already READY: nothing reserved, no put to commit"),
+        Valid("put-parents", kp.Put(338, (), columns=(cols,), parents=(b"", K1)), versions=(5,),
+              description="K1 and K2 as one column block; K1 names no parent, K2's parent is K1"),
         Valid("commit", kp.Commit(333, PUT_ID), versions=(5,), description="every WRITE of put 77 is done"),
         Valid("complete-commit", m.Completion(333, (m.KeyResult(m.KeyStatus.STORED, handle=9), failed(E.BUSY, "items[1]: another writer holds the key"))),
               versions=(5,), description="the commit's results: K1 stored with its handle, K2 as the put said"),
@@ -1303,6 +1311,11 @@ def invalid_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     yield ("empty-frame", b"", 2, "MALFORMED", "a zero-length frame")
     yield ("truncated-last-byte", hb[:-1], 2, "MALFORMED", "a heartbeat missing its last byte")
     yield ("truncated-mid-str", dep[: len(dep) // 2], 2, "MALFORMED", "a deposit cut in the middle")
+    # -- parents (section 6.4)
+    yield ("parents-count", with_(dep_obj, parents=[K2, K3]), 2, "OUT_OF_RANGE", "two parents for a deposit of one key")
+    yield ("parents-self", with_(dep_obj, parents=[K1]), 2, "OUT_OF_RANGE", "a key named as its own parent")
+    yield ("parents-str", with_(dep_obj, parents=["k0"]), 2, "WRONG_TYPE", "a parent as str")
+    yield ("parents-257", with_(dep_obj, parents=[b"p" * 257]), 2, "TOO_LARGE", "a parent longer than max_key")
     yield ("truncated-map-header", b"\x83", 2, "MALFORMED", "a map header announcing 3 pairs and nothing else")
     yield ("truncated-array", _fix(4, _kv("v", 1) + _kv("t", "release") + _kv("id", 1) + _pack("handles") + b"\x93\x01"), 2, "MALFORMED", "an array announcing 3 items holding 1")
     yield ("truncated-bin-length", _fix(4, _kv("v", 1) + _kv("t", "query") + _kv("id", 1) + _pack("keys") + b"\x91\xc6\xff\xff\xff\xff"), 2, "MALFORMED", "a bin32 claiming 4 GiB")
@@ -1732,6 +1745,8 @@ def batch_json(batch: ev.EventBatch) -> dict[str, Any]:
         obj: dict[str, Any] = {"t": e.KIND.value, "keys": [k.hex() for k in e.keys], "pools": list(e.pools), "tier": e.tier}
         if isinstance(e, ev.Removed):
             obj["why"] = e.reason.value
+        elif e.parents:
+            obj["parents"] = [p.hex() for p in e.parents]
         events.append(obj)
     return {"node": batch.node, "incarnation": batch.incarnation, "ts": batch.ts, "events": events}
 
@@ -1767,6 +1782,9 @@ def event_batches() -> list[dict[str, Any]]:
             ev.Removed((b"k5",), ("kv-disk",), "disk", ev.RemovedReason.REMOVED),
         )), "a copy written to the disk tier, its memory object evicted (k4 is still held, on disk), "
             "and another copy dropped"),
+        ("parents", ev.EventBatch("node-a", inc, 1767225602.75, (
+            ev.Stored((b"k6", b"k7", b"k8"), ("kv",), "dram", (b"", b"k6", b"k7")),
+        )), "three blocks of one sequence stored with their parents: k6 names none, k7's is k6, k8's is k7"),
         ("stop", ev.EventBatch("node-a", (1 << 64) - 1, 1767225603.0, (ev.Cleared(),)),
          "the last batch of a node that stops; the largest incarnation"),
         ("empty", ev.EventBatch("n", 1, 0.0, ()), "a batch of no event"),
@@ -1845,6 +1863,10 @@ def refused_batches() -> list[dict[str, Any]]:
         ("tier-bin", batch({**stored, "tier": b"dram"}), "WRONG_TYPE", "events[0].tier", "a tier as bin"),
         ("why-unknown", batch({**stored, "t": "removed", "why": "expired"}), "OUT_OF_RANGE", "events[0].why",
          "an unknown reason"),
+        ("parents-count", batch({**stored, "parents": [b"p", b"q"]}), "OUT_OF_RANGE", "events[0].parents",
+         "two parents for one key"),
+        ("parent-str", batch({**stored, "parents": ["q"]}), "WRONG_TYPE", "events[0].parents[0]", "a parent as str"),
+        ("parents-map", batch({**stored, "parents": {}}), "WRONG_TYPE", "events[0].parents", "parents as a map"),
         ("must-understand", batch(stored, **{"!order": 1}), "MUST_UNDERSTAND", "!order",
          "a must-understand key this side does not know"),
         ("event-must-understand", batch({**stored, "!lease": 1}), "MUST_UNDERSTAND", "events[0].!lease",

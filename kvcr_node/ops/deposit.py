@@ -162,7 +162,7 @@ class Deposits:
                     outcomes.fail(i, exc.code, f"{exc.path}: {exc.reason}")
                     continue
             layout = tuple(zip(columns[0], columns[1], strict=True))
-            outcome, entry = self.store.begin_deposit(item.key, layout, msg.optional)
+            outcome, entry = self.store.begin_deposit(item.key, layout, msg.optional, msg.parents[i] if msg.parents else b"")
             if outcome is DepositOutcome.NEW:
                 assert entry is not None
                 placed.append((i, entry, source))
@@ -184,7 +184,7 @@ class Deposits:
                 outcomes.fail(i, problem.code, f"{problem.path}: {problem.reason}")
                 continue
             key = block.block.keys[r]
-            outcome, entry = self.store.begin_deposit(key, block.layout, msg.optional)
+            outcome, entry = self.store.begin_deposit(key, block.layout, msg.optional, msg.parents[i] if msg.parents else b"")
             if outcome is DepositOutcome.NEW:
                 assert entry is not None
                 placed.append((i, entry, (block, r)))

@@ -37,7 +37,9 @@ class Fetches:
         for i in ready:
             self.fetch_ready(op, i, items[i])
         for source, indices in remote.items():
-            fills = [(i, fill) for i in indices if (fill := self._begin_fill(op, i, items[i])) is not None]
+            parents = msg.parents
+            fills = [(i, fill) for i in indices
+                     if (fill := self._begin_fill(op, i, items[i], parents[i] if parents else b"")) is not None]
             if fills:
                 self.target.remote_fetch(op, source, fills)
         self.operations.settle(op)
@@ -57,14 +59,15 @@ class Fetches:
             op.set(i, KeyResult(KeyStatus.OK, handle=self.operations.new_handle(op.session, entry)))
         self.operations.settle(op)
 
-    def _begin_fill(self, op: Operation, i: int, item: FetchItem) -> ObjectEntry | None:
-        """A WRITING entry for a fetch from a peer (whole layouts only: fetch never projects)."""
+    def _begin_fill(self, op: Operation, i: int, item: FetchItem, parent: bytes) -> ObjectEntry | None:
+        """A WRITING entry for a fetch from a peer (whole layouts only: fetch never projects),
+        with the parent the fetch names for it."""
         layout = tuple((s.name, s.pool) for s in item.layout)
         for j, (_, pool) in enumerate(layout):
             if pool not in self.memories:
                 op.fail(i, ErrorCode.UNKNOWN_POOL, f"items[{i}].layout[{j}].pool: pool {pool!r} does not exist")
                 return None
-        outcome, entry = self.store.begin_deposit(item.key, layout)
+        outcome, entry = self.store.begin_deposit(item.key, layout, parent=parent)
         if outcome is DepositOutcome.NEW:
             return entry
         if outcome is DepositOutcome.CAPACITY:

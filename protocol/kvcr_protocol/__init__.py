@@ -27,6 +27,7 @@ from kvcr_protocol.columns import (
     layout_runs,
     prefix_mask,
 )
+from kvcr_protocol.declare import message_keys
 from kvcr_protocol.descriptors import Extent, check_span_sizes, resolve_columns, resolve_span
 from kvcr_protocol.endpoints import IPC_PATH_MAX, canonical_endpoint, endpoint_problem
 from kvcr_protocol.errors import ErrorCode, LocalProtocolError, ProtocolError, RemoteProtocolError, code_of
@@ -147,6 +148,7 @@ __all__ = [
     "is_notification",
     "item_count",
     "layout_runs",
+    "message_keys",
     "negotiate",
     "packed_grant_columns",
     "peek_id",

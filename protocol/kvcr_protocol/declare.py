@@ -16,12 +16,16 @@ from kvcr_protocol.limits import Limits
 from kvcr_protocol.records import ID as _ID
 from kvcr_protocol.records import TEXT as _TEXT
 from kvcr_protocol.records import DeliverItem, DepositItem, FetchItem
-from kvcr_protocol.wire import Field, Opt, UInt
+from kvcr_protocol.wire import Bytes, Field, Opt, Seq, UInt
 
 # Fields that messages of several modules share, declared once.
 F_REQUEST_ID = Field("request_id", Opt(_TEXT), None)
 F_CODE = Field("code", UInt(0xFFFF))
 F_REASON = Field("reason", _TEXT, "")
+F_PARENTS = Field("parents", Seq(Bytes("max_key"), "max_keys"), (), sparse=True)
+"""Each key's parent key, in the message's key order (spec section 6.4, "Parents"): an
+empty bin names none. Only the node's inventory events carry it on (section 15); a node
+that does not know the field ignores it."""
 
 
 class Message:
@@ -62,6 +66,24 @@ def message(tag: str, reply: bool = False, since: int = 1) -> Callable[[type[M]]
 
 def _fields(*fields: Field) -> tuple[Field, ...]:
     return (Field("id", _ID), *fields)
+
+
+def check_parents(keys: Sequence[bytes], parents: Sequence[bytes]) -> None:
+    """A message's ``parents`` name one parent (or none) per key, never the key itself."""
+    if not parents:
+        return
+    if len(parents) != len(keys):
+        raise RemoteProtocolError(ErrorCode.OUT_OF_RANGE, f"{len(parents)} parents for {len(keys)} keys", "parents")
+    for i, (key, parent) in enumerate(zip(keys, parents, strict=True)):
+        if parent == key:
+            raise RemoteProtocolError(ErrorCode.OUT_OF_RANGE, "a key is not its own parent", f"parents[{i}]")
+
+
+def message_keys(items: Sequence[DepositItem | DeliverItem | FetchItem], columns: Sequence[SpanColumns]) -> list[bytes]:
+    """A message's keys in its key order: its record items', or its column blocks' one after another."""
+    if columns:
+        return [key for block in columns for key in block.keys]
+    return [item.key for item in items]
 
 
 def _spans_of(item: DepositItem | DeliverItem | FetchItem) -> int:

@@ -72,7 +72,13 @@ class Stored:
     """The distinct pools of the objects' layout, in layout order."""
     tier: str
     """The memory of the first span's pool: ``dram`` or ``hbm:N``."""
+    parents: tuple[bytes, ...] = ()
+    """Empty, or each key's parent key, in order, as its deposit named it (b"": none named)."""
     KIND: ClassVar[EventKind] = EventKind.STORED
+
+    def parent_of(self, i: int) -> bytes:
+        """The parent key of ``keys[i]``; b"" when none was named."""
+        return self.parents[i] if self.parents else b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +140,7 @@ class ReplayEnd:
 
 
 _KEYS = Seq(Bytes("max_key", 1), "max_keys", 1)
+_PARENTS = Seq(Bytes("max_key"), "max_keys", 1)
 _POOLS = Seq(Str("max_name"), "max_tiers", 1)
 _NAME = Str("max_name")
 _TEXT = Str("max_text")
@@ -173,6 +180,11 @@ def _event_map(event: Event) -> dict[str, Any]:
     out: dict[str, Any] = {"t": event.KIND.value, "keys": list(event.keys), "pools": list(event.pools), "tier": event.tier}
     if isinstance(event, Removed):
         out["why"] = event.reason.value
+    elif any(event.parents):  # an event that names no parent is the frame it was before parents existed
+        if len(event.parents) != len(event.keys):
+            raise LocalProtocolError(
+                ErrorCode.OUT_OF_RANGE, f"{len(event.parents)} parents for {len(event.keys)} keys", "parents")
+        out["parents"] = list(event.parents)
     return out
 
 
@@ -227,7 +239,7 @@ def _rest(obj: dict[Any, Any], known: frozenset[str], path: str) -> None:
 
 _BATCH_KEYS = frozenset({"v", "node", "inc", "ts", "events"})
 _EVENT_KEYS = {
-    EventKind.STORED: frozenset({"t", "keys", "pools", "tier"}),
+    EventKind.STORED: frozenset({"t", "keys", "pools", "tier", "parents"}),
     EventKind.REMOVED: frozenset({"t", "keys", "pools", "tier", "why"}),
     EventKind.CLEARED: frozenset({"t"}),
 }
@@ -258,7 +270,14 @@ def _load_event(obj: Any, path: str, limits: Limits) -> Event:
     tier = _nonempty(_NAME.load(_field(obj, "tier", path + "."), path + ".tier", limits), path + ".tier")
     _rest(obj, _EVENT_KEYS[kind], path + ".")
     if kind is EventKind.STORED:
-        return Stored(keys, pools, tier)
+        raw = obj.get("parents")
+        if raw is None:
+            return Stored(keys, pools, tier)
+        parents = _PARENTS.load(raw, path + ".parents", limits)
+        if len(parents) != len(keys):
+            raise RemoteProtocolError(
+                ErrorCode.OUT_OF_RANGE, f"{len(parents)} parents for {len(keys)} keys", path + ".parents")
+        return Stored(keys, pools, tier, parents)
     why = obj.get("why")
     reason = RemovedReason.EVICTED if why is None else _REASON.load(why, path + ".why", limits)
     return Removed(keys, pools, tier, reason)

@@ -25,10 +25,11 @@ from kvcr_protocol.columns import (
     unpack,
 )
 from kvcr_protocol.declare import F_CODE as _F_CODE
+from kvcr_protocol.declare import F_PARENTS as _F_PARENTS
 from kvcr_protocol.declare import F_REASON as _F_REASON
 from kvcr_protocol.declare import F_REQUEST_ID as _F_REQUEST_ID
 from kvcr_protocol.declare import Message as Message
-from kvcr_protocol.declare import _check_items, _fields, message
+from kvcr_protocol.declare import _check_items, _fields, check_parents, message, message_keys
 from kvcr_protocol.errors import ErrorCode, RemoteProtocolError
 from kvcr_protocol.integrity import INTEGRITY_MESSAGES
 from kvcr_protocol.leases import Lease, LeaseEnded, LeaseReply, ReleaseLease, RenewLease
@@ -189,14 +190,19 @@ class Deposit(Message):
     optional: bool = False
     deadline_ms: int = 0
     columns: tuple[DepositColumns, ...] = ()
+    parents: tuple[bytes, ...] = ()
+    """Each key's parent key in key order, b"" for none (spec section 6.4, "Parents")."""
     FIELDS = _fields(
         Field("items", Seq(RecordType(DepositItem), "max_keys")), Field("no_evict", Bool(), False),
         Field("optional", Bool(), False), _F_DEADLINE,
         Field("columns", Seq(RecordType(DepositColumns), "max_keys"), (), since=3, must_understand=True),
+        _F_PARENTS,
     )
 
     def check(self, limits: Limits) -> None:
         _check_items(self.items, self.columns, limits)
+        if self.parents:
+            check_parents(message_keys(self.items, self.columns), self.parents)
 
 
 @message("query")
@@ -274,10 +280,14 @@ class Fetch(Message):
     items: tuple[FetchItem, ...]
     request_id: str | None = None
     deadline_ms: int = 0
-    FIELDS = _fields(Field("items", Seq(RecordType(FetchItem), "max_keys")), _F_REQUEST_ID, _F_DEADLINE)
+    parents: tuple[bytes, ...] = ()
+    """As a deposit's: the parent the fetched objects are stored with."""
+    FIELDS = _fields(Field("items", Seq(RecordType(FetchItem), "max_keys")), _F_REQUEST_ID, _F_DEADLINE, _F_PARENTS)
 
     def check(self, limits: Limits) -> None:
         _check_items(self.items, (), limits)
+        if self.parents:
+            check_parents(message_keys(self.items, ()), self.parents)
 
 
 @message("release")

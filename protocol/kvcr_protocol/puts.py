@@ -13,7 +13,7 @@ version 5 never see them.
 from __future__ import annotations
 
 from kvcr_protocol.columns import DepositColumns
-from kvcr_protocol.declare import Message, _check_items, _fields, message
+from kvcr_protocol.declare import F_PARENTS, Message, _check_items, _fields, check_parents, message, message_keys
 from kvcr_protocol.errors import ErrorCode, RemoteProtocolError
 from kvcr_protocol.grants import LeaseGrant
 from kvcr_protocol.limits import Limits
@@ -38,14 +38,19 @@ class Put(Message):
     ttl_ms: int = 0
     columns: tuple[DepositColumns, ...] = ()
     node_md: bool = False
+    parents: tuple[bytes, ...] = ()
+    """As a deposit's (spec section 6.4, "Parents")."""
     FIELDS = _fields(
         Field("items", Seq(RecordType(DepositItem), "max_keys")), Field("no_evict", Bool(), False),
         Field("optional", Bool(), False), Field("ttl_ms", UInt(U32_MAX), 0),
         Field("columns", Seq(RecordType(DepositColumns), "max_keys"), ()), Field("node_md", Bool(), False),
+        F_PARENTS,
     )
 
     def check(self, limits: Limits) -> None:
         _check_items(self.items, self.columns, limits)
+        if self.parents:
+            check_parents(message_keys(self.items, self.columns), self.parents)
 
 
 @message("put_reply", reply=True, since=5)

@@ -25,8 +25,9 @@ def event_from_json(obj: dict[str, Any]) -> ev.Event:
         return ev.Cleared()
     keys = tuple(bytes.fromhex(k) for k in obj["keys"])
     if obj["t"] == "stored":
-        assert set(obj) == {"t", "keys", "pools", "tier"}
-        return ev.Stored(keys, tuple(obj["pools"]), obj["tier"])
+        assert set(obj) - {"parents"} == {"t", "keys", "pools", "tier"}
+        parents = tuple(bytes.fromhex(p) for p in obj.get("parents", ()))
+        return ev.Stored(keys, tuple(obj["pools"]), obj["tier"], parents)
     assert obj["t"] == "removed" and set(obj) == {"t", "keys", "pools", "tier", "why"}
     return ev.Removed(keys, tuple(obj["pools"]), obj["tier"], ev.RemovedReason(obj["why"]))
 
@@ -37,6 +38,7 @@ def test_vectors_are_of_this_format_version() -> None:
     assert kinds == {ev.Stored, ev.Removed, ev.Cleared}
     reasons = {x.get("why") for vec in VECTORS["batches"] for x in vec["fields"]["events"]}
     assert {r.value for r in ev.RemovedReason} <= reasons
+    assert any("parents" in x for vec in VECTORS["batches"] for x in vec["fields"]["events"])
 
 
 @pytest.mark.parametrize("vec", VECTORS["batches"], ids=[v["name"] for v in VECTORS["batches"]])

@@ -105,12 +105,13 @@ def test_a_stopped_node_comes_back_with_its_objects_and_says_so(site: Site) -> N
     mirror = InventoryMirror()
     src = pattern(LAYOUT.nbytes * 40, 3)
     keys = [b"obj-%d" % i for i in range(40)]
+    chain = {keys[i]: keys[i - 1] for i in range(1, 40)}  # one sequence of blocks: each block's parent is the one before
     with EventStream(site.events) as stream:
         with Client(site.endpoint, name="before") as client:
             reg = Registrar(client)
             region = reg(src)
-            client.deposit({k: LAYOUT.source_spans(region, i * LAYOUT.nbytes) for i, k in enumerate(keys)}).result(
-                RESULT_TIMEOUT_S)
+            client.deposit({k: LAYOUT.source_spans(region, i * LAYOUT.nbytes) for i, k in enumerate(keys)},
+                           parents=chain).result(RESULT_TIMEOUT_S)
             old = client.node.incarnation if client.node is not None else 0
             assert client.node is not None and client.node.kept == 0
             reg.close()
@@ -140,6 +141,7 @@ def test_a_stopped_node_comes_back_with_its_objects_and_says_so(site: Site) -> N
                 return mirror.incarnation == client.node.incarnation and set(mirror.keys) == {*keys, *fresh}  # type: ignore[union-attr]
 
             assert wait_until(caught_up, FOLLOW_TIMEOUT_S), "the new incarnation's cleared and stored"
+            assert mirror.parents == chain, "what was taken back is published with its parents"
             reg.close()
             assert_clean(client)
         assert second.stop() == 0

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvcr_client import Client, KeyStatus, Presence
+from kvcr_client import ArgumentError, Client, KeyStatus, Presence
 from kvcr_client.events import EventStream, InventoryMirror
 from kvcr_node.event_publisher import REPLAY_MAX_FRAME
 from kvcr_node.inventory import REPLAY_MAX_BATCHES
@@ -130,6 +130,39 @@ def test_subscriber_follows_deposits_and_evictions_to_the_nodes_index(
         # Stopping says cleared, so a router forgets the node's keys.
         assert node.stop() == 0
         assert follow(stream, mirror, set())
+
+
+def test_stored_events_carry_the_parents_that_deposits_and_puts_name(
+    node_factory: Callable[..., NodeProcess], ipc_dir: Path,
+) -> None:
+    """Blocks of one sequence stored with their parents, by a deposit and by a put under a
+    write grant: a subscriber learns each key's parent (spec section 15.2), so a router can
+    build the tree of prefixes; a call naming parents badly is refused before it is sent."""
+    with events_node(node_factory, ipc_dir) as (node, endpoint), Client(node.endpoint, name="events") as client, \
+            EventStream(endpoint) as stream:
+        reg = Registrar(client)
+        layout = plain_layout(1, "kv", SLOT)
+        src = pattern(layout.nbytes * 6, 5)
+        region = reg(src)
+        keys = [b"seq/%d" % i for i in range(6)]
+        spans = {k: layout.source_spans(region, i * layout.nbytes) for i, k in enumerate(keys)}
+        chain = {keys[i]: keys[i - 1] for i in range(1, 6)}
+        first = client.deposit({k: spans[k] for k in keys[:3]}, parents={k: chain[k] for k in keys[1:3]})
+        assert all(r.status is KeyStatus.STORED for r in first.result(RESULT_TIMEOUT_S).values())
+        second = client.put({k: spans[k] for k in keys[3:]}, parents={k: chain[k] for k in keys[3:]})
+        assert all(r.status is KeyStatus.STORED for r in second.result(RESULT_TIMEOUT_S).values())
+        assert client.counters()["puts"] == 1, "the put went under a write grant"
+        mirror = InventoryMirror()
+        assert follow(stream, mirror, set(keys))
+        assert mirror.parents == chain
+
+        for parents, path in [({b"seq/9": b"seq/0"}, "parents[b'seq/9']"), ({b"x": b"x"}, "parents[b'x']"),
+                              ({b"x": b""}, "parents[b'x']"), ([(b"x", b"w")], "parents")]:
+            with pytest.raises(ArgumentError) as info:
+                client.deposit({b"x": spans[keys[0]]}, parents=parents)  # type: ignore[arg-type]
+            assert info.value.field == path, info.value
+        reg.close()
+        assert_clean(client)
 
 
 class Lossy(EventStream):

@@ -271,3 +271,24 @@ def test_with_promotion_on_an_object_read_back_stays_after_its_readers(tier: Dis
     memory.unclaim(p.entry)
     assert memory.lookup(b"a") is p.entry and tier.on_disk_only(b"a") is None
     ok(tier)
+
+
+def test_a_copy_and_its_read_back_keep_the_parent_the_deposit_named(tier: DiskTier, memory: Store) -> None:
+    """The tier's copy is published with the object's parent (spec section 15.2), and so is
+    the object read back from it."""
+    outcome, a = memory.begin_deposit(b"a", layout(), parent=b"root")
+    assert outcome is DepositOutcome.NEW and a is not None
+    memory.commit(a)
+    for key in (b"b", b"c"):
+        put(memory, key, layout())
+    [d] = tier.next_demotions()
+    tier.demoted(d, True)
+    assert d.copy.key == b"a" and d.copy.parent == b"root"
+    put(memory, b"d", layout())
+    outcome, _ = memory.begin_deposit(b"e", layout())  # evicts a: held on disk only
+    assert outcome is DepositOutcome.NEW and memory.lookup(b"a") is None
+    p = tier.promote(b"a")
+    assert not isinstance(p, DepositOutcome)
+    tier.promoted(p, True)
+    assert memory.lookup(b"a") is p.entry and p.entry.parent == b"root"
+    ok(tier)

@@ -222,3 +222,46 @@ def test_a_turn_of_long_keys_is_split_into_batches_of_bounded_bytes() -> None:
     assert set(mirror.keys) == ready_keys(store)
     for key, tiers in mirror.keys.items():
         assert list(tiers) == ["dram" if (int(key[:5]) // 700) % 2 == 0 else "hbm:0"]
+
+
+def chain_put(store: Store, key: bytes, parent: bytes, layout: tuple[tuple[str, str], ...] = PLAIN) -> ObjectEntry:
+    outcome, entry = store.begin_deposit(key, layout, parent=parent)
+    assert outcome is DepositOutcome.NEW and entry is not None
+    store.commit(entry)
+    return entry
+
+
+def test_stored_events_carry_the_parents_deposits_named_and_leave_them_out_when_none() -> None:
+    store, inventory = make()
+    inventory.take()
+    chain_put(store, b"b0", b"")
+    chain_put(store, b"b1", b"b0")
+    chain_put(store, b"b2", b"b1")
+    put(store, b"alone")  # same layout, no parent: the event's parents say none for it
+    chain_put(store, b"h1", b"b0", HYBRID)
+    [(_, payload)] = inventory.take()
+    events = decode_batch(payload).events
+    assert events == (Stored((b"b0", b"b1", b"b2", b"alone"), ("kv",), "dram", (b"", b"b0", b"b1", b"")),
+                      Stored((b"h1",), ("full", "swa"), "hbm:0", (b"b0",)))
+    put(store, b"other")
+    [(_, payload)] = inventory.take()
+    assert decode_batch(payload).events == (Stored((b"other",), ("kv",), "dram"),)
+    assert b"parents" not in payload  # a turn that names no parent is the batch it was before parents existed
+    mirror = InventoryMirror()
+    for payload in replayed(inventory, 0)[1]:
+        mirror.apply(decode_batch(payload))
+    assert mirror.parents == {b"b1": b"b0", b"b2": b"b1", b"h1": b"b0"}
+
+
+def test_batches_cut_in_bytes_keep_each_parent_with_its_key() -> None:
+    store = Store((PoolSpec("kv", 64, 20000, "dram"),), make_policy("fifo"))
+    inventory = Inventory("n", 1, {"kv": "dram"})
+    store.listener = inventory
+    keys = [b"%05d-" % i + b"k" * 200 for i in range(3000)]
+    for i, key in enumerate(keys):
+        chain_put(store, key, keys[i - 1] if i % 3 else b"")
+    payloads = [p for _, p in inventory.take()]
+    assert len(payloads) > 4 and all(len(p) <= BATCH_MAX_BYTES for p in payloads)
+    pairs = [(k, e.parent_of(i)) for p in payloads for e in decode_batch(p).events if isinstance(e, Stored)
+             for i, k in enumerate(e.keys)]
+    assert pairs == [(key, keys[i - 1] if i % 3 else b"") for i, key in enumerate(keys)]

@@ -42,7 +42,7 @@ class Held:
         self.store.on_ready = self.digest
         self.replayed = replay(path, self.state.epochs)
         records = verify(self.replayed, self.memories)
-        entries = self.store.adopt_all([(r.key, r.layout, r.slots, r.digests) for r in records])
+        entries = self.store.adopt_all([(r.key, r.layout, r.slots, r.digests, r.parent) for r in records])
         self.failures: list[BaseException] = []
         self.journal = Journal(path, incarnation, self.state.epochs, self.replayed.generation, self.replayed.seq,
                                {e.key: e for e in entries}, lambda entry: True, self.failures.append, compact_bytes,
@@ -56,9 +56,9 @@ class Held:
             out.append(span_digest(self.memories[pool].array[slot * size:(slot + 1) * size]))
         entry.digests = pack_digests(out)
 
-    def put(self, key: bytes, spans: int = 2, pool: str = "kv") -> ObjectEntry:
+    def put(self, key: bytes, spans: int = 2, pool: str = "kv", parent: bytes = b"") -> ObjectEntry:
         layout = tuple((f"L{i}", pool) for i in range(spans))
-        _, entry = self.store.begin_deposit(key, layout)
+        _, entry = self.store.begin_deposit(key, layout, parent=parent)
         assert entry is not None
         for slot in entry.slots:
             size = self.memories[pool].spec.slot_size
@@ -109,6 +109,28 @@ def test_what_was_ready_comes_back_and_what_left_does_not(dirs: tuple[Path, Path
     assert again.replayed.dropped == {}
     assert again.store.check_invariants() == []
     again.close()
+
+
+def test_parents_come_back_with_their_objects_through_journal_and_snapshot(dirs: tuple[Path, Path]) -> None:
+    """A restarted node publishes what it took back with the parents they were stored
+    with (spec section 15.2): the journal records them, a snapshot too."""
+    held = reopen(dirs, compact_bytes=1)  # every append compacts: the objects come back from a snapshot
+    held.put(b"p0")
+    held.put(b"p1", parent=b"p0")
+    held.put(b"p2", parent=b"p1")
+    held.journal.flush()
+    held.close()
+    again = reopen(dirs)
+    assert {key: e.parent for key in (b"p0", b"p1", b"p2") if (e := again.store.lookup(key)) is not None} == {
+        b"p0": b"", b"p1": b"p0", b"p2": b"p1"}
+    again.put(b"p3", parent=b"p2")
+    again.journal.flush()
+    again.close()
+    third = reopen(dirs)
+    assert third.replayed.dropped == {}
+    assert [e.parent for key in (b"p0", b"p1", b"p2", b"p3") if (e := third.store.lookup(key)) is not None] == [
+        b"", b"p0", b"p1", b"p2"]
+    third.close()
 
 
 def test_evictions_are_recorded_and_a_reused_slot_drops_the_old_record(dirs: tuple[Path, Path]) -> None:
@@ -261,11 +283,11 @@ def test_adopt_refuses_what_it_cannot_place_and_places_nothing() -> None:
     store = Store(POOLS, make_policy("lru"))
     slots = array("I", [0, 1]).tobytes()
     with pytest.raises(StoreError):
-        store.adopt_all([(b"a", (("L0", "kv"), ("L1", "kv")), slots, b""), (b"b", (("L0", "kv"),), array("I", [1]).tobytes(), b"")])
+        store.adopt_all([(b"a", (("L0", "kv"), ("L1", "kv")), slots, b"", b""), (b"b", (("L0", "kv"),), array("I", [1]).tobytes(), b"", b"")])
     assert len(store) == 0 and store.pool_stats()["kv"]["free"] == 32
     with pytest.raises(StoreError):
-        store.adopt_all([(b"a", (("L0", "nope"),), array("I", [0]).tobytes(), b"")])
-    entries = store.adopt_all([(b"a", (("L0", "kv"), ("L1", "kv")), slots, b"")])
+        store.adopt_all([(b"a", (("L0", "nope"),), array("I", [0]).tobytes(), b"", b"")])
+    entries = store.adopt_all([(b"a", (("L0", "kv"), ("L1", "kv")), slots, b"", b"")])
     assert entries[0].slots == (0, 1) and store.pool_stats()["kv"]["free"] == 30
     _, entry = store.begin_deposit(b"c", (("L0", "kv"),))
     assert entry is not None and entry.slots[0] not in (0, 1)
@@ -292,7 +314,11 @@ def test_reserve_takes_exactly_the_slots_named() -> None:
     [0, 1],  # cut short
     {"kind": 0},  # not a list
     7,
-], ids=["str-key", "no-span", "slots-count", "digests-length", "kind", "short", "map", "int"])
+    [0, 1, 7, b"k", [["L0", "kv"]], b"\x00" * 4, b"", None, "parent"],  # a parent as str
+    [0, 1, 7, b"k", [["L0", "kv"]], b"\x00" * 4, b"", None, b"k"],  # its own parent
+    [0, 1, 7, b"k", [["L0", "kv"]], b"\x00" * 4, b"", None, b"p", 1],  # a field past the parent
+], ids=["str-key", "no-span", "slots-count", "digests-length", "kind", "short", "map", "int", "parent-str",
+        "parent-self", "past-parent"])
 def test_a_record_whose_bytes_check_out_but_do_not_decode_is_dropped(body: object, dirs: tuple[Path, Path]) -> None:
     import msgpack
 

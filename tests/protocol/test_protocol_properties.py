@@ -123,6 +123,12 @@ def coherent(msg: Message) -> Message:
     if isinstance(msg, kp.Put) and msg.columns:
         changes["items"] = ()
     msg = dataclasses.replace(msg, **changes) if changes else msg  # type: ignore[type-var]
+    if getattr(msg, "parents", None):
+        # One parent per key, none its own key's (drawn parents are cycled over the keys).
+        keys = kp.message_keys(msg.items, getattr(msg, "columns", ()))  # type: ignore[attr-defined]
+        drawn = msg.parents  # type: ignore[attr-defined]
+        parents = tuple(p if p != k else b"" for k, p in zip(keys, (drawn * len(keys))[: len(keys)], strict=True))
+        msg = dataclasses.replace(msg, parents=parents)  # type: ignore[type-var]
     if isinstance(msg, kp.WriteRequest) and msg.notify is not None:
         items = pack(range(kp.item_count(msg)), U32)
         msg = dataclasses.replace(msg, notify=dataclasses.replace(msg.notify, items=items))
