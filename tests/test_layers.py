@@ -112,8 +112,8 @@ def test_no_part_holds_a_proxy_to_the_whole() -> None:
     assert breaches == []
 
 
-ENGINE_PACKAGES = {"torch", "transformers", "vllm", "sglang", "cupy"}
-"""Engines and their tensors: only an integration imports them (cupy only the GPU paths)."""
+ENGINE_PACKAGES = {"torch", "transformers", "vllm", "sglang", "cupy", "dynamo"}
+"""Engines, their tensors and routers: only an integration imports them (cupy only the GPU paths)."""
 GPU_MODULES = {"kvcr_node/gpu.py", "kvcr_client/buffers.py", "kvcr_node/memory.py"}
 
 

@@ -21,17 +21,18 @@ ENGINE_PY = ROOT / os.environ.get("KVCR_ENGINES_VENV", ".venv-engines") / "bin" 
 """transformers, SGLang."""
 VLLM_PY = ROOT / os.environ.get("KVCR_VLLM_VENV", ".venv-vllm") / "bin" / "python"
 """vLLM (its transformers pin differs, so it has an environment of its own)."""
+DYNAMO_PY = ROOT / os.environ.get("KVCR_DYNAMO_VENV", ".venv-dynamo") / "bin" / "python"
+"""NVIDIA Dynamo's router index (``scripts/dynamo_env.sh``)."""
 EXAMPLES = ROOT / "examples"
 
 
-def require_engines(python: Path = ENGINE_PY) -> None:
+def require_engines(python: Path = ENGINE_PY, made_by: str = "scripts/engines_env.sh") -> None:
     """Skip the calling test module (fail it in CI) when the engine environment is missing."""
     if python.exists():
         return
     if os.environ.get("CI"):
-        pytest.fail(f"CI needs the engine environment {python}: .ci/run makes it with scripts/engines_env.sh",
-                    pytrace=False)
-    pytest.skip(f"no engine environment at {python}: run scripts/engines_env.sh", allow_module_level=True)
+        pytest.fail(f"CI needs the environment {python}: .ci/run makes it with {made_by}", pytrace=False)
+    pytest.skip(f"no environment at {python}: run {made_by}", allow_module_level=True)
 
 
 def run_example(script: str, *args: str, timeout_s: float, python: Path = ENGINE_PY,

@@ -1,0 +1,286 @@
+"""Requests placed by NVIDIA Dynamo's radix tree over real kvcr nodes (run in ``.venv-dynamo``).
+
+Made by ``scripts/dynamo_env.sh``; run by ``tests/cluster/test_dynamo_router.py``, which
+reads the JSON report this prints last. The script:
+
+1. starts ``--nodes`` kvcr nodes on ipc endpoints, each with one small FIFO pool (the
+   workload's blocks do not fit, so nodes evict) and an inventory event stream, and follows
+   every stream with ``DynamoIndex`` (one Dynamo worker id per node);
+2. runs ``--requests`` requests over ``--prefixes`` sequences of ``--blocks`` blocks, the
+   sequence drawn Zipf-like. Block i's key is a hash chained over the sequence's blocks
+   before it, as an engine's is, and its deposit names block i-1 as its parent. A request
+   is the first half or more of a sequence. Each request asks the index for the node holding the longest prefix of its keys, leases that
+   prefix there and delivers it (every byte checked against what was deposited), then
+   deposits the blocks it lacked into the same node, as an engine that prefilled them would.
+   With no node holding its first block, the request goes to the nodes in turn;
+3. at every ``--check-every``-th request, and after a node is killed and started again
+   (``--restart``: kill -9, a new incarnation on the same endpoints, empty), waits until
+   the events settle (each node's mirror equals the keys a ``query`` finds there), then
+   asks the tree and every node's own ``query`` (the oracle) for the longest held prefix
+   of every sequence on every node: they must agree.
+
+Reported: the requests, how many agreed with the oracle at each check (per node and for
+the choice), blocks served against blocks the oracle could have served at request time,
+the index's counts, and the time from a deposit's acknowledgement to its blocks in the
+tree. The nodes end clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvcr_testing
+
+from kvcr_client import Client, KeyStatus, LeaseStatus, Presence, Span
+from kvcr_client.integrations.dynamo import DynamoIndex
+from kvcr_testing.health import assert_clean
+from kvcr_testing.nodes import NodeProcess, short_ipc_dir, start_node
+from kvcr_testing.patterns import KiB, pattern
+
+BLOCK = 4 * KiB
+"""One block: one span of one slot."""
+RESULT_TIMEOUT_S = 30.0
+SETTLE_TIMEOUT_S = 20.0
+"""How long the events of one check may take to reach the index."""
+
+
+def sequence_keys(prefix: int, blocks: int) -> list[bytes]:
+    """Block keys of sequence ``prefix``: each a hash over the one before and its own tokens."""
+    keys, previous = [], b""
+    for i in range(blocks):
+        previous = hashlib.blake2b(previous + b"tokens:%d:%d" % (prefix, i), digest_size=16).digest()
+        keys.append(previous)
+    return keys
+
+
+def block_bytes(key: bytes) -> np.ndarray:
+    return pattern(BLOCK, int.from_bytes(key[:4], "little"))
+
+
+class Site:
+    """One node: its process, endpoints and a client of it."""
+
+    def __init__(self, ipc: Path, index: int, slots: int, policy: str) -> None:
+        self.index = index
+        self.policy = policy
+        self.endpoint = f"ipc://{ipc}/n{index}.sock"
+        self.events = f"ipc://{ipc}/n{index}.ev"
+        self.slots = slots
+        self.node: NodeProcess | None = None
+        self.client: Client | None = None
+        self.incarnations = 0
+
+    def start(self) -> None:
+        self.node = start_node(self.endpoint, "--pool", f"kv:{BLOCK}:{self.slots}", "--policy", self.policy,
+                               "--events-endpoint", self.events, "--name", f"node-{self.index}")
+        self.client = Client(self.endpoint, name=f"router-{self.index}")
+        self.incarnations += 1
+
+    def kill(self) -> None:
+        assert self.node is not None and self.client is not None
+        self.client.close()
+        self.node.kill()
+
+    def held_prefix(self, keys: Sequence[bytes]) -> int:
+        """The oracle: how many of ``keys``, from the first, the node's own query finds."""
+        assert self.client is not None
+        found = self.client.query(keys).result(RESULT_TIMEOUT_S)
+        n = 0
+        for key in keys:
+            if found[key].presence is not Presence.HIT:
+                break
+            n += 1
+        return n
+
+    def holds(self, keys: Sequence[bytes]) -> set[bytes]:
+        assert self.client is not None
+        found = self.client.query(keys).result(RESULT_TIMEOUT_S)
+        return {k for k in keys if found[k].presence is Presence.HIT}
+
+
+class Router:
+    """The workload: requests placed by the index, served by lease and deliver, prefilled by deposit."""
+
+    def __init__(self, sites: list[Site], index: DynamoIndex, prefixes: int, blocks: int, seed: int) -> None:
+        self.sites = sites
+        self.index = index
+        self.sequences = [sequence_keys(p, blocks) for p in range(prefixes)]
+        self.parents = {seq[i]: seq[i - 1] for seq in self.sequences for i in range(1, blocks)}
+        self.rng = random.Random(seed)
+        weights = [1 / (rank + 1) ** 1.1 for rank in range(prefixes)]
+        self.weights = weights
+        self.turn = 0
+        self.figures = {"requests": 0, "served_blocks": 0, "oracle_blocks": 0, "prefilled_blocks": 0,
+                        "misses": 0, "checks": 0, "agreed": 0, "node_checks": 0, "node_agreed": 0}
+        self.lags: list[float] = []
+        self.mismatches: list[str] = []
+
+    def request(self) -> None:
+        sequence = self.rng.choices(self.sequences, self.weights)[0]
+        keys = sequence[:self.rng.randint(max(1, len(sequence) // 2), len(sequence))]  # a prompt of part of it
+        self.index.poll()
+        oracle = max(site.held_prefix(keys) for site in self.sites)
+        chosen, held = self.index.best(keys)
+        if chosen is None:
+            chosen, self.turn = self.turn, (self.turn + 1) % len(self.sites)
+        site = self.sites[chosen]
+        served = self.serve(site, keys[:held]) if held else 0
+        self.figures["requests"] += 1
+        self.figures["served_blocks"] += served
+        self.figures["oracle_blocks"] += oracle
+        if served < held:
+            self.figures["misses"] += 1
+        self.prefill(site, keys, served)
+
+    def serve(self, site: Site, keys: list[bytes]) -> int:
+        """Lease ``keys`` at ``site`` and deliver the held prefix; the blocks served."""
+        client = site.client
+        assert client is not None
+        lease = client.lease(keys, request_id=f"r{self.figures['requests']}").result(RESULT_TIMEOUT_S)
+        try:
+            n = 0
+            for key in keys:
+                if lease.status(key) is not LeaseStatus.LEASED:
+                    break
+                n += 1
+            if not n:
+                return 0
+            dst = np.zeros(BLOCK * n, dtype=np.uint8)
+            region = client.register(dst)
+            try:
+                results = client.deliver({k: [Span("L0", region, i * BLOCK, BLOCK)] for i, k in enumerate(keys[:n])}
+                                         ).result(RESULT_TIMEOUT_S)
+                for i, key in enumerate(keys[:n]):
+                    assert results[key].status is KeyStatus.OK, (key.hex(), results[key])
+                    assert np.array_equal(dst[i * BLOCK:(i + 1) * BLOCK], block_bytes(key)), f"{key.hex()}: wrong bytes"
+            finally:
+                client.unregister(region)
+            return n
+        finally:
+            lease.release().result(RESULT_TIMEOUT_S)
+
+    def prefill(self, site: Site, keys: list[bytes], have: int) -> None:
+        """Deposit the blocks from ``have`` on, with their parents; time until the tree has them."""
+        client = site.client
+        assert client is not None
+        rest = keys[have:]
+        if not rest:
+            return
+        src = np.concatenate([block_bytes(k) for k in rest])
+        region = client.register(src)
+        try:
+            results = client.deposit({k: [Span("L0", region, i * BLOCK, BLOCK, "kv")] for i, k in enumerate(rest)},
+                                     parents={k: self.parents[k] for k in rest if k in self.parents}
+                                     ).result(RESULT_TIMEOUT_S)
+        finally:
+            client.unregister(region)
+        acked = time.monotonic()
+        stored = [k for k in rest if results[k].status in (KeyStatus.STORED, KeyStatus.DUPLICATE)]
+        assert len(stored) == len(rest), {k.hex(): results[k] for k in rest}
+        self.figures["prefilled_blocks"] += len(rest)
+        deadline = acked + SETTLE_TIMEOUT_S
+        while self.index.scores(keys).get(site.index, 0) < len(keys) and time.monotonic() < deadline:
+            self.index.poll(0.002)
+        if self.index.scores(keys).get(site.index, 0) == len(keys):
+            self.lags.append(time.monotonic() - acked)
+
+    def settle(self) -> bool:
+        """Wait until every node's mirror is what its query finds (bounded)."""
+        every = [k for seq in self.sequences for k in seq]
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while True:
+            self.index.poll(0.01)
+            if all(set(self.index.mirror(s.index).keys) == s.holds(every) for s in self.sites):
+                return True
+            if time.monotonic() > deadline:
+                return False
+
+    def check(self) -> None:
+        """Every sequence: the tree's longest prefix per node against each node's query."""
+        settled = self.settle()
+        for keys in self.sequences:
+            truth = {s.index: n for s in self.sites if (n := s.held_prefix(keys))}
+            tree = self.index.scores(keys)
+            self.figures["node_checks"] += len(self.sites)
+            self.figures["node_agreed"] += sum(tree.get(s.index, 0) == truth.get(s.index, 0) for s in self.sites)
+            chosen, held = self.index.best(keys)
+            best = max(truth.values(), default=0)
+            agreed = held == best and (chosen is None if best == 0 else truth.get(chosen, 0) == best)
+            self.figures["checks"] += 1
+            self.figures["agreed"] += agreed
+            if not agreed and len(self.mismatches) < 5:
+                self.mismatches.append(f"settled={settled} tree={tree} oracle={truth}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--slots", type=int, default=96, help="slots per node's pool (one block each)")
+    parser.add_argument("--prefixes", type=int, default=60)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--check-every", type=int, default=100)
+    parser.add_argument("--restart", type=int, default=-1, help="kill -9 and restart this node halfway (-1: none)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--policy", default="fifo", help="the nodes' eviction policy (fifo evicts a sequence's "
+                        "first blocks before the later ones a second request added: blocks wait for their parent)")
+    args = parser.parse_args(argv)
+
+    with short_ipc_dir("dyn") as ipc:
+        sites = [Site(ipc, i, args.slots, args.policy) for i in range(args.nodes)]
+        with DynamoIndex() as index:
+            try:
+                for site in sites:
+                    site.start()
+                    index.follow(site.index, site.events)
+                router = Router(sites, index, args.prefixes, args.blocks, args.seed)
+                for r in range(args.requests):
+                    router.request()
+                    if (r + 1) % args.check_every == 0:
+                        router.check()
+                    if r == args.requests // 2 and args.restart >= 0:
+                        sites[args.restart].kill()
+                        sites[args.restart].start()
+                        router.check()
+                router.check()
+                evicted = 0
+                for site in sites:
+                    assert site.client is not None
+                    st = assert_clean(site.client)
+                    evicted += sum(st["evictions"].values())
+            finally:
+                for site in sites:
+                    if site.client is not None:
+                        site.client.close()
+                    if site.node is not None:
+                        site.node.kill()
+    figures = router.figures
+    lags = sorted(router.lags)
+    report = {
+        **figures,
+        "router_agreement": figures["agreed"] / figures["checks"],
+        "node_agreement": figures["node_agreed"] / figures["node_checks"],
+        "hit_rate_vs_oracle": figures["served_blocks"] / max(1, figures["oracle_blocks"]),
+        "evicted": evicted,
+        "event_lag_p50_ms": 1000 * lags[len(lags) // 2] if lags else None,
+        "event_lag_p99_ms": 1000 * lags[min(len(lags) - 1, int(len(lags) * 0.99))] if lags else None,
+        "index": dataclasses.asdict(index.counts),
+        "incarnations": [s.incarnations for s in sites],
+        "mismatches": router.mismatches,
+    }
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
