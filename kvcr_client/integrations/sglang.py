@@ -122,13 +122,14 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._lock:
             staging, region = self._stage(size)
             for start in range(0, len(keys), self.staging_pages):
-                chunk = list(range(start, min(start + self.staging_pages, len(keys))))
+                chunk = range(start, min(start + self.staging_pages, len(keys)))
                 for slot, i in enumerate(chunk):
                     staging[slot * size : (slot + 1) * size] = pages[i]
                 objects = {self._key(keys[i]): [Span(SPAN, region, slot * size, size, self.pool)]
                            for slot, i in enumerate(chunk)}
                 try:
-                    results = self.client.put(objects).result(CALL_TIMEOUT_S)
+                    # A batch is one chain of pages: each stored with the page before it as its parent.
+                    results = self.client.put(objects, parents=self._parents(keys, chunk, None)).result(CALL_TIMEOUT_S)
                 except KvcrError as exc:
                     log.warning("kvcr: deposit of %d pages failed: %s", len(chunk), exc)
                     ok = False
@@ -239,16 +240,21 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        """Store each page straight from the host pool; True for a page the node now holds."""
-        return self._move_pages(keys, host_indices, deliver=False)
+        """Store each page straight from the host pool; True for a page the node now holds.
+        ``extra_info.prefix_keys`` and ``keys`` are one chain of pages: each page is stored
+        with the one before as its parent (spec section 6.4, "Parents")."""
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        return self._move_pages(keys, host_indices, deliver=False, before=prefix[-1] if prefix else None)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Deliver each page straight into the host pool; False for a page the node does not hold."""
         return self._move_pages(keys, host_indices, deliver=True)
 
-    def _move_pages(self, keys: list[str], host_indices: torch.Tensor, deliver: bool) -> list[bool]:
-        """Deposit (or deliver) pages in place, ``V1_BATCH_PAGES`` a message; one outcome a page."""
+    def _move_pages(self, keys: list[str], host_indices: torch.Tensor, deliver: bool,
+                    before: str | None = None) -> list[bool]:
+        """Deposit (or deliver) pages in place, ``V1_BATCH_PAGES`` a message; one outcome a
+        page. A deposit names each page's parent: the page before it, ``before`` for the first."""
         out = [False] * len(keys)
         spans = self._page_spans(host_indices, len(keys), "" if deliver else self.pool)
         done, missed = ("get", "get_missed") if deliver else ("set", "set_failed")
@@ -256,8 +262,9 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             chunk = range(start, min(start + V1_BATCH_PAGES, len(keys)))
             objects = {self._key(keys[i]): spans[i] for i in chunk}
             try:
+                parents = {} if deliver else self._parents(keys, chunk, before)
                 results = (self._deliver(objects) if deliver else
-                           {k: r.ok for k, r in self.client.put(objects).result(CALL_TIMEOUT_S).items()})
+                           {k: r.ok for k, r in self.client.put(objects, parents=parents).result(CALL_TIMEOUT_S).items()})
             except KvcrError as exc:
                 log.warning("kvcr: %s of %d pages failed: %s", "deliver" if deliver else "deposit", len(chunk), exc)
                 self.counters[missed] += len(chunk)
@@ -268,6 +275,16 @@ class KvcrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return out
 
     # ------------------------------------------------------------------ presence
+
+    def _parents(self, keys: Sequence[str], chunk: range, before: str | None) -> dict[bytes, bytes]:
+        """The parents of the pages ``chunk`` of one chain ``keys``: each the page before it,
+        and ``before`` (a page stored earlier, or none) for the chain's first."""
+        parents = {}
+        for i in chunk:
+            parent = keys[i - 1] if i else before
+            if parent is not None and parent != keys[i]:
+                parents[self._key(keys[i])] = self._key(parent)
+        return parents
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

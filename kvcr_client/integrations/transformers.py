@@ -96,7 +96,9 @@ def deposit_prefix(
     region = client.register(_bytes_of(stacked))
     try:
         spans = _spans(region, layers, len(keys), block_tokens, span, pool)
-        results = client.put(dict(zip(keys, spans, strict=True))).result(timeout)
+        # Block b's parent is block b-1 (spec section 6.4, "Parents"): a router builds the prefix tree from it.
+        parents = {keys[b]: keys[b - 1] for b in range(1, len(keys))}
+        results = client.put(dict(zip(keys, spans, strict=True)), parents=parents).result(timeout)
         failed = [(k.hex()[:12], r) for k, r in results.items() if not r.ok]
         if failed:
             raise RuntimeError(f"kvcr refused {len(failed)} blocks, the first {failed[0]}")

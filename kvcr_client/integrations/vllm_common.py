@@ -170,6 +170,9 @@ class BlockLoad:
     one the operator allowed, as the operator spelled it."""
     hint_id: str | None = None
     """The request id the hint goes under (``hint_id``: vLLM's, or a digest of one the protocol cannot carry)."""
+    parents: list[bytes] = field(default_factory=list)
+    """A save's: each block's parent, the key of the block before it in the request (b"" for
+    its first block), published with the block's ``stored`` event (spec section 6.4, "Parents")."""
 
 
 @dataclass

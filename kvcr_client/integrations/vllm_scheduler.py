@@ -386,11 +386,11 @@ class KvcrScheduler:
         (nor held by the request's lease: the node answers DUPLICATE, without a transfer, for
         any other it holds already)."""
         end = min(min(computed, saving.prompt_tokens) // self.settings.block_size, len(saving.keys), len(saving.block_ids))
-        fresh = [(saving.keys[b], saving.block_ids[b]) for b in range(saving.saved, end)
-                 if saving.keys[b] not in saving.held]
+        fresh = [b for b in range(saving.saved, end) if saving.keys[b] not in saving.held]
         saving.saved = max(saving.saved, end)
         if fresh:
-            meta.saves.append(BlockLoad(request_id, [k for k, _ in fresh], [b for _, b in fresh]))
+            meta.saves.append(BlockLoad(request_id, [saving.keys[b] for b in fresh], [saving.block_ids[b] for b in fresh],
+                                        parents=[saving.keys[b - 1] if b else b"" for b in fresh]))
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks that failed to load are recomputed by vLLM: save them once they are."""

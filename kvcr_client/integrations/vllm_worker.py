@@ -168,9 +168,10 @@ class KvcrWorker:
         self._failed: set[int] = set()
 
     def _slices(self, load: BlockLoad) -> BlockLoad:
-        """``load`` with each block's chain key turned into this rank's slice key."""
+        """``load`` with each block's chain key (and parent) turned into this rank's slice key."""
         fingerprint = self.settings.fingerprint
-        return replace(load, keys=[fingerprint.slice_key(key, self.rank) for key in load.keys])
+        return replace(load, keys=[fingerprint.slice_key(key, self.rank) for key in load.keys],
+                       parents=[fingerprint.slice_key(p, self.rank) if p else b"" for p in load.parents])
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks if self.kv_cache_config is not None else None
@@ -383,6 +384,7 @@ class KvcrWorker:
         saves = [self._slices(save) for save in meta.saves]
         objects = {key: self._spans(block_id, self.settings.pool) for save in saves
                    for key, block_id in zip(save.keys, save.block_ids, strict=True)}
+        parents = {key: parent for save in saves for key, parent in zip(save.keys, save.parents, strict=False) if parent}
         if not objects:
             return
         if meta.node_stalled:
@@ -402,7 +404,8 @@ class KvcrWorker:
             return
         try:
             self.counts.add("saves")
-            handle = self.client.put(objects, optional=True, deadline_ms=max(1, round(self.settings.save_timeout_s * 1e3)))
+            handle = self.client.put(objects, optional=True, deadline_ms=max(1, round(self.settings.save_timeout_s * 1e3)),
+                                     parents=parents)
             # The blocks may be reused once this step is over: the step waits until they
             # are written (by this worker's WRITEs, or read by the node), not until stored.
             handle.written.result(WAIT_S)

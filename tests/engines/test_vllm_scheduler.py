@@ -39,8 +39,9 @@ DRIVER = Path(__file__).with_name("vllm_scheduler_driver.py")
 require_engines(VLLM_PY)
 
 
-def entry(request: str, keys: list[str], block_ids: list[int]) -> dict[str, Any]:
-    return {"request": request, "keys": keys, "block_ids": block_ids, "source": None}
+def entry(request: str, keys: list[str], block_ids: list[int], parents: list[str] | None = None) -> dict[str, Any]:
+    """A load (no parents) or a save (each block's parent: the key of the block before it)."""
+    return {"request": request, "keys": keys, "block_ids": block_ids, "source": None, "parents": parents or []}
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
@@ -56,7 +57,8 @@ def test_scheduler_drives_the_connector(node_factory: Callable[..., NodeProcess]
     assert first["scheduled"] == {"loaded": 36}
     blocks = first["block_ids"]["loaded"]
     assert first["loads"] == [entry("loaded", loaded[:2], blocks[:2])]
-    assert first["saves"] == [entry("loaded", loaded[2:3], blocks[2:3])]  # the third block, computed here
+    # The third block, computed here, saved with the second as its parent.
+    assert first["saves"] == [entry("loaded", loaded[2:3], blocks[2:3], loaded[1:2])]
     assert first["kv_connector_stats"] is not None
     assert {k: v for k, v in first["kv_connector_stats"].items() if v} == {"leases": 1, "matched_tokens": 64}
     # A decode step, then the end: the node that served it is named for a decode engine elsewhere.
@@ -67,7 +69,8 @@ def test_scheduler_drives_the_connector(node_factory: Callable[..., NodeProcess]
     for i, s in enumerate(steps[2:5]):
         assert s["scheduled"] == {"chunked": 64}, s
         ids = s["block_ids"]["chunked"][2 * i : 2 * i + 2]
-        assert s["loads"] == [] and s["saves"] == [entry("chunked", chunked[2 * i : 2 * i + 2], ids)], s
+        parents = ["" if i == 0 else chunked[2 * i - 1], chunked[2 * i]]  # the first block names none
+        assert s["loads"] == [] and s["saves"] == [entry("chunked", chunked[2 * i : 2 * i + 2], ids, parents)], s
     last = steps[5]
     assert last["scheduled"] == {"chunked": 8} and last["saves"] == [], last
     assert last["finished"] == {"chunked": {"kvcr_endpoint": node.endpoint}}

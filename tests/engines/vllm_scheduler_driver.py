@@ -140,7 +140,8 @@ def meta_of(out: Any) -> dict[str, Any]:
     meta = out.kv_connector_metadata
     assert isinstance(meta, KvcrConnectorMetadata), type(meta)
     return {kind: [{"request": x.request_id, "keys": [k.hex() for k in x.keys], "block_ids": x.block_ids,
-                    "source": x.source} for x in getattr(meta, kind)] for kind in ("loads", "saves")}
+                    "source": x.source, "parents": [p.hex() for p in x.parents]}
+                   for x in getattr(meta, kind)] for kind in ("loads", "saves")}
 
 
 def step(sched: Scheduler, prompts: dict[str, list[int]]) -> dict[str, Any]:
