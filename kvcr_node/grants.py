@@ -9,12 +9,13 @@ as the entry keeps them, so a key costs the same whatever its spans.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Mapping, Sequence
 
 from kvcr_node.objects import ObjectEntry
-from kvcr_protocol import DEFAULT_LIMITS, LeaseStatus, PackedRow
-from kvcr_protocol.columns import U32, pack
+from kvcr_protocol import DEFAULT_LIMITS, LeaseGrant, LeaseStatus, PackedRow
+from kvcr_protocol.columns import U32, pack, unpack
 
 Row = PackedRow | None
 """A key's row: its stored span names, a pool index byte and a u32 slot per span; None: no grant."""
@@ -54,4 +55,31 @@ def grant_rows(
         slots = entry.slot_view
         rows.append((shared[0], shared[1], slots.tobytes() if _LITTLE else pack(slots, U32)))
     return rows
+
+
+def with_digests(
+    grant: LeaseGrant, entries: Sequence[ObjectEntry], keys: Sequence[bytes], remote: Mapping[int, bytes],
+) -> LeaseGrant:
+    """``grant`` with the digest of every span granted here (``entries``: the lease's objects,
+    empty with ``integrity`` off), and of a source's rows (``remote``: by key position) those
+    the source sent with them (spec section 6.12, "Integrity"); 0 for a span with none (not
+    checked)."""
+    if not entries and not any(remote.values()):
+        return grant  # nothing to send: no pass over the grant's rows
+    held = {entry.key: entry for entry in entries}
+    spans_of = [joined.count("\0") + 1 for joined in grant.layouts]  # per layout: its spans
+    column = bytearray()
+    for i, index in enumerate(unpack(grant.layout, U32)):
+        if not index:
+            continue
+        spans = spans_of[index - 1]
+        if grant.source_of(i) is None:
+            entry = held.get(keys[i])
+            digests = entry.digests if entry is not None else b""
+        else:
+            digests = remote.get(i, b"")
+        column += digests if len(digests) == 8 * spans else bytes(8 * spans)
+    if not any(column):
+        return grant
+    return dataclasses.replace(grant, digest=bytes(column))
 

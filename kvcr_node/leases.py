@@ -13,17 +13,16 @@ source restarts, stays unreachable, or ends its own lease.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import heapq
 import itertools
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvcr_node.config import NodeConfig
 from kvcr_node.counters import LeaseCount, LeaseCounters
-from kvcr_node.grants import grant_rows
+from kvcr_node.grants import grant_rows, with_digests
 from kvcr_node.outbox import Outbox
 from kvcr_node.records import Session
 from kvcr_node.source_grants import SourceGrants, SourceRow
@@ -56,7 +55,6 @@ from kvcr_protocol import (
     Role,
     packed_grant_columns,
 )
-from kvcr_protocol.columns import U32, unpack
 
 if TYPE_CHECKING:
     from kvcr_node.links import Links
@@ -306,32 +304,8 @@ class Leases(SourceHolds):
         else:
             # A repeated key has its row at its first position only, as a local one (spec 6.12).
             grant = self.source_grants.columns(record.session, rows, remote, node)
-        return self._with_digests(grant, record, keys, remote_digests)
-
-    def _with_digests(
-        self, grant: LeaseGrant, record: LeaseRecord, keys: Sequence[bytes], remote: Mapping[int, bytes],
-    ) -> LeaseGrant:
-        """``grant`` with the digest of every span granted here (with ``integrity`` on), and
-        of a source's rows those the source sent with them (spec section 6.12, "Integrity");
-        0 for a span with none (not checked)."""
-        if not self.config.integrity and not any(remote.values()):
-            return grant  # nothing to send: no pass over the grant's rows
-        held = {entry.key: entry for entry in record.entries} if self.config.integrity else {}
-        spans_of = [joined.count("\0") + 1 for joined in grant.layouts]  # per layout: its spans
-        column = bytearray()
-        for i, index in enumerate(unpack(grant.layout, U32)):
-            if not index:
-                continue
-            spans = spans_of[index - 1]
-            if grant.source_of(i) is None:
-                entry = held.get(keys[i])
-                digests = entry.digests if entry is not None else b""
-            else:
-                digests = remote.get(i, b"")
-            column += digests if len(digests) == 8 * spans else bytes(8 * spans)
-        if not any(column):
-            return grant
-        return dataclasses.replace(grant, digest=bytes(column))
+        entries = record.entries if self.config.integrity else ()
+        return with_digests(grant, entries, keys, remote_digests)
 
     # ------------------------------------------------------------------ holding
 

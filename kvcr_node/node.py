@@ -43,6 +43,7 @@ from kvcr_node.endpoint import BoundEndpoint
 from kvcr_node.event_publisher import EventPublisher
 from kvcr_node.eviction import make_policy
 from kvcr_node.exporter import MetricsExporter
+from kvcr_node.grant_progress import GrantProgress
 from kvcr_node.introductions import Introductions
 from kvcr_node.inventory import Inventory
 from kvcr_node.journal import Journal, close_stopping, failure_log
@@ -87,20 +88,6 @@ _IDLE_POLL_MS = 1000
 _SHUTDOWN_DRAIN_S = 10.0
 _FAILED_POLL_S = 0.05
 """After a failed poll the loop waits this long, so a failing poll cannot spin."""
-GRANT_PROGRESS_S = 0.001
-"""For ``GRANT_BURST_S`` after a read grant is given or renewed, the agent is progressed at
-least this often: a client's first READ of the pools sets up its connection to our agent,
-which needs both ends progressed (spec section 6.12, architecture §6)."""
-GRANT_BURST_S = 0.5
-GRANT_IDLE_PROGRESS_S = 0.05
-"""Later, while grants are outstanding, this often: READs over shared memory or CMA need no
-progress of ours, and a pace of 1 ms would cost the idle node a tenth of a core."""
-GRANT_SERVING_CPU_S = 200e-6
-"""A progress call for grants that used this much of the loop thread's CPU served a READ
-(over UCX's TCP transport the target sends the READ's bytes inside its progress, a socket
-buffer at a time: milliseconds; an idle call costs tens of microseconds): the agent is
-progressed at ``GRANT_PROGRESS_S`` again until ``GRANT_SERVING_HOLD_S`` after the last such call."""
-GRANT_SERVING_HOLD_S = 0.05
 _FAILURE_LOG_INTERVAL_S = 10.0
 """An internal failure of one kind is logged (with its traceback) at most this often; each is counted."""
 
@@ -275,8 +262,8 @@ class Node:
         self.links.lease_owner = self.leases
         self.leases.grant_node = intro.grant_node
         self.leases.pool_index = {spec.name: i for i, spec in enumerate(config.pools)}
-        self._next_grant_progress = 0.0
-        self._grant_serving_until = 0.0
+        self.grant_progress = GrantProgress(lambda: self.agent.progress(),
+                                            lambda: max(self.leases.granted_at, self.puts.granted_at))
         self.leases.session_count = lambda: sum(1 for s in self.sessions.table.values() if s.regions or s.leases)
         pool_info = tuple(PoolInfo(s.name, s.slot_size, s.slot_count, s.memory) for s in config.pools)
         self.sessions = Sessions(
@@ -402,7 +389,7 @@ class Node:
         if not self.transfers.inflight:  # polling transfers progresses the agent
             self._guarded("agent progress", self.remote_agents.progress_idle)
             if self.leases.granted or self.puts.table:
-                self._guarded("agent progress", self._progress_for_grants)
+                self._guarded("agent progress", self.grant_progress.step, self.clock())
         self._guarded("transfer completion", self.transfers.poll)
         if self.tiering is not None:
             self._guarded("disk tier", self.tiering.step)
@@ -438,23 +425,6 @@ class Node:
         if self.journal is not None:
             self.journal.flush()
         self.events.publish()
-
-    def _progress_for_grants(self) -> None:
-        """Progress the agent for the outstanding read grants, at ``_grant_pace``."""
-        now = self.clock()
-        if now >= self._next_grant_progress:
-            spent = time.thread_time()
-            self.agent.progress()
-            if time.thread_time() - spent >= GRANT_SERVING_CPU_S:
-                self._grant_serving_until = now + GRANT_SERVING_HOLD_S
-            self._next_grant_progress = now + self._grant_pace(now)
-
-    def _grant_pace(self, now: float) -> float:
-        """How often the agent is progressed for the outstanding grants (read and write): fast
-        just after a grant or renew, and while its progress serves READs (UCX over TCP); else slowly."""
-        granted_at = max(self.leases.granted_at, self.puts.granted_at)
-        fast = now - granted_at < GRANT_BURST_S or now < self._grant_serving_until
-        return GRANT_PROGRESS_S if fast else GRANT_IDLE_PROGRESS_S
 
     def _wait_events(self, pacer: Pacer, filling: bool) -> dict[Any, int]:
         """Poll the sockets: at once while transfers run, else until the next timer."""
@@ -496,8 +466,8 @@ class Node:
                    if t is not None]
         longest = _IDLE_POLL_MS
         if self.leases.granted or self.puts.table:
-            # Reads and writes the grants allow need our agent's progress (``_progress_for_grants``).
-            longest = max(0, min(longest, int((self._next_grant_progress - now) * 1000) + 1))
+            # Reads and writes the grants allow need our agent's progress (``GrantProgress``).
+            longest = max(0, min(longest, int((self.grant_progress.next_at - now) * 1000) + 1))
         if self.publisher is not None:
             # Idle or not, the next snapshot goes out on time (in real time).
             longest = min(longest, int(self.publisher.due_in() * 1000) + 1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvcr_node.config import NodeConfig
-from kvcr_node.node import (
+from kvcr_node.grant_progress import (
     GRANT_BURST_S,
     GRANT_IDLE_PROGRESS_S,
     GRANT_PROGRESS_S,
@@ -45,9 +45,9 @@ def test_a_serving_progress_brings_the_fast_pace_back(ipc_dir: Path, agent: Clie
         reply = d.receive(b"c", Lease(2, (b"x",), read=True, node_md=True))
         assert isinstance(reply[0], LeaseReply) and reply[0].grant is not None
         node = d.node
-        assert node._grant_pace(d.clock()) == GRANT_PROGRESS_S
+        assert node.grant_progress.pace(d.clock()) == GRANT_PROGRESS_S
         d.tick(GRANT_BURST_S + 0.01)
-        assert node._grant_pace(d.clock()) == GRANT_IDLE_PROGRESS_S
+        assert node.grant_progress.pace(d.clock()) == GRANT_IDLE_PROGRESS_S
 
         real = node.agent.progress
         served: list[int] = []
@@ -63,13 +63,13 @@ def test_a_serving_progress_brings_the_fast_pace_back(ipc_dir: Path, agent: Clie
         node.agent.progress = serving  # type: ignore[method-assign]
         try:
             d.tick(GRANT_IDLE_PROGRESS_S)
-            node._progress_for_grants()
+            node.grant_progress.step(d.clock())
         finally:
             node.agent.progress = real  # type: ignore[method-assign]
-        assert served and node._grant_pace(d.clock()) == GRANT_PROGRESS_S
+        assert served and node.grant_progress.pace(d.clock()) == GRANT_PROGRESS_S
         # An idle call keeps the hold; past the hold the slow pace is back.
         d.tick(GRANT_PROGRESS_S)
-        node._progress_for_grants()
-        assert node._grant_pace(d.clock()) == GRANT_PROGRESS_S
+        node.grant_progress.step(d.clock())
+        assert node.grant_progress.pace(d.clock()) == GRANT_PROGRESS_S
         d.tick(GRANT_SERVING_HOLD_S)
-        assert node._grant_pace(d.clock()) == GRANT_IDLE_PROGRESS_S
+        assert node.grant_progress.pace(d.clock()) == GRANT_IDLE_PROGRESS_S
