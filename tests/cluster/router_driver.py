@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvcr_testing
 from kvcr_client import Client, KeyStatus, LeaseStatus, Presence, Span
 from kvcr_client.integrations.dynamo import DynamoIndex
 from kvcr_testing.health import assert_clean
+from kvcr_testing.measure import fd_count, rss_kib
 from kvcr_testing.nodes import NodeProcess, short_ipc_dir, start_node
 from kvcr_testing.patterns import KiB, pattern
 
@@ -67,24 +69,45 @@ def block_bytes(key: bytes) -> np.ndarray:
     return pattern(BLOCK, int.from_bytes(key[:4], "little"))
 
 
-class Site:
-    """One node: its process, endpoints and a client of it."""
+CONTROL_PORT, EVENTS_PORT = 5555, 5600
+"""A fabric host's node listens on these (its replay socket on the port after the events')."""
 
-    def __init__(self, ipc: Path, index: int, slots: int, policy: str) -> None:
+
+class Site:
+    """One node: its process, endpoints and a client of it. On one host (ipc endpoints), or
+    on a host of a fabric (``host``: its namespace, address and UCX settings; TCP)."""
+
+    def __init__(self, ipc: Path, index: int, slots: int, policy: str, host: dict[str, Any] | None = None) -> None:
         self.index = index
         self.policy = policy
-        self.endpoint = f"ipc://{ipc}/n{index}.sock"
-        self.events = f"ipc://{ipc}/n{index}.ev"
+        self.host = host
+        if host is None:
+            self.endpoint, self.events = f"ipc://{ipc}/n{index}.sock", f"ipc://{ipc}/n{index}.ev"
+        else:
+            self.endpoint = f"tcp://{host['addr']}:{CONTROL_PORT}"
+            self.events = f"tcp://{host['addr']}:{EVENTS_PORT}"
         self.slots = slots
         self.node: NodeProcess | None = None
         self.client: Client | None = None
         self.incarnations = 0
 
     def start(self) -> None:
-        self.node = start_node(self.endpoint, "--pool", f"kv:{BLOCK}:{self.slots}", "--policy", self.policy,
-                               "--events-endpoint", self.events, "--name", f"node-{self.index}")
+        args = ("--pool", f"kv:{BLOCK}:{self.slots}", "--policy", self.policy, "--events-endpoint", self.events,
+                "--name", f"node-{self.index}")
+        if self.host is None:
+            self.node = start_node(self.endpoint, *args)
+        else:
+            self.node = start_node(self.endpoint, *args, prefix=["ip", "netns", "exec", self.host["ns"]],
+                                   env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.host["dev"]})
         self.client = Client(self.endpoint, name=f"router-{self.index}")
         self.incarnations += 1
+
+    def figures(self) -> dict[str, int]:
+        """The node process's descriptors, RSS and sessions now."""
+        assert self.node is not None and self.client is not None
+        pid = self.node.proc.pid
+        st = self.client.stats().result(RESULT_TIMEOUT_S)
+        return {"fds": fd_count(pid), "rss_kib": rss_kib(pid), "sessions": int(st["tables"]["sessions"])}
 
     def kill(self) -> None:
         assert self.node is not None and self.client is not None
@@ -123,6 +146,8 @@ class Router:
         self.figures = {"requests": 0, "served_blocks": 0, "oracle_blocks": 0, "prefilled_blocks": 0,
                         "misses": 0, "checks": 0, "agreed": 0, "node_checks": 0, "node_agreed": 0}
         self.lags: list[float] = []
+        self.serve_s: list[float] = []
+        """Lease and deliver of each request the tree placed on a node holding its prefix."""
         self.mismatches: list[str] = []
 
     def request(self) -> None:
@@ -134,7 +159,10 @@ class Router:
         if chosen is None:
             chosen, self.turn = self.turn, (self.turn + 1) % len(self.sites)
         site = self.sites[chosen]
+        started = time.perf_counter()
         served = self.serve(site, keys[:held]) if held else 0
+        if held:
+            self.serve_s.append(time.perf_counter() - started)
         self.figures["requests"] += 1
         self.figures["served_blocks"] += served
         self.figures["oracle_blocks"] += oracle
@@ -232,12 +260,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-every", type=int, default=100)
     parser.add_argument("--restart", type=int, default=-1, help="kill -9 and restart this node halfway (-1: none)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--fabric", type=Path, help="a JSON file of fabric hosts (kvcr_testing.fabric): one node a "
+                        "host, over TCP; this process runs in the switch's namespace")
     parser.add_argument("--policy", default="fifo", help="the nodes' eviction policy (fifo evicts a sequence's "
                         "first blocks before the later ones a second request added: blocks wait for their parent)")
     args = parser.parse_args(argv)
 
     with short_ipc_dir("dyn") as ipc:
-        sites = [Site(ipc, i, args.slots, args.policy) for i in range(args.nodes)]
+        hosts: list[dict[str, Any] | None] = [None] * args.nodes
+        if args.fabric is not None:
+            hosts = json.loads(args.fabric.read_text())["hosts"]
+        sites = [Site(ipc, i, args.slots, args.policy, host) for i, host in enumerate(hosts)]
         with DynamoIndex() as index:
             try:
                 for site in sites:
@@ -254,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                         router.check()
                 router.check()
                 evicted = 0
+                per_node = [site.figures() for site in sites]
                 for site in sites:
                     assert site.client is not None
                     st = assert_clean(site.client)
@@ -265,8 +299,9 @@ def main(argv: list[str] | None = None) -> int:
                     if site.node is not None:
                         site.node.kill()
     figures = router.figures
-    lags = sorted(router.lags)
+    lags, serve = sorted(router.lags), sorted(router.serve_s)
     report = {
+        "nodes": len(sites),
         **figures,
         "router_agreement": figures["agreed"] / figures["checks"],
         "node_agreement": figures["node_agreed"] / figures["node_checks"],
@@ -274,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         "evicted": evicted,
         "event_lag_p50_ms": 1000 * lags[len(lags) // 2] if lags else None,
         "event_lag_p99_ms": 1000 * lags[min(len(lags) - 1, int(len(lags) * 0.99))] if lags else None,
+        "serve_p50_ms": 1000 * serve[len(serve) // 2] if serve else None,
+        "serve_p99_ms": 1000 * serve[min(len(serve) - 1, int(len(serve) * 0.99))] if serve else None,
+        "node_fds_max": max(f["fds"] for f in per_node),
+        "node_rss_mib_max": max(f["rss_kib"] for f in per_node) / 1024,
+        "sessions_max": max(f["sessions"] for f in per_node),
         "index": dataclasses.asdict(index.counts),
         "incarnations": [s.incarnations for s in sites],
         "mismatches": router.mismatches,

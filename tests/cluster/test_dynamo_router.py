@@ -20,12 +20,16 @@ Outside CI, without the environment, the module is skipped and says why; in CI i
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvcr_testing.engines import DYNAMO_PY, require_engines, run_script
+from kvcr_testing.engines import DYNAMO_PY, checkout_env, require_engines, run_script
+from kvcr_testing.fabric import fabric, fabric_problem
 
 HERE = Path(__file__).resolve().parent
 DRIVER_TIMEOUT_S = 300.0
@@ -64,3 +68,34 @@ def test_requests_placed_by_dynamos_tree_agree_with_the_nodes_own_answers(nodes:
     assert report["incarnations"][1] == 2, report
     assert report["index"]["restarts"] == nodes + 1, report
     assert report["event_lag_p99_ms"] is not None, report
+
+
+def run_on_fabric(tmp_path: Path, hosts: int, *args: str) -> dict[str, Any]:
+    """``router_driver.py`` in the switch's namespace of a fabric of ``hosts`` hosts."""
+    problem = fabric_problem()
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs as root with iproute2: {problem}", pytrace=False)
+        pytest.skip(problem)
+    with fabric("r", hosts, "10.213.0") as made:
+        spec = tmp_path / "fabric.json"
+        spec.write_text(json.dumps(made.as_json()))
+        proc = subprocess.run(
+            [*made.switch.prefix, str(DYNAMO_PY), str(HERE / "router_driver.py"), "--fabric", str(spec), *args],
+            capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S,
+            env=checkout_env({"UCX_TLS": "tcp", "UCX_NET_DEVICES": made.switch.dev}))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return report
+
+
+@pytest.mark.timeout(2 * DRIVER_TIMEOUT_S)
+def test_eight_hosts_on_a_switch_route_by_the_tree_over_tcp(tmp_path: Path) -> None:
+    """Eight network namespaces on one bridge, a node each on TCP; the router and its
+    clients in the switch's namespace: every transfer crosses a veth pair."""
+    report = run_on_fabric(tmp_path, 8, "--slots", "32", "--requests", "200", "--check-every", "50", "--restart", "5")
+    assert report["nodes"] == 8 and report["mismatches"] == [], report
+    assert report["router_agreement"] == 1.0 and report["node_agreement"] == 1.0, report
+    assert report["misses"] == 0 and report["hit_rate_vs_oracle"] == 1.0, report
+    assert report["incarnations"][5] == 2 and report["index"]["restarts"] == 9, report
+    assert report["sessions_max"] == 1, report  # the router's one client: no link left behind
