@@ -25,7 +25,9 @@ Figures (``--json``: one object):
 - ``event_lag_p99_ms``: a deposit's acknowledgement to its blocks matched in the tree, the
   worst size;
 - ``node_fds_max``, ``node_rss_mib_max``, ``links_max``: per node at the largest size (links:
-  the node's sessions, the router's client only).
+  the node's sessions, the router's client only);
+- per size: serve and lag percentiles, the router's CPU per event batch received and applied
+  (``index_us_per_batch``), blocks stored, each node's RSS and descriptors.
 
     python3 bench/cluster.py [--sizes 2,4,8,16] [--requests 300] [--json]
 
@@ -107,6 +109,10 @@ def main() -> int:
         "serve_p50_ms": {n: r["serve_p50_ms"] for n, r in runs.items()},
         "event_lag_p50_ms": {n: r["event_lag_p50_ms"] for n, r in runs.items()},
         "index_batches": {n: r["index"]["batches"] for n, r in runs.items()},
+        "index_us_per_batch": {n: r["index_us_per_batch"] for n, r in runs.items()},
+        "blocks_stored": {n: r["index"]["stored"] for n, r in runs.items()},
+        "node_rss_mib": {n: r["node_rss_mib_max"] for n, r in runs.items()},
+        "node_fds": {n: r["node_fds_max"] for n, r in runs.items()},
         "requests": args.requests,
     }
     print(f"router_agreement {figures['router_agreement']:.3f} (goal 1.0), hit_rate_vs_oracle "

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from dynamo.llm import RadixTree
 
-from kvcr_client.events import EventStream, InventoryMirror, MirrorChanges
+from kvcr_client.events import EventStream, EventStreamError, InventoryMirror, MirrorChanges
 from kvcr_protocol.events import EventBatch
 
 DP_RANK = 0
@@ -77,6 +77,8 @@ class IndexCounts:
     """Blocks put back into the tree when their parent came to be held again."""
     restarts: int = 0
     """Times a node's blocks were all dropped: a ``cleared`` or a new incarnation."""
+    failed_streams: int = 0
+    """Nodes no longer followed because their stream failed (``DynamoIndex.failures``)."""
 
 
 class DynamoIndex:
@@ -87,6 +89,8 @@ class DynamoIndex:
         self._workers: dict[int, _Worker] = {}
         self._streams: dict[int, EventStream] = {}
         self.counts = IndexCounts()
+        self.failures: dict[int, str] = {}
+        """Worker id -> why its stream failed and it is no longer followed."""
 
     # -- following nodes ---------------------------------------------------------------
 
@@ -97,17 +101,35 @@ class DynamoIndex:
         stream = EventStream(events_endpoint, replay_endpoint)
         self._streams[worker_id] = stream
         self._workers.setdefault(worker_id, _Worker(worker_id))
+        self.failures.pop(worker_id, None)
         return stream
 
     def poll(self, timeout: float = 0.0) -> int:
         """Apply what every followed node published since; waits up to ``timeout`` for the
-        first node only. Returns the batches applied."""
+        first node only. Returns the batches applied.
+
+        A node whose stream fails (a batch that does not decode, a replay that does not
+        answer: ``EventStreamError``) is no longer followed, and its blocks leave the tree:
+        the index never routes by a view it cannot keep. ``failures`` says why; ``follow``
+        it again to retry."""
         applied = 0
-        for i, (worker_id, stream) in enumerate(self._streams.items()):
-            for _, batch in stream.recv(timeout if i == 0 else 0.0):
+        for i, (worker_id, stream) in enumerate(list(self._streams.items())):
+            try:
+                batches = stream.recv(timeout if i == 0 else 0.0)
+            except EventStreamError as exc:
+                self._drop(worker_id, str(exc))
+                continue
+            for _, batch in batches:
                 self.apply(worker_id, batch)
                 applied += 1
         return applied
+
+    def _drop(self, worker_id: int, why: str) -> None:
+        self._streams.pop(worker_id).close()
+        worker = self._workers.pop(worker_id)
+        self.tree.remove_worker(worker.worker_id)
+        self.failures[worker_id] = why
+        self.counts.failed_streams += 1
 
     def mirror(self, worker_id: int) -> InventoryMirror:
         """The node's holdings as its events said (every tier), for checks and reports."""

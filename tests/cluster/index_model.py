@@ -12,7 +12,8 @@ The batches are what makes that hard: blocks stored in any order (a child before
 parent, in one batch or several), parents evicted while their children stay (the tree
 drops a block's descendants with it, so they must come back when the parent does), a key
 copied to the disk tier and evicted from memory (still held), removed and stored again
-within one batch, and ``cleared`` and new incarnations.
+within one batch, and ``cleared`` and new incarnations. Last, a node whose stream sends a
+batch that does not decode: the index stops following it and drops its blocks.
 """
 
 from __future__ import annotations
@@ -22,11 +23,17 @@ import dataclasses
 import json
 import random
 import sys
+import tempfile
+import time
+
+import zmq
 
 from kvcr_client.integrations.dynamo import DynamoIndex
-from kvcr_protocol.events import Cleared, Event, EventBatch, Removed, Stored
+from kvcr_protocol.events import EVENTS_TOPIC, Cleared, Event, EventBatch, Removed, Stored, encode_seq
 
 MEMORY, DISK = (("kv",), "dram"), (("kv-disk",), "disk")
+GARBAGE = b"\xc1 not msgpack"
+"""A payload no batch decodes from (0xc1 is never used by msgpack)."""
 
 
 class Model:
@@ -83,6 +90,35 @@ def batch_for(rng: random.Random, model: Model, sequences: list[list[bytes]], pa
     return EventBatch("n", model.incarnation, 0.0, tuple(events))
 
 
+def hostile(ipc: str) -> dict[str, object]:
+    """A node whose replay socket answers with a batch that does not decode: the index stops
+    following it and drops its blocks; another node's blocks stay."""
+    context = zmq.Context()
+    pub, replay = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+    pub.bind(f"ipc://{ipc}/bad.ev")
+    replay.bind(f"ipc://{ipc}/bad.ev.replay")
+    index = DynamoIndex()
+    try:
+        index.apply(1, EventBatch("good", 1, 0.0, (Cleared(), Stored((b"g0",), *MEMORY))))
+        index.apply(2, EventBatch("bad", 1, 0.0, (Cleared(), Stored((b"g0",), *MEMORY))))
+        index.follow(2, f"ipc://{ipc}/bad.ev")
+        before = index.scores([b"g0"])
+        deadline = time.monotonic() + 10.0
+        while 2 not in index.failures and time.monotonic() < deadline:
+            while replay.poll(0):  # the stream's replay requests: answered with what does not decode
+                sender, *_ = replay.recv_multipart()
+                replay.send_multipart([sender, b"", encode_seq(0), GARBAGE])
+            pub.send_multipart([EVENTS_TOPIC, encode_seq(0), GARBAGE])  # until the subscription has reached the PUB
+            index.poll(0.01)
+        return {"before": {str(k): v for k, v in before.items()}, "after": {str(k): v for k, v in index.scores([b"g0"]).items()},
+                "failures": {str(k): v for k, v in index.failures.items()}, "failed_streams": index.counts.failed_streams}
+    finally:
+        index.close()
+        pub.close(0)
+        replay.close(0)
+        context.term()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=4)
@@ -108,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             if tree != truth:
                 disagreed += 1
                 first = first or f"batch {n}: {seq[0]!r}.. tree {tree} model {truth}"
+    with tempfile.TemporaryDirectory(prefix="kvcr-idx-") as ipc:
+        refused = hostile(ipc)
     print(json.dumps({"batches": args.batches, "checks": checks, "disagreed": disagreed, "first": first,
-                      "index": dataclasses.asdict(index.counts)}))
+                      "index": dataclasses.asdict(index.counts), "hostile": refused}))
     return 0
 
 

@@ -146,14 +146,22 @@ class Router:
         self.figures = {"requests": 0, "served_blocks": 0, "oracle_blocks": 0, "prefilled_blocks": 0,
                         "misses": 0, "checks": 0, "agreed": 0, "node_checks": 0, "node_agreed": 0}
         self.lags: list[float] = []
+        self.index_cpu_s = 0.0
+        """CPU this process spent receiving, decoding and applying the nodes' events."""
         self.serve_s: list[float] = []
         """Lease and deliver of each request the tree placed on a node holding its prefix."""
         self.mismatches: list[str] = []
 
+    def poll(self, timeout: float) -> None:
+        """The index applies what the nodes published; its CPU is counted (waiting is not)."""
+        spent = time.thread_time()
+        self.index.poll(timeout)
+        self.index_cpu_s += time.thread_time() - spent
+
     def request(self) -> None:
         sequence = self.rng.choices(self.sequences, self.weights)[0]
         keys = sequence[:self.rng.randint(max(1, len(sequence) // 2), len(sequence))]  # a prompt of part of it
-        self.index.poll()
+        self.poll(0.0)
         oracle = max(site.held_prefix(keys) for site in self.sites)
         chosen, held = self.index.best(keys)
         if chosen is None:
@@ -218,7 +226,7 @@ class Router:
         self.figures["prefilled_blocks"] += len(rest)
         deadline = acked + SETTLE_TIMEOUT_S
         while self.index.scores(keys).get(site.index, 0) < len(keys) and time.monotonic() < deadline:
-            self.index.poll(0.002)
+            self.poll(0.002)
         if self.index.scores(keys).get(site.index, 0) == len(keys):
             self.lags.append(time.monotonic() - acked)
 
@@ -227,7 +235,7 @@ class Router:
         every = [k for seq in self.sequences for k in seq]
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         while True:
-            self.index.poll(0.01)
+            self.poll(0.01)
             if all(set(self.index.mirror(s.index).keys) == s.holds(every) for s in self.sites):
                 return True
             if time.monotonic() > deadline:
@@ -315,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         "node_rss_mib_max": max(f["rss_kib"] for f in per_node) / 1024,
         "sessions_max": max(f["sessions"] for f in per_node),
         "index": dataclasses.asdict(index.counts),
+        "index_cpu_s": router.index_cpu_s,
+        "index_us_per_batch": 1e6 * router.index_cpu_s / max(1, index.counts.batches),
         "incarnations": [s.incarnations for s in sites],
         "mismatches": router.mismatches,
     }

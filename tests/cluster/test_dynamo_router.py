@@ -7,7 +7,8 @@ written here. Two scripts run in that environment and report JSON:
 - ``index_model.py``: thousands of event batches of several workers, made to be hard
   (children before parents, parents evicted under their children, keys in two tiers,
   restarts), against a model of what each holds: after every batch the tree's longest
-  prefix of every sequence, per worker, is the model's.
+  prefix of every sequence, per worker, is the model's; and a node whose stream sends what
+  does not decode, dropped from the tree.
 - ``router_driver.py``: real nodes (2 and 4) whose pools are too small for the workload, a
   request stream over shared prefixes placed by the tree, each served by a lease and a
   deliver from the chosen node (every byte checked) and prefilled there with parents; a
@@ -50,6 +51,11 @@ def test_the_index_matches_a_model_of_what_nodes_hold() -> None:
     # removals took descendants, and workers restarted.
     assert counts["waiting"] > 100 and counts["rejoined"] > 100, counts
     assert counts["removed"] > 100 and counts["restarts"] > 10, counts
+    # A node whose stream sends what does not decode is no longer followed, and its blocks
+    # leave the tree; the other node's stay.
+    refused = report["hostile"]
+    assert refused["before"] == {"1": 1, "2": 1} and refused["after"] == {"1": 1}, refused
+    assert refused["failed_streams"] == 1 and "does not decode" in refused["failures"]["2"], refused
 
 
 @pytest.mark.timeout(2 * DRIVER_TIMEOUT_S)
