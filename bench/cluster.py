@@ -26,8 +26,10 @@ Figures (``--json``: one object):
   worst size;
 - ``node_fds_max``, ``node_rss_mib_max``, ``links_max``: per node at the largest size (links:
   the node's sessions, the router's client only);
-- per size: serve and lag percentiles, the router's CPU per event batch received and applied
-  (``index_us_per_batch``), blocks stored, each node's RSS and descriptors.
+- per size: serve and lag percentiles; the router's CPU to apply an event batch and a block
+  to the tree (``apply_us_per_batch``, ``apply_us_per_block``: stored and removed blocks) and
+  to look at one node's stream when it polls (``poll_us_per_stream``); blocks stored; each
+  node's RSS and descriptors.
 
     python3 bench/cluster.py [--sizes 2,4,8,16] [--requests 300] [--json]
 
@@ -95,6 +97,10 @@ def main() -> int:
               f"{r['serve_p99_ms']:>7.2f} {r['event_lag_p50_ms']:>8.2f} {r['event_lag_p99_ms']:>7.2f} "
               f"{r['node_fds_max']:>4} {r['node_rss_mib_max']:>8.1f} {r['sessions_max']:>5} {r['evicted']:>7} "
               f"{r['wall_s']:>7.1f}")
+    for n, r in runs.items():
+        print(f"{n:>5} hosts: the router applied {r['index']['batches']} batches ({r['index']['stored']} blocks stored, "
+              f"{r['index']['removed']} removals) at {r['apply_us_per_batch']:.0f} us a batch, "
+              f"{r['apply_us_per_block']:.0f} us a block; a look at one stream {r['poll_us_per_stream']:.0f} us")
     first, last = runs[sizes[0]], runs[sizes[-1]]
     figures = {
         "router_agreement": min(r["router_agreement"] for r in runs.values()),
@@ -109,7 +115,9 @@ def main() -> int:
         "serve_p50_ms": {n: r["serve_p50_ms"] for n, r in runs.items()},
         "event_lag_p50_ms": {n: r["event_lag_p50_ms"] for n, r in runs.items()},
         "index_batches": {n: r["index"]["batches"] for n, r in runs.items()},
-        "index_us_per_batch": {n: r["index_us_per_batch"] for n, r in runs.items()},
+        "apply_us_per_batch": {n: r["apply_us_per_batch"] for n, r in runs.items()},
+        "apply_us_per_block": {n: r["apply_us_per_block"] for n, r in runs.items()},
+        "poll_us_per_stream": {n: r["poll_us_per_stream"] for n, r in runs.items()},
         "blocks_stored": {n: r["index"]["stored"] for n, r in runs.items()},
         "node_rss_mib": {n: r["node_rss_mib_max"] for n, r in runs.items()},
         "node_fds": {n: r["node_fds_max"] for n, r in runs.items()},

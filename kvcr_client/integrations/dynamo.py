@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -79,6 +80,10 @@ class IndexCounts:
     """Times a node's blocks were all dropped: a ``cleared`` or a new incarnation."""
     failed_streams: int = 0
     """Nodes no longer followed because their stream failed (``DynamoIndex.failures``)."""
+    apply_cpu_s: float = 0.0
+    """CPU this thread spent applying batches to the tree (``apply``; receiving them not counted)."""
+    polls: int = 0
+    """``poll`` calls: each looks at every followed stream once."""
 
 
 class DynamoIndex:
@@ -113,6 +118,7 @@ class DynamoIndex:
         the index never routes by a view it cannot keep. ``failures`` says why; ``follow``
         it again to retry."""
         applied = 0
+        self.counts.polls += 1
         for i, (worker_id, stream) in enumerate(list(self._streams.items())):
             try:
                 batches = stream.recv(timeout if i == 0 else 0.0)
@@ -150,10 +156,12 @@ class DynamoIndex:
 
     def apply(self, worker_id: int, batch: EventBatch) -> None:
         """Apply one of the node's batches, in sequence order."""
+        spent = time.thread_time()
         worker = self._workers.setdefault(worker_id, _Worker(worker_id))
         changes = worker.mirror.apply(batch)
         self.counts.batches += 1
         self._change(worker, changes)
+        self.counts.apply_cpu_s += time.thread_time() - spent
 
     def _change(self, worker: _Worker, changes: MirrorChanges) -> None:
         parents = worker.mirror.parents

@@ -324,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         "sessions_max": max(f["sessions"] for f in per_node),
         "index": dataclasses.asdict(index.counts),
         "index_cpu_s": router.index_cpu_s,
-        "index_us_per_batch": 1e6 * router.index_cpu_s / max(1, index.counts.batches),
+        "apply_us_per_batch": 1e6 * index.counts.apply_cpu_s / max(1, index.counts.batches),
+        "apply_us_per_block": 1e6 * index.counts.apply_cpu_s / max(1, index.counts.stored + index.counts.removed),
+        "poll_us_per_stream": 1e6 * (router.index_cpu_s - index.counts.apply_cpu_s)
+                              / max(1, index.counts.polls * len(sites)),
         "incarnations": [s.incarnations for s in sites],
         "mismatches": router.mismatches,
     }
