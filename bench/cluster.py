@@ -31,7 +31,7 @@ Figures (``--json``: one object):
   to look at one node's stream when it polls (``poll_us_per_stream``); blocks stored; each
   node's RSS and descriptors.
 
-    python3 bench/cluster.py [--sizes 2,4,8,16] [--requests 300] [--json]
+    python3 bench/cluster.py [--sizes 2,4,8,16] [--requests 1000] [--json]
 
 Needs root (namespaces) and ``.venv-dynamo``.
 """
@@ -79,7 +79,7 @@ def one_size(hosts: int, requests: int, seed: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="2,4,8,16", help="host counts, comma separated (the first is the anchor)")
-    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="also print one JSON object of the figures")
     args = parser.parse_args()

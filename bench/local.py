@@ -78,7 +78,7 @@ from stats import Progress, fmt_gbps, fmt_us, summary
 
 from kvcr_client import AsyncClient, Client, Span
 from kvcr_io.agent import load_nixl
-from kvcr_node.node import GRANT_BURST_S
+from kvcr_node.grant_progress import GRANT_BURST_S
 from kvcr_protocol import CURRENT_VERSION, DEFAULT_LIMITS, Lease, LeaseReply, ReleaseLease
 
 SPAN = 64 << 10

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from kvcr_node.node import GRANT_BURST_S
+from kvcr_node.grant_progress import GRANT_BURST_S
 from kvcr_testing.hostile import Worker
 from kvcr_testing.netns import Pair, namespaces
 from kvcr_testing.nodes import NodeProcess, start_node

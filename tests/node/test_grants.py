@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from kvcr_node.config import NodeConfig
+from kvcr_node.grant_progress import GRANT_PROGRESS_S
 from kvcr_node.grants import grant_rows
-from kvcr_node.node import GRANT_PROGRESS_S
 from kvcr_node.poolspec import PoolSpec
 from kvcr_node.store import DepositOutcome, ObjectEntry
 from kvcr_protocol import DEFAULT_LIMITS, Ack, Hello, Lease, LeaseReply, LeaseStatus, ReleaseLease, RenewLease, Welcome
