@@ -186,6 +186,13 @@ class EventStream:
     def complete(self) -> bool:
         return self.lost == 0
 
+    @property
+    def sockets(self) -> tuple[zmq.Socket[bytes], ...]:
+        """What to poll for this stream (its SUB and its connection monitor): one that is
+        readable means ``recv`` has something to do. A subscriber of many nodes polls them
+        all at once and calls ``recv`` only for those."""
+        return (self.sub, self._monitor)
+
     # -- reading ----------------------------------------------------------------------
 
     def _published(self, timeout: float) -> tuple[int, bytes] | None:

@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import zmq
 from dynamo.llm import RadixTree
 
 from kvcr_client.events import EventStream, EventStreamError, InventoryMirror, MirrorChanges
@@ -93,6 +94,10 @@ class DynamoIndex:
         self.tree = tree if tree is not None else RadixTree()
         self._workers: dict[int, _Worker] = {}
         self._streams: dict[int, EventStream] = {}
+        self._poller = zmq.Poller()
+        """Every followed stream's sockets (``EventStream.sockets``), polled at once."""
+        self._owner: dict[zmq.Socket[bytes], int] = {}
+        """A stream's socket -> its worker id."""
         self.counts = IndexCounts()
         self.failures: dict[int, str] = {}
         """Worker id -> why its stream failed and it is no longer followed."""
@@ -105,13 +110,17 @@ class DynamoIndex:
             raise ValueError(f"worker {worker_id} is followed already")
         stream = EventStream(events_endpoint, replay_endpoint)
         self._streams[worker_id] = stream
+        for sock in stream.sockets:
+            self._poller.register(sock, zmq.POLLIN)
+            self._owner[sock] = worker_id
         self._workers.setdefault(worker_id, _Worker(worker_id))
         self.failures.pop(worker_id, None)
         return stream
 
     def poll(self, timeout: float = 0.0) -> int:
-        """Apply what every followed node published since; waits up to ``timeout`` for the
-        first node only. Returns the batches applied.
+        """Apply what every followed node published since, waiting up to ``timeout`` for
+        any; one poll over every stream's sockets, ``recv`` only on those that have
+        something. Returns the batches applied.
 
         A node whose stream fails (a batch that does not decode, a replay that does not
         answer: ``EventStreamError``) is no longer followed, and its blocks leave the tree:
@@ -119,9 +128,10 @@ class DynamoIndex:
         it again to retry."""
         applied = 0
         self.counts.polls += 1
-        for i, (worker_id, stream) in enumerate(list(self._streams.items())):
+        ready = dict(self._poller.poll(max(0, int(timeout * 1000))))
+        for worker_id in sorted({self._owner[sock] for sock in ready}):
             try:
-                batches = stream.recv(timeout if i == 0 else 0.0)
+                batches = self._streams[worker_id].recv(0.0)
             except EventStreamError as exc:
                 self._drop(worker_id, str(exc))
                 continue
@@ -131,7 +141,11 @@ class DynamoIndex:
         return applied
 
     def _drop(self, worker_id: int, why: str) -> None:
-        self._streams.pop(worker_id).close()
+        stream = self._streams.pop(worker_id)
+        for sock in stream.sockets:
+            self._poller.unregister(sock)
+            del self._owner[sock]
+        stream.close()
         worker = self._workers.pop(worker_id)
         self.tree.remove_worker(worker.worker_id)
         self.failures[worker_id] = why
@@ -142,9 +156,12 @@ class DynamoIndex:
         return self._workers[worker_id].mirror
 
     def close(self) -> None:
-        for stream in self._streams.values():
+        for worker_id in list(self._streams):
+            stream = self._streams.pop(worker_id)
+            for sock in stream.sockets:
+                self._poller.unregister(sock)
             stream.close()
-        self._streams.clear()
+        self._owner.clear()
 
     def __enter__(self) -> DynamoIndex:
         return self
