@@ -105,7 +105,8 @@ def deposit(args: argparse.Namespace, tokenizer: Any, model: Any) -> dict[str, A
         recompute_s = time.perf_counter() - t0
     kv_bytes = torch.stack([torch.stack([layer.keys[0, :, :prefix], layer.values[0, :, :prefix]]) for layer in cache.layers])
     torch.save({"logits": logits, "tokens": tokens, "prefix": prefix, "ids": ids, "kv": kv_bytes}, args.out)
-    return {"blocks": len(keys), "prefix_tokens": prefix, "prefill_s": prefill_s, "recompute_first_token_s": recompute_s,
+    return {"blocks": len(keys), "keys": [k.hex() for k in keys], "prefix_tokens": prefix, "prefill_s": prefill_s,
+            "recompute_first_token_s": recompute_s,
             "tokens": tokens, "text": tokenizer.decode(tokens)}
 
 

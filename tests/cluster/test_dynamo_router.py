@@ -14,7 +14,9 @@ written here. Two scripts run in that environment and report JSON:
   deliver from the chosen node (every byte checked) and prefilled there with parents; a
   node killed -9 and started again halfway. At every check, after the events settle, the
   tree's choice and its per-node matches equal the nodes' own query answers, and the
-  nodes end clean.
+  nodes end clean; and the same over TCP, eight hosts as network namespaces on one switch.
+- ``route_keys.py``: the prefix a real model (SmolLM2-135M, in the engine environment)
+  deposited through the transformers integration, found whole at its node by the tree.
 
 Outside CI, without the environment, the module is skipped and says why; in CI it must run.
 """
@@ -24,13 +26,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvcr_testing.engines import DYNAMO_PY, checkout_env, require_engines, run_script
+from kvcr_testing.engines import DYNAMO_PY, ENGINE_PY, checkout_env, require_engines, run_example, run_script
 from kvcr_testing.fabric import fabric, fabric_problem
+from kvcr_testing.nodes import NodeProcess
 
 HERE = Path(__file__).resolve().parent
 DRIVER_TIMEOUT_S = 300.0
@@ -105,3 +109,24 @@ def test_eight_hosts_on_a_switch_route_by_the_tree_over_tcp(tmp_path: Path) -> N
     assert report["misses"] == 0 and report["hit_rate_vs_oracle"] == 1.0, report
     assert report["incarnations"][5] == 2 and report["index"]["restarts"] == 9, report
     assert report["sessions_max"] == 1, report  # the router's one client: no link left behind
+
+
+@pytest.mark.timeout(2 * DRIVER_TIMEOUT_S)
+def test_a_real_engines_prefix_is_found_in_dynamos_tree(node_factory: Callable[..., NodeProcess], ipc_dir: Path,
+                                                        tmp_path: Path) -> None:
+    """SmolLM2-135M prefills a prompt in the engine environment and deposits its prefix's
+    blocks into node 1 through the transformers integration, which names each block's
+    parent. Dynamo's tree, following both nodes, finds every block of the prefix at node 1:
+    past the first block the tree finds a block only under its parent."""
+    require_engines(ENGINE_PY)
+    nodes = [node_factory("--pool", "kv:12KiB:4096", "--events-endpoint", f"ipc://{ipc_dir}/ev{i}") for i in range(2)]
+    engine = run_example("transformers_prefix.py", "deposit", "--node", nodes[1].endpoint, "--tokens", "200",
+                         "--out", str(tmp_path / "reference.pt"), timeout_s=DRIVER_TIMEOUT_S)
+    keys = engine["keys"]
+    assert engine["blocks"] == len(keys) == 12, engine
+    report = run("route_keys.py", "--follow", f"0=ipc://{ipc_dir}/ev0", "--follow", f"1=ipc://{ipc_dir}/ev1",
+                 "--keys", ",".join(keys), "--want", str(len(keys)))
+    assert (report["best"], report["held"]) == (1, 12), report
+    assert report["scores"] == {"1": 12}, report
+    assert report["parents"] == {"0": 0, "1": 11}, report  # every block but the first named its parent
+
