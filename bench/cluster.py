@@ -1,12 +1,13 @@
 """Many nodes placed by NVIDIA Dynamo's router index: 2, 4, 8 and 16 hosts on one switch.
 
-Each size is a fabric of network namespaces (``tests/kvcr_testing/fabric.py``): one
-``kvcr-node`` a host on TCP, and the router with its clients in the switch's namespace, so
-every control message, event and transfer crosses veth pairs. ``tests/cluster/router_driver.py``
+Each size is a fabric of network namespaces (``tests/kvcr_testing/fabric.py``): on every host
+a ``kvcr-node`` on TCP and an engine beside it (``tests/cluster/engine.py``, a client of that
+node), and the router in the switch's namespace, so every request and event crosses veth
+pairs; an engine's transfers go to its own host's node. ``tests/cluster/router_driver.py``
 runs the same workload at every size, in the environment ``scripts/dynamo_env.sh`` makes:
 requests over 60 shared sequences of 8 blocks (4 KiB each), drawn Zipf-like, each placed by
-``DynamoIndex`` on the node holding its longest prefix, leased and delivered from there
-(every byte checked), its missing blocks prefilled there with their parents; pools of 32
+``DynamoIndex`` on the node holding its longest prefix, leased and delivered from there by
+that host's engine (every byte checked), its missing blocks prefilled there with their parents; pools of 32
 blocks a node (so small sizes evict); one node killed -9 and started again halfway; at
 every 50th request and after the restart, the tree's answers against every node's own
 ``query`` once the events settle.
@@ -20,12 +21,13 @@ Figures (``--json``: one object):
   every check, the worst size (goal 1.0);
 - ``hit_rate_vs_oracle``: blocks served from the chosen node over blocks the best node held
   at request time, the worst size (goal >= 0.99);
-- ``deliver_p99_growth``: p99 of a request's lease and deliver at 16 hosts over the same at
+- ``deliver_p99_growth``: p99 of a request's lease and deliver (the router's call to the
+  engine, the engine's lease and deliver, its reply) at 16 hosts over the same at
   2 hosts (goal <= 1.5), the anchor being the 2-host run of the same workload;
 - ``event_lag_p99_ms``: a deposit's acknowledgement to its blocks matched in the tree, the
   worst size;
 - ``node_fds_max``, ``node_rss_mib_max``, ``links_max``: per node at the largest size (links:
-  the node's sessions, the router's client only);
+  the node's sessions: the router's client and its host's engine);
 - per size: serve and lag percentiles; the router's CPU to apply an event batch and a block
   to the tree (``apply_us_per_batch``, ``apply_us_per_block``: stored and removed blocks) and
   to look at one node's stream when it polls (``poll_us_per_stream``); blocks stored; each

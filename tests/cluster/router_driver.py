@@ -4,14 +4,17 @@ Made by ``scripts/dynamo_env.sh``; run by ``tests/cluster/test_dynamo_router.py`
 reads the JSON report this prints last. The script:
 
 1. starts ``--nodes`` kvcr nodes on ipc endpoints, each with one small FIFO pool (the
-   workload's blocks do not fit, so nodes evict) and an inventory event stream, and follows
-   every stream with ``DynamoIndex`` (one Dynamo worker id per node);
+   workload's blocks do not fit, so nodes evict) and an inventory event stream, and an
+   engine for each (``engine.py``); follows every stream with ``DynamoIndex`` (one Dynamo
+   worker id per node). On a fabric (``--fabric``), each node and its engine, a process of
+   its own, run on their host, over TCP, and this process in the switch's namespace;
 2. runs ``--requests`` requests over ``--prefixes`` sequences of ``--blocks`` blocks, the
    sequence drawn Zipf-like. Block i's key is a hash chained over the sequence's blocks
    before it, as an engine's is, and its deposit names block i-1 as its parent. A request
-   is the first half or more of a sequence. Each request asks the index for the node holding the longest prefix of its keys, leases that
-   prefix there and delivers it (every byte checked against what was deposited), then
-   deposits the blocks it lacked into the same node, as an engine that prefilled them would.
+   is the first half or more of a sequence. Each request asks the index for the node
+   holding the longest prefix of its keys; that node's engine leases the prefix there and
+   delivers it (every byte checked against what was deposited), then deposits the blocks
+   it lacked into the same node, as an engine that prefilled them would.
    With no node holding its first block, the request goes to the nodes in turn;
 3. at every ``--check-every``-th request, and after a node is killed and started again
    (``--restart``: kill -9, a new incarnation on the same endpoints, empty), waits until
@@ -29,48 +32,38 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
+import os
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvcr_testing
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # kvcr_testing
 
-from kvcr_client import Client, KeyStatus, LeaseStatus, Presence, Span
-from kvcr_client.integrations.dynamo import DynamoIndex
-from kvcr_testing.health import assert_clean
-from kvcr_testing.measure import fd_count, rss_kib
-from kvcr_testing.nodes import NodeProcess, short_ipc_dir, start_node
-from kvcr_testing.patterns import KiB, pattern
+from engine import BLOCK, Engine, RemoteEngine, sequence_keys  # noqa: E402
 
-BLOCK = 4 * KiB
-"""One block: one span of one slot."""
+from kvcr_client import Client, Presence  # noqa: E402
+from kvcr_client.integrations.dynamo import DynamoIndex  # noqa: E402
+from kvcr_testing.health import assert_clean  # noqa: E402
+from kvcr_testing.measure import fd_count, rss_kib  # noqa: E402
+from kvcr_testing.nodes import NodeProcess, short_ipc_dir, start_node  # noqa: E402
+
 RESULT_TIMEOUT_S = 30.0
 SETTLE_TIMEOUT_S = 20.0
 """How long the events of one check may take to reach the index."""
 
 
-def sequence_keys(prefix: int, blocks: int) -> list[bytes]:
-    """Block keys of sequence ``prefix``: each a hash over the one before and its own tokens."""
-    keys, previous = [], b""
-    for i in range(blocks):
-        previous = hashlib.blake2b(previous + b"tokens:%d:%d" % (prefix, i), digest_size=16).digest()
-        keys.append(previous)
-    return keys
-
-
-def block_bytes(key: bytes) -> np.ndarray:
-    return pattern(BLOCK, int.from_bytes(key[:4], "little"))
-
-
-CONTROL_PORT, EVENTS_PORT = 5555, 5600
-"""A fabric host's node listens on these (its replay socket on the port after the events')."""
+CONTROL_PORT, EVENTS_PORT, ENGINE_PORT = 5555, 5600, 5700
+"""A fabric host's node listens on these (its replay socket on the port after the events'), and
+its engine on the last."""
+ENGINE_START_S = 60.0
 
 
 class Site:
@@ -89,18 +82,43 @@ class Site:
         self.slots = slots
         self.node: NodeProcess | None = None
         self.client: Client | None = None
+        """The router's own client of the node: its ``query`` is the oracle."""
+        self.engine: Engine | RemoteEngine | None = None
+        self._engine_proc: subprocess.Popen[str] | None = None
         self.incarnations = 0
 
-    def start(self) -> None:
+    def start(self, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+        """Start the node, then its engine: on a fabric host a process of its own beside the
+        node, on one host a client of this process's."""
         args = ("--pool", f"kv:{BLOCK}:{self.slots}", "--policy", self.policy, "--events-endpoint", self.events,
                 "--name", f"node-{self.index}")
         if self.host is None:
             self.node = start_node(self.endpoint, *args)
+            self.engine = Engine(Client(self.endpoint, name=f"engine-{self.index}"))
         else:
-            self.node = start_node(self.endpoint, *args, prefix=["ip", "netns", "exec", self.host["ns"]],
-                                   env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.host["dev"]})
+            ucx = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.host["dev"]}
+            prefix = ["ip", "netns", "exec", self.host["ns"]]
+            self.node = start_node(self.endpoint, *args, prefix=prefix, env=ucx)
+            bind = f"tcp://{self.host['addr']}:{ENGINE_PORT}"
+            self._engine_proc = subprocess.Popen(
+                [*prefix, sys.executable, str(HERE / "engine.py"), "--node", self.endpoint, "--bind", bind],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **ucx})
+            assert self._engine_proc.stdout is not None
+            line = self._engine_proc.stdout.readline()  # bounded: the process prints it or exits
+            if "engine ready" not in line:
+                raise RuntimeError(f"the engine of host {self.index} did not start: {line}{self._engine_proc.stdout.read()}")
+            self.engine = RemoteEngine(context, bind)
         self.client = Client(self.endpoint, name=f"router-{self.index}")
         self.incarnations += 1
+
+    def stop_engine(self) -> None:
+        if isinstance(self.engine, RemoteEngine):
+            self.engine.close()
+            assert self._engine_proc is not None
+            self._engine_proc.wait(ENGINE_START_S)
+        elif self.engine is not None:
+            self.engine.client.close()
+        self.engine = None
 
     def figures(self) -> dict[str, int]:
         """The node process's descriptors, RSS and sessions now."""
@@ -111,6 +129,7 @@ class Site:
 
     def kill(self) -> None:
         assert self.node is not None and self.client is not None
+        self.stop_engine()
         self.client.close()
         self.node.kill()
 
@@ -168,7 +187,8 @@ class Router:
             chosen, self.turn = self.turn, (self.turn + 1) % len(self.sites)
         site = self.sites[chosen]
         started = time.perf_counter()
-        served = self.serve(site, keys[:held]) if held else 0
+        assert site.engine is not None
+        served = site.engine.serve(keys[:held]) if held else 0
         if held:
             self.serve_s.append(time.perf_counter() - started)
         self.figures["requests"] += 1
@@ -178,51 +198,14 @@ class Router:
             self.figures["misses"] += 1
         self.prefill(site, keys, served)
 
-    def serve(self, site: Site, keys: list[bytes]) -> int:
-        """Lease ``keys`` at ``site`` and deliver the held prefix; the blocks served."""
-        client = site.client
-        assert client is not None
-        lease = client.lease(keys, request_id=f"r{self.figures['requests']}").result(RESULT_TIMEOUT_S)
-        try:
-            n = 0
-            for key in keys:
-                if lease.status(key) is not LeaseStatus.LEASED:
-                    break
-                n += 1
-            if not n:
-                return 0
-            dst = np.zeros(BLOCK * n, dtype=np.uint8)
-            region = client.register(dst)
-            try:
-                results = client.deliver({k: [Span("L0", region, i * BLOCK, BLOCK)] for i, k in enumerate(keys[:n])}
-                                         ).result(RESULT_TIMEOUT_S)
-                for i, key in enumerate(keys[:n]):
-                    assert results[key].status is KeyStatus.OK, (key.hex(), results[key])
-                    assert np.array_equal(dst[i * BLOCK:(i + 1) * BLOCK], block_bytes(key)), f"{key.hex()}: wrong bytes"
-            finally:
-                client.unregister(region)
-            return n
-        finally:
-            lease.release().result(RESULT_TIMEOUT_S)
-
     def prefill(self, site: Site, keys: list[bytes], have: int) -> None:
-        """Deposit the blocks from ``have`` on, with their parents; time until the tree has them."""
-        client = site.client
-        assert client is not None
+        """The engine deposits the blocks from ``have`` on, with their parents; time until the tree has them."""
         rest = keys[have:]
         if not rest:
             return
-        src = np.concatenate([block_bytes(k) for k in rest])
-        region = client.register(src)
-        try:
-            results = client.deposit({k: [Span("L0", region, i * BLOCK, BLOCK, "kv")] for i, k in enumerate(rest)},
-                                     parents={k: self.parents[k] for k in rest if k in self.parents}
-                                     ).result(RESULT_TIMEOUT_S)
-        finally:
-            client.unregister(region)
+        assert site.engine is not None
+        site.engine.prefill(rest, self.parents)
         acked = time.monotonic()
-        stored = [k for k in rest if results[k].status in (KeyStatus.STORED, KeyStatus.DUPLICATE)]
-        assert len(stored) == len(rest), {k.hex(): results[k] for k in rest}
         self.figures["prefilled_blocks"] += len(rest)
         deadline = acked + SETTLE_TIMEOUT_S
         while self.index.scores(keys).get(site.index, 0) < len(keys) and time.monotonic() < deadline:
@@ -279,10 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.fabric is not None:
             hosts = json.loads(args.fabric.read_text())["hosts"]
         sites = [Site(ipc, i, args.slots, args.policy, host) for i, host in enumerate(hosts)]
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         with DynamoIndex() as index:
             try:
                 for site in sites:
-                    site.start()
+                    site.start(context)
                     index.follow(site.index, site.events)
                 router = Router(sites, index, args.prefixes, args.blocks, args.seed)
                 for r in range(args.requests):
@@ -291,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                         router.check()
                     if r == args.requests // 2 and args.restart >= 0:
                         sites[args.restart].kill()
-                        sites[args.restart].start()
+                        sites[args.restart].start(context)
                         router.check()
                 router.check()
                 evicted = 0
@@ -302,10 +286,13 @@ def main(argv: list[str] | None = None) -> int:
                     evicted += sum(st["evictions"].values())
             finally:
                 for site in sites:
+                    if site.engine is not None:
+                        site.stop_engine()
                     if site.client is not None:
                         site.client.close()
                     if site.node is not None:
                         site.node.kill()
+                context.term()
     figures = router.figures
     lags, serve = sorted(router.lags), sorted(router.serve_s)
     report = {
