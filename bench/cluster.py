@@ -5,11 +5,11 @@ a ``kvcr-node`` on TCP and an engine beside it (``tests/cluster/engine.py``, a c
 node), and the router in the switch's namespace, so every request and event crosses veth
 pairs; an engine's transfers go to its own host's node. ``tests/cluster/router_driver.py``
 runs the same workload at every size, in the environment ``scripts/dynamo_env.sh`` makes:
-requests over 60 shared sequences of 8 blocks (4 KiB each), drawn Zipf-like, each placed by
+requests over 300 shared sequences of 8 blocks (4 KiB each), drawn Zipf-like, each placed by
 ``DynamoIndex`` on the node holding its longest prefix, leased and delivered from there by
 that host's engine (every byte checked), its missing blocks prefilled there with their parents; pools of 32
-blocks a node (so small sizes evict); one node killed -9 and started again halfway; at
-every 50th request and after the restart, the tree's answers against every node's own
+blocks a node (so every size evicts); one node killed -9 and started again halfway; at
+every 100th request and after the restart, the tree's answers against every node's own
 ``query`` once the events settle.
 
 Load: one request at a time from one router process, the same at every size (this machine
@@ -33,7 +33,7 @@ Figures (``--json``: one object):
   to look at one node's stream when it polls (``poll_us_per_stream``); blocks stored; each
   node's RSS and descriptors.
 
-    python3 bench/cluster.py [--sizes 2,4,8,16] [--requests 1000] [--json]
+    python3 bench/cluster.py [--sizes 2,4,8,16] [--requests 1000] [--prefixes 300] [--json]
 
 Needs root (namespaces) and ``.venv-dynamo``.
 """
@@ -57,10 +57,12 @@ from kvcr_testing.fabric import fabric, fabric_problem  # noqa: E402
 
 DRIVER = ROOT / "tests" / "cluster" / "router_driver.py"
 SIZE_TIMEOUT_S = 900.0
+CHECK_EVERY = 100
+"""Requests between two checks of the tree against every node's answers."""
 SUBNET = "10.214.0"
 
 
-def one_size(hosts: int, requests: int, seed: int) -> dict[str, Any]:
+def one_size(hosts: int, requests: int, prefixes: int, seed: int) -> dict[str, Any]:
     """The workload at ``hosts`` hosts; the driver's report, with the wall time it took."""
     started = time.monotonic()
     with fabric("b", hosts, SUBNET) as made, tempfile.TemporaryDirectory() as tmp:
@@ -68,7 +70,8 @@ def one_size(hosts: int, requests: int, seed: int) -> dict[str, Any]:
         spec.write_text(json.dumps(made.as_json()))
         proc = subprocess.run(
             [*made.switch.prefix, str(DYNAMO_PY), str(DRIVER), "--fabric", str(spec), "--slots", "32",
-             "--requests", str(requests), "--check-every", "50", "--restart", str(hosts - 1), "--seed", str(seed)],
+             "--requests", str(requests), "--prefixes", str(prefixes), "--check-every", str(CHECK_EVERY),
+             "--restart", str(hosts - 1), "--seed", str(seed)],
             capture_output=True, text=True, timeout=SIZE_TIMEOUT_S,
             env=checkout_env({"UCX_TLS": "tcp", "UCX_NET_DEVICES": made.switch.dev}))
     if proc.returncode != 0:
@@ -82,6 +85,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="2,4,8,16", help="host counts, comma separated (the first is the anchor)")
     parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--prefixes", type=int, default=300, help="shared sequences the requests are drawn from")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="also print one JSON object of the figures")
     args = parser.parse_args()
@@ -91,7 +95,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     sizes = [int(s) for s in args.sizes.split(",")]
-    runs = {n: one_size(n, args.requests, args.seed) for n in sizes}
+    runs = {n: one_size(n, args.requests, args.prefixes, args.seed) for n in sizes}
     print(f"{'hosts':>5} {'agree':>6} {'hits':>6} {'serve p50':>10} {'p99 ms':>7} {'lag p50':>8} {'p99 ms':>7} "
           f"{'fds':>4} {'rss MiB':>8} {'links':>5} {'evicted':>7} {'wall s':>7}")
     for n, r in runs.items():
@@ -124,6 +128,7 @@ def main() -> int:
         "node_rss_mib": {n: r["node_rss_mib_max"] for n, r in runs.items()},
         "node_fds": {n: r["node_fds_max"] for n, r in runs.items()},
         "requests": args.requests,
+        "prefixes": args.prefixes,
     }
     print(f"router_agreement {figures['router_agreement']:.3f} (goal 1.0), hit_rate_vs_oracle "
           f"{figures['hit_rate_vs_oracle']:.3f} (goal >= 0.99), deliver_p99_growth {figures['deliver_p99_growth']:.2f} "

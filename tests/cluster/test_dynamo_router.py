@@ -2,7 +2,7 @@
 
 Dynamo's own ``RadixTree`` (the package ``ai-dynamo-runtime``, in the environment
 ``scripts/dynamo_env.sh`` makes; the project's never imports it) is the consumer, not one
-written here. Two scripts run in that environment and report JSON:
+written here. Three scripts run in that environment and report JSON:
 
 - ``index_model.py``: thousands of event batches of several workers, made to be hard
   (children before parents, parents evicted under their children, keys in two tiers,
@@ -14,10 +14,11 @@ written here. Two scripts run in that environment and report JSON:
   deliver from the chosen node (every byte checked) and prefilled there with parents; a
   node killed -9 and started again halfway. At every check, after the events settle, the
   tree's choice and its per-node matches equal the nodes' own query answers, and the
-  nodes end clean; and the same over TCP, eight hosts as network namespaces on one switch,
+  nodes end clean; and the same over TCP, 8 hosts as network namespaces on one switch,
   each with its node and an engine beside it, the router in the switch's namespace.
 - ``route_keys.py``: the prefix a real model (SmolLM2-135M, in the engine environment)
-  deposited through the transformers integration, found whole at its node by the tree.
+  deposited through the transformers integration on a host of a fabric, found whole at its
+  node by the tree.
 
 Outside CI, without the environment, the module is skipped and says why; in CI it must run.
 """
@@ -27,15 +28,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvcr_testing.engines import DYNAMO_PY, ENGINE_PY, checkout_env, require_engines, run_example, run_script
+from kvcr_testing.engines import DYNAMO_PY, ENGINE_PY, EXAMPLES, checkout_env, require_engines, run_script
 from kvcr_testing.fabric import fabric, fabric_problem
-from kvcr_testing.nodes import NodeProcess
+from kvcr_testing.nodes import start_node
 
 HERE = Path(__file__).resolve().parent
 DRIVER_TIMEOUT_S = 300.0
@@ -101,33 +101,53 @@ def run_on_fabric(tmp_path: Path, hosts: int, *args: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(2 * DRIVER_TIMEOUT_S)
-def test_eight_hosts_on_a_switch_route_by_the_tree_over_tcp(tmp_path: Path) -> None:
-    """Eight network namespaces on one bridge, a node and its engine on each, over TCP; the
+@pytest.mark.parametrize("hosts", [8])  # 16 hosts: bench/cluster.py
+def test_hosts_on_a_switch_route_by_the_tree_over_tcp(hosts: int, tmp_path: Path) -> None:
+    """Network namespaces on one bridge, a node and its engine on each, over TCP; the
     router in the switch's namespace: every request and event crosses veth pairs."""
-    report = run_on_fabric(tmp_path, 8, "--slots", "32", "--requests", "200", "--check-every", "50", "--restart", "5")
-    assert report["nodes"] == 8 and report["mismatches"] == [], report
+    report = run_on_fabric(tmp_path, hosts, "--slots", "32", "--requests", "200", "--check-every", "50",
+                           "--restart", "5")
+    assert report["nodes"] == hosts and report["mismatches"] == [], report
     assert report["router_agreement"] == 1.0 and report["node_agreement"] == 1.0, report
     assert report["misses"] == 0 and report["hit_rate_vs_oracle"] == 1.0, report
-    assert report["incarnations"][5] == 2 and report["index"]["restarts"] == 9, report
+    assert report["incarnations"][5] == 2 and report["index"]["restarts"] == hosts + 1, report
     assert report["sessions_max"] == 2, report  # the router's client and the host's engine: no link left behind
 
 
 @pytest.mark.timeout(2 * DRIVER_TIMEOUT_S)
-def test_a_real_engines_prefix_is_found_in_dynamos_tree(node_factory: Callable[..., NodeProcess], ipc_dir: Path,
-                                                        tmp_path: Path) -> None:
-    """SmolLM2-135M prefills a prompt in the engine environment and deposits its prefix's
-    blocks into node 1 through the transformers integration, which names each block's
-    parent. Dynamo's tree, following both nodes, finds every block of the prefix at node 1:
-    past the first block the tree finds a block only under its parent."""
+def test_a_real_engine_on_a_fabric_host_is_found_in_dynamos_tree_over_tcp(tmp_path: Path) -> None:
+    """SmolLM2-135M prefills a prompt in the engine environment on host 1 of a fabric and
+    deposits its prefix's blocks into that host's node through the transformers
+    integration, which names each block's parent. Dynamo's tree, in the switch's namespace
+    following both nodes' events over TCP, finds every block of the prefix at node 1: past
+    the first block the tree finds a block only under its parent."""
     require_engines(ENGINE_PY)
-    nodes = [node_factory("--pool", "kv:12KiB:4096", "--events-endpoint", f"ipc://{ipc_dir}/ev{i}") for i in range(2)]
-    engine = run_example("transformers_prefix.py", "deposit", "--node", nodes[1].endpoint, "--tokens", "200",
-                         "--out", str(tmp_path / "reference.pt"), timeout_s=DRIVER_TIMEOUT_S)
-    keys = engine["keys"]
-    assert engine["blocks"] == len(keys) == 12, engine
-    report = run("route_keys.py", "--follow", f"0=ipc://{ipc_dir}/ev0", "--follow", f"1=ipc://{ipc_dir}/ev1",
-                 "--keys", ",".join(keys), "--want", str(len(keys)))
-    assert (report["best"], report["held"]) == (1, 12), report
-    assert report["scores"] == {"1": 12}, report
-    assert report["parents"] == {"0": 0, "1": 11}, report  # every block but the first named its parent
+    problem = fabric_problem()
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs as root with iproute2: {problem}", pytrace=False)
+        pytest.skip(problem)
+    with fabric("m", 2, "10.215.0") as made:
+        nodes = [start_node(f"tcp://{h.addr}:5555", "--pool", "kv:12KiB:4096", "--events-endpoint",
+                            f"tcp://{h.addr}:5600", prefix=h.prefix, env=h.ucx) for h in made.hosts]
+        try:
+            host = made.hosts[1]
+            engine = subprocess.run(
+                [*host.prefix, str(ENGINE_PY), str(EXAMPLES / "transformers_prefix.py"), "deposit", "--node",
+                 nodes[1].endpoint, "--tokens", "200", "--out", str(tmp_path / "reference.pt")],
+                capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S, env=checkout_env(host.ucx))
+            assert engine.returncode == 0, engine.stdout[-3000:] + engine.stderr[-3000:]
+            keys = json.loads(engine.stdout.strip().splitlines()[-1])["keys"]
+            route = subprocess.run(
+                [*made.switch.prefix, str(DYNAMO_PY), str(HERE / "route_keys.py"),
+                 *(f"--follow={i}=tcp://{h.addr}:5600" for i, h in enumerate(made.hosts)),
+                 "--keys", ",".join(keys), "--want", str(len(keys))],
+                capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S, env=checkout_env(made.switch.ucx))
+            assert route.returncode == 0, route.stdout[-3000:] + route.stderr[-3000:]
+            report = json.loads(route.stdout.strip().splitlines()[-1])
+        finally:
+            for node in nodes:
+                node.kill()
+    assert len(keys) == 12 and (report["best"], report["held"]) == (1, 12), report
+    assert report["scores"] == {"1": 12} and report["parents"] == {"0": 0, "1": 11}, report
 
