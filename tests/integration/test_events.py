@@ -156,6 +156,20 @@ def test_stored_events_carry_the_parents_that_deposits_and_puts_name(
         assert follow(stream, mirror, set(keys))
         assert mirror.parents == chain
 
+        # Well-formed but hostile parents: the longest a key may be, a cycle, and keys
+        # another session stored. The node keeps them only to publish them.
+        with Client(node.endpoint, name="other") as other:
+            long_parent = b"p" * 256
+            hostile = {b"h/a": b"h/b", b"h/b": b"h/a", b"h/c": keys[0], b"h/d": long_parent}
+            region2 = other.register(src)
+            got = other.deposit({k: layout.source_spans(region2, i * layout.nbytes) for i, k in enumerate(hostile)},
+                                parents=hostile).result(RESULT_TIMEOUT_S)
+            assert all(r.status is KeyStatus.STORED for r in got.values()), got
+            other.unregister(region2)
+            assert follow(stream, mirror, {*keys, *hostile})
+            assert {k: mirror.parents[k] for k in hostile} == hostile
+            assert_clean(other)
+
         for parents, path in [({b"seq/9": b"seq/0"}, "parents[b'seq/9']"), ({b"x": b"x"}, "parents[b'x']"),
                               ({b"x": b""}, "parents[b'x']"), ([(b"x", b"w")], "parents")]:
             with pytest.raises(ArgumentError) as info:

@@ -104,8 +104,9 @@ def test_churn_mirror_equals_the_store_and_the_ring_stays_bounded() -> None:
     for turn in range(RING_BATCHES + 1500):
         for _ in range(rng.randint(1, 3)):  # deposits into small pools: FIFO evicts all along
             key = b"k%d" % rng.randrange(3000)
-            if key not in store:
-                put(store, key, HYBRID if rng.random() < 0.2 else PLAIN)
+            if key not in store:  # a third name a parent, so the ring's batches carry them too
+                chain_put(store, key, b"k%d" % rng.randrange(3000) if rng.random() < 0.3 else b"",
+                          HYBRID if rng.random() < 0.2 else PLAIN)
         for seq, payload in inventory.take():
             assert seq == published
             published += 1
@@ -114,6 +115,8 @@ def test_churn_mirror_equals_the_store_and_the_ring_stays_bounded() -> None:
         if turn % 1000 == 0:
             assert set(mirror.keys) == ready_keys(store)
     assert set(mirror.keys) == ready_keys(store)
+    # The mirror's parents are those of the objects held, no more: they leave with their keys.
+    assert mirror.parents == {k: store._objects[k].parent for k in ready_keys(store) if store._objects[k].parent}
     assert store.stats()["evicted_objects"] > 1000
     assert len(inventory.ring) == RING_BATCHES and inventory.oldest == published - RING_BATCHES
     assert inventory.sizes()["events_ring"] == RING_BATCHES
