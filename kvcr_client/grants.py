@@ -122,7 +122,7 @@ class Grants:
         them, unless the next session's grant loads the same agent again (a reconnect)."""
         self.columns = LocalColumns()
         """Prepared destinations' spans as arrays, for planning many spans at once."""
-        self.prepared = PreparedReads(self.columns, core.agent.listed)
+        self.prepared = PreparedReads(self.columns, core.agent.prepare)
         """The READs of recent delivers, planned once per destination, grants and plan."""
         self.gate: Gate | None = None
         """Made into each deliver's ``GrantRead`` (``kvcr_client.posted.Gate``; tests only)."""

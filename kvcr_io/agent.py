@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from kvcr_protocol import MemoryKind
 
 Desc = tuple[int, int, int]
@@ -72,6 +74,30 @@ class Listed:
     descs: Any
     rows: Any
     """The rows it was made of (an N x 3 array or a list of (address, length, device))."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Prepared:
+    """Both sides of one transfer, prepared with NIXL once (``Agent.prepare``): whoever keeps
+    a transfer's plan (a client's READs of one destination under one lease) posts it again
+    and again by index (``make_prepped_xfer``), NIXL resolving no descriptor anew. Made from
+    the lists, a request costs 35-60 us of the poster's thread on this machine (more while
+    another thread computes); prepared, about 8 us (docs/performance.md).
+
+    The prepared lists free themselves when the last holder lets go of them (NIXL's handles
+    release in ``__del__``, keeping their agent alive till then), even after the remote agent
+    was removed, and a request made of them runs on after they are freed. NIXL refuses a
+    post of them once the remote agent was removed or loaded anew; ``start_listed`` then
+    makes the request from the lists, which NIXL resolves against the agent as it is now:
+    the same outcome as a plan that was never prepared."""
+
+    local: Listed
+    remote: Listed
+    remote_agent: str
+    local_prepped: Any
+    remote_prepped: Any
+    indices: Any
+    """Every descriptor of each side, in order (an int32 array)."""
 
 
 class TransferError(RuntimeError):
@@ -206,6 +232,27 @@ class Agent:
         except Exception:  # the post names the failure
             return rows
 
+    def prepare(self, local_kind: Kind, local: Sequence[Desc] | Any, remote_kind: Kind, remote: Sequence[Desc] | Any,
+                remote_agent: str) -> tuple[Any, Any]:
+        """The two sides of a transfer ``start_listed`` will post again and again, made into
+        what posts fastest: one ``Prepared`` for both (given as each side), else each side as
+        ``listed`` makes it (NIXL refused to prepare them: the post names the failure)."""
+        local_listed, remote_listed = self.listed(local_kind, local), self.listed(remote_kind, remote)
+        if type(local_listed) is not Listed or type(remote_listed) is not Listed:
+            return local_listed, remote_listed
+        nixl = self._nixl
+        try:
+            local_prepped = nixl.prep_xfer_dlist("NIXL_INIT_AGENT", local_listed.descs)
+            remote_prepped = nixl.prep_xfer_dlist(remote_agent, remote_listed.descs)
+        except Exception:  # the lists are posted as they are
+            return local_listed, remote_listed
+        count = len(local_listed.rows)
+        if count != len(remote_listed.rows):
+            return local_listed, remote_listed
+        prepared = Prepared(local_listed, remote_listed, remote_agent, local_prepped, remote_prepped,
+                            np.arange(count, dtype=np.int32))
+        return prepared, prepared
+
     def start_listed(
         self, op: str, local_kind: Kind, local: Sequence[Desc] | Any, remote_kind: Kind,
         remote: Sequence[Desc] | Any, remote_agent: str,
@@ -214,8 +261,20 @@ class Agent:
         lists: a client's READ under a grant names slots it learnt a moment ago); each a
         sequence of (address, length, device), an N x 3 ``uint64`` array, or a ``Listed``.
         ``remote_agent`` may be this agent's own ``name``: a move between its own memory and
-        its files (``FILE``: rows of (offset, length, fd)) through the POSIX backend."""
+        its files (``FILE``: rows of (offset, length, fd)) through the POSIX backend. A
+        ``Prepared`` (``prepare``) given as the local side names both sides."""
         nixl = self._nixl
+        if type(local) is Prepared:
+            prepared = local
+            local, remote = prepared.local, prepared.remote
+            if prepared.remote_agent == remote_agent:
+                try:
+                    handle = nixl.make_prepped_xfer(op, prepared.local_prepped, prepared.indices,
+                                                    prepared.remote_prepped, prepared.indices)
+                except Exception:  # the remote agent was removed or loaded anew: from the lists
+                    handle = None
+                if handle:
+                    return handle, self._post(op, handle)
         try:
             local_descs = local.descs if type(local) is Listed else nixl.get_xfer_descs(_rows(local), _MEM[local_kind])
             remote_descs = (remote.descs if type(remote) is Listed

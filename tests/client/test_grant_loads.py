@@ -40,8 +40,9 @@ class FakeAgent:
     def remove_remote(self, name: str) -> None:
         self.removed.append(name)
 
-    def listed(self, kind: object, rows: object) -> object:
-        return rows
+    def prepare(self, local_kind: object, local: object, remote_kind: object, remote: object,
+                remote_agent: str) -> tuple[object, object]:
+        return local, remote
 
 
 class FakeReads:

@@ -78,23 +78,25 @@ def test_what_is_kept_is_bounded_least_recently_used_first() -> None:
     assert reads.hits == 1 and len(reads) == prepared_reads.KEPT
 
 
-def test_a_plan_keeps_its_descriptor_lists_as_the_agent_made_them() -> None:
-    """Each post's rows are handed to ``listed`` once, when the plan is made (the agent makes
-    them a descriptor list NIXL took: ``kvcr_io.agent.Agent.listed``); a repeat posts those."""
-    made: list[tuple[MemoryKind, object]] = []
+def test_a_plan_keeps_its_posts_as_the_agent_prepared_them() -> None:
+    """Each post's two sides are handed to ``prepare`` once, when the plan is made, with the
+    agent they go to (the agent prepares them with NIXL: ``kvcr_io.agent.Agent.prepare``);
+    a repeat posts what it made."""
+    made: list[tuple[MemoryKind, object, MemoryKind, object, str]] = []
 
-    def listed(kind: MemoryKind, rows: object) -> object:
-        made.append((kind, rows))
-        return ("listed", kind, rows)
+    def prepare(local_kind: MemoryKind, local: object, remote_kind: MemoryKind, remote: object,
+                peer: str) -> tuple[object, object]:
+        made.append((local_kind, local, remote_kind, remote, peer))
+        return ("local", local_kind, local, peer), ("remote", remote_kind, remote, peer)
 
-    reads = PreparedReads(LocalColumns(), listed)
+    reads = PreparedReads(LocalColumns(), prepare)
     spans, g = destination(), grant()
     layers = [tuple(range(SPANS))]
     first = reads.plan([DeliverItem(b"k", spans)], [g], layers, REGIONS)
     plain = PreparedReads(LocalColumns()).plan([DeliverItem(b"k", spans)], [g], layers, REGIONS)
-    assert len(made) == 2 * len(first.posts)
+    assert len(made) == len(first.posts)
     for post, rows in zip(first.posts, plain.posts, strict=True):
-        assert post[2] == ("listed", rows[1], rows[2]) and post[4] == ("listed", rows[3], rows[4])
+        assert post[2] == ("local", rows[1], rows[2], "node") and post[4] == ("remote", rows[3], rows[4], "node")
         assert (post[0], post[1], post[3], post[5], post[6]) == (rows[0], rows[1], rows[3], rows[5], rows[6])
     assert reads.plan([DeliverItem(b"k", spans)], [g], layers, REGIONS) is first
-    assert len(made) == 2 * len(first.posts), "a repeat made its lists again"
+    assert len(made) == len(first.posts), "a repeat prepared its posts again"

@@ -1,0 +1,127 @@
+"""Transfers prepared with NIXL once and posted again and again (``kvcr_io.agent.Agent.prepare``),
+with real NIXL between two agents of this process.
+
+A prepared pair moves exactly the bytes its rows name, every time it is posted; once the
+remote agent was removed and loaded again (its metadata anew, as after a reconnect), NIXL
+refuses the prepared lists and the post is made from the rows, which NIXL resolves against
+the agent as it is now: the bytes still arrive, byte for byte. With the remote agent gone,
+the post fails with ``TransferError``, never a crash or bytes from elsewhere. A pair let go
+of while its request runs leaves the request to finish."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvcr_io.agent import Agent, Prepared, TransferError, XferStatus
+from kvcr_protocol import MemoryKind
+
+SPAN = 64 << 10
+SPANS = 16
+WAIT_S = 10.0
+"""The longest a transfer of a few MiB between two agents of one process may take."""
+
+
+def finish(reader: Agent, holder: Agent, handle: object) -> XferStatus:
+    """Progress both agents until the request is terminal (bounded), then release it."""
+    end = time.monotonic() + WAIT_S
+    state = reader.state(handle)
+    while state is XferStatus.RUNNING and time.monotonic() < end:
+        holder.progress()
+        state = reader.state(handle)
+    reader.release(handle)
+    return state
+
+
+@pytest.fixture
+def agents() -> Iterator[tuple[Agent, Agent, np.ndarray, np.ndarray, str]]:
+    """A reader and a holder agent; the holder's memory patterned, the reader's zeroed, each
+    registered; the holder loaded into the reader."""
+    reader, holder = Agent(f"prep-reader-{os.getpid()}"), Agent(f"prep-holder-{os.getpid()}")
+    src = (np.arange(SPAN * SPANS, dtype=np.uint64) * 2654435761 >> 7).astype(np.uint8)
+    dst = np.zeros(SPAN * SPANS, np.uint8)
+    held = holder.register(MemoryKind.DRAM, src.ctypes.data, src.nbytes, 0)
+    mine = reader.register(MemoryKind.DRAM, dst.ctypes.data, dst.nbytes, 0)
+    name = reader.add_remote(holder.metadata())
+    yield reader, holder, src, dst, name
+    reader.deregister(mine)
+    holder.deregister(held)
+
+
+def rows(base: int, order: list[int]) -> list[tuple[int, int, int]]:
+    return [(base + i * SPAN, SPAN, 0) for i in order]
+
+
+def test_a_prepared_pair_moves_the_bytes_its_rows_name_every_time_it_is_posted(
+    agents: tuple[Agent, Agent, np.ndarray, np.ndarray, str],
+) -> None:
+    reader, holder, src, dst, name = agents
+    order = [3, 1, 0, 7, 15, 8]  # out of order, not contiguous: no two rows merge
+    local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, list(range(len(order)))),
+                                   MemoryKind.DRAM, rows(src.ctypes.data, order), name)
+    assert type(local) is Prepared and local is remote
+    for _ in range(3):
+        dst[:] = 0
+        handle, _ = reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, name)
+        assert finish(reader, holder, handle) is XferStatus.DONE
+        for at, i in enumerate(order):
+            assert np.array_equal(dst[at * SPAN:(at + 1) * SPAN], src[i * SPAN:(i + 1) * SPAN]), (at, i)
+        assert not dst[len(order) * SPAN:].any(), "bytes past the rows were written"
+
+
+def test_after_the_remote_agent_is_loaded_anew_a_prepared_pair_is_posted_from_its_rows(
+    agents: tuple[Agent, Agent, np.ndarray, np.ndarray, str],
+) -> None:
+    reader, holder, src, dst, name = agents
+    local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, [0, 1]),
+                                   MemoryKind.DRAM, rows(src.ctypes.data, [5, 9]), name)
+    assert type(local) is Prepared
+    reader.remove_remote(name)
+    assert reader.add_remote(holder.metadata()) == name
+    handle, _ = reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, name)
+    assert finish(reader, holder, handle) is XferStatus.DONE
+    assert np.array_equal(dst[:SPAN], src[5 * SPAN:6 * SPAN])
+    assert np.array_equal(dst[SPAN:2 * SPAN], src[9 * SPAN:10 * SPAN])
+
+
+def test_with_the_remote_agent_gone_a_prepared_post_fails_as_a_transfer_error(
+    agents: tuple[Agent, Agent, np.ndarray, np.ndarray, str],
+) -> None:
+    reader, holder, src, dst, name = agents
+    local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, [0]),
+                                   MemoryKind.DRAM, rows(src.ctypes.data, [2]), name)
+    reader.remove_remote(name)
+    with pytest.raises(TransferError):
+        reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, name)
+    assert not dst.any()
+    reader.add_remote(holder.metadata())  # the fixture's teardown finds it loaded, as it left it
+
+
+def test_a_pair_let_go_of_while_its_request_runs_leaves_the_request_to_finish(
+    agents: tuple[Agent, Agent, np.ndarray, np.ndarray, str],
+) -> None:
+    reader, holder, src, dst, name = agents
+    every = list(range(SPANS))
+    local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, every),
+                                   MemoryKind.DRAM, rows(src.ctypes.data, every), name)
+    handle, _ = reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, name)
+    del local, remote  # the last references: NIXL frees the prepared lists now
+    assert finish(reader, holder, handle) is XferStatus.DONE
+    assert np.array_equal(dst, src)
+
+
+def test_rows_nixl_cannot_prepare_are_handed_back_as_listed(
+    agents: tuple[Agent, Agent, np.ndarray, np.ndarray, str],
+) -> None:
+    """The remote agent unknown: nothing is prepared, and the post names the failure."""
+    reader, _, src, dst, _ = agents
+    local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, [0]),
+                                   MemoryKind.DRAM, rows(src.ctypes.data, [0]), "no-such-agent")
+    assert type(local) is not Prepared and type(remote) is not Prepared
+    with pytest.raises(TransferError):
+        reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, "no-such-agent")
+    assert not dst.any()
