@@ -17,7 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvcr_io.agent import Desc, TransferError, XferStatus
+import numpy as np
+
+from kvcr_io.agent import Desc, Listed, Prepared, TransferError, XferStatus
 from kvcr_protocol import MemoryKind
 
 CLOSE_DRAIN_S = 5.0
@@ -37,6 +39,18 @@ source or hold a group or a commit back there; a gated job takes the same path a
 Not a setting of the product."""
 
 _GROUP = operator.itemgetter(0)
+
+
+def side_bytes(side: Any) -> int:
+    """The bytes one side of a post names: rows of (address, length, device), an N x 3 array,
+    or what the agent made of them (``kvcr_io.agent.Listed``, ``Prepared``)."""
+    if type(side) is Prepared:
+        side = side.local
+    if type(side) is Listed:
+        side = side.rows
+    if isinstance(side, np.ndarray):
+        return int(side[:, 1].sum()) if len(side) else 0
+    return sum(row[1] for row in side)
 
 
 class Poster(Protocol):
@@ -90,6 +104,17 @@ class PostedTransfers:
     def remotes(self) -> set[str]:
         """The remote agents these transfers go to (to stay loaded while they run)."""
         return {post[6] for post in self.posts}
+
+    def next_bytes(self) -> int:
+        """The bytes the next ``post_group`` moves (0 once no post is left)."""
+        posts, at = self.posts, self.next
+        if at >= len(posts):
+            return 0
+        group, size = posts[at][0], 0
+        while at < len(posts) and posts[at][0] == group:
+            size += side_bytes(posts[at][2])
+            at += 1
+        return size
 
     def post_group(self) -> list[int]:
         """Post every transfer of the next group (one per pair of memory kinds and remote

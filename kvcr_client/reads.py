@@ -2,11 +2,11 @@
 
 ``Grants.deliver`` posts group 0 in the caller's thread and hands the rest to a
 ``GrantRead``: whoever takes the core's turns (a waiting caller, an event loop's
-background thread, ``poll``) posts the next group, one group per turn in group order, and
-polls the READs posted so far from the client's own agent, paced like memory-touching
-requests (architecture §4). So a caller computes on group 0 while later groups are
-copied: NIXL's post releases the GIL, and on transports that copy inside the post (CMA)
-one group is one layer's copy. Each group that landed and passed the lease check resolves
+background thread, ``poll``) posts the next groups in group order, as many as make
+``TURN_READ_BYTES`` (at least one), and polls the READs posted so far from the client's
+own agent, paced like memory-touching requests (architecture §4). So a caller computes on
+group 0 while later groups are copied: NIXL's post releases the GIL, and on transports that
+copy inside the post (CMA) a turn's groups are copied back to back. Each group that landed and passed the lease check resolves
 on the handle; after the last, keys the clock cannot vouch for wait for a ``renew``'s
 reply, sent with ``core.request``, which finishes the deliver when it arrives: no turn
 ever blocks. The destination stays in use until every READ is terminal.
@@ -31,6 +31,16 @@ from kvcr_client.posted import CLOSE_DRAIN_S, Gate, Post, PostedTransfers
 from kvcr_client.uncertain import Hold, extents
 from kvcr_io.agent import Agent
 from kvcr_protocol import DeliverItem, ErrorCode, GroupEvent, GroupLedger, GroupState, KeyResult, KeyStatus
+
+TURN_READ_BYTES = 4 << 20
+"""The bytes of groups one turn posts (at least one group, in order). Each turn costs its
+reader a fixed price besides the copies (select, the lock, polls and reports: 100-150 us on
+the 2-core development machine, against about 150 us to copy 1 MiB), so layers of 1 MiB
+read one a turn took longer progressively than whole then computed on; four a turn halve
+that gap (``bench/pipeline.py``, docs/performance.md). The bound keeps a turn short where
+the copy runs inside the post (CMA): a group is reported, and the lock handed on, within
+about 1 ms of copying. Where posts only start the transfer (RDMA), it is how far ahead of
+the reports the READs run."""
 
 Finished = Callable[[list[KeyResult] | BaseException, list[int]], None]
 """The deliver's outcome (lock held): per item its result and groups delivered in a row, or the error."""
@@ -198,12 +208,15 @@ class GrantRead:
             if now >= self.deadline:
                 self.expired = True
             else:
-                # One group a turn; the parts of a whole deliver all in one (each part is
-                # hashed on the worker while the next is copied: nothing else to wait for).
+                # Groups up to TURN_READ_BYTES a turn; the parts of a whole deliver all in one
+                # (each part is hashed on the worker while the next is copied: nothing else
+                # to wait for).
+                budget = TURN_READ_BYTES
                 while post and self.transfers.left:
+                    budget -= self.transfers.next_bytes()
                     if not self.post():
                         break
-                    post = self.ahead is not None
+                    post = self.ahead is not None or budget > 0
         transfers = self.transfers
         if transfers.running:
             transfers.poll()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcr_client.counters import Counters
-from kvcr_client.reads import GrantRead, Reads
+from kvcr_client.reads import TURN_READ_BYTES, GrantRead, Reads
 from kvcr_io.agent import XferStatus
 from kvcr_protocol import DeliverItem, ErrorCode, GroupEvent, GroupLedger, GroupState, KeyResult, KeyStatus, MemoryKind
 
@@ -159,7 +159,9 @@ def test_the_handles_ledger_moves_with_the_reads_and_a_failed_group_is_told_when
         assert isinstance(results, list)
         out.append(results)
 
-    posts = [(g, MemoryKind.DRAM, [(0, 1, 0)], MemoryKind.DRAM, [(0, 1, 0)], [0, 1], "node") for g in range(3)]
+    # Groups of TURN_READ_BYTES: one a turn.
+    row = [(0, TURN_READ_BYTES, 0)]
+    posts = [(g, MemoryKind.DRAM, row, MemoryKind.DRAM, row, [0, 1], "node") for g in range(3)]
     # Key 1's lease ends between its group 0 (checked at 0.1) and group 1 (checked at 0.2).
     read = GrantRead(HeldUntil(), agent, [DeliverItem(b"a", ()), DeliverItem(b"b", ())],
                      [Granted(Lease(50.0)), Granted(Lease(0.15))], [3, 3], posts, [0, 0], deadline=100.0,
@@ -178,3 +180,41 @@ def test_the_handles_ledger_moves_with_the_reads_and_a_failed_group_is_told_when
     assert events[2] == [GroupEvent(0, 2, GroupState.DELIVERED)]
     assert [r.status for r in out[0]] == [KeyStatus.OK, KeyStatus.FAILED] and out[0][1].code == expired
     assert ledger.delivered == [3, 1] and not reads.running
+
+
+def test_a_turn_posts_groups_up_to_its_bytes_and_checks_each_after_every_copy_of_the_turn() -> None:
+    """Groups of a quarter of ``TURN_READ_BYTES`` go four a turn (the first always), copied
+    back to back and checked at a time read after the last of them: a lease that ends
+    during the turn's third copy fails every group of the turn, the two copied in time too
+    (a later check only ever refuses more). A group larger than a turn's bytes still goes,
+    alone, as the first of its turn."""
+    clock = Clock()
+    agent = CopyingAgent(clock, {"node": 0.1})
+    quarter = [(0, TURN_READ_BYTES // 4, 0)]
+    posts = [(g, MemoryKind.DRAM, quarter, MemoryKind.DRAM, quarter, [0, 1], "node") for g in range(9)]
+    posts.append((9, MemoryKind.DRAM, [(0, 2 * TURN_READ_BYTES, 0)], MemoryKind.DRAM, [(0, 1, 0)], [0, 1], "node"))
+    events: list[list[GroupEvent]] = []
+    out: list[list[KeyResult]] = []
+
+    def finished(results: list[KeyResult] | BaseException, done: list[int]) -> None:
+        assert isinstance(results, list)
+        out.append(results)
+
+    # Key 1's lease ends at 0.35: during the turn that copies groups 1-4 (clock 0.1 -> 0.5).
+    read = GrantRead(HeldUntil(), agent, [DeliverItem(b"a", ()), DeliverItem(b"b", ())],
+                     [Granted(Lease(50.0)), Granted(Lease(0.35))], [10, 10], posts, [0, 0], deadline=100.0,
+                     report=events.append, finished=finished, quiet=lambda: None, clock=clock)
+    reads = Reads()
+    reads.start(read)
+    assert len(agent.posted) == 1 and clock() == 0.1, "group 0 alone"
+    reads.step(clock())
+    assert len(agent.posted) == 5 and clock() == 0.5, "groups 1-4 in one turn"
+    expired = int(ErrorCode.LEASE_EXPIRED)
+    assert [e for e in events[1] if e.item == 0] == [GroupEvent(0, g, GroupState.DELIVERED) for g in range(1, 5)]
+    assert [e for e in events[1] if e.item == 1] == [GroupEvent(1, g, GroupState.FAILED, expired)
+                                                     for g in range(1, 10)], "checked after the turn's last copy"
+    reads.step(clock())
+    assert len(agent.posted) == 9, "groups 5-8"
+    reads.step(clock())
+    assert len(agent.posted) == 10, "group 9 alone, though larger than a turn's bytes"
+    assert [r.status for r in out[0]] == [KeyStatus.OK, KeyStatus.FAILED] and not reads.running

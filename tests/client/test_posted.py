@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
-from kvcr_client.posted import Post, PostedTransfers
-from kvcr_io.agent import TransferError, XferStatus
+from kvcr_client.posted import Post, PostedTransfers, side_bytes
+from kvcr_io.agent import Listed, Prepared, TransferError, XferStatus
 from kvcr_protocol import MemoryKind
 
 DRAM = MemoryKind.DRAM
@@ -96,3 +97,23 @@ def test_drain_lets_go_of_every_request_and_says_whether_one_still_ran(ends: boo
         agent.states[1] = XferStatus.DONE
     assert transfers.drain() is ends
     assert sorted(agent.released) == [0, 1] and not transfers.running
+
+
+def test_the_bytes_of_the_next_group_count_its_local_sides_in_every_form() -> None:
+    """``next_bytes`` (what a turn's budget spends, ``kvcr_client.reads.TURN_READ_BYTES``) sums
+    the local side of each post of the next group: rows, an N x 3 array, or what the agent
+    made of them."""
+    rows = [(0, 4096, 0), (8192, 512, 0)]
+    array = np.array([[0, 1 << 20, 0], [1 << 21, 1 << 20, 0]], dtype=np.uint64)
+    listed = Listed(DRAM, object(), rows)
+    prepared = Prepared(Listed(DRAM, object(), array), Listed(DRAM, object(), array), "node", None, None,
+                        np.arange(2, dtype=np.int32))
+    assert [side_bytes(side) for side in (rows, array, listed, prepared, [])] == [4608, 2 << 20, 4608, 2 << 20, 0]
+    posts = [(0, DRAM, rows, DRAM, "r0", [0], "node"), (0, DRAM, array, DRAM, "r1", [1], "src"),
+             (1, DRAM, prepared, DRAM, "r2", [0], "node")]
+    transfers = PostedTransfers(Agent(), "READ", posts, 2)
+    assert transfers.next_bytes() == 4608 + (2 << 20)
+    transfers.post_group()
+    assert transfers.next_bytes() == 2 << 20
+    transfers.post_group()
+    assert transfers.next_bytes() == 0
