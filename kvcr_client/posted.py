@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvcr_io.agent import Desc, Listed, Prepared, TransferError, XferStatus
+from kvcr_io.agent import Desc, Listed, PreparedPair, TransferError, XferStatus
 from kvcr_protocol import MemoryKind
 
 CLOSE_DRAIN_S = 5.0
@@ -43,8 +43,8 @@ _GROUP = operator.itemgetter(0)
 
 def side_bytes(side: Any) -> int:
     """The bytes one side of a post names: rows of (address, length, device), an N x 3 array,
-    or what the agent made of them (``kvcr_io.agent.Listed``, ``Prepared``)."""
-    if type(side) is Prepared:
+    or what the agent made of them (``kvcr_io.agent.Listed``, ``PreparedPair``)."""
+    if type(side) is PreparedPair:
         side = side.local
     if type(side) is Listed:
         side = side.rows

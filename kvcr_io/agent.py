@@ -77,7 +77,7 @@ class Listed:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Prepared:
+class PreparedPair:
     """Both sides of one transfer, prepared with NIXL once (``Agent.prepare``): whoever keeps
     a transfer's plan (a client's READs of one destination under one lease) posts it again
     and again by index (``make_prepped_xfer``), NIXL resolving no descriptor anew. Made from
@@ -235,7 +235,7 @@ class Agent:
     def prepare(self, local_kind: Kind, local: Sequence[Desc] | Any, remote_kind: Kind, remote: Sequence[Desc] | Any,
                 remote_agent: str) -> tuple[Any, Any]:
         """The two sides of a transfer ``start_listed`` will post again and again, made into
-        what posts fastest: one ``Prepared`` for both (given as each side), else each side as
+        what posts fastest: one ``PreparedPair`` for both (given as each side), else each side as
         ``listed`` makes it (NIXL refused to prepare them: the post names the failure)."""
         local_listed, remote_listed = self.listed(local_kind, local), self.listed(remote_kind, remote)
         if type(local_listed) is not Listed or type(remote_listed) is not Listed:
@@ -249,7 +249,7 @@ class Agent:
         count = len(local_listed.rows)
         if count != len(remote_listed.rows):
             return local_listed, remote_listed
-        prepared = Prepared(local_listed, remote_listed, remote_agent, local_prepped, remote_prepped,
+        prepared = PreparedPair(local_listed, remote_listed, remote_agent, local_prepped, remote_prepped,
                             np.arange(count, dtype=np.int32))
         return prepared, prepared
 
@@ -262,9 +262,9 @@ class Agent:
         sequence of (address, length, device), an N x 3 ``uint64`` array, or a ``Listed``.
         ``remote_agent`` may be this agent's own ``name``: a move between its own memory and
         its files (``FILE``: rows of (offset, length, fd)) through the POSIX backend. A
-        ``Prepared`` (``prepare``) given as the local side names both sides."""
+        ``PreparedPair`` (``prepare``) given as the local side names both sides."""
         nixl = self._nixl
-        if type(local) is Prepared:
+        if type(local) is PreparedPair:
             prepared = local
             local, remote = prepared.local, prepared.remote
             if prepared.remote_agent == remote_agent:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvcr_io.agent import Agent, Prepared, TransferError, XferStatus
+from kvcr_io.agent import Agent, PreparedPair, TransferError, XferStatus
 from kvcr_protocol import MemoryKind
 
 SPAN = 64 << 10
@@ -63,7 +63,7 @@ def test_a_prepared_pair_moves_the_bytes_its_rows_name_every_time_it_is_posted(
     order = [3, 1, 0, 7, 15, 8]  # out of order, not contiguous: no two rows merge
     local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, list(range(len(order)))),
                                    MemoryKind.DRAM, rows(src.ctypes.data, order), name)
-    assert type(local) is Prepared and local is remote
+    assert type(local) is PreparedPair and local is remote
     for _ in range(3):
         dst[:] = 0
         handle, _ = reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, name)
@@ -79,7 +79,7 @@ def test_after_the_remote_agent_is_loaded_anew_a_prepared_pair_is_posted_from_it
     reader, holder, src, dst, name = agents
     local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, [0, 1]),
                                    MemoryKind.DRAM, rows(src.ctypes.data, [5, 9]), name)
-    assert type(local) is Prepared
+    assert type(local) is PreparedPair
     reader.remove_remote(name)
     assert reader.add_remote(holder.metadata()) == name
     handle, _ = reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, name)
@@ -121,7 +121,7 @@ def test_rows_nixl_cannot_prepare_are_handed_back_as_listed(
     reader, _, src, dst, _ = agents
     local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, [0]),
                                    MemoryKind.DRAM, rows(src.ctypes.data, [0]), "no-such-agent")
-    assert type(local) is not Prepared and type(remote) is not Prepared
+    assert type(local) is not PreparedPair and type(remote) is not PreparedPair
     with pytest.raises(TransferError):
         reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, "no-such-agent")
     assert not dst.any()
