@@ -37,6 +37,7 @@ from kvcr_testing.layouts import RESULT_TIMEOUT_S, Registrar, plain_layout
 from kvcr_testing.measure import rss_kib
 from kvcr_testing.nodes import NodeProcess
 from kvcr_testing.patterns import KiB, pattern
+from kvcr_testing.remote import Sites, deliver_checked
 
 SLOT = 4 * KiB
 SLOTS = 16
@@ -177,6 +178,32 @@ def test_stored_events_carry_the_parents_that_deposits_and_puts_name(
             assert info.value.field == path, info.value
         reg.close()
         assert_clean(client)
+
+
+def test_a_fetch_from_a_source_publishes_the_parents_it_names(sites: Sites, ipc_dir: Path) -> None:
+    """Blocks fetched from another node (spec section 6.4, "Parents": ``fetch`` names them as
+    ``deposit`` does) are published by the fetching node with those parents, so the router
+    sees the tree at the node that now holds them, and the bytes are the source's."""
+    events = f"ipc://{ipc_dir}/fetch-events.sock"
+    a, b = sites.start(("a", {"args": ("--events-endpoint", events)}), "b")
+    layout = plain_layout(2, "kv")
+    keys = [b"chain/%d" % i for i in range(3)]
+    sources = {k: b.deposit(k, layout, seed=40 + i) for i, k in enumerate(keys)}
+    a.client.submit_hint("fetch-parents", b.endpoint, keys).result(RESULT_TIMEOUT_S)
+    with EventStream(events) as stream:
+        mirror = InventoryMirror()
+        assert follow(stream, mirror, set())
+        expected = {k: [(name, pool) for name, pool, _ in layout.spans] for k in keys}
+        chain = {keys[1]: keys[0], keys[2]: keys[1]}
+        got = a.client.fetch(expected, request_id="fetch-parents", parents=chain).result(RESULT_TIMEOUT_S)
+        assert all(r.status is KeyStatus.OK for r in got.values()), got
+        assert follow(stream, mirror, set(keys))
+        assert mirror.parents == chain
+        a.resident.update({k: ("kv", "kv") for k in keys})
+        for i, k in enumerate(keys):
+            deliver_checked(a, k, layout, sources[k], range(2), seed=50 + i)
+        released = a.client.release([r.handle for r in got.values() if r.handle is not None]).result(RESULT_TIMEOUT_S)
+        assert all(r.status is KeyStatus.OK for r in released.values()), released
 
 
 class Lossy(EventStream):
