@@ -6,10 +6,10 @@ background thread, ``poll``) posts the next groups in group order, as many as ma
 ``TURN_READ_BYTES`` (at least one), and polls the READs posted so far from the client's
 own agent, paced like memory-touching requests (architecture §4). So a caller computes on
 group 0 while later groups are copied: NIXL's post releases the GIL, and on transports that
-copy inside the post (CMA) a turn's groups are copied back to back. Each group that landed and passed the lease check resolves
-on the handle; after the last, keys the clock cannot vouch for wait for a ``renew``'s
-reply, sent with ``core.request``, which finishes the deliver when it arrives: no turn
-ever blocks. The destination stays in use until every READ is terminal.
+copy inside the post (CMA) a turn's groups are copied back to back. Each group that landed
+and passed the lease check resolves on the handle; after the last, keys the clock cannot
+vouch for wait for a ``renew``'s reply, sent with ``core.request``, which finishes the
+deliver when it arrives: no turn ever blocks. The destination stays in use until every READ is terminal.
 
 ``Reads`` is the core's table of transfer jobs (I/O lock held throughout): these, and
 puts (``kvcr_client.put_jobs.PutJob``), stepped by the same turns.
