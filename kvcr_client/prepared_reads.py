@@ -112,9 +112,11 @@ class PreparedReads:
         posts.sort(key=lambda p: p[0])
         prepare = self.prepare
         if prepare is not None:
-            posts = [(g, lk, sides[0], rk, sides[1], owners, peer)
-                     for g, lk, local, rk, remote, owners, peer in posts
-                     for sides in (prepare(lk, local, rk, remote, peer),)]
+            prepared = []
+            for g, lk, local, rk, remote, owners, peer in posts:
+                local, remote = prepare(lk, local, rk, remote, peer)
+                prepared.append((g, lk, local, rk, remote, owners, peer))
+            posts = prepared
         checks, unchecked = span_checks(items, granted, groups, regions, columns)
         made_of = (*[item.spans for item in items], *granted)
         return ReadPlan(made_of, groups, in_parts is not None, counts, posts, tuple(codes), checks, unchecked)

@@ -213,7 +213,8 @@ class GrantRead:
                 # to wait for).
                 budget = TURN_READ_BYTES
                 while post and self.transfers.left:
-                    budget -= self.transfers.next_bytes()
+                    if self.ahead is None:  # a whole deliver's parts go regardless of bytes
+                        budget -= self.transfers.next_bytes()
                     if not self.post():
                         break
                     post = self.ahead is not None or budget > 0

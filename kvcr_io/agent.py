@@ -241,14 +241,14 @@ class Agent:
         local_listed, remote_listed = self.listed(local_kind, local), self.listed(remote_kind, remote)
         if type(local_listed) is not Listed or type(remote_listed) is not Listed:
             return local_listed, remote_listed
+        count = len(local_listed.rows)
+        if count != len(remote_listed.rows):  # not pairs by index: the post names the failure
+            return local_listed, remote_listed
         nixl = self._nixl
         try:
             local_prepped = nixl.prep_xfer_dlist("NIXL_INIT_AGENT", local_listed.descs)
             remote_prepped = nixl.prep_xfer_dlist(remote_agent, remote_listed.descs)
         except Exception:  # the lists are posted as they are
-            return local_listed, remote_listed
-        count = len(local_listed.rows)
-        if count != len(remote_listed.rows):
             return local_listed, remote_listed
         prepared = PreparedPair(local_listed, remote_listed, remote_agent, local_prepped, remote_prepped,
                                 np.arange(count, dtype=np.int32))

@@ -140,12 +140,16 @@ class DynamoIndex:
                 applied += 1
         return applied
 
-    def _drop(self, worker_id: int, why: str) -> None:
+    def _unfollow(self, worker_id: int) -> None:
+        """Stop polling and close worker ``worker_id``'s stream."""
         stream = self._streams.pop(worker_id)
         for sock in stream.sockets:
             self._poller.unregister(sock)
             del self._owner[sock]
         stream.close()
+
+    def _drop(self, worker_id: int, why: str) -> None:
+        self._unfollow(worker_id)
         worker = self._workers.pop(worker_id)
         self.tree.remove_worker(worker.worker_id)
         self.failures[worker_id] = why
@@ -157,11 +161,7 @@ class DynamoIndex:
 
     def close(self) -> None:
         for worker_id in list(self._streams):
-            stream = self._streams.pop(worker_id)
-            for sock in stream.sockets:
-                self._poller.unregister(sock)
-            stream.close()
-        self._owner.clear()
+            self._unfollow(worker_id)
 
     def __enter__(self) -> DynamoIndex:
         return self
