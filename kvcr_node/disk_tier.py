@@ -23,6 +23,7 @@ one's end back.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,12 @@ time (about half a millisecond) however large the pool."""
 DEMOTIONS_PER_LOOK = 32
 """Copies one look places at most (they go as one transfer): placing one costs the node's
 loop some tens of microseconds, and a request waits for the turn it arrives in."""
+LOOK_QUEUE = 256
+"""Objects one look finds to copy at most, placed ``DEMOTIONS_PER_LOOK`` a turn. A walk costs
+a few microseconds per object it visits, and the objects already copied sit at the front of
+the eviction order: when each look found only what one turn places, every look walked past
+all of them again (about 19 visits per object copied, half the node's time per copy in
+``bench/disk.py``); a walk's finds now last several turns."""
 DEMOTION_BYTES_IN_FLIGHT = 64 << 20
 """Bytes being copied at once, at most (a single larger object still goes alone): the disk's
 queue stays short, and so does the time a claim holds an object."""
@@ -103,6 +110,8 @@ class DiskTier:
         self.promoting: dict[bytes, Promotion] = {}
         self._layouts: dict[bytes, Layout] = {}
         """Per copy, the object's layout in memory pools (several memory pools may share a disk pool)."""
+        self._queued: collections.deque[ObjectEntry] = collections.deque()
+        """What the last look found to copy and is not yet placed (``next_demotions``)."""
         self._seen: tuple[int, int] | None = None
         """The memory store as of the last look that found nothing to copy (tick, objects)."""
         self.counts = dict.fromkeys(("demoted", "demotions_failed", "promoted", "promotions_failed", "mismatched",
@@ -158,32 +167,59 @@ class DiskTier:
 
     def next_demotions(self) -> list[Demotion]:
         """Copies to write now: what a pool under its mark would evict next and has no copy,
-        up to the copies allowed in flight; each object is claimed and its copy placed."""
+        up to the copies allowed in flight; each object is claimed and its copy placed.
+
+        A look walks the eviction order and keeps up to ``LOOK_QUEUE`` objects to copy; they
+        are placed ``DEMOTIONS_PER_LOOK`` a turn, each looked at again first (still this
+        key's object, READY, evictable, without a copy), and the order is walked again once
+        they are all placed."""
         room = min(self._in_flight - len(self.demoting), DEMOTIONS_PER_LOOK)
         if room <= 0 or self._bytes >= DEMOTION_BYTES_IN_FLIGHT or not self.pairs:
             return []
         memory = self.memory
         seen = (memory.tick, len(memory))
-        if seen == self._seen:
-            return []  # nothing changed since the last look found nothing to copy
+        queued = self._queued
+        if not queued:
+            if seen == self._seen:
+                return []  # nothing changed since the last look found nothing to copy
+            queued.extend(self._look())
         out: list[Demotion] = []
+        while queued and len(out) < room:
+            if self._bytes >= DEMOTION_BYTES_IN_FLIGHT and self.demoting:
+                break
+            entry = queued.popleft()
+            if not self._wanted(entry):
+                continue
+            demotion = self._place(entry)
+            if demotion is None:
+                queued.clear()  # the disk pools are full of copies in use: look again later
+                break
+            out.append(demotion)
+        if not out and not queued:
+            self._seen = seen
+        return out
+
+    def _look(self) -> list[ObjectEntry]:
+        """What each pool under its mark would evict next and has no copy, in order, up to ``LOOK_QUEUE``."""
+        memory = self.memory
         stats = memory.pool_stats()
+        found: list[ObjectEntry] = []
         for pool, mark in self._marks.items():
             want = min(mark - stats[pool]["free"] - self._copying[pool], stats[pool]["evictable"])
             if want <= 0:
                 continue
             # Objects copied already (or being copied) still count as covered, but only the
-            # first ``room`` of the others are wanted: the walk ends there.
-            for entry in memory.index.select_victims({pool: want}, LOOK_AHEAD, self._uncopied, room - len(out)) or ():
-                if self._bytes >= DEMOTION_BYTES_IN_FLIGHT and self.demoting:
-                    break
-                demotion = self._place(entry)
-                if demotion is None:
-                    break  # the disk pools are full of copies in use
-                out.append(demotion)
-        if not out:
-            self._seen = seen
-        return out
+            # first of the others are wanted: the walk ends there.
+            found += memory.index.select_victims({pool: want}, LOOK_AHEAD, self._uncopied, LOOK_QUEUE - len(found)) or ()
+            if len(found) >= LOOK_QUEUE:
+                break
+        return found
+
+    def _wanted(self, entry: ObjectEntry) -> bool:
+        """Whether a queued ``entry`` is still to copy: the live object of its key, READY and
+        evictable (no claim), with no copy (a look of two pools may find it twice)."""
+        return (self.memory.lookup(entry.key) is entry and entry.state is ObjectState.READY and not entry.claims
+                and self._uncopied(entry))
 
     def _uncopied(self, entry: ObjectEntry) -> bool:
         """Whether ``entry`` still wants a copy: none held or being written, and a disk pool

@@ -219,6 +219,60 @@ def test_a_look_visits_a_bounded_number_of_objects(memory: Store, monkeypatch: p
     ok(tier)
 
 
+def test_what_one_look_finds_is_placed_over_several_turns_each_looked_at_again(
+    memory: Store, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A look keeps what it found to copy and the turns after place it, a few a turn, without
+    walking the eviction order again; an object that meanwhile left, was stored anew or is
+    held by a reader is passed over, and once the finds are used up the order is walked anew."""
+    monkeypatch.setattr(disk_tier, "DEMOTIONS_PER_LOOK", 1)
+    spec = PoolSpec("kv-disk", SLOT, DISK, "disk:/unused")
+    tier = DiskTier(memory, [spec], {"kv-disk": FileRegion(FD, spec.size)}, make_policy("lru"), mark=1.0)
+    memory.listener = MemoryListener(tier)
+    entries = {key: put(memory, key, layout(1)) for key in (b"a", b"b", b"c", b"d", b"e")}
+    [a] = tier.next_demotions()
+    visits = memory.index.visits
+    assert a.entry.key == b"a" and visits == 5, "one walk found all five"
+    memory.remove(b"b")
+    memory.remove(b"c")
+    put(memory, b"c", layout(1))  # stored anew: another object under the same key
+    memory.claim(entries[b"d"])  # a reader holds d
+    [e] = tier.next_demotions()
+    assert e.entry.key == b"e" and memory.index.visits == visits, "b, c and d passed over, no walk"
+    memory.unclaim(entries[b"d"])  # used: now after the new c
+    [c] = tier.next_demotions()
+    assert c.entry.key == b"c" and c.entry is not entries[b"c"] and memory.index.visits > visits, \
+        "the finds used up: a new walk"
+    assert [d.entry.key for d in tier.next_demotions()] == [b"d"]
+    assert set(tier.demoting) == {b"a", b"e", b"c", b"d"}
+    for d in list(tier.demoting.values()):
+        tier.demoted(d, True)
+    assert tier.next_demotions() == [] and tier.copy(b"c") is not None and tier.copy(b"b") is None
+    ok(tier)
+
+
+def test_copying_a_whole_pool_visits_each_object_a_few_times_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Objects already copied sit at the front of the eviction order; were each look to find
+    only what one turn places, every look would walk past all of them again (copying 64
+    objects four a turn: 17 looks, 608 visits; now 5 looks, 224). A look's finds last several turns instead."""
+    monkeypatch.setattr(disk_tier, "DEMOTIONS_PER_LOOK", 4)
+    monkeypatch.setattr(disk_tier, "LOOK_QUEUE", 16)
+    memory = Store([PoolSpec("kv", SLOT, 64)], make_policy("lru"))
+    spec = PoolSpec("kv-disk", SLOT, 64, "disk:/unused")
+    tier = DiskTier(memory, [spec], {"kv-disk": FileRegion(FD, spec.size)}, make_policy("lru"), mark=1.0)
+    for i in range(64):
+        put(memory, b"k%d" % i, layout(1))
+    copied = 0
+    while demotions := tier.next_demotions():
+        assert len(demotions) <= 4
+        for d in demotions:
+            tier.demoted(d, True)
+        copied += len(demotions)
+    assert copied == 64 and len(tier.disk) == 64
+    assert memory.index.visits <= 4 * 64, memory.index.visits
+    ok(tier)
+
+
 def test_with_promotion_off_an_object_read_back_leaves_memory_with_its_last_reader(memory: Store) -> None:
     spec = PoolSpec("kv-disk", SLOT, DISK, "disk:/unused")
     tier = DiskTier(memory, [spec], {"kv-disk": FileRegion(FD, spec.size)}, make_policy("fifo"), mark=0.5,
