@@ -59,6 +59,11 @@ def _status(state: str) -> XferStatus:
         return XferStatus.FAILED
 
 
+def _entries(rows: Any, idx: Any) -> Any:
+    """Rows ``idx`` of ``rows`` (an N x 3 array or a list of descriptors), in that order."""
+    return rows[np.asarray(idx)] if isinstance(rows, np.ndarray) else [rows[i] for i in idx]
+
+
 def _rows(descs: Any) -> Any:
     """Descriptors as NIXL takes them: a list of (address, length, device), or an N x 3 array as it is."""
     return descs if isinstance(descs, list) or hasattr(descs, "shape") else list(descs)
@@ -76,29 +81,38 @@ class Listed:
     """The rows it was made of (an N x 3 array or a list of (address, length, device))."""
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class PreparedPair:
-    """Both sides of one transfer, prepared with NIXL once (``Agent.prepare``): whoever keeps
-    a transfer's plan (a client's READs of one destination under one lease) posts it again
-    and again by index (``make_prepped_xfer``), NIXL resolving no descriptor anew. Measured on
-    the 2-core development machine: in a client's deliver, 25 us a request against 36 us made
-    from the lists; in a bare probe while another thread computes, 8 us against 59 us
-    (docs/performance.md).
+@dataclass(eq=False)
+class PreparedLists:
+    """Both sides of transfers between this agent and one remote agent (or its own files),
+    each side one descriptor list prepared with NIXL once: a transfer names entries of the
+    two lists by index, pairwise (``Agent.post_prepared``), and NIXL resolves no descriptor
+    anew. The one mechanism of node and client alike: a node's planned deliver prepares the
+    lists of all its groups at once and posts each group's entries (``kvcr_node.transfers``);
+    a client keeps a deliver's READs under grants prepared per plan and posts each one whole
+    (``Agent.prepare``, ``kvcr_client.prepared_reads``). Measured on the 2-core development
+    machine: in a client's deliver, 25 us a request against 36 us made from the lists; in a
+    bare probe while another thread computes, 8 us against 59 us (docs/performance.md).
 
-    The prepared lists free themselves when the last holder lets go of them (NIXL's handles
-    release in ``__del__``, keeping their agent alive till then), even after the remote agent
-    was removed, and a request made of them runs on after they are freed. NIXL refuses a
-    post of them once the remote agent was removed or loaded anew; ``start_listed`` then
-    makes the request from the lists, which NIXL resolves against the agent as it is now:
-    the same outcome as a plan that was never prepared."""
+    Lists are let go of with ``Agent.release_lists`` (the node, which accounts for them), or
+    free themselves when the last holder lets go of them (NIXL's handles release in
+    ``__del__``, keeping their agent alive till then), even after the remote agent was
+    removed; a request made of them runs on after they are freed. NIXL refuses a post of
+    them once the remote agent was removed or loaded anew: lists that keep their ``rows``
+    are then posted from those, which NIXL resolves against the agent as it is now (the
+    outcome of lists never prepared); without rows the post fails."""
 
-    local: Listed
-    remote: Listed
     remote_agent: str
-    local_prepped: Any
-    remote_prepped: Any
-    indices: Any
-    """Every descriptor of each side, in order (an int32 array)."""
+    local: Any
+    """The local list (NIXL's prepared handle)."""
+    remote: Any
+    """The remote list, prepared for ``remote_agent``."""
+    owns_local: bool = True
+    """Whether the local list is these lists' own (a node's pool lists are shared: they stay)."""
+    rows: tuple[Listed, Listed] | None = None
+    """Both sides as listed rows, entry for entry (a post NIXL refuses is made from them)."""
+    every: Any = None
+    """Every entry of lists made to be posted whole (``prepare``), in order: an int32 array."""
+    released: bool = False
 
 
 class TransferError(RuntimeError):
@@ -210,19 +224,37 @@ class Agent:
     def release_dlist(self, handle: Any) -> None:
         self._nixl.release_dlist_handle(handle)
 
-    def start(
-        self, op: str, local: Any, local_idx: Sequence[int], remote: Any, remote_idx: Sequence[int],
-        notif: bytes = b"",
-    ) -> tuple[Any, XferStatus]:
-        """Create and post a transfer; returns its handle and status.
+    def release_lists(self, lists: PreparedLists) -> None:
+        """Let go of ``lists`` (its local list only if its own); once, whatever is posted of them may still run."""
+        if lists.released:
+            return
+        lists.released = True
+        self.release_dlist(lists.remote)
+        if lists.owns_local:
+            self.release_dlist(lists.local)
 
-        ``notif``, when not empty, is delivered to the remote agent as a NIXL notification
-        once the transfer's bytes are in place (spec section 6.10).
-        """
+    def post_prepared(
+        self, op: str, lists: PreparedLists, local_idx: Any, remote_idx: Any, notif: bytes = b"",
+    ) -> tuple[Any, XferStatus]:
+        """Create and post a transfer of entries ``local_idx`` and ``remote_idx`` of ``lists``,
+        pairwise (lists or int32 arrays); returns its handle and status. ``notif``, when not
+        empty, is delivered to the remote agent as a NIXL notification once the transfer's
+        bytes are in place (spec section 6.10)."""
+        nixl = self._nixl
         try:
-            handle = self._nixl.make_prepped_xfer(op, local, list(local_idx), remote, list(remote_idx), notif)
-        except Exception as exc:
-            raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
+            handle = nixl.make_prepped_xfer(op, lists.local, local_idx, lists.remote, remote_idx, notif)
+        except Exception as exc:  # the remote agent was removed or loaded anew: from the rows, if kept
+            if lists.rows is None:
+                raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
+            handle = None
+        if not handle:
+            if lists.rows is None:
+                raise TransferError(f"NIXL could not create the {op}")
+            local, remote = lists.rows
+            if local_idx is not lists.every or remote_idx is not lists.every:
+                local, remote = _entries(local.rows, local_idx), _entries(remote.rows, remote_idx)
+            return self.start_listed(op, lists.rows[0].kind, local, lists.rows[1].kind, remote, lists.remote_agent,
+                                     notif)
         return handle, self._post(op, handle)
 
     def listed(self, kind: Kind, rows: Sequence[Desc] | Any) -> Listed | Any:
@@ -236,8 +268,9 @@ class Agent:
     def prepare(self, local_kind: Kind, local: Sequence[Desc] | Any, remote_kind: Kind, remote: Sequence[Desc] | Any,
                 remote_agent: str) -> tuple[Any, Any]:
         """The two sides of a transfer ``start_listed`` will post again and again, made into
-        what posts fastest: one ``PreparedPair`` for both (given as each side), else each side as
-        ``listed`` makes it (NIXL refused to prepare them: the post names the failure)."""
+        what posts fastest: one ``PreparedLists`` of both, keeping their rows (given as each
+        side), else each side as ``listed`` makes it (NIXL refused to prepare them: the post
+        names the failure)."""
         local_listed, remote_listed = self.listed(local_kind, local), self.listed(remote_kind, remote)
         if type(local_listed) is not Listed or type(remote_listed) is not Listed:
             return local_listed, remote_listed
@@ -250,37 +283,32 @@ class Agent:
             remote_prepped = nixl.prep_xfer_dlist(remote_agent, remote_listed.descs)
         except Exception:  # the lists are posted as they are
             return local_listed, remote_listed
-        prepared = PreparedPair(local_listed, remote_listed, remote_agent, local_prepped, remote_prepped,
-                                np.arange(count, dtype=np.int32))
+        prepared = PreparedLists(remote_agent, local_prepped, remote_prepped, rows=(local_listed, remote_listed),
+                                 every=np.arange(count, dtype=np.int32))
         return prepared, prepared
 
     def start_listed(
         self, op: str, local_kind: Kind, local: Sequence[Desc] | Any, remote_kind: Kind,
-        remote: Sequence[Desc] | Any, remote_agent: str,
+        remote: Sequence[Desc] | Any, remote_agent: str, notif: bytes = b"",
     ) -> tuple[Any, XferStatus]:
-        """Create and post a transfer between descriptor lists made for it (no prepared
-        lists: a client's READ under a grant names slots it learnt a moment ago); each a
-        sequence of (address, length, device), an N x 3 ``uint64`` array, or a ``Listed``.
-        ``remote_agent`` may be this agent's own ``name``: a move between its own memory and
-        its files (``FILE``: rows of (offset, length, fd)) through the POSIX backend. A
-        ``PreparedPair`` (``prepare``) given as the local side names both sides."""
+        """Create and post a transfer between descriptor lists made for it (a client's READ
+        under a grant names slots it learnt a moment ago); each a sequence of (address,
+        length, device), an N x 3 ``uint64`` array, or a ``Listed``. ``remote_agent`` may be
+        this agent's own ``name``: a move between its own memory and its files (``FILE``:
+        rows of (offset, length, fd)) through the POSIX backend. ``PreparedLists``
+        (``prepare``) given as the local side names both sides: all their entries are posted."""
         nixl = self._nixl
-        if type(local) is PreparedPair:
+        if type(local) is PreparedLists:
             prepared = local
-            local, remote = prepared.local, prepared.remote
             if prepared.remote_agent == remote_agent:
-                try:
-                    handle = nixl.make_prepped_xfer(op, prepared.local_prepped, prepared.indices,
-                                                    prepared.remote_prepped, prepared.indices)
-                except Exception:  # the remote agent was removed or loaded anew: from the lists
-                    handle = None
-                if handle:
-                    return handle, self._post(op, handle)
+                return self.post_prepared(op, prepared, prepared.every, prepared.every, notif)
+            assert prepared.rows is not None  # made by ``prepare``, which keeps them
+            local, remote = prepared.rows
         try:
             local_descs = local.descs if type(local) is Listed else nixl.get_xfer_descs(_rows(local), _MEM[local_kind])
             remote_descs = (remote.descs if type(remote) is Listed
                             else nixl.get_xfer_descs(_rows(remote), _MEM[remote_kind]))
-            handle = self._nixl.initialize_xfer(op, local_descs, remote_descs, remote_agent)
+            handle = self._nixl.initialize_xfer(op, local_descs, remote_descs, remote_agent, notif)
         except Exception as exc:
             raise TransferError(f"NIXL could not create the {op}: {exc}") from exc
         if not handle:

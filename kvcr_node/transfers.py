@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvcr_io.agent import Agent, Desc, Kind, TransferError, XferStatus
+from kvcr_io.agent import Agent, Desc, Kind, PreparedLists, TransferError, XferStatus
 from kvcr_io.runs import cut, cut_rows
 from kvcr_node.memory import PoolMemory
 from kvcr_protocol import MemoryKind, Region
@@ -167,7 +167,8 @@ class Transfer:
     agent: str = ""
     """The remote agent whose memory it touches (kept loaded while it runs)."""
     requests: list[Any] = field(default_factory=list)
-    dlists: list[Any] = field(default_factory=list)
+    lists: list[PreparedLists] = field(default_factory=list)
+    """The lists it posts from, when they are its own (``Transfers.start``): let go of with it."""
     pending: list[Any] = field(default_factory=list)
     state: TransferState = TransferState.RUNNING
     failed: bool = False
@@ -206,12 +207,11 @@ class Prepared:
     agent: str
     entries: list[list[tuple[int, list[int], list[int]]]]
     """Per entry (one list of moves): per request key, (key, local indices, remote indices)."""
-    requests: list[tuple[Any, Any]]
-    """Per request key: (local list, remote list)."""
+    requests: list[PreparedLists]
+    """Per request key: the lists of one local memory and one remote memory (a pool's own
+    list on the local side, unless merged runs made one of their own)."""
     bytes: list[int]
     """Bytes per entry."""
-    dlists: list[Any] = field(default_factory=list)
-    """The lists prepared for it (the pools' own lists are not among them)."""
     held: bool = True
     """Until ``Transfers.release_prepared`` (or the one transfer that owns it ends)."""
 
@@ -297,8 +297,8 @@ class Transfers:
             for key, listed in groups.items():
                 self._prepare_group(prepared, key, listed)
         except BaseException:
-            for dlist in prepared.dlists:
-                self.agent.release_dlist(dlist)
+            for lists in prepared.requests:
+                self.agent.release_lists(lists)
             raise
         self.prepared += 1
         return prepared
@@ -326,8 +326,9 @@ class Transfers:
                     descs.append((address, length, rdev))
                     local_descs.append((local_addr, length, group[1]))
             local = self.agent.prep_local(group[0], local_descs)
-            prepared.dlists.append(local)
+            owns_local = True
         else:
+            owns_local = False
             local = self.local.lists[group]
             for e, runs in listed:
                 for _, address, length, count, first, _, region in runs:
@@ -338,10 +339,14 @@ class Transfers:
                         owner.append((e, first + k))
                         descs.append((address + k * size, size, rdev))
         order, remote_descs, remote_idx = anchored(blocks, rdev)
-        rlist = self.agent.prep_remote(prepared.agent, rkind, remote_descs)
-        prepared.dlists.append(rlist)
+        try:
+            rlist = self.agent.prep_remote(prepared.agent, rkind, remote_descs)
+        except BaseException:
+            if owns_local:
+                self.agent.release_dlist(local)
+            raise
         r = len(prepared.requests)
-        prepared.requests.append((local, rlist))
+        prepared.requests.append(PreparedLists(prepared.agent, local, rlist, owns_local))
         per_entry: dict[int, tuple[list[int], list[int]]] = {}
         for k, j in zip(order, remote_idx, strict=True):
             e, local_index = owner[k]
@@ -376,8 +381,7 @@ class Transfers:
             transfer.notifs = tuple(notifs)
         try:
             for r, (li, ri) in chosen.items():
-                local, rlist = prepared.requests[r]
-                handle, state = self.agent.start(op, local, li, rlist, ri, attach)
+                handle, state = self.agent.post_prepared(op, prepared.requests[r], li, ri, attach)
                 transfer.requests.append(handle)
                 if state is XferStatus.FAILED:
                     raise TransferError(f"NIXL failed to post the {op}")
@@ -388,7 +392,7 @@ class Transfers:
             self._drain_then_release(transfer)
             raise
         if owned:
-            transfer.dlists = prepared.dlists
+            transfer.lists = prepared.requests
         self.posted += 1
         self.bytes += total
         if attach and not transfer.pending:
@@ -405,9 +409,8 @@ class Transfers:
         if not prepared.held:
             return
         prepared.held = False
-        for dlist in prepared.dlists:
-            self.agent.release_dlist(dlist)
-        prepared.dlists = []
+        for lists in prepared.requests:
+            self.agent.release_lists(lists)
         self.prepared -= 1
 
     def _drain_then_release(self, transfer: Transfer) -> None:
@@ -420,10 +423,10 @@ class Transfers:
     def _release(self, transfer: Transfer) -> None:
         for handle in transfer.requests:
             self.agent.release(handle)
-        for dlist in transfer.dlists:
-            self.agent.release_dlist(dlist)
+        for lists in transfer.lists:
+            self.agent.release_lists(lists)
         transfer.requests.clear()
-        transfer.dlists.clear()
+        transfer.lists.clear()
 
     def _finish(self, transfer: Transfer, ok: bool) -> None:
         transfer.state = TransferState.DONE if ok else TransferState.FAILED

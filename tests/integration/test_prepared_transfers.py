@@ -1,12 +1,16 @@
-"""Transfers prepared with NIXL once and posted again and again (``kvcr_io.agent.Agent.prepare``),
-with real NIXL between two agents of this process.
+"""Transfers prepared with NIXL once and posted again and again (``kvcr_io.agent.PreparedLists``:
+``Agent.prepare`` for a client's posts of whole lists, ``Agent.post_prepared`` for entries of
+them, as a node's planned deliver posts each group), with real NIXL between two agents of
+this process.
 
-A prepared pair moves exactly the bytes its rows name, every time it is posted; once the
+Prepared lists move exactly the bytes its rows name, every time it is posted; once the
 remote agent was removed and loaded again (its metadata anew, as after a reconnect), NIXL
 refuses the prepared lists and the post is made from the rows, which NIXL resolves against
 the agent as it is now: the bytes still arrive, byte for byte. With the remote agent gone,
 the post fails with ``TransferError``, never a crash or bytes from elsewhere. A pair let go
-of while its request runs leaves the request to finish."""
+of while its request runs leaves the request to finish. Entries posted by index move only
+their own bytes, from the rows too once NIXL refuses the lists; lists kept without rows (a
+node's) fail then, and are let go of once however often asked."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvcr_io.agent import Agent, PreparedPair, TransferError, XferStatus
+from kvcr_io.agent import Agent, PreparedLists, TransferError, XferStatus
 from kvcr_protocol import MemoryKind
 
 SPAN = 64 << 10
@@ -63,7 +67,7 @@ def test_a_prepared_pair_moves_the_bytes_its_rows_name_every_time_it_is_posted(
     order = [3, 1, 0, 7, 15, 8]  # out of order, not contiguous: no two rows merge
     local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, list(range(len(order)))),
                                    MemoryKind.DRAM, rows(src.ctypes.data, order), name)
-    assert type(local) is PreparedPair and local is remote
+    assert type(local) is PreparedLists and local is remote
     for _ in range(3):
         dst[:] = 0
         handle, _ = reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, name)
@@ -79,7 +83,7 @@ def test_after_the_remote_agent_is_loaded_anew_a_prepared_pair_is_posted_from_it
     reader, holder, src, dst, name = agents
     local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, [0, 1]),
                                    MemoryKind.DRAM, rows(src.ctypes.data, [5, 9]), name)
-    assert type(local) is PreparedPair
+    assert type(local) is PreparedLists
     reader.remove_remote(name)
     assert reader.add_remote(holder.metadata()) == name
     handle, _ = reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, name)
@@ -121,7 +125,56 @@ def test_rows_nixl_cannot_prepare_are_handed_back_as_listed(
     reader, _, src, dst, _ = agents
     local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, [0]),
                                    MemoryKind.DRAM, rows(src.ctypes.data, [0]), "no-such-agent")
-    assert type(local) is not PreparedPair and type(remote) is not PreparedPair
+    assert type(local) is not PreparedLists and type(remote) is not PreparedLists
     with pytest.raises(TransferError):
         reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, "no-such-agent")
     assert not dst.any()
+
+
+def test_entries_of_prepared_lists_move_alone_and_from_their_rows_after_a_reload(
+    agents: tuple[Agent, Agent, np.ndarray, np.ndarray, str],
+) -> None:
+    reader, holder, src, dst, name = agents
+    order = [3, 1, 0, 7, 15, 8]
+    lists, _ = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, list(range(len(order)))),
+                              MemoryKind.DRAM, rows(src.ctypes.data, order), name)
+    assert type(lists) is PreparedLists
+
+    def landed(entries: list[int]) -> None:
+        for at in range(len(order)):
+            got = dst[at * SPAN:(at + 1) * SPAN]
+            if at in entries:
+                assert np.array_equal(got, src[order[at] * SPAN:(order[at] + 1) * SPAN]), at
+            else:
+                assert not got.any(), f"entry {at} was not posted, yet written"
+
+    handle, _ = reader.post_prepared("READ", lists, [1, 4], [1, 4])
+    assert finish(reader, holder, handle) is XferStatus.DONE
+    landed([1, 4])
+    dst[:] = 0
+    reader.remove_remote(name)
+    assert reader.add_remote(holder.metadata()) == name
+    handle, _ = reader.post_prepared("READ", lists, np.array([5, 2], dtype=np.int32), np.array([5, 2], dtype=np.int32))
+    assert finish(reader, holder, handle) is XferStatus.DONE, "posted from the rows of those entries"
+    landed([2, 5])
+
+
+def test_prepared_lists_without_rows_fail_once_the_agent_is_loaded_anew_and_are_let_go_of_once(
+    agents: tuple[Agent, Agent, np.ndarray, np.ndarray, str],
+) -> None:
+    """A node's lists keep no rows: a post NIXL refuses is a ``TransferError``, nothing written."""
+    reader, holder, src, dst, name = agents
+    local = reader.prep_local(MemoryKind.DRAM, rows(dst.ctypes.data, [0, 1]))
+    lists = PreparedLists(name, local, reader.prep_remote(name, MemoryKind.DRAM, rows(src.ctypes.data, [4, 6])))
+    handle, _ = reader.post_prepared("READ", lists, [1], [1])
+    assert finish(reader, holder, handle) is XferStatus.DONE
+    assert np.array_equal(dst[SPAN:2 * SPAN], src[6 * SPAN:7 * SPAN]) and not dst[:SPAN].any()
+    reader.remove_remote(name)
+    reader.add_remote(holder.metadata())
+    dst[:] = 0
+    with pytest.raises(TransferError):
+        reader.post_prepared("READ", lists, [0], [0])
+    assert not dst.any()
+    reader.release_lists(lists)
+    reader.release_lists(lists)
+    assert lists.released

@@ -206,8 +206,8 @@ class Recording(Agent):
     def prep_remote(self, agent: str, kind: MemoryKind, descs: Any) -> Any:
         return self.prep_local(kind, descs)
 
-    def start(self, op: str, local: Any, local_idx: Any, remote: Any, remote_idx: Any, notif: bytes = b"") -> Any:
-        self.posted.append((local, list(local_idx), remote, list(remote_idx), notif))
+    def post_prepared(self, op: str, lists: Any, local_idx: Any, remote_idx: Any, notif: bytes = b"") -> Any:
+        self.posted.append((lists.local, list(local_idx), lists.remote, list(remote_idx), notif))
         return len(self.posted), XferStatus.DONE
 
     def state(self, handle: Any) -> XferStatus:
@@ -271,7 +271,7 @@ def test_prepared_lists_move_each_entry_alone_or_with_others() -> None:
                 moves.append(("kv", rng.randrange(60), reg.address + rng.randrange(1000) * SLOT, count * SLOT, reg, count))
             entries.append(moves)
         prepared = transfers.prepare("client", entries)
-        made = len(prepared.dlists)
+        made = sum(1 + lists.owns_local for lists in prepared.requests)
         assert made in (1, 2)  # the remote list, and a merged local list when merging pays
         picked = sorted(rng.sample(range(len(entries)), rng.randint(1, len(entries))))
         done: list[bool] = []
@@ -283,7 +283,8 @@ def test_prepared_lists_move_each_entry_alone_or_with_others() -> None:
         assert transfers.prepared == 1
         transfers.release_prepared(prepared)
         transfers.release_prepared(prepared)  # once or more
-        assert len(agent.released) == made and prepared.dlists == [] and transfers.prepared == 0
+        assert len(agent.released) == made and transfers.prepared == 0
+        assert all(lists.released for lists in prepared.requests)
 
 
 def test_a_transfer_of_its_own_releases_its_lists_and_carries_one_notification() -> None:
