@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvcr_io.agent import Desc, Listed, PreparedLists, TransferError, XferStatus
+from kvcr_io.agent import Desc, Entries, Listed, TransferError, XferStatus
 from kvcr_protocol import MemoryKind
 
 CLOSE_DRAIN_S = 5.0
@@ -43,10 +43,9 @@ _GROUP = operator.itemgetter(0)
 
 def side_bytes(side: Any) -> int:
     """The bytes one side of a post names: rows of (address, length, device), an N x 3 array,
-    or what the agent made of them (``kvcr_io.agent.Listed``, ``PreparedLists`` posted whole)."""
-    if type(side) is PreparedLists:
-        assert side.rows is not None  # made by ``Agent.prepare``, which keeps them
-        side = side.rows[0]
+    or what the agent made of them (``kvcr_io.agent.Listed``, ``Entries``)."""
+    if type(side) is Entries:
+        return int(side.bytes)
     if type(side) is Listed:
         side = side.rows
     if isinstance(side, np.ndarray):

@@ -12,9 +12,11 @@ and grants it was made of, so their identities cannot be reused while it is kept
 of a new lease simply misses. A list of ``Span`` brings a new tuple each deliver: such a
 miss looks the plan up by the spans' content (region ids are never reused within a client,
 so equal spans name the same memory), which costs a hash of the spans instead of a plan.
-A plan's descriptor rows are kept prepared with NIXL (``Agent.prepare``): a repeat's post
-is made by index, nothing converted or resolved again (10 us and more less per post here,
-a group's and the first layer's alike).
+A plan's descriptor rows are prepared with NIXL once, one ``PreparedLists`` per remote agent
+and pair of memory kinds for all its groups (``Agent.prepare``), as a node prepares its
+planned delivers, and each post keeps its ``Entries``: a post is made by index, nothing
+converted or resolved again (10 us and more less per post here, a group's and the first
+layer's alike).
 """
 
 from __future__ import annotations
@@ -24,15 +26,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvcr_client.digest_checks import SpanChecks, parts, span_checks
 from kvcr_client.posted import Post
 from kvcr_client.readplans import LocalColumns
 from kvcr_client.readplans import plan as plan_reads
 from kvcr_client.regions import RegionHandle
+from kvcr_io.agent import Entries, PreparedLists
 from kvcr_protocol import DeliverItem, MemoryKind
 
-Prepare = Callable[[MemoryKind, Any, MemoryKind, Any, str], tuple[Any, Any]]
-"""A post's local and remote sides (kinds and rows) and remote agent -> what to post as each side."""
+Prepare = Callable[[MemoryKind, Any, MemoryKind, Any, str], PreparedLists | None]
+"""Local and remote rows (kinds and N x 3 arrays, pairwise) for one remote agent -> the lists
+NIXL prepared of them, or None (the rows are posted as they are)."""
 
 KEPT = 16
 """Plans kept, the least recently used dropped first."""
@@ -62,8 +68,8 @@ class PreparedReads:
     def __init__(self, columns: LocalColumns, prepare: Prepare | None = None) -> None:
         self.columns = columns
         self.prepare = prepare
-        """Makes a post's two sides into what NIXL posts fastest, once (``kvcr_io.agent.Agent.prepare``):
-        a kept plan's READs are posted without converting or resolving them again. None: rows as they are."""
+        """Prepares a plan's rows with NIXL, once (``kvcr_io.agent.Agent.prepare``): a kept plan's
+        READs are posted without converting or resolving them again. None: rows as they are."""
         self._kept: collections.OrderedDict[tuple[Any, ...], ReadPlan] = collections.OrderedDict()
         self._by_content: collections.OrderedDict[tuple[Any, ...], ReadPlan] = collections.OrderedDict()
         """The same plans by the spans' content (with the grants' and groups' identity)."""
@@ -110,13 +116,8 @@ class PreparedReads:
         posts = [(g, lk, local, rk, remote, owners, peer) for (g, peer, lk, rk), (local, remote, owners)
                  in plan_reads(items, granted, groups, regions, codes, columns).items()]
         posts.sort(key=lambda p: p[0])
-        prepare = self.prepare
-        if prepare is not None:
-            prepared = []
-            for g, lk, local, rk, remote, owners, peer in posts:
-                local, remote = prepare(lk, local, rk, remote, peer)
-                prepared.append((g, lk, local, rk, remote, owners, peer))
-            posts = prepared
+        if self.prepare is not None:
+            posts = prepared_posts(posts, self.prepare)
         checks, unchecked = span_checks(items, granted, groups, regions, columns)
         made_of = (*[item.spans for item in items], *granted)
         return ReadPlan(made_of, groups, in_parts is not None, counts, posts, tuple(codes), checks, unchecked)
@@ -128,3 +129,32 @@ class PreparedReads:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+
+def prepared_posts(posts: list[Post], prepare: Prepare) -> list[Post]:
+    """``posts`` with each one's sides made ``Entries`` of lists prepared once per remote agent
+    and pair of memory kinds (every group's rows, in post order); posts whose lists NIXL
+    refused keep their rows."""
+    by_pair: dict[tuple[str, MemoryKind, MemoryKind], list[int]] = {}
+    for n, post in enumerate(posts):
+        by_pair.setdefault((post[6], post[1], post[3]), []).append(n)
+    out = list(posts)
+    for (peer, local_kind, remote_kind), members in by_pair.items():
+        local = [_array(posts[n][2]) for n in members]
+        lists = prepare(local_kind, np.concatenate(local), remote_kind,
+                        np.concatenate([_array(posts[n][4]) for n in members]), peer)
+        if lists is None:
+            continue
+        start = 0
+        for n, rows in zip(members, local, strict=True):
+            end = start + len(rows)
+            entries = Entries(lists, np.arange(start, end, dtype=np.int32), int(rows[:, 1].sum()))
+            g, _, _, _, _, owners, _ = posts[n]
+            out[n] = (g, local_kind, entries, remote_kind, entries, owners, peer)
+            start = end
+    return out
+
+
+def _array(rows: Any) -> np.ndarray:
+    """Descriptor rows as an N x 3 ``uint64`` array."""
+    return rows if isinstance(rows, np.ndarray) else np.array(rows, dtype=np.uint64).reshape(-1, 3)

@@ -87,9 +87,9 @@ class PreparedLists:
     each side one descriptor list prepared with NIXL once: a transfer names entries of the
     two lists by index, pairwise (``Agent.post_prepared``), and NIXL resolves no descriptor
     anew. The one mechanism of node and client alike: a node's planned deliver prepares the
-    lists of all its groups at once and posts each group's entries (``kvcr_node.transfers``);
-    a client keeps a deliver's READs under grants prepared per plan and posts each one whole
-    (``Agent.prepare``, ``kvcr_client.prepared_reads``). Measured on the 2-core development
+    lists of all its groups at once and posts each group's entries (``kvcr_node.transfers``),
+    and so does a client's plan of a deliver's READs under grants, once per remote agent and
+    pair of memory kinds (``Agent.prepare``, ``Entries``, ``kvcr_client.prepared_reads``). Measured on the 2-core development
     machine: in a client's deliver, 25 us a request against 36 us made from the lists; in a
     bare probe while another thread computes, 8 us against 59 us (docs/performance.md).
 
@@ -110,9 +110,18 @@ class PreparedLists:
     """Whether the local list is these lists' own (a node's pool lists are shared: they stay)."""
     rows: tuple[Listed, Listed] | None = None
     """Both sides as listed rows, entry for entry (a post NIXL refuses is made from them)."""
-    every: Any = None
-    """Every entry of lists made to be posted whole (``prepare``), in order: an int32 array."""
     released: bool = False
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Entries:
+    """Entries of ``PreparedLists`` that go as one transfer, pairwise by index: what a plan
+    keeps as both sides of a post (``Agent.start_listed`` takes it as its local side)."""
+
+    lists: PreparedLists
+    index: Any
+    """The entries, in order (an int32 array), of the local and the remote list alike."""
+    bytes: int
 
 
 class TransferError(RuntimeError):
@@ -251,10 +260,8 @@ class Agent:
             if lists.rows is None:
                 raise TransferError(f"NIXL could not create the {op}")
             local, remote = lists.rows
-            if local_idx is not lists.every or remote_idx is not lists.every:
-                local, remote = _entries(local.rows, local_idx), _entries(remote.rows, remote_idx)
-            return self.start_listed(op, lists.rows[0].kind, local, lists.rows[1].kind, remote, lists.remote_agent,
-                                     notif)
+            return self.start_listed(op, local.kind, _entries(local.rows, local_idx), remote.kind,
+                                     _entries(remote.rows, remote_idx), lists.remote_agent, notif)
         return handle, self._post(op, handle)
 
     def listed(self, kind: Kind, rows: Sequence[Desc] | Any) -> Listed | Any:
@@ -266,26 +273,23 @@ class Agent:
             return rows
 
     def prepare(self, local_kind: Kind, local: Sequence[Desc] | Any, remote_kind: Kind, remote: Sequence[Desc] | Any,
-                remote_agent: str) -> tuple[Any, Any]:
-        """The two sides of a transfer ``start_listed`` will post again and again, made into
-        what posts fastest: one ``PreparedLists`` of both, keeping their rows (given as each
-        side), else each side as ``listed`` makes it (NIXL refused to prepare them: the post
-        names the failure)."""
+                remote_agent: str) -> PreparedLists | None:
+        """Both sides of transfers ``start_listed`` will post again and again, entry ``i`` of
+        ``local`` with entry ``i`` of ``remote`` (``Entries``), prepared with NIXL once and
+        keeping their rows; None where NIXL refuses them (their posts are made from the rows
+        as they are, and name the failure)."""
         local_listed, remote_listed = self.listed(local_kind, local), self.listed(remote_kind, remote)
         if type(local_listed) is not Listed or type(remote_listed) is not Listed:
-            return local_listed, remote_listed
-        count = len(local_listed.rows)
-        if count != len(remote_listed.rows):  # not pairs by index: the post names the failure
-            return local_listed, remote_listed
+            return None
+        if len(local_listed.rows) != len(remote_listed.rows):  # not pairs by index: the post names the failure
+            return None
         nixl = self._nixl
         try:
             local_prepped = nixl.prep_xfer_dlist("NIXL_INIT_AGENT", local_listed.descs)
             remote_prepped = nixl.prep_xfer_dlist(remote_agent, remote_listed.descs)
-        except Exception:  # the lists are posted as they are
-            return local_listed, remote_listed
-        prepared = PreparedLists(remote_agent, local_prepped, remote_prepped, rows=(local_listed, remote_listed),
-                                 every=np.arange(count, dtype=np.int32))
-        return prepared, prepared
+        except Exception:  # the rows are posted as they are
+            return None
+        return PreparedLists(remote_agent, local_prepped, remote_prepped, rows=(local_listed, remote_listed))
 
     def start_listed(
         self, op: str, local_kind: Kind, local: Sequence[Desc] | Any, remote_kind: Kind,
@@ -295,15 +299,16 @@ class Agent:
         under a grant names slots it learnt a moment ago); each a sequence of (address,
         length, device), an N x 3 ``uint64`` array, or a ``Listed``. ``remote_agent`` may be
         this agent's own ``name``: a move between its own memory and its files (``FILE``:
-        rows of (offset, length, fd)) through the POSIX backend. ``PreparedLists``
-        (``prepare``) given as the local side names both sides: all their entries are posted."""
+        rows of (offset, length, fd)) through the POSIX backend. ``Entries`` given as the
+        local side name both sides: posted by index (``post_prepared``)."""
         nixl = self._nixl
-        if type(local) is PreparedLists:
-            prepared = local
-            if prepared.remote_agent == remote_agent:
-                return self.post_prepared(op, prepared, prepared.every, prepared.every, notif)
-            assert prepared.rows is not None  # made by ``prepare``, which keeps them
-            local, remote = prepared.rows
+        if type(local) is Entries:
+            entries, lists = local, local.lists
+            if lists.remote_agent == remote_agent:
+                return self.post_prepared(op, lists, entries.index, entries.index, notif)
+            assert lists.rows is not None  # made by ``prepare``, which keeps them
+            local = _entries(lists.rows[0].rows, entries.index)
+            remote = _entries(lists.rows[1].rows, entries.index)
         try:
             local_descs = local.descs if type(local) is Listed else nixl.get_xfer_descs(_rows(local), _MEM[local_kind])
             remote_descs = (remote.descs if type(remote) is Listed

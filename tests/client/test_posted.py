@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvcr_client.posted import Post, PostedTransfers, side_bytes
-from kvcr_io.agent import Listed, PreparedLists, TransferError, XferStatus
+from kvcr_io.agent import Entries, Listed, PreparedLists, TransferError, XferStatus
 from kvcr_protocol import MemoryKind
 
 DRAM = MemoryKind.DRAM
@@ -106,8 +106,7 @@ def test_the_bytes_of_the_next_group_count_its_local_sides_in_every_form() -> No
     rows = [(0, 4096, 0), (8192, 512, 0)]
     array = np.array([[0, 1 << 20, 0], [1 << 21, 1 << 20, 0]], dtype=np.uint64)
     listed = Listed(DRAM, object(), rows)
-    prepared = PreparedLists("node", None, None, rows=(Listed(DRAM, object(), array), Listed(DRAM, object(), array)),
-                             every=np.arange(2, dtype=np.int32))
+    prepared = Entries(PreparedLists("node", None, None), np.arange(2, dtype=np.int32), 2 << 20)
     assert [side_bytes(side) for side in (rows, array, listed, prepared, [])] == [4608, 2 << 20, 4608, 2 << 20, 0]
     posts = [(0, DRAM, rows, DRAM, "r0", [0], "node"), (0, DRAM, array, DRAM, "r1", [1], "src"),
              (1, DRAM, prepared, DRAM, "r2", [0], "node")]

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvcr_client import prepared_reads
 from kvcr_client.prepared_reads import PreparedReads
 from kvcr_client.readplans import LocalColumns, RemoteSpans, remote_spans
 from kvcr_client.regions import RegionHandle
+from kvcr_io.agent import Entries, PreparedLists
 from kvcr_protocol import DeliverItem, DstSpan, MemoryKind
 
 from .test_readplans import Pool
@@ -78,25 +81,49 @@ def test_what_is_kept_is_bounded_least_recently_used_first() -> None:
     assert reads.hits == 1 and len(reads) == prepared_reads.KEPT
 
 
-def test_a_plan_keeps_its_posts_as_the_agent_prepared_them() -> None:
-    """Each post's two sides are handed to ``prepare`` once, when the plan is made, with the
-    agent they go to (the agent prepares them with NIXL: ``kvcr_io.agent.Agent.prepare``);
-    a repeat posts what it made."""
-    made: list[tuple[MemoryKind, object, MemoryKind, object, str]] = []
+def test_a_plan_keeps_its_posts_as_entries_of_lists_the_agent_prepared_once() -> None:
+    """A plan's rows are handed to ``prepare`` once, when the plan is made: every group's, one
+    call per remote agent and pair of memory kinds, pairwise in post order (the agent
+    prepares them with NIXL: ``kvcr_io.agent.Agent.prepare``). Each post keeps its own entries
+    of those lists, and a repeat posts what it made."""
+    made: list[tuple[MemoryKind, np.ndarray, MemoryKind, np.ndarray, str]] = []
 
-    def prepare(local_kind: MemoryKind, local: object, remote_kind: MemoryKind, remote: object,
-                peer: str) -> tuple[object, object]:
+    def prepare(local_kind: MemoryKind, local: np.ndarray, remote_kind: MemoryKind, remote: np.ndarray,
+                peer: str) -> PreparedLists:
         made.append((local_kind, local, remote_kind, remote, peer))
-        return ("local", local_kind, local, peer), ("remote", remote_kind, remote, peer)
+        return PreparedLists(peer, "local", "remote")
 
     reads = PreparedReads(LocalColumns(), prepare)
     spans, g = destination(), grant()
     layers = [tuple(range(SPANS))]
     first = reads.plan([DeliverItem(b"k", spans)], [g], layers, REGIONS)
     plain = PreparedReads(LocalColumns()).plan([DeliverItem(b"k", spans)], [g], layers, REGIONS)
-    assert len(made) == len(first.posts)
+    assert len(first.posts) > 1 and len(made) == 1, "one preparation for the plan's every post"
+    local_kind, local, remote_kind, remote, peer = made[0]
+    assert (local_kind, remote_kind, peer) == (MemoryKind.DRAM, MemoryKind.DRAM, "node")
+    assert local.shape == remote.shape and local.shape[1] == 3
+    at = 0
     for post, rows in zip(first.posts, plain.posts, strict=True):
-        assert post[2] == ("local", rows[1], rows[2], "node") and post[4] == ("remote", rows[3], rows[4], "node")
+        entries = post[2]
+        assert type(entries) is Entries and post[4] is entries and entries.lists.remote_agent == "node"
+        mine = np.array(rows[2], dtype=np.uint64).reshape(-1, 3)
+        assert entries.index.tolist() == list(range(at, at + len(mine)))
+        assert np.array_equal(local[entries.index], mine)
+        assert np.array_equal(remote[entries.index], np.array(rows[4], dtype=np.uint64).reshape(-1, 3))
+        assert entries.bytes == int(mine[:, 1].sum())
         assert (post[0], post[1], post[3], post[5], post[6]) == (rows[0], rows[1], rows[3], rows[5], rows[6])
+        at += len(mine)
+    assert at == len(local)
     assert reads.plan([DeliverItem(b"k", spans)], [g], layers, REGIONS) is first
-    assert len(made) == len(first.posts), "a repeat prepared its posts again"
+    assert len(made) == 1, "a repeat prepared its posts again"
+
+
+def test_posts_whose_lists_nixl_refused_keep_their_rows() -> None:
+    reads = PreparedReads(LocalColumns(), lambda *args: None)
+    spans, g = destination(), grant()
+    layers = [tuple(range(SPANS))]
+    refused = reads.plan([DeliverItem(b"k", spans)], [g], layers, REGIONS)
+    plain = PreparedReads(LocalColumns()).plan([DeliverItem(b"k", spans)], [g], layers, REGIONS)
+    assert len(refused.posts) == len(plain.posts)
+    for post, rows in zip(refused.posts, plain.posts, strict=True):
+        assert post[2] is rows[2] or np.array_equal(np.asarray(post[2]), np.asarray(rows[2]))

@@ -1,16 +1,16 @@
-"""Transfers prepared with NIXL once and posted again and again (``kvcr_io.agent.PreparedLists``:
-``Agent.prepare`` for a client's posts of whole lists, ``Agent.post_prepared`` for entries of
-them, as a node's planned deliver posts each group), with real NIXL between two agents of
-this process.
+"""Transfers prepared with NIXL once and posted again and again (``kvcr_io.agent.PreparedLists``,
+``Agent.prepare``), each post naming its entries by index (``Entries`` through
+``Agent.start_listed``, as a client's plan posts each group; ``Agent.post_prepared``, as a
+node's planned deliver does), with real NIXL between two agents of this process.
 
-Prepared lists move exactly the bytes its rows name, every time it is posted; once the
-remote agent was removed and loaded again (its metadata anew, as after a reconnect), NIXL
-refuses the prepared lists and the post is made from the rows, which NIXL resolves against
-the agent as it is now: the bytes still arrive, byte for byte. With the remote agent gone,
-the post fails with ``TransferError``, never a crash or bytes from elsewhere. A pair let go
-of while its request runs leaves the request to finish. Entries posted by index move only
-their own bytes, from the rows too once NIXL refuses the lists; lists kept without rows (a
-node's) fail then, and are let go of once however often asked."""
+Prepared lists move exactly the bytes their rows name, every time they are posted; once
+the remote agent was removed and loaded again (its metadata anew, as after a reconnect),
+NIXL refuses them and the post is made from the rows of its entries, which NIXL resolves
+against the agent as it is now: the bytes still arrive, byte for byte. With the remote
+agent gone, the post fails with ``TransferError``, never a crash or bytes from elsewhere.
+Lists let go of while their request runs leave the request to finish. Entries posted by
+index move only their own bytes; lists kept without rows (a node's) fail once NIXL
+refuses them, and are let go of once however often asked."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvcr_io.agent import Agent, PreparedLists, TransferError, XferStatus
+from kvcr_io.agent import Agent, Entries, PreparedLists, TransferError, XferStatus
 from kvcr_protocol import MemoryKind
 
 SPAN = 64 << 10
@@ -60,33 +60,37 @@ def rows(base: int, order: list[int]) -> list[tuple[int, int, int]]:
     return [(base + i * SPAN, SPAN, 0) for i in order]
 
 
-def test_a_prepared_pair_moves_the_bytes_its_rows_name_every_time_it_is_posted(
+def whole(lists: PreparedLists | None, count: int) -> Entries:
+    """Every entry of ``lists`` (``count`` of them), as one post."""
+    assert type(lists) is PreparedLists
+    return Entries(lists, np.arange(count, dtype=np.int32), count * SPAN)
+
+
+def test_prepared_lists_move_the_bytes_their_rows_name_every_time_they_are_posted(
     agents: tuple[Agent, Agent, np.ndarray, np.ndarray, str],
 ) -> None:
     reader, holder, src, dst, name = agents
     order = [3, 1, 0, 7, 15, 8]  # out of order, not contiguous: no two rows merge
-    local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, list(range(len(order)))),
-                                   MemoryKind.DRAM, rows(src.ctypes.data, order), name)
-    assert type(local) is PreparedLists and local is remote
+    entries = whole(reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, list(range(len(order)))),
+                                   MemoryKind.DRAM, rows(src.ctypes.data, order), name), len(order))
     for _ in range(3):
         dst[:] = 0
-        handle, _ = reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, name)
+        handle, _ = reader.start_listed("READ", MemoryKind.DRAM, entries, MemoryKind.DRAM, entries, name)
         assert finish(reader, holder, handle) is XferStatus.DONE
         for at, i in enumerate(order):
             assert np.array_equal(dst[at * SPAN:(at + 1) * SPAN], src[i * SPAN:(i + 1) * SPAN]), (at, i)
         assert not dst[len(order) * SPAN:].any(), "bytes past the rows were written"
 
 
-def test_after_the_remote_agent_is_loaded_anew_a_prepared_pair_is_posted_from_its_rows(
+def test_after_the_remote_agent_is_loaded_anew_prepared_lists_are_posted_from_their_rows(
     agents: tuple[Agent, Agent, np.ndarray, np.ndarray, str],
 ) -> None:
     reader, holder, src, dst, name = agents
-    local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, [0, 1]),
-                                   MemoryKind.DRAM, rows(src.ctypes.data, [5, 9]), name)
-    assert type(local) is PreparedLists
+    entries = whole(reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, [0, 1]),
+                                   MemoryKind.DRAM, rows(src.ctypes.data, [5, 9]), name), 2)
     reader.remove_remote(name)
     assert reader.add_remote(holder.metadata()) == name
-    handle, _ = reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, name)
+    handle, _ = reader.start_listed("READ", MemoryKind.DRAM, entries, MemoryKind.DRAM, entries, name)
     assert finish(reader, holder, handle) is XferStatus.DONE
     assert np.array_equal(dst[:SPAN], src[5 * SPAN:6 * SPAN])
     assert np.array_equal(dst[SPAN:2 * SPAN], src[9 * SPAN:10 * SPAN])
@@ -96,36 +100,36 @@ def test_with_the_remote_agent_gone_a_prepared_post_fails_as_a_transfer_error(
     agents: tuple[Agent, Agent, np.ndarray, np.ndarray, str],
 ) -> None:
     reader, holder, src, dst, name = agents
-    local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, [0]),
-                                   MemoryKind.DRAM, rows(src.ctypes.data, [2]), name)
+    entries = whole(reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, [0]),
+                                   MemoryKind.DRAM, rows(src.ctypes.data, [2]), name), 1)
     reader.remove_remote(name)
     with pytest.raises(TransferError):
-        reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, name)
+        reader.start_listed("READ", MemoryKind.DRAM, entries, MemoryKind.DRAM, entries, name)
     assert not dst.any()
     reader.add_remote(holder.metadata())  # the fixture's teardown finds it loaded, as it left it
 
 
-def test_a_pair_let_go_of_while_its_request_runs_leaves_the_request_to_finish(
+def test_lists_let_go_of_while_their_request_runs_leave_the_request_to_finish(
     agents: tuple[Agent, Agent, np.ndarray, np.ndarray, str],
 ) -> None:
     reader, holder, src, dst, name = agents
     every = list(range(SPANS))
-    local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, every),
-                                   MemoryKind.DRAM, rows(src.ctypes.data, every), name)
-    handle, _ = reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, name)
-    del local, remote  # the last references: NIXL frees the prepared lists now
+    entries = whole(reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, every),
+                                   MemoryKind.DRAM, rows(src.ctypes.data, every), name), SPANS)
+    handle, _ = reader.start_listed("READ", MemoryKind.DRAM, entries, MemoryKind.DRAM, entries, name)
+    del entries  # the last reference: NIXL frees the prepared lists now
     assert finish(reader, holder, handle) is XferStatus.DONE
     assert np.array_equal(dst, src)
 
 
-def test_rows_nixl_cannot_prepare_are_handed_back_as_listed(
+def test_rows_nixl_cannot_prepare_are_left_as_they_are(
     agents: tuple[Agent, Agent, np.ndarray, np.ndarray, str],
 ) -> None:
-    """The remote agent unknown: nothing is prepared, and the post names the failure."""
+    """The remote agent unknown: nothing is prepared, and a post of the rows names the failure."""
     reader, _, src, dst, _ = agents
-    local, remote = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, [0]),
-                                   MemoryKind.DRAM, rows(src.ctypes.data, [0]), "no-such-agent")
-    assert type(local) is not PreparedLists and type(remote) is not PreparedLists
+    local, remote = rows(dst.ctypes.data, [0]), rows(src.ctypes.data, [0])
+    assert reader.prepare(MemoryKind.DRAM, local, MemoryKind.DRAM, remote, "no-such-agent") is None
+    assert reader.prepare(MemoryKind.DRAM, local, MemoryKind.DRAM, remote + remote, "no-such-agent") is None
     with pytest.raises(TransferError):
         reader.start_listed("READ", MemoryKind.DRAM, local, MemoryKind.DRAM, remote, "no-such-agent")
     assert not dst.any()
@@ -136,8 +140,8 @@ def test_entries_of_prepared_lists_move_alone_and_from_their_rows_after_a_reload
 ) -> None:
     reader, holder, src, dst, name = agents
     order = [3, 1, 0, 7, 15, 8]
-    lists, _ = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, list(range(len(order)))),
-                              MemoryKind.DRAM, rows(src.ctypes.data, order), name)
+    lists = reader.prepare(MemoryKind.DRAM, rows(dst.ctypes.data, list(range(len(order)))),
+                           MemoryKind.DRAM, rows(src.ctypes.data, order), name)
     assert type(lists) is PreparedLists
 
     def landed(entries: list[int]) -> None:
