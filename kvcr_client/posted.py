@@ -45,7 +45,7 @@ def side_bytes(side: Any) -> int:
     """The bytes one side of a post names: rows of (address, length, device), an N x 3 array,
     or what the agent made of them (``kvcr_io.agent.Listed``, ``Entries``)."""
     if type(side) is Entries:
-        return int(side.bytes)
+        return side.bytes
     if type(side) is Listed:
         side = side.rows
     if isinstance(side, np.ndarray):

@@ -30,7 +30,7 @@ import numpy as np
 
 from kvcr_client.digest_checks import SpanChecks, parts, span_checks
 from kvcr_client.posted import Post
-from kvcr_client.readplans import LocalColumns
+from kvcr_client.readplans import LocalColumns, as_array
 from kvcr_client.readplans import plan as plan_reads
 from kvcr_client.regions import RegionHandle
 from kvcr_io.agent import Entries, PreparedLists
@@ -140,9 +140,9 @@ def prepared_posts(posts: list[Post], prepare: Prepare) -> list[Post]:
         by_pair.setdefault((post[6], post[1], post[3]), []).append(n)
     out = list(posts)
     for (peer, local_kind, remote_kind), members in by_pair.items():
-        local = [_array(posts[n][2]) for n in members]
+        local = [as_array(posts[n][2]) for n in members]
         lists = prepare(local_kind, np.concatenate(local), remote_kind,
-                        np.concatenate([_array(posts[n][4]) for n in members]), peer)
+                        np.concatenate([as_array(posts[n][4]) for n in members]), peer)
         if lists is None:
             continue
         start = 0
@@ -153,8 +153,3 @@ def prepared_posts(posts: list[Post], prepare: Prepare) -> list[Post]:
             out[n] = (g, local_kind, entries, remote_kind, entries, owners, peer)
             start = end
     return out
-
-
-def _array(rows: Any) -> np.ndarray:
-    """Descriptor rows as an N x 3 ``uint64`` array."""
-    return rows if isinstance(rows, np.ndarray) else np.array(rows, dtype=np.uint64).reshape(-1, 3)

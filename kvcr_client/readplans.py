@@ -229,7 +229,7 @@ def _plan_arrays(
             plans[here] = (local_rows, remote_rows, [k])
             continue
         old_local, old_remote, owners = entry
-        plans[here] = (np.concatenate((_rows(old_local), local_rows)), np.concatenate((_rows(old_remote), remote_rows)), owners)
+        plans[here] = (np.concatenate((as_array(old_local), local_rows)), np.concatenate((as_array(old_remote), remote_rows)), owners)
         if owners[-1] != k:
             owners.append(k)
     return True
@@ -244,5 +244,6 @@ def by_group(groups: np.ndarray) -> list[tuple[int, Any]]:
     return [(group, groups == group) for group in distinct(groups)]
 
 
-def _rows(descs: Descs) -> np.ndarray:
+def as_array(descs: Descs) -> np.ndarray:
+    """Descriptor rows as an N x 3 ``uint64`` array."""
     return descs if isinstance(descs, np.ndarray) else np.asarray(descs, dtype=np.uint64).reshape(-1, 3)

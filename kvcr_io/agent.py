@@ -89,9 +89,10 @@ class PreparedLists:
     anew. The one mechanism of node and client alike: a node's planned deliver prepares the
     lists of all its groups at once and posts each group's entries (``kvcr_node.transfers``),
     and so does a client's plan of a deliver's READs under grants, once per remote agent and
-    pair of memory kinds (``Agent.prepare``, ``Entries``, ``kvcr_client.prepared_reads``). Measured on the 2-core development
-    machine: in a client's deliver, 25 us a request against 36 us made from the lists; in a
-    bare probe while another thread computes, 8 us against 59 us (docs/performance.md).
+    pair of memory kinds (``Agent.prepare``, ``Entries``, ``kvcr_client.prepared_reads``).
+    Measured on the 2-core development machine: in a client's deliver, 25 us a request
+    against 36 us made from the lists; in a bare probe while another thread computes, 8 us
+    against 59 us (docs/performance.md).
 
     Lists are let go of with ``Agent.release_lists`` (the node, which accounts for them), or
     free themselves when the last holder lets go of them (NIXL's handles release in
@@ -259,10 +260,17 @@ class Agent:
         if not handle:
             if lists.rows is None:
                 raise TransferError(f"NIXL could not create the {op}")
-            local, remote = lists.rows
-            return self.start_listed(op, local.kind, _entries(local.rows, local_idx), remote.kind,
-                                     _entries(remote.rows, remote_idx), lists.remote_agent, notif)
+            return self._from_rows(op, lists, local_idx, remote_idx, lists.remote_agent, notif)
         return handle, self._post(op, handle)
+
+    def _from_rows(
+        self, op: str, lists: PreparedLists, local_idx: Any, remote_idx: Any, remote_agent: str, notif: bytes,
+    ) -> tuple[Any, XferStatus]:
+        """A transfer of those entries made from the rows ``lists`` kept, as if never prepared."""
+        assert lists.rows is not None
+        local, remote = lists.rows
+        return self.start_listed(op, local.kind, _entries(local.rows, local_idx), remote.kind,
+                                 _entries(remote.rows, remote_idx), remote_agent, notif)
 
     def listed(self, kind: Kind, rows: Sequence[Desc] | Any) -> Listed | Any:
         """``rows`` as a descriptor list NIXL took (``start_listed`` posts it as it is), or
@@ -306,9 +314,7 @@ class Agent:
             entries, lists = local, local.lists
             if lists.remote_agent == remote_agent:
                 return self.post_prepared(op, lists, entries.index, entries.index, notif)
-            assert lists.rows is not None  # made by ``prepare``, which keeps them
-            local = _entries(lists.rows[0].rows, entries.index)
-            remote = _entries(lists.rows[1].rows, entries.index)
+            return self._from_rows(op, lists, entries.index, entries.index, remote_agent, notif)
         try:
             local_descs = local.descs if type(local) is Listed else nixl.get_xfer_descs(_rows(local), _MEM[local_kind])
             remote_descs = (remote.descs if type(remote) is Listed
