@@ -31,9 +31,10 @@ log records pytest keeps (a loaded machine makes both grow: a late heartbeat is 
 
 
 RESIZE_BYTES = 512 * 1024
-"""A growth of one block this large is an interpreter table that doubled (the interned strings,
-once large modules were imported in the same process: more than ``INTERN_RESERVE`` can move
-past), not something kept per cycle: ``grown`` leaves it out and ``where`` says so."""
+"""One block this large is an interpreter table that doubled (the interned strings, once large
+modules were imported in the same process: more than ``INTERN_RESERVE`` can move past), not
+something kept per cycle, which is many small blocks: ``grown`` leaves such blocks out, counted
+block by block (the same call site may free other blocks in the window), and ``where`` says so."""
 TRACE_FRAMES = 4
 """Frames kept per allocation, so that a heap that grew says through which calls."""
 WHERE_LINES = 5
@@ -91,13 +92,25 @@ class Heap:
         if self.collect:
             gc.collect()
         now = self._snapshot()
+        assert self._first is not None
+        tables = _large_blocks(now)
+        before = _large_blocks(self._first)
+        resized = {tb: size - before.get(tb, 0) for tb, size in tables.items() if size > before.get(tb, 0)}
         diffs = now.compare_to(self._first, "traceback")
-        resized = [stat for stat in diffs if stat.count_diff == 1 and stat.size_diff >= RESIZE_BYTES]
-        self.where = [("(a table resized, not counted) " if stat in resized else "")
+        self.where = [("(a table resized, not counted) " if stat.traceback in resized else "")
                       + f"+{stat.size_diff} B in {stat.count_diff} blocks at "
                       + " <- ".join(f"{frame.filename}:{frame.lineno}" for frame in reversed(stat.traceback))
                       for stat in diffs[:WHERE_LINES] if stat.size_diff > 0]
-        return self.size(now) - self.before - sum(stat.size_diff for stat in resized)
+        return self.size(now) - self.before - sum(resized.values())
+
+
+def _large_blocks(snapshot: tracemalloc.Snapshot) -> dict[tracemalloc.Traceback, int]:
+    """Bytes in blocks of ``RESIZE_BYTES`` or more, by the call site that allocated them."""
+    large: dict[tracemalloc.Traceback, int] = {}
+    for trace in snapshot.traces:
+        if trace.size >= RESIZE_BYTES:
+            large[trace.traceback] = large.get(trace.traceback, 0) + trace.size
+    return large
 
 
 def fd_count(pid: int | None = None) -> int:
