@@ -140,6 +140,8 @@ class ClientCore:
         """NIXL notifications drained from our agent: matched to a pending request, ignored, malformed."""
         self.capacity_events = self.session.capacity_events
         self.transport = Transport(endpoint, self.context, curve)
+        self._refused: NodeError | None = None
+        """The node refused this socket's handshake (the monitor said so): why its sends fail."""
         self.driver = Driver(self.transport)
         """The I/O lock, the wake pipes, select and the background thread."""
         self.io_lock = self.driver.io_lock
@@ -323,6 +325,7 @@ class ClientCore:
     def open_socket(self) -> None:
         """A fresh DEALER connected to the node, with a disconnect monitor."""
         self._close_socket()
+        self._refused = None
         transport = self.transport
         transport.open()
         self.session.reopen()
@@ -375,7 +378,10 @@ class ClientCore:
             self.waiters.pacing_starts()
         if not self.transport.send(frame):
             session.unsent(op_id)
-            pending.set_exception(NodeLostError(f"the node at {self.endpoint} is not reachable"))
+            # A handshake the node refused takes the socket's only pipe with it, so a request
+            # sent after it (a hello, under load) finds no pipe: the monitor says why.
+            self._drain_monitor()
+            pending.set_exception(self._refused or NodeLostError(f"the node at {self.endpoint} is not reachable"))
             settle(pending)
 
     def has_pending(self) -> bool:
@@ -468,12 +474,14 @@ class ClientCore:
         return None if wait_s == math.inf else max(0.0, wait_s)
 
     def _drain_monitor(self) -> None:
+        """Apply what the socket's monitor reported (a refusal is kept for the socket's later sends)."""
         for link in self.transport.monitor_events():
             if link is Link.DISCONNECTED:
                 self._apply(self.session.disconnected(f"lost the node at {self.endpoint}"))
             else:
                 # The node refused us (CurveZMQ keys, or a plain client at a CURVE node).
                 refused = NodeError(ErrorCode.UNAUTHORIZED, f"the node at {self.endpoint} refused the connection handshake")
+                self._refused = refused
                 self._apply(self.session.fail_all(refused))
 
     def _drain_socket(self, readable: int = 0) -> None:

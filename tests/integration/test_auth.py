@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 from kvcr_client import Client, CurveKeys, ErrorCode, KeyStatus, NodeError, Span
+from kvcr_client.transport import Transport
 from kvcr_testing.health import assert_clean, stats, wait_until
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar
 from kvcr_testing.patterns import KiB, assert_bytes_equal, pattern
@@ -135,6 +137,43 @@ def test_client_with_the_wrong_server_key_is_refused(
         assert st["clients"] == 1
         # The server cannot read the client's handshake (it was sealed for another key).
         assert st["counters"].get("auth_handshake_failed", 0) >= 1, st["counters"]
+
+
+PIPE_GONE_S = 1.0
+"""How long a test waits for a refused socket to drop its pipe (the client saw the mismatch first)."""
+
+
+@pytest.mark.parametrize("who", ["plain", "unknown key"])
+def test_a_refusal_that_lands_before_the_hello_is_sent_still_says_unauthorized(
+    node_factory: Callable[..., Any], keys: Callable[[str], KeyPair], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    who: str,
+) -> None:
+    """On a loaded machine the I/O thread may finish a refused handshake before the caller's
+    thread sends its hello. Where the client's side saw the refusal first, libzmq drops the
+    socket's only pipe with it, and the hello's send finds no pipe. The socket is held here
+    until the monitor has the refusal, so the hello always goes second, and its send fails
+    as it does without a pipe (where the node's side saw it first, the pipe stays, and the
+    send is made to fail as it would). The client must still answer ``UNAUTHORIZED``, not
+    that the node is unreachable."""
+    server, alice, mallory = keys("server"), keys("alice"), keys("mallory")
+    node = node_factory(*POOL, *curve_args(server, [alice], tmp_path, "n"))
+    opened = Transport.open
+
+    def open_until_refused(self: Transport) -> None:
+        opened(self)
+        sock, monitor = self.sock, self.monitor
+        assert sock is not None and monitor is not None
+        assert monitor.poll(int(REFUSAL_S * 1000)), "the monitor reported nothing"  # poll reads nothing
+        if not wait_until(lambda: not sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT, PIPE_GONE_S):
+            self.send = lambda frame: False  # type: ignore[method-assign]
+
+    monkeypatch.setattr(Transport, "open", open_until_refused)
+    with pytest.raises(NodeError) as err:
+        Client(node.endpoint, name="refused", curve=None if who == "plain" else curve(server, mallory), timeout=REFUSAL_S)
+    assert err.value.code == ErrorCode.UNAUTHORIZED, err.value
+    monkeypatch.undo()
+    with Client(node.endpoint, name="alice", curve=curve(server, alice)) as client:
+        assert assert_clean(client)["clients"] == 1
 
 
 def test_two_curve_nodes_deliver_across(node_factory: Callable[..., Any], keys: Callable[[str], KeyPair], tmp_path: Path) -> None:
