@@ -52,8 +52,12 @@ def checkout_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment plus ``env``, with this checkout (and its protocol package)
     first on ``PYTHONPATH``: an engine environment installs kvcr in editable mode from
     wherever it was made, so without it an engine script could import another checkout's
-    kvcr (a second worktree's, sharing the environment) and test code other than this."""
-    merged = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    kvcr (a second worktree's, sharing the environment) and test code other than this.
+
+    ``torch.compile`` is off (``TORCH_COMPILE_DISABLE``): vLLM compiles its sampler's logprob
+    gather even for an eager model, 2.5 s of every engine process the tests start, and a
+    test's runs compare with each other, never with a compiled engine."""
+    merged = {**os.environ, "HF_HUB_OFFLINE": "1", "TORCH_COMPILE_DISABLE": "1", **(env or {})}
     merged["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), str(ROOT / "protocol"), merged.get("PYTHONPATH"))))
     return merged
 
