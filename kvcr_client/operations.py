@@ -55,7 +55,6 @@ from kvcr_protocol import (
     StatsReply,
     StatsRequest,
     SubmitHint,
-    deliver_blocks,
     deposit_blocks,
     endpoint_problem,
     message_keys,
@@ -161,7 +160,7 @@ class Operations(LeaseRequests):
         flag = partial and self.core.version >= 2
         columns: tuple[DeliverColumns, ...] = ()
         if self.core.version >= COLUMNS_VERSION:
-            columns = deliver_blocks(frozen, groups)
+            columns = _spans.deliver_columns(objects, frozen, groups)
         token = self._scope().token if columns and groups is not None else 0
         records = () if columns else frozen
         build = lambda i: DeliverMsg(i, records, request_id, deadline_ms, flag, columns, token)  # noqa: E731

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Any
 
@@ -18,7 +18,7 @@ from kvcr_client import checks
 from kvcr_client.errors import ArgumentError
 from kvcr_client.regions import RegionHandle
 from kvcr_protocol import DEFAULT_LIMITS, DeliverItem, DstSpan, PoolInfo, SrcSpan
-from kvcr_protocol.columns import MAX_GROUPS
+from kvcr_protocol.columns import MAX_GROUPS, DeliverColumns, deliver_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,10 @@ class Span:
     pool: str = ""
 
 
+DESTINATION_PLANS = 8
+"""Layer plans a ``Destination`` keeps its column block for (it forgets them all past that)."""
+
+
 @dataclass(frozen=True, eq=False)
 class Destination:
     """Destination spans a client checked once (``Client.destination``); reuse it across delivers."""
@@ -42,6 +46,9 @@ class Destination:
     client: Any = field(repr=False)
     wire: tuple[DstSpan, ...] = field(repr=False)
     regions: frozenset[RegionHandle] = field(repr=False)
+    blocks: dict[tuple[int, ...] | None, DeliverColumns] = field(default_factory=dict, repr=False)
+    """The column block of a deliver of one key here, by layer plan (each span's group, or
+    None): built once, then only the key changes (``deliver_columns``)."""
 
     def __len__(self) -> int:
         return len(self.wire)
@@ -194,6 +201,26 @@ def span_items(
         used_all |= used
     checks.span_total(items, "spans", "objects")
     return tuple(items), keys, used_all
+
+
+def deliver_columns(
+    objects: Mapping[bytes, Any], items: tuple[DeliverItem, ...], groups: Sequence[Sequence[int]] | None,
+) -> tuple[DeliverColumns, ...]:
+    """``deliver_blocks`` of a deliver's items; one key delivered to a ``Destination`` takes
+    the block that destination keeps for its plan, with only the key put in (an engine
+    delivers layer after layer to the same spans: the columns of 1,024 spans are built once)."""
+    if len(items) != 1 or type(dest := next(iter(objects.values()))) is not Destination:
+        return deliver_blocks(items, groups)
+    plan = None if groups is None else tuple(groups[0])
+    kept = dest.blocks.get(plan)
+    if kept is not None:
+        return (replace(kept, keys=(items[0].key,)),)
+    made = deliver_blocks(items, groups)
+    if len(made) == 1:
+        if len(dest.blocks) >= DESTINATION_PLANS:
+            dest.blocks.clear()
+        dest.blocks[plan] = made[0]
+    return made
 
 
 # --------------------------------------------------------------------- layer plans

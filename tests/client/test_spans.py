@@ -13,8 +13,17 @@ import pytest
 
 from kvcr_client.errors import ArgumentError
 from kvcr_client.regions import describe_region
-from kvcr_client.spans import _WIRE_COLUMNS_FROM, Span, plan_groups, wire_spans
+from kvcr_client.spans import (
+    _WIRE_COLUMNS_FROM,
+    DESTINATION_PLANS,
+    Destination,
+    Span,
+    deliver_columns,
+    plan_groups,
+    wire_spans,
+)
 from kvcr_protocol import DeliverItem, DstSpan, PoolInfo
+from kvcr_protocol.columns import deliver_blocks
 
 SLOT = 4096
 N = 2 * _WIRE_COLUMNS_FROM
@@ -112,3 +121,25 @@ def test_a_plan_reapplied_to_the_same_spans_gives_its_numbers_and_a_changed_plan
     assert plan_groups([item, other], plan) == [(0, 1, 1, 1), (1, 1, 1, 0)]
     with pytest.raises(ArgumentError):
         plan_groups([_item(b"k", ["L0", "L9"])], plan)
+
+
+def test_a_destination_keeps_its_block_per_plan_and_only_the_key_changes() -> None:
+    """One key delivered to a ``Destination``: the block is the one ``deliver_blocks`` makes,
+    for every key and plan, built once per plan; several keys, or plain spans, are built anew."""
+    wire = tuple(DstSpan(f"L{i}", 3, i * 4096, 4096) for i in range(64))
+    dest = Destination(object(), wire, frozenset())
+    plans: list[list[tuple[int, ...]] | None] = [None, [tuple(i // 2 for i in range(64))], [tuple(range(64))]]
+    for key in (b"a", b"b", b"c"):
+        for groups in plans:
+            items = (DeliverItem(key, wire),)
+            got = deliver_columns({key: dest}, items, groups)
+            assert got == deliver_blocks(items, groups) and got[0].keys == (key,)
+    assert set(dest.blocks) == {None, tuple(i // 2 for i in range(64)), tuple(range(64))}
+    kept = dict(dest.blocks)
+    two = (DeliverItem(b"a", wire), DeliverItem(b"b", wire))
+    assert deliver_columns({b"a": dest, b"b": dest}, two, None) == deliver_blocks(two, None)
+    assert deliver_columns({b"a": list(wire)}, two[:1], None) == deliver_blocks(two[:1], None)
+    assert dest.blocks == kept
+    for n in range(DESTINATION_PLANS + 1):  # bounded: past the limit it forgets them all
+        deliver_columns({b"a": dest}, two[:1], [tuple(min(i, n) for i in range(64))])
+    assert len(dest.blocks) <= DESTINATION_PLANS

@@ -586,6 +586,8 @@ def test_prepared_destination_is_reused_and_checked(
     layout = plain_layout(16)
     k = key("prepared")
     src, _ = stored_object(client, register, k, layout, seed=5)
+    k2 = key("prepared-2")
+    src2, _ = stored_object(client, register, k2, layout, seed=6)
     span = 64 * KiB
     dst = pattern(16 * span, 501)
     region = register(dst)
@@ -598,6 +600,13 @@ def test_prepared_destination_is_reused_and_checked(
         res = client.deliver({k: whole}).result(RESULT_TIMEOUT_S)
         assert res[k].status is OK, res[k]
         assert_bytes_equal(dst, src, "deliver into a prepared destination")
+    # The destination keeps its column block per plan; another key's bytes land through it.
+    layers = [[f"L{i}"] for i in range(16)]
+    for which, want in ((k2, src2), (k, src), (k2, src2)):
+        dst[:] = 0
+        handle = client.deliver({which: whole}, plan=layers)
+        assert handle.result(RESULT_TIMEOUT_S)[which].status is OK
+        assert_bytes_equal(dst, want, "a planned deliver into a prepared destination")
     dst[:] = pattern(dst.size, 504)
     expected = dst.copy()
     expected[:span] = src[:span]
