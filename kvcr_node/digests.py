@@ -44,10 +44,14 @@ class Digests:
         self.counters = counters
         self._positions: dict[int, tuple[ObjectEntry, dict[tuple[str, int], int]]] = {}
 
-    def of(self, entry: ObjectEntry) -> bytes:
-        """The digests of ``entry``'s spans as they are now, one u64 each in layout order."""
+    def of(self, entry: ObjectEntry, first: int = 0, end: int | None = None) -> bytes:
+        """The digests of ``entry``'s spans (``first`` to ``end - 1``: all by default) as
+        they are now, one u64 each in layout order."""
         out = array("Q")
-        for (_, pool), slot in zip(entry.info.layout, entry.slot_view, strict=True):
+        layout, slots = entry.info.layout, entry.slot_view
+        if first or end is not None:
+            layout, slots = layout[first:end], slots[first:end]
+        for (_, pool), slot in zip(layout, slots, strict=True):
             memory = self.memories[pool]
             if memory.kind is not MemoryKind.DRAM:
                 out.append(UNCHECKED)

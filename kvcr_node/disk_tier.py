@@ -303,6 +303,18 @@ class DiskTier:
         self.counts["promotions_failed"] += 1
         self.drop(entry.key)
 
+    def span_bytes(self, promotion: Promotion) -> list[int]:
+        """The bytes of each span of a read back, in layout order."""
+        pools = self.memory.pools
+        return [pools[pool].slot_size for _, pool in promotion.entry.info.layout]
+
+    def moves_of(self, promotion: Promotion, first: int, end: int) -> list[Move]:
+        """The moves that read spans ``first`` to ``end - 1`` of a read back."""
+        entry, copy = promotion.entry, promotion.copy
+        if first == 0 and end == len(entry.info.layout):
+            return promotion.moves
+        return self._moves(entry.info.layout[first:end], entry.slots[first:end], copy.slots[first:end])
+
     # -- removal ---------------------------------------------------------------------
 
     def drop(self, key: bytes) -> bool:

@@ -5,9 +5,11 @@ POSIX backend) and reports each end back.
 - Each turn, ``step`` posts the copies ``DiskTier.next_demotions`` places.
 - ``promote`` answers ``Operations.sort_items`` for a key missing from the memory pools:
   True when the object is on disk and being read back (the operation waits on the key as on
-  any fill), False when it is not there to read. A read back is checked against the
-  digests its object had when first stored before it is committed: a file changed by
-  hand or torn by a crash is dropped, counted, and never served.
+  any fill), False when it is not there to read. Read backs go in pieces, a bounded number
+  of bytes at a time (``kvcr_node.read_backs``); each piece's spans are checked against the
+  digests their object had when first stored as it lands, and an object is committed once
+  all of it is in and matched: a file changed by hand or torn by a crash is dropped,
+  counted, and never served.
 - ``take_back`` adopts the copies a node that ran before on the same disk pools left (their
   journal, ``kvcr_node.recovery``); from then on the journal records each copy the tier
   commits or lets go, written each turn (``step``), a removal at once.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from kvcr_io.agent import TransferError
@@ -29,17 +31,14 @@ from kvcr_node.journal import Dropped, Journal, close_stopping, failure_log
 from kvcr_node.logs import left_out_note
 from kvcr_node.metrics import Histogram
 from kvcr_node.objects import InventoryListener
+from kvcr_node.read_backs import Piece, ReadBacks
 from kvcr_node.recovery import take_back_copies
 from kvcr_node.state_dir import StateDir
 from kvcr_node.store import DepositOutcome
-from kvcr_node.transfers import Transfers
+from kvcr_node.transfers import Move, Transfers
 
 log = logging.getLogger("kvcr.node")
 
-READ_BACK_CHUNK_BYTES = 4 << 20
-"""Bytes of read backs one transfer carries at most (one object at least): a turn's read backs
-go as several transfers, posted together, and each one's objects are checked and handed to the
-operations waiting on them as it ends, while the later ones are still being read."""
 
 
 class Tiering:
@@ -57,7 +56,10 @@ class Tiering:
         """How NIXL's POSIX backend moves the bytes (``kvcr_io.agent.create_posix_backend``)."""
         self.digests = digests
         self._reading: list[Promotion] = []
-        """Read backs placed this turn, posted together at its end."""
+        """Read backs placed this turn, queued together at its end."""
+        self.read_backs = ReadBacks(tier.span_bytes)
+        """The read backs being read, by piece."""
+        self._posting = False
         self.copied_at = 0.0
         """When a transfer of copies last ended (``time.monotonic``)."""
         self.wake = wake
@@ -101,11 +103,12 @@ class Tiering:
         for demotion in demotions:
             if not demotion.entry.digests:  # stored with integrity off: a copy is checked all the same
                 demotion.digests = self.digests.of(demotion.entry)
-        self._post("WRITE", demotions, functools.partial(self._demoted, demotions))
+        self._post("WRITE", [move for job in demotions for move in job.moves], len(demotions),
+                   functools.partial(self._demoted, demotions))
 
-    def _post(self, op: str, moved: Sequence[Demotion | Promotion], done: Callable[[bool], None]) -> None:
-        """One transfer of the moves of ``moved`` with the node's own agent; ``done(ok)`` at its
-        end, or at once when NIXL refuses it."""
+    def _post(self, op: str, moves: list[Move], objects: int, done: Callable[[bool], None]) -> None:
+        """One transfer of ``moves`` (of ``objects`` objects) with the node's own agent;
+        ``done(ok)`` at its end, or at once when NIXL refuses it."""
         histogram, posted = self.latency["write" if op == "WRITE" else "read"], time.monotonic()
 
         def ended(ok: bool) -> None:
@@ -113,9 +116,9 @@ class Tiering:
             done(ok)
 
         try:
-            self.transfers.start(op, self.agent, [move for job in moved for move in job.moves], ended)
+            self.transfers.start(op, self.agent, moves, ended)
         except TransferError as exc:
-            log.warning("disk tier: a %s of %d objects could not be posted: %s", op, len(moved), exc)
+            log.warning("disk tier: a %s of %d objects could not be posted: %s", op, objects, exc)
             done(False)
 
     def _demoted(self, demotions: list[Demotion], ok: bool) -> None:
@@ -158,35 +161,50 @@ class Tiering:
         return True
 
     def _read_back(self) -> None:
-        """Post the turn's read backs, in order, as transfers of ``READ_BACK_CHUNK_BYTES`` at most."""
+        """Queue the turn's read backs, in order, and post what the bound allows."""
         promotions, self._reading = self._reading, []
-        chunks: list[list[Promotion]] = []
-        size = 0
-        for promotion in promotions:
-            moved = sum(move[3] for move in promotion.moves)
-            if not chunks or size + moved > READ_BACK_CHUNK_BYTES:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(promotion)
-            size += moved
-        for chunk in chunks:
-            self._post("READ", chunk, functools.partial(self._promoted, chunk))
+        self.read_backs.add(promotions)
+        self._post_pieces()
 
-    def _promoted(self, promotions: list[Promotion], ok: bool) -> None:
+    def _post_pieces(self) -> None:
+        """Post the pieces the bound allows. A post NIXL refuses ends its piece at once
+        (``_piece_read``), which asks for more: the loop here posts them, not a nested call."""
+        if self._posting:
+            return
+        self._posting = True
+        tier = self.tier
+        try:
+            while pieces := self.read_backs.next():
+                for piece in pieces:
+                    moves = [move for promotion, first, end in piece.segments
+                             for move in tier.moves_of(promotion, first, end)]
+                    self._post("READ", moves, len(piece.segments), functools.partial(self._piece_read, piece))
+        finally:
+            self._posting = False
+
+    def _piece_read(self, piece: Piece, ok: bool) -> None:
+        """A piece is in: the next ones are posted first, so the disk reads on while this
+        one's spans are checked and the objects it finished are committed and handed on."""
+        read_backs = self.read_backs
+        read_backs.landed(piece)
+        self._post_pieces()
         if not ok:
-            log.warning("disk tier: reading %d objects back failed; their copies are dropped", len(promotions))
-        for promotion in promotions:
-            intact = ok and self._intact(promotion)
-            if ok and not intact:
+            log.warning("disk tier: reading %d objects back failed; their copies are dropped", len(piece.segments))
+        finished = read_backs.ended(piece, ok, self._intact)
+        for end in finished:
+            promotion = end.promotion
+            if end.read and not end.intact:
                 self.tier.counts["mismatched"] += 1
                 log.warning("disk tier: %s read back does not match its digests; its copy is dropped",
                             promotion.entry.key.hex())
-            self.tier.promoted(promotion, intact)
-        self.wake([promotion.entry.key for promotion in promotions])
+            self.tier.promoted(promotion, end.intact)
+        if finished:
+            self.wake([end.promotion.entry.key for end in finished])
 
-    def _intact(self, promotion: Promotion) -> bool:
-        """Whether the bytes read back match the digests their object had when stored (or
-        its copy was written: with ``integrity`` off, the node takes them for the copy)."""
-        taken = unpack_digests(promotion.copy.digests)
-        now = unpack_digests(self.digests.of(promotion.entry))
+    def _intact(self, promotion: Promotion, first: int, end: int) -> bool:
+        """Whether spans ``first`` to ``end - 1`` read back match the digests their object had
+        when stored (or its copy was written: with ``integrity`` off, the node takes them for
+        the copy)."""
+        taken = unpack_digests(promotion.copy.digests)[first:end]
+        now = unpack_digests(self.digests.of(promotion.entry, first, end))
         return all(was == UNCHECKED or was == is_ for was, is_ in zip(taken, now, strict=True))

@@ -19,7 +19,7 @@ import pytest
 from kvcr_client import Client, KeyStatus, LeaseStatus, Presence, Span
 from kvcr_node.config import ConfigError, NodeConfig
 from kvcr_node.poolspec import PoolSpec
-from kvcr_node.tiering import READ_BACK_CHUNK_BYTES
+from kvcr_node.read_backs import READ_BACK_CHUNK_BYTES
 from kvcr_testing.health import assert_clean, stats
 from kvcr_testing.health import disk_settled as settled
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, plain_layout
@@ -286,4 +286,50 @@ def test_a_deliver_of_many_objects_on_disk_is_read_back_in_several_transfers(
         scraped(port, lambda s: sample(s, "kvcr_disk_tier_transfer_seconds_count", ("op", "read")) == chunks)
         figures = settled(client)
         assert figures["promoted"] == len(wanted) and figures["mismatched"] == 0
+        assert_clean(client)
+
+
+def test_a_large_object_is_read_back_in_pieces_and_a_change_in_its_last_one_is_never_served(
+    node_factory: Callable[..., NodeProcess], tmp_path: Path,
+) -> None:
+    """An object larger than ``READ_BACK_CHUNK_BYTES`` is read back as several transfers, each
+    one's spans checked as it lands (``kvcr_node.read_backs``): it lands byte for byte. Another
+    whose last span was changed on disk by hand passes the checks of its first pieces, and is
+    still never served: nothing of it reaches the destination, and its copy is dropped."""
+    slot = 1 << 20
+    spans = 10
+    layout = plain_layout(spans, "kv", slot)
+    pieces = -(-layout.nbytes // READ_BACK_CHUNK_BYTES)
+    assert pieces >= 3
+    node = node_factory("--pool", f"kv:1MiB:{spans + 2}", "--pool", f"kv-disk:1MiB:{4 * spans}:disk:{tmp_path}",
+                        "--metrics-port", "0")
+    port = metrics_port(node)
+    file = tmp_path / "kv-disk.kvcr-pool"
+    with Client(node.endpoint, name="disk-pieces") as client:
+        register = Registrar(client)
+        src = pattern(layout.nbytes * 3, 29)
+        region = register(src)
+        keys = [b"big/0", b"big/1", b"big/2"]
+        for i, key in enumerate(keys):  # each deposit evicts the one before: copied, it stays on disk
+            assert client.deposit({key: layout.source_spans(region, i * layout.nbytes)}).result(RESULT_TIMEOUT_S).all_ok
+            settled(client)
+        assert on_disk(client, keys) == keys[:2]
+        # Change big/1's last span in the file, found there by its bytes.
+        last = src[2 * layout.nbytes - slot:2 * layout.nbytes]
+        on_file = np.fromfile(file, np.uint8).reshape(-1, slot)
+        [at] = [j for j in range(len(on_file)) if np.array_equal(on_file[j], last)]
+        with open(file, "r+b") as f:
+            f.seek(at * slot)
+            f.write((255 - last).tobytes())
+        deliver_together(client, register, layout, [b"big/0"], keys, src)
+        scraped(port, lambda s: sample(s, "kvcr_disk_tier_transfer_seconds_count", ("op", "read")) == pieces)
+        dst = np.zeros(layout.nbytes, np.uint8)
+        sink = register(dst)
+        outcome = client.deliver({b"big/1": [Span(name, sink, off, slot) for name, off in zip(
+            layout.names, layout.offsets, strict=True)]}).result(RESULT_TIMEOUT_S)[b"big/1"]
+        assert not outcome.ok and outcome.code.name == "NOT_FOUND", outcome
+        assert not dst.any(), "nothing of a changed copy reaches the destination"
+        figures = settled(client)
+        assert figures["mismatched"] == 1 and figures["promoted"] == 1 and figures["promotions_failed"] == 1
+        assert client.query([b"big/1"]).result(RESULT_TIMEOUT_S)[b"big/1"].presence is Presence.MISS
         assert_clean(client)
