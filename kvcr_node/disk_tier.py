@@ -290,8 +290,8 @@ class DiskTier:
         entry, copy = promotion.entry, promotion.copy
         self.disk.unclaim(copy, accessed=False)
         if ok:
-            entry.digests = copy.digests
-            self.memory.commit(entry)  # while promoting: its listener keeps the copy (``stored_anew``)
+            entry.digests = copy.digests  # what the read back was checked against, span by span
+            self.memory.commit(entry, digested=True)  # while promoting: its listener keeps the copy (``stored_anew``)
             if not self.promote_keeps:
                 self.memory.read_through(entry)
             del self.promoting[entry.key]

@@ -213,11 +213,14 @@ class Store:
         self._check_pressure(info)
         return DepositOutcome.NEW, entry
 
-    def commit(self, entry: ObjectEntry, claim: bool = False) -> None:
+    def commit(self, entry: ObjectEntry, claim: bool = False, digested: bool = False) -> None:
         """The fill succeeded: WRITING -> READY, an access.
 
         The object becomes evictable, unless ``claim`` hands the caller its first claim
         at once (a ``no_evict`` deposit), which skips a useless trip through the index.
+        ``digested``: the entry's digests were checked against these very bytes already (a
+        read back from the disk tier), so ``on_ready`` does not take them again, as ``adopt``
+        does not for the objects it is given with theirs.
         """
         self._own(entry)
         if entry.state is not _WRITING:
@@ -227,7 +230,7 @@ class Store:
         self._writing -= 1
         self._ready += 1
         self._access(entry)
-        if self.on_ready is not None:
+        if self.on_ready is not None and not digested:
             self.on_ready(entry)
         if self.listener is not None:
             self.listener.stored(entry)

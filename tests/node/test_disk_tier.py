@@ -346,3 +346,21 @@ def test_a_copy_and_its_read_back_keep_the_parent_the_deposit_named(tier: DiskTi
     tier.promoted(p, True)
     assert memory.lookup(b"a") is p.entry and p.entry.parent == b"root"
     ok(tier)
+
+
+def test_a_read_back_is_committed_with_the_digests_it_was_checked_against(tier: DiskTier, memory: Store) -> None:
+    """The node checked every span read back against the copy's digests: committed, the
+    object keeps those and is not hashed again (``Store.on_ready`` is the node's ``take``);
+    any other fill still is."""
+    a_copied(tier, memory, a=b"\x07" * 16)
+    put(memory, b"d", layout())
+    put(memory, b"e", layout())  # evicts a: on disk only
+    taken: list[bytes] = []
+    memory.on_ready = lambda entry: taken.append(entry.key)
+    p = tier.promote(b"a")
+    assert not isinstance(p, DepositOutcome)
+    tier.promoted(p, True)
+    assert taken == [] and p.entry.digests == b"\x07" * 16
+    put(memory, b"f", layout())
+    assert taken == [b"f"], "a deposit's digests are taken at READY"
+    ok(tier)
