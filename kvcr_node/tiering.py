@@ -40,7 +40,6 @@ from kvcr_node.transfers import Move, Transfers
 log = logging.getLogger("kvcr.node")
 
 
-
 class Tiering:
     """Posts the disk tier's copies and read backs, and reports their ends to it."""
 
@@ -60,6 +59,7 @@ class Tiering:
         self.read_backs = ReadBacks(tier.span_bytes)
         """The read backs being read, by piece."""
         self._posting = False
+        """Within ``_post_pieces``: a piece that ends at once asks for no nested posting."""
         self.copied_at = 0.0
         """When a transfer of copies last ended (``time.monotonic``)."""
         self.wake = wake
