@@ -9,7 +9,9 @@ under it. So the read backs go as pieces of at most ``READ_BACK_CHUNK_BYTES`` (s
 small objects, or a part of a large one), in the order the operations asked for them, with
 at most ``READ_BACK_BYTES_IN_FLIGHT`` being read at once: the first pieces are in early,
 and each piece's spans are checked, and each finished object is handed on, while the disk
-reads the next.
+reads the next. A piece goes as soon as it is full, so the disk reads the first read backs
+of a large deliver while the node places the rest; the last, partly filled, goes at the end
+of the turn (``seal``).
 
 Pure: no I/O, no clock. The node's ``Tiering`` posts each piece (its moves come from the
 ``moves`` it is given) and reports its end.
@@ -83,22 +85,27 @@ class ReadBacks:
         self.posted = 0
         """Pieces posted and not yet ended."""
         self._open: dict[Promotion, _Reading] = {}
+        self._filling: Piece | None = None
+        """The last piece, not full: the next read backs added go on into it."""
 
     def __len__(self) -> int:
         """Read backs not finished."""
         return len(self._open)
 
     def add(self, promotions: Sequence[Promotion]) -> None:
-        """Queue ``promotions``, in order: small ones share a piece, a large one is cut."""
-        piece: Piece | None = None
+        """Queue ``promotions``, in order: small ones share a piece, a large one is cut. A
+        piece is queued once full; the last one takes the next read backs added, until
+        ``seal``."""
+        piece = self._filling
         for promotion in promotions:
             sizes = self.span_bytes(promotion) or (0,)  # an object has spans; none would never finish
             reading = self._open[promotion] = _Reading()
             first = 0
             while first < len(sizes):
                 if piece is None or piece.size + sizes[first] > self.chunk_bytes:
+                    if piece is not None:
+                        self.queued.append(piece)
                     piece = Piece()
-                    self.queued.append(piece)
                 end, size = first, piece.size
                 while end < len(sizes) and (end == first or size + sizes[end] <= self.chunk_bytes):
                     size += sizes[end]
@@ -107,6 +114,13 @@ class ReadBacks:
                 piece.size = size
                 reading.left += 1
                 first = end
+        self._filling = piece
+
+    def seal(self) -> None:
+        """No more read backs come this turn: the piece still taking them is queued as it is."""
+        if self._filling is not None:
+            self.queued.append(self._filling)
+            self._filling = None
 
     def next(self) -> list[Piece]:
         """The pieces to post now, in order: as many as keep the bytes being read within

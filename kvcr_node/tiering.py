@@ -54,12 +54,13 @@ class Tiering:
         self.io = io
         """How NIXL's POSIX backend moves the bytes (``kvcr_io.agent.create_posix_backend``)."""
         self.digests = digests
-        self._reading: list[Promotion] = []
-        """Read backs placed this turn, queued together at its end."""
         self.read_backs = ReadBacks(tier.span_bytes)
         """The read backs being read, by piece."""
         self._posting = False
-        """Within ``_post_pieces``: a piece that ends at once asks for no nested posting."""
+        """Within ``_post_pieces`` (a nested call posts nothing: the loop there goes on)."""
+        self._refused: list[Piece] = []
+        """Pieces NIXL refused to post: they end in the next ``step``, never inside ``promote``
+        (the operation that asked has not begun to wait on the key yet)."""
         self.copied_at = 0.0
         """When a transfer of copies last ended (``time.monotonic``)."""
         self.wake = wake
@@ -90,25 +91,31 @@ class Tiering:
             self.journal = None
 
     def step(self) -> None:
-        """Post the turn's read backs (``_read_back``), then the copies to write now as one
-        transfer (the turn's last step: the requests it read asked for the read backs). The copies
-        committed or let go since the last turn are journaled first."""
+        """Post the rest of the turn's read backs (the last piece, partly filled), then the
+        copies to write now as one transfer (the turn's last step: the requests it read asked
+        for the read backs). The copies committed or let go since the last turn are journaled
+        first, and pieces refused since then end here."""
         if self.journal is not None and self.journal.pending:
             self.journal.flush()
-        if self._reading:
-            self._read_back()
+        self.read_backs.seal()
+        self._post_pieces()
+        if self._refused:
+            refused, self._refused = self._refused, []
+            for piece in refused:
+                self._piece_ended(piece, False)
         demotions = self.tier.next_demotions()
         if not demotions:
             return
         for demotion in demotions:
             if not demotion.entry.digests:  # stored with integrity off: a copy is checked all the same
                 demotion.digests = self.digests.of(demotion.entry)
-        self._post("WRITE", [move for job in demotions for move in job.moves], len(demotions),
-                   functools.partial(self._demoted, demotions))
+        if not self._post("WRITE", [move for job in demotions for move in job.moves], len(demotions),
+                          functools.partial(self._demoted, demotions)):
+            self._demoted(demotions, False)
 
-    def _post(self, op: str, moves: list[Move], objects: int, done: Callable[[bool], None]) -> None:
-        """One transfer of ``moves`` (of ``objects`` objects) with the node's own agent;
-        ``done(ok)`` at its end, or at once when NIXL refuses it."""
+    def _post(self, op: str, moves: list[Move], objects: int, done: Callable[[bool], None]) -> bool:
+        """One transfer of ``moves`` (of ``objects`` objects) with the node's own agent,
+        ``done(ok)`` at its end; False when NIXL refuses it (``done`` is not called)."""
         histogram, posted = self.latency["write" if op == "WRITE" else "read"], time.monotonic()
 
         def ended(ok: bool) -> None:
@@ -119,7 +126,8 @@ class Tiering:
             self.transfers.start(op, self.agent, moves, ended)
         except TransferError as exc:
             log.warning("disk tier: a %s of %d objects could not be posted: %s", op, objects, exc)
-            done(False)
+            return False
+        return True
 
     def _demoted(self, demotions: list[Demotion], ok: bool) -> None:
         if not ok:
@@ -157,37 +165,37 @@ class Tiering:
         promotion = tier.promote(key)
         if isinstance(promotion, DepositOutcome):
             return False  # no room in memory now: a miss, as if it were not there
-        self._reading.append(promotion)  # posted with the turn's others (``step``)
+        self.read_backs.add([promotion])
+        self._post_pieces()  # a piece it filled goes now: the disk reads while the rest are placed
         return True
 
-    def _read_back(self) -> None:
-        """Queue the turn's read backs, in order, and post what the bound allows."""
-        promotions, self._reading = self._reading, []
-        self.read_backs.add(promotions)
-        self._post_pieces()
-
     def _post_pieces(self) -> None:
-        """Post the pieces the bound allows. A post NIXL refuses ends its piece at once
-        (``_piece_read``), which asks for more: the loop here posts them, not a nested call."""
+        """Post the full pieces the bound allows. A piece NIXL refuses leaves the bound at
+        once (the loop posts the next) and ends in the next ``step``."""
         if self._posting:
             return
         self._posting = True
-        tier = self.tier
+        tier, read_backs = self.tier, self.read_backs
         try:
-            while pieces := self.read_backs.next():
+            while pieces := read_backs.next():
                 for piece in pieces:
                     moves = [move for promotion, first, end in piece.segments
                              for move in tier.moves_of(promotion, first, end)]
-                    self._post("READ", moves, len(piece.segments), functools.partial(self._piece_read, piece))
+                    if not self._post("READ", moves, len(piece.segments), functools.partial(self._piece_read, piece)):
+                        read_backs.landed(piece)
+                        self._refused.append(piece)
         finally:
             self._posting = False
 
     def _piece_read(self, piece: Piece, ok: bool) -> None:
         """A piece is in: the next ones are posted first, so the disk reads on while this
         one's spans are checked and the objects it finished are committed and handed on."""
-        read_backs = self.read_backs
-        read_backs.landed(piece)
+        self.read_backs.landed(piece)
         self._post_pieces()
+        self._piece_ended(piece, ok)
+
+    def _piece_ended(self, piece: Piece, ok: bool) -> None:
+        read_backs = self.read_backs
         if not ok:
             log.warning("disk tier: reading %d objects back failed; their copies are dropped", len(piece.segments))
         finished = read_backs.ended(piece, ok, self._intact)

@@ -65,10 +65,15 @@ def covered(tier: DiskTier, piece: Piece) -> list[tuple[int, int, int]]:
 
 
 def test_small_objects_share_a_piece_and_a_large_one_is_cut_in_order(tier: DiskTier) -> None:
+    """Pieces are filled in order; each goes once full (the disk reads it while the node
+    places the rest), the last once the turn's read backs are all added (``seal``)."""
     a, b, c = on_disk(tier, {b"a": 1, b"b": 5, b"c": 1})
     reads = ReadBacks(tier.span_bytes, chunk_bytes=2 * SLOT, in_flight_bytes=100 * SLOT)
     reads.add([a, b, c])
-    pieces = reads.next()
+    full = reads.next()
+    assert [p.segments for p in full] == [[(a, 0, 1), (b, 0, 1)], [(b, 1, 3)], [(b, 3, 5)]], "full pieces go at once"
+    reads.seal()  # the turn's read backs are all in: the last piece goes as it is
+    pieces = [*full, *reads.next()]
     assert [p.segments for p in pieces] == [[(a, 0, 1), (b, 0, 1)], [(b, 1, 3)], [(b, 3, 5)], [(c, 0, 1)]]
     assert [p.size for p in pieces] == [2 * SLOT, 2 * SLOT, 2 * SLOT, SLOT]
     # The pieces read, together, exactly the spans the whole read backs would.
@@ -83,6 +88,7 @@ def test_a_span_larger_than_a_piece_goes_alone() -> None:
     sizes = {"big": [10, 3]}
     reads = ReadBacks(lambda p: sizes[p], chunk_bytes=4, in_flight_bytes=4)  # type: ignore[arg-type,index]
     reads.add(["big"])  # type: ignore[list-item]
+    reads.seal()
     assert [p.segments for p in reads.next()] == [[("big", 0, 1)]], "one piece at least, over the bound"
     assert reads.next() == [], "the bound holds the next one back"
 
@@ -91,6 +97,7 @@ def test_bytes_in_flight_are_bounded_and_freed_as_pieces_land(tier: DiskTier) ->
     [b] = on_disk(tier, {b"b": 6})
     reads = ReadBacks(tier.span_bytes, chunk_bytes=2 * SLOT, in_flight_bytes=4 * SLOT)
     reads.add([b])
+    reads.seal()
     first = reads.next()
     assert [p.segments for p in first] == [[(b, 0, 2)], [(b, 2, 4)]] and reads.reading == 4 * SLOT
     assert reads.next() == []
@@ -103,6 +110,7 @@ def test_an_object_finishes_with_its_last_piece_whatever_the_order() -> None:
     sizes = {"a": [1, 1, 1, 1]}
     reads = ReadBacks(lambda p: sizes[p], chunk_bytes=2, in_flight_bytes=4)  # type: ignore[arg-type,index]
     reads.add(["a"])  # type: ignore[list-item]
+    reads.seal()
     one, two = reads.next()
     checked: list[tuple[int, int]] = []
 
@@ -122,6 +130,7 @@ def test_a_failed_or_mismatched_piece_fails_its_object_once_every_piece_ended() 
     sizes = {"a": [1, 1, 1], "b": [1, 1, 1]}
     reads = ReadBacks(lambda p: sizes[p], chunk_bytes=1, in_flight_bytes=6)  # type: ignore[arg-type,index]
     reads.add(["a", "b"])  # type: ignore[list-item]
+    reads.seal()
     pieces = reads.next()
     assert len(pieces) == 6
     checked: list[tuple[object, int]] = []
@@ -155,10 +164,12 @@ class RefusingTransfers:
         raise TransferError("refused")
 
 
-def test_read_backs_whose_posts_are_all_refused_fail_in_a_loop_not_nested() -> None:
-    """Each refused post ends its piece at once, which frees the bound for the next: 1,500
-    pieces of one object go one after another in ``_post_pieces``'s loop (a nested call per
-    piece would pass the interpreter's recursion limit), and the object fails once, whole."""
+def test_read_backs_whose_posts_are_all_refused_fail_in_a_loop_and_in_the_turn() -> None:
+    """Each refused post leaves the bound at once, so the next is tried: 1,500 pieces of one
+    object go one after another in ``_post_pieces``'s loop (a nested call per piece would
+    pass the interpreter's recursion limit). They end in the turn's ``step``, never inside
+    ``promote``: the operation that asked waits on the key only after ``promote`` returns,
+    and a wake before that would leave it waiting. The object fails once, whole."""
     spans = 1500
     memory = Store([PoolSpec("kv", SLOT, spans + 8)], make_policy("lru"))
     spec = PoolSpec("kv-disk", SLOT, 2 * spans, "disk:/unused")
@@ -177,6 +188,7 @@ def test_read_backs_whose_posts_are_all_refused_fail_in_a_loop_not_nested() -> N
     tiering = Tiering(tier, transfers, "me", None, woken.extend)  # type: ignore[arg-type]
     tiering.read_backs = ReadBacks(tier.span_bytes, chunk_bytes=SLOT, in_flight_bytes=SLOT)
     assert tiering.promote(b"big")
+    assert transfers.refused == spans - 1 and woken == [], "full pieces tried at once, none ended yet"
     tiering.step()
     assert transfers.refused >= spans and woken == [b"big"]
     assert tier.counts["promotions_failed"] == 1 and not tier.promoting and len(tiering.read_backs) == 0
