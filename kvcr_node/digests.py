@@ -65,10 +65,13 @@ class Digests:
 
     def intact(self, entry: ObjectEntry) -> bool:
         """Whether every span of ``entry`` with a digest still holds the bytes it had at READY."""
-        if not entry.digests:
-            return True
-        taken = unpack_digests(entry.digests)
-        now = unpack_digests(self.of(entry))
+        return not entry.digests or self.matches(entry.digests, entry)
+
+    def matches(self, digests: bytes, entry: ObjectEntry, first: int = 0, end: int | None = None) -> bool:
+        """Whether ``entry``'s spans ``first`` to ``end - 1`` (all by default) hold bytes with
+        ``digests`` (packed, one per span of the whole object; ``UNCHECKED`` matches any)."""
+        taken = unpack_digests(digests)[first:end]
+        now = unpack_digests(self.of(entry, first, end))
         return all(was == UNCHECKED or was == is_ for was, is_ in zip(taken, now, strict=True))
 
     def moves_intact(self, entry: ObjectEntry, moves: Sequence[Move]) -> bool:

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcr_io.agent import TransferError
-from kvcr_io.digests import UNCHECKED, unpack_digests
 from kvcr_node.digests import Digests
 from kvcr_node.disk_tier import Demotion, DiskTier, Promotion
 from kvcr_node.journal import Dropped, Journal, close_stopping, failure_log
@@ -213,6 +212,4 @@ class Tiering:
         """Whether spans ``first`` to ``end - 1`` read back match the digests their object had
         when stored (or its copy was written: with ``integrity`` off, the node takes them for
         the copy)."""
-        taken = unpack_digests(promotion.copy.digests)[first:end]
-        now = unpack_digests(self.digests.of(promotion.entry, first, end))
-        return all(was == UNCHECKED or was == is_ for was, is_ in zip(taken, now, strict=True))
+        return self.digests.matches(promotion.copy.digests, promotion.entry, first, end)
