@@ -194,7 +194,7 @@ def bench_kvcr(cupy: Any, endpoint: str, reps: int, warmup: int) -> dict[str, An
                     times.append(elapsed)
             check(cupy, dst, expected, f"kvcr deliver {kind} pool -> HBM buffer")
             out[kind] = summary(times)
-        stats = client.stats().result(10)
+        stats = client.stats(audit=True).result(10)
         assert stats["invariants"] == [], stats["invariants"]
         assert stats["claims"]["total"] == 0, stats["claims"]
     return out

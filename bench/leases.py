@@ -157,7 +157,7 @@ def main() -> int:
             region = client.register(buf)
             cost = bench_cost(client, region)
             admission = {f: bench_admission(client, region, f, 10_000 * (1 + i)) for i, f in enumerate((0.0, 0.25, 0.5))}
-            st = client.stats().result(RESULT_TIMEOUT_S)
+            st = client.stats(audit=True).result(RESULT_TIMEOUT_S)
             assert st["invariants"] == [] and st["leases"]["held"] == 0, st["leases"]
         wide_endpoint = f"ipc://{run}/wide.sock"
         wide_node = spawn("-m", "kvcr_node.cli", "--endpoint", wide_endpoint, "--pool",

@@ -566,7 +566,7 @@ def bench_kvcr(endpoint: str, peer: Peer, reps: int, queries: int, sweep: bool, 
         if sweep:
             progress.step(f"deliver throughput against span size ({', '.join(f'{s >> 10} KiB' for s in SWEEP_SPANS)})")
             swept = bench_sweep(client, raw, rs, rd, reps, progress)
-        stats = client.stats().result(5)
+        stats = client.stats(audit=True).result(5)
         assert stats["invariants"] == [], stats["invariants"]
     samples = {**queried, "deliver": times["list"], "deliver_prepared": times["prepared"], "deliver_planned": times["planned"], "deposit": deposits, "put": put_times,
                "put_written": put_written, "grant_deliver": granted["list"], "grant_deliver_prepared": granted["prepared"],

@@ -166,7 +166,7 @@ def bench_kvcr(endpoint: str, echo_endpoint: str, max_version: int) -> dict[str,
                 assert handle.result(RESULT_TIMEOUT_S)[one[0]].presence is kp.Presence.HIT
             rates.append(PIPELINED / (time.perf_counter() - t0))
         out["pipelined"] = summary(rates)
-        stats = client.stats().result(RESULT_TIMEOUT_S)
+        stats = client.stats(audit=True).result(RESULT_TIMEOUT_S)
         assert stats["invariants"] == [], stats["invariants"]
     echo.close()
     return out

@@ -191,7 +191,7 @@ def bench(endpoint: str, port: int, scrapers: int) -> dict[str, Any]:
                 for name, n in (("ok", ok), ("refused", refused), ("failed", failed)):
                     scraped[name] += int(n)
                 scraping_s += float(seconds)
-            stats = client.stats().result(RESULT_TIMEOUT_S)
+            stats = client.stats(audit=True).result(RESULT_TIMEOUT_S)
             assert stats["invariants"] == [], stats["invariants"]
     finally:
         worker.stdin.write("quit\n")

@@ -325,7 +325,7 @@ def bench_kvcr(a: str, b: str, b_defer: str, raw: RawReader, reps: int, progress
             raise AssertionError("delivered bytes differ (big object)")
         raw.reach(owner, b"layers", dst_layers)
         granted = bench_grants(eng, layers, big_spans, layered, big, dst_layers, dst, reps, raw, progress)
-        stats_b = owner.stats().result(5)
+        stats_b = owner.stats(audit=True).result(5)
         assert stats_b["invariants"] == [] and stats_b["claims"]["total"] == 0, stats_b
         samples = {"first": [f for f, _ in runs], "planned_all": [t for _, t in runs],
                    "first_deferred": [f for f, _ in deferred], "whole_layers": whole_layers, "whole_big": whole_big,

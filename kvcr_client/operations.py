@@ -34,6 +34,7 @@ from kvcr_client.results import (
 from kvcr_client.spans import Destination, LayerPlan, Span
 from kvcr_client.uncertain import extents
 from kvcr_protocol import (
+    AUDIT_VERSION,
     COLUMNS_VERSION,
     DEFAULT_LIMITS,
     PRESENCE_CODE,
@@ -287,12 +288,17 @@ class Operations(LeaseRequests):
             raise ArgumentError("handle", f"expected an OpHandle of this client, got {type(handle).__name__}")
         handle.abort()
 
-    def stats(self) -> OpHandle[dict[str, Any]]:
+    def stats(self, *, audit: bool = False) -> OpHandle[dict[str, Any]]:
+        """The node's statistics. ``audit``: the node also checks its accounting, O(objects) on
+        its loop, and answers the breaches under ``invariants`` (empty when healthy); without it
+        ``invariants`` is absent. A node below protocol 5 checks on every ``stats``."""
         def convert(msg: Message) -> dict[str, Any]:
             assert isinstance(msg, StatsReply)
             return msg.stats
 
-        op_id, fut = self.core.request(lambda i: StatsRequest(i), convert, CONTROL_TIMEOUT_S)
+        core = self.core
+        op_id, fut = self.core.request(
+            lambda i: StatsRequest(i, audit and core.version >= AUDIT_VERSION), convert, CONTROL_TIMEOUT_S)
         return self._send.handle(op_id, "stats", fut)
 
 

@@ -258,7 +258,7 @@ def invariants(st: Mapping[str, Any]) -> Text:
     """Green ``ok`` when the accounting check found nothing, else each breach in red."""
     text = Text("invariants ", style="bold")
     if "invariants" not in st:
-        text.append("not reported")
+        text.append("not checked (kvcr stats --audit)")
         return text
     breaches = st["invariants"]
     if not breaches:

@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--watch", type=float, nargs="?", const=WATCH_INTERVAL_S, metavar="SECONDS",
                     help=f"refresh every SECONDS (default {WATCH_INTERVAL_S:g}) until Ctrl-C")
     st.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N refreshes")
+    st.add_argument("--audit", action="store_true",
+                    help="also check the node's accounting (walks every object on the node's loop: "
+                         "on a large cache, a pause of the node each time)")
     sub.add_parser("version", help="print the kvcr version")
     ev = sub.add_parser("events", help="print a node's inventory events (stored, removed, cleared), one a line")
     ev.add_argument("endpoint", help="the node's events endpoint (its --events-endpoint)")
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Client(args.endpoint, name="kvcr-cli", timeout=args.timeout) as client:
             if args.watch is None:
-                show(client.stats().result(args.timeout), args.json)
+                show(client.stats(audit=args.audit).result(args.timeout), args.json)
             else:
                 watch(client, args)
     except (KvcrError, TimeoutError) as exc:
@@ -112,7 +115,7 @@ def watch(client: Client, args: argparse.Namespace) -> None:
         while args.count is None or n < args.count:
             if n:
                 time.sleep(args.watch)
-            stats = client.stats().result(args.timeout)
+            stats = client.stats(audit=args.audit).result(args.timeout)
             n += 1
             if live is not None:
                 live.update(render(stats), refresh=True)

@@ -327,9 +327,9 @@ class Node:
         self.store.listener = inventory
         return events
 
-    def snapshot(self) -> dict[str, Any]:
-        """Statistics and the result of the accounting check (``stats``; O(objects))."""
-        return self.stats.snapshot()
+    def snapshot(self, *, audit: bool = False) -> dict[str, Any]:
+        """Statistics (``stats``); with ``audit``, the accounting check too (O(objects))."""
+        return self.stats.snapshot(audit=audit)
 
     def check_invariants(self) -> list[str]:
         return self.stats.check_invariants()

@@ -1089,6 +1089,12 @@ def v5_instances() -> list[Valid]:
             description="a node restarted on its state took back incarnation INC_A's cache (section 6.4, welcome)",
         ),
         Valid(
+            "stats-audit",
+            m.StatsRequest(56, True),
+            versions=(5,),
+            description="ask for statistics and the node's accounting check (section 5.2, \"Statistics\")",
+        ),
+        Valid(
             "hello-resume",
             m.Hello(1, (1, 2, 3, 4, 5), "vllm-tp0", "kvcr-client-4712", MD_CLIENT, (R_DRAM, R_VRAM), RESUME_TOKEN),
             versions=(5,),
@@ -1629,6 +1635,9 @@ def invalid_v5_inputs() -> Iterator[tuple[str, bytes, int, str, str]]:
     yield ("welcome-resume-257", _pack({**welcome, "resume": bytes(257)}), 5, "TOO_LARGE", "a resume token of 257 bytes (limit 256)")
     yield ("welcome-kept-str", _pack({**welcome, "kept": str(INC_A)}), 5, "WRONG_TYPE", "the kept incarnation as str")
     yield ("welcome-kept-negative", _pack({**welcome, "kept": -1}), 5, "OUT_OF_RANGE", "a negative kept incarnation")
+    stats = _wire(m.StatsRequest(56, True), 5)
+    yield ("stats-audit-int", _pack({**stats, "audit": 1}), 5, "WRONG_TYPE", "audit as an integer, not a bool")
+    yield ("stats-audit-nil", _pack({**stats, "audit": None}), 5, "WRONG_TYPE", "audit nil")
     hello = _wire(m.Hello(1, (1, 2, 3, 4, 5), "vllm-tp0", "kvcr-client-4712", MD_CLIENT, (), RESUME_TOKEN), 1)
     yield ("hello-resume-int", _pack({**hello, "resume": 7}), 5, "WRONG_TYPE", "a resume token as an integer, not bin")
     yield ("hello-resume-257", _pack({**hello, "resume": bytes(257)}), 5, "TOO_LARGE", "a resume token of 257 bytes (limit 256)")

@@ -61,6 +61,7 @@ from kvcr_protocol.projection import Projection, ProjectionCache, compute_projec
 from kvcr_protocol.puts import Commit, Put, PutReply, Unput
 from kvcr_protocol.session_rules import Role, SessionState
 from kvcr_protocol.versions import (
+    AUDIT_VERSION,
     BASE_VERSION,
     CLIENT_GONE_VERSION,
     COLUMNS_VERSION,
@@ -76,6 +77,7 @@ from kvcr_protocol.versions import (
 __all__ = [
     "ALL_MESSAGES",
     "ANY_REQUEST",
+    "AUDIT_VERSION",
     "BASE_VERSION",
     "CLIENT_GONE_VERSION",
     "COLUMNS_VERSION",

@@ -53,6 +53,7 @@ from kvcr_protocol.records import (
     Region,
     WriteState,
 )
+from kvcr_protocol.versions import AUDIT_VERSION
 from kvcr_protocol.wire import AnyMap, Bool, Bytes, EnumStr, Field, Opt, Packed, RecordType, Seq, UInt
 
 # ------------------------------------------------------------------------ messages
@@ -328,8 +329,14 @@ class DiscardHint(Message):
 
 
 @message("stats")
-class StatsRequest(_IdOnly):
-    """Client -> node: ask for statistics."""
+class StatsRequest(Message):
+    """Client -> node: ask for statistics. ``audit`` (version 5, sent only when set): the node
+    also runs its accounting check, O(objects), and answers its breaches under ``invariants``
+    (spec section 6.4, ``stats``)."""
+
+    id: int
+    audit: bool = False
+    FIELDS = _fields(Field("audit", Bool(), False, since=AUDIT_VERSION, sparse=True))
 
 
 @message("stats_reply", reply=True)

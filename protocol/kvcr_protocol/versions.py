@@ -37,6 +37,10 @@ CLIENT_GONE_VERSION = 5
 client it announced left, so the source forgets it at once instead of at its
 ``max_peer_clients`` bound."""
 
+AUDIT_VERSION = 5
+"""The first version whose ``stats`` may ask for the node's accounting check (``audit``, spec
+section 6.4): below it a node runs the check on every ``stats``, as nodes before the field did."""
+
 PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5)
 """Every version the protocol defines: this package encodes and decodes each, and the
 reference node and client speak each."""

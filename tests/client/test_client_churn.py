@@ -65,7 +65,7 @@ def _mixed(client: Client, f: Fixture, i: int) -> Any:
         case 0:
             return client.query([f.key])
         case 1:
-            return client.stats()
+            return client.stats(audit=True)
         case 2:
             return client.deliver({f.key: f.spans})
         case _:

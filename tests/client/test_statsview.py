@@ -96,7 +96,7 @@ def test_missing_fields_are_left_out_not_made_up() -> None:
     text = to_text({"node": "old", "pools": {}})
     assert "node old" in text
     assert "incarnation" not in text and "hit rate" not in text
-    assert "invariants not reported" in text
+    assert "invariants not checked (kvcr stats --audit)" in text
     assert "peers: 0 links" in text
 
 

@@ -393,7 +393,7 @@ def run_deliver(args: argparse.Namespace) -> None:
 
 def run_stats(args: argparse.Namespace) -> None:
     with Client(args.endpoint, name=f"stats-{os.getpid()}", timeout=20) as client:
-        emit("stats", stats=client.stats().result(20))
+        emit("stats", stats=client.stats(audit=True).result(20))
 
 
 def run_statsloop(args: argparse.Namespace) -> None:
@@ -402,7 +402,7 @@ def run_statsloop(args: argparse.Namespace) -> None:
         emit("ready")
         while (line := sys.stdin.readline()) and line.strip() != "quit":
             try:
-                emit("stats", stats=client.stats().result(20))
+                emit("stats", stats=client.stats(audit=True).result(20))
             except (KvcrError, TimeoutError) as exc:
                 emit("stats", error=f"{type(exc).__name__}: {exc}")
 

@@ -760,7 +760,7 @@ async def test_async_client_round_trip(node: Any) -> None:
         results = await asyncio.wait_for(asyncio.gather(*handles), 15)
         assert [r[b"async/obj"].status for r in results] == [OK, OK]
         assert_bytes_equal(dst, src, "async deliver")
-        st = await c.stats()
+        st = await c.stats(audit=True)
         assert st["invariants"] == [] and st["claims"]["total"] == 0 and st["operations_pending"] == 0
         await c.unregister(region)
         await c.unregister(dregion)

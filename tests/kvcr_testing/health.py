@@ -12,7 +12,8 @@ STATS_TIMEOUT_S = 5.0
 
 
 def stats(client: Client) -> dict[str, Any]:
-    result: dict[str, Any] = client.stats().result(STATS_TIMEOUT_S)
+    """The node's stats with its accounting check (``invariants``)."""
+    result: dict[str, Any] = client.stats(audit=True).result(STATS_TIMEOUT_S)
     return result
 
 

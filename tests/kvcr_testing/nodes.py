@@ -273,7 +273,8 @@ class NodeDriver:
         return replies[0]
 
     def stats(self) -> dict[str, Any]:
-        return self.node.snapshot()
+        """The node's stats with its accounting check (``invariants``)."""
+        return self.node.snapshot(audit=True)
 
 
 @contextmanager

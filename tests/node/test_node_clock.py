@@ -36,7 +36,7 @@ def test_a_silent_client_expires_when_the_clock_passes_its_grace(ipc_dir: Path) 
         clock.advance(9.0)  # within the grace: nothing happens
         clock.advance(2.0)  # past it (10 s without a word, in the node's time)
         assert wait_until(lambda: not node.sessions, WAIT_S)
-        st = node.snapshot()
+        st = node.snapshot(audit=True)
         assert st["counters"]["clients_expired"] == 1
         assert st["tables"]["hints"] == 0 and st["tables"]["sessions"] == 0
         assert st["invariants"] == []
@@ -59,7 +59,7 @@ def test_a_remote_write_with_no_session_fails_at_its_deadline_in_node_time(ipc_d
         out = handle.result(WAIT_S)[b"k"]
         assert out.status is KeyStatus.FAILED and out.code is ErrorCode.PEER_UNREACHABLE, out
         assert (dst == 0).all()
-        st = node.snapshot()
+        st = node.snapshot(audit=True)
         assert st["operations_pending"] == 0 and st["invariants"] == []
         # The link has no work left: it closes once idle for peer_idle_ms of node time.
         clock.advance(node.config.peer_idle_ms / 1000)

@@ -43,7 +43,7 @@ def mappings(pid: int, size_kib: int) -> list[dict[str, str]]:
 def test_a_nodes_dram_pool_may_be_backed_by_huge_pages(node_factory: Callable[..., Any]) -> None:
     node = node_factory("--pool", f"kv:64KiB:{POOL_KIB // 64}")
     with Client(node.endpoint, name="thp") as client:
-        assert client.stats().result(10)["invariants"] == []
+        assert client.stats(audit=True).result(10)["invariants"] == []
     pools = mappings(node.proc.pid, POOL_KIB)
     assert pools, "no mapping of the pool's size in the node"
     assert all(m.get("THPeligible") == "1" for m in pools), pools
@@ -53,7 +53,7 @@ def test_a_nodes_dram_pool_is_resident_from_the_start(node_factory: Callable[...
     """Every page of a pool is faulted in at start: no transfer pays a page's first fault."""
     node = node_factory("--pool", f"kv:64KiB:{POOL_KIB // 64}")
     with Client(node.endpoint, name="resident") as client:
-        assert client.stats().result(10)["invariants"] == []
+        assert client.stats(audit=True).result(10)["invariants"] == []
     pools = mappings(node.proc.pid, POOL_KIB)
     assert pools, "no mapping of the pool's size in the node"
     assert all(m.get("Rss") == f"{POOL_KIB} kB" for m in pools), pools

@@ -236,3 +236,25 @@ def test_a_welcome_comes_at_the_version_both_speak(ipc_dir: Path, agent: ClientA
         none = Hello(2, (CURRENT_VERSION + 100,), "new", agent.name, agent.metadata)
         assert error_of(d.receive(b"new", none), 2).code == ErrorCode.UNSUPPORTED_VERSION
         assert_at_rest(d)
+
+
+def test_stats_runs_the_accounting_check_only_when_asked(ipc_dir: Path, agent: ClientAgent) -> None:
+    """The check walks every object on the node's loop, so a ``stats`` runs it only with
+    ``audit`` (spec section 5.2, "Statistics"); a session below version 5 cannot ask, and
+    gets it every time, as before the field."""
+    with node_driver(config(ipc_dir)) as d:
+        d.hello(b"c", agent)
+        d.node.outbox.undeclared_codes["planted: error 1"] = 1  # a breach the check must report
+        plain = d.receive(b"c", StatsRequest(2))
+        assert len(plain) == 1 and isinstance(plain[0], StatsReply)
+        assert "invariants" not in plain[0].stats and plain[0].stats["node"] == "sessions"
+        audited = d.receive(b"c", StatsRequest(3, audit=True))
+        assert len(audited) == 1 and isinstance(audited[0], StatsReply)
+        assert audited[0].stats["invariants"] == ["sent a code spec section 10.1 does not list (planted: error 1) 1 times"]
+        old = Hello(4, (4,), "old", agent.name, agent.metadata)
+        welcome = d.receive(b"old", old, version=4)
+        assert isinstance(welcome[0], Welcome) and welcome[0].version == 4
+        at_4 = d.receive(b"old", StatsRequest(5), version=4)
+        assert len(at_4) == 1 and isinstance(at_4[0], StatsReply) and len(at_4[0].stats["invariants"]) == 1
+        del d.node.outbox.undeclared_codes["planted: error 1"]
+        assert_at_rest(d)

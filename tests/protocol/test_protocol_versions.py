@@ -262,7 +262,7 @@ def test_what_each_version_adds() -> None:
         (5, "lease", "!read"), (5, "lease", "!node_md"), (5, "lease_reply", "!held"), (5, "lease_reply", "!grant"),
         # Optional, sent only when set (spec section 7, "Further version-5 additions"): a
         # receiver without them ignores them and keeps the older behaviour.
-        (5, "welcome", "resume"), (5, "peer_welcome", "twins"), (5, "welcome", "kept"),
+        (5, "welcome", "resume"), (5, "peer_welcome", "twins"), (5, "welcome", "kept"), (5, "stats", "audit"),
     }
     assert {(cls.SINCE, cls.TAG) for cls in kp.ALL_MESSAGES if cls.SINCE > 1} == {
         (3, "progress"), (4, "lease"), (4, "lease_reply"), (4, "renew"), (4, "unlease"), (4, "lease_end"),
