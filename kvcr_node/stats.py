@@ -5,9 +5,10 @@ operators and soaks read); ``check_invariants`` is the store's invariants plus t
 node's (claims match handles and operations; no code sent out of place, spec section 10.1).
 
 The check walks every object and slot, O(objects), on the node's loop: 250 ms at 50,000
-objects here, seconds for a million. So a ``stats`` runs it only when it asks (``audit``, spec section 6.4);
-a monitor polling ``stats`` costs the node its counters, never its cache's size. A session
-below ``AUDIT_VERSION`` cannot ask, and gets the check on every ``stats`` as it always did.
+objects here, seconds for a million. So a ``stats`` runs it only when it asks (``audit``,
+spec section 5.2, "Statistics"): a monitor polling ``stats`` costs the node its counters,
+never its cache's size. A session below ``AUDIT_VERSION`` cannot ask, and gets the check on
+every ``stats`` as it always did.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def test_stats_view_of_a_node_with_pools_and_a_peer(sites: Sites) -> None:
     a.client.query([b"local", b"absent-1", b"absent-2", b"absent-3"]).result(5)
 
     # Wide enough for the test's long ipc paths in one line (a narrower view folds them).
-    proc = kvcr("stats", "--endpoint", a.endpoint, "--timeout", "5", columns=160)
+    proc = kvcr("stats", "--endpoint", a.endpoint, "--timeout", "5", "--audit", columns=160)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     st = a.stats()
@@ -70,9 +70,13 @@ def test_stats_view_of_a_node_with_pools_and_a_peer(sites: Sites) -> None:
 
 def test_watch_refreshes_count_times(sites: Sites) -> None:
     (a,) = sites.start("w")
-    proc = kvcr("stats", "--endpoint", a.endpoint, "--watch", "0.05", "--count", "3")
+    proc = kvcr("stats", "--endpoint", a.endpoint, "--watch", "0.05", "--count", "3", "--audit")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("invariants ok") == 3
+    # Without --audit the node runs no accounting check, and the view says so.
+    proc = kvcr("stats", "--endpoint", a.endpoint, "--watch", "0.05", "--count", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("invariants not checked (kvcr stats --audit)") == 2
     frames = kvcr("stats", "--endpoint", a.endpoint, "--json", "--watch", "0.05", "--count", "2")
     assert frames.returncode == 0, frames.stderr
     decoder = json.JSONDecoder()
