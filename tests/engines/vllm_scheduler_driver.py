@@ -1,11 +1,12 @@
 """vLLM's own ``Scheduler`` driving ``KvcrConnector``'s scheduler side, with no model and no worker.
 
-Run in the vLLM environment as ``python vllm_scheduler_driver.py ENDPOINT``; prints one JSON
-line with what the scheduler did, step by step, for ``test_vllm_scheduler.py`` to check.
-``python vllm_scheduler_driver.py ENDPOINT isolation`` drives the connector's scheduler side
-itself with vLLM's requests that differ only in what vLLM folds into its block hashes
-(``isolation_run``); ``... ENDPOINT disk`` the scheduler with a prompt whose blocks the node
-holds only in its disk tier (``disk_run``).
+Run in the vLLM environment as ``python vllm_scheduler_driver.py MODE=ENDPOINT ...``: each
+run in turn, in this one process (vLLM is imported once: most of a run's time), each against
+its own node; prints one JSON line, each mode's report, for ``test_vllm_scheduler.py`` to
+check. ``drive`` records what the scheduler did, step by step (``drive_run``); ``isolation``
+drives the connector's scheduler side itself with vLLM's requests that differ only in what
+vLLM folds into its block hashes (``isolation_run``); ``disk`` the scheduler with a prompt
+whose blocks the node holds only in its disk tier (``disk_run``).
 
 The configuration is what ``EngineArgs`` makes for the tiny Llama of
 ``examples/vllm_prefix.py`` (CPU platform, chunked prefill with a budget of 64 tokens a
@@ -350,14 +351,9 @@ def disk_run(endpoint: str) -> dict[str, Any]:
     return report
 
 
-def main() -> int:
-    endpoint = sys.argv[1]
-    if sys.argv[2:] == ["isolation"]:
-        print(json.dumps(isolation_run(endpoint)), flush=True)
-        return 0
-    if sys.argv[2:] == ["disk"]:
-        print(json.dumps(disk_run(endpoint)), flush=True)
-        return 0
+def drive_run(endpoint: str) -> dict[str, Any]:
+    """The ``loaded`` request, whose first two blocks the node holds, then the ``chunked`` one:
+    every step's schedule, loads, saves and stats; vLLM's connector-stats logger's lines."""
     sched = scheduler(endpoint)
     connector = sched.connector
     assert isinstance(connector, KvcrConnector), type(connector)
@@ -386,7 +382,17 @@ def main() -> int:
     logging.log(lambda fmt, *args: lines.append(fmt % args))
     report["logged"] = lines
     sched.shutdown()
-    print(json.dumps(report), flush=True)
+    return report
+
+
+RUNS = {"drive": drive_run, "isolation": isolation_run, "disk": disk_run}
+
+
+def main() -> int:
+    runs = [arg.split("=", 1) for arg in sys.argv[1:]]
+    if not runs or any(len(run) != 2 or run[0] not in RUNS for run in runs):
+        raise SystemExit(f"usage: vllm_scheduler_driver.py MODE=ENDPOINT ... (MODE: {', '.join(RUNS)})")
+    print(json.dumps({mode: RUNS[mode](endpoint) for mode, endpoint in runs}), flush=True)
     return 0
 
 
