@@ -8,9 +8,15 @@ since ``.ci/run`` makes the environment first.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
+import signal
 import subprocess
+import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +82,111 @@ def checkout_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 def run_script_output(script: Path, *args: str, timeout_s: float, python: Path = ENGINE_PY,
                       env: dict[str, str] | None = None) -> tuple[dict[str, Any], list[str]]:
-    """``run_script``, and every line the script wrote before its report (stdout, then stderr)."""
-    proc = subprocess.run([str(python), str(script), *args], capture_output=True, text=True,
-                          timeout=timeout_s, env=checkout_env(env))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    lines = proc.stdout.strip().splitlines()
+    """``run_script``, and every line the script wrote before its report (stdout, then stderr).
+
+    The script's temporary files go to a folder of its own (``TMPDIR``), removed after it:
+    vLLM leaves socket files there for every engine. In vLLM's environment the script runs
+    in a fork of a process that imported vLLM once (``FORK_SERVERS``); elsewhere in a
+    process of its own."""
+    with tempfile.TemporaryDirectory(prefix="kvcr-run-") as scratch:
+        run_env = checkout_env({**(env or {}), "TMPDIR": scratch})
+        preload = PRELOAD.get(python)
+        if preload is None:
+            proc = subprocess.run([str(python), str(script), *args], capture_output=True, text=True,
+                                  timeout=timeout_s, env=run_env)
+            code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+        else:
+            code, stdout, stderr = fork_server(python, preload).run(script, args, run_env, Path(scratch), timeout_s)
+    assert code == 0, stdout[-4000:] + stderr[-4000:]
+    lines = stdout.strip().splitlines()
     report: dict[str, Any] = json.loads(lines[-1])
-    return report, lines[:-1] + proc.stderr.splitlines()
+    return report, lines[:-1] + stderr.splitlines()
+
+
+PRELOAD: dict[Path, tuple[str, ...]] = {VLLM_PY: ("vllm", "vllm.entrypoints.llm", "vllm.v1.core.sched.scheduler")}
+"""What the fork server of an engine environment imports once (``fork_server``)."""
+SERVER_START_S = 300.0
+"""How long a fork server may take to import its engine (a cold disk, a loaded machine)."""
+FORK_SERVERS: dict[Path, ForkServer] = {}
+
+
+def fork_server(python: Path, preload: tuple[str, ...]) -> ForkServer:
+    """The running fork server of ``python``'s environment, started now where none runs."""
+    server = FORK_SERVERS.get(python)
+    if server is None or not server.alive():
+        server = FORK_SERVERS[python] = ForkServer(python, preload)
+    return server
+
+
+class ForkServer:
+    """``fork_server.py`` in an engine environment: each script run in a fork of a process that
+    imported the engine once. One run at a time; it ends when this process does (its standard
+    input closes), or at ``close``."""
+
+    def __init__(self, python: Path, preload: tuple[str, ...]) -> None:
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([str(python), str(Path(__file__).with_name("fork_server.py")), *preload],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     env=checkout_env(), bufsize=0)
+        self._pending = b""
+        self._lock = threading.Lock()
+        atexit.register(self.close)
+        try:
+            self._line(time.monotonic() + SERVER_START_S)
+        except Exception:
+            self.close()
+            raise
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, script: Path, args: tuple[str, ...], env: dict[str, str], scratch: Path,
+            timeout_s: float) -> tuple[int, str, str]:
+        """Run ``script`` with ``args`` and ``env`` in a fork; its exit status, stdout and stderr.
+        A run past ``timeout_s`` is killed and raises ``subprocess.TimeoutExpired``."""
+        out, err = scratch / "fork-stdout", scratch / "fork-stderr"
+        request = {"script": str(script), "args": list(args), "env": env, "stdout": str(out), "stderr": str(err)}
+        with self._lock:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            deadline = time.monotonic() + timeout_s
+            pid = self._line(deadline)["pid"]
+            try:
+                code = self._line(deadline)["status"]
+            except subprocess.TimeoutExpired:
+                os.kill(pid, signal.SIGKILL)
+                self._line(time.monotonic() + SERVER_START_S)
+                raise subprocess.TimeoutExpired([str(script), *args], timeout_s, out.read_text(errors="replace"),
+                                                err.read_text(errors="replace")) from None
+        return code, out.read_text(errors="replace"), err.read_text(errors="replace")
+
+    def _line(self, deadline: float) -> dict[str, int]:
+        """The server's next answer, waited for until ``deadline``."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.proc.args, left)
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    self._log.seek(0)
+                    raise RuntimeError(f"the fork server {self.proc.args} ended: "
+                                       + self._log.read().decode(errors="replace")[-4000:])
+                self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        answer: dict[str, int] = json.loads(line)
+        return answer
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
