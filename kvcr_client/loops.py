@@ -68,6 +68,13 @@ class LoopReaders:
     def __len__(self) -> int:
         return len(self.loops)
 
+    def reading_here(self) -> bool:
+        """Whether the calling thread runs an event loop that reads the socket: its turns are
+        the loop's callbacks, which must stay short (a put's WRITE is left to the background
+        thread, ``kvcr_client.put_jobs``)."""
+        here = threading.get_ident()
+        return any(reader.thread == here for reader in self.loops.values())
+
     async def wait(self, future: Future[Any]) -> Any:
         """Await ``future`` with this event loop reading the socket meanwhile."""
         loop = asyncio.get_running_loop()

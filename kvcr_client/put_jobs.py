@@ -43,6 +43,9 @@ _TIMEOUT = KeyResult(KeyStatus.FAILED, ErrorCode.TIMEOUT, "the node did not answ
 class PutPhase(enum.Enum):
     ASKING = "asking"
     """The ``put`` went; its reply is awaited until the deadline."""
+    POSTING = "posting"
+    """The WRITEs are planned and left to the next turn that may post them: the reply was
+    taken on an event loop's thread (``PutSteps.defer``), whose callbacks stay short."""
     WRITING = "writing"
     """The WRITEs are posted; each turn polls them."""
     OVER = "over"
@@ -73,6 +76,10 @@ class PutSteps:
     regions are free. Called once."""
     wait: Callable[[Future[None], PutJob], None]
     """The job waits for this future (the node's agent loading): step it again once done."""
+    defer: Callable[[], bool]
+    """Whether this turn leaves the WRITEs' post to another (it runs on an event loop's
+    thread, where the copy inside the post would stall the loop): the job is ``live`` and
+    ``posting`` meanwhile, so the background thread paces and takes a turn at once."""
     gate: Gate | None = None
     """Called with ``"written"`` once the WRITEs are terminal, before ``commit``
     (``kvcr_client.posted.Gate``)."""
@@ -115,13 +122,15 @@ class PutJob:
         self.waited = False
         """It waited for a load once: a put does not wait for another."""
 
-    posting = False
-    """Nothing to post in the next turn (``Reads``' question to its jobs)."""
+    @property
+    def posting(self) -> bool:
+        """Whether WRITEs wait for the next turn to be posted (``Reads``' question to its jobs)."""
+        return self.phase is PutPhase.POSTING
 
     @property
     def live(self) -> bool:
-        """Whether WRITEs run (whoever reads paces the agent)."""
-        return self.phase is PutPhase.WRITING
+        """Whether WRITEs run or wait to be posted (whoever reads paces the agent)."""
+        return self.phase is PutPhase.WRITING or self.phase is PutPhase.POSTING
 
     @property
     def remotes(self) -> set[str]:
@@ -148,6 +157,8 @@ class PutJob:
                 self.reply = None
                 self.steps.late(reply)
                 self._over([_TIMEOUT] * len(self.keys), None)
+        if self.phase is PutPhase.POSTING and not self.steps.defer():
+            self._post()
         if self.phase is PutPhase.WRITING:
             self._poll(now)
         return self.phase is PutPhase.OVER
@@ -197,6 +208,13 @@ class PutJob:
         self.writes = PostedTransfers(self.agent, "WRITE", [
             (0, local_kind, local, remote_kind, remote, every, peer)
             for (local_kind, remote_kind), (local, remote) in runs.items()], 1)
+        if self.steps.defer():
+            self.phase = PutPhase.POSTING
+            return
+        self._post()
+
+    def _post(self) -> None:
+        assert self.writes is not None
         self.refused_post = bool(self.writes.post_group())
         self.phase = PutPhase.WRITING
 
@@ -269,7 +287,7 @@ class PutJob:
         let go of; an unresolved put fails ``ClientClosed``."""
         if self.phase is PutPhase.OVER:
             return
-        self._end(self.writes is None or self.writes.drain())
+        self._end(self.writes is None or self.phase is PutPhase.POSTING or self.writes.drain())
         if not self.written.done():
             self.written.set_result(None)
         if not self.result.done():

@@ -177,7 +177,7 @@ class Puts:
             loading.add_done_callback(lambda _: core.reads.nudge(job))
 
         steps = PutSteps(functools.partial(self._runs, scope, frozen, columns), send, deposit, refused, self._late,
-                         settle, wait, self.gate)
+                         settle, wait, core.loops.reading_here, self.gate)
         result: Future[Results[KeyOutcome]] = Future()
         written: Future[None] = Future()
         job = PutJob(steps, asked, core.agent, keys, give_up, result, written)

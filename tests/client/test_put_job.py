@@ -72,6 +72,8 @@ class Client:
     loaded: bool = True
     """Whether the agent is there once ``loading`` is done (False: NIXL refused it)."""
     waited: list[Future[None]] = field(default_factory=list)
+    deferring: bool = False
+    """Whether the turns step the job on an event loop's thread (``PutSteps.defer``)."""
 
     def steps(self) -> PutSteps:
         def send(what: str, put_id: int) -> Future[Any]:
@@ -98,7 +100,8 @@ class Client:
             self.waited.append(loading)
 
         return PutSteps(runs, send, deposit, lambda: self.log.append("refused"),
-                        lambda reply: self.log.append("late"), self.settled.append, wait, self.gate)
+                        lambda reply: self.log.append("late"), self.settled.append, wait, lambda: self.deferring,
+                        self.gate)
 
 
 def make(client: Client, agent: Agent, give_up: float = 10.0) -> tuple[PutJob, Future[PutReply]]:
@@ -124,6 +127,34 @@ def test_written_once_the_write_ends_then_stored_with_the_commits_reply() -> Non
     assert not job.result.done()
     client.sent["commit"].set_result((STORED, STORED))
     assert {k: o.status for k, o in job.result.result(0).items()} == {b"a": KeyStatus.STORED, b"b": KeyStatus.STORED}
+
+
+def test_a_reply_taken_on_an_event_loops_thread_leaves_the_write_to_the_next_turn_that_may_post() -> None:
+    """The copy runs inside the post: on an event loop's thread it would stall the loop. The
+    job is live and posting meanwhile (the background thread paces and takes a turn at once);
+    a turn that may post posts it."""
+    client, agent = Client(deferring=True), Agent()
+    job, reply = make(client, agent)
+    reply.set_result(reserved())
+    assert not job.step(0.1) and job.phase is PutPhase.POSTING and job.live and job.posting
+    assert agent.states == [] and not job.written.done()
+    assert not job.step(0.2) and agent.states == [], "another turn on the loop's thread posts nothing either"
+    client.deferring = False
+    assert not job.step(0.3) and job.phase is PutPhase.WRITING and not job.posting
+    assert agent.states == [XferStatus.RUNNING]
+    agent.states[0] = XferStatus.DONE
+    assert job.step(0.4) and job.written.done() and client.log == ["commit 42"]
+
+
+def test_close_before_a_deferred_write_was_posted_fails_the_put_and_posts_nothing() -> None:
+    client, agent = Client(deferring=True), Agent()
+    job, reply = make(client, agent)
+    reply.set_result(reserved())
+    assert not job.step(0.1) and job.phase is PutPhase.POSTING
+    job.close()
+    assert agent.states == [] and client.settled == [True] and job.written.done()
+    with pytest.raises(ClientClosed):
+        job.result.result(0)
 
 
 def test_a_write_running_at_the_deadline_is_let_go_of_and_nothing_is_sent() -> None:
