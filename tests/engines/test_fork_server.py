@@ -4,14 +4,18 @@ A script run in a fork of the process that imported vLLM must see what a process
 would: its arguments, the environment it was given (not the server's), its own folder first
 on ``sys.path`` and ``PYTHONPATH`` after it, ``__name__ == "__main__"``, its exit handlers
 run, its exit status and both its outputs returned. A run past its time is killed and the
-server goes on serving the next one.
+server goes on serving the next one; a run interrupted in the caller (a test's own timeout)
+ends its script and the server, and the next run gets a new one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +61,44 @@ def test_a_run_past_its_time_is_killed_and_the_server_serves_on(tmp_path: Path) 
     code, out, _ = server.run(script, ("0",), checkout_env(), tmp_path, 120.0)
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["argv"] == ["0"]
     assert fork_server(VLLM_PY, PRELOAD[VLLM_PY]) is server
+
+
+class Interrupted(Exception):
+    """What a test's own timeout raises in the middle of a run."""
+
+
+def test_a_run_interrupted_mid_way_ends_its_script_and_the_next_run_gets_a_new_server(tmp_path: Path) -> None:
+    stuck = tmp_path / "stuck.py"
+    pid_file = tmp_path / "pid"
+    stuck.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    server = fork_server(VLLM_PY, PRELOAD[VLLM_PY])
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    def once_started() -> None:
+        end = time.monotonic() + 120.0
+        while not pid_file.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        threading.Thread(target=once_started, daemon=True).start()
+        with pytest.raises(Interrupted):
+            server.run(stuck, (), checkout_env(), tmp_path, 300.0)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert not server.alive()
+    script_pid = int(pid_file.read_text())
+    end = time.monotonic() + 30.0
+    while Path(f"/proc/{script_pid}").exists() and Path(f"/proc/{script_pid}/stat").read_text().split()[2] != "Z" \
+            and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{script_pid}").exists() or Path(f"/proc/{script_pid}/stat").read_text().split()[2] == "Z"
+    fresh = fork_server(VLLM_PY, PRELOAD[VLLM_PY])
+    assert fresh is not server
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    code, out, _ = fresh.run(script, ("0",), checkout_env(), tmp_path, 120.0)
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["vllm_loaded"] is True

@@ -16,4 +16,6 @@ starts with a script of its own (``tests/faults/hostile_worker.py``) gets ``test
 - ``sockets``: the TCP sockets a process holds, and where they are bound.
 - ``netns``: two network namespaces joined by a veth pair, and UCX's settings in each.
 - ``forge``: a client that overwrites a stored object through nothing but a read grant.
+- ``engines``: the engine environments and the scripts tests run in them; vLLM's run in forks of
+  one process that imported vLLM once (``fork_server.py``, a script of its own).
 """

@@ -9,6 +9,7 @@ since ``.ci/run`` makes the environment first.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -147,18 +148,34 @@ class ForkServer:
         out, err = scratch / "fork-stdout", scratch / "fork-stderr"
         request = {"script": str(script), "args": list(args), "env": env, "stdout": str(out), "stderr": str(err)}
         with self._lock:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            deadline = time.monotonic() + timeout_s
-            pid = self._line(deadline)["pid"]
+            pid = 0
             try:
-                code = self._line(deadline)["status"]
-            except subprocess.TimeoutExpired:
-                os.kill(pid, signal.SIGKILL)
-                self._line(time.monotonic() + SERVER_START_S)
-                raise subprocess.TimeoutExpired([str(script), *args], timeout_s, out.read_text(errors="replace"),
-                                                err.read_text(errors="replace")) from None
-        return code, out.read_text(errors="replace"), err.read_text(errors="replace")
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+                # The fork answers at once, whatever the run's own time: the run's clock starts now.
+                pid = self._line(time.monotonic() + SERVER_START_S)["pid"]
+                code: int | None
+                try:
+                    code = self._line(time.monotonic() + timeout_s)["status"]
+                except subprocess.TimeoutExpired:
+                    code = None
+                    os.kill(pid, signal.SIGKILL)
+                    self._line(time.monotonic() + SERVER_START_S)  # its status: the server is free again
+            except BaseException:
+                # Interrupted mid-run (a test's own timeout, a server that stopped answering):
+                # the server's answers are out of step with ours, so it goes, and the next run
+                # starts another.
+                if pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                self.proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(10)  # gone before the next run asks whether it is alive
+                raise
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+        if code is None:
+            raise subprocess.TimeoutExpired([str(script), *args], timeout_s, stdout, stderr)
+        return code, stdout, stderr
 
     def _line(self, deadline: float) -> dict[str, int]:
         """The server's next answer, waited for until ``deadline``."""
