@@ -69,9 +69,13 @@ class LoopReaders:
         return len(self.loops)
 
     def reading_here(self) -> bool:
-        """Whether the calling thread runs an event loop that reads the socket: its turns are
-        the loop's callbacks, which must stay short (a put's WRITE is left to the background
-        thread, ``kvcr_client.put_jobs``)."""
+        """Whether the calling thread runs an event loop that reads the socket, and no caller
+        is blocked in a wait: the loop's turns are its callbacks, which must stay short (a
+        put's WRITE is left to the background thread, ``kvcr_client.put_jobs``). While a
+        caller waits the background thread parks and that caller's turns post, so a caller
+        blocked on the loop's own thread (a handle's ``result()`` there) posts itself."""
+        if self.waiters.count:
+            return False
         here = threading.get_ident()
         return any(reader.thread == here for reader in self.loops.values())
 

@@ -150,6 +150,28 @@ async def test_an_async_client_puts(node: Any) -> None:
         await c.unregister(rd)
 
 
+async def test_a_put_waited_for_on_the_loops_own_thread_is_written_there(node: Any) -> None:
+    """An event loop that reads the socket leaves a put's WRITE to the background thread; a
+    caller that blocks in ``result()`` on that loop's thread parks the background thread
+    meanwhile, so its own turns post the WRITE (not leave it to a thread that is parked)."""
+    async with AsyncClient(node.endpoint, name="itest-puts-loop-blocked") as c:
+        src = pattern(2 * SLOT, 12)
+        r = await c.register(src)
+        first = await c.put({b"loop-first": spans(r, 2)})  # the loop now reads the socket
+        assert first[b"loop-first"].status is KeyStatus.STORED
+        handle = c.put({b"loop-blocked": spans(r, 2)})
+        # Blocks the loop's own thread. A WRITE left to the parked background thread would be
+        # posted only by the put's deadline (30 s), past this bound.
+        res = handle.result(20)
+        assert res[b"loop-blocked"].status is KeyStatus.STORED and c.counters()["puts"] == 2
+        dst = np.zeros(2 * SLOT, np.uint8)
+        rd = await c.register(dst)
+        assert (await c.deliver({b"loop-blocked": [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(2)]}))[b"loop-blocked"].ok
+        assert np.array_equal(dst, src)
+        await c.unregister(r)
+        await c.unregister(rd)
+
+
 def raw_put(client: Client, region: Any, keys: list[bytes], ttl_ms: int = 0) -> PutReply:
     items = tuple(DepositItem(k, (SrcSpan("L0", "kv", region.region, 0, SLOT),)) for k in keys)
     reply = ask(client, lambda i: Put(i, items, ttl_ms=ttl_ms))
