@@ -136,18 +136,23 @@ def test_bad_input_is_refused_naming_the_field(client: Client, register: Registr
     assert [r.code for r in bad.results] == [ErrorCode.BAD_DESCRIPTOR, ErrorCode.SIZE_MISMATCH]
 
 
+async def delivered_back(c: AsyncClient, key: bytes, src: np.ndarray, region: Any) -> None:
+    """``key`` delivered into fresh memory holds ``src``; both regions go."""
+    dst = np.zeros(len(src), np.uint8)
+    rd = await c.register(dst)
+    assert (await c.deliver({key: [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(len(src) // SLOT)]}))[key].ok
+    assert np.array_equal(dst, src)
+    await c.unregister(region)
+    await c.unregister(rd)
+
+
 async def test_an_async_client_puts(node: Any) -> None:
     async with AsyncClient(node.endpoint, name="itest-puts-async") as c:
         src = pattern(2 * SLOT, 11)
         r = await c.register(src)
         res = await c.put({b"async-put": spans(r, 2)})
         assert res[b"async-put"].status is KeyStatus.STORED and c.counters()["puts"] == 1
-        dst = np.zeros(2 * SLOT, np.uint8)
-        rd = await c.register(dst)
-        assert (await c.deliver({b"async-put": [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(2)]}))[b"async-put"].ok
-        assert np.array_equal(dst, src)
-        await c.unregister(r)
-        await c.unregister(rd)
+        await delivered_back(c, b"async-put", src, r)
 
 
 async def test_a_put_waited_for_on_the_loops_own_thread_is_written_there(node: Any) -> None:
@@ -164,12 +169,7 @@ async def test_a_put_waited_for_on_the_loops_own_thread_is_written_there(node: A
         # posted only by the put's deadline (30 s), past this bound.
         res = handle.result(20)
         assert res[b"loop-blocked"].status is KeyStatus.STORED and c.counters()["puts"] == 2
-        dst = np.zeros(2 * SLOT, np.uint8)
-        rd = await c.register(dst)
-        assert (await c.deliver({b"loop-blocked": [Span(f"L{i}", rd, i * SLOT, SLOT) for i in range(2)]}))[b"loop-blocked"].ok
-        assert np.array_equal(dst, src)
-        await c.unregister(r)
-        await c.unregister(rd)
+        await delivered_back(c, b"loop-blocked", src, r)
 
 
 def raw_put(client: Client, region: Any, keys: list[bytes], ttl_ms: int = 0) -> PutReply:
