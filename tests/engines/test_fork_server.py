@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcr_testing.engines import PRELOAD, VLLM_PY, checkout_env, fork_server, require_engines
+from kvcr_testing.engines import VLLM_PY, checkout_env, fork_server, require_engines
 
 require_engines(VLLM_PY)
 
@@ -40,7 +40,7 @@ def test_a_forked_script_runs_as_its_own_process_would(tmp_path: Path) -> None:
     extra = tmp_path / "extra"
     env = checkout_env({"KVCR_FORK_MARKER": "seen", "TMPDIR": str(tmp_path),
                         "PYTHONPATH": str(extra)})
-    server = fork_server(VLLM_PY, PRELOAD[VLLM_PY])
+    server = fork_server(VLLM_PY)
     code, out, err = server.run(script, ("3", "a b"), env, tmp_path, 120.0)
     assert code == 3, err
     report = json.loads(out.strip().splitlines()[-1])
@@ -53,14 +53,14 @@ def test_a_forked_script_runs_as_its_own_process_would(tmp_path: Path) -> None:
 def test_a_run_past_its_time_is_killed_and_the_server_serves_on(tmp_path: Path) -> None:
     stuck = tmp_path / "stuck.py"
     stuck.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
-    server = fork_server(VLLM_PY, PRELOAD[VLLM_PY])
+    server = fork_server(VLLM_PY)
     with pytest.raises(subprocess.TimeoutExpired):
         server.run(stuck, (), checkout_env(), tmp_path, 1.0)
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
     code, out, _ = server.run(script, ("0",), checkout_env(), tmp_path, 120.0)
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["argv"] == ["0"]
-    assert fork_server(VLLM_PY, PRELOAD[VLLM_PY]) is server
+    assert fork_server(VLLM_PY) is server
 
 
 class Interrupted(Exception):
@@ -71,7 +71,7 @@ def test_a_run_interrupted_mid_way_ends_its_script_and_the_next_run_gets_a_new_s
     stuck = tmp_path / "stuck.py"
     pid_file = tmp_path / "pid"
     stuck.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
-    server = fork_server(VLLM_PY, PRELOAD[VLLM_PY])
+    server = fork_server(VLLM_PY)
 
     def interrupt(signum: int, frame: object) -> None:
         raise Interrupted
@@ -96,7 +96,7 @@ def test_a_run_interrupted_mid_way_ends_its_script_and_the_next_run_gets_a_new_s
             and time.monotonic() < end:
         time.sleep(0.05)
     assert not Path(f"/proc/{script_pid}").exists() or Path(f"/proc/{script_pid}/stat").read_text().split()[2] == "Z"
-    fresh = fork_server(VLLM_PY, PRELOAD[VLLM_PY])
+    fresh = fork_server(VLLM_PY)
     assert fresh is not server
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)

@@ -91,13 +91,12 @@ def run_script_output(script: Path, *args: str, timeout_s: float, python: Path =
     process of its own."""
     with tempfile.TemporaryDirectory(prefix="kvcr-run-") as scratch:
         run_env = checkout_env({**(env or {}), "TMPDIR": scratch})
-        preload = PRELOAD.get(python)
-        if preload is None:
+        if python not in PRELOAD:
             proc = subprocess.run([str(python), str(script), *args], capture_output=True, text=True,
                                   timeout=timeout_s, env=run_env)
             code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
         else:
-            code, stdout, stderr = fork_server(python, preload).run(script, args, run_env, Path(scratch), timeout_s)
+            code, stdout, stderr = fork_server(python).run(script, args, run_env, Path(scratch), timeout_s)
     assert code == 0, stdout[-4000:] + stderr[-4000:]
     lines = stdout.strip().splitlines()
     report: dict[str, Any] = json.loads(lines[-1])
@@ -111,11 +110,12 @@ SERVER_START_S = 300.0
 FORK_SERVERS: dict[Path, ForkServer] = {}
 
 
-def fork_server(python: Path, preload: tuple[str, ...]) -> ForkServer:
-    """The running fork server of ``python``'s environment, started now where none runs."""
+def fork_server(python: Path) -> ForkServer:
+    """The running fork server of ``python``'s environment (one named in ``PRELOAD``), started
+    now where none runs."""
     server = FORK_SERVERS.get(python)
     if server is None or not server.alive():
-        server = FORK_SERVERS[python] = ForkServer(python, preload)
+        server = FORK_SERVERS[python] = ForkServer(python, PRELOAD[python])
     return server
 
 
@@ -168,9 +168,7 @@ class ForkServer:
                 if pid:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                self.proc.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(10)  # gone before the next run asks whether it is alive
+                self.close()
                 raise
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
         if code is None:
