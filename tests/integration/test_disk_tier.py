@@ -20,7 +20,7 @@ from kvcr_client import Client, KeyStatus, LeaseStatus, Presence, Span
 from kvcr_node.config import ConfigError, NodeConfig
 from kvcr_node.poolspec import PoolSpec
 from kvcr_node.read_backs import READ_BACK_CHUNK_BYTES
-from kvcr_testing.health import assert_clean, stats
+from kvcr_testing.health import DISK_SETTLE_S, assert_clean, disk_tier, stats, wait_until
 from kvcr_testing.health import disk_settled as settled
 from kvcr_testing.layouts import RESULT_TIMEOUT_S, Layout, Registrar, plain_layout
 from kvcr_testing.nodes import NodeProcess
@@ -312,6 +312,10 @@ def test_a_large_object_is_read_back_in_pieces_and_a_change_in_its_last_one_is_n
         keys = [b"big/0", b"big/1", b"big/2"]
         for i, key in enumerate(keys):  # each deposit evicts the one before: copied, it stays on disk
             assert client.deposit({key: layout.source_spans(region, i * layout.nbytes)}).result(RESULT_TIMEOUT_S).all_ok
+            # The pool holds one object: the next deposit finds no room while this one's copy
+            # is written (claimed), so wait for the copy itself, not only for a tier at rest,
+            # which it also is in the turns before the copy starts.
+            assert wait_until(lambda n=i + 1: disk_tier(client)["demoted"] == n, DISK_SETTLE_S), disk_tier(client)
             settled(client)
         assert on_disk(client, keys) == keys[:2]
         # Change big/1's last span in the file, found there by its bytes.
