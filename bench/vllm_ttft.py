@@ -109,8 +109,11 @@ class Server:
         transfer = {"kv_connector": "KvcrConnector", "kv_connector_module_path": "kvcr_client.integrations.vllm",
                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
         connector = ["--kv-transfer-config", json.dumps(transfer)] if node is not None else []
+        # vLLM leaves its sockets and a ``vllm_dist_*`` file in the temporary folder: a scratch one
+        # of the server's own, removed with it.
+        self.scratch = tempfile.mkdtemp(prefix="kvcr-vllm-server-")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-               "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'protocol'}"}
+               "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'protocol'}", "TMPDIR": self.scratch}
         self.log = log.open("w")
         self.proc = subprocess.Popen(
             [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
@@ -200,6 +203,7 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(30)
         self.log.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 class Idle:
