@@ -54,10 +54,19 @@ def test_the_connector_rides_out_a_frozen_node_and_a_restarted_one() -> None:
     assert r["same_tokens"] and r["others_same"] and r["blocks_verified"], r
     assert by_phase["loaded"][0]["counts"].get("blocks_loaded") == 3, by_phase["loaded"]
 
-    # Frozen: the lookup answered "not yet", then a miss; nothing loaded, every call quick.
+    # Frozen: nothing loaded, every call quick. The lookup answered "not yet", then a miss once
+    # the heartbeat sent with its lease went unanswered past the bound; or, where the machine
+    # was slow enough that a heartbeat sent before it had gone unanswered that long already, a
+    # miss at once (the scheduler side counts it node_stalled, as the worker counts the step).
+    # Both are the frozen node's miss; which one depends only on the machine's speed.
     frozen, away = by_phase["frozen"][0], by_phase["away"][0]
-    assert frozen["counts"].get("lookups_timed_out") == 1 and not frozen["counts"].get("blocks_loaded"), frozen
-    assert any(answer is None for _, answer in frozen["lookups"]), frozen["lookups"]
+    assert not frozen["counts"].get("blocks_loaded"), frozen
+    if frozen["counts"].get("lookups_timed_out"):
+        assert frozen["counts"]["lookups_timed_out"] == 1 and frozen["counts"].get("node_stalled") == 1, frozen
+        assert any(answer is None for _, answer in frozen["lookups"]), frozen["lookups"]
+    else:
+        assert frozen["counts"].get("node_stalled") == 2, frozen
+        assert all(answer == 0 for _, answer in frozen["lookups"]), frozen["lookups"]
     assert away["counts"].get("node_away", 0) >= 1 and not away["counts"].get("blocks_loaded"), away
     calls = [s for g in (frozen, away) for s, _ in g["lookups"]]
     print(
@@ -74,7 +83,7 @@ def test_the_connector_rides_out_a_frozen_node_and_a_restarted_one() -> None:
     assert max(unseen["saves"]) < SAVE_BOUND_S, unseen["saves"]
     # Once the scheduler side's lookup found the node stalled (its heartbeat unanswered for
     # half of lookup_timeout_s), the step's metadata said so and the save was skipped, not waited on.
-    assert frozen["counts"].get("node_stalled") == 1 and not frozen["counts"].get("saves_timed_out"), frozen
+    assert not frozen["counts"].get("saves_timed_out"), frozen
     print(f"wait_for_save with the node known stalled: longest {max(frozen['saves']) * 1000:.1f} ms")
     assert max(frozen["saves"]) < CALL_BOUND_S, frozen["saves"]
     # Once the scheduler side found the node lost, the step's metadata said it was away: the
