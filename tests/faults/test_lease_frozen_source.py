@@ -28,8 +28,11 @@ CLIENTS = 4
 LEASES_PER_CLIENT = 50
 KEYS = 4096
 KEY_BYTES = 256
-ANSWER_SLACK_S = 3.0
-"""A lease answers within SOURCE_ANSWER_S plus this (the loop's turn, a busy 2-core machine)."""
+ANSWER_SLACK_S = 8.0
+"""A lease answers within SOURCE_ANSWER_S plus this, counted from the call: the 200 requests of
+1 MiB each are still being sent and taken in when the first are due, on a 2-core machine that
+runs another test process beside this one (5.5 s seen there). Unanswered requests, the fault
+this guards against, would wait for the link to drop, and it stays up: they fail ``result``."""
 RSS_BOUND_MIB = 160
 """A's RSS growth allowed while the flood's answers are out: ZeroMQ's queue to B (at most
 ASK_BYTES_PER_LINK, 16 MiB) and allocator arenas the decoded requests left. The leak this
